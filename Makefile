@@ -1,0 +1,28 @@
+# Everything a newcomer needs, from a fresh Debian machine with Python >= 3.10.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvwire-installed
+
+.PHONY: demo test lint bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV) || (apt-get update -q && apt-get install -y -q python3-venv && $(PYTHON) -m venv $(VENV))
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvwire demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/events.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

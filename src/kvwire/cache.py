@@ -1,0 +1,137 @@
+"""A model of one engine's prefix cache, rebuilt by applying its event batches.
+
+The publisher keeps one to serve snapshots; consumers and tests use it to reconstruct an
+engine's cache from a stream. Applying a batch is idempotent per key (the last store or
+remove of a block decides), which is what lets a snapshot labelled "as of seq N" that
+already contains some effects of N+1 be followed by N+1 again and still be exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
+
+__all__ = ["BlockCache", "CachedBlock", "medium_key"]
+
+
+def medium_key(medium: str | None) -> str:
+    """Tier used as a key: nil means unspecified, which the engines define as GPU."""
+    return "GPU" if medium is None else medium
+
+
+class CachedBlock(tuple):
+    """``(event, index)``: block ``index`` of a ``BlockStored`` event, kept without copying.
+
+    Storing a reference instead of slicing tokens keeps ``apply`` cheap on the engine's
+    thread; the per-block view is built only when asked for (snapshots, comparisons).
+    """
+
+    __slots__ = ()
+
+    @property
+    def event(self) -> BlockStored:
+        return self[0]
+
+    @property
+    def hash(self) -> BlockHash:
+        return self[0].block_hashes[self[1]]
+
+    @property
+    def parent(self) -> BlockHash | None:
+        ev, i = self
+        return ev.block_hashes[i - 1] if i else ev.parent_block_hash
+
+    @property
+    def token_ids(self) -> list[int]:
+        ev, i = self
+        bs = ev.block_size
+        return ev.token_ids[i * bs : (i + 1) * bs]
+
+    def as_event(self) -> BlockStored:
+        """This block alone, as a one-block ``BlockStored`` (the snapshot record)."""
+        ev, i = self
+        return BlockStored(
+            [ev.block_hashes[i]],
+            self.parent,
+            self.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            lora_name=ev.lora_name,
+            extra_keys=_nth(ev.extra_keys, i, len(ev.block_hashes)),
+            group_idx=ev.group_idx,
+            kv_cache_spec_kind=ev.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
+            locality=ev.locality,
+            ownership=ev.ownership,
+            session_id=ev.session_id,
+            lookahead_token_ids=_nth(ev.lookahead_token_ids, i, len(ev.block_hashes)),
+            cache_salt=ev.cache_salt,
+        )
+
+    def record(self) -> tuple[Any, ...]:
+        """A plain comparable value of everything known about the block."""
+        e = self.as_event()
+        return (
+            e.parent_block_hash, tuple(e.token_ids), e.block_size, e.lora_id, e.lora_name,
+            medium_key(e.medium),
+        )
+
+
+def _nth(per_block: list[Any] | None, i: int, n: int) -> list[Any] | None:
+    if per_block is None or len(per_block) != n:
+        return per_block if per_block is None else None
+    return [per_block[i]]
+
+
+class BlockCache:
+    """Live blocks keyed by ``(tier, hash)``; bounded by the engine's own cache size."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self) -> None:
+        self._blocks: dict[tuple[str, BlockHash], CachedBlock] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: tuple[str, BlockHash]) -> bool:
+        return key in self._blocks
+
+    def apply(self, batch: KVEventBatch) -> None:
+        """Apply one batch's events in order."""
+        self.apply_events(batch.events)
+
+    def apply_events(self, events: Iterable[Any]) -> None:
+        blocks = self._blocks
+        for ev in events:
+            t = type(ev)
+            if t is BlockStored:
+                m = "GPU" if ev.medium is None else ev.medium
+                for i, h in enumerate(ev.block_hashes):
+                    blocks[(m, h)] = CachedBlock((ev, i))
+            elif t is BlockRemoved:
+                m = "GPU" if ev.medium is None else ev.medium
+                for h in ev.block_hashes:
+                    blocks.pop((m, h), None)
+            elif t is AllBlocksCleared:
+                blocks.clear()
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def blocks(self) -> list[CachedBlock]:
+        """A point-in-time copy of the live blocks, oldest stored first.
+
+        One C-level copy under the GIL: consistent even while another thread applies.
+        """
+        return list(self._blocks.values())
+
+    def items(self) -> Iterator[tuple[tuple[str, BlockHash], CachedBlock]]:
+        return iter(self._blocks.items())
+
+    def as_dict(self) -> dict[tuple[str, BlockHash], tuple[Any, ...]]:
+        """Comparable view: ``{(tier, hash): (parent, tokens, block_size, lora_id, lora_name, tier)}``."""
+        return {k: b.record() for k, b in self._blocks.items()}

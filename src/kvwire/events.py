@@ -1,0 +1,419 @@
+"""KV-cache events and their wire codec.
+
+The public Structs carry the union of the fields that vLLM 0.33 and SGLang 0.5.23 put on
+the wire, so one decoded value can be re-encoded in any dialect. Each dialect has private
+Structs whose field order, defaults and array/map shape reproduce that engine's bytes
+exactly; msgspec does the byte work, so decoding stays at strict-msgspec speed on the
+common path and only falls back to per-event decoding when a batch mixes shapes or holds
+a malformed event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "AllBlocksCleared",
+    "BatchDecoder",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "DIALECTS",
+    "DecodeError",
+    "Dialect",
+    "EventBatch",
+    "EventError",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "decode_batch",
+    "encode_batch",
+]
+
+log = logging.getLogger("kvwire.events")
+
+#: An engine's opaque block id: unsigned or signed 64-bit int, or raw bytes (e.g. 32-byte digests).
+BlockHash = int | bytes
+
+Dialect = Literal["vllm", "sglang", "vllm-legacy", "vllm-legacy-v0"]
+DIALECTS: tuple[str, ...] = ("vllm", "sglang", "vllm-legacy", "vllm-legacy-v0")
+
+
+class DecodeError(ValueError):
+    """The payload is not a KV event batch at all (one bad event never raises this)."""
+
+
+# --------------------------------------------------------------------------- public types
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, frozen=True):
+    """Base of all cache events; the msgpack map key ``type`` holds the class name."""
+
+
+class BlockStored(KVCacheEvent, frozen=True):
+    """A chain of blocks was cached: ``block_hashes[i]`` is the child of ``block_hashes[i-1]``.
+
+    ``token_ids`` holds the tokens of all blocks concatenated (``block_size`` per block).
+    Fields past ``medium`` are carried by only some engines and default to None.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[Any] | None = None
+    cache_salt: str | None = None
+
+
+class BlockRemoved(KVCacheEvent, frozen=True):
+    """These blocks were evicted from tier ``medium`` (None: unspecified, i.e. GPU)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent, frozen=True):
+    """The engine reset its whole prefix cache."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, frozen=True):
+    """One engine step: ``[ts, events, data_parallel_rank]`` on the wire."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVEventBatch(EventBatch, frozen=True):
+    """A batch of KV-cache events. SGLang's ``attn_dp_rank`` is ``data_parallel_rank``."""
+
+    events: list[Event]
+
+
+class EventError(msgspec.Struct, frozen=True):
+    """One event of a batch that could not be decoded; the rest of the batch still was."""
+
+    index: int
+    message: str
+    raw: bytes
+
+
+# --------------------------------------------------------------------------- dialect shapes
+# Map dialects: omit_defaults drops exactly the fields the engine leaves out when nil;
+# fields the engine always writes have no default here.
+
+
+class _VllmStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[Any] | None = None
+
+
+class _VllmRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class _SglangStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _SglangRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+# Positional dialects. One decoding shape serves both: v0 simply lacks the trailing medium.
+
+
+class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class _LegacyRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+class _LegacyCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class _V0Stored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class _V0Removed(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[BlockHash]
+
+
+_LegacyEvent = _LegacyStored | _LegacyRemoved | _LegacyCleared
+
+# --------------------------------------------------------------------------- decoding
+
+_map_batch = msgspec.msgpack.Decoder(KVEventBatch)
+_legacy_batch = msgspec.msgpack.Decoder(tuple[float, list[_LegacyEvent], int | None])
+_raw_batch = msgspec.msgpack.Decoder(tuple[float, list[msgspec.Raw], int | None])
+_map_event = msgspec.msgpack.Decoder(Event)
+_legacy_event = msgspec.msgpack.Decoder(_LegacyEvent)
+_any = msgspec.msgpack.Decoder()
+
+
+def _from_legacy(ev: _LegacyStored | _LegacyRemoved | _LegacyCleared) -> Event:
+    if type(ev) is _LegacyStored:
+        return BlockStored(
+            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
+            ev.medium,
+        )
+    if type(ev) is _LegacyRemoved:
+        return BlockRemoved(ev.block_hashes, ev.medium)
+    return AllBlocksCleared()
+
+
+def _is_array(raw: bytes) -> bool:
+    b = raw[0] if raw else 0
+    return 0x90 <= b <= 0x9F or b in (0xDC, 0xDD)
+
+
+def _decode_event(raw: bytes) -> Event:
+    if _is_array(raw):
+        return _from_legacy(_legacy_event.decode(raw))
+    return _map_event.decode(raw)
+
+
+def _explain_not_batch(payload: bytes) -> str:
+    try:
+        obj = _any.decode(payload)
+    except msgspec.DecodeError as e:
+        return f"not valid msgpack ({e}); {len(payload)} bytes starting {payload[:16].hex()}"
+    if not isinstance(obj, (list, tuple)):
+        return f"expected a msgpack array [ts, events, rank], got {type(obj).__name__}"
+    if len(obj) < 2:
+        return f"expected a msgpack array [ts, events, rank], got an array of {len(obj)}"
+    if not isinstance(obj[0], (int, float)) or isinstance(obj[0], bool):
+        return f"batch ts must be a number, got {type(obj[0]).__name__}"
+    if not isinstance(obj[1], (list, tuple)):
+        return f"batch events must be an array, got {type(obj[1]).__name__}"
+    if len(obj) > 2 and obj[2] is not None and not isinstance(obj[2], int):
+        return f"batch rank must be an int or nil, got {type(obj[2]).__name__}"
+    return "malformed batch"
+
+
+class BatchDecoder:
+    """Decodes batches of any dialect and keeps counters; reuse one per stream.
+
+    A malformed event is isolated: the batch comes back without it, and an
+    :class:`EventError` is passed to ``on_error`` (and kept in :attr:`last_errors`).
+    """
+
+    __slots__ = ("on_error", "batches", "events", "bad_events", "bad_payloads", "last_errors")
+
+    def __init__(self, on_error: Callable[[EventError], None] | None = None) -> None:
+        self.on_error = on_error
+        self.batches = 0
+        self.events = 0
+        self.bad_events = 0
+        self.bad_payloads = 0
+        self.last_errors: list[EventError] = []
+
+    def decode(self, payload: bytes | memoryview) -> KVEventBatch:
+        """Decode one batch payload; raises :class:`DecodeError` only if it is not a batch."""
+        if self.last_errors:
+            self.last_errors = []
+        try:
+            batch = _map_batch.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            batch = self._decode_slow(bytes(payload))
+        self.batches += 1
+        self.events += len(batch.events)
+        return batch
+
+    def _decode_slow(self, payload: bytes) -> KVEventBatch:
+        try:
+            ts, evs, rank = _legacy_batch.decode(payload)
+            return KVEventBatch(ts, [_from_legacy(e) for e in evs], rank)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        try:
+            ts, raws, rank = _raw_batch.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.bad_payloads += 1
+            raise DecodeError(_explain_not_batch(payload)) from None
+        events: list[Event] = []
+        for i, raw in enumerate(raws):
+            raw_b = bytes(raw)
+            try:
+                events.append(_decode_event(raw_b))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._bad_event(EventError(i, f"event {i}: {e}", raw_b))
+        return KVEventBatch(ts, events, rank)
+
+    def _bad_event(self, err: EventError) -> None:
+        self.bad_events += 1
+        self.last_errors.append(err)
+        if self.on_error is not None:
+            self.on_error(err)
+        else:
+            log.warning("skipped malformed KV event: %s", err.message)
+
+
+def decode_batch(
+    payload: bytes | memoryview, on_error: Callable[[EventError], None] | None = None
+) -> KVEventBatch:
+    """Decode a batch payload of any dialect (also mixed within the batch).
+
+    Unknown map keys are ignored. A malformed event is left out and reported to
+    ``on_error`` (logged as a warning when no callback is given); :class:`DecodeError`
+    is raised only when the payload is not a batch at all.
+    """
+    return BatchDecoder(on_error).decode(payload)
+
+
+# --------------------------------------------------------------------------- encoding
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _vllm(ev: Event) -> Any:
+    t = type(ev)
+    if t is BlockStored:
+        return _VllmStored(
+            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
+            ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership, ev.session_id,
+            ev.lookahead_token_ids,
+        )
+    if t is BlockRemoved:
+        return _VllmRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
+    if t is AllBlocksCleared:
+        return _MapCleared()
+    raise TypeError(f"not a KV cache event: {ev!r}")
+
+
+def _sglang(ev: Event) -> Any:
+    t = type(ev)
+    if t is BlockStored:
+        return _SglangStored(
+            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
+            ev.medium, ev.cache_salt, ev.session_id, ev.lora_name,
+        )
+    if t is BlockRemoved:
+        return _SglangRemoved(ev.block_hashes, ev.medium)
+    if t is AllBlocksCleared:
+        return _MapCleared()
+    raise TypeError(f"not a KV cache event: {ev!r}")
+
+
+def _legacy(ev: Event) -> Any:
+    t = type(ev)
+    if t is BlockStored:
+        return _LegacyStored(
+            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
+            ev.medium,
+        )
+    if t is BlockRemoved:
+        return _LegacyRemoved(ev.block_hashes, ev.medium)
+    if t is AllBlocksCleared:
+        return _LegacyCleared()
+    raise TypeError(f"not a KV cache event: {ev!r}")
+
+
+def _legacy_v0(ev: Event) -> Any:
+    t = type(ev)
+    if t is BlockStored:
+        return _V0Stored(
+            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id
+        )
+    if t is BlockRemoved:
+        return _V0Removed(ev.block_hashes)
+    if t is AllBlocksCleared:
+        return _LegacyCleared()
+    raise TypeError(f"not a KV cache event: {ev!r}")
+
+
+_CONVERT: dict[str, Callable[[Event], Any]] = {
+    "vllm": _vllm,
+    "sglang": _sglang,
+    "vllm-legacy": _legacy,
+    "vllm-legacy-v0": _legacy_v0,
+}
+
+
+def check_dialect(dialect: str) -> str:
+    """Return ``dialect`` if kvwire can encode it, else raise ValueError naming the choices."""
+    if dialect not in _CONVERT:
+        raise ValueError(f"unknown dialect {dialect!r}; expected one of {', '.join(DIALECTS)}")
+    return dialect
+
+
+def encode_batch(batch: EventBatch, dialect: str = "vllm") -> bytes:
+    """Encode ``batch`` exactly as the engine behind ``dialect`` would.
+
+    Fields a dialect cannot carry are dropped: ``vllm`` drops ``cache_salt``; ``sglang``
+    keeps only its own fields (``medium``, ``cache_salt``, ``session_id``, ``lora_name``
+    beyond the core five); ``vllm-legacy`` keeps the core five plus ``medium``;
+    ``vllm-legacy-v0`` keeps only the core five.
+    """
+    try:
+        convert = _CONVERT[dialect]
+    except KeyError:
+        check_dialect(dialect)
+        raise
+    return _encoder.encode(
+        (batch.ts, [convert(e) for e in batch.events], batch.data_parallel_rank)
+    )
