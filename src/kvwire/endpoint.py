@@ -13,6 +13,7 @@ __all__ = [
     "check_endpoint",
     "is_bind",
     "offset_for_rank",
+    "subscriber_binds",
     "resolve_check",
 ]
 
@@ -66,6 +67,12 @@ def is_bind(endpoint: str) -> bool:
         or endpoint.startswith("ipc://")
         or endpoint.startswith("inproc://")
     )
+
+
+def subscriber_binds(endpoint: str) -> bool:
+    """A consumer binds only a wildcard tcp address (a central collector that publishers
+    connect to); a concrete host, ``ipc://`` or ``inproc://`` is the publisher's, so connect."""
+    return endpoint.startswith("tcp://") and "*" in endpoint or "://[::]" in endpoint
 
 
 def binds_all_interfaces(endpoint: str) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "KVEventBatch",
     "decode_batch",
     "encode_batch",
+    "to_jsonable",
 ]
 
 log = logging.getLogger("kvwire.events")
@@ -417,3 +418,24 @@ def encode_batch(batch: EventBatch, dialect: str = "vllm") -> bytes:
     return _encoder.encode(
         (batch.ts, [convert(e) for e in batch.events], batch.data_parallel_rank)
     )
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        return {"hex": obj.hex()}
+    if isinstance(obj, list):
+        return [_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def to_jsonable(batch: EventBatch) -> dict[str, Any]:
+    """A JSON-ready dict of a batch; bytes hashes become ``{"hex": ...}`` as in the vectors."""
+    return {
+        "ts": batch.ts,
+        "data_parallel_rank": batch.data_parallel_rank,
+        "events": [
+            _jsonable(msgspec.to_builtins(e, builtin_types=(bytes,))) for e in batch.events
+        ],
+    }
