@@ -92,7 +92,7 @@ class BlockCache:
     __slots__ = ("_blocks",)
 
     def __init__(self) -> None:
-        self._blocks: dict[tuple[str, BlockHash], CachedBlock] = {}
+        self._blocks: dict[tuple[str, BlockHash], tuple[BlockStored, int]] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -105,17 +105,19 @@ class BlockCache:
         self.apply_events(batch.events)
 
     def apply_events(self, events: Iterable[Any]) -> None:
+        # Hot path on the engine thread: plain tuples, no per-block objects.
         blocks = self._blocks
         for ev in events:
             t = type(ev)
             if t is BlockStored:
                 m = "GPU" if ev.medium is None else ev.medium
                 for i, h in enumerate(ev.block_hashes):
-                    blocks[(m, h)] = CachedBlock((ev, i))
+                    blocks[(m, h)] = (ev, i)
             elif t is BlockRemoved:
                 m = "GPU" if ev.medium is None else ev.medium
+                pop = blocks.pop
                 for h in ev.block_hashes:
-                    blocks.pop((m, h), None)
+                    pop((m, h), None)
             elif t is AllBlocksCleared:
                 blocks.clear()
 
@@ -127,11 +129,13 @@ class BlockCache:
 
         One C-level copy under the GIL: consistent even while another thread applies.
         """
-        return list(self._blocks.values())
+        values = list(self._blocks.values())
+        return [CachedBlock(v) for v in values]
 
     def items(self) -> Iterator[tuple[tuple[str, BlockHash], CachedBlock]]:
-        return iter(self._blocks.items())
+        for k, v in self._blocks.items():
+            yield k, CachedBlock(v)
 
     def as_dict(self) -> dict[tuple[str, BlockHash], tuple[Any, ...]]:
         """Comparable view: ``{(tier, hash): (parent, tokens, block_size, lora_id, lora_name, tier)}``."""
-        return {k: b.record() for k, b in self._blocks.items()}
+        return {k: CachedBlock(v).record() for k, v in self._blocks.items()}

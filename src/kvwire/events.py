@@ -50,6 +50,19 @@ class DecodeError(ValueError):
 # --------------------------------------------------------------------------- public types
 
 
+def _none() -> None:
+    """Default factory for fields vLLM always writes, even when nil.
+
+    msgspec's ``omit_defaults`` never omits a field whose default comes from a factory, so
+    ``medium`` and ``lora_name`` stay on the wire as vLLM 0.33 puts them, and a public
+    struct encodes to vLLM's exact bytes without any conversion.
+    """
+    return None
+
+
+_ALWAYS = msgspec.field(default_factory=_none)
+
+
 class KVCacheEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, frozen=True):
     """Base of all cache events; the msgpack map key ``type`` holds the class name."""
 
@@ -66,8 +79,8 @@ class BlockStored(KVCacheEvent, frozen=True):
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None = None
-    lora_name: str | None = None
+    medium: str | None = _ALWAYS
+    lora_name: str | None = _ALWAYS
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -83,7 +96,7 @@ class BlockRemoved(KVCacheEvent, frozen=True):
     """These blocks were evicted from tier ``medium`` (None: unspecified, i.e. GPU)."""
 
     block_hashes: list[BlockHash]
-    medium: str | None = None
+    medium: str | None = _ALWAYS
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
@@ -207,9 +220,29 @@ _LegacyEvent = _LegacyStored | _LegacyRemoved | _LegacyCleared
 
 # --------------------------------------------------------------------------- decoding
 
+
+# The slow paths accept the same batch shapes as the fast one: ``[ts, events]`` without a
+# rank, and trailing elements a newer engine may add, are fine whatever the events look like.
+
+
+class _LegacyBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_LegacyEvent]
+    rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    rank: int | None = None
+
+
 _map_batch = msgspec.msgpack.Decoder(KVEventBatch)
-_legacy_batch = msgspec.msgpack.Decoder(tuple[float, list[_LegacyEvent], int | None])
-_raw_batch = msgspec.msgpack.Decoder(tuple[float, list[msgspec.Raw], int | None])
+_legacy_batch = msgspec.msgpack.Decoder(_LegacyBatch)
+_raw_batch = msgspec.msgpack.Decoder(_RawBatch)
+# msgspec also raises UnicodeDecodeError (a str that is not UTF-8) and RecursionError
+# (absurd nesting): for kvwire those are just more malformed input.
+_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 _map_event = msgspec.msgpack.Decoder(Event)
 _legacy_event = msgspec.msgpack.Decoder(_LegacyEvent)
 _any = msgspec.msgpack.Decoder()
@@ -240,7 +273,7 @@ def _decode_event(raw: bytes) -> Event:
 def _explain_not_batch(payload: bytes) -> str:
     try:
         obj = _any.decode(payload)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         return f"not valid msgpack ({e}); {len(payload)} bytes starting {payload[:16].hex()}"
     if not isinstance(obj, (list, tuple)):
         return f"expected a msgpack array [ts, events, rank], got {type(obj).__name__}"
@@ -278,7 +311,7 @@ class BatchDecoder:
             self.last_errors = []
         try:
             batch = _map_batch.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _ERRORS:
             batch = self._decode_slow(bytes(payload))
         self.batches += 1
         self.events += len(batch.events)
@@ -286,23 +319,23 @@ class BatchDecoder:
 
     def _decode_slow(self, payload: bytes) -> KVEventBatch:
         try:
-            ts, evs, rank = _legacy_batch.decode(payload)
-            return KVEventBatch(ts, [_from_legacy(e) for e in evs], rank)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            lb = _legacy_batch.decode(payload)
+            return KVEventBatch(lb.ts, [_from_legacy(e) for e in lb.events], lb.rank)
+        except _ERRORS:
             pass
         try:
-            ts, raws, rank = _raw_batch.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            rb = _raw_batch.decode(payload)
+        except _ERRORS:
             self.bad_payloads += 1
             raise DecodeError(_explain_not_batch(payload)) from None
         events: list[Event] = []
-        for i, raw in enumerate(raws):
+        for i, raw in enumerate(rb.events):
             raw_b = bytes(raw)
             try:
                 events.append(_decode_event(raw_b))
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except _ERRORS as e:
                 self._bad_event(EventError(i, f"event {i}: {e}", raw_b))
-        return KVEventBatch(ts, events, rank)
+        return KVEventBatch(rb.ts, events, rb.rank)
 
     def _bad_event(self, err: EventError) -> None:
         self.bad_events += 1
@@ -410,6 +443,14 @@ def encode_batch(batch: EventBatch, dialect: str = "vllm") -> bytes:
     beyond the core five); ``vllm-legacy`` keeps the core five plus ``medium``;
     ``vllm-legacy-v0`` keeps only the core five.
     """
+    if dialect == "vllm":
+        # The public structs are laid out as vLLM's: encode them directly unless an
+        # SGLang-only field would leak into the bytes.
+        for e in batch.events:
+            if type(e) is BlockStored and e.cache_salt is not None:
+                break
+        else:
+            return _encoder.encode(batch)
     try:
         convert = _CONVERT[dialect]
     except KeyError:

@@ -140,9 +140,13 @@ class Listener:
 
     def poll(self, timeout: float | None = None) -> list[Delivery]:
         """Wait up to ``timeout`` seconds for one live message; return what it released."""
-        if not self._sub.poll(None if timeout is None else timeout * 1000):
-            return []
-        return list(self.on_message(self._sub.recv_multipart()))
+        try:
+            frames = self._sub.recv_multipart(zmq.NOBLOCK)  # no poll syscall when busy
+        except zmq.Again:
+            if not self._sub.poll(None if timeout is None else timeout * 1000):
+                return []
+            frames = self._sub.recv_multipart()
+        return list(self.on_message(frames))
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:

@@ -1,0 +1,385 @@
+"""One subscriber for many publishers (engines x DP ranks), reliable per stream.
+
+All protocol decisions live in :class:`kvwire.stream.StreamMachine` (one per stream);
+this module only moves bytes. A shared :class:`_Core` owns the sockets (a SUB for the live
+stream and a DEALER for replay/INFO/SNAPSHOT per stream, never REQ) and turns readable
+sockets and the passing of time into machine inputs. Two thin fronts drive the same core:
+
+* sync: ``for item in sub:``, ``sub.poll(timeout)``, ``sub.run(callback)`` (``zmq.Poller``);
+* asyncio: ``async for item in sub:``, ``await sub.apoll(timeout)`` (``zmq.asyncio.Poller``).
+
+Every wait is bounded (by the caller's timeout and by the machines' own deadlines), so a
+dead publisher is reported through :class:`~kvwire.stream.Liveness`, never by hanging.
+A Subscriber is not thread-safe: use it from one thread (or one event loop).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from .endpoint import check_endpoint, is_bind, offset_for_rank
+from .stream import (
+    Delivery,
+    Output,
+    RecycleRequests,
+    SendInfo,
+    SendReplay,
+    SendSnapshot,
+    StreamConfig,
+    StreamMachine,
+    StreamStats,
+)
+
+__all__ = ["StreamSpec", "Subscriber", "SubscriberStats"]
+
+#: Messages read from one socket per step, so one busy stream cannot starve the others.
+_READ_SLICE = 1000
+#: Longest single wait, so even a missed wake-up only costs this much latency.
+_MAX_WAIT = 0.25
+
+
+class StreamSpec(msgspec.Struct, frozen=True):
+    """Where one publisher (one engine's DP rank) is; snapshots/INFO go to the replay endpoint."""
+
+    name: str
+    endpoint: str
+    topic: str = ""
+    replay_endpoint: str | None = None
+
+    @classmethod
+    def for_ranks(
+        cls, name: str, endpoint: str, ranks: int, topic: str = "",
+        replay_endpoint: str | None = None,
+    ) -> list[StreamSpec]:
+        """Specs for DP ranks ``0..ranks-1`` of one engine (spec: port + rank), named ``name/dpR``."""
+        return [
+            cls(
+                f"{name}/dp{r}", offset_for_rank(endpoint, r), topic,
+                None if replay_endpoint is None else offset_for_rank(replay_endpoint, r),
+            )
+            for r in range(ranks)
+        ]
+
+
+class SubscriberStats(msgspec.Struct, frozen=True):
+    """I/O-level counters of one stream (protocol counters are in ``stream``)."""
+
+    stream: StreamStats
+    requests_sent: int
+    request_send_failures: int
+    request_sockets_recycled: int
+
+
+class _Stream:
+    __slots__ = ("spec", "machine", "sub", "dealer", "sent", "send_failures", "recycled")
+
+    def __init__(self, spec: StreamSpec, machine: StreamMachine) -> None:
+        self.spec = spec
+        self.machine = machine
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self.sent = 0
+        self.send_failures = 0
+        self.recycled = 0
+
+
+def _attach(sock: zmq.Socket, endpoint: str) -> None:
+    if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    if is_bind(endpoint):
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+
+
+class _Core:
+    """Sockets + machines; non-blocking steps shared by the sync and async fronts."""
+
+    def __init__(
+        self, specs: Sequence[StreamSpec], config: StreamConfig | None, ctx: zmq.Context,
+        rcvhwm: int,
+    ) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stream names must be unique, got {names}")
+        self.ctx = ctx
+        self.rcvhwm = rcvhwm
+        self.ready: deque[Delivery] = deque()
+        self.streams: list[_Stream] = []
+        self.by_socket: dict[zmq.Socket, tuple[_Stream, bool]] = {}
+        self.generation = 0  # bumped whenever the socket set changes
+        self.started = False
+        try:
+            for spec in specs:
+                check_endpoint(spec.endpoint, f"{spec.name}.endpoint")
+                if spec.replay_endpoint is not None:
+                    check_endpoint(spec.replay_endpoint, f"{spec.name}.replay_endpoint")
+                st = _Stream(spec, StreamMachine(
+                    spec.name, has_replay=spec.replay_endpoint is not None, config=config))
+                self.streams.append(st)
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, rcvhwm)
+                sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+                st.sub = sub
+                self.by_socket[sub] = (st, True)
+                _attach(sub, spec.endpoint)
+                if spec.replay_endpoint is not None:
+                    self._open_dealer(st)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_dealer(self, st: _Stream) -> None:
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVHWM, 0)  # a replay answer must never be dropped half-way
+        st.dealer = d
+        self.by_socket[d] = (st, False)
+        self.generation += 1
+        _attach(d, st.spec.replay_endpoint)  # type: ignore[arg-type]
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Live sockets first: a stream's live backlog is read before its replies."""
+        subs = [s.sub for s in self.streams if s.sub is not None]
+        return subs + [s.dealer for s in self.streams if s.dealer is not None]
+
+    def start(self, now: float) -> None:
+        if not self.started:
+            self.started = True
+            for st in self.streams:
+                self._apply(st, st.machine.start(now))
+
+    def handle(self, events: list[tuple[zmq.Socket, int]]) -> None:
+        """Read what the poller reported readable (live sockets before request sockets)."""
+        ready = {s for s, ev in events if ev & zmq.POLLIN}
+        for sock in self.sockets():
+            if sock in ready:
+                self._read(sock)
+
+    def _read(self, sock: zmq.Socket) -> None:
+        entry = self.by_socket.get(sock)
+        if entry is None or sock.closed:
+            return
+        st, is_live = entry
+        m = st.machine
+        for _ in range(_READ_SLICE):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            out = m.live_frames(frames, now) if is_live else m.reply_frames(frames, now)
+            if out:
+                self._apply(st, out)
+            if sock.closed:  # recycled while applying
+                return
+
+    def tick(self, now: float) -> None:
+        for st in self.streams:
+            out = st.machine.tick(now)
+            if out:
+                self._apply(st, out)
+
+    def next_deadline(self) -> float:
+        return min((st.machine.next_deadline for st in self.streams), default=math.inf)
+
+    def _apply(self, st: _Stream, outs: list[Output]) -> None:
+        for o in outs:
+            t = type(o)
+            if t is SendInfo or t is SendReplay or t is SendSnapshot:
+                if st.dealer is None:
+                    continue
+                try:
+                    st.dealer.send_multipart(o.frames(), zmq.NOBLOCK)  # type: ignore[union-attr]
+                    st.sent += 1
+                except zmq.Again:
+                    st.send_failures += 1  # the machine's timeout retries it
+            elif t is RecycleRequests:
+                if st.dealer is not None:
+                    del self.by_socket[st.dealer]
+                    st.dealer.close(linger=0)
+                    st.recycled += 1
+                    self._open_dealer(st)
+            else:
+                self.ready.append(o)  # type: ignore[arg-type]
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        return {
+            st.spec.name: SubscriberStats(
+                st.machine.stats(), st.sent, st.send_failures, st.recycled
+            )
+            for st in self.streams
+        }
+
+    def close(self) -> None:
+        for st in self.streams:
+            for sock in (st.sub, st.dealer):
+                if sock is not None and not sock.closed:
+                    sock.close(linger=0)
+            st.sub = st.dealer = None
+        self.by_socket.clear()
+        self.generation += 1
+
+
+class Subscriber:
+    """Reliable consumer of many publishers' KV event streams.
+
+    Yields :class:`~kvwire.stream.Batch`, :class:`~kvwire.stream.Reset`,
+    :class:`~kvwire.stream.Snapshot` and :class:`~kvwire.stream.Liveness` items, each
+    naming its stream. Per stream the order is always ``Reset, Snapshot(N), Batch(N+1),
+    Batch(N+2), ...`` (repeated after a publisher restart or unrecoverable loss), so an
+    application that clears on Reset, loads on Snapshot and applies Batches holds the
+    engine's cache. ``rcvhwm`` bounds each live socket's queue (overflow shows up as
+    gaps that are then replayed).
+    """
+
+    def __init__(
+        self,
+        streams: Sequence[StreamSpec],
+        *,
+        config: StreamConfig | None = None,
+        ctx: zmq.Context | None = None,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.Context()
+        try:
+            self._core = _Core(list(streams), config, self._ctx, rcvhwm)
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.term()
+            raise
+        self._poller: zmq.Poller | None = None
+        self._apoller: zmq.asyncio.Poller | None = None
+        self._gen = -1
+        self._agen = -1
+        self._closed = False
+
+    # ------------------------------------------------------------------ shared
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        """Per-stream counters (protocol and I/O), keyed by stream name."""
+        return self._core.stats()
+
+    def _pop(self) -> Delivery | None:
+        core = self._core
+        if self._closed:
+            raise RuntimeError("Subscriber is closed")
+        core.start(time.monotonic())
+        if not core.ready:
+            core.tick(time.monotonic())
+        return core.ready.popleft() if core.ready else None
+
+    def _wait_for(self, deadline: float) -> float:
+        now = time.monotonic()
+        return max(0.0, min(deadline, self._core.next_deadline(), now + _MAX_WAIT) - now)
+
+    # ------------------------------------------------------------------ sync front
+
+    def _sync_poller(self) -> zmq.Poller:
+        if self._poller is None or self._gen != self._core.generation:
+            p = zmq.Poller()
+            for s in self._core.sockets():
+                p.register(s, zmq.POLLIN)
+            self._poller, self._gen = p, self._core.generation
+        return self._poller
+
+    def poll(self, timeout: float | None = None) -> Delivery | None:
+        """Next item, waiting at most ``timeout`` seconds (None: until one arrives)."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        polled = False
+        while True:
+            item = self._pop()
+            if item is not None:
+                return item
+            if polled and time.monotonic() >= deadline:
+                return None
+            events = self._sync_poller().poll(self._wait_for(deadline) * 1000.0)
+            self._core.handle(events)
+            polled = True
+
+    def __iter__(self) -> Iterator[Delivery]:
+        while True:
+            item = self.poll(None)
+            if item is not None:
+                yield item
+
+    def run(
+        self, callback: Callable[[Delivery], None], *, timeout: float | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Call ``callback`` for every item until ``stop()`` is true or ``timeout`` passes."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while stop is None or not stop():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            item = self.poll(min(left, _MAX_WAIT))
+            if item is not None:
+                callback(item)
+
+    # ------------------------------------------------------------------ asyncio front
+
+    def _async_poller(self) -> zmq.asyncio.Poller:
+        if self._apoller is None or self._agen != self._core.generation:
+            p = zmq.asyncio.Poller()
+            for s in self._core.sockets():
+                p.register(s, zmq.POLLIN)
+            self._apoller, self._agen = p, self._core.generation
+        return self._apoller
+
+    async def apoll(self, timeout: float | None = None) -> Delivery | None:
+        """Like :meth:`poll`, without blocking the event loop."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        polled = False
+        while True:
+            item = self._pop()
+            if item is not None:
+                return item
+            if polled and time.monotonic() >= deadline:
+                return None
+            wait_ms = int(self._wait_for(deadline) * 1000.0)
+            events = await self._async_poller().poll(wait_ms)
+            self._core.handle(events)
+            polled = True
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Delivery]:
+        while True:
+            item = await self.apoll(None)
+            if item is not None:
+                yield item
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close every socket at once (linger 0). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._core.close()
+        self._poller = self._apoller = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Subscriber:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
