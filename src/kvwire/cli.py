@@ -110,6 +110,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if s.rebuilt_matches else 1
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from .curve import generate_keys
+
+    public, secret = generate_keys(args.directory, args.name)
+    print(f"public key: {public}  (give to peers)")
+    print(f"secret key: {secret}  (mode 0600, keep private)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -126,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="deliver from SEQ on (older ones from the replay buffer)")
     ls.add_argument("--replay-timeout", type=float, default=2.0, metavar="S")
     ls.set_defaults(func=_cmd_listen)
+
+    ks = sub.add_parser("keys", help="generate a CurveZMQ key pair (NAME.key, NAME.key_secret)")
+    ks.add_argument("directory")
+    ks.add_argument("name")
+    ks.set_defaults(func=_cmd_keys)
 
     dm = sub.add_parser("demo", help="run an embedded engine and a live listener")
     dm.add_argument("--steps", type=int, default=3000)

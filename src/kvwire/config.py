@@ -16,8 +16,8 @@ __all__ = ["KVEventsConfig"]
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """KV event settings, with the engines' field names and defaults (spec section 4).
 
-    ``dialect`` and ``heartbeat_interval`` are kvwire additions; engines ignore neither
-    because they never see them (kvwire reads the config, not the engine).
+    ``dialect``, ``heartbeat_interval`` and the ``curve_*`` key files are kvwire additions
+    (see docs/operations.md); reference engines would reject them, kvwire reads them.
     """
 
     enable_kv_cache_events: bool = False
@@ -30,6 +30,8 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     topic: str = ""
     dialect: str = "vllm"
     heartbeat_interval: float | None = 1.0
+    curve_secret_key_file: str | None = None
+    curve_authorized_keys_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.publisher is None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
+from .curve import CurveClient
 from .endpoint import check_endpoint, subscriber_binds
 from .events import BatchDecoder, DecodeError, EventError, KVEventBatch
 from .replay import ReplayClient, ReplayTimeout
@@ -54,6 +55,7 @@ class Listener:
         ctx: zmq.Context | None = None,
         replay_timeout: float = 2.0,
         from_seq: int | None = None,
+        curve: CurveClient | None = None,
         on_notice: Callable[[str], None] | None = None,
     ) -> None:
         check_endpoint(endpoint)
@@ -64,12 +66,16 @@ class Listener:
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
+        if curve is not None:
+            curve.apply(self._sub)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         (self._sub.bind if subscriber_binds(endpoint) else self._sub.connect)(endpoint)
         self._replay = (
-            ReplayClient(self._ctx, replay_endpoint, replay_timeout) if replay_endpoint else None
+            ReplayClient(self._ctx, replay_endpoint, replay_timeout, curve)
+            if replay_endpoint
+            else None
         )
         self._notice = on_notice or (lambda msg: None)
         self._decoder = BatchDecoder(on_error=self._bad_event)

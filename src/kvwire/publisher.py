@@ -32,6 +32,7 @@ import zmq.backend
 from . import wire
 from .cache import BlockCache, CachedBlock
 from .config import KVEventsConfig
+from .curve import CurveServer
 from .endpoint import (
     EndpointError,
     binds_all_interfaces,
@@ -152,7 +153,8 @@ class ZmqEventPublisher(EventPublisher):
 
     Extra keyword-only options: ``dialect`` (bytes of which engine to produce),
     ``heartbeat_interval`` (seconds of silence before an empty heartbeat batch; None
-    disables), ``snapshot`` (keep a cache model and serve SNAPSHOT requests).
+    disables), ``snapshot`` (keep a cache model and serve SNAPSHOT requests), ``curve``
+    (CurveZMQ keys for the live and replay sockets).
 
     Threads: the caller encodes, keeps the bytes for replay, updates the snapshot model
     and appends to a bounded deque; one background thread sends what is queued (waking
@@ -184,6 +186,7 @@ class ZmqEventPublisher(EventPublisher):
         dialect: str = "vllm",
         heartbeat_interval: float | None = 1.0,
         snapshot: bool = True,
+        curve: CurveServer | None = None,
     ) -> None:
         super().__init__(data_parallel_rank)
         check_dialect(dialect)
@@ -212,7 +215,11 @@ class ZmqEventPublisher(EventPublisher):
 
         self._ctx = zmq.Context(io_threads=1)
         self._sockets: list[zmq.Socket] = []
+        self._curve = curve
+        self._auth = None
         try:
+            if curve is not None:
+                self._auth = curve.start(self._ctx)
             self._pub = self._socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self.endpoint = self._attach(self._pub, endpoint, "endpoint")
@@ -228,7 +235,7 @@ class ZmqEventPublisher(EventPublisher):
             self._close_all(0)
             raise
         exposed = [ep for ep in (endpoint, replay_endpoint) if ep and binds_all_interfaces(ep)]
-        if exposed:
+        if exposed and curve is None:
             log.warning(
                 "KV events bound on all interfaces (%s): prompt token ids in BlockStored events "
                 "become readable by anyone who can reach these ports. Bind ipc:// or a private "
@@ -265,6 +272,8 @@ class ZmqEventPublisher(EventPublisher):
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(sock)
         self._sockets.append(sock)
         return sock
 
@@ -370,6 +379,8 @@ class ZmqEventPublisher(EventPublisher):
         for sock in self._sockets:
             if not sock.closed:
                 sock.close(linger=linger_ms if sock is getattr(self, "_pub", None) else 0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         for fd in ("_wake_r", "_wake_w"):
             if hasattr(self, fd):
@@ -625,4 +636,9 @@ class EventPublisherFactory:
         if isinstance(ctor, type) and issubclass(ctor, ZmqEventPublisher):
             kwargs["dialect"] = config.dialect
             kwargs["heartbeat_interval"] = config.heartbeat_interval
+            if config.curve_secret_key_file is not None:
+                kwargs["curve"] = CurveServer(
+                    secret_key_file=config.curve_secret_key_file,
+                    authorized_keys_dir=config.curve_authorized_keys_dir,
+                )
         return ctor(data_parallel_rank=data_parallel_rank, **kwargs)

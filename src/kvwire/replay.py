@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import zmq
 
 from . import wire
+from .curve import CurveClient
 
 __all__ = ["ReplayClient", "ReplayTimeout", "parse_replay_reply"]
 
@@ -37,9 +38,16 @@ def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
 class ReplayClient:
     """Asks a publisher's replay endpoint for buffered batches from a start seq."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        timeout: float = 2.0,
+        curve: CurveClient | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self._curve = curve
         self._ctx = ctx
         self._sock = self._connect()
         self.bad_replies = 0
@@ -47,6 +55,8 @@ class ReplayClient:
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(sock)
         sock.connect(self.endpoint)
         return sock
 

@@ -29,7 +29,7 @@ REPLY_SNAP = b"SNAP"
 REPLY_ERR = b"ERR"
 END_SEQ = b"\xff" * 8  # -1 as a signed 64-bit big-endian int: the replay end marker
 
-DEFAULT_SNAPSHOT_CHUNK = 4096
+DEFAULT_SNAPSHOT_CHUNK = 1024
 MAX_SNAPSHOT_CHUNK = 65536
 
 _enc = msgspec.msgpack.Encoder()
