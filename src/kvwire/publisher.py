@@ -154,7 +154,8 @@ class ZmqEventPublisher(EventPublisher):
     Extra keyword-only options: ``dialect`` (bytes of which engine to produce),
     ``heartbeat_interval`` (seconds of silence before an empty heartbeat batch; None
     disables), ``snapshot`` (keep a cache model and serve SNAPSHOT requests), ``curve``
-    (CurveZMQ keys for the live and replay sockets).
+    (CurveZMQ keys for the live and replay sockets), ``context`` (a zmq.Context to share,
+    required for ``inproc://`` endpoints).
 
     Threads: the caller encodes, keeps the bytes for replay, updates the snapshot model
     and appends to a bounded deque; one background thread sends what is queued (waking
@@ -187,6 +188,7 @@ class ZmqEventPublisher(EventPublisher):
         heartbeat_interval: float | None = 1.0,
         snapshot: bool = True,
         curve: CurveServer | None = None,
+        context: zmq.Context | None = None,
     ) -> None:
         super().__init__(data_parallel_rank)
         check_dialect(dialect)
@@ -213,7 +215,10 @@ class ZmqEventPublisher(EventPublisher):
         if replay_endpoint is not None:
             resolve_check(replay_endpoint, "replay_endpoint")
 
-        self._ctx = zmq.Context(io_threads=1)
+        # A caller's context is needed for inproc:// (both ends must share it); kvwire then
+        # leaves terminating it to the caller.
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context(io_threads=1)
         self._sockets: list[zmq.Socket] = []
         self._curve = curve
         self._auth = None
@@ -280,6 +285,11 @@ class ZmqEventPublisher(EventPublisher):
     def _attach(self, sock: zmq.Socket, endpoint: str, field: str) -> str:
         if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
             sock.setsockopt(zmq.IPV6, 1)
+        if not is_bind(endpoint) and endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            raise EndpointError(
+                f"{field} {endpoint!r}: port 0 can only be bound (tcp://*:0); a host without * "
+                "means connect"
+            )
         try:
             if is_bind(endpoint):
                 sock.bind(endpoint)
@@ -381,7 +391,8 @@ class ZmqEventPublisher(EventPublisher):
                 sock.close(linger=linger_ms if sock is getattr(self, "_pub", None) else 0)
         if self._auth is not None:
             self._auth.stop()
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
         for fd in ("_wake_r", "_wake_w"):
             if hasattr(self, fd):
                 try:

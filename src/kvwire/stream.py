@@ -283,7 +283,15 @@ Mode = Literal["unknown", "kvwire", "reference", "live-only"]
 
 
 class StreamStats(msgspec.Struct, frozen=True):
-    """Counters of one stream; plain values, safe to serialize."""
+    """Counters of one stream; plain values, safe to serialize.
+
+    ``gaps``: holes in seq that had to be filled; ``lost``: seqs no replay could bring
+    back; ``duplicates``: seqs seen twice (live behind replay); ``resyncs``: snapshot
+    re-bootstraps after loss; ``resets``: Reset items (the first bootstrap included);
+    ``restarts``: publisher restarts detected; ``buffer_overflows``: resync attempts given
+    up because more than ``max_buffer`` live batches piled up; ``stray_replies``: replies
+    to no request in flight; ``exact``: the state is known completely (not an inexact start).
+    """
 
     stream: str
     phase: str
@@ -347,6 +355,7 @@ class StreamMachine:
         self._mode: Mode = "unknown" if has_replay else "live-only"
         self._epoch: int | None = None
         self._label: int | None = None
+        self._want_resync = False
         self._hb: float | None = None
         self._snap_ok = False
         self._delivered: int | None = None  # last seq the application has (None: no baseline)
@@ -476,6 +485,8 @@ class StreamMachine:
                 self._c["duplicates"] += 1
             elif seq == nxt:
                 self._deliver(seq, payload)
+                if self._want_resync:
+                    self._enter_live(now)
             else:
                 self._c["gaps"] += 1
                 self._hold(seq, payload, now)
@@ -863,8 +874,11 @@ class StreamMachine:
         try:
             batch = self._decoder.decode(payload)
         except DecodeError as e:
+            # Its effect on the cache is unknown: say so, like any other loss.
             self._c["bad_payloads"] += 1
             self._last_error = f"seq {seq}: {e}"
+            self._emit_snapshot(seq, [], False, f"seq {seq} is not a decodable batch ({e})")
+            self._want_resync = True
             return
         self._c["batches"] += 1
         self._c["events"] += len(batch.events)
@@ -899,6 +913,11 @@ class StreamMachine:
                 self._probe(self._purpose, now)
 
     def _enter_live(self, now: float) -> None:
+        if self._want_resync and self._mode == "kvwire" and self._snap_ok:
+            self._want_resync = False
+            self._reset_reason = "resynced after an undecodable batch"
+            self._resync(now)
+            return
         self._phase = "live"
 
     # ------------------------------------------------------------------ helpers

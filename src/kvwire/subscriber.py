@@ -24,7 +24,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .endpoint import check_endpoint, is_bind, offset_for_rank
+from .curve import CurveClient
+from .endpoint import check_endpoint, offset_for_rank, subscriber_binds
 from .stream import (
     Delivery,
     Output,
@@ -52,17 +53,20 @@ class StreamSpec(msgspec.Struct, frozen=True):
     endpoint: str
     topic: str = ""
     replay_endpoint: str | None = None
+    #: CurveZMQ keys for this publisher's live and replay sockets (see docs/operations.md).
+    curve: CurveClient | None = None
 
     @classmethod
     def for_ranks(
         cls, name: str, endpoint: str, ranks: int, topic: str = "",
-        replay_endpoint: str | None = None,
+        replay_endpoint: str | None = None, curve: CurveClient | None = None,
     ) -> list[StreamSpec]:
         """Specs for DP ranks ``0..ranks-1`` of one engine (spec: port + rank), named ``name/dpR``."""
         return [
             cls(
                 f"{name}/dp{r}", offset_for_rank(endpoint, r), topic,
                 None if replay_endpoint is None else offset_for_rank(replay_endpoint, r),
+                curve,
             )
             for r in range(ranks)
         ]
@@ -90,10 +94,14 @@ class _Stream:
         self.recycled = 0
 
 
-def _attach(sock: zmq.Socket, endpoint: str) -> None:
+def _attach(sock: zmq.Socket, endpoint: str, curve: CurveClient | None) -> None:
     if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
         sock.setsockopt(zmq.IPV6, 1)
-    if is_bind(endpoint):
+    if curve is not None:
+        curve.apply(sock)
+    # A consumer binds only a wildcard tcp address (collector mode); ipc/inproc and
+    # concrete hosts belong to the publisher.
+    if subscriber_binds(endpoint):
         sock.bind(endpoint)
     else:
         sock.connect(endpoint)
@@ -130,7 +138,7 @@ class _Core:
                 sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
                 st.sub = sub
                 self.by_socket[sub] = (st, True)
-                _attach(sub, spec.endpoint)
+                _attach(sub, spec.endpoint, spec.curve)
                 if spec.replay_endpoint is not None:
                     self._open_dealer(st)
         except BaseException:
@@ -144,7 +152,7 @@ class _Core:
         st.dealer = d
         self.by_socket[d] = (st, False)
         self.generation += 1
-        _attach(d, st.spec.replay_endpoint)  # type: ignore[arg-type]
+        _attach(d, st.spec.replay_endpoint, st.spec.curve)  # type: ignore[arg-type]
 
     def sockets(self) -> list[zmq.Socket]:
         """Live sockets first: a stream's live backlog is read before its replies."""

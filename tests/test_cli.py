@@ -1,0 +1,218 @@
+"""`kvwire listen` and `kvwire demo` as real processes against real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvwire import wire
+from kvwire.events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from kvwire.publisher import ZmqEventPublisher
+
+KVWIRE = [sys.executable, "-m", "kvwire.cli"]
+
+
+def batch(i: int) -> KVEventBatch:
+    return KVEventBatch(
+        1_700_000_000.0 + i,
+        [BlockStored([i * 10 + 1, b"\x01" * 32], i * 10, list(range(32)), 16, None, "GPU"),
+         BlockRemoved([i], "GPU")],
+        0,
+    )
+
+
+class ReferencePublisher:
+    """A reference-style publisher built from raw pyzmq: PUB + ROUTER replay.
+
+    ``legacy=True`` answers replays without the topic frame, as vLLM < 0.26 did. ``skip``
+    holds seqs that are never sent live (forcing gaps) but are in the replay buffer.
+    """
+
+    def __init__(self, topic: bytes, legacy: bool = False) -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.topic = topic
+        self.legacy = legacy
+        self.buffer: dict[int, bytes] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def publish(self, seq: int, payload: bytes, live: bool = True) -> None:
+        with self.lock:
+            self.buffer[seq] = payload
+            if live:
+                self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.router.poll(50):
+                continue
+            frames = self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            ident, _, start_b = frames
+            start = int.from_bytes(start_b, "big")
+            with self.lock:
+                items = sorted((s, p) for s, p in self.buffer.items() if s >= start)
+            for s, p in items:
+                if self.legacy:
+                    self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
+                else:
+                    self.router.send_multipart([ident, b"", self.topic, s.to_bytes(8, "big"), p])
+            end = (-1).to_bytes(8, "big", signed=True)
+            if self.legacy:
+                self.router.send_multipart([ident, b"", end, b""])
+            else:
+                self.router.send_multipart([ident, b"", b"", end, b""])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(2)
+        self.ctx.destroy(linger=0)
+
+
+def start_listen(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [*KVWIRE, "listen", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )
+
+
+def wait_connected(pub_send, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Slow joiner: the listener uses --from-seq 0, so warm-up batches are replayed anyway."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return
+        time.sleep(0.05)
+        if pub_send():
+            return
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["topic-frame", "legacy-replay"])
+def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
+    ref = ReferencePublisher(b"kv", legacy=legacy)
+    n = 30
+    proc = start_listen(ref.endpoint, "--replay", ref.replay_endpoint, "--topic", "kv",
+                        "--json", "--count", str(n), "--from-seq", "0")
+    try:
+        time.sleep(0.5)  # give the process time to import and connect; gaps are filled anyway
+        for i in range(n):
+            # seqs 10..14 never go live: the listener must ask the replay endpoint
+            ref.publish(i, encode_batch(batch(i)), live=not (10 <= i < 15))
+            time.sleep(0.005)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        ref.close()
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert len(lines) == n
+    objs = [json.loads(line) for line in lines]
+    assert [o["seq"] for o in objs] == list(range(n))
+    assert all(o.get("replayed") for o in objs[10:15])
+    assert objs[3]["events"][0]["block_hashes"] == [31, {"hex": "01" * 32}]
+    assert objs[3]["events"][1] == {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    assert "gap" in err
+
+
+def test_listen_reports_unfillable_gap_and_restart() -> None:
+    ref = ReferencePublisher(b"")
+    proc = start_listen(ref.endpoint, "--json", "--count", "4")
+    try:
+        deadline = time.monotonic() + 20
+        lines: list[str] = []
+        seq = 0
+        # keep publishing until the listener has connected and printed something
+        while time.monotonic() < deadline:
+            ref.publish(seq, encode_batch(batch(seq)))
+            seq += 1
+            time.sleep(0.05)
+            if seq > 5:
+                break
+        ref.publish(seq + 10, encode_batch(batch(1)))  # a gap with no replay endpoint
+        ref.publish(0, encode_batch(batch(2)))  # seq goes back: restart
+        for k in range(1, 5):
+            ref.publish(k, encode_batch(batch(k)))
+        out, err = proc.communicate(timeout=30)
+        lines = out.splitlines()
+    finally:
+        proc.kill()
+        ref.close()
+    assert proc.returncode == 0, err
+    assert len(lines) == 4
+    assert "lost seq" in err or "restarted" in err
+
+
+def test_listen_human_output_against_kvwire_publisher() -> None:
+    # Heartbeats make the listener notice the batches it missed while connecting.
+    pub = ZmqEventPublisher(endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="t",
+                            heartbeat_interval=0.2)
+    proc = start_listen(pub.endpoint, "--replay", pub.replay_endpoint, "--topic", "t",
+                        "--count", "3", "--from-seq", "0")
+    try:
+        for i in range(3):
+            pub.publish(batch(i))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        pub.shutdown(timeout=1)
+    assert proc.returncode == 0, err
+    assert out.count("seq ") == 3
+    assert "BlockStored   2 blocks" in out and "BlockRemoved  1 blocks" in out
+
+
+def test_listen_bad_endpoint_is_a_clear_error() -> None:
+    r = subprocess.run([*KVWIRE, "listen", "tcp//nope"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2
+    assert "tcp//nope" in r.stderr
+
+
+def test_demo_runs_and_rebuilds_the_cache_exactly() -> None:
+    r = subprocess.run([*KVWIRE, "demo", "--steps", "600", "--rate", "2000"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "exact match" in r.stdout
+
+
+def test_keys_command_writes_a_usable_pair(tmp_path) -> None:
+    r = subprocess.run([*KVWIRE, "keys", str(tmp_path), "srv"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "srv.key").exists()
+    assert oct((tmp_path / "srv.key_secret").stat().st_mode & 0o777) == "0o600"
+
+
+def test_json_line_round_trips_to_the_same_batch() -> None:
+    """What --json prints is enough to rebuild the batch (bytes as hex)."""
+    from kvwire.events import to_jsonable
+
+    b = batch(5)
+    obj = json.loads(json.dumps(to_jsonable(b)))
+    ev = obj["events"][0]
+    hashes = [bytes.fromhex(h["hex"]) if isinstance(h, dict) else h for h in ev["block_hashes"]]
+    assert hashes == b.events[0].block_hashes
+    assert decode_batch(encode_batch(b)) == b
+    assert wire.unpack_seq(wire.pack_seq(-1)) == -1

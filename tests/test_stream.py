@@ -1,0 +1,789 @@
+"""The pure stream state machine, driven by a simulated publisher over a lossy channel.
+
+No sockets: a model publisher (ground truth = a BlockCache) answers the machine's
+requests instantly into a reply queue, and a test-controlled live queue can drop,
+duplicate and delay messages, so every interleaving of replay and live is reachable.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwire import wire
+from kvwire.cache import BlockCache
+from kvwire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
+from kvwire.stream import (
+    Batch,
+    ErrorReply,
+    FrameError,
+    InfoReply,
+    Liveness,
+    RecycleRequests,
+    ReplayEnd,
+    ReplayMessage,
+    Reset,
+    SendInfo,
+    SendReplay,
+    SendSnapshot,
+    Snapshot,
+    SnapshotChunk,
+    SnapshotHeader,
+    StreamConfig,
+    StreamMachine,
+    parse_live,
+    parse_reply,
+)
+
+_enc = msgspec.msgpack.Encoder()
+
+# --------------------------------------------------------------------------- model publisher
+
+
+class SimPublisher:
+    """A publisher model: seq, epoch, replay ring, ground-truth cache, per-run history."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        kvwire: bool = True,
+        snapshot: bool = True,
+        buffer_steps: int = 1000,
+        legacy_replay: bool = False,
+        dialect: str = "vllm",
+    ) -> None:
+        self.rng = rng
+        self.kvwire = kvwire
+        self.snapshot = snapshot
+        self.buffer_steps = buffer_steps
+        self.legacy_replay = legacy_replay
+        self.dialect = dialect
+        self.next_hash = 1
+        self.restarts = 0
+        self._new_run()
+
+    def _new_run(self) -> None:
+        self.epoch = self.rng.getrandbits(64)
+        self.seq = -1
+        self.truth = BlockCache()
+        self.history: list[KVEventBatch] = []
+        self.ring: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        self.snap_errors = 0
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self._new_run()
+
+    def _hash(self) -> int | bytes:
+        self.next_hash += 1
+        h = self.next_hash
+        return h.to_bytes(32, "big") if h % 5 == 0 else h * 0x9E3779B97F4A7C15 % 2**64
+
+    def _events(self) -> list:
+        rng = self.rng
+        events: list = []
+        keys = [k for k, _ in self.truth.items()]
+        for _ in range(rng.randint(0, 3)):
+            r = rng.random()
+            if r < 0.55 or not keys:
+                medium = rng.choice([None, "GPU", "CPU"])
+                n = rng.randint(1, 3)
+                parent = rng.choice(keys)[1] if keys and rng.random() < 0.6 else None
+                hashes = [self._hash() for _ in range(n)]
+                events.append(BlockStored(hashes, parent, [rng.randint(0, 99) for _ in range(n * 2)],
+                                          2, None, medium))
+            elif r < 0.95:
+                tier, h = rng.choice(keys)
+                extra = [self._hash()] if rng.random() < 0.2 else []  # removing unknown is ok
+                events.append(BlockRemoved([h, *extra], None if tier == "GPU" else tier))
+            else:
+                events.append(AllBlocksCleared())
+        return events
+
+    def publish(self) -> tuple[int, bytes]:
+        batch = KVEventBatch(float(self.seq + 2), self._events(), 0)
+        self.seq += 1
+        self.truth.apply(batch)
+        self.history.append(batch)
+        payload = encode_batch(batch, self.dialect)
+        self.ring.append((self.seq, payload))
+        return self.seq, payload
+
+    def info(self) -> dict:
+        return {
+            "version": 1, "epoch": self.epoch, "seq": self.seq,
+            "oldest": self.ring[0][0] if self.ring else -1, "topic": "", "rank": 0,
+            "heartbeat_interval": 1.0, "snapshot": self.snapshot,
+            "buffer_steps": self.buffer_steps, "dialect": self.dialect,
+        }
+
+    def answer(self, frames: list[bytes]) -> list[list[bytes]]:
+        """Replies to one request, as the DEALER would receive them."""
+        body = frames[1:]
+        if len(body) == 1:
+            start = wire.unpack_seq(body[0])
+            out = []
+            for seq, payload in self.ring:
+                if seq >= start:
+                    if self.legacy_replay:
+                        out.append([b"", wire.pack_seq(seq), payload])
+                    else:
+                        out.append([b"", b"", wire.pack_seq(seq), payload])
+            out.append([b"", wire.END_SEQ, b""] if self.legacy_replay
+                       else [b"", b"", wire.END_SEQ, b""])
+            return out
+        if not self.kvwire:
+            return []  # reference publishers ignore what they do not understand
+        if body[1] == wire.OP_INFO:
+            return [wire.info_frames(self.info())]
+        if not self.snapshot:
+            return [wire.err_frames("snapshots are disabled")]
+        chunk = int.from_bytes(body[2], "big") if len(body) == 3 else 4096
+        blocks = [b.as_event() for b in self.truth.blocks()]
+        parts = [blocks[i:i + chunk] for i in range(0, len(blocks), chunk)] or [[]]
+        return [
+            wire.snap_frames(
+                {"epoch": self.epoch, "seq": self.seq, "chunk": i, "chunks": len(parts),
+                 "blocks": len(blocks)},
+                encode_batch(KVEventBatch(0.0, part, 0), "vllm"),
+            )
+            for i, part in enumerate(parts)
+        ]
+
+
+# --------------------------------------------------------------------------- application side
+
+
+@dataclass
+class App:
+    """Applies deliveries the documented way and checks their order on the fly."""
+
+    cache: BlockCache = field(default_factory=BlockCache)
+    next: int | None = None  # seq the next Batch must carry
+    after_reset: bool = False
+    exact: bool = False
+    base: int = -1
+    epoch: int | None = None
+    resets: list[str] = field(default_factory=list)
+    seqs: list[tuple[int | None, int]] = field(default_factory=list)
+    liveness: list[bool] = field(default_factory=list)
+
+    def feed(self, d: object) -> None:
+        if isinstance(d, Reset):
+            self.resets.append(d.reason)
+            self.after_reset = True
+            self.cache.clear()
+            self.next = None
+        elif isinstance(d, Snapshot):
+            assert self.after_reset, "a Snapshot must follow a Reset"
+            self.after_reset = False
+            self.cache.clear()
+            self.cache.apply_events(d.blocks)
+            self.next, self.exact, self.base, self.epoch = d.seq + 1, d.exact, d.seq, d.epoch
+        elif isinstance(d, Batch):
+            assert not self.after_reset and self.next is not None, "Batch before Snapshot"
+            assert d.seq == self.next, f"expected seq {self.next}, got {d.seq}"
+            assert d.epoch == self.epoch
+            self.seqs.append((d.epoch, d.seq))
+            self.next += 1
+            self.cache.apply(d.batch)
+        elif isinstance(d, Liveness):
+            self.liveness.append(d.alive)
+        else:  # pragma: no cover
+            raise AssertionError(f"unexpected delivery {d!r}")
+
+
+# --------------------------------------------------------------------------- harness
+
+CFG = StreamConfig(request_timeout=1.0, info_timeout=0.5, info_interval=5.0, retry_delay=0.2,
+                   snapshot_chunk_blocks=3)
+
+
+@dataclass
+class LiveMsg:
+    frames: list[bytes]
+    protected: bool = False  # never dropped (used to make a restart observable)
+
+
+class Sim:
+    """Wires machine, publisher, lossy live queue and reply queue together."""
+
+    def __init__(self, pub: SimPublisher, *, has_replay: bool = True,
+                 config: StreamConfig = CFG) -> None:
+        self.pub = pub
+        self.m = StreamMachine("e0", has_replay=has_replay, config=config)
+        self.config = config
+        self.app = App()
+        self.live_q: deque[LiveMsg] = deque()
+        self.reply_q: deque[list[bytes]] = deque()
+        self.now = 0.0
+        self.joined = False
+        self.actions: list[object] = []
+
+    def handle(self, outs: list) -> None:
+        for o in outs:
+            if isinstance(o, RecycleRequests):
+                self.actions.append(o)
+                self.reply_q.clear()
+            elif isinstance(o, (SendInfo, SendReplay, SendSnapshot)):
+                self.actions.append(o)
+                assert self.m.has_replay
+                self.reply_q.extend(self.pub.answer(o.frames()))
+            else:
+                self.app.feed(o)
+
+    def join(self) -> None:
+        if not self.joined:
+            self.joined = True
+            self.handle(self.m.start(self.now))
+
+    def publish(self, n: int = 1, protected: bool = False) -> None:
+        for _ in range(n):
+            seq, payload = self.pub.publish()
+            if self.joined:
+                self.live_q.append(LiveMsg([b"", seq.to_bytes(8, "big"), payload], protected))
+
+    def drop(self, n: int) -> None:
+        kept = deque()
+        while self.live_q and n:
+            msg = self.live_q.popleft()
+            if msg.protected:
+                kept.append(msg)
+            else:
+                n -= 1
+        kept.extend(self.live_q)
+        self.live_q = kept
+
+    def live(self, n: int = 1) -> None:
+        for _ in range(n):
+            if not self.live_q:
+                return
+            self.handle(self.m.live_frames(self.live_q.popleft().frames, self.now))
+
+    def reply(self, n: int = 1) -> None:
+        for _ in range(n):
+            if not self.reply_q:
+                return
+            self.handle(self.m.reply_frames(self.reply_q.popleft(), self.now))
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.handle(self.m.tick(self.now))
+
+    def drain(self, limit: int = 20_000) -> None:
+        steps = 0
+        while self.live_q or self.reply_q:
+            steps += 1
+            assert steps < limit, f"no convergence: phase {self.m.phase} {self.m.stats()}"
+            if self.reply_q:
+                self.reply(1)
+            else:
+                self.live(1)
+
+    def settle(self, rounds: int = 6) -> None:
+        """Stop the chaos: publish one batch (a heartbeat), deliver everything, let time
+        pass so every timeout and epoch check fires, and repeat."""
+        self.join()
+        self.publish(1, protected=True)
+        for _ in range(rounds):
+            self.drain()
+            self.tick(max(self.config.info_interval or 10, self.config.request_timeout) + 0.5)
+        self.drain()
+
+    def expected(self) -> dict:
+        """What the application must hold: the truth, or (after an inexact start) what
+        the batches since that start say."""
+        if self.app.exact:
+            return self.pub.truth.as_dict()
+        c = BlockCache()
+        for b in self.pub.history[self.app.base + 1:]:
+            c.apply(b)
+        return c.as_dict()
+
+    def check_converged(self) -> None:
+        st_ = self.m.stats()
+        assert self.m.phase == "live", st_
+        assert st_.buffered == 0
+        assert self.m.last_seq == self.pub.seq, (self.m.last_seq, self.pub.seq, st_)
+        assert self.app.next == self.pub.seq + 1
+        if self.pub.kvwire and self.m.has_replay:
+            assert self.m.epoch == self.pub.epoch
+        assert self.app.cache.as_dict() == self.expected()
+        # within one run, seqs never repeat and only grow
+        last: dict[int | None, int] = {}
+        seen = set()
+        for ep, seq in self.app.seqs:
+            if ep in last and seq <= last[ep]:
+                # allowed only across a Reset that restarted numbering within the same
+                # epoch label (reference publishers have no epochs)
+                assert ep is None or not self.pub.kvwire
+            last[ep] = seq
+            if ep is not None:
+                assert (ep, seq) not in seen
+                seen.add((ep, seq))
+
+
+# --------------------------------------------------------------------------- property tests
+
+_ARGS = {
+    "pub": st.integers(1, 6),
+    "live": st.integers(1, 8),
+    "reply": st.integers(1, 8),
+    "drop": st.integers(1, 4),
+    "dup": st.just(0),
+    "tick": st.sampled_from([0.1, 0.6, 1.5, 6.0]),
+    "restart": st.just(0),
+    "join": st.just(0),
+    "garbage": st.just(0),
+}
+# Common steps four times as likely as the disruptive ones, so runs get far enough
+# between disruptions to reach every phase.
+_KINDS = ["pub", "live", "reply", "drop"] * 4 + ["dup", "tick", "restart", "join", "garbage"]
+op = st.sampled_from(_KINDS).flatmap(lambda k: st.tuples(st.just(k), _ARGS[k]))
+ops_st = st.lists(op, min_size=10, max_size=120)
+
+GARBAGE_LIVE = [[b"x"], [b"", b"\x00" * 7, b"p"], [b"", b"\xff" * 8, b"p"]]
+GARBAGE_REPLY = [[b"x"], [b"", b"1234567", b"p"], [b"", wire.MAGIC, b"INFO", b"\xc1"],
+                 [b"", wire.MAGIC, b"NOPE", b""], [b"", b"a", b"b", b"c", b"d"]]
+
+
+def run_ops(sim: Sim, ops: list[tuple[str, float]], *, allow_dup: bool,
+            quiet_restarts: bool) -> None:
+    for name, arg in ops:
+        if name == "pub":
+            sim.publish(int(arg))
+        elif name == "live":
+            sim.live(int(arg))
+        elif name == "reply":
+            sim.reply(int(arg))
+        elif name == "drop":
+            sim.drop(int(arg))
+        elif name == "dup" and allow_dup and sim.live_q:
+            sim.live_q.appendleft(LiveMsg(list(sim.live_q[0].frames)))
+        elif name == "tick":
+            sim.tick(arg)
+        elif name == "join":
+            sim.join()
+        elif name == "garbage":
+            sim.handle(sim.m.live_frames(GARBAGE_LIVE[len(sim.app.seqs) % 3], sim.now))
+            sim.handle(sim.m.reply_frames(GARBAGE_REPLY[len(sim.app.seqs) % 5], sim.now))
+        elif name == "restart":
+            if quiet_restarts:
+                # Reference publishers have no epochs: a restart is only observable when the
+                # new run's first batch reaches us while its seq is behind the old one.
+                if not sim.joined:
+                    sim.pub.restart()
+                    continue
+                sim.settle(rounds=1)
+                sim.pub.restart()
+                sim.publish(1, protected=True)
+                sim.live(len(sim.live_q))
+            else:
+                # The old run's undelivered live messages die with it. (Ones already in
+                # our socket are read before any reply: the subscriber reads live first.)
+                sim.live_q.clear()
+                sim.pub.restart()
+
+
+SETTINGS = settings(max_examples=200, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(
+    ops=ops_st,
+    seed=st.integers(0, 2**32),
+    buffer_steps=st.integers(1, 40),
+    max_buffer=st.integers(1, 30),
+    chunk=st.sampled_from([None, 1, 3]),
+)
+def test_kvwire_publisher_converges_to_truth(ops, seed, buffer_steps, max_buffer, chunk):
+    """Drops, duplicates, replay/live reordering, restarts, late joins, timeouts and
+    overflowing resync buffers: in the end the application holds the publisher's cache."""
+    pub = SimPublisher(random.Random(seed), buffer_steps=buffer_steps)
+    cfg = msgspec.structs.replace(CFG, max_buffer=max_buffer, snapshot_chunk_blocks=chunk)
+    sim = Sim(pub, config=cfg)
+    run_ops(sim, ops, allow_dup=True, quiet_restarts=False)
+    sim.settle()
+    sim.check_converged()
+    assert sim.app.exact
+    assert sim.m.mode == "kvwire"
+
+
+@SETTINGS
+@given(
+    ops=ops_st,
+    seed=st.integers(0, 2**32),
+    buffer_steps=st.integers(1, 40),
+    max_buffer=st.integers(1, 30),
+    legacy=st.booleans(),
+)
+def test_reference_publisher_degrades_but_stays_consistent(ops, seed, buffer_steps, max_buffer,
+                                                           legacy):
+    """No INFO answers: no snapshots, no epochs. Delivery stays gapless between Resets and
+    the application holds exactly what the batches since its (possibly inexact) start say;
+    it is exact whenever the replay buffer still reached back to seq 0."""
+    pub = SimPublisher(random.Random(seed), kvwire=False, buffer_steps=buffer_steps,
+                       legacy_replay=legacy)
+    cfg = msgspec.structs.replace(CFG, max_buffer=max_buffer)
+    sim = Sim(pub, config=cfg)
+    run_ops(sim, ops, allow_dup=False, quiet_restarts=True)
+    sim.settle()
+    sim.check_converged()
+    assert sim.m.mode == "reference"
+    assert sim.m.epoch is None
+
+
+@SETTINGS
+@given(ops=ops_st, seed=st.integers(0, 2**32))
+def test_kvwire_publisher_without_snapshots(ops, seed):
+    """INFO answered but snapshots disabled: epochs still catch restarts; bootstraps and
+    unfillable gaps fall back to replay-from-0 / inexact starts."""
+    pub = SimPublisher(random.Random(seed), snapshot=False, buffer_steps=15)
+    sim = Sim(pub)
+    run_ops(sim, ops, allow_dup=True, quiet_restarts=False)
+    sim.settle()
+    sim.check_converged()
+
+
+@SETTINGS
+@given(ops=ops_st, seed=st.integers(0, 2**32))
+def test_live_only_stream(ops, seed):
+    """No replay endpoint: nothing is asked; every loss is an explicit Reset."""
+    pub = SimPublisher(random.Random(seed), kvwire=False)
+    sim = Sim(pub, has_replay=False)
+    run_ops(sim, ops, allow_dup=False, quiet_restarts=True)
+    sim.settle()
+    sim.check_converged()
+    assert not any(isinstance(a, (SendInfo, SendReplay, SendSnapshot)) for a in sim.actions)
+
+
+# --------------------------------------------------------------------------- unit tests
+
+
+def kinds(outs: list) -> list[str]:
+    return [type(o).__name__ for o in outs]
+
+
+def test_parse_live_and_reply_layouts():
+    assert parse_live([b"t", (5).to_bytes(8, "big"), b"p"]) == (b"t", 5, b"p")
+    for bad in ([b"t", b"p"], [b"t", b"1234", b"p"], [b"", b"\xff" * 8, b""]):
+        with pytest.raises(FrameError):
+            parse_live(bad)
+    assert parse_reply([b"", b"t", wire.pack_seq(3), b"p"]) == ReplayMessage(3, b"p")
+    assert parse_reply([b"", wire.pack_seq(3), b"p"]) == ReplayMessage(3, b"p")  # pre-0.26
+    assert parse_reply([b"", b"", wire.END_SEQ, b""]) == ReplayEnd()
+    assert parse_reply([b"", wire.END_SEQ, b""]) == ReplayEnd()
+    info = parse_reply(wire.info_frames({"epoch": 7, "seq": 3, "extra": 1}))
+    assert isinstance(info, InfoReply) and info.epoch == 7 and info.seq == 3
+    chunk = parse_reply(wire.snap_frames({"epoch": 7, "seq": 3, "chunk": 0, "chunks": 1}, b"x"))
+    assert isinstance(chunk, SnapshotChunk) and chunk.header.seq == 3
+    assert parse_reply(wire.err_frames("busy")) == ErrorReply("busy")
+    # a topic named like the magic still parses as replay (its seq frame is 8 bytes)
+    assert parse_reply([b"", wire.MAGIC, wire.pack_seq(1), b"p"]) == ReplayMessage(1, b"p")
+    for bad in GARBAGE_REPLY + [[], [b"", b"", wire.pack_seq(-5), b""]]:
+        with pytest.raises(FrameError):
+            parse_reply(bad)
+
+
+def test_request_frames_match_the_extension_draft():
+    assert SendInfo().frames() == [b"", b"KVW1", b"INFO"]
+    assert SendReplay(258).frames() == [b"", (258).to_bytes(8, "big")]
+    assert SendSnapshot().frames() == [b"", b"KVW1", b"SNAPSHOT"]
+    assert SendSnapshot(16).frames() == [b"", b"KVW1", b"SNAPSHOT", (16).to_bytes(4, "big")]
+    for a in (SendInfo(), SendReplay(0), SendSnapshot(16)):
+        assert wire.parse_request(a.frames()).__class__ is not wire.BadRequest
+
+
+def test_late_join_bootstraps_from_snapshot_then_replays_the_rest():
+    pub = SimPublisher(random.Random(1))
+    sim = Sim(pub)
+    sim.publish(50)  # before the subscriber exists
+    sim.join()
+    assert kinds(sim.actions) == ["SendInfo"]
+    sim.publish(3)  # live 50..52, held while bootstrapping
+    sim.live(3)
+    sim.reply(1)  # INFO -> SNAPSHOT (taken now: as of seq 52)
+    assert isinstance(sim.actions[-1], SendSnapshot)
+    sim.publish(3)  # 53..55
+    sim.drop(1)  # 53 lost on the live path: must come from replay
+    sim.drain()
+    assert sim.app.resets == ["bootstrap"]
+    assert sim.app.exact and sim.app.base == 52
+    assert SendReplay(53) in sim.actions
+    assert [s for _, s in sim.app.seqs] == [53, 54, 55]
+    assert sim.m.last_seq == 55 and sim.m.phase == "live"
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+    st_ = sim.m.stats()
+    assert st_.snapshots == 1 and st_.resets == 1 and st_.batches == 3
+
+
+def test_gap_is_filled_by_replay_after_epoch_check():
+    pub = SimPublisher(random.Random(2))
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    sim.publish(6)
+    sim.live(1)
+    sim.drop(3)
+    sim.live(1)  # seq 4 after 0: gap
+    assert isinstance(sim.actions[-1], SendInfo)
+    sim.reply(1)
+    assert sim.actions[-1] == SendReplay(1)
+    sim.drain()
+    assert [s for _, s in sim.app.seqs] == [0, 1, 2, 3, 4, 5]
+    st_ = sim.m.stats()
+    assert st_.gaps == 1 and st_.replays == 1 and st_.duplicates >= 1 and st_.resets == 1
+
+
+def test_unreplayable_gap_resyncs_from_snapshot():
+    pub = SimPublisher(random.Random(3), buffer_steps=3)
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    sim.publish(1)
+    sim.live(1)
+    sim.publish(10)
+    sim.drop(9)
+    sim.drain()
+    st_ = sim.m.stats()
+    assert st_.resyncs == 1 and st_.lost > 0
+    assert len(sim.app.resets) == 2 and "resynced" in sim.app.resets[1]
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+    assert sim.m.last_seq == 10
+
+
+def test_restart_seen_as_seq_going_back_is_confirmed_by_epoch():
+    pub = SimPublisher(random.Random(4))
+    sim = Sim(pub)
+    sim.join()
+    sim.publish(5)
+    sim.drain()
+    old_epoch = pub.epoch
+    pub.restart()
+    sim.publish(2)
+    sim.live(1)  # seq 0 again
+    assert isinstance(sim.actions[-1], SendInfo)
+    sim.drain()
+    assert sim.app.resets[-1].startswith("publisher restarted (epoch")
+    assert sim.m.epoch == pub.epoch != old_epoch
+    assert sim.m.stats().restarts == 1
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+    assert sim.m.last_seq == 1
+
+
+def test_duplicate_live_message_is_not_a_restart():
+    pub = SimPublisher(random.Random(5))
+    sim = Sim(pub)
+    sim.join()
+    sim.publish(3)
+    sim.drain()
+    sim.live_q.append(LiveMsg([b"", (2).to_bytes(8, "big"), pub.ring[-1][1]]))
+    sim.drain()
+    st_ = sim.m.stats()
+    assert st_.restarts == 0 and st_.resets == 1 and sim.m.phase == "live"
+
+
+def test_restart_that_looks_like_continuation_is_caught_by_periodic_info():
+    pub = SimPublisher(random.Random(6))
+    sim = Sim(pub)
+    sim.join()
+    sim.publish(1)
+    sim.drain()  # delivered seq 0
+    pub.restart()
+    pub.publish()  # new run's seq 0, never seen
+    sim.publish(1)  # new run's seq 1 == what we expect next
+    sim.drain()
+    assert sim.m.last_seq == 1 and sim.m.stats().restarts == 0  # fooled, for now
+    sim.tick(5.1)
+    assert isinstance(sim.actions[-1], SendInfo)
+    sim.drain()
+    assert sim.m.stats().restarts == 1
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_reference_publisher_degrades_after_info_timeout():
+    pub = SimPublisher(random.Random(7), kvwire=False, legacy_replay=True)
+    sim = Sim(pub)
+    sim.publish(4)  # before join: replay from 0 still covers them
+    sim.join()
+    sim.publish(2)
+    sim.drain()
+    assert sim.m.mode == "unknown" and sim.m.phase == "probe"
+    sim.tick(0.6)  # info_timeout
+    assert kinds(sim.actions)[-2:] == ["RecycleRequests", "SendReplay"]
+    assert sim.actions[-1] == SendReplay(0)
+    sim.drain()
+    assert sim.m.mode == "reference"
+    assert sim.app.exact and sim.app.base == -1  # replay reached back to 0
+    assert sim.m.last_seq == 5
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+    assert "reference publisher" in (sim.m.stats().last_error or "")
+
+
+def test_reference_publisher_late_join_is_inexact_and_says_so():
+    pub = SimPublisher(random.Random(8), kvwire=False, buffer_steps=3)
+    sim = Sim(pub)
+    sim.publish(10)
+    sim.join()
+    sim.tick(0.6)
+    sim.drain()
+    assert not sim.app.exact and sim.app.base == 6
+    assert "no snapshot available" in sim.app.resets[-1]
+    assert sim.m.stats().exact is False
+
+
+def test_reference_restart_resets_immediately():
+    pub = SimPublisher(random.Random(9), kvwire=False)
+    sim = Sim(pub)
+    sim.join()
+    sim.tick(0.6)
+    sim.publish(4)
+    sim.drain()
+    pub.restart()
+    sim.publish(1)
+    sim.live(1)
+    assert "went back from 3 to 0" in sim.app.resets[-1]
+    sim.drain()
+    assert sim.app.exact and sim.m.last_seq == 0
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_buffer_overflow_gives_up_and_restarts_the_attempt():
+    pub = SimPublisher(random.Random(10))
+    cfg = msgspec.structs.replace(CFG, max_buffer=3)
+    sim = Sim(pub, config=cfg)
+    sim.publish(5)
+    sim.join()
+    sim.publish(4)
+    sim.live(4)  # 4 held > 3 while INFO is in flight
+    st_ = sim.m.stats()
+    assert st_.buffer_overflows == 1 and st_.buffered == 0
+    assert kinds(sim.actions) == ["SendInfo", "RecycleRequests", "SendInfo"]
+    sim.drain()
+    assert sim.app.cache.as_dict() == pub.truth.as_dict() and sim.m.last_seq == 8
+
+
+def test_request_timeout_recycles_and_retries():
+    pub = SimPublisher(random.Random(11))
+    sim = Sim(pub)
+    sim.join()
+    sim.reply(1)  # INFO answered -> SNAPSHOT in flight
+    sim.reply_q.clear()  # ...and its answer is lost
+    sim.tick(1.1)
+    assert kinds(sim.actions)[-2:] == ["RecycleRequests", "SendInfo"]
+    assert sim.m.stats().timeouts == 1
+    sim.drain()
+    assert sim.m.phase == "live" and sim.app.exact
+
+
+def test_snapshot_errors_retry_then_fall_back():
+    pub = SimPublisher(random.Random(12))
+    sim = Sim(pub)
+    sim.publish(3)
+    sim.join()
+    sim.reply(1)  # INFO
+    sim.reply_q.clear()
+    sim.handle(sim.m.reply_frames(wire.err_frames("busy: too many snapshots"), sim.now))
+    assert sim.m.stats().error_replies == 1 and sim.m.phase == "snapshot"
+    sim.tick(0.3)  # retry_delay passed
+    assert isinstance(sim.actions[-1], SendSnapshot)
+    sim.drain()
+    assert sim.app.exact and sim.m.last_seq == 2
+    # "disabled" falls back at once to replay from 0
+    pub2 = SimPublisher(random.Random(13))
+    sim2 = Sim(pub2)
+    sim2.join()
+    sim2.reply(1)
+    sim2.reply_q.clear()
+    sim2.handle(sim2.m.reply_frames(wire.err_frames("snapshots are disabled"), sim2.now))
+    assert sim2.actions[-1] == SendReplay(0)
+
+
+def test_liveness_from_heartbeat_interval():
+    pub = SimPublisher(random.Random(14))
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()  # INFO says heartbeat_interval 1.0 -> dead after 3.0
+    sim.publish(1)
+    sim.drain()
+    sim.tick(2.9)
+    assert sim.app.liveness == []
+    sim.tick(0.2)
+    assert sim.app.liveness == [False] and not sim.m.alive
+    assert sim.m.stats().deaths == 1
+    sim.tick(10)
+    assert sim.app.liveness == [False]  # said once
+    sim.publish(1)
+    sim.live(1)
+    assert sim.app.liveness == [False, True] and sim.m.alive
+
+
+def test_explicit_dead_after_and_next_deadline():
+    m = StreamMachine("x", has_replay=False, config=StreamConfig(dead_after=2.0))
+    assert m.start(100.0) == []
+    assert m.next_deadline == 102.0
+    assert m.tick(101.0) == []
+    out = m.tick(102.5)
+    assert kinds(out) == ["Liveness"] and out[0].alive is False
+
+
+def test_bad_payload_counted_and_skipped():
+    m = StreamMachine("x", has_replay=False)
+    m.start(0.0)
+    good = encode_batch(KVEventBatch(1.0, [AllBlocksCleared()], None))
+    out = m.live(0, good, 0.0)
+    assert kinds(out) == ["Reset", "Snapshot", "Batch"]
+    out = m.live(1, b"\xc1garbage", 0.0)  # effect unknown: an explicit inexact restart
+    assert kinds(out) == ["Reset", "Snapshot"]
+    assert out[1].seq == 1 and not out[1].exact and "not a decodable batch" in out[0].reason
+    out = m.live(2, good, 0.0)
+    assert kinds(out) == ["Batch"] and out[0].seq == 2
+    st_ = m.stats()
+    assert st_.bad_payloads == 1 and st_.batches == 2 and m.last_seq == 2 and not st_.exact
+
+
+def test_bad_payload_with_snapshots_resyncs():
+    pub = SimPublisher(random.Random(15))
+    sim = Sim(pub)
+    sim.join()
+    sim.publish(2)
+    sim.drain()
+    pub.seq += 1  # the publisher sends seq 2 as garbage
+    pub.history.append(KVEventBatch(0.0, [], 0))
+    sim.live_q.append(LiveMsg([b"", (2).to_bytes(8, "big"), b"\xc1"]))
+    sim.drain()
+    assert sim.app.resets[-1] == "resynced after an undecodable batch"
+    assert sim.app.exact and sim.m.stats().resyncs == 1
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_empty_batches_can_be_suppressed():
+    m = StreamMachine("x", has_replay=False, config=StreamConfig(deliver_empty=False))
+    m.start(0.0)
+    hb = encode_batch(KVEventBatch(1.0, [], None))
+    assert kinds(m.live(0, hb, 0.0)) == ["Reset", "Snapshot"]
+    assert m.live(1, hb, 0.0) == []
+    assert m.last_seq == 1 and m.stats().batches == 2
+
+
+def test_stray_replies_are_ignored():
+    m = StreamMachine("x")
+    m.start(0.0)
+    assert m.replay(3, b"x", 0.0) == []
+    assert m.replay_end(0.0) == []
+    assert m.snapshot_chunk(SnapshotHeader(1, 0, 0, 1), b"", 0.0) == []
+    assert m.stats().stray_replies == 3

@@ -1,0 +1,490 @@
+"""The subscriber over real sockets on loopback.
+
+Against two publishers: a minimal reference-style one built here from raw pyzmq (PUB +
+ROUTER replay, no kvwire extensions: the "degrade" path) and kvwire's own
+``ZmqEventPublisher`` (INFO, snapshots, heartbeats, epochs). Every wait is a condition
+with a deadline; nothing sleeps and hopes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from kvwire import wire
+from kvwire.cache import BlockCache
+from kvwire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvwire.publisher import ZmqEventPublisher
+from kvwire.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
+from kvwire.subscriber import StreamSpec, Subscriber
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = StreamConfig(request_timeout=1.0, info_timeout=0.3, retry_delay=0.1)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class Gen:
+    """Random but valid event batches, applied to a ground-truth cache as they are made."""
+
+    def __init__(self, seed: int = 0, tokens_per_block: int = 4) -> None:
+        self.rng = random.Random(seed)
+        self.truth = BlockCache()
+        self.next = 1
+        self.bs = tokens_per_block
+
+    def batch(self) -> KVEventBatch:
+        rng, events = self.rng, []
+        keys = [k for k, _ in self.truth.items()]
+        for _ in range(rng.randint(1, 3)):
+            r = rng.random()
+            if r < 0.6 or not keys:
+                n = rng.randint(1, 3)
+                hashes = list(range(self.next, self.next + n))
+                self.next += n
+                parent = rng.choice(keys)[1] if keys and rng.random() < 0.5 else None
+                events.append(BlockStored(hashes, parent, [rng.randint(0, 999)
+                                                           for _ in range(n * self.bs)],
+                                          self.bs, None, rng.choice([None, "CPU"])))
+            elif r < 0.98:
+                tier, h = rng.choice(keys)
+                events.append(BlockRemoved([h], None if tier == "GPU" else tier))
+            else:
+                events.append(AllBlocksCleared())
+        b = KVEventBatch(time.time(), events, 0)
+        self.truth.apply(b)
+        return b
+
+
+class App:
+    """What an application does with the items: one cache per stream."""
+
+    def __init__(self) -> None:
+        self.caches: dict[str, BlockCache] = {}
+        self.next: dict[str, int] = {}
+        self.items: list[object] = []
+        self.resets: dict[str, list[str]] = {}
+        self.snapshots: dict[str, list[Snapshot]] = {}
+        self.liveness: dict[str, list[bool]] = {}
+
+    def feed(self, d: object) -> None:
+        self.items.append(d)
+        if isinstance(d, Reset):
+            self.resets.setdefault(d.stream, []).append(d.reason)
+            self.caches[d.stream] = BlockCache()
+            self.next.pop(d.stream, None)
+        elif isinstance(d, Snapshot):
+            c = self.caches[d.stream] = BlockCache()
+            c.apply_events(d.blocks)
+            self.next[d.stream] = d.seq + 1
+            self.snapshots.setdefault(d.stream, []).append(d)
+        elif isinstance(d, Batch):
+            assert d.seq == self.next[d.stream], (d.seq, self.next[d.stream])
+            self.next[d.stream] += 1
+            self.caches[d.stream].apply(d.batch)
+        elif isinstance(d, Liveness):
+            self.liveness.setdefault(d.stream, []).append(d.alive)
+
+    def last_seq(self, stream: str) -> int:
+        return self.next.get(stream, 0) - 1
+
+    def cache(self, stream: str) -> dict:
+        c = self.caches.get(stream)
+        return {} if c is None else c.as_dict()
+
+
+def pump(sub: Subscriber, app: App, until: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Feed items to ``app`` until ``until()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        left = deadline - time.monotonic()
+        assert left > 0, f"condition not met in {timeout}s; stats: {sub.stats()}"
+        item = sub.poll(min(left, 0.1))
+        if item is not None:
+            app.feed(item)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- reference publisher
+
+
+class RefPublisher:
+    """A reference-style publisher from raw pyzmq: PUB + ROUTER replay, no extensions.
+
+    It ignores requests with the wrong frame count (so INFO/SNAPSHOT go unanswered) and
+    can use the pre-0.26 replay layout without the topic frame.
+    """
+
+    def __init__(self, *, legacy: bool = False, topic: bytes = b"", buffer_steps: int = 1000,
+                 port: int = 0, replay_port: int = 0) -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.legacy, self.topic, self.buffer_steps = legacy, topic, buffer_steps
+        self.seq = -1
+        self.ring: list[tuple[int, bytes]] = []
+        self.lock = threading.Lock()
+        self.requests: list[list[bytes]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def publish(self, batch: KVEventBatch | bytes) -> int:
+        payload = batch if isinstance(batch, bytes) else encode_batch(batch, "vllm")
+        with self.lock:
+            self.seq += 1
+            self.ring.append((self.seq, payload))
+            del self.ring[:-self.buffer_steps]
+            self.pub.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
+            return self.seq
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        with self.lock:
+            self.pub.send_multipart(frames)
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.router.poll(20):
+                continue
+            frames = self.router.recv_multipart()
+            self.requests.append(frames[1:])
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                continue  # what a reference publisher does with INFO/SNAPSHOT
+            start = int.from_bytes(frames[2], "big")
+            with self.lock:
+                ring = list(self.ring)
+            ident = frames[0]
+            for seq, payload in ring:
+                if seq >= start:
+                    body = [seq.to_bytes(8, "big"), payload]
+                    self.router.send_multipart([ident, b""] + ([] if self.legacy else [self.topic])
+                                               + body)
+            end = [wire.END_SEQ, b""]
+            self.router.send_multipart([ident, b""] + ([] if self.legacy else [b""]) + end)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def closer():
+    things: list = []
+    yield things.append
+    for t in reversed(things):
+        if isinstance(t, KvPub):
+            t.shutdown(timeout=1.0)
+        else:
+            t.close()
+
+
+# --------------------------------------------------------------------------- reference publisher tests
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["topic-frame", "pre-0.26-layout"])
+def test_degrades_to_reference_publisher(closer, legacy):
+    """No INFO answer: start from replay (exact, since its buffer reaches seq 0), then live."""
+    pub = RefPublisher(legacy=legacy, topic=b"kv")
+    closer(pub)
+    gen = Gen(1)
+    for _ in range(30):
+        pub.publish(gen.batch())  # before anyone listens: only replay has these
+    sub = Subscriber([StreamSpec("e", pub.endpoint, "kv", pub.replay_endpoint)], config=FAST)
+    closer(sub)
+    app = App()
+    pump(sub, app, lambda: app.last_seq("e") >= 29)
+    for _ in range(20):
+        pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") >= 49)
+    assert app.cache("e") == gen.truth.as_dict()
+    assert app.resets["e"] == ["bootstrap"]
+    snap = app.snapshots["e"][0]
+    assert snap.seq == -1 and snap.exact and snap.epoch is None
+    st = sub.stats()["e"].stream
+    assert st.mode == "reference" and st.batches == 50 and st.bad_frames == 0
+    assert any(r[:3] == [b"", b"KVW1", b"INFO"] for r in pub.requests)  # it did ask
+
+
+def test_reference_late_join_is_inexact_and_survives_garbage(closer):
+    pub = RefPublisher(buffer_steps=5)
+    closer(pub)
+    gen = Gen(2)
+    for _ in range(20):
+        pub.publish(gen.batch())
+    sub = Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)], config=FAST)
+    closer(sub)
+    app = App()
+    pump(sub, app, lambda: app.last_seq("e") >= 19)
+    snap = app.snapshots["e"][0]
+    assert not snap.exact and snap.seq == 14  # only 15..19 were replayable, and it says so
+    # garbage on the live socket: wrong frame counts, short seq, undecodable payload
+    pub.send_raw([b"", b"x"])
+    pub.send_raw([b"", b"\x00\x01", b"p"])
+    pub.publish(b"\xc1 not msgpack")  # seq 20: counted, skipped
+    pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") >= 21)
+    assert "not a decodable batch" in app.resets["e"][-1] and not app.snapshots["e"][-1].exact
+    st = sub.stats()["e"].stream
+    assert st.bad_frames == 2 and st.bad_payloads == 1
+
+
+def test_reference_restart_is_a_reset(closer):
+    pub = RefPublisher()
+    port = int(pub.endpoint.rsplit(":", 1)[1])
+    rport = int(pub.replay_endpoint.rsplit(":", 1)[1])
+    sub = Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)], config=FAST)
+    closer(sub)
+    app = App()
+    gen = Gen(3)
+    pump(sub, app, lambda: sub.stats()["e"].stream.mode == "reference")
+    for _ in range(10):
+        pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") >= 9)
+    pub.close()
+    pub2 = RefPublisher(port=port, replay_port=rport)
+    closer(pub2)
+    gen2 = Gen(4)
+    # the SUB reconnects in the background; publish until the new run is seen
+    deadline = time.monotonic() + 10
+    while len(app.resets["e"]) < 2:
+        assert time.monotonic() < deadline, sub.stats()
+        pub2.publish(gen2.batch())
+        item = sub.poll(0.05)
+        if item is not None:
+            app.feed(item)
+    pump(sub, app, lambda: app.last_seq("e") == pub2.seq)
+    assert "went back" in app.resets["e"][1]
+    assert app.cache("e") == gen2.truth.as_dict()  # exact: the new run's replay reached seq 0
+
+
+def test_dead_endpoint_never_hangs():
+    """Nothing behind the endpoints: bounded waits, an explicit death, no exception."""
+    cfg = StreamConfig(request_timeout=0.3, info_timeout=0.2, dead_after=0.5)
+    with Subscriber([StreamSpec("gone", "tcp://127.0.0.1:9", "", "tcp://127.0.0.1:9")],
+                    config=cfg) as sub:
+        t0 = time.monotonic()
+        assert sub.poll(0.05) is None
+        assert time.monotonic() - t0 < 0.5
+        app = App()
+        pump(sub, app, lambda: app.liveness.get("gone") == [False], timeout=5)
+        assert sub.stats()["gone"].stream.mode == "reference"
+
+
+def test_live_only_stream_without_replay_endpoint(closer):
+    pub = RefPublisher()
+    closer(pub)
+    sub = Subscriber([StreamSpec("e", pub.endpoint)], config=FAST)
+    closer(sub)
+    app = App()
+    gen = Gen(5)
+    # slow joiner: publish until something arrives
+    deadline = time.monotonic() + 10
+    while "e" not in app.next:
+        assert time.monotonic() < deadline
+        pub.publish(gen.batch())
+        item = sub.poll(0.02)
+        if item is not None:
+            app.feed(item)
+    first = app.snapshots["e"][0]
+    assert first.exact == (first.seq == -1)
+    n = pub.seq
+    for _ in range(5):
+        pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") == n + 5)
+    assert sub.stats()["e"].requests_sent == 0
+
+
+# --------------------------------------------------------------------------- kvwire publisher tests
+
+
+class KvPub:
+    """A ``ZmqEventPublisher`` bound on a free port, with loopback addresses to connect to.
+
+    (By the spec's rule only ``*``/``::`` endpoints bind, so the publisher binds
+    ``tcp://*:0`` and reports the node's address; tests connect over loopback.)
+    """
+
+    def __init__(self, port: int = 0, replay_port: int = 0, **kw) -> None:
+        self.pub = ZmqEventPublisher(endpoint=f"tcp://*:{port}",
+                                     replay_endpoint=f"tcp://*:{replay_port}", **kw)
+        self.port = int(self.pub.endpoint.rsplit(":", 1)[1])
+        self.replay_port = int(self.pub.replay_endpoint.rsplit(":", 1)[1])
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
+
+    def __getattr__(self, name: str):
+        return getattr(self.pub, name)
+
+    def spec(self, name: str = "e") -> StreamSpec:
+        return StreamSpec(name, self.endpoint, "", self.replay_endpoint)
+
+
+def kv_pub(**kw) -> KvPub:
+    return KvPub(**kw)
+
+
+def test_late_join_bootstraps_from_snapshot(closer):
+    pub = kv_pub(buffer_steps=50)
+    closer(pub)
+    gen = Gen(6)
+    for _ in range(500):  # far more than the replay buffer holds
+        pub.publish(gen.batch())
+    sub = Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)],
+                     config=StreamConfig(snapshot_chunk_blocks=16))
+    closer(sub)
+    app = App()
+    pump(sub, app, lambda: app.last_seq("e") >= 499)
+    snap = app.snapshots["e"][0]
+    assert snap.exact and snap.epoch == pub.epoch and snap.seq >= 499 - 50
+    for _ in range(20):
+        pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") >= 519)
+    assert app.cache("e") == gen.truth.as_dict()
+    st = sub.stats()["e"].stream
+    assert st.mode == "kvwire" and st.snapshots == 1 and st.resets == 1 and st.exact
+
+
+def test_publisher_restart_resets_and_rebootstraps(closer):
+    pub = kv_pub(heartbeat_interval=0.2)
+    sub = Subscriber([pub.spec()], config=StreamConfig(request_timeout=1.0))
+    closer(sub)
+    app = App()
+    gen = Gen(7)
+    for _ in range(30):
+        pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") >= 29)
+    old_epoch = pub.epoch
+    pub.shutdown(timeout=1.0)
+    pub2 = kv_pub(port=pub.port, replay_port=pub.replay_port, heartbeat_interval=0.2)
+    closer(pub2)
+    gen2 = Gen(8)
+    for _ in range(5):
+        pub2.publish(gen2.batch())
+    pump(sub, app, lambda: sub.stats()["e"].stream.epoch == pub2.epoch
+         and app.last_seq("e") >= 4 and sub.stats()["e"].stream.phase == "live")
+    assert pub2.epoch != old_epoch
+    assert any("restarted" in r for r in app.resets["e"][1:])
+    assert app.snapshots["e"][-1].epoch == pub2.epoch
+    assert app.cache("e") == gen2.truth.as_dict()
+    assert sub.stats()["e"].stream.restarts >= 1
+
+
+def test_stalled_subscriber_gaps_are_filled_by_replay(closer):
+    pub = kv_pub(hwm=20, buffer_steps=20_000, heartbeat_interval=None)
+    closer(pub)
+    sub = Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)], rcvhwm=20)
+    closer(sub)
+    app = App()
+    gen = Gen(9, tokens_per_block=256)  # ~10 MB in all: more than socket buffers hold
+    pump(sub, app, lambda: sub.stats()["e"].stream.phase == "live")
+    pub.publish(gen.batch())
+    pump(sub, app, lambda: app.last_seq("e") >= 0)
+    for _ in range(5000):  # the subscriber is not reading: HWM drops
+        pub.publish(gen.batch())
+    wait_for(lambda: pub.stats().queue_depth == 0)  # all sent (PUB drops silently at HWM)
+    pump(sub, app, lambda: app.last_seq("e") >= 5000, timeout=30)
+    st = sub.stats()["e"].stream
+    assert st.gaps >= 1 and st.replayed > 0 and st.resets == 1
+    assert app.cache("e") == gen.truth.as_dict()
+
+
+def test_heartbeats_keep_alive_and_death_is_reported(closer):
+    pub = kv_pub(heartbeat_interval=0.1)
+    sub = Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)])
+    closer(sub)
+    app = App()
+    pump(sub, app, lambda: sub.stats()["e"].stream.phase == "live")
+    # idle for 10 heartbeat intervals (3 make it dead): still alive, seqs keep coming
+    first = app.last_seq("e")
+    end = time.monotonic() + 1.0
+    pump(sub, app, lambda: time.monotonic() >= end, timeout=5)
+    assert app.liveness.get("e") is None and app.last_seq("e") > first + 3
+    pub.shutdown(timeout=1.0)
+    t0 = time.monotonic()
+    pump(sub, app, lambda: app.liveness.get("e") == [False], timeout=5)
+    assert time.monotonic() - t0 < 2.0
+    assert not sub.stats()["e"].stream.alive
+
+
+def test_many_publishers_one_subscriber_and_callbacks(closer):
+    pubs = [kv_pub(data_parallel_rank=r) for r in range(3)]
+    for p in pubs:
+        closer(p)
+    gens = [Gen(10 + r) for r in range(3)]
+    specs = [StreamSpec(f"e/dp{r}", p.endpoint, "", p.replay_endpoint)
+             for r, p in enumerate(pubs)]
+    sub = Subscriber(specs)
+    closer(sub)
+    app = App()
+    for _ in range(40):
+        for p, g in zip(pubs, gens):
+            p.publish(g.batch())
+    last = {s.name: pubs[i].stats().last_seq for i, s in enumerate(specs)}
+    # callback style
+    sub.run(app.feed, timeout=15, stop=lambda: all(
+        app.last_seq(n) >= s for n, s in last.items()))
+    for r, g in enumerate(gens):
+        assert app.cache(f"e/dp{r}") == g.truth.as_dict()
+        assert app.snapshots[f"e/dp{r}"][0].epoch == pubs[r].epoch
+
+
+def test_asyncio_api(closer):
+    pub = kv_pub()
+    closer(pub)
+    gen = Gen(11)
+    for _ in range(50):
+        pub.publish(gen.batch())
+
+    async def main() -> App:
+        app = App()
+        async with Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)]) as sub:
+            async def consume() -> None:
+                async for item in sub:
+                    app.feed(item)
+                    if app.last_seq("e") >= 59:
+                        return
+
+            task = asyncio.ensure_future(consume())
+            while app.last_seq("e") < 49:
+                await asyncio.sleep(0.01)
+            for _ in range(10):
+                pub.publish(gen.batch())
+            await asyncio.wait_for(task, 10)
+            assert await sub.apoll(0.01) is None  # bounded wait, nothing pending
+        return app
+
+    app = asyncio.run(asyncio.wait_for(main(), 20))
+    assert app.cache("e") == gen.truth.as_dict()
+
+
+def test_stream_spec_for_ranks():
+    specs = StreamSpec.for_ranks("llama", "tcp://10.0.0.1:5557", 2, "kv", "tcp://10.0.0.1:5600")
+    assert specs == [
+        StreamSpec("llama/dp0", "tcp://10.0.0.1:5557", "kv", "tcp://10.0.0.1:5600"),
+        StreamSpec("llama/dp1", "tcp://10.0.0.1:5558", "kv", "tcp://10.0.0.1:5601"),
+    ]
+    with pytest.raises(ValueError):
+        Subscriber([StreamSpec("a", "tcp://127.0.0.1:1"), StreamSpec("a", "tcp://127.0.0.1:2")])
