@@ -115,7 +115,7 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     ref = ReferencePublisher(b"kv", legacy=legacy)
     n = 30
     proc = start_listen(ref.endpoint, "--replay", ref.replay_endpoint, "--topic", "kv",
-                        "--json", "--count", str(n), "--from-seq", "0")
+                        "--json", "--count", str(n))
     try:
         time.sleep(0.5)  # give the process time to import and connect; gaps are filled anyway
         for i in range(n):
@@ -127,14 +127,21 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
         proc.kill()
         ref.close()
     assert proc.returncode == 0, err
-    lines = out.splitlines()
-    assert len(lines) == n
-    objs = [json.loads(line) for line in lines]
-    assert [o["seq"] for o in objs] == list(range(n))
-    assert all(o.get("replayed") for o in objs[10:15])
-    assert objs[3]["events"][0]["block_hashes"] == [31, {"hex": "01" * 32}]
-    assert objs[3]["events"][1] == {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
-    assert "gap" in err
+    records = [json.loads(line) for line in out.splitlines()]
+    kinds = [r["kind"] for r in records]
+    # A reference publisher: the stream starts with a reset and a snapshot record (no
+    # contents), then exactly one line per batch, in seq order with the gap filled.
+    assert kinds[:2] == ["reset", "snapshot"]
+    objs = [r for r in records if r["kind"] == "batch"]
+    assert len(objs) == n
+    first = records[1]["seq"] + 1
+    assert [o["seq"] for o in objs] == list(range(first, first + n))
+    by_seq = {o["seq"]: o for o in objs}
+    assert by_seq[3]["events"][0]["block_hashes"] == [31, {"hex": "01" * 32}]
+    assert by_seq[3]["events"][1] == {
+        "type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    assert all(o["stream"] == ref.endpoint for o in objs)
+    assert "1 gaps" in err or "replayed" in err
 
 
 def test_listen_reports_unfillable_gap_and_restart() -> None:
@@ -161,26 +168,36 @@ def test_listen_reports_unfillable_gap_and_restart() -> None:
         proc.kill()
         ref.close()
     assert proc.returncode == 0, err
-    assert len(lines) == 4
-    assert "lost seq" in err or "restarted" in err
+    records = [json.loads(line) for line in lines]
+    assert sum(r["kind"] == "batch" for r in records) == 4
+    # no replay endpoint: every loss or restart is a reset followed by an inexact snapshot
+    resets = [r for r in records if r["kind"] == "reset"]
+    assert len(resets) >= 2, records
+    snaps = [r for r in records if r["kind"] == "snapshot"]
+    assert not snaps[0]["exact"]  # joined mid-stream: what came before is unknown
 
 
 def test_listen_human_output_against_kvwire_publisher() -> None:
-    # Heartbeats make the listener notice the batches it missed while connecting.
     pub = ZmqEventPublisher(endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="t",
-                            heartbeat_interval=0.2)
+                            heartbeat_interval=None)
     proc = start_listen(pub.endpoint, "--replay", pub.replay_endpoint, "--topic", "t",
-                        "--count", "3", "--from-seq", "0")
+                        "--count", "3", "--no-view", "--name", "engine0")
     try:
-        for i in range(3):
+        deadline = time.monotonic() + 60
+        i = 0
+        while proc.poll() is None and time.monotonic() < deadline:
             pub.publish(batch(i))
-        out, err = proc.communicate(timeout=60)
+            i += 1
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=10)
     finally:
         proc.kill()
         pub.shutdown(timeout=1)
     assert proc.returncode == 0, err
-    assert out.count("seq ") == 3
+    assert out.count("engine0  seq ") == 3
     assert "BlockStored   2 blocks" in out and "BlockRemoved  1 blocks" in out
+    assert "engine0: snapshot at seq" in err  # bootstrapped from the publisher's snapshot
+    assert "mode kvwire" in err
 
 
 def test_listen_bad_endpoint_is_a_clear_error() -> None:

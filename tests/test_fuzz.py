@@ -30,8 +30,8 @@ def garbage_request(rng: random.Random) -> tuple[list[bytes], bool]:
         return [b"", rng.randbytes(n)], False
     if kind == 2:  # missing delimiter
         return [rng.randbytes(8)], False
-    if kind == 3:  # negative start seq
-        return [b"", (-rng.randrange(1, 1 << 40)).to_bytes(8, "big", signed=True)], False
+    if kind == 3:  # top bit set: read unsigned, as the reference does, so past the end
+        return [b"", (-rng.randrange(1, 1 << 40)).to_bytes(8, "big", signed=True)], True
     if kind == 4:  # bad control ops
         return [b"", wire.MAGIC, rng.randbytes(rng.randrange(0, 12))], False
     if kind == 5:  # control op with wrong arity

@@ -6,88 +6,120 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
-
-from .endpoint import EndpointError
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, to_jsonable
 
 __all__ = ["main"]
 
 
-def _short(h: object) -> str:
-    if isinstance(h, bytes):
-        return h[:6].hex() + ".."
-    return str(h)
+def _streams(args: argparse.Namespace) -> list:
+    from .curve import CurveClient
+    from .subscriber import StreamSpec
 
-
-def _hashes(hs: list) -> str:
-    shown = ", ".join(_short(h) for h in hs[:4])
-    return f"[{shown}{', ...' if len(hs) > 4 else ''}]"
-
-
-def format_batch(seq: int, batch: KVEventBatch, replayed: bool = False) -> str:
-    """Human-readable lines for one batch."""
-    ts = datetime.fromtimestamp(batch.ts, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
-    head = (
-        f"seq {seq}  rank {batch.data_parallel_rank}  {ts}Z  {len(batch.events)} events"
-        + ("  (replayed)" if replayed else "")
-    )
-    lines = [head]
-    for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            lines.append(
-                f"  BlockStored   {len(ev.block_hashes)} blocks {_hashes(ev.block_hashes)} "
-                f"parent {_short(ev.parent_block_hash)}  {len(ev.token_ids)} tokens  "
-                f"block_size {ev.block_size}  medium {ev.medium}"
-                + (f"  lora {ev.lora_name or ev.lora_id}" if ev.lora_id or ev.lora_name else "")
-            )
-        elif isinstance(ev, BlockRemoved):
-            lines.append(
-                f"  BlockRemoved  {len(ev.block_hashes)} blocks {_hashes(ev.block_hashes)} "
-                f"medium {ev.medium}"
-            )
-        elif isinstance(ev, AllBlocksCleared):
-            lines.append("  AllBlocksCleared")
-    return "\n".join(lines)
+    if len(args.replay) > len(args.endpoint):
+        raise ValueError(f"{len(args.replay)} --replay for {len(args.endpoint)} endpoints")
+    if len(args.name) > len(args.endpoint):
+        raise ValueError(f"{len(args.name)} --name for {len(args.endpoint)} endpoints")
+    curve = None
+    if args.curve_secret or args.curve_server_key:
+        if not (args.curve_secret and args.curve_server_key):
+            raise ValueError("CurveZMQ needs both --curve-secret and --curve-server-key")
+        curve = CurveClient(secret_key_file=args.curve_secret,
+                            server_public_key_file=args.curve_server_key)
+    specs = []
+    for i, ep in enumerate(args.endpoint):
+        replay = args.replay[i] if i < len(args.replay) and args.replay[i] != "-" else None
+        name = args.name[i] if i < len(args.name) else ep
+        specs.append(StreamSpec(name, ep, args.topic, replay, curve))
+    return specs
 
 
 def _cmd_listen(args: argparse.Namespace) -> int:
-    from .listen import Listener
+    from .stream import Batch, Liveness, Reset, Snapshot, StreamConfig
+    from .subscriber import Subscriber
+    from .view import COLUMNS, StreamTally, format_batch, record
 
     def notice(msg: str) -> None:
         print(f"kvwire listen: {msg}", file=sys.stderr, flush=True)
 
     try:
-        listener = Listener(
-            args.endpoint, args.replay, args.topic, replay_timeout=args.replay_timeout,
-            from_seq=args.from_seq, on_notice=notice,
-        )
-    except EndpointError as e:
-        print(f"kvwire listen: {e}", file=sys.stderr)
+        specs = _streams(args)
+        sub = Subscriber(specs, config=StreamConfig(request_timeout=args.replay_timeout))
+    except ValueError as e:
+        notice(str(e))
         return 2
+    tallies = {s.name: StreamTally(s.name) for s in specs}
     out = sys.stdout
+    view = args.view if args.view is not None else (out.isatty() and not args.json)
+    batches = 0
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    live = None
+    if view:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.table import Table
+
+        def table():
+            t = Table(title="kvwire listen", expand=False)
+            for c in COLUMNS:
+                t.add_column(c, justify="left" if c in ("stream", "state") else "right")
+            stats = sub.stats()
+            now = time.monotonic()
+            for name, tally in tallies.items():
+                t.add_row(*tally.row(stats.get(name), now))
+            return t
+
+        live = Live(table(), console=Console(), refresh_per_second=4, transient=False)
+        live.start()
+    last_draw = 0.0
     try:
-        with listener:
-            for d in listener.run(count=args.count, duration=args.duration):
+        with sub:
+            while args.count is None or batches < args.count:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                item = sub.poll(0.25 if left is None else min(0.25, left))
+                now = time.monotonic()
+                if live is not None and now - last_draw > 0.25:
+                    live.update(table())
+                    last_draw = now
+                if item is None:
+                    continue
+                tallies[item.stream].add(item, now)
+                if isinstance(item, Batch):
+                    batches += 1
                 if args.json:
-                    obj = {"seq": d.seq, "stream": args.endpoint, **to_jsonable(d.batch)}
-                    if d.replayed:
-                        obj["replayed"] = True
-                    out.write(json.dumps(obj, separators=(",", ":")) + "\n")
-                else:
-                    out.write(format_batch(d.seq, d.batch, d.replayed) + "\n")
-                out.flush()
+                    out.write(json.dumps(record(item), separators=(",", ":")) + "\n")
+                    out.flush()
+                elif live is not None:
+                    continue
+                elif isinstance(item, Batch):
+                    out.write(format_batch(item.stream, item.seq, item.batch) + "\n")
+                    out.flush()
+                elif isinstance(item, Reset):
+                    notice(f"{item.stream}: reset ({item.reason})")
+                elif isinstance(item, Snapshot):
+                    how = "exact" if item.exact else "contents before it unknown"
+                    notice(f"{item.stream}: snapshot at seq {item.seq}: "
+                           f"{len(item.blocks)} blocks ({how})")
+                elif isinstance(item, Liveness):
+                    notice(f"{item.stream}: {'alive' if item.alive else 'DEAD'} ({item.reason})")
+            final = sub.stats()
     except KeyboardInterrupt:
-        pass
+        final = {}
     except BrokenPipeError:
         return 0
-    s = listener.stats
-    notice(
-        f"{s.delivered} batches, {s.gaps} gaps, {s.filled} filled from replay, "
-        f"{s.missed} lost, {s.restarts} restarts, {s.bad_payloads} bad payloads"
-    )
-    if args.count is not None and s.delivered < args.count:
+    finally:
+        if live is not None:
+            live.stop()
+    for name, st in final.items():
+        s = st.stream
+        notice(
+            f"{name}: {s.batches} batches, {s.gaps} gaps, {s.replayed} replayed, {s.lost} lost, "
+            f"{s.snapshots} snapshots, {s.resyncs} resyncs, {s.restarts} restarts, "
+            f"{s.bad_frames + s.bad_payloads} bad messages, mode {s.mode}"
+        )
+    if args.count is not None and batches < args.count:
         return 1
     return 0
 
@@ -99,12 +131,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print("\nkvwire demo summary")
     print(f"  engine steps            {s.steps}")
     print(f"  batches published       {s.batches_published} (+ heartbeats)")
-    print(f"  batches delivered       {s.batches_delivered}")
+    print(f"  subscriber joined at    seq {s.joined_at_seq} "
+          f"(snapshot of {s.snapshot_blocks} blocks)")
+    print(f"  batches delivered after {s.batches_delivered}")
     print(f"  blocks stored / removed {s.blocks_stored} / {s.blocks_removed}")
     print(f"  prefix-cache hit rate   {s.prefix_hit_rate:.1%}")
-    print(f"  gaps / filled / lost    {s.gaps} / {s.filled_from_replay} / {s.lost}")
+    print(f"  gaps / replayed / lost  {s.gaps} / {s.replayed} / {s.lost}")
     print(f"  engine cache blocks     {s.engine_blocks}")
-    print(f"  rebuilt by listener     {s.rebuilt_blocks} "
+    print(f"  rebuilt by subscriber   {s.rebuilt_blocks} "
           f"({'exact match' if s.rebuilt_matches else 'MISMATCH'})")
     print(f"  wall time               {s.seconds:.1f} s")
     return 0 if s.rebuilt_matches else 1
@@ -124,16 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = p.add_subparsers(dest="command", required=True)
 
-    ls = sub.add_parser("listen", help="print the KV events of a publisher")
-    ls.add_argument("endpoint", help="live endpoint, e.g. tcp://10.0.0.5:5557 (bind if it has *)")
-    ls.add_argument("--replay", metavar="ENDPOINT", help="replay endpoint used to fill seq gaps")
+    ls = sub.add_parser(
+        "listen", help="follow the KV events of one or more publishers",
+        description="Follow publishers reliably: bootstrap from snapshots (kvwire publishers), "
+        "fill gaps by replay, detect restarts. On a terminal: a live per-stream table; "
+        "piped: one readable block per batch; --json: one JSON object per item.",
+    )
+    ls.add_argument("endpoint", nargs="+",
+                    help="live endpoint(s), e.g. tcp://10.0.0.5:5557 (binds only tcp://*:PORT)")
+    ls.add_argument("--replay", metavar="ENDPOINT", action="append", default=[],
+                    help="replay/snapshot endpoint of the i-th live endpoint (repeat; - for none)")
+    ls.add_argument("--name", action="append", default=[],
+                    help="name of the i-th stream (repeat; default: its endpoint)")
     ls.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
-    ls.add_argument("--json", action="store_true", help="one JSON object per batch on stdout")
+    ls.add_argument("--json", action="store_true",
+                    help="one JSON object per line: batches, resets, snapshots (field kind)")
     ls.add_argument("--count", type=int, metavar="N", help="exit 0 after N batches")
     ls.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    ls.add_argument("--from-seq", type=int, metavar="SEQ",
-                    help="deliver from SEQ on (older ones from the replay buffer)")
-    ls.add_argument("--replay-timeout", type=float, default=2.0, metavar="S")
+    ls.add_argument("--view", action=argparse.BooleanOptionalAction, default=None,
+                    help="live per-stream table (default: when stdout is a terminal)")
+    ls.add_argument("--replay-timeout", type=float, default=2.0, metavar="S",
+                    help="give up on a replay/snapshot answer after S seconds of silence")
+    ls.add_argument("--curve-secret", metavar="FILE", help="this client's CurveZMQ secret key")
+    ls.add_argument("--curve-server-key", metavar="FILE", help="the publishers' public key")
     ls.set_defaults(func=_cmd_listen)
 
     ks = sub.add_parser("keys", help="generate a CurveZMQ key pair (NAME.key, NAME.key_secret)")

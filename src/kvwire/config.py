@@ -40,6 +40,10 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             value = getattr(self, name)
             if value < 0 or (name != "hwm" and value == 0):
                 raise ValueError(f"KVEventsConfig.{name} must be positive, got {value!r}")
+        if self.buffer_steps > 10_000_000:
+            raise ValueError(
+                f"KVEventsConfig.buffer_steps must be at most 10000000, got {self.buffer_steps!r}"
+            )
         if self.heartbeat_interval is not None and self.heartbeat_interval <= 0:
             raise ValueError(
                 "KVEventsConfig.heartbeat_interval must be > 0 seconds or null, "

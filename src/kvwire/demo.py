@@ -23,8 +23,9 @@ import msgspec
 
 from .cache import BlockCache
 from .events import BlockRemoved, BlockStored, KVEventBatch
-from .listen import Listener
 from .publisher import ZmqEventPublisher
+from .stream import Batch, Reset, Snapshot
+from .subscriber import StreamSpec, Subscriber
 
 __all__ = ["DemoEngine", "DemoSummary", "chain_hashes", "run_demo", "synthetic_prompts"]
 
@@ -109,12 +110,14 @@ def synthetic_prompts(
 class DemoSummary(msgspec.Struct):
     steps: int
     batches_published: int
+    joined_at_seq: int
+    snapshot_blocks: int
     batches_delivered: int
     blocks_stored: int
     blocks_removed: int
     prefix_hit_rate: float
     gaps: int
-    filled_from_replay: int
+    replayed: int
     lost: int
     engine_blocks: int
     rebuilt_blocks: int
@@ -127,9 +130,15 @@ def run_demo(
     capacity: int = 4096,
     rate: float = 1000.0,
     seed: int = 0,
+    join_after: float = 0.3,
     out: Callable[[str], None] = print,
 ) -> DemoSummary:
-    """Run engine and listener in one process over real loopback sockets."""
+    """Run engine and a late-joining subscriber in one process over real sockets.
+
+    The subscriber starts after ``join_after`` of the steps, bootstraps from the
+    publisher's snapshot and then follows the live stream; the summary checks that its
+    rebuilt cache equals the engine's.
+    """
     t0 = time.monotonic()
     engine = DemoEngine(capacity=capacity)
     prompts = synthetic_prompts(steps, seed)
@@ -138,31 +147,45 @@ def run_demo(
         endpoint=f"ipc://{tmp}/events",
         replay_endpoint=f"ipc://{tmp}/replay",
         topic="kv-events",
-        heartbeat_interval=0.5,
+        heartbeat_interval=0.2,
     )
     rebuilt = BlockCache()
     truth = BlockCache()
-    delivered = 0
+    got = {"batches": 0, "snapshot_blocks": 0, "joined": -1}
     stop = threading.Event()
-    listener = Listener(
-        pub.endpoint, pub.replay_endpoint, "kv-events", from_seq=0,
-        on_notice=lambda m: out(f"  listener: {m}"),
-    )
+    caught_up = threading.Event()
+    target = [1 << 62]
+    spec = StreamSpec("engine0", pub.endpoint, "kv-events", pub.replay_endpoint)
 
     def consume() -> None:
-        nonlocal delivered
-        while not stop.is_set():
-            for d in listener.poll(0.05):
-                rebuilt.apply(d.batch)
-                delivered += 1
+        with Subscriber([spec]) as sub:
+            while not stop.is_set():
+                item = sub.poll(0.05)
+                if isinstance(item, Reset):
+                    rebuilt.clear()
+                elif isinstance(item, Snapshot):
+                    rebuilt.clear()
+                    rebuilt.apply_events(item.blocks)
+                    got["snapshot_blocks"] = len(item.blocks)
+                    got["joined"] = item.seq
+                    out(f"  subscriber joined late: snapshot of {len(item.blocks)} blocks "
+                        f"as of seq {item.seq}")
+                elif isinstance(item, Batch):
+                    rebuilt.apply(item.batch)
+                    got["batches"] += 1
+                    if item.seq >= target[0]:
+                        caught_up.set()
+            got["stats"] = sub.stats()["engine0"].stream
 
-    th = threading.Thread(target=consume, name="kvwire-demo-listener", daemon=True)
-    th.start()
-    out(f"demo engine publishing on {pub.endpoint} (replay {pub.replay_endpoint})")
+    th = threading.Thread(target=consume, name="kvwire-demo-subscriber", daemon=True)
+    out(f"demo engine publishing on {pub.endpoint} (replay/snapshot {pub.replay_endpoint})")
     published = 0
     interval = 1.0 / rate if rate > 0 else 0.0
     next_t = time.monotonic()
+    join_step = int(steps * join_after)
     for i, prompt in enumerate(prompts):
+        if i == join_step:
+            th.start()
         batch = engine.step(prompt)
         if batch is not None:
             pub.publish(batch)
@@ -176,27 +199,28 @@ def run_demo(
             pause = next_t - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
+    if not th.is_alive():
+        th.start()
     # Everything published must arrive: wait on the condition, bounded.
-    deadline = time.monotonic() + 10.0
-    target = pub.stats().last_seq + 1
-    while listener.stats.delivered < target and time.monotonic() < deadline:
-        time.sleep(0.01)
+    target[0] = pub.stats().last_seq
+    caught_up.wait(15.0)
     stop.set()
     th.join(5.0)
     pub.shutdown(timeout=2.0)
-    listener.close()
     shutil.rmtree(tmp, ignore_errors=True)
-    s = listener.stats
+    st = got.get("stats")
     return DemoSummary(
         steps=steps,
         batches_published=published,
-        batches_delivered=delivered,
+        joined_at_seq=got["joined"],
+        snapshot_blocks=got["snapshot_blocks"],
+        batches_delivered=got["batches"],
         blocks_stored=engine.stored,
         blocks_removed=engine.removed,
         prefix_hit_rate=engine.hit_blocks / max(1, engine.total_blocks),
-        gaps=s.gaps,
-        filled_from_replay=s.filled,
-        lost=s.missed,
+        gaps=st.gaps if st else 0,
+        replayed=st.replayed if st else 0,
+        lost=st.lost if st else 0,
         engine_blocks=len(engine.lru),
         rebuilt_blocks=len(rebuilt),
         rebuilt_matches=rebuilt.as_dict() == truth.as_dict()

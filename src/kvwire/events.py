@@ -63,7 +63,9 @@ def _none() -> None:
 _ALWAYS = msgspec.field(default_factory=_none)
 
 
-class KVCacheEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, frozen=True):
+class KVCacheEvent(
+    msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, frozen=True, gc=False
+):
     """Base of all cache events; the msgpack map key ``type`` holds the class name."""
 
 
@@ -447,8 +449,12 @@ def encode_batch(batch: EventBatch, dialect: str = "vllm") -> bytes:
         # The public structs are laid out as vLLM's: encode them directly unless an
         # SGLang-only field would leak into the bytes.
         for e in batch.events:
-            if type(e) is BlockStored and e.cache_salt is not None:
-                break
+            t = type(e)
+            if t is BlockStored:
+                if e.cache_salt is not None:
+                    break
+            elif t is not BlockRemoved and t is not AllBlocksCleared:
+                break  # not one of ours: the converting path raises TypeError
         else:
             return _encoder.encode(batch)
     try:

@@ -57,6 +57,9 @@ log = logging.getLogger("kvwire.publisher")
 
 _snapshot_encoder = msgspec.msgpack.Encoder()
 
+#: The replay ring is preallocated; this bounds what a config typo can allocate.
+MAX_BUFFER_STEPS = 10_000_000
+
 
 class PublisherClosedError(RuntimeError):
     """``publish()`` was called after ``shutdown()``."""
@@ -192,10 +195,10 @@ class ZmqEventPublisher(EventPublisher):
     ) -> None:
         super().__init__(data_parallel_rank)
         check_dialect(dialect)
-        if buffer_steps < 1 or max_queue_size < 1 or hwm < 0:
+        if not (1 <= buffer_steps <= MAX_BUFFER_STEPS) or max_queue_size < 1 or hwm < 0:
             raise ValueError(
-                f"buffer_steps ({buffer_steps}) and max_queue_size ({max_queue_size}) must be "
-                f">= 1 and hwm ({hwm}) >= 0"
+                f"buffer_steps ({buffer_steps}) must be in 1..{MAX_BUFFER_STEPS}, "
+                f"max_queue_size ({max_queue_size}) >= 1 and hwm ({hwm}) >= 0"
             )
         if heartbeat_interval is not None and heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0 or None, got {heartbeat_interval}")
@@ -253,6 +256,7 @@ class ZmqEventPublisher(EventPublisher):
         self._max_queue = max_queue_size
         self._pending: collections.deque[tuple[int, EventBatch]] = collections.deque()
         self._next_seq = 0
+        self._done_seq = -1  # last seq the sender has handled (so it is in the ring)
         self._ring: list[tuple[int, bytes] | None] = [None] * buffer_steps
         self._model: BlockCache | None = BlockCache() if snapshot else None
         self._model_seq = -1
@@ -455,10 +459,13 @@ class ZmqEventPublisher(EventPublisher):
         sent = 0
         while pending:
             seq, batch = popleft()
+            self._done_seq = seq
             payload = encode(seq, batch)
             if payload is None:
                 continue
-            ring[seq % n] = (seq, payload)
+            slot = ring[seq % n]
+            if slot is None or slot[0] < seq:  # never overwrite a newer dropped batch
+                ring[seq % n] = (seq, payload)
             try:
                 send(pub, topic, _MORE)
             except zmq.Again:  # PUB drops rather than refuse; kept for safety
@@ -521,11 +528,12 @@ class ZmqEventPublisher(EventPublisher):
 
     def _info(self) -> dict[str, Any]:
         last = self._next_seq - 1
+        done = self._done_seq
         return {
             "version": 1,
             "epoch": self.epoch,
             "seq": last,
-            "oldest": max(0, last - self._buffer_steps + 1) if last >= 0 else -1,
+            "oldest": max(0, done - self._buffer_steps + 1) if done >= 0 else -1,
             "topic": self._topic,
             "rank": self._data_parallel_rank,
             "heartbeat_interval": self._heartbeat,
@@ -565,6 +573,8 @@ class ZmqEventPublisher(EventPublisher):
         while job.next <= job.end and budget:
             seq = job.next
             slot = ring[seq % n]
+            if (slot is None or slot[0] != seq) and seq > self._done_seq:
+                return False  # still queued for the sender: wait for it, don't skip it
             if slot is not None and slot[0] == seq:
                 r = self._send_to(job.ident, [b"", topic, seq.to_bytes(8, "big"), slot[1]])
                 if r is None:

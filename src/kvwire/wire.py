@@ -68,10 +68,8 @@ def parse_request(frames: list[bytes]) -> ReplayRequest | ControlRequest | BadRe
     if len(body) == 1:
         if len(body[0]) != 8:
             return BadRequest(f"replay seq frame must be 8 bytes, got {len(body[0])}")
-        start = unpack_seq(body[0])
-        if start < 0:
-            return BadRequest(f"replay start seq must be >= 0, got {start}")
-        return ReplayRequest(start)
+        # Unsigned, as the reference reads it: 0xff..ff is just past the end.
+        return ReplayRequest(int.from_bytes(body[0], "big"))
     if len(body) >= 2 and body[0] == MAGIC:
         op = body[1]
         if op == OP_INFO and len(body) == 2:
