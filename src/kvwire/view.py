@@ -90,12 +90,15 @@ class StreamTally:
         self.cleared = 0
         self.snapshot_blocks = 0
         self.last_message: float | None = None
+        self.last_heartbeat: float | None = None
         self._times: deque[float] = deque()
 
     def add(self, item: Batch | Reset | Snapshot | Liveness, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         if isinstance(item, Batch):
             self.last_message = now
+            if not item.batch.events:
+                self.last_heartbeat = now
             self._times.append(now)
             for ev in item.batch.events:
                 t = type(ev)
@@ -119,17 +122,18 @@ class StreamTally:
         now = time.monotonic() if now is None else now
         s = stats.stream if stats is not None else None
         age = "-" if self.last_message is None else f"{now - self.last_message:.1f}s"
+        hb = "-" if self.last_heartbeat is None else f"{now - self.last_heartbeat:.1f}s"
         if s is None:
             return [self.name, "-", "-", "-", f"{self.rate(now):.0f}", str(self.stored),
-                    str(self.removed), "-", "-", "-", age]
+                    str(self.removed), "-", "-", "-", age, hb]
         state = f"{s.mode}/{s.phase}" + ("" if s.alive else " DEAD")
         return [
             self.name, state, "-" if s.last_seq is None else str(s.last_seq),
             f"{s.epoch:016x}" if s.epoch is not None else "-",
             f"{self.rate(now):.0f}", str(self.stored), str(self.removed),
-            f"{s.gaps}/{s.lost}", f"{s.replays}", f"{s.resyncs}/{s.restarts}", age,
+            f"{s.gaps}/{s.lost}", f"{s.replays}", f"{s.resyncs}/{s.restarts}", age, hb,
         ]
 
 
 COLUMNS = ["stream", "state", "seq", "epoch", "batches/s", "stored", "removed",
-           "gaps/lost", "replays", "resyncs/restarts", "last msg"]
+           "gaps/lost", "replays", "resyncs/restarts", "last msg", "last heartbeat"]
