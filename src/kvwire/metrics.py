@@ -12,12 +12,18 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["StatsCollector", "publisher_collector", "register", "start_exporter"]
+__all__ = [
+    "StatsCollector",
+    "publisher_collector",
+    "register",
+    "start_exporter",
+    "subscriber_collector",
+]
 
 #: Fields of the stats structs that are levels rather than running totals.
 GAUGES = frozenset({
     "queue_depth", "last_seq", "buffered", "expected_seq", "alive", "seq", "blocks",
-    "last_heartbeat_age", "last_message_age", "state_code", "live", "streams",
+    "last_heartbeat_age", "last_message_age", "state_code", "live", "streams", "exact",
 })
 #: Fields that are identifiers, not measurements.
 SKIP = frozenset({"epoch", "name", "endpoint", "state", "topic"})
@@ -82,6 +88,33 @@ def publisher_collector(publishers: dict[str, Any]) -> StatsCollector:
         lambda: {name: p.stats() for name, p in publishers.items()},
         _PUBLISHER_NAMES, "kvwire KV event publisher",
     )
+
+
+_SUBSCRIBER_NAMES = {
+    "batches": "batches_delivered",
+    "events": "events_delivered",
+    "replayed": "batches_replayed",
+    "lost": "batches_lost",
+    "buffered": "buffered_batches",
+    "alive": "up",
+}
+
+
+def subscriber_collector(subscriber: Any) -> StatsCollector:
+    """A collector over a :class:`~kvwire.subscriber.Subscriber` (label ``stream``)."""
+
+    def source() -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, st in subscriber.stats().items():
+            values = msgspec.structs.asdict(st.stream)
+            values.update(requests_sent=st.requests_sent,
+                          request_send_failures=st.request_send_failures,
+                          request_sockets_recycled=st.request_sockets_recycled)
+            out[name] = values
+        return out
+
+    return StatsCollector("subscriber", "stream", source, _SUBSCRIBER_NAMES,
+                          "kvwire KV event subscriber")
 
 
 def register(collector: StatsCollector, registry: Any = None) -> StatsCollector:
