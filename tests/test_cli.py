@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from kvwire import wire
+from kvwire.cache import BlockCache
 from kvwire.events import (
     BlockRemoved,
     BlockStored,
@@ -233,3 +234,64 @@ def test_json_line_round_trips_to_the_same_batch() -> None:
     assert hashes == b.events[0].block_hashes
     assert decode_batch(encode_batch(b)) == b
     assert wire.unpack_seq(wire.pack_seq(-1)) == -1
+
+
+def test_listen_several_engines_json_bootstraps_from_snapshots(tmp_path) -> None:
+    """Two engines, each already holding blocks: the listener loads both snapshots, then
+    follows both live streams; --json lines carry stream names."""
+    pubs = [ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/l{i}",
+                              replay_endpoint=f"ipc://{tmp_path}/r{i}", heartbeat_interval=0.2)
+            for i in range(2)]
+    for i, p in enumerate(pubs):
+        for k in range(5):
+            p.publish(batch(100 * i + k))
+    args = [pubs[0].endpoint, pubs[1].endpoint, "--replay", pubs[0].replay_endpoint,
+            "--replay", pubs[1].replay_endpoint, "--name", "a", "--name", "b", "--json",
+            "--count", "8"]
+    proc = start_listen(*args)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        for p in pubs:
+            p.shutdown(timeout=1)
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    snaps = {r["stream"]: r for r in records if r["kind"] == "snapshot"}
+    assert set(snaps) == {"a", "b"}
+    for i, name in enumerate("ab"):
+        truth = BlockCache()
+        for k in range(5):
+            truth.apply(batch(100 * i + k))
+        r = snaps[name]
+        assert r["exact"] and r["seq"] >= 4
+        got = {bytes.fromhex(h["hex"]) if isinstance(h, dict) else h
+               for b in r["blocks"] for h in b["block_hashes"]}
+        assert got == {h for _, h in truth.as_dict()}
+
+
+def test_listen_with_curve_keys(tmp_path) -> None:
+    from kvwire.curve import CurveServer, generate_keys
+
+    generate_keys(tmp_path / "srv", "srv")
+    generate_keys(tmp_path / "cli", "alice")
+    pub = ZmqEventPublisher(
+        endpoint="tcp://*:0", replay_endpoint="tcp://*:0", heartbeat_interval=0.1,
+        curve=CurveServer(secret_key_file=str(tmp_path / "srv" / "srv.key_secret"),
+                          authorized_keys_dir=str(tmp_path / "cli")),
+    )
+    pub.publish(batch(1))
+    good = start_listen(pub.endpoint, "--replay", pub.replay_endpoint, "--json", "--count", "2",
+                        "--curve-secret", str(tmp_path / "cli" / "alice.key_secret"),
+                        "--curve-server-key", str(tmp_path / "srv" / "srv.key"))
+    plain = start_listen(pub.endpoint, "--json", "--duration", "3")
+    try:
+        out, err = good.communicate(timeout=60)
+        pout, _ = plain.communicate(timeout=60)
+    finally:
+        good.kill()
+        plain.kill()
+        pub.shutdown(timeout=1)
+    assert good.returncode == 0, err
+    assert sum(json.loads(x)["kind"] == "batch" for x in out.splitlines()) == 2
+    assert not [x for x in pout.splitlines() if json.loads(x)["kind"] == "batch"]

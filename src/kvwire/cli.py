@@ -49,6 +49,13 @@ def _cmd_listen(args: argparse.Namespace) -> int:
         notice(str(e))
         return 2
     tallies = {s.name: StreamTally(s.name) for s in specs}
+    exporter = None
+    if args.metrics is not None:
+        from .metrics import register, start_exporter, subscriber_collector
+
+        register(subscriber_collector(sub))
+        exporter = start_exporter(args.metrics, addr=args.metrics_addr)
+        notice(f"metrics on http://{args.metrics_addr}:{exporter.server_address[1]}/metrics")
     out = sys.stdout
     view = args.view if args.view is not None else (out.isatty() and not args.json)
     batches = 0
@@ -112,6 +119,8 @@ def _cmd_listen(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.stop()
+        if exporter is not None:
+            exporter.shutdown()
     for name, st in final.items():
         s = st.stream
         notice(
@@ -179,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="live per-stream table (default: when stdout is a terminal)")
     ls.add_argument("--replay-timeout", type=float, default=2.0, metavar="S",
                     help="give up on a replay/snapshot answer after S seconds of silence")
+    ls.add_argument("--metrics", type=int, metavar="PORT",
+                    help="serve Prometheus metrics on PORT (0: any free port)")
+    ls.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
     ls.add_argument("--curve-secret", metavar="FILE", help="this client's CurveZMQ secret key")
     ls.add_argument("--curve-server-key", metavar="FILE", help="the publishers' public key")
     ls.set_defaults(func=_cmd_listen)
