@@ -29,8 +29,9 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from kvwire import events as E  # noqa: E402
-from kvwire.listen import Listener  # noqa: E402
 from kvwire.publisher import ZmqEventPublisher  # noqa: E402
+from kvwire.stream import Batch, StreamConfig  # noqa: E402
+from kvwire.subscriber import StreamSpec, Subscriber  # noqa: E402
 
 TOPIC = "bench"
 
@@ -108,12 +109,18 @@ _BaselineEvent = E._VllmStored | E._VllmRemoved | E._MapCleared
 def subscriber_main(endpoint: str, kind: str, first_v: Any, n: int, ready: Any, out: Any) -> None:
     """Count and decode batches with seq >= ``first_v.value`` (set once warm-up is over)."""
     if kind == "kvwire":
-        # kvwire's own consumer: the Listener behind `kvwire listen`.
-        listener = Listener(endpoint, topic=TOPIC)
+        # kvwire's own consumer: the Subscriber behind `kvwire listen` (live-only here:
+        # the reference pair has no replay either).
+        sub = Subscriber([StreamSpec("bench", endpoint, TOPIC)],
+                         config=StreamConfig(deliver_empty=False))
 
         def receive() -> tuple[int, Any] | None:
-            ds = listener.poll(5.0)
-            return (ds[0].seq, ds[0].batch.events) if ds else None
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                item = sub.poll(1.0)
+                if type(item) is Batch:
+                    return item.seq, item.batch.events
+            return None
     else:
         # The reference consumer loop: poll, recv_multipart, strict msgspec decode.
         ctx = zmq.Context()
