@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, Literal
 
 import msgspec
@@ -365,74 +366,44 @@ def decode_batch(
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _vllm(ev: Event) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        return _VllmStored(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
-            ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership, ev.session_id,
-            ev.lookahead_token_ids,
+class _Shape:
+    """One dialect's private Structs; converts a public event by copying its fields.
+
+    The dialect Structs name their fields after the public ones, so one attrgetter per
+    shape copies exactly the fields that dialect carries (and drops the rest).
+    """
+
+    def __init__(self, stored: type, removed: type, cleared: type) -> None:
+        self.stored, self.removed, self.cleared = stored, removed, cleared
+        self._stored_fields = attrgetter(*stored.__struct_fields__)
+        removed_fields = removed.__struct_fields__
+        self._removed_fields = (
+            attrgetter(*removed_fields) if len(removed_fields) > 1
+            else lambda ev: (ev.block_hashes,)
         )
-    if t is BlockRemoved:
-        return _VllmRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
-    if t is AllBlocksCleared:
-        return _MapCleared()
-    raise TypeError(f"not a KV cache event: {ev!r}")
+
+    def convert(self, ev: Event) -> Any:
+        t = type(ev)
+        if t is BlockStored:
+            return self.stored(*self._stored_fields(ev))
+        if t is BlockRemoved:
+            return self.removed(*self._removed_fields(ev))
+        if t is AllBlocksCleared:
+            return self.cleared()
+        raise TypeError(f"not a KV cache event: {ev!r}")
 
 
-def _sglang(ev: Event) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        return _SglangStored(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
-            ev.medium, ev.cache_salt, ev.session_id, ev.lora_name,
-        )
-    if t is BlockRemoved:
-        return _SglangRemoved(ev.block_hashes, ev.medium)
-    if t is AllBlocksCleared:
-        return _MapCleared()
-    raise TypeError(f"not a KV cache event: {ev!r}")
-
-
-def _legacy(ev: Event) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        return _LegacyStored(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
-            ev.medium,
-        )
-    if t is BlockRemoved:
-        return _LegacyRemoved(ev.block_hashes, ev.medium)
-    if t is AllBlocksCleared:
-        return _LegacyCleared()
-    raise TypeError(f"not a KV cache event: {ev!r}")
-
-
-def _legacy_v0(ev: Event) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        return _V0Stored(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id
-        )
-    if t is BlockRemoved:
-        return _V0Removed(ev.block_hashes)
-    if t is AllBlocksCleared:
-        return _LegacyCleared()
-    raise TypeError(f"not a KV cache event: {ev!r}")
-
-
-_CONVERT: dict[str, Callable[[Event], Any]] = {
-    "vllm": _vllm,
-    "sglang": _sglang,
-    "vllm-legacy": _legacy,
-    "vllm-legacy-v0": _legacy_v0,
+_SHAPES: dict[str, _Shape] = {
+    "vllm": _Shape(_VllmStored, _VllmRemoved, _MapCleared),
+    "sglang": _Shape(_SglangStored, _SglangRemoved, _MapCleared),
+    "vllm-legacy": _Shape(_LegacyStored, _LegacyRemoved, _LegacyCleared),
+    "vllm-legacy-v0": _Shape(_V0Stored, _V0Removed, _LegacyCleared),
 }
 
 
 def check_dialect(dialect: str) -> str:
     """Return ``dialect`` if kvwire can encode it, else raise ValueError naming the choices."""
-    if dialect not in _CONVERT:
+    if dialect not in _SHAPES:
         raise ValueError(f"unknown dialect {dialect!r}; expected one of {', '.join(DIALECTS)}")
     return dialect
 
@@ -458,7 +429,7 @@ def encode_batch(batch: EventBatch, dialect: str = "vllm") -> bytes:
         else:
             return _encoder.encode(batch)
     try:
-        convert = _CONVERT[dialect]
+        convert = _SHAPES[dialect].convert
     except KeyError:
         check_dialect(dialect)
         raise
