@@ -168,6 +168,8 @@ class ZmqEventPublisher(EventPublisher):
 
     #: Replay messages sent per loop turn, between live sends.
     REPLAY_SLICE = 64
+    #: Live batches sent per loop turn: a long backlog cannot delay INFO/SNAPSHOT answers.
+    SEND_SLICE = 4096
     #: Requests read per loop turn (a flood cannot starve the other work).
     REQUEST_SLICE = 64
     MAX_REPLAY_JOBS = 64
@@ -449,7 +451,7 @@ class ZmqEventPublisher(EventPublisher):
             self._close_all(max(0, int((self._deadline - time.monotonic()) * 1000)))
 
     def _send_pending(self) -> bool:
-        """Encode and send everything queued, in one burst per wake-up."""
+        """Encode and send what is queued, up to ``SEND_SLICE`` batches per loop turn."""
         pending = self._pending
         if not pending:
             return False
@@ -457,7 +459,7 @@ class ZmqEventPublisher(EventPublisher):
         ring, n, encode = self._ring, self._buffer_steps, self._encode
         popleft = pending.popleft
         sent = 0
-        while pending:
+        for _ in range(min(len(pending), self.SEND_SLICE)):
             seq, batch = popleft()
             self._done_seq = seq
             payload = encode(seq, batch)
