@@ -52,6 +52,19 @@ class CachedBlock(tuple):
     def as_event(self) -> BlockStored:
         """This block alone, as a one-block ``BlockStored`` (the snapshot record)."""
         ev, i = self
+        n = len(ev.block_hashes)
+        if n == 1:
+            return ev  # already a one-block event (e.g. loaded from a snapshot)
+        if (
+            ev.extra_keys is None and ev.lookahead_token_ids is None and ev.group_idx is None
+            and ev.kv_cache_spec_kind is None and ev.kv_cache_spec_sliding_window is None
+            and ev.locality is None and ev.ownership is None and ev.session_id is None
+            and ev.cache_salt is None
+        ):  # the common case, positional: several times cheaper than keywords
+            return BlockStored(
+                [ev.block_hashes[i]], self.parent, self.token_ids, ev.block_size, ev.lora_id,
+                ev.medium, ev.lora_name,
+            )
         return BlockStored(
             [ev.block_hashes[i]],
             self.parent,
@@ -60,14 +73,14 @@ class CachedBlock(tuple):
             ev.lora_id,
             ev.medium,
             lora_name=ev.lora_name,
-            extra_keys=_nth(ev.extra_keys, i, len(ev.block_hashes)),
+            extra_keys=_nth(ev.extra_keys, i, n),
             group_idx=ev.group_idx,
             kv_cache_spec_kind=ev.kv_cache_spec_kind,
             kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
             locality=ev.locality,
             ownership=ev.ownership,
             session_id=ev.session_id,
-            lookahead_token_ids=_nth(ev.lookahead_token_ids, i, len(ev.block_hashes)),
+            lookahead_token_ids=_nth(ev.lookahead_token_ids, i, n),
             cache_salt=ev.cache_salt,
         )
 
@@ -131,6 +144,11 @@ class BlockCache:
         """
         values = list(self._blocks.values())
         return [CachedBlock(v) for v in values]
+
+    def raw_copy(self) -> list[tuple[BlockStored, int]]:
+        """Like :meth:`blocks` without wrapping: one C-level list copy (milliseconds for 1M
+        blocks), so a snapshot can be taken on a thread that also serves live traffic."""
+        return list(self._blocks.values())
 
     def items(self) -> Iterator[tuple[tuple[str, BlockHash], CachedBlock]]:
         for k, v in self._blocks.items():

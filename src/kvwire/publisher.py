@@ -141,7 +141,9 @@ class _Snapshot:
 
     __slots__ = ("ident", "blocks", "seq", "chunk", "next_chunk", "chunks", "started")
 
-    def __init__(self, ident: bytes, blocks: list[CachedBlock], seq: int, chunk: int) -> None:
+    def __init__(
+        self, ident: bytes, blocks: list[tuple[Any, int]], seq: int, chunk: int
+    ) -> None:
         self.ident = ident
         self.blocks = blocks
         self.seq = seq
@@ -522,7 +524,7 @@ class ZmqEventPublisher(EventPublisher):
                 else:
                     seq = self._model_seq  # read before copying: see BlockCache docstring
                     self._snapshots[ident] = _Snapshot(
-                        ident, self._model.blocks(), seq, req.chunk_blocks
+                        ident, self._model.raw_copy(), seq, req.chunk_blocks
                     )
         else:
             c["bad_requests"] += 1
@@ -594,7 +596,9 @@ class ZmqEventPublisher(EventPublisher):
         i = snap.next_chunk
         part = snap.blocks[i * snap.chunk : (i + 1) * snap.chunk]
         payload = _snapshot_encoder.encode(
-            KVEventBatch(time.time(), [b.as_event() for b in part], self._data_parallel_rank)
+            KVEventBatch(
+                time.time(), [CachedBlock(b).as_event() for b in part], self._data_parallel_rank
+            )
         )
         header = {
             "epoch": self.epoch,

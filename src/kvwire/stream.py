@@ -154,7 +154,7 @@ class FrameError(ValueError):
 
 
 class InfoReply(msgspec.Struct, frozen=True, kw_only=True):
-    """The INFO map (docs/extensions-draft.md); unknown keys are ignored."""
+    """The INFO map (docs/protocol.md, 2.1); unknown keys are ignored."""
 
     epoch: int
     version: int = 1
