@@ -1,0 +1,38 @@
+"""kvwire.shm: a shared-memory broadcast queue, drop-in for vLLM's ``MessageQueue``.
+
+One writer, N readers, every reader gets every message in order; local readers
+share a ring in /dev/shm, remote ones get the frames over ZeroMQ TCP. A dead
+peer raises a typed error instead of hanging. See docs/shm.md.
+"""
+
+from .buffer import ShmRingBuffer, shm_free_bytes
+from .errors import (
+    PeerDeadError,
+    QueueShutdownError,
+    ReaderDeadError,
+    ShmCapacityError,
+    ShmQueueError,
+    WriterDeadError,
+)
+from .group import StatelessGroup, node_key
+from .handle import Handle
+from .queue import MessageQueue
+from .serializer import MsgspecSerializer, PickleSerializer, Serializer
+
+__all__ = [
+    "Handle",
+    "MessageQueue",
+    "MsgspecSerializer",
+    "PeerDeadError",
+    "PickleSerializer",
+    "QueueShutdownError",
+    "ReaderDeadError",
+    "Serializer",
+    "ShmCapacityError",
+    "ShmQueueError",
+    "ShmRingBuffer",
+    "StatelessGroup",
+    "WriterDeadError",
+    "node_key",
+    "shm_free_bytes",
+]
