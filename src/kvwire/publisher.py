@@ -27,7 +27,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.backend
 
 from . import wire
 from .cache import BlockCache, CachedBlock
@@ -42,6 +41,7 @@ from .endpoint import (
     resolve_check,
 )
 from .events import EventBatch, KVEventBatch, check_dialect, encode_batch
+from .framesend import FrameSender
 
 __all__ = [
     "EventPublisher",
@@ -256,7 +256,9 @@ class ZmqEventPublisher(EventPublisher):
             )
 
         self._lock = threading.Lock()  # seq, encode, ring, model, queue order
-        self._send = zmq.backend.Socket.send  # skips pyzmq's Python-level wrapper
+        # Sends from the background thread keep the GIL (see framesend): a busy engine
+        # loop cannot turn each frame into a wait for the interpreter's switch interval.
+        self._live_send = FrameSender(self._pub).send
         self._max_queue = max_queue_size
         self._pending: collections.deque[tuple[int, EventBatch]] = collections.deque()
         self._next_seq = 0
@@ -457,7 +459,7 @@ class ZmqEventPublisher(EventPublisher):
         pending = self._pending
         if not pending:
             return False
-        pub, send, topic = self._pub, self._send, self._topic_b
+        send, topic = self._live_send, self._topic_b
         ring, n, encode = self._ring, self._buffer_steps, self._encode
         popleft = pending.popleft
         sent = 0
@@ -470,13 +472,11 @@ class ZmqEventPublisher(EventPublisher):
             slot = ring[seq % n]
             if slot is None or slot[0] < seq:  # never overwrite a newer dropped batch
                 ring[seq % n] = (seq, payload)
-            try:
-                send(pub, topic, _MORE)
-            except zmq.Again:  # PUB drops rather than refuse; kept for safety
+            if not send(topic, _MORE):  # PUB drops rather than refuse; kept for safety
                 self._c["dropped"] += 1
                 continue
-            send(pub, seq.to_bytes(8, "big"), _MORE)
-            send(pub, payload, zmq.NOBLOCK)
+            send(seq.to_bytes(8, "big"), _MORE)
+            send(payload, _LAST)
             sent += 1
         self._c["sent"] += sent
         self._last_live = time.monotonic()
@@ -617,7 +617,8 @@ class ZmqEventPublisher(EventPublisher):
         return snap.next_chunk >= snap.chunks
 
 
-_MORE = zmq.SNDMORE | zmq.NOBLOCK
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_LAST = int(zmq.NOBLOCK)
 
 
 def _node_ip() -> str:
