@@ -214,8 +214,11 @@ def bench_decode(n: int) -> dict[str, float]:
     return out
 
 
-def run_pair(kind: str, n: int, warm: int, max_queue: int = 100_000) -> dict[str, float]:
-    """Publish ``warm`` + ``n`` reference steps as fast as the caller can; measure."""
+def run_pair(
+    kind: str, n: int, warm: int, max_queue: int = 100_000, pace: float | None = None
+) -> dict[str, float]:
+    """Publish ``warm`` + ``n`` reference steps as fast as the caller can (or at ``pace``
+    batches/s, spinning between calls like an engine loop); measure."""
     if kind == "kvwire":
         pub = ZmqEventPublisher(
             endpoint="tcp://*:0", topic=TOPIC, heartbeat_interval=None,
@@ -248,7 +251,13 @@ def run_pair(kind: str, n: int, warm: int, max_queue: int = 100_000) -> dict[str
     publish = pub.publish
     c0, m0, z0 = cpu_now(), time.thread_time(), zmq_io_cpu()
     t0 = time.perf_counter()
+    gap = 0 if pace is None else int(1e9 / pace)
+    next_t = clock()
     for i in range(n):
+        if gap:
+            next_t += gap
+            while clock() < next_t:
+                pass
         a = clock()
         publish(batches[i])
         lat[i] = clock() - a
@@ -285,6 +294,12 @@ def run_pair(kind: str, n: int, warm: int, max_queue: int = 100_000) -> dict[str
         "dropped": dropped,
         "e2e_batches_s": (got - 1) / (t_last - t_first) if got > 1 and t_last > t_first else 0.0,
     }
+
+
+def run_paced(kind: str, rate: float, n: int) -> dict[str, float]:
+    """publish() latency at an engine-like pace (one batch every 1/rate s), subscriber live."""
+    res = run_pair(kind, n, 200, pace=rate)
+    return {"p50": res["publish_median_us"], "p99": res["publish_p99_us"]}
 
 
 def run_full_queue(kind: str, n: int) -> dict[str, float]:
@@ -328,6 +343,8 @@ def main() -> None:
         for kind in ("baseline", "kvwire"):
             runs[kind].append(run_pair(kind, n, warm))
     full = {k: run_full_queue(k, 20_000 if args.quick else 100_000) for k in ("baseline", "kvwire")}
+    paced = {k: run_paced(k, 10_000, 10_000 if args.quick else 50_000)
+             for k in ("baseline", "kvwire")}
 
     def med(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[kind])
@@ -350,6 +367,12 @@ def main() -> None:
     ):
         b, k = med("baseline", key), med("kvwire", key)
         rows.append((label, b, k, k / b if b else float("nan"), "kvwire/baseline"))
+    rows.append(("publish() median at 10k batches/s (us)", paced["baseline"]["p50"],
+                 paced["kvwire"]["p50"], paced["kvwire"]["p50"] / paced["baseline"]["p50"],
+                 "kvwire/baseline"))
+    rows.append(("publish() p99 at 10k batches/s (us)", paced["baseline"]["p99"],
+                 paced["kvwire"]["p99"], paced["kvwire"]["p99"] / paced["baseline"]["p99"],
+                 "kvwire/baseline"))
     rows.append(("publish() p99, queue full (us)", full["baseline"]["p99"], full["kvwire"]["p99"],
                  full["kvwire"]["p99"] / full["baseline"]["p99"], "kvwire/baseline"))
     rows.append(("publish() max, queue full (us)", full["baseline"]["max"], full["kvwire"]["max"],
