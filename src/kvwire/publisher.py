@@ -40,7 +40,7 @@ from .endpoint import (
     offset_for_rank,
     resolve_check,
 )
-from .events import EventBatch, KVEventBatch, check_dialect, encode_batch
+from .events import AllBlocksCleared, EventBatch, KVEventBatch, check_dialect, encode_batch
 from .framesend import FrameSender
 
 __all__ = [
@@ -80,6 +80,7 @@ class PublisherStats(msgspec.Struct, frozen=True):
     snapshot_chunks: int = 0
     bad_requests: int = 0
     busy_rejections: int = 0
+    snapshots_unavailable: int = 0
     queue_depth: int = 0
     last_seq: int = -1
     epoch: int = 0
@@ -264,8 +265,12 @@ class ZmqEventPublisher(EventPublisher):
         self._next_seq = 0
         self._done_seq = -1  # last seq the sender has handled (so it is in the ring)
         self._ring: list[tuple[int, bytes] | None] = [None] * buffer_steps
+        # The snapshot model is owned by the sender thread, which applies batches in seq
+        # order; the engine thread never pays for it.
         self._model: BlockCache | None = BlockCache() if snapshot else None
         self._model_seq = -1
+        self._lost_from: int | None = None  # first dropped seq the model has not seen
+        self._last_drop = -1
         self._replays: dict[bytes, _Replay] = {}
         self._snapshots: dict[bytes, _Snapshot] = {}
         self._c: dict[str, int] = dict.fromkeys(PublisherStats.__struct_fields__, 0)
@@ -334,13 +339,6 @@ class ZmqEventPublisher(EventPublisher):
     def _accept(self, batch: EventBatch) -> None:
         seq = self._next_seq
         self._next_seq = seq + 1
-        model = self._model
-        if model is not None:
-            try:
-                model.apply_events(batch.events)
-            except Exception:  # not a KV batch: the encoder reports it
-                pass
-            self._model_seq = seq
         if len(self._pending) < self._max_queue:
             self._pending.append((seq, batch))
         else:  # full: skip the live stream, but keep it replayable
@@ -348,6 +346,10 @@ class ZmqEventPublisher(EventPublisher):
             payload = self._encode(seq, batch)
             if payload is not None:
                 self._ring[seq % self._buffer_steps] = (seq, payload)
+            # The sender never sees this batch, so the snapshot model misses it.
+            self._last_drop = seq
+            if self._lost_from is None and self._model is not None:
+                self._lost_from = seq
 
     def _encode(self, seq: int, batch: EventBatch) -> bytes | None:
         try:
@@ -463,9 +465,12 @@ class ZmqEventPublisher(EventPublisher):
         ring, n, encode = self._ring, self._buffer_steps, self._encode
         popleft = pending.popleft
         sent = 0
+        model = self._model
         for _ in range(min(len(pending), self.SEND_SLICE)):
             seq, batch = popleft()
             self._done_seq = seq
+            if model is not None:
+                self._apply(model, seq, batch)
             payload = encode(seq, batch)
             if payload is None:
                 continue
@@ -481,6 +486,26 @@ class ZmqEventPublisher(EventPublisher):
         self._c["sent"] += sent
         self._last_live = time.monotonic()
         return True
+
+    def _apply(self, model: BlockCache, seq: int, batch: EventBatch) -> None:
+        """Keep the snapshot model exact, or know since when it is not."""
+        lost = self._lost_from
+        try:
+            if lost is None or seq < lost:
+                model.apply_events(batch.events)
+            else:
+                # A dropped batch never reached the model; a later full clear makes it exact.
+                evs = batch.events
+                cut = max((i for i, e in enumerate(evs) if type(e) is AllBlocksCleared),
+                          default=None)
+                if cut is not None and seq > self._last_drop:
+                    model.clear()
+                    model.apply_events(evs[cut + 1 :])
+                    self._lost_from = None
+                    log.warning("snapshot model exact again at seq %d (cache cleared)", seq)
+        except Exception:  # not a KV batch: the encoder reports it
+            pass
+        self._model_seq = seq
 
     # ------------------------------------------------------------------ replay socket
 
@@ -515,6 +540,11 @@ class ZmqEventPublisher(EventPublisher):
                 c["snapshot_requests"] += 1
                 if self._model is None:
                     self._send_to(ident, wire.err_frames("snapshots are disabled"))
+                elif self._lost_from is not None and self._lost_from <= self._model_seq:
+                    c["snapshots_unavailable"] += 1
+                    self._send_to(ident, wire.err_frames(
+                        f"snapshot unavailable: the live queue overflowed at seq "
+                        f"{self._lost_from}; exact again after the engine clears its cache"))
                 elif (
                     ident not in self._snapshots
                     and len(self._snapshots) >= self.MAX_SNAPSHOT_JOBS
@@ -522,7 +552,7 @@ class ZmqEventPublisher(EventPublisher):
                     c["busy_rejections"] += 1
                     self._send_to(ident, wire.err_frames("busy: too many snapshots in flight"))
                 else:
-                    seq = self._model_seq  # read before copying: see BlockCache docstring
+                    seq = self._model_seq  # same thread as the model: exact
                     self._snapshots[ident] = _Snapshot(
                         ident, self._model.raw_copy(), seq, req.chunk_blocks
                     )
