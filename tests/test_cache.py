@@ -133,3 +133,21 @@ def test_items_and_blocks_are_point_in_time_copies() -> None:
     c.apply(batch(BlockRemoved([1, 2, 3])))
     assert [b.hash for b in snap] == [1, 2, 3]
     assert keys == [("GPU", 1), ("GPU", 2), ("GPU", 3)]
+
+
+def test_chain_events_regroups_runs_and_rebuilds_exactly() -> None:
+    from kvwire.cache import chain_events
+
+    c = BlockCache()
+    a = BlockStored([1, 2, 3, 4], None, list(range(16)), 4, None, "GPU",
+                    extra_keys=[["x"], None, ["y"], None])
+    b = BlockStored([10, 11], 4, list(range(8)), 4, None, "GPU")
+    c.apply_events([a, b, BlockRemoved([2], "GPU")])  # splits a's run: [1], [3, 4]
+    events = chain_events(c.raw_copy())
+    assert [e.block_hashes for e in events] == [[1], [3, 4], [10, 11]]
+    assert events[1].parent_block_hash == 2 and events[1].token_ids == list(range(8, 16))
+    assert events[1].extra_keys == [["y"], None]
+    assert events[2] is b  # a whole event goes out as itself
+    rebuilt = BlockCache()
+    rebuilt.apply_events(events)
+    assert rebuilt.as_dict() == c.as_dict()

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import msgspec
+
 from .events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
 
-__all__ = ["BlockCache", "CachedBlock", "medium_key"]
+__all__ = ["BlockCache", "CachedBlock", "chain_events", "medium_key"]
 
 
 def medium_key(medium: str | None) -> str:
@@ -91,6 +93,45 @@ class CachedBlock(tuple):
             e.parent_block_hash, tuple(e.token_ids), e.block_size, e.lora_id, e.lora_name,
             medium_key(e.medium),
         )
+
+
+def chain_events(values: list[tuple[BlockStored, int]]) -> list[BlockStored]:
+    """``(event, index)`` records as few ``BlockStored`` events as possible.
+
+    Blocks a single event stored together sit next to each other in the cache (insertion
+    order), so runs of consecutive indexes of one event go back out as one chain: a
+    snapshot of long prompts costs about as much as replaying the batches that built it.
+    """
+    out: list[BlockStored] = []
+    i, n = 0, len(values)
+    while i < n:
+        ev, start = values[i]
+        j = i + 1
+        while j < n and values[j][0] is ev and values[j][1] == start + (j - i):
+            j += 1
+        end = start + (j - i)  # exclusive
+        out.append(ev if start == 0 and end == len(ev.block_hashes)
+                   else _sub_chain(ev, start, end))
+        i = j
+    return out
+
+
+def _sub_chain(ev: BlockStored, start: int, end: int) -> BlockStored:
+    n, bs = len(ev.block_hashes), ev.block_size
+    return msgspec.structs.replace(
+        ev,
+        block_hashes=ev.block_hashes[start:end],
+        parent_block_hash=ev.block_hashes[start - 1] if start else ev.parent_block_hash,
+        token_ids=ev.token_ids[start * bs : end * bs],
+        extra_keys=_slice(ev.extra_keys, start, end, n),
+        lookahead_token_ids=_slice(ev.lookahead_token_ids, start, end, n),
+    )
+
+
+def _slice(per_block: list[Any] | None, start: int, end: int, n: int) -> list[Any] | None:
+    if per_block is None or len(per_block) != n:
+        return None
+    return per_block[start:end]
 
 
 def _nth(per_block: list[Any] | None, i: int, n: int) -> list[Any] | None:

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from . import wire
-from .cache import BlockCache, CachedBlock
+from .cache import BlockCache, chain_events
 from .config import KVEventsConfig
 from .curve import CurveServer
 from .endpoint import (
@@ -626,9 +626,7 @@ class ZmqEventPublisher(EventPublisher):
         i = snap.next_chunk
         part = snap.blocks[i * snap.chunk : (i + 1) * snap.chunk]
         payload = _snapshot_encoder.encode(
-            KVEventBatch(
-                time.time(), [CachedBlock(b).as_event() for b in part], self._data_parallel_rank
-            )
+            KVEventBatch(time.time(), chain_events(part), self._data_parallel_rank)
         )
         header = {
             "epoch": self.epoch,
