@@ -161,7 +161,7 @@ def bootstrap_consumer(conn: Any, port: int, rport: int, chunk: int) -> None:
         item = sub.poll(1.0)
         if type(item) is Snapshot:
             t_snap = time.perf_counter() - t0
-            blocks = len(item.blocks)
+            blocks = item.block_count
         elif type(item) is Batch and t_snap is not None and item.batch.events:
             t_batch = time.perf_counter() - t0
     sub.close()

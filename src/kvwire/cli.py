@@ -108,7 +108,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
                 elif isinstance(item, Snapshot):
                     how = "exact" if item.exact else "contents before it unknown"
                     notice(f"{item.stream}: snapshot at seq {item.seq}: "
-                           f"{len(item.blocks)} blocks ({how})")
+                           f"{item.block_count} blocks ({how})")
                 elif isinstance(item, Liveness):
                     notice(f"{item.stream}: {'alive' if item.alive else 'DEAD'} ({item.reason})")
             final = sub.stats()

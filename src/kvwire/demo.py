@@ -166,9 +166,9 @@ def run_demo(
                 elif isinstance(item, Snapshot):
                     rebuilt.clear()
                     rebuilt.apply_events(item.blocks)
-                    got["snapshot_blocks"] = len(item.blocks)
+                    got["snapshot_blocks"] = item.block_count
                     got["joined"] = item.seq
-                    out(f"  subscriber joined late: snapshot of {len(item.blocks)} blocks "
+                    out(f"  subscriber joined late: snapshot of {item.block_count} blocks "
                         f"as of seq {item.seq}")
                 elif isinstance(item, Batch):
                     rebuilt.apply(item.batch)

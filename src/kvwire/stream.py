@@ -130,9 +130,14 @@ class Snapshot(msgspec.Struct, frozen=True):
 
     stream: str
     seq: int
-    blocks: list[BlockStored]
+    blocks: list[BlockStored]  # events covering the blocks; an event may be a chain
     epoch: int | None = None
     exact: bool = True
+
+    @property
+    def block_count(self) -> int:
+        """Blocks covered: ``blocks`` holds events, and an event may be a chain of blocks."""
+        return sum(len(e.block_hashes) for e in self.blocks)
 
 
 class Liveness(msgspec.Struct, frozen=True):

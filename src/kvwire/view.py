@@ -109,7 +109,7 @@ class StreamTally:
                 elif t is AllBlocksCleared:
                     self.cleared += 1
         elif isinstance(item, Snapshot):
-            self.snapshot_blocks = len(item.blocks)
+            self.snapshot_blocks = item.block_count
 
     def rate(self, now: float | None = None) -> float:
         """Batches per second over the last few seconds."""
