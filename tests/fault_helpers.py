@@ -271,7 +271,7 @@ class Rebuild:
             self.next = d.seq + 1
             self.epoch = d.epoch
             self.exact = d.exact
-            self.snapshots.append((d.seq, d.exact, d.epoch, len(d.blocks)))
+            self.snapshots.append((d.seq, d.exact, d.epoch, d.block_count))
             if self.first_snapshot_at is None:
                 self.first_snapshot_at = time.monotonic()
         elif t is Liveness:

@@ -18,6 +18,8 @@ def pair(tmp_path):
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.bind(f"ipc://{tmp_path}/p")
     b.connect(f"ipc://{tmp_path}/p")
+    b.send(b"hello")  # a PAIR accepts non-blocking sends only once connected: wait for it
+    assert a.poll(10_000) and a.recv() == b"hello"
     yield a, b
     ctx.destroy(linger=0)
 
