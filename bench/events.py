@@ -311,13 +311,14 @@ def run_sustained(kind: str, rates: list[int], seconds: float) -> float:
 
     The caller publishes at ``rate`` in short bursts and sleeps between them, so unlike the
     tight loop it does not take the CPU the consumer needs; a rate passes when every batch
-    is delivered live (nothing dropped, nothing lost at the high-water mark).
+    is delivered live (nothing dropped, nothing lost at the high-water mark) and the
+    subscriber kept pace (received at >= 95% of the offered rate).
     """
     best = 0.0
     for rate in rates:
         n = int(rate * seconds)
         r = run_pair(kind, n, 200, pace=rate, sleep=True)
-        if r["delivered"] < n or r["dropped"]:
+        if r["delivered"] < n or r["dropped"] or r["e2e_batches_s"] < 0.95 * rate:
             break
         best = float(rate)
     return best
