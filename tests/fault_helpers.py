@@ -222,10 +222,15 @@ class Engine:
         except (OSError, EOFError, BrokenPipeError):
             pass
         finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(10)
-            self.conn.close()
+            _reap(self.proc, self.conn)
+
+
+def _reap(proc: Any, conn: Any) -> None:
+    """Kill a child that did not stop by itself, wait for it, close its pipe: no orphans."""
+    if proc.is_alive():
+        proc.kill()
+    proc.join(10)
+    conn.close()
 
 
 # --------------------------------------------------------------------------- rebuild
@@ -395,7 +400,4 @@ class SubProc:
         except (OSError, EOFError, BrokenPipeError):
             pass
         finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(10)
-            self.conn.close()
+            _reap(self.proc, self.conn)
