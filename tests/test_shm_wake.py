@@ -24,7 +24,8 @@ def test_idle_reader_sleeps_and_wakes_fast() -> None:
     this VM allows: a bare futex wake of a sleeping process already takes ~90 us here
     and the woken vCPU runs its first Python slowly; docs/shm.md has the numbers. The
     bound here (5 ms median, robust to a busy shared CI machine) still fails on lost or
-    timer-driven wake-ups (the liveness timer fires every 100 ms)."""
+    timer-driven wake-ups: the reader runs without a liveness timer, so only the writer's
+    wake can end its sleep, and a lost one would wait seconds."""
     n = 7
     q = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=4)
     out = CTX.Queue()
@@ -47,7 +48,8 @@ def test_idle_reader_sleeps_and_wakes_fast() -> None:
     assert wall >= 0.9
     assert cpu / wall < 0.01, f"idle reader used {cpu / wall:.2%} of a core"
     assert statistics.median(lat_us) < 5000, f"wake-up latencies (us): {lat_us}"
-    assert max(lat_us) < 50_000, f"a wake-up waited for a timer: {lat_us}"
+    # A host hiccup can cost tens of ms on this VM (58 ms seen); a lost wake costs >= 10 s.
+    assert max(lat_us) < 1_000_000, f"a wake-up was lost (waited for a timeout): {lat_us}"
     q.close()
 
 

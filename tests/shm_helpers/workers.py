@@ -124,8 +124,12 @@ def echo_main(handle_in: Any, hq: Any, n: int) -> None:
 
 
 def wake_reader(handle: Any, n: int, out: Any) -> None:
-    """Report, per message, CPU used while idle and wake latency (sender put its clock in it)."""
-    q = MessageQueue.create_from_handle(handle, 0)
+    """Report, per message, CPU used while idle and wake latency (sender put its clock in it).
+
+    No liveness timer: only the writer's wake-up can end the sleep, so a lost or late
+    wake-up shows as a wait of seconds, not as a 100 ms timer tick that looks like noise.
+    """
+    q = MessageQueue.create_from_handle(handle, 0, liveness_interval=1e4)
     q.wait_until_ready(timeout=30)
     out.put("ready")
     res = []
