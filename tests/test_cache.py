@@ -151,3 +151,28 @@ def test_chain_events_regroups_runs_and_rebuilds_exactly() -> None:
     rebuilt = BlockCache()
     rebuilt.apply_events(events)
     assert rebuilt.as_dict() == c.as_dict()
+
+
+def test_chunked_snapshot_of_tiers_and_restored_blocks_rebuilds_exactly() -> None:
+    """raw_copy() cut into chunks, each through chain_events with one shared positions
+    cache (as the publisher sends a snapshot): several tiers, an event split across chunks,
+    and a block re-stored by a later event."""
+    from kvwire.cache import chain_events
+
+    c = BlockCache()
+    long = BlockStored(list(range(100, 130)), None, list(range(60)), 2, None, None)
+    cpu = BlockStored([1, 2, 3], None, list(range(6)), 2, None, "CPU")
+    again = BlockStored([105, 200], 104, [7, 7, 8, 8], 2, None, None)  # re-stores 105
+    c.apply_events([long, cpu, again, BlockRemoved([110], None), BlockRemoved([2], "CPU")])
+    assert len(c) == 30 - 1 + 3 - 1 + 1
+    assert ("GPU", 105) in c and ("CPU", 2) not in c
+    assert c.blocks()[5].event is again  # the last store of a block decides
+    records = c.raw_copy()
+    positions: dict = {}
+    events = []
+    for i in range(0, len(records), 7):
+        events += chain_events(records[i : i + 7], positions)
+    rebuilt = BlockCache()
+    rebuilt.apply_events(events)
+    assert rebuilt.as_dict() == c.as_dict()
+    assert {k[0] for k in c.as_dict()} == {"GPU", "CPU"}

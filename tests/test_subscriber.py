@@ -488,3 +488,61 @@ def test_stream_spec_for_ranks():
     ]
     with pytest.raises(ValueError):
         Subscriber([StreamSpec("a", "tcp://127.0.0.1:1"), StreamSpec("a", "tcp://127.0.0.1:2")])
+
+
+def test_poll_many_gives_what_poll_gives_in_bulk(closer):
+    """Two subscribers on one publisher, one through poll(), one through poll_many(): the
+    same items in the same order (here with HWM drops filled from replay in between)."""
+    pub = kv_pub(hwm=20, buffer_steps=20_000, heartbeat_interval=None)
+    closer(pub)
+    gen = Gen(12, tokens_per_block=256)  # big: more than socket buffers hold
+    specs = [StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)]
+    one = Subscriber(specs, config=FAST, rcvhwm=20)
+    bulk = Subscriber(specs, config=FAST, rcvhwm=20)
+    closer(one)
+    closer(bulk)
+    apps = App(), App()
+    for sub, app in zip((one, bulk), apps):
+        pump(sub, app, lambda sub=sub: sub.stats()["e"].stream.phase == "live")
+    for _ in range(4000):  # nobody reads meanwhile: both lose some of these live
+        pub.publish(gen.batch())
+    wait_for(lambda: pub.stats().queue_depth == 0)
+    pump(one, apps[0], lambda: apps[0].last_seq("e") >= 3999, timeout=30)
+    sizes = []
+    deadline = time.monotonic() + 30
+    while apps[1].last_seq("e") < 3999:
+        assert time.monotonic() < deadline, bulk.stats()
+        items = bulk.poll_many(0.1, max_items=100)
+        assert len(items) <= 100
+        sizes.append(len(items))
+        for item in items:
+            apps[1].feed(item)
+    assert max(sizes) > 1  # it did return several at a time
+    for app in apps:
+        assert app.cache("e") == gen.truth.as_dict()
+    kinds = [[(type(i).__name__, getattr(i, "seq", None)) for i in a.items
+              if not isinstance(i, Liveness)] for a in apps]
+    assert kinds[0] == kinds[1]
+    assert bulk.stats()["e"].stream.gaps >= 1
+    assert bulk.poll_many(0.01) == []  # bounded wait, nothing pending
+
+
+def test_asyncio_poll_many(closer):
+    pub = kv_pub()
+    closer(pub)
+    gen = Gen(13)
+
+    async def main() -> App:
+        app = App()
+        async with Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)]) as sub:
+            while app.last_seq("e") < 99:
+                if app.last_seq("e") < 0 and sub.stats()["e"].stream.phase == "live":
+                    for _ in range(100):
+                        pub.publish(gen.batch())
+                for item in await sub.apoll_many(0.05, max_items=10):
+                    app.feed(item)
+            assert await sub.apoll_many(0.01) == []
+        return app
+
+    app = asyncio.run(asyncio.wait_for(main(), 20))
+    assert app.cache("e") == gen.truth.as_dict()

@@ -95,13 +95,20 @@ class CachedBlock(tuple):
         )
 
 
-def chain_events(values: list[tuple[BlockStored, int]]) -> list[BlockStored]:
-    """``(event, index)`` records as few ``BlockStored`` events as possible.
+def chain_events(
+    records: list[tuple[BlockHash, BlockStored]],
+    positions: dict[int, dict[BlockHash, int]] | None = None,
+) -> list[BlockStored]:
+    """``(hash, event)`` records (see :meth:`BlockCache.raw_copy`) as few ``BlockStored``
+    events as possible.
 
     Blocks a single event stored together sit next to each other in the cache (insertion
-    order), so runs of consecutive indexes of one event go back out as one chain: a
+    order), so runs of consecutive blocks of one event go back out as one chain: a
     snapshot of long prompts costs about as much as replaying the batches that built it.
+    ``positions`` caches each event's hash -> index map across calls (one snapshot sent in
+    chunks passes the same dict to every chunk).
     """
+    values = _indexed(records, {} if positions is None else positions)
     out: list[BlockStored] = []
     i, n = 0, len(values)
     while i < n:
@@ -113,6 +120,22 @@ def chain_events(values: list[tuple[BlockStored, int]]) -> list[BlockStored]:
         out.append(ev if start == 0 and end == len(ev.block_hashes)
                    else _sub_chain(ev, start, end))
         i = j
+    return out
+
+
+def _indexed(records: list[tuple[BlockHash, BlockStored]],
+             positions: dict[int, dict[BlockHash, int]]) -> list[tuple[BlockStored, int]]:
+    """``(event, index of the block in the event)`` for each ``(hash, event)`` record."""
+    out = []
+    for h, ev in records:
+        hs = ev.block_hashes
+        if len(hs) == 1:
+            out.append((ev, 0))
+            continue
+        pos = positions.get(id(ev))
+        if pos is None:
+            pos = positions[id(ev)] = {x: k for k, x in enumerate(hs)}
+        out.append((ev, pos[h]))
     return out
 
 
@@ -141,60 +164,75 @@ def _nth(per_block: list[Any] | None, i: int, n: int) -> list[Any] | None:
 
 
 class BlockCache:
-    """Live blocks keyed by ``(tier, hash)``; bounded by the engine's own cache size."""
+    """Live blocks keyed by ``(tier, hash)``; bounded by the engine's own cache size.
 
-    __slots__ = ("_blocks",)
+    Stored as one dict per tier, ``{hash: the BlockStored event that stored it}``: applying
+    a batch allocates nothing (no key or value tuples), which keeps the publisher's sender
+    thread cheap and the garbage collector quiet. A block's index in its event is looked up
+    only when it is read (snapshots, comparisons).
+    """
+
+    __slots__ = ("_tiers",)
 
     def __init__(self) -> None:
-        self._blocks: dict[tuple[str, BlockHash], tuple[BlockStored, int]] = {}
+        self._tiers: dict[str, dict[BlockHash, BlockStored]] = {}
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return sum(len(d) for d in self._tiers.values())
 
     def __contains__(self, key: tuple[str, BlockHash]) -> bool:
-        return key in self._blocks
+        d = self._tiers.get(key[0])
+        return d is not None and key[1] in d
 
     def apply(self, batch: KVEventBatch) -> None:
         """Apply one batch's events in order."""
         self.apply_events(batch.events)
 
     def apply_events(self, events: Iterable[Any]) -> None:
-        # Hot path on the engine thread: plain tuples, no per-block objects.
-        blocks = self._blocks
+        tiers = self._tiers
         for ev in events:
             t = type(ev)
             if t is BlockStored:
                 m = "GPU" if ev.medium is None else ev.medium
-                for i, h in enumerate(ev.block_hashes):
-                    blocks[(m, h)] = (ev, i)
-            elif t is BlockRemoved:
-                m = "GPU" if ev.medium is None else ev.medium
-                pop = blocks.pop
+                d = tiers.get(m)
+                if d is None:
+                    d = tiers[m] = {}
                 for h in ev.block_hashes:
-                    pop((m, h), None)
+                    d[h] = ev
+            elif t is BlockRemoved:
+                d = tiers.get("GPU" if ev.medium is None else ev.medium)
+                if d:
+                    pop = d.pop
+                    for h in ev.block_hashes:
+                        pop(h, None)
             elif t is AllBlocksCleared:
-                blocks.clear()
+                tiers.clear()
 
     def clear(self) -> None:
-        self._blocks.clear()
+        self._tiers.clear()
+
+    def raw_copy(self) -> list[tuple[BlockHash, BlockStored]]:
+        """Every live block as ``(hash, event)``, oldest stored first within each tier.
+
+        A C-level copy per tier (tens of milliseconds for 1M blocks), so a snapshot can be
+        taken on a thread that also serves live traffic; :func:`chain_events` turns slices
+        of it into events. Exact when taken on the thread that applies (the publisher's)."""
+        out: list[tuple[BlockHash, BlockStored]] = []
+        for d in list(self._tiers.values()):
+            out += d.items()
+        return out
 
     def blocks(self) -> list[CachedBlock]:
-        """A point-in-time copy of the live blocks, oldest stored first.
-
-        One C-level copy under the GIL: consistent even while another thread applies.
-        """
-        values = list(self._blocks.values())
-        return [CachedBlock(v) for v in values]
-
-    def raw_copy(self) -> list[tuple[BlockStored, int]]:
-        """Like :meth:`blocks` without wrapping: one C-level list copy (milliseconds for 1M
-        blocks), so a snapshot can be taken on a thread that also serves live traffic."""
-        return list(self._blocks.values())
+        """A point-in-time copy of the live blocks, oldest stored first within each tier."""
+        return [CachedBlock(v) for v in _indexed(self.raw_copy(), {})]
 
     def items(self) -> Iterator[tuple[tuple[str, BlockHash], CachedBlock]]:
-        for k, v in self._blocks.items():
-            yield k, CachedBlock(v)
+        positions: dict[int, dict[BlockHash, int]] = {}
+        for m, d in list(self._tiers.items()):
+            records = list(d.items())
+            for (h, _), v in zip(records, _indexed(records, positions)):
+                yield (m, h), CachedBlock(v)
 
     def as_dict(self) -> dict[tuple[str, BlockHash], tuple[Any, ...]]:
         """Comparable view: ``{(tier, hash): (parent, tokens, block_size, lora_id, lora_name, tier)}``."""
-        return {k: CachedBlock(v).record() for k, v in self._blocks.items()}
+        return {k: v.record() for k, v in self.items()}

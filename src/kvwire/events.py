@@ -31,6 +31,8 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "decode_batch",
+    "decode_fast",
+    "FAST_DECODE_ERRORS",
     "encode_batch",
     "to_jsonable",
 ]
@@ -246,6 +248,12 @@ _raw_batch = msgspec.msgpack.Decoder(_RawBatch)
 # msgspec also raises UnicodeDecodeError (a str that is not UTF-8) and RecursionError
 # (absurd nesting): for kvwire those are just more malformed input.
 _ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
+#: The short path of :class:`BatchDecoder` alone: today's map-shaped batches (vLLM >= 0.9,
+#: SGLang), strictly. For hot loops that fall back to a BatchDecoder on
+#: :data:`FAST_DECODE_ERRORS` (other dialects, malformed events).
+decode_fast = _map_batch.decode
+FAST_DECODE_ERRORS = _ERRORS
 _map_event = msgspec.msgpack.Decoder(Event)
 _legacy_event = msgspec.msgpack.Decoder(_LegacyEvent)
 _any = msgspec.msgpack.Decoder()

@@ -4,8 +4,8 @@ Engine code written against vLLM's ``vllm.distributed.kv_events`` switches by ch
 import: the class names, constructor arguments and factory behave the same. What differs is
 what happens under pressure (see docs/design.md):
 
-* ``publish()`` only assigns a seq, updates the snapshot model and appends to a bounded
-  deque; encoding and socket work happen on one background thread.
+* ``publish()`` only assigns a seq and appends to a bounded deque (about a microsecond);
+  encoding, the snapshot model and socket work happen on one background thread.
 * When the queue is full the batch is not sent live but still consumes its seq, so
   subscribers see a gap, and it is encoded into the replay buffer so the gap can be filled.
 * ``shutdown()`` flushes what was accepted within its timeout and reports the rest.
@@ -40,8 +40,15 @@ from .endpoint import (
     offset_for_rank,
     resolve_check,
 )
-from .events import AllBlocksCleared, EventBatch, KVEventBatch, check_dialect, encode_batch
-from .framesend import FrameSender
+from .events import (
+    AllBlocksCleared,
+    BlockStored,
+    EventBatch,
+    KVEventBatch,
+    check_dialect,
+    encode_batch,
+)
+from .frames import FrameReceiver, FrameSender
 
 __all__ = [
     "EventPublisher",
@@ -140,13 +147,15 @@ class _Replay:
 class _Snapshot:
     """An in-flight snapshot reply: a point-in-time copy of the cache, sent in chunks."""
 
-    __slots__ = ("ident", "blocks", "seq", "chunk", "next_chunk", "chunks", "started")
+    __slots__ = ("ident", "blocks", "positions", "seq", "chunk", "next_chunk", "chunks",
+                 "started")
 
     def __init__(
-        self, ident: bytes, blocks: list[tuple[Any, int]], seq: int, chunk: int
+        self, ident: bytes, blocks: list[tuple[Any, BlockStored]], seq: int, chunk: int
     ) -> None:
         self.ident = ident
-        self.blocks = blocks
+        self.blocks = blocks  # (hash, event), from BlockCache.raw_copy()
+        self.positions: dict[int, dict[Any, int]] = {}  # chain_events' cache, across chunks
         self.seq = seq
         self.chunk = chunk
         self.next_chunk = 0
@@ -163,16 +172,22 @@ class ZmqEventPublisher(EventPublisher):
     (CurveZMQ keys for the live and replay sockets), ``context`` (a zmq.Context to share,
     required for ``inproc://`` endpoints).
 
-    Threads: the caller encodes, keeps the bytes for replay, updates the snapshot model
-    and appends to a bounded deque; one background thread sends what is queued (waking
-    only when it was idle, so a busy engine pays no syscall), answers the replay socket
-    and sends heartbeats.
+    Threads: the caller takes a seq and appends to a bounded deque. One background thread
+    encodes, keeps the bytes for replay, updates the snapshot model and sends, all without
+    releasing the GIL per frame (kvwire.frames); it answers the replay socket and sends
+    heartbeats. While batches keep coming it looks at its queue every ``NAP`` seconds;
+    only after ``BUSY_LINGER`` seconds of quiet does it sleep until ``publish()`` wakes it
+    (a pipe write), so a busy engine pays no syscall per batch.
     """
 
     #: Replay messages sent per loop turn, between live sends.
     REPLAY_SLICE = 64
     #: Live batches sent per loop turn: a long backlog cannot delay INFO/SNAPSHOT answers.
     SEND_SLICE = 4096
+    #: While batches came within the last BUSY_LINGER seconds, the sender looks at its
+    #: queue every NAP seconds instead of being woken per batch (adds at most NAP latency).
+    NAP = 0.0005
+    BUSY_LINGER = 0.05
     #: Requests read per loop turn (a flood cannot starve the other work).
     REQUEST_SLICE = 64
     MAX_REPLAY_JOBS = 64
@@ -257,9 +272,14 @@ class ZmqEventPublisher(EventPublisher):
             )
 
         self._lock = threading.Lock()  # seq, encode, ring, model, queue order
-        # Sends from the background thread keep the GIL (see framesend): a busy engine
+        # Sends from the background thread keep the GIL (see kvwire.frames): a busy engine
         # loop cannot turn each frame into a wait for the interpreter's switch interval.
-        self._live_send = FrameSender(self._pub).send
+        self._live_send = FrameSender(self._pub).send_message
+        # The replay socket likewise: a GIL release there would also cost a switch interval.
+        self._router_send = self._router_recv = None
+        if self._router is not None:
+            self._router_send = FrameSender(self._router).send_message
+            self._router_recv = FrameReceiver(self._router).recv
         self._max_queue = max_queue_size
         self._pending: collections.deque[tuple[int, EventBatch]] = collections.deque()
         self._next_seq = 0
@@ -323,9 +343,9 @@ class ZmqEventPublisher(EventPublisher):
     def publish(self, events: EventBatch) -> None:
         """Hand over one batch; never waits on a consumer.
 
-        Encodes (about a microsecond for a typical step), keeps the bytes for replay,
-        updates the snapshot model and queues the frames. If the queue is full the batch
-        is not sent live, but it still consumes its seq and stays replayable.
+        Takes the next seq and queues the batch (about a microsecond); the sender thread
+        does the rest. If the queue is full the batch is not sent live, but it still
+        consumes its seq and is encoded into the replay buffer here, so it stays replayable.
         """
         if self._closing:
             raise PublisherClosedError(
@@ -419,6 +439,7 @@ class ZmqEventPublisher(EventPublisher):
         poller.register(self._wake_r, zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
+        active_until = 0.0
         try:
             while True:
                 worked = self._send_pending()
@@ -437,6 +458,13 @@ class ZmqEventPublisher(EventPublisher):
                             self._accept(KVEventBatch(time.time(), [], self._data_parallel_rank))
                     continue
                 if worked:
+                    active_until = now + self.BUSY_LINGER
+                    continue
+                if now < active_until:
+                    # Busy lately: nap rather than have publish() wake us, which would cost
+                    # the engine's thread a pipe write and a thread switch for every batch.
+                    poller.poll(self.NAP * 1000.0)
+                    self._drain_wake()
                     continue
                 self._idle = True
                 if self._pending or self._closing:  # raced with publish(): don't sleep
@@ -447,14 +475,17 @@ class ZmqEventPublisher(EventPublisher):
                     wait = min(wait, max(0.0, self._last_live + self._heartbeat - now))
                 poller.poll(wait * 1000.0)
                 self._idle = False
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
         except Exception:  # pragma: no cover - a bug; make it loud rather than silent
             log.exception("KV event publisher thread failed")
         finally:
             self._close_all(max(0, int((self._deadline - time.monotonic()) * 1000)))
+
+    def _drain_wake(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
 
     def _send_pending(self) -> bool:
         """Encode and send what is queued, up to ``SEND_SLICE`` batches per loop turn."""
@@ -477,11 +508,9 @@ class ZmqEventPublisher(EventPublisher):
             slot = ring[seq % n]
             if slot is None or slot[0] < seq:  # never overwrite a newer dropped batch
                 ring[seq % n] = (seq, payload)
-            if not send(topic, _MORE):  # PUB drops rather than refuse; kept for safety
-                self._c["dropped"] += 1
+            if not send(topic, seq.to_bytes(8, "big"), payload):
+                self._c["dropped"] += 1  # PUB drops rather than refuse; kept for safety
                 continue
-            send(seq.to_bytes(8, "big"), _MORE)
-            send(payload, _LAST)
             sent += 1
         self._c["sent"] += sent
         self._last_live = time.monotonic()
@@ -510,11 +539,11 @@ class ZmqEventPublisher(EventPublisher):
     # ------------------------------------------------------------------ replay socket
 
     def _read_requests(self) -> bool:
-        router = self._router
+        recv = self._router_recv
+        assert recv is not None
         for i in range(self.REQUEST_SLICE):
-            try:
-                frames = router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv()
+            if frames is None:
                 return i > 0
             self._handle_request(frames)
         return True
@@ -579,10 +608,7 @@ class ZmqEventPublisher(EventPublisher):
     def _send_to(self, ident: bytes, frames: list[bytes]) -> bool | None:
         """Send to one client: True sent, False client busy (retry later), None client gone."""
         try:
-            self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
+            return self._router_send(ident, *frames)  # type: ignore[misc]
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 return None
@@ -626,7 +652,7 @@ class ZmqEventPublisher(EventPublisher):
         i = snap.next_chunk
         part = snap.blocks[i * snap.chunk : (i + 1) * snap.chunk]
         payload = _snapshot_encoder.encode(
-            KVEventBatch(time.time(), chain_events(part), self._data_parallel_rank)
+            KVEventBatch(time.time(), chain_events(part, snap.positions), self._data_parallel_rank)
         )
         header = {
             "epoch": self.epoch,
@@ -643,10 +669,6 @@ class ZmqEventPublisher(EventPublisher):
         self._c["snapshot_chunks"] += 1
         snap.next_chunk = i + 1
         return snap.next_chunk >= snap.chunks
-
-
-_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
-_LAST = int(zmq.NOBLOCK)
 
 
 def _node_ip() -> str:

@@ -33,7 +33,15 @@ from typing import Literal
 import msgspec
 
 from . import wire
-from .events import BatchDecoder, BlockStored, DecodeError, EventError, KVEventBatch
+from .events import FAST_DECODE_ERRORS as _DECODE_ERRORS
+from .events import (
+    BatchDecoder,
+    BlockStored,
+    DecodeError,
+    EventError,
+    KVEventBatch,
+)
+from .events import decode_fast as _decode_map
 
 __all__ = [
     "Action",
@@ -446,6 +454,44 @@ class StreamMachine:
             self._bad_frame(f"live: {e}")
             return []
         return self.live(seq, payload, now)
+
+    def live_messages(self, messages: list[list[bytes]], now: float) -> list[Output]:
+        """Several messages from the SUB socket, in arrival order (the I/O layer reads in
+        slices). Same result as :meth:`live_frames` on each in turn, faster: the next batch
+        in order while live, the common case, takes a short path here."""
+        res: list[Output] = []
+        out, c = self._out, self._c
+        decode = _decode_map
+        for frames in messages:
+            if (self._phase == "live" and self._alive and not self._want_resync
+                    and len(frames) == 3):
+                seq_f = frames[1]
+                if len(seq_f) == 8:
+                    seq = int.from_bytes(seq_f, "big")
+                    high = self._live_high
+                    if seq == self._delivered + 1 and (high is None or seq > high):  # type: ignore[operator]
+                        c["live_messages"] += 1
+                        self._last_live = now
+                        self._live_high = self._delivered = seq
+                        try:
+                            batch = decode(frames[2])
+                        except _DECODE_ERRORS:
+                            pass  # the general path below tells what is wrong with it
+                        else:
+                            c["batches"] += 1
+                            n = len(batch.events)
+                            c["events"] += n
+                            if n or self.config.deliver_empty:
+                                out.append(Batch(self.name, seq, batch, self._label))
+                            continue
+                        self._deliver(seq, frames[2])  # other dialects, bad events
+                        if self._want_resync:
+                            self._enter_live(now)
+                        continue
+            res.extend(self.live_frames(frames, now))  # flushes what the short path queued
+            out = self._out
+        res.extend(self._flush())
+        return res
 
     def reply_frames(self, frames: list[bytes], now: float) -> list[Output]:
         """A multipart message from the DEALER (replay/INFO/SNAPSHOT/ERR)."""

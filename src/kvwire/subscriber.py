@@ -23,11 +23,12 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
-import zmq.backend
 
 from .curve import CurveClient
 from .endpoint import check_endpoint, offset_for_rank, subscriber_binds
+from .frames import FrameReceiver
 from .stream import (
+    Batch,
     Delivery,
     Output,
     RecycleRequests,
@@ -95,22 +96,6 @@ class _Stream:
         self.recycled = 0
 
 
-_recv = zmq.backend.Socket.recv
-_NOBLOCK = int(zmq.NOBLOCK)
-
-
-def _recv_multipart(sock: zmq.Socket) -> list[bytes]:
-    """Non-blocking multipart receive. Frames (``copy=False``) carry their own "more" flag,
-    which is far cheaper than pyzmq's per-frame RCVMORE option lookup (measured: 6.5 us
-    instead of 10.5 us for a three-frame message on this project's machine)."""
-    f = _recv(sock, _NOBLOCK, False)
-    frames = [f.bytes]
-    while f.more:
-        f = _recv(sock, 0, False)  # the rest of a message arrives with its first frame
-        frames.append(f.bytes)
-    return frames
-
-
 def _attach(sock: zmq.Socket, endpoint: str, curve: CurveClient | None) -> None:
     if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
         sock.setsockopt(zmq.IPV6, 1)
@@ -138,7 +123,7 @@ class _Core:
         self.rcvhwm = rcvhwm
         self.ready: deque[Delivery] = deque()
         self.streams: list[_Stream] = []
-        self.by_socket: dict[zmq.Socket, tuple[_Stream, bool]] = {}
+        self.by_socket: dict[zmq.Socket, tuple[_Stream, bool, FrameReceiver]] = {}
         self.generation = 0  # bumped whenever the socket set changes
         self.started = False
         try:
@@ -154,7 +139,7 @@ class _Core:
                 sub.setsockopt(zmq.RCVHWM, rcvhwm)
                 sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
                 st.sub = sub
-                self.by_socket[sub] = (st, True)
+                self.by_socket[sub] = (st, True, FrameReceiver(sub))
                 _attach(sub, spec.endpoint, spec.curve)
                 if spec.replay_endpoint is not None:
                     self._open_dealer(st)
@@ -167,7 +152,7 @@ class _Core:
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.RCVHWM, 0)  # a replay answer must never be dropped half-way
         st.dealer = d
-        self.by_socket[d] = (st, False)
+        self.by_socket[d] = (st, False, FrameReceiver(d))
         self.generation += 1
         _attach(d, st.spec.replay_endpoint, st.spec.curve)  # type: ignore[arg-type]
 
@@ -193,19 +178,27 @@ class _Core:
         entry = self.by_socket.get(sock)
         if entry is None or sock.closed:
             return
-        st, is_live = entry
+        st, is_live, rx = entry
         m = st.machine
+        if is_live:
+            # One slice: what waits now, up to _READ_SLICE messages, through the machine's
+            # bulk path (one call each way instead of one per message).
+            msgs = rx.recv_many(_READ_SLICE)
+            if msgs:
+                out = m.live_messages(msgs, time.monotonic())
+                if out:
+                    self._apply(st, out)
+            return
+        recv = rx.recv
         for _ in range(_READ_SLICE):
-            try:
-                frames = _recv_multipart(sock)
-            except zmq.Again:
+            frames = recv()
+            if frames is None:
                 return
-            now = time.monotonic()
-            out = m.live_frames(frames, now) if is_live else m.reply_frames(frames, now)
+            out = m.reply_frames(frames, time.monotonic())
             if out:
                 self._apply(st, out)
-            if sock.closed:  # recycled while applying
-                return
+                if sock.closed:  # recycled while applying: its receiver is gone too
+                    return
 
     def tick(self, now: float) -> None:
         for st in self.streams:
@@ -217,9 +210,12 @@ class _Core:
         return min((st.machine.next_deadline for st in self.streams), default=math.inf)
 
     def _apply(self, st: _Stream, outs: list[Output]) -> None:
+        ready = self.ready
         for o in outs:
             t = type(o)
-            if t is SendInfo or t is SendReplay or t is SendSnapshot:
+            if t is Batch:
+                ready.append(o)
+            elif t is SendInfo or t is SendReplay or t is SendSnapshot:
                 if st.dealer is None:
                     continue
                 try:
@@ -234,7 +230,7 @@ class _Core:
                     st.recycled += 1
                     self._open_dealer(st)
             else:
-                self.ready.append(o)  # type: ignore[arg-type]
+                ready.append(o)  # type: ignore[arg-type]
 
     def stats(self) -> dict[str, SubscriberStats]:
         return {
@@ -331,6 +327,22 @@ class Subscriber:
             self._core.handle(events)
             polled = True
 
+    def poll_many(self, timeout: float | None = None, max_items: int = 1000) -> list[Delivery]:
+        """Every item ready now, up to ``max_items``, waiting at most ``timeout`` for the
+        first (``[]`` if none came). The same items in the same order as calling
+        :meth:`poll` repeatedly, at less cost per item: the call for high event rates."""
+        first = self.poll(timeout)
+        return [] if first is None else self._more(first, max_items)
+
+    def _more(self, first: Delivery, max_items: int) -> list[Delivery]:
+        out = [first]
+        ready = self._core.ready
+        n = min(len(ready), max_items - 1)
+        if n > 0:
+            popleft = ready.popleft
+            out += [popleft() for _ in range(n)]
+        return out
+
     def __iter__(self) -> Iterator[Delivery]:
         while True:
             item = self.poll(None)
@@ -375,6 +387,12 @@ class Subscriber:
             events = await self._async_poller().poll(wait_ms)
             self._core.handle(events)
             polled = True
+
+    async def apoll_many(self, timeout: float | None = None,
+                         max_items: int = 1000) -> list[Delivery]:
+        """Like :meth:`poll_many`, without blocking the event loop."""
+        first = await self.apoll(timeout)
+        return [] if first is None else self._more(first, max_items)
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._aiter()
