@@ -164,3 +164,15 @@ def test_errors_other_than_eagain_raise(tmp_path, path) -> None:
             FrameReceiver(req).recv_many(5)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_native_calls_check_their_arguments() -> None:
+    mod = framesend._native()
+    if mod is None:
+        pytest.skip("kvwire._zmqframes not built")
+    with pytest.raises(TypeError):
+        mod.recv_many(1)
+    with pytest.raises(TypeError):
+        mod.send_frames(1, 0)  # no frame
+    with pytest.raises(ValueError):
+        mod.recv_multipart(0, zmq.NOBLOCK)  # a null socket address never reaches libzmq

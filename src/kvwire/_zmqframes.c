@@ -119,23 +119,33 @@ static PyObject *recv_one(void *sock, int flags, int *err) {
     }
 }
 
+/* The (socket_address, flags, ...) head shared by every call; 0 with a Python error set. */
+static int sock_flags(const char *fn, PyObject *const *args, Py_ssize_t n, Py_ssize_t want,
+                      void **sock, int *flags) {
+    if (want >= 0 ? n != want : n < -want) {
+        PyErr_Format(PyExc_TypeError, "%s() got %zd arguments", fn, n);
+        return 0;
+    }
+    if (!bound())
+        return 0;
+    if ((*sock = as_ptr(args[0])) == NULL)
+        return 0;
+    long f = PyLong_AsLong(args[1]);
+    if (f == -1 && PyErr_Occurred())
+        return 0;
+    *flags = (int)f;
+    return 1;
+}
+
 PyDoc_STRVAR(recv_doc,
 "recv_multipart(socket_address, flags) -> list[bytes] | int\n"
 "One whole message as a list of frames, or libzmq's errno (EAGAIN: none waiting).\n"
 "flags must contain ZMQ_DONTWAIT: the GIL is held.");
 
 static PyObject *recv_multipart(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 2) {
-        PyErr_SetString(PyExc_TypeError, "recv_multipart() takes 2 arguments");
-        return NULL;
-    }
-    if (!bound())
-        return NULL;
-    void *sock = as_ptr(args[0]);
-    if (sock == NULL)
-        return NULL;
-    int flags = (int)PyLong_AsLong(args[1]);
-    if (flags == -1 && PyErr_Occurred())
+    void *sock;
+    int flags;
+    if (!sock_flags("recv_multipart", args, n, 2, &sock, &flags))
         return NULL;
     int err;
     PyObject *msg = recv_one(sock, flags, &err);
@@ -150,17 +160,9 @@ PyDoc_STRVAR(recv_many_doc,
 "libzmq's errno only if the very first receive fails otherwise than EAGAIN.");
 
 static PyObject *recv_many(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 3) {
-        PyErr_SetString(PyExc_TypeError, "recv_many() takes 3 arguments");
-        return NULL;
-    }
-    if (!bound())
-        return NULL;
-    void *sock = as_ptr(args[0]);
-    if (sock == NULL)
-        return NULL;
-    int flags = (int)PyLong_AsLong(args[1]);
-    if (flags == -1 && PyErr_Occurred())
+    void *sock;
+    int flags;
+    if (!sock_flags("recv_many", args, n, 3, &sock, &flags))
         return NULL;
     Py_ssize_t max = PyLong_AsSsize_t(args[2]);
     if (max == -1 && PyErr_Occurred())
@@ -198,17 +200,9 @@ PyDoc_STRVAR(send_doc,
 "flags apply to every frame (pass ZMQ_DONTWAIT); SNDMORE is added between frames.");
 
 static PyObject *send_frames(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n < 3) {
-        PyErr_SetString(PyExc_TypeError, "send_frames() needs a socket, flags and a frame");
-        return NULL;
-    }
-    if (!bound())
-        return NULL;
-    void *sock = as_ptr(args[0]);
-    if (sock == NULL)
-        return NULL;
-    int flags = (int)PyLong_AsLong(args[1]);
-    if (flags == -1 && PyErr_Occurred())
+    void *sock;
+    int flags;
+    if (!sock_flags("send_frames", args, n, -3, &sock, &flags))
         return NULL;
     /* Check every frame before sending any, so a bad one never leaves half a message. */
     for (Py_ssize_t i = 2; i < n; i++) {
