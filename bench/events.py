@@ -235,6 +235,9 @@ def run_pair(
         pub = BaselinePublisher("tcp://127.0.0.1:0", maxsize=max_queue)
         make = baseline_step
     endpoint = pub.endpoint
+    # Built before the subscriber starts: building 200k steps takes seconds on a small
+    # machine, longer than the subscriber's idle timeout.
+    batches = [make(k) for k in range(n)]
     ctx = mp.get_context("spawn")
     ready, out, first = ctx.Event(), ctx.Queue(), ctx.Value("q", 1 << 62)
     proc = ctx.Process(target=subscriber_main, args=(endpoint, kind, first, n, ready, out))
@@ -251,7 +254,6 @@ def run_pair(
         i += 1
     time.sleep(0.2)
     first.value = i
-    batches = [make(i + k) for k in range(n)]
     lat = [0] * n
     clock = time.perf_counter_ns
     publish = pub.publish
