@@ -1,52 +1,47 @@
 """Benchmark kvwire.shm.MessageQueue against multiprocessing.Queue, Pipe and a ZeroMQ ipc PAIR.
 
-One writer process and one reader process (spawned), three measures each:
-  * ping-pong round trip of a small object (two queues, one per direction),
-  * one-way throughput of small objects,
-  * one-way throughput of 4 MiB payloads (bytes; for kvwire also numpy and in-place).
+One writer process and one reader process (spawned). Measures:
+  * ping-pong round trip of a small object, the tuple ("step", 42, [1, 2, 3]) (two queues,
+    one per direction),
+  * one-way throughput of that small tuple,
+  * one-way throughput of 4 MiB bytes (for kvwire also numpy, and in place),
+  * wake-up latency (kvwire only, next to a bare futex): the reader has been idle and asleep
+    for ~1 s, the writer (busy, as an engine between steps) enqueues; time from just
+    before enqueue to the reader's return from dequeue, median and p90 of a few trials.
+    Baselines, same pattern, two processes: a futex wake timed in C right after the
+    kernel returns (the VM's floor), and the same wake once back in the interpreter.
+
+kvwire runs twice: with its C hot path (kvwire.shm._ring) in this process, and in a
+subprocess with KVWIRE_SHM_PURE=1 (the pure-Python path), so both are in one table.
 
 Run: .venv/bin/python bench/shm.py            (about a minute)
-     .venv/bin/python bench/shm.py --quick    (a few seconds, smaller counts)
+     .venv/bin/python bench/shm.py --quick    (about ten seconds, smaller counts)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import multiprocessing as mp
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
 
 SMALL = ("step", 42, [1, 2, 3])
 BIG = 4 * 1024 * 1024
-
-
-# ------------------------------------------------------------------ transports
-class KvwireEnd:
-    """One direction of kvwire transport; writer side builds it, reader side joins."""
-
-    def __init__(self, big: bool = False, inplace: bool = False) -> None:
-        from kvwire.shm import MessageQueue
-
-        chunk = BIG + 4096 if big else 4096
-        self.mq = MessageQueue(1, 1, max_chunk_bytes=chunk, max_chunks=8 if big else 64)
-        self.inplace = inplace
-
-    def handle(self) -> Any:
-        return self.mq.export_handle()
-
-
-def kv_join(handle: Any) -> Any:
-    from kvwire.shm import MessageQueue
-
-    return MessageQueue.create_from_handle(handle, 0)
+WAKE_BUSY_S = 0.005  # the writer computes this long before each wake-up enqueue
 
 
 def _now() -> float:
     return time.perf_counter()
 
 
+# ------------------------------------------------------------------ ping-pong
 def _pingpong_child(kind: str, a: Any, b: Any, n: int) -> None:
     # echo: read from a, write to b
     if kind == "kvwire":
@@ -80,38 +75,30 @@ def _pingpong_child(kind: str, a: Any, b: Any, n: int) -> None:
 
 
 def bench_pingpong(kind: str, n: int) -> float:
+    """Average round trip in us over n round trips, after n // 10 untimed warm-up ones."""
     ctx = mp.get_context("spawn")
+    warm = n // 10
+    total = n + warm
     if kind == "kvwire":
         from kvwire.shm import MessageQueue
 
         wq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=64)
         back = ctx.Queue()
-        p = ctx.Process(target=_pingpong_child, args=(kind, wq.export_handle(), back, n))
+        p = ctx.Process(target=_pingpong_child, args=(kind, wq.export_handle(), back, total))
         p.start()
         rq = MessageQueue.create_from_handle(back.get(), 0)
         wq.wait_until_ready()
         rq.wait_until_ready()
         send, recv = wq.enqueue, rq.dequeue
-        for _ in range(min(n // 10, 1000)):
-            pass
-        t0 = _now()
-        for _ in range(n):
-            send(SMALL)
-            recv()
-        dt = _now() - t0
-        p.join()
-        wq.close()
-        rq.close()
-        return dt / n * 1e6
-    if kind == "mp.Queue":
+    elif kind == "mp.Queue":
         q1, q2 = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=_pingpong_child, args=(kind, q1, q2, n))
+        p = ctx.Process(target=_pingpong_child, args=(kind, q1, q2, total))
         p.start()
         send, recv = q1.put, q2.get
     elif kind == "mp.Pipe":
         a1, b1 = ctx.Pipe()
         a2, b2 = ctx.Pipe()
-        p = ctx.Process(target=_pingpong_child, args=(kind, b1, a2, n))
+        p = ctx.Process(target=_pingpong_child, args=(kind, b1, a2, total))
         p.start()
         send, recv = a1.send, b2.recv
     else:
@@ -122,7 +109,7 @@ def bench_pingpong(kind: str, n: int) -> float:
         path = "ipc://" + os.path.join(tempfile.mkdtemp(), "pp")
         s = zmq.Context.instance().socket(zmq.PAIR)
         s.bind(path)
-        p = ctx.Process(target=_pingpong_child, args=(kind, path, None, n))
+        p = ctx.Process(target=_pingpong_child, args=(kind, path, None, total))
         p.start()
 
         def send(o: Any) -> None:
@@ -131,15 +118,22 @@ def bench_pingpong(kind: str, n: int) -> float:
         def recv() -> Any:
             return pickle.loads(s.recv())
 
+    for _ in range(warm):
+        send(SMALL)
+        recv()
     t0 = _now()
     for _ in range(n):
         send(SMALL)
         recv()
     dt = _now() - t0
     p.join()
+    if kind == "kvwire":
+        wq.close()
+        rq.close()
     return dt / n * 1e6
 
 
+# ------------------------------------------------------------------ one way
 def _sink_child(kind: str, src: Any, res: Any, n: int, payload: str) -> None:
     """Reader: receive n messages, report elapsed time from the first to the last."""
     if kind.startswith("kvwire"):
@@ -242,32 +236,194 @@ def bench_oneway(kind: str, n: int, payload: str) -> float:
     return (n - 1) / dt
 
 
+# ------------------------------------------------------------------ wake-up latency
+def _busy(seconds: float) -> None:
+    end = _now() + seconds
+    while _now() < end:
+        pass
+
+
+def _wake_kvwire_child(handle: Any, n: int, res: Any) -> None:
+    from kvwire.shm import MessageQueue
+
+    # No liveness timer: the reader stays asleep for the whole idle period, as the futex
+    # baseline does (with the default 100 ms timer it would wake up 10 times a second).
+    q = MessageQueue.create_from_handle(handle, 0, liveness_interval=3600.0)
+    q.wait_until_ready()
+    res.put("ready")
+    lat = []
+    for _ in range(n):
+        sent_ns = q.dequeue(indefinite=True)
+        lat.append(time.perf_counter_ns() - sent_ns)
+    res.put(lat)
+    q.close()
+
+
+def bench_wake_kvwire(trials: int, idle: float) -> list[float]:
+    """Wake-up latencies (us): enqueue -> return from dequeue of a reader asleep for ``idle``."""
+    from kvwire.shm import MessageQueue
+
+    ctx = mp.get_context("spawn")
+    res = ctx.Queue()
+    q = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=4)
+    p = ctx.Process(target=_wake_kvwire_child, args=(q.export_handle(), trials, res))
+    p.start()
+    q.wait_until_ready()
+    assert res.get() == "ready"
+    for _ in range(trials):
+        time.sleep(idle)
+        _busy(WAKE_BUSY_S)
+        q.enqueue(time.perf_counter_ns())
+    lat = res.get()
+    p.join()
+    q.close()
+    return [ns / 1e3 for ns in lat]
+
+
+def _wake_futex_child(buf: Any, n: int, res: Any) -> None:
+    from kvwire.shm import layout as L
+    from kvwire.shm import wake
+
+    addr = buf.base_address + L.OFF_RWAKE
+    u32 = buf.u32
+    res.put("ready")
+    for _ in range(n):
+        g = u32[L.OFF_RWAKE // 4]
+        woke = wake.futex_wait(addr, g, None)
+        t_py = time.perf_counter_ns()  # back in the interpreter
+        res.put((woke if woke > 1 else t_py, t_py))  # C version: kernel-return time
+    buf.close()
+
+
+def bench_wake_futex(trials: int, idle: float) -> tuple[list[float], list[float], str]:
+    """Futex wake-up latencies (us) between two processes, same idle/busy pattern: to the
+    kernel's return (C timestamp; the bare futex) and to the interpreter's."""
+    from kvwire.shm import ShmRingBuffer, wake
+    from kvwire.shm import layout as L
+    from kvwire.shm._native import ring
+
+    ctx = mp.get_context("spawn")
+    res = ctx.Queue()
+    buf = ShmRingBuffer(1, 64, 1)
+    p = ctx.Process(target=_wake_futex_child, args=(buf, trials, res))
+    p.start()
+    assert res.get() == "ready"
+    addr = buf.base_address + L.OFF_RWAKE
+    u32 = buf.u32
+    lat, lat_py = [], []
+    for _ in range(trials):
+        time.sleep(idle)  # the child re-armed long ago (it did right after reporting)
+        _busy(WAKE_BUSY_S)
+        t0 = time.perf_counter_ns()
+        if ring is not None:
+            ring.bump_and_wake(addr)
+        else:
+            u32[L.OFF_RWAKE // 4] = (u32[L.OFF_RWAKE // 4] + 1) & 0xFFFFFFFF
+            wake.futex_wake(addr)
+        t_kernel, t_py = res.get()
+        lat.append((t_kernel - t0) / 1e3)
+        lat_py.append((t_py - t0) / 1e3)
+    p.join()
+    buf.close()
+    return lat, lat_py, "C" if ring is not None else "ctypes"
+
+
+def pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+# ------------------------------------------------------------------ driver
+def counts(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {"pp": 2000, "small": 20000, "big": 50, "wake": 3, "idle": 0.2}
+    return {"pp": 20000, "small": 300000, "big": 400, "wake": 11, "idle": 1.0}
+
+
+def kvwire_core(c: dict[str, Any]) -> dict[str, Any]:
+    """kvwire measurements that run once per hot path (C, then pure Python)."""
+    from kvwire.shm._native import NATIVE
+
+    return {
+        "native": NATIVE,
+        "pp": bench_pingpong("kvwire", c["pp"]),
+        "small": bench_oneway("kvwire", c["small"], "small"),
+        "big": bench_oneway("kvwire", c["big"], "bytes"),
+        "wake": bench_wake_kvwire(c["wake"], c["idle"]),
+    }
+
+
+def run_pure(quick: bool) -> dict[str, Any] | None:
+    """kvwire_core in a subprocess with KVWIRE_SHM_PURE=1 (its spawned readers inherit it)."""
+    env = dict(os.environ, KVWIRE_SHM_PURE="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--kvwire-only"] + (
+        ["--quick"] if quick else [])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        print(f"pure-Python kvwire run failed:\n{r.stderr}", file=sys.stderr)
+        return None
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["native"] is False, "KVWIRE_SHM_PURE=1 did not select the pure-Python path"
+    return out
+
+
+def _wake_cell(lat: list[float] | None) -> str:
+    if not lat:
+        return ""
+    return f"{statistics.median(lat):,.0f} / {pct(lat, 0.9):,.0f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small counts, a few seconds")
+    ap.add_argument("--kvwire-only", action="store_true",
+                    help="internal: kvwire rows only, as JSON (used for the pure-Python row)")
     args = ap.parse_args()
-    n_pp, n_small, n_big = (2000, 20000, 50) if args.quick else (20000, 300000, 400)
-    kinds = ["kvwire", "mp.Queue", "mp.Pipe", "zmq-ipc"]
-    rows = []
-    for k in kinds:
-        pp = bench_pingpong(k, n_pp if k == "kvwire" else n_pp // 4)
-        small = bench_oneway(k, n_small if k == "kvwire" else n_small // 4, "small")
-        big = bench_oneway(k, n_big if k == "kvwire" else n_big // 4, "bytes")
-        rows.append((k, pp, small, big))
-    np_copy = bench_oneway("kvwire", n_big, "numpy")
-    np_view = bench_oneway("kvwire-inplace", n_big, "numpy")
-    by_view = bench_oneway("kvwire-inplace", n_big, "bytes")
-    print(f"\nkvwire.shm benchmark: 1 writer + 1 reader process, {os.cpu_count()} CPUs")
+    c = counts(args.quick)
+    if args.kvwire_only:
+        print(json.dumps(kvwire_core(c)))
+        return
+
+    from kvwire.shm._native import NATIVE, REASON
+
+    rows: list[tuple[str, float | None, float | None, float | None, list[float] | None]] = []
+    main_kv = kvwire_core(c)
+    rows.append(("kvwire, C hot path" if NATIVE else "kvwire, pure Python", main_kv["pp"],
+                 main_kv["small"], main_kv["big"], main_kv["wake"]))
+    if NATIVE:
+        pure = run_pure(args.quick)
+        if pure is not None:
+            rows.append(("kvwire, pure Python", pure["pp"], pure["small"], pure["big"],
+                         pure["wake"]))
+    for k in ["mp.Queue", "mp.Pipe", "zmq-ipc"]:
+        pp = bench_pingpong(k, c["pp"] // 4)
+        small = bench_oneway(k, c["small"] // 4, "small")
+        big = bench_oneway(k, max(c["big"] // 4, 10), "bytes")
+        rows.append((k, pp, small, big, None))
+    futex, futex_py, how = bench_wake_futex(c["wake"], c["idle"])
+    if how == "C":
+        rows.append(("bare futex wake", None, None, None, futex))
+    rows.append(("futex wake, back in Python", None, None, None, futex_py))
+    for name, kind, payload in (("kvwire numpy (copy)", "kvwire", "numpy"),
+                                ("kvwire numpy (in place)", "kvwire-inplace", "numpy"),
+                                ("kvwire bytes (in place)", "kvwire-inplace", "bytes")):
+        rows.append((name, None, None, bench_oneway(kind, c["big"], payload), None))
+
+    print(f"\nkvwire.shm benchmark: 1 writer + 1 reader process, {os.cpu_count()} CPUs, "
+          f"Python {sys.version.split()[0]}" + ("" if NATIVE else f" (C path off: {REASON})"))
+    print(f"small = {SMALL!r}, pickled by every transport (kvwire's C path writes the "
+          f"pickle opcodes itself); 4 MiB = bytes unless named; wake = enqueue -> dequeue "
+          f"returns, reader asleep for {c['idle']:g} s, {c['wake']} trials")
     w = 28
-    print(f"| {'transport':<{w}} | {'ping-pong RTT (us)':>18} | {'small msgs/s':>12} | "
-          f"{'4 MiB GB/s':>10} |")
-    print(f"|{'-' * (w + 2)}|{'-' * 20}|{'-' * 14}|{'-' * 12}|")
-    for k, pp, small, big in rows:
-        name = f"{k} (bytes)"
-        print(f"| {name:<{w}} | {pp:>18.1f} | {small:>12,.0f} | {big:>10.2f} |")
-    for name, v in (("kvwire numpy (copy)", np_copy), ("kvwire numpy (in place)", np_view),
-                    ("kvwire bytes (in place)", by_view)):
-        print(f"| {name:<{w}} | {'':>18} | {'':>12} | {v:>10.2f} |")
+    hdr = (f"| {'transport':<{w}} | {'RTT small (us)':>14} | {'small msgs/s':>12} | "
+           f"{'4 MiB GB/s':>10} | {'wake p50 / p90 (us)':>19} |")
+    print(hdr)
+    print("|" + "|".join("-" * (len(col) + 0) for col in hdr.split("|")[1:-1]) + "|")
+    for name, pp, small, big, wake in rows:
+        print(f"| {name:<{w}} | {'' if pp is None else f'{pp:.1f}':>14} | "
+              f"{'' if small is None else f'{small:,.0f}':>12} | "
+              f"{'' if big is None else f'{big:.2f}':>10} | {_wake_cell(wake):>19} |")
 
 
 if __name__ == "__main__":

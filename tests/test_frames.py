@@ -176,3 +176,16 @@ def test_native_calls_check_their_arguments() -> None:
         mod.send_frames(1, 0)  # no frame
     with pytest.raises(ValueError):
         mod.recv_multipart(0, zmq.NOBLOCK)  # a null socket address never reaches libzmq
+
+
+def test_package_reports_its_native_paths() -> None:
+    import os
+
+    import kvwire
+    from kvwire import shm
+
+    st = kvwire.native_status()
+    assert st["frames"] == native_status()
+    assert (st["shm"] == "c") == shm.NATIVE
+    if not os.environ.get("KVWIRE_NO_NATIVE") and not os.environ.get("KVWIRE_SHM_PURE"):
+        assert st == {"frames": "c", "shm": "c"}  # this project's machines build both

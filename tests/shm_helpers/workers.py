@@ -68,10 +68,12 @@ def reader_main(handle: Any, rank: int, n: int, seed: int, chunk: int, out: Any,
                 else make_message(i, seed, chunk))
             if bad is None and not same(want, got):
                 bad = f"message {i}: got {type(got).__name__} {str(got)[:80]}"
-        out.put((rank, n if bad is None else -1, bad))
+        res: tuple = (rank, n if bad is None else -1, bad)
+        out.put(res + (q.native,) if opts.get("report_native") else res)
         q.close()
     except BaseException as e:  # report, do not hang the parent
-        out.put((rank, -2, f"{type(e).__name__}: {e}"))
+        res = (rank, -2, f"{type(e).__name__}: {e}")
+        out.put(res + (None,) if opts.get("report_native") else res)
 
 
 def idle_reader(handle: Any, rank: int, out: Any, msgspec: bool = False) -> None:
@@ -209,3 +211,18 @@ def external_member(port: int, rank: int, world: int, handle: Any, out: Any) -> 
         pg.barrier()
     except BaseException as e:
         out.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def writer_main(hq: Any, n_reader: int, n: int, seed: int, chunk: int, out: Any) -> None:
+    """Writer in its own process: publish make_message(0..n-1); report (tag, native, error)."""
+    try:
+        q = MessageQueue(n_reader, n_reader, max_chunk_bytes=chunk, max_chunks=4)
+        hq.put(q.export_handle())
+        q.wait_until_ready(timeout=60)
+        for i in range(n):
+            q.enqueue(make_message(i, seed, chunk), timeout=30)
+        out.put(("writer", q.native, None))
+        q.close()
+    except BaseException as e:  # report, do not hang the parent
+        out.put(("writer", None, f"{type(e).__name__}: {e}"))
+

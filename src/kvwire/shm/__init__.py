@@ -3,8 +3,12 @@
 One writer, N readers, every reader gets every message in order; local readers
 share a ring in /dev/shm, remote ones get the frames over ZeroMQ TCP. A dead
 peer raises a typed error instead of hanging. See docs/shm.md.
+
+``NATIVE`` tells whether the per-message path runs in C (``kvwire.shm._ring``, built by
+setup.py when a compiler is there; ``KVWIRE_SHM_PURE=1`` turns it off) or in Python.
 """
 
+from ._native import NATIVE
 from .buffer import ShmRingBuffer, shm_free_bytes
 from .errors import (
     PeerDeadError,
@@ -23,6 +27,7 @@ __all__ = [
     "Handle",
     "MessageQueue",
     "MsgspecSerializer",
+    "NATIVE",
     "PeerDeadError",
     "PickleSerializer",
     "QueueShutdownError",

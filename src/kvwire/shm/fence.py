@@ -12,6 +12,10 @@ known to contain one:
   libatomic via ctypes, a fully ordered RMW (``ldaddal`` / ``ldaxr;stlxr;dmb``) that
   orders all earlier and later accesses. ``release()``/``acquire()`` use it too.
 
+When the C accelerator ``_ring`` is active, ``full_fence`` (and, on weakly ordered
+CPUs, ``release``/``acquire``) is its ``__atomic_thread_fence(__ATOMIC_SEQ_CST)``
+(``mfence`` / ``dmb ish``), and the sleepers' membarrier is a direct syscall.
+
 See docs/shm.md for the full argument.
 """
 
@@ -24,6 +28,8 @@ import platform
 import threading
 import warnings
 from collections.abc import Callable
+
+from . import _native
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
@@ -65,15 +71,17 @@ def _noop() -> None:
     return None
 
 
+_ring = _native.ring  # the C accelerator, if built and not disabled (KVWIRE_SHM_PURE=1)
+
 if _X86:
-    full_fence: Callable[[], None] = _lock_fence()
+    full_fence: Callable[[], None] = _ring.fence if _ring else _lock_fence()
     #: Orders earlier stores before later stores (writer: payload before seq word).
     release: Callable[[], None] = _noop
     #: Orders earlier loads before later loads (reader: seq word before payload).
     acquire: Callable[[], None] = _noop
     STRONGLY_ORDERED = True
 else:  # pragma: no cover - exercised only on weakly ordered CPUs
-    _f = _libatomic_fence()
+    _f = _ring.fence if _ring else _libatomic_fence()
     if _f is None:
         warnings.warn(
             "kvwire.shm: libatomic not found on a weakly ordered CPU; falling back to a "
@@ -127,6 +135,10 @@ def register_process() -> None:
 
 def _membarrier() -> None:
     _libc.syscall(_SYS_MEMBARRIER, _CMD_GLOBAL_EXPEDITED, 0, 0)
+
+
+if _ring:
+    _membarrier = _ring.membarrier  # noqa: F811 - same syscall without ctypes' overhead
 
 
 register_process()  # at import, so ASYMMETRIC is final before users read it (exec resets

@@ -10,6 +10,11 @@ Hot path, per message and side: no syscall. A side only spins briefly
 other side makes the wake syscall only when it sees that flag. While waiting,
 peers' liveness is checked every ``liveness_interval`` so a dead peer turns
 into a typed error instead of a hang.
+
+The per-message steps run in C (``_ring.c``: ``Writer.put``, ``Reader.get`` /
+``wait_get``) when that module is built and ``KVWIRE_SHM_PURE`` is not set; otherwise
+in the inlined Python hot paths below. Both share the state objects ``self._ws`` /
+``self._rs`` with the Python slow paths (waits, fragments, frame tables, remote).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import fence
+from . import _native, fence
 from . import layout as L
 from .buffer import ShmRingBuffer
 from .errors import QueueShutdownError, ReaderDeadError, ShmQueueError, WriterDeadError
@@ -56,6 +61,11 @@ _SINGLE_HI = L.SINGLE_HI
 _SINGLE_META = L.SINGLE_HI << 40
 _MASK40 = L.MASK40
 _OFF_WSLEEP = L.OFF_WRITER_SLEEPING
+_ring = _native.ring  # C hot path (None: pure Python; see _native.py)
+_SLOW = _ring.SLOW if _ring else object()
+_NOT_READY = _ring.NOT_READY if _ring else 1
+_NOT_SIMPLE = _ring.NOT_SIMPLE if _ring else 2
+_COPY_MAX = 1 << 16  # single frames up to this size are copied out, then unpickled
 
 KIND_RAW = b"W"
 DEFAULT_MAX_CHUNK_BYTES = 10 * 1024 * 1024
@@ -77,6 +87,26 @@ def _defaults() -> tuple[float, float, float]:
 
 def _trust_env() -> bool:
     return os.environ.get("KVWIRE_SHM_TRUST_REMOTE_PICKLE", "") in ("1", "true", "yes")
+
+
+class _WState:
+    """Writer state of the pure-Python path (the C ``_ring.Writer`` has the same fields)."""
+
+    __slots__ = ("wseq", "min_rseq", "next_check")
+
+    def __init__(self) -> None:
+        self.wseq = 0  # messages published
+        self.min_rseq = 0  # cached position of the slowest live reader
+        self.next_check = 0.0  # monotonic time of the next liveness check
+
+
+class _RState:
+    """Reader state of the pure-Python path (the C ``_ring.Reader`` has the same field)."""
+
+    __slots__ = ("rseq",)
+
+    def __init__(self, rseq: int) -> None:
+        self.rseq = rseq  # messages consumed (our rseq word in the ring holds the same)
 
 
 def _as_bytes_view(f: Any) -> memoryview:
@@ -144,14 +174,15 @@ class MessageQueue:
             serializer=self._ser.name,
             writer_pid=os.getpid(),
         )
-        self._wseq = 0
-        self._min_rseq = 0
         self._live = [True] * n_local_reader
         self._watches: list[PidWatch | None] = [None] * n_local_reader
         self._dead: set[int] = set()
         self._broken: str | None = None
         if self.buffer:
-            self._bind_ring()
+            self._bind_ring()  # creates self._ws (C Writer or _WState)
+        else:
+            self._ws = _WState()
+        self._ws.next_check = time.monotonic() + self._liveness
         self._update_ok()
 
     def _setup_common(self, serializer: Serializer | None, spin_s: float | None,
@@ -167,13 +198,14 @@ class MessageQueue:
         self._w_ok = False
         self._whot: tuple | None = None
         self._rhot: tuple | None = None
+        self._wnat: Any = None  # _ring.Writer while the C hot path may be used
+        self._rnat: Any = None  # _ring.Reader while the C hot path may be used
         self._oob: list[Any] = []
         self._pickle_fast = type(self._ser) is PickleSerializer
         self._ready = False
         self.buffer: ShmRingBuffer | None = None
         self._remote: RemotePublisher | None = None
         self._sub: RemoteSubscriber | None = None
-        self._next_check = time.monotonic() + self._liveness
 
     def _bind_ring(self) -> None:
         """Precompute word indices so the hot path is plain indexing."""
@@ -199,19 +231,37 @@ class MessageQueue:
         self._rwake_addr = b.base_address + L.OFF_RWAKE
         self._wwake_addr = b.base_address + L.OFF_WWAKE
         self._state_idx = L.OFF_WRITER_STATE // 4
+        if self._is_writer:
+            self._ws = (_ring.Writer(b.mm, nl, b.max_chunk_bytes, n, b.header_size,
+                                     b.chunk_stride, _dumps, fence.ASYMMETRIC, self._spin_s,
+                                     _RAW_MIN) if _ring else _WState())
+
+    @property
+    def native(self) -> bool:
+        """Whether this queue's per-message path runs in C (kvwire.shm._ring): a local
+        ring, pickle, and (writer) no remote readers; else it is the Python one."""
+        st = self.__dict__.get("_ws") if self._is_writer else self.__dict__.get("_rs")
+        return (_ring is not None and isinstance(st, (_ring.Writer, _ring.Reader))
+                and self._pickle_fast and self._remote is None)
 
     def _set_hot(self) -> None:
         """Bundle what the hot paths read, so each reads one attribute (None = slow path)."""
-        self._whot = self._rhot = None
+        self._whot = self._rhot = self._wnat = self._rnat = None
         if self.buffer is None or self.buffer.mm is None:
             return
         if self._is_writer:
-            if (self._w_ok and self._remote is None and self._pickle_fast
-                    and len(self._sleep_words) == 1):
-                self._whot = (self._mv, self._u64, self._slots, self._nchunks, self._cbytes,
-                              self._sleep_words[0])
+            if self._w_ok and self._remote is None and self._pickle_fast:
+                if _ring:
+                    self._wnat = self._ws
+                elif len(self._sleep_words) == 1:
+                    self._whot = (self._mv, self._u64, self._slots, self._nchunks,
+                                  self._cbytes, self._sleep_words[0], self.buffer.mm)
         elif self._is_local_reader:
-            self._rhot = (self._mv, self._u64, self._slots, self._nchunks, self._my_rseq_idx)
+            if _ring and self._pickle_fast:
+                self._rnat = self._rs
+            else:
+                self._rhot = (self._mv, self._u64, self._slots, self._nchunks,
+                              self._my_rseq_idx, self.buffer.mm)
 
     def export_handle(self) -> Handle:
         return self.handle
@@ -255,7 +305,11 @@ class MessageQueue:
             self._my_rseq_idx = self._rseq_idx[idx]
             self._my_status_idx = self._status_idx[idx]
             self._my_sleep_off = L.OFF_SLEEPERS + idx
-            self._rseq = self._u64[self._my_rseq_idx]
+            b = self.buffer
+            self._rs = (_ring.Reader(b.mm, n_local, cbytes, nchunks, b.header_size,
+                                     b.chunk_stride, idx, _loads, fence.ASYMMETRIC,
+                                     self._spin_s, _COPY_MAX)
+                        if _ring else _RState(self._u64[self._my_rseq_idx]))
             self._writer_watch = PidWatch(self.buffer.writer_pid)
             self._u32[self._pid_idx[idx]] = os.getpid()
             release()
@@ -348,11 +402,13 @@ class MessageQueue:
     # ----------------------------------------------------------- wait engine
     def _wait(self, cond: Callable[[], bool], deadline: float | None, word_idx: int,
               word_addr: int, flag_off: int, check: Callable[[], None],
-              describe: Callable[[float], str], warn: bool) -> None:
-        """Spin, then sleep on a futex word until ``cond()``; see module docstring."""
+              describe: Callable[[float], str], warn: bool, spin: float | None = None) -> None:
+        """Spin, then sleep on a futex word until ``cond()``; see module docstring.
+
+        ``spin`` overrides ``spin_s`` (0 after the C hot path already spun)."""
         mono = time.monotonic
         start = mono()
-        spin_end = start + self._spin_s
+        spin_end = start + (self._spin_s if spin is None else spin)
         if deadline is not None:
             spin_end = min(spin_end, deadline)
         yield_after = start + _SPIN_NO_YIELD_S
@@ -409,18 +465,19 @@ class MessageQueue:
         for i, sidx in enumerate(self._status_idx):
             if live[i] and u32[sidx] in (L.R_DROPPED, L.R_CLOSED):
                 live[i] = False
-        self._min_rseq = min_live_rseq([u64[j] for j in self._rseq_idx], live, self._wseq)
+        ws = self._ws
+        ws.min_rseq = min_live_rseq([u64[j] for j in self._rseq_idx], live, ws.wseq)
         acquire()
 
     def _writable(self) -> bool:
         if self._cancelled:
             return True
         self._refresh_min()
-        return can_write(self._wseq, self._min_rseq, self._nchunks)
+        return can_write(self._ws.wseq, self._ws.min_rseq, self._nchunks)
 
     def _lagging_ranks(self) -> list[int]:
         rseqs = [self._u64[j] for j in self._rseq_idx]
-        idx = blocking_readers(rseqs, self._live, self._wseq, self._nchunks)
+        idx = blocking_readers(rseqs, self._live, self._ws.wseq, self._nchunks)
         return [self.local_reader_ranks[i] for i in idx]
 
     def _scan_dead(self) -> list[int]:
@@ -444,7 +501,7 @@ class MessageQueue:
         return dead
 
     def _check_readers(self) -> None:
-        self._next_check = time.monotonic() + self._liveness
+        self._ws.next_check = time.monotonic() + self._liveness
         dead = self._scan_dead()
         if dead:
             self._dead.update(dead)
@@ -452,18 +509,18 @@ class MessageQueue:
         if self._dead:
             raise ReaderDeadError(sorted(self._dead), "detected by the writer")
 
-    def _wait_writable(self, deadline: float | None) -> None:
+    def _wait_writable(self, deadline: float | None, spin: float | None = None) -> None:
         self._wait(self._writable, deadline, self._wwake_idx, self._wwake_addr,
                    L.OFF_WRITER_SLEEPING, self._check_readers,
                    lambda s: f"writer: no free chunk for {s:.1f}s; reader rank(s) "
-                   f"{self._lagging_ranks()} are behind", warn=True)
+                   f"{self._lagging_ranks()} are behind", warn=True, spin=spin)
         if self._cancelled:
             raise QueueShutdownError("cancelled")
 
-    def _acquire_slot(self, deadline: float | None) -> int:
-        wseq = self._wseq
-        if wseq - self._min_rseq >= self._nchunks and not self._writable():
-            self._wait_writable(deadline)
+    def _acquire_slot(self, deadline: float | None, spin: float | None = None) -> int:
+        wseq = self._ws.wseq
+        if wseq - self._ws.min_rseq >= self._nchunks and not self._writable():
+            self._wait_writable(deadline, spin)
         return wseq % self._nchunks
 
     def _publish(self, slot: int, nbytes: int, total: int, flags: int, nframes: int) -> None:
@@ -474,8 +531,9 @@ class MessageQueue:
         u64[self._meta_idx[slot]] = L.meta(nbytes, flags, nframes)
         if _WEAK:
             release()
-        self._wseq += 1
-        u64[self._seq_idx[slot]] = self._wseq  # the publishing store
+        ws = self._ws
+        ws.wseq = wseq = ws.wseq + 1
+        u64[self._seq_idx[slot]] = wseq  # the publishing store
         publish_fence()
         for w in self._sleep_words:
             if u64[w]:
@@ -496,28 +554,44 @@ class MessageQueue:
             raise QueueShutdownError("queue was shut down")
         if self._broken:
             raise ShmQueueError(self._broken)
-        if self._dead or time.monotonic() >= self._next_check:
+        if self._dead or time.monotonic() >= self._ws.next_check:
             self._check_readers()
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Broadcast ``obj``. ``timeout`` bounds the wait for a free chunk (TimeoutError)."""
+        nat = self._wnat
+        if nat is not None:
+            # C hot path (_ring.c): pickle, one frame, one chunk, publish, wake sleepers.
+            r = nat.put(obj) if timeout is None else nat.put(obj, timeout)
+            if r is None:
+                return
+            if r is not _SLOW:  # pickled but not published: the general path writes it
+                main, bufs = r
+                # C already spun on a still-full ring: go straight to the sleep phase
+                spun = nat.wseq - nat.min_rseq >= self._nchunks
+                self._writer_prologue()
+                self._write_frames([main, *(b.raw() for b in bufs)] if bufs else [main],
+                                   timeout, 0.0 if spun else None)
+                return
+            # else: large bytes, sent without pickle below
         hot = self._whot
         if hot is not None and (type(obj) is not bytes or len(obj) < _RAW_MIN):
             # Hot path: pickle, one frame, one chunk, no remote; no syscall unless a
             # reader sleeps. Same steps as _write_frames + _publish, inlined.
             bufs = self._oob
             main = _dumps(obj, 5, buffer_callback=bufs.append)
-            wseq = self._wseq
-            mv, u64, slots, nchunks, cbytes, sleep_w0 = hot
+            ws = self._ws
+            wseq = ws.wseq
+            mv, u64, slots, nchunks, cbytes, sleep_w0, mm = hot
             n = len(main)
-            if (not bufs and n <= cbytes and wseq - self._min_rseq < nchunks
-                    and (wseq & 63 or _mono() < self._next_check)):
+            if (not bufs and n <= cbytes and wseq - ws.min_rseq < nchunks
+                    and (wseq & 63 or _mono() < ws.next_check)):
                 off, sidx, midx = slots[wseq % nchunks]
-                mv[off : off + n] = main
+                mm[off : off + n] = main
                 u64[midx] = n | _SINGLE_META
                 if _WEAK:
                     release()
-                self._wseq = wseq = wseq + 1
+                ws.wseq = wseq = wseq + 1
                 u64[sidx] = wseq  # the publishing store
                 if _SYM:
                     full_fence()
@@ -532,7 +606,7 @@ class MessageQueue:
             self._writer_prologue()
             self._write_frames([main] if frames is None else frames, timeout)
             return
-        if not self._w_ok or _mono() >= self._next_check:
+        if not self._w_ok or _mono() >= self._ws.next_check:
             self._writer_prologue()
         if self._pickle_fast and (type(obj) is not bytes or len(obj) < _RAW_MIN):
             bufs = self._oob
@@ -549,8 +623,8 @@ class MessageQueue:
         if self.buffer is not None:
             if frames is None and len(main) <= self._cbytes:
                 # Hot path: one chunk, one frame. No syscall unless a reader sleeps.
-                wseq = self._wseq
-                if wseq - self._min_rseq >= self._nchunks and not self._writable():
+                wseq = self._ws.wseq
+                if wseq - self._ws.min_rseq >= self._nchunks and not self._writable():
                     self._wait_writable(None if timeout is None else _mono() + timeout)
                 slot = wseq % self._nchunks
                 off = self._data_off[slot]
@@ -562,14 +636,15 @@ class MessageQueue:
         if self._remote is not None:
             self._remote.send(KIND_MSG, [main] if frames is None else frames)
 
-    def _write_frames(self, frames: list[Any], timeout: float | None) -> None:
+    def _write_frames(self, frames: list[Any], timeout: float | None,
+                      spin: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         cbytes = self._cbytes
         if len(frames) == 1:
             main = frames[0]
             n = len(main)
             if n <= cbytes:
-                slot = self._acquire_slot(deadline)
+                slot = self._acquire_slot(deadline, spin)
                 off = self._data_off[slot]
                 self._mv[off : off + n] = main
                 self._publish(slot, n, n, L.F_SINGLE, 1)
@@ -584,7 +659,7 @@ class MessageQueue:
             pos = L.round_up(pos + len(v), L.LINE)
         total = segs[-1][0] + len(segs[-1][1])
         if total <= cbytes:
-            slot = self._acquire_slot(deadline)
+            slot = self._acquire_slot(deadline, spin)
             base = self._data_off[slot]
             mv = self._mv
             for soff, v in segs:
@@ -677,8 +752,9 @@ class MessageQueue:
         if not self._writer_watch.alive() and self._u32[self._state_idx] == L.W_INIT:
             raise WriterDeadError("the writer died before the queue was ready")
 
-    def _read_begin(self, deadline: float | None, indefinite: bool) -> int:
-        rseq = self._rseq
+    def _read_begin(self, deadline: float | None, indefinite: bool,
+                    spin: float | None = None) -> int:
+        rseq = self._rs.rseq
         slot = rseq % self._nchunks
         sidx = self._seq_idx[slot]
         want = rseq + 1
@@ -699,7 +775,7 @@ class MessageQueue:
 
             self._wait(cond, deadline, self._rwake_idx, self._rwake_addr, self._my_sleep_off,
                        check, lambda s: f"reader rank {self.rank}: no message for {s:.1f}s",
-                       warn=not indefinite)
+                       warn=not indefinite, spin=spin)
             if u64[sidx] != want:
                 if self._cancelled:
                     raise QueueShutdownError("cancelled")
@@ -711,8 +787,9 @@ class MessageQueue:
         if self._u32[self._my_status_idx] == L.R_DROPPED:
             raise QueueShutdownError(f"reader rank {self.rank} was dropped by the writer")
         release()
-        self._rseq += 1
-        self._u64[self._my_rseq_idx] = self._rseq
+        rs = self._rs
+        rs.rseq = rseq = rs.rseq + 1
+        self._u64[self._my_rseq_idx] = rseq
         self._wake_writer()
 
     def _frames_at(self, slot: int) -> tuple[int, list[memoryview]]:
@@ -745,40 +822,121 @@ class MessageQueue:
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """Next message. TimeoutError after ``timeout``; no wait log if ``indefinite``."""
+        nat = self._rnat
+        if nat is not None:
+            # C hot path (_ring.c): spin briefly, copy one pickle frame out, hand the
+            # chunk back, wake a sleeping writer, unpickle.
+            obj = nat.get() if timeout is None else nat.get(timeout)
+            if obj is not _SLOW:
+                return obj
+            return self._dequeue_native_slow(nat, timeout, indefinite)
         if self._is_local_reader:
             hot = self._rhot
             if hot is None:
                 raise QueueShutdownError("cancelled" if self._cancelled else "queue closed")
-            rseq = self._rseq
-            mv, u64, slots, nchunks, my_rseq_idx = hot
+            rs = self._rs
+            rseq = rs.rseq
+            mv, u64, slots, nchunks, my_rseq_idx, mm = hot
             off, sidx, midx = slots[rseq % nchunks]
             if u64[sidx] != rseq + 1:
                 self._read_begin(None if timeout is None else _mono() + timeout, indefinite)
             if _WEAK:
                 acquire()
             w = u64[midx]
-            if w >> 40 != _SINGLE_HI or not self._pickle_fast:
+            n = w & _MASK40
+            if w >> 40 != _SINGLE_HI or n > _COPY_MAX or not self._pickle_fast:
                 return self._dequeue_general(rseq % nchunks, timeout, indefinite)
-            obj: Any = _loads(mv[off : off + (w & _MASK40)])
-            # Hand the chunk back (as _read_end, inlined). A seq word that moved on
-            # means the writer dropped us and reused the chunk under our feet.
+            data = mm[off : off + n]  # a bytes copy: unpickling bytes is cheaper than a view
+            # A seq word that moved on means the writer dropped us and reused the chunk.
+            if _WEAK:
+                acquire()
             if u64[sidx] != rseq + 1:
-                self._read_end()
+                self._torn()
+            # Hand the chunk back (as _read_end, inlined) before unpickling our copy.
             if _WEAK:
                 release()
-            self._rseq = rseq = rseq + 1
+            rs.rseq = rseq = rseq + 1
             u64[my_rseq_idx] = rseq
             if _SYM:
                 full_fence()
             if mv[_OFF_WSLEEP]:
                 self._wake_writer()
-            return obj
+            return _loads(data)
         if self._is_remote_reader:
             kind, frames = self._remote_recv(timeout, indefinite)
             if kind == KIND_RAW:
                 return frames[0].bytes
             return self._ser.loads([f.buffer for f in frames], "own")
         raise ShmQueueError("only readers can dequeue")
+
+    def _dequeue_native_slow(self, nat: Any, timeout: float | None, indefinite: bool) -> Any:
+        """After ``_ring.Reader.get`` returned SLOW (``nat.why`` says why).
+
+        Not ready: C spun already, so sleep at once, one futex round at a time in C
+        (``wait_get`` takes the message itself when woken), with the same liveness
+        checks, deadline and wait logs between rounds as ``_wait``."""
+        why = nat.why
+        if why == _NOT_SIMPLE:
+            return self._dequeue_general(nat.rseq % self._nchunks, timeout, indefinite)
+        if why != _NOT_READY:
+            self._torn()
+        try:
+            return self._native_wait(nat, timeout, indefinite)
+        except (ValueError, AttributeError):
+            if self._cancelled:  # close() from another thread released the ring under us
+                raise QueueShutdownError("queue closed") from None
+            raise
+
+    def _native_wait(self, nat: Any, timeout: float | None, indefinite: bool) -> Any:
+        start = _mono()
+        deadline = None if timeout is None else start + timeout
+        next_check = start
+        warn = not indefinite and self._warn_interval > 0
+        next_warn = start + self._warn_interval if warn else math.inf
+        u32, state = self._u32, self._state_idx
+        while True:
+            if self._cancelled:
+                raise QueueShutdownError("cancelled")
+            if u32[state] == L.W_SHUTDOWN:  # drained: everything published was read
+                obj = nat.get(0)
+                if obj is _SLOW and nat.why == _NOT_READY:
+                    raise QueueShutdownError("writer shut down the queue")
+            else:
+                t = _mono()
+                if t >= next_check:
+                    self._check_writer_for(nat.rseq)
+                    next_check = t + self._liveness
+                if deadline is not None and t >= deadline:
+                    raise TimeoutError(f"reader rank {self.rank}: no message for "
+                                       f"{t - start:.1f}s")
+                if t >= next_warn:
+                    logger.warning("kvwire.shm: reader rank %d: no message for %.1fs",
+                                   self.rank, t - start)
+                    next_warn = t + self._warn_interval
+                until = min(next_check, next_warn, math.inf if deadline is None else deadline)
+                obj = nat.wait_get(until - t)
+            if obj is not _SLOW:
+                return obj
+            why = nat.why
+            if why == _NOT_SIMPLE:
+                return self._dequeue_general(nat.rseq % self._nchunks, timeout, indefinite)
+            if why != _NOT_READY:
+                self._torn()
+
+    def _check_writer_for(self, rseq: int) -> None:
+        """Liveness check of a reader waiting for message ``rseq`` (as _read_begin's)."""
+        if (not self._writer_watch.alive()
+                and self._u64[self._seq_idx[rseq % self._nchunks]] != rseq + 1):
+            raise WriterDeadError(f"reader rank {self.rank}: the writer (pid "
+                                  f"{self._writer_watch.pid}) died")
+        if self._u32[self._my_status_idx] == L.R_DROPPED:
+            raise QueueShutdownError(f"reader rank {self.rank} was dropped by the writer")
+
+    def _torn(self) -> None:
+        """The chunk we were reading was reused: we were dropped (or the ring is corrupt)."""
+        if self._u32[self._my_status_idx] == L.R_DROPPED:
+            raise QueueShutdownError(f"reader rank {self.rank} was dropped by the writer")
+        raise ShmQueueError(f"reader rank {self.rank}: chunk reused while being read")
 
     def _dequeue_general(self, slot: int, timeout: float | None, indefinite: bool) -> Any:
         flags = L.meta_flags(self._u64[self._meta_idx[slot]])
@@ -885,7 +1043,7 @@ class MessageQueue:
         Reader: cancel this process's blocked or future reads. Both wake sleepers."""
         self._cancelled = True
         self._w_ok = False
-        self._whot = self._rhot = None
+        self._whot = self._rhot = self._wnat = self._rnat = None
         if self._is_writer and not self._shut:
             self._shut = True
             if self.buffer and self.buffer.mm is not None:
@@ -906,11 +1064,16 @@ class MessageQueue:
                 if w:
                     w.close()
         elif self._is_local_reader and self.buffer and self.buffer.mm is not None:
+            self.shutdown()  # a thread of ours blocked in dequeue wakes and raises
             if self._u32[self._my_status_idx] == L.R_ATTACHED:
                 self._u32[self._my_status_idx] = L.R_CLOSED
                 self._wake_writer()
             self._writer_watch.close()
-        self._whot = self._rhot = None
+        self._whot = self._rhot = self._wnat = self._rnat = None
+        for attr in ("_ws", "_rs"):  # a C state object holds an export of the mapping
+            st = self.__dict__.get(attr)
+            if st is not None and hasattr(st, "release"):
+                st.release()
         for attr in ("_mv", "_u64", "_u32"):
             self.__dict__.pop(attr, None)
         if self.buffer:

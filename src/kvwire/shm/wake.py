@@ -13,6 +13,8 @@ import errno
 import os
 import platform
 
+from . import _native
+
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98,
               "ppc64le": 221, "s390x": 238}.get(platform.machine().lower())
 _FUTEX_WAIT = 0  # not FUTEX_PRIVATE_FLAG: the word is shared between processes
@@ -30,10 +32,11 @@ class _Timespec(ctypes.Structure):
 AVAILABLE = _SYS_FUTEX is not None
 
 
-def futex_wait(addr: int, expected: int, timeout: float | None) -> bool:
+def futex_wait(addr: int, expected: int, timeout: float | None) -> int:
     """Sleep while the u32 at ``addr`` equals ``expected``, at most ``timeout`` s.
 
-    Returns False on timeout, True otherwise (woken, value changed, or signal).
+    Returns 0 (false) on timeout, non-zero otherwise (woken, value changed, or signal).
+    The C version returns the CLOCK_MONOTONIC time in ns at which the kernel returned.
     """
     if timeout is None:
         ts = None
@@ -44,12 +47,12 @@ def futex_wait(addr: int, expected: int, timeout: float | None) -> bool:
     r = _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
                  ctypes.c_uint32(expected & 0xFFFFFFFF), ts, None, ctypes.c_int(0))
     if r == 0:
-        return True
+        return 1
     err = ctypes.get_errno()
     if err == errno.ETIMEDOUT:
-        return False
+        return 0
     if err in (errno.EAGAIN, errno.EINTR):
-        return True
+        return 1
     raise OSError(err, os.strerror(err))
 
 
@@ -61,3 +64,8 @@ def futex_wake(addr: int, n: int = 0x7FFFFFFF) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return int(r)
+
+
+if _native.ring is not None:  # same calls in C: no ctypes marshalling, GIL released in C
+    futex_wait = _native.ring.futex_wait  # noqa: F811
+    futex_wake = _native.ring.futex_wake  # noqa: F811
