@@ -108,17 +108,30 @@ def chain_events(
     ``positions`` caches each event's hash -> index map across calls (one snapshot sent in
     chunks passes the same dict to every chunk).
     """
-    values = _indexed(records, {} if positions is None else positions)
+    if positions is None:
+        positions = {}
     out: list[BlockStored] = []
-    i, n = 0, len(values)
+    i, n = 0, len(records)
     while i < n:
-        ev, start = values[i]
-        j = i + 1
-        while j < n and values[j][0] is ev and values[j][1] == start + (j - i):
+        h, ev = records[i]
+        hs = ev.block_hashes
+        size = len(hs)
+        if size == 1:
+            start = 0
+        else:
+            pos = positions.get(id(ev))
+            if pos is None:
+                pos = positions[id(ev)] = {x: k for k, x in enumerate(hs)}
+            start = pos[h]
+        # The run goes on while the next record is the next block of the same event.
+        j, end = i + 1, start + 1
+        while j < n and end < size:
+            h2, ev2 = records[j]
+            if ev2 is not ev or hs[end] != h2:
+                break
             j += 1
-        end = start + (j - i)  # exclusive
-        out.append(ev if start == 0 and end == len(ev.block_hashes)
-                   else _sub_chain(ev, start, end))
+            end += 1
+        out.append(ev if start == 0 and end == size else _sub_chain(ev, start, end))
         i = j
     return out
 
