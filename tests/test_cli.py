@@ -44,7 +44,7 @@ class ReferencePublisher:
 
     def __init__(self, topic: bytes, legacy: bool = False) -> None:
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that also tells when someone subscribes
         self.pub.bind("tcp://127.0.0.1:*")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:*")
@@ -57,6 +57,11 @@ class ReferencePublisher:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
+
+    def wait_subscribed(self, timeout: float = 20.0) -> None:
+        """Until a subscriber's subscription reached the PUB side (no slow-joiner loss)."""
+        assert self.pub.poll(int(timeout * 1000)), "no subscriber within the timeout"
+        assert self.pub.recv()[:1] == b"\x01"
 
     def publish(self, seq: int, payload: bytes, live: bool = True) -> None:
         with self.lock:
@@ -149,16 +154,11 @@ def test_listen_reports_unfillable_gap_and_restart() -> None:
     ref = ReferencePublisher(b"")
     proc = start_listen(ref.endpoint, "--json", "--count", "4")
     try:
-        deadline = time.monotonic() + 20
-        lines: list[str] = []
-        seq = 0
-        # keep publishing until the listener has connected and printed something
-        while time.monotonic() < deadline:
+        ref.wait_subscribed()  # the listener gets everything from here on
+        seq = 5  # it joins mid-stream: seqs 0-4 were never sent to it
+        for _ in range(2):
             ref.publish(seq, encode_batch(batch(seq)))
             seq += 1
-            time.sleep(0.05)
-            if seq > 5:
-                break
         ref.publish(seq + 10, encode_batch(batch(1)))  # a gap with no replay endpoint
         ref.publish(0, encode_batch(batch(2)))  # seq goes back: restart
         for k in range(1, 5):
