@@ -497,25 +497,14 @@ class ZmqEventPublisher(EventPublisher):
         popleft = pending.popleft
         sent = 0
         model = self._model
-        dialect = self._dialect
         for _ in range(min(len(pending), self.SEND_SLICE)):
             seq, batch = popleft()
             self._done_seq = seq
             if model is not None:
-                if self._lost_from is None:  # the common case of _apply, inlined
-                    try:
-                        model.apply_events(batch.events)
-                    except Exception:  # not a KV batch: the encoder reports it
-                        pass
-                    self._model_seq = seq
-                else:
-                    self._apply(model, seq, batch)
-            try:
-                payload = encode_batch(batch, dialect)
-            except Exception:
-                payload = encode(seq, batch)  # counts and logs the error
-                if payload is None:
-                    continue
+                self._apply(model, seq, batch)
+            payload = encode(seq, batch)
+            if payload is None:
+                continue
             slot = ring[seq % n]
             if slot is None or slot[0] < seq:  # never overwrite a newer dropped batch
                 ring[seq % n] = (seq, payload)

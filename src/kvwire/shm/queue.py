@@ -392,12 +392,17 @@ class MessageQueue:
                 self._watches[i] = PidWatch(self._u32[self._pid_idx[i]])
             # Everyone mapped the ring: close our fd so nobody else can open it.
             self.buffer.close_fd()
+        self._announce(L.W_READY, KIND_READY)
+
+    def _announce(self, state: int, kind: bytes) -> None:
+        """Writer: publish a new writer state (ready, shut down) to every reader."""
+        if self.buffer and self.buffer.mm is not None:
             release()
-            self._u32[self._state_idx] = L.W_READY
+            self._u32[self._state_idx] = state
             publish_fence()
             self._wake_readers()
         if self._remote:
-            self._remote.send(KIND_READY, [])
+            self._remote.send(kind, [])
 
     # ----------------------------------------------------------- wait engine
     def _wait(self, cond: Callable[[], bool], deadline: float | None, word_idx: int,
@@ -1046,13 +1051,7 @@ class MessageQueue:
         self._whot = self._rhot = self._wnat = self._rnat = None
         if self._is_writer and not self._shut:
             self._shut = True
-            if self.buffer and self.buffer.mm is not None:
-                release()
-                self._u32[self._state_idx] = L.W_SHUTDOWN
-                publish_fence()
-                self._wake_readers()
-            if self._remote:
-                self._remote.send(KIND_SHUTDOWN, [])
+            self._announce(L.W_SHUTDOWN, KIND_SHUTDOWN)
         elif self.buffer and self.buffer.mm is not None:
             futex_wake(self._rwake_addr)
 
