@@ -855,6 +855,42 @@ def test_unencodable_batch_is_counted_and_skipped(make_pub, ctx) -> None:
     assert [unpack(f[2]) for f in replay(d, 0)] == [0, 2]
 
 
+class _GateEvents(list):
+    """Events whose iteration waits on a gate: stalls the sender thread for real while it
+    applies this batch to the snapshot model (a forced fault; nothing is mocked)."""
+
+    def __init__(self, items: list[Any], gate: threading.Event) -> None:
+        super().__init__(items)
+        self.gate = gate
+
+    def __iter__(self) -> Any:
+        self.gate.wait(10)
+        return super().__iter__()
+
+
+def test_dropped_batches_are_encoded_on_replay_and_a_bad_one_counted_once(
+    make_pub, ctx
+) -> None:
+    pub = make_pub(replay_endpoint="tcp://*:0", max_queue_size=1)
+    gate = threading.Event()
+    try:
+        pub.publish(KVEventBatch(0.0, _GateEvents(mk(0).events, gate), 0))
+        wait_for(lambda: pub.stats().queue_depth == 0, "sender holds batch 0")
+        pub.publish(mk(1))  # waits in the queue
+        pub.publish(KVEventBatch(1.0, [object()], 0))  # type: ignore[list-item]  # dropped
+        pub.publish(mk(3))  # dropped
+        s = pub.stats()
+        # the full path did not encode: the bad batch is not an error until replayed
+        assert (s.dropped, s.queue_depth, s.encode_errors) == (2, 1, 0)
+    finally:
+        gate.set()
+    wait_for(lambda: pub.stats().sent == 2, "batches 0 and 1 sent")
+    d = dealer(ctx, pub.replay_endpoint)
+    assert [unpack(f[2]) for f in replay(d, 0)] == [0, 1, 3]
+    assert [unpack(f[2]) for f in replay(d, 2)] == [3]
+    assert pub.stats().encode_errors == 1  # counted once, though replayed twice
+
+
 # --------------------------------------------------------------------------- INFO, SNAPSHOT
 
 

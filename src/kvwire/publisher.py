@@ -284,7 +284,10 @@ class ZmqEventPublisher(EventPublisher):
         self._pending: collections.deque[tuple[int, EventBatch]] = collections.deque()
         self._next_seq = 0
         self._done_seq = -1  # last seq the sender has handled (so it is in the ring)
-        self._ring: list[tuple[int, bytes] | None] = [None] * buffer_steps
+        # (seq, payload bytes), or (seq, batch) for a batch dropped from the live path,
+        # which the sender encodes only if a replay asks for it.
+        self._ring: list[tuple[int, bytes | EventBatch] | None] = [None] * buffer_steps
+        self._unencodable: collections.deque[int] = collections.deque(maxlen=64)
         # The snapshot model is owned by the sender thread, which applies batches in seq
         # order; the engine thread never pays for it.
         self._model: BlockCache | None = BlockCache() if snapshot else None
@@ -345,7 +348,9 @@ class ZmqEventPublisher(EventPublisher):
 
         Takes the next seq and queues the batch (about a microsecond); the sender thread
         does the rest. If the queue is full the batch is not sent live, but it still
-        consumes its seq and is encoded into the replay buffer here, so it stays replayable.
+        consumes its seq and goes into the replay buffer as it is (the sender encodes it
+        if a replay asks for it), so it stays replayable and the full path costs no more
+        than the normal one.
         """
         if self._closing:
             raise PublisherClosedError(
@@ -361,11 +366,9 @@ class ZmqEventPublisher(EventPublisher):
         self._next_seq = seq + 1
         if len(self._pending) < self._max_queue:
             self._pending.append((seq, batch))
-        else:  # full: skip the live stream, but keep it replayable
+        else:  # full: skip the live stream, but keep it replayable (encoded on demand)
             self._c["dropped"] += 1
-            payload = self._encode(seq, batch)
-            if payload is not None:
-                self._ring[seq % self._buffer_steps] = (seq, payload)
+            self._ring[seq % self._buffer_steps] = (seq, batch)
             # The sender never sees this batch, so the snapshot model misses it.
             self._last_drop = seq
             if self._lost_from is None and self._model is not None:
@@ -463,8 +466,8 @@ class ZmqEventPublisher(EventPublisher):
                 if now < active_until:
                     # Busy lately: nap rather than have publish() wake us, which would cost
                     # the engine's thread a pipe write and a thread switch for every batch.
-                    poller.poll(self.NAP * 1000.0)
-                    self._drain_wake()
+                    if poller.poll(self.NAP * 1000.0):
+                        self._drain_wake()
                     continue
                 self._idle = True
                 if self._pending or self._closing:  # raced with publish(): don't sleep
@@ -473,9 +476,10 @@ class ZmqEventPublisher(EventPublisher):
                 wait = 0.25
                 if self._heartbeat is not None:
                     wait = min(wait, max(0.0, self._last_live + self._heartbeat - now))
-                poller.poll(wait * 1000.0)
+                ready = poller.poll(wait * 1000.0)
                 self._idle = False
-                self._drain_wake()
+                if ready:
+                    self._drain_wake()
         except Exception:  # pragma: no cover - a bug; make it loud rather than silent
             log.exception("KV event publisher thread failed")
         finally:
@@ -636,7 +640,13 @@ class ZmqEventPublisher(EventPublisher):
             if (slot is None or slot[0] != seq) and seq > self._done_seq:
                 return False  # still queued for the sender: wait for it, don't skip it
             if slot is not None and slot[0] == seq:
-                r = self._send_to(job.ident, [b"", topic, seq.to_bytes(8, "big"), slot[1]])
+                payload = slot[1]
+                if type(payload) is not bytes:  # dropped from the live path: encode now
+                    payload = self._encode_dropped(seq, payload)
+                    if payload is None:
+                        job.next = seq + 1
+                        continue
+                r = self._send_to(job.ident, [b"", topic, seq.to_bytes(8, "big"), payload])
                 if r is None:
                     return True
                 if r is False:
@@ -647,6 +657,16 @@ class ZmqEventPublisher(EventPublisher):
         if job.next > job.end:
             return self._send_to(job.ident, [b"", b"", wire.END_SEQ, b""]) is not False
         return False
+
+    def _encode_dropped(self, seq: int, batch: EventBatch) -> bytes | None:
+        """Encode a batch kept in the ring as an object; an unencodable one is counted once
+        (the ring slot is the engine thread's too, so it is not rewritten from here)."""
+        if seq in self._unencodable:
+            return None
+        payload = self._encode(seq, batch)
+        if payload is None:
+            self._unencodable.append(seq)
+        return payload
 
     def _advance_snapshot(self, snap: _Snapshot) -> bool:
         i = snap.next_chunk
