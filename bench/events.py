@@ -13,7 +13,6 @@ Prints one table; every kvwire number sits next to its baseline.
 from __future__ import annotations
 
 import argparse
-import collections
 import multiprocessing as mp
 import os
 import queue
@@ -97,47 +96,6 @@ class BaselinePublisher:
 
     def shutdown(self) -> None:
         self.q.put(None)
-        self.thread.join()
-        self.pub.close(linger=1000)
-        self.ctx.term()
-
-
-class FloorPublisher:
-    """The least a hand-off design can cost the caller: ``publish()`` is a lock and a
-    ``deque.append``; a thread naps 0.5 ms, pops, encodes and sends (no replay, no model).
-
-    Only for the paced rows: it shows what this machine charges any publisher whose work
-    happens on another thread (GIL hand-offs, a sibling vCPU), so kvwire's paced p99 can
-    be read against it."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        self.pub.bind(endpoint)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.lock = threading.Lock()
-        self.q: collections.deque[tuple[int, Any]] = collections.deque()
-        self.seq = 0
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def publish(self, batch: Any) -> None:
-        with self.lock:
-            self.q.append((self.seq, batch))
-            self.seq += 1
-
-    def _run(self) -> None:
-        topic = TOPIC.encode()
-        while not self.stop or self.q:
-            time.sleep(0.0005)
-            while self.q:
-                seq, b = self.q.popleft()
-                self.pub.send_multipart((topic, seq.to_bytes(8, "big"), E.encode_batch(b)))
-
-    def shutdown(self) -> None:
-        self.stop = True
         self.thread.join()
         self.pub.close(linger=1000)
         self.ctx.term()
@@ -273,9 +231,6 @@ def run_pair(
             max_queue_size=max_queue, buffer_steps=10_000,
         )
         make = reference_step
-    elif kind == "floor":
-        pub = FloorPublisher("tcp://127.0.0.1:0")
-        make = reference_step
     else:
         pub = BaselinePublisher("tcp://127.0.0.1:0", maxsize=max_queue)
         make = baseline_step
@@ -327,7 +282,7 @@ def run_pair(
         pub.shutdown(timeout=5)
     else:
         deadline = time.monotonic() + 60
-        while len(pub.q.queue if kind == "baseline" else pub.q) and time.monotonic() < deadline:
+        while pub.q.qsize() and time.monotonic() < deadline:
             time.sleep(0.0005)
         cpu, io = cpu_now() - c0, zmq_io_cpu() - z0
         dropped = 0
@@ -397,7 +352,7 @@ def main() -> None:
             runs[kind].append(run_pair(kind, n, warm))
     full = {k: run_full_queue(k, 20_000 if args.quick else 100_000) for k in ("baseline", "kvwire")}
     paced = {k: run_paced(k, 10_000, 10_000 if args.quick else 50_000)
-             for k in ("baseline", "kvwire", "floor")}
+             for k in ("baseline", "kvwire")}
 
     def med(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[kind])
@@ -426,9 +381,6 @@ def main() -> None:
     rows.append(("publish() p99 at 10k batches/s (us)", paced["baseline"]["p99"],
                  paced["kvwire"]["p99"], paced["kvwire"]["p99"] / paced["baseline"]["p99"],
                  "kvwire/baseline"))
-    rows.append(("  floor: lock+append, 0.5 ms sender (us)", paced["floor"]["p99"],
-                 paced["kvwire"]["p99"], paced["kvwire"]["p99"] / paced["floor"]["p99"],
-                 "kvwire/floor"))
     rows.append(("publish() p99, queue full (us)", full["baseline"]["p99"], full["kvwire"]["p99"],
                  full["kvwire"]["p99"] / full["baseline"]["p99"], "kvwire/baseline"))
     rows.append(("publish() max, queue full (us)", full["baseline"]["max"], full["kvwire"]["max"],

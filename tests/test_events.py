@@ -555,3 +555,21 @@ def test_property_mutated_payloads(batch: KVEventBatch, dialect: str, data: st.D
     payload[i] = data.draw(st.integers(0, 255))
     _check_decode(bytes(payload))
     _check_decode(bytes(payload[: data.draw(st.integers(0, len(payload)))]))
+
+
+def test_decoded_batches_and_events_are_not_gc_tracked() -> None:
+    """Consumers decode hundreds of thousands of batches a second: the structs stay out of
+    the garbage collector's generations (only their lists are tracked)."""
+    import gc
+
+    from kvwire.stream import Batch
+
+    b = decode_batch(encode_batch(KVEventBatch(1.0, [
+        BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                    block_size=2, lora_id=None, medium="GPU"),
+        BlockRemoved(block_hashes=[1], medium="GPU"),
+        AllBlocksCleared(),
+    ], 0)))
+    assert not gc.is_tracked(b)
+    assert not any(gc.is_tracked(e) for e in b.events)
+    assert not gc.is_tracked(Batch("s", 0, b))

@@ -627,6 +627,23 @@ def test_tiny_queue_flood_drops_consume_seqs_and_stay_replayable(make_pub, ctx) 
     assert info(d)["seq"] == n - 1
 
 
+def test_sender_naps_without_spinning_while_busy(make_pub) -> None:
+    """Between batches of a busy engine the sender naps NAP seconds; a nap that fails to
+    sleep (zmq_poll rounds 0.5 ms down to 0) would burn a core and fight the engine for
+    the GIL."""
+    pub = make_pub()
+    pub.BUSY_LINGER = 5.0  # stay in the napping state for the whole measurement
+    clock = time.pthread_getcpuclockid(pub._thread.ident)
+    pub.publish(mk(0))
+    wait_for(lambda: pub.stats().sent == 1, "batch sent")
+    c0, t0 = time.clock_gettime(clock), time.monotonic()
+    time.sleep(0.5)  # measuring the sender's CPU over an interval, not waiting for it
+    used = time.clock_gettime(clock) - c0
+    assert used < 0.15 * (time.monotonic() - t0), used
+    pub.publish(mk(1))  # and it still notices new batches without a wake-up
+    wait_for(lambda: pub.stats().sent == 2, "second batch sent while napping")
+
+
 # --------------------------------------------------------------------------- (b) shutdown
 
 

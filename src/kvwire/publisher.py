@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import collections
 import logging
+import math
 import os
 import socket
 import threading
@@ -466,8 +467,10 @@ class ZmqEventPublisher(EventPublisher):
                 if now < active_until:
                     # Busy lately: nap rather than have publish() wake us, which would cost
                     # the engine's thread a pipe write and a thread switch for every batch.
-                    if poller.poll(self.NAP * 1000.0):
-                        self._drain_wake()
+                    # (A sleep, not a poll: zmq_poll counts whole milliseconds, and a
+                    # 0.5 ms timeout would become 0, a spin that fights the engine for
+                    # the GIL. Requests wait at most NAP for the next turn.)
+                    time.sleep(self.NAP)
                     continue
                 self._idle = True
                 if self._pending or self._closing:  # raced with publish(): don't sleep
@@ -476,7 +479,7 @@ class ZmqEventPublisher(EventPublisher):
                 wait = 0.25
                 if self._heartbeat is not None:
                     wait = min(wait, max(0.0, self._last_live + self._heartbeat - now))
-                ready = poller.poll(wait * 1000.0)
+                ready = poller.poll(math.ceil(wait * 1000.0))  # zmq_poll counts whole ms
                 self._idle = False
                 if ready:
                     self._drain_wake()
@@ -510,7 +513,10 @@ class ZmqEventPublisher(EventPublisher):
             if payload is None:
                 continue
             slot = ring[seq % n]
-            if slot is None or slot[0] < seq:  # never overwrite a newer dropped batch
+            # Never overwrite a newer dropped batch. (Check-then-write without the lock:
+            # should the engine thread drop a batch >= buffer_steps newer into this very
+            # slot between the two, that batch is reported lost on replay, never wrong.)
+            if slot is None or slot[0] < seq:
                 ring[seq % n] = (seq, payload)
             if not send(topic, seq.to_bytes(8, "big"), payload):
                 self._c["dropped"] += 1  # PUB drops rather than refuse; kept for safety

@@ -111,8 +111,9 @@ Action = SendInfo | SendReplay | SendSnapshot | RecycleRequests
 # --------------------------------------------------------------------------- deliveries
 
 
-class Batch(msgspec.Struct, frozen=True):
-    """One batch of stream ``stream``, delivered exactly once and in seq order."""
+class Batch(msgspec.Struct, frozen=True, gc=False):
+    """One batch of stream ``stream``, delivered exactly once and in seq order
+    (untracked by the GC, like the batch it carries)."""
 
     stream: str
     seq: int

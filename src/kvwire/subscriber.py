@@ -48,6 +48,11 @@ _READ_SLICE = 1000
 _MAX_WAIT = 0.25
 
 
+def _ms(seconds: float) -> int:
+    """A zmq_poll timeout: whole milliseconds, rounded up (down would spin near deadlines)."""
+    return math.ceil(seconds * 1000.0)
+
+
 class StreamSpec(msgspec.Struct, frozen=True):
     """Where one publisher (one engine's DP rank) is; snapshots/INFO go to the replay endpoint."""
 
@@ -323,7 +328,7 @@ class Subscriber:
                 return item
             if polled and time.monotonic() >= deadline:
                 return None
-            events = self._sync_poller().poll(self._wait_for(deadline) * 1000.0)
+            events = self._sync_poller().poll(_ms(self._wait_for(deadline)))
             self._core.handle(events)
             polled = True
 
@@ -383,7 +388,7 @@ class Subscriber:
                 return item
             if polled and time.monotonic() >= deadline:
                 return None
-            wait_ms = int(self._wait_for(deadline) * 1000.0)
+            wait_ms = _ms(self._wait_for(deadline))
             events = await self._async_poller().poll(wait_ms)
             self._core.handle(events)
             polled = True
