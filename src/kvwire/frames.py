@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,13 +31,19 @@ from typing import Any
 import zmq
 import zmq.backend
 
-__all__ = ["FrameSender", "FrameReceiver", "native_status"]
+__all__ = ["FrameSender", "FrameReceiver", "native_status", "poll_ms"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE)
 
 
 @functools.cache
+def poll_ms(seconds: float) -> int:
+    """A ``zmq_poll`` timeout for ``seconds``: whole milliseconds, rounded up. pyzmq
+    truncates a float, so 0.5 ms would become 0, a spin instead of a wait."""
+    return math.ceil(seconds * 1000.0)
+
+
 def _libzmq() -> ctypes.PyDLL | None:
     path = None
     try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import collections
 import logging
-import math
 import os
 import socket
 import threading
@@ -49,7 +48,7 @@ from .events import (
     check_dialect,
     encode_batch,
 )
-from .frames import FrameReceiver, FrameSender
+from .frames import FrameReceiver, FrameSender, poll_ms
 
 __all__ = [
     "EventPublisher",
@@ -479,7 +478,7 @@ class ZmqEventPublisher(EventPublisher):
                 wait = 0.25
                 if self._heartbeat is not None:
                     wait = min(wait, max(0.0, self._last_live + self._heartbeat - now))
-                ready = poller.poll(math.ceil(wait * 1000.0))  # zmq_poll counts whole ms
+                ready = poller.poll(poll_ms(wait))
                 self._idle = False
                 if ready:
                     self._drain_wake()

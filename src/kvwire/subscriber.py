@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from .curve import CurveClient
 from .endpoint import check_endpoint, offset_for_rank, subscriber_binds
-from .frames import FrameReceiver
+from .frames import FrameReceiver, poll_ms
 from .stream import (
     Batch,
     Delivery,
@@ -46,11 +46,6 @@ __all__ = ["StreamSpec", "Subscriber", "SubscriberStats"]
 _READ_SLICE = 1000
 #: Longest single wait, so even a missed wake-up only costs this much latency.
 _MAX_WAIT = 0.25
-
-
-def _ms(seconds: float) -> int:
-    """A zmq_poll timeout: whole milliseconds, rounded up (down would spin near deadlines)."""
-    return math.ceil(seconds * 1000.0)
 
 
 class StreamSpec(msgspec.Struct, frozen=True):
@@ -328,7 +323,7 @@ class Subscriber:
                 return item
             if polled and time.monotonic() >= deadline:
                 return None
-            events = self._sync_poller().poll(_ms(self._wait_for(deadline)))
+            events = self._sync_poller().poll(poll_ms(self._wait_for(deadline)))
             self._core.handle(events)
             polled = True
 
@@ -388,7 +383,7 @@ class Subscriber:
                 return item
             if polled and time.monotonic() >= deadline:
                 return None
-            wait_ms = _ms(self._wait_for(deadline))
+            wait_ms = poll_ms(self._wait_for(deadline))
             events = await self._async_poller().poll(wait_ms)
             self._core.handle(events)
             polled = True

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..frames import poll_ms
 from . import _native, fence
 from . import layout as L
 from .buffer import ShmRingBuffer
@@ -366,7 +367,7 @@ class MessageQueue:
         t = self._liveness
         if deadline is not None:
             t = min(t, max(0.0, deadline - time.monotonic()))
-        return int(math.ceil(t * 1000))
+        return poll_ms(t)
 
     def _writer_wait_ready(self, deadline: float | None) -> None:
         while True:
