@@ -7,7 +7,7 @@ import os
 from setuptools import Extension, setup
 
 _MODULES = {
-    "kvwire._zmqframes": "src/kvwire/_zmqframes.c",
+    "kvwire.wire._zmqframes": "src/kvwire/wire/_zmqframes.c",
     "kvwire.shm._ring": "src/kvwire/shm/_ring.c",
 }
 

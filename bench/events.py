@@ -28,10 +28,10 @@ import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from kvwire import events as E  # noqa: E402
-from kvwire.publisher import ZmqEventPublisher  # noqa: E402
-from kvwire.stream import Batch, StreamConfig  # noqa: E402
-from kvwire.subscriber import StreamSpec, Subscriber  # noqa: E402
+from kvwire.consume.stream import Batch, StreamConfig  # noqa: E402
+from kvwire.consume.subscriber import StreamSpec, Subscriber  # noqa: E402
+from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
+from kvwire.wire import events as E  # noqa: E402
 
 TOPIC = "bench"
 

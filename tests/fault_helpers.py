@@ -4,12 +4,12 @@ Spawned children import this module by name (``tests/`` is on ``sys.path`` under
 and spawn hands the parent's ``sys.path`` to the child), so everything a child runs is a
 top-level function here.
 
-* :func:`engine_main`: a seeded :class:`~kvwire.demo.DemoEngine` workload publishing
-  through a real :class:`~kvwire.publisher.ZmqEventPublisher` (live PUB + replay ROUTER,
+* :func:`engine_main`: a seeded :class:`~kvwire.sim.demo.DemoEngine` workload publishing
+  through a real :class:`~kvwire.publish.publisher.ZmqEventPublisher` (live PUB + replay ROUTER,
   snapshots, heartbeats) on ``tcp://*:port``; driven over a Pipe by :class:`Engine`, and
   reporting its ground truth (``BlockCache.as_dict()`` of every batch it published, plus
   the engine's own LRU keys) when a run is done.
-* :func:`subscriber_main`: a :class:`~kvwire.subscriber.Subscriber` that rebuilds the
+* :func:`subscriber_main`: a :class:`~kvwire.consume.subscriber.Subscriber` that rebuilds the
   cache; driven by :class:`SubProc` (so it can be SIGKILLed).
 * :class:`Rebuild`: what an application does with deliveries (Reset clears, Snapshot
   replaces, Batch applies), checking the per-stream contract as it goes.
@@ -30,11 +30,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvwire.cache import BlockCache
-from kvwire.demo import DemoEngine
-from kvwire.publisher import ZmqEventPublisher
-from kvwire.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
-from kvwire.subscriber import StreamSpec, Subscriber
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
+from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.sim.demo import DemoEngine
 
 CTX = mp.get_context("spawn")
 

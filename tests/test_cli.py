@@ -13,17 +13,17 @@ import pytest
 import zmq
 
 from kvwire import wire
-from kvwire.cache import BlockCache
-from kvwire.events import (
+from kvwire.consume.cache import BlockCache
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     decode_batch,
     encode_batch,
 )
-from kvwire.publisher import ZmqEventPublisher
 
-KVWIRE = [sys.executable, "-m", "kvwire.cli"]
+KVWIRE = [sys.executable, "-m", "kvwire"]
 
 
 def batch(i: int) -> KVEventBatch:
@@ -225,7 +225,7 @@ def test_keys_command_writes_a_usable_pair(tmp_path) -> None:
 
 def test_json_line_round_trips_to_the_same_batch() -> None:
     """What --json prints is enough to rebuild the batch (bytes as hex)."""
-    from kvwire.events import to_jsonable
+    from kvwire.wire.events import to_jsonable
 
     b = batch(5)
     obj = json.loads(json.dumps(to_jsonable(b)))
@@ -271,7 +271,7 @@ def test_listen_several_engines_json_bootstraps_from_snapshots(tmp_path) -> None
 
 
 def test_listen_with_curve_keys(tmp_path) -> None:
-    from kvwire.curve import CurveServer, generate_keys
+    from kvwire.wire.curve import CurveServer, generate_keys
 
     generate_keys(tmp_path / "srv", "srv")
     generate_keys(tmp_path / "cli", "alice")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvwire.config import KVEventsConfig
+from kvwire.publish.config import KVEventsConfig
 
 
 def test_defaults_per_spec() -> None:

@@ -7,11 +7,11 @@ import time
 import pytest
 import zmq
 
-from kvwire.curve import CurveClient, CurveServer, generate_keys
-from kvwire.events import BlockStored, KVEventBatch
-from kvwire.publisher import ZmqEventPublisher
-from kvwire.stream import Batch, Snapshot, StreamConfig
-from kvwire.subscriber import StreamSpec, Subscriber
+from kvwire.consume.stream import Batch, Snapshot, StreamConfig
+from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.curve import CurveClient, CurveServer, generate_keys
+from kvwire.wire.events import BlockStored, KVEventBatch
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.endpoint import (
+from kvwire.wire.endpoint import (
     EndpointError,
     binds_all_interfaces,
     check_endpoint,

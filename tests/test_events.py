@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.events import (
+from kvwire.wire.events import (
     DIALECTS,
     AllBlocksCleared,
     BatchDecoder,
@@ -562,7 +562,7 @@ def test_decoded_batches_and_events_are_not_gc_tracked() -> None:
     the garbage collector's generations (only their lists are tracked)."""
     import gc
 
-    from kvwire.stream import Batch
+    from kvwire.consume.stream import Batch
 
     b = decode_batch(encode_batch(KVEventBatch(1.0, [
         BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[1, 2, 3, 4],

@@ -38,8 +38,8 @@ import pytest
 import zmq
 from fault_helpers import Engine, Rebuild, SubProc, pump
 
-from kvwire.stream import StreamConfig
-from kvwire.subscriber import Subscriber
+from kvwire.consume.stream import StreamConfig
+from kvwire.consume.subscriber import Subscriber
 
 pytestmark = pytest.mark.timeout(240)
 

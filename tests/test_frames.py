@@ -1,4 +1,4 @@
-"""kvwire.frames: whole messages in and out of pyzmq's own sockets via libzmq, GIL kept."""
+"""kvwire.wire.frames: whole messages in and out of pyzmq's own sockets via libzmq, GIL kept."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import zmq
 
-from kvwire import frames as framesend
-from kvwire.frames import FrameReceiver, FrameSender, native_status
+from kvwire.wire import frames as framesend
+from kvwire.wire.frames import FrameReceiver, FrameSender, native_status
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def path(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(framesend, "_native", lambda: None)
     elif framesend._native() is None:
-        pytest.fail("kvwire._zmqframes is not built: `pip install -e .` needs gcc and "
+        pytest.fail("kvwire.wire._zmqframes is not built: `pip install -e .` needs gcc and "
                     "Python's headers (or set KVWIRE_NO_NATIVE=1 to test the fallback only)")
     return request.param
 
@@ -169,7 +169,7 @@ def test_errors_other_than_eagain_raise(tmp_path, path) -> None:
 def test_native_calls_check_their_arguments() -> None:
     mod = framesend._native()
     if mod is None:
-        pytest.skip("kvwire._zmqframes not built")
+        pytest.skip("kvwire.wire._zmqframes not built")
     with pytest.raises(TypeError):
         mod.recv_many(1)
     with pytest.raises(TypeError):

@@ -12,8 +12,8 @@ import msgspec
 import zmq
 
 from kvwire import wire
-from kvwire.events import BatchDecoder, DecodeError, KVEventBatch, encode_batch
-from kvwire.publisher import ZmqEventPublisher
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.events import BatchDecoder, DecodeError, KVEventBatch, encode_batch
 
 N_CASES = 100_000
 

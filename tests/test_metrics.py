@@ -8,11 +8,11 @@ import urllib.request
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwire.events import BlockStored, KVEventBatch
+from kvwire.consume.stream import Batch
+from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.metrics import publisher_collector, register, start_exporter, subscriber_collector
-from kvwire.publisher import ZmqEventPublisher
-from kvwire.stream import Batch
-from kvwire.subscriber import StreamSpec, Subscriber
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.events import BlockStored, KVEventBatch
 
 
 def scrape(port: int) -> dict[tuple[str, str], float]:

@@ -25,10 +25,18 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.cache import BlockCache
-from kvwire.config import KVEventsConfig
-from kvwire.endpoint import EndpointError
-from kvwire.events import (
+from kvwire.consume.cache import BlockCache
+from kvwire.publish.config import KVEventsConfig
+from kvwire.publish.publisher import (
+    EventPublisher,
+    EventPublisherFactory,
+    NullEventPublisher,
+    PublisherClosedError,
+    ShutdownReport,
+    ZmqEventPublisher,
+)
+from kvwire.wire.endpoint import EndpointError
+from kvwire.wire.events import (
     DIALECTS,
     AllBlocksCleared,
     BlockRemoved,
@@ -36,14 +44,6 @@ from kvwire.events import (
     KVEventBatch,
     decode_batch,
     encode_batch,
-)
-from kvwire.publisher import (
-    EventPublisher,
-    EventPublisherFactory,
-    NullEventPublisher,
-    PublisherClosedError,
-    ShutdownReport,
-    ZmqEventPublisher,
 )
 
 TIMEOUT = 15.0  # generous: a loaded 2-core box

@@ -7,9 +7,9 @@ import time
 import zmq
 
 from kvwire import wire
-from kvwire.cache import BlockCache
-from kvwire.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
-from kvwire.publisher import ZmqEventPublisher
+from kvwire.consume.cache import BlockCache
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.events import AllBlocksCleared, BlockStored, KVEventBatch, decode_batch
 
 
 def stored(i: int) -> KVEventBatch:

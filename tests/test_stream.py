@@ -17,15 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwire import wire
-from kvwire.cache import BlockCache
-from kvwire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    encode_batch,
-)
-from kvwire.stream import (
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.stream import (
     Batch,
     ErrorReply,
     FrameError,
@@ -45,6 +38,13 @@ from kvwire.stream import (
     StreamMachine,
     parse_live,
     parse_reply,
+)
+from kvwire.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
 )
 
 _enc = msgspec.msgpack.Encoder()

@@ -31,10 +31,10 @@ import zmq
 from fault_helpers import Rebuild
 
 from kvwire import wire
-from kvwire.cache import BlockCache
-from kvwire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from kvwire.stream import Batch, StreamConfig
-from kvwire.subscriber import StreamSpec, Subscriber
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.stream import Batch, StreamConfig
+from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,11 +18,17 @@ import pytest
 import zmq
 
 from kvwire import wire
-from kvwire.cache import BlockCache
-from kvwire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from kvwire.publisher import ZmqEventPublisher
-from kvwire.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
-from kvwire.subscriber import StreamSpec, Subscriber
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
+from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from kvwire.cache import BlockCache
-from kvwire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvwire.stream import Batch, Liveness, Reset, Snapshot
-from kvwire.view import COLUMNS, StreamTally, format_batch, record
+from kvwire.cli.view import COLUMNS, StreamTally, format_batch, record
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot
+from kvwire.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 def stored(h: int, parent: int | None = None) -> BlockStored:

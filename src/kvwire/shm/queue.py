@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..frames import poll_ms
+from ..wire.frames import poll_ms
 from . import _native, fence
 from . import layout as L
 from .buffer import ShmRingBuffer

@@ -11,15 +11,15 @@ from collections import deque
 from datetime import datetime, timezone
 from typing import Any
 
-from .events import (
+from ..consume.stream import Batch, Liveness, Reset, Snapshot
+from ..consume.subscriber import SubscriberStats
+from ..wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     to_jsonable,
 )
-from .stream import Batch, Liveness, Reset, Snapshot
-from .subscriber import SubscriberStats
 
 __all__ = ["StreamTally", "format_batch", "record"]
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from .cache import BlockCache
-from .events import BlockRemoved, BlockStored, KVEventBatch
-from .publisher import ZmqEventPublisher
-from .stream import Batch, Reset, Snapshot
-from .subscriber import StreamSpec, Subscriber
+from ..consume.cache import BlockCache
+from ..consume.stream import Batch, Reset, Snapshot
+from ..consume.subscriber import StreamSpec, Subscriber
+from ..publish.publisher import ZmqEventPublisher
+from ..wire.events import BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["DemoEngine", "DemoSummary", "chain_hashes", "run_demo", "synthetic_prompts"]
 

@@ -13,8 +13,8 @@ __all__ = ["main"]
 
 
 def _streams(args: argparse.Namespace) -> list:
-    from .curve import CurveClient
-    from .subscriber import StreamSpec
+    from ..consume.subscriber import StreamSpec
+    from ..wire.curve import CurveClient
 
     if len(args.replay) > len(args.endpoint):
         raise ValueError(f"{len(args.replay)} --replay for {len(args.endpoint)} endpoints")
@@ -35,8 +35,8 @@ def _streams(args: argparse.Namespace) -> list:
 
 
 def _cmd_listen(args: argparse.Namespace) -> int:
-    from .stream import Batch, Liveness, Reset, Snapshot, StreamConfig
-    from .subscriber import Subscriber
+    from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
+    from ..consume.subscriber import Subscriber
     from .view import COLUMNS, StreamTally, format_batch, record
 
     def notice(msg: str) -> None:
@@ -51,7 +51,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
     tallies = {s.name: StreamTally(s.name) for s in specs}
     exporter = None
     if args.metrics is not None:
-        from .metrics import register, start_exporter, subscriber_collector
+        from ..metrics import register, start_exporter, subscriber_collector
 
         register(subscriber_collector(sub))
         exporter = start_exporter(args.metrics, addr=args.metrics_addr)
@@ -134,7 +134,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ..sim.demo import run_demo
 
     s = run_demo(steps=args.steps, capacity=args.capacity, rate=args.rate, seed=args.seed)
     print("\nkvwire demo summary")
@@ -154,7 +154,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from .curve import generate_keys
+    from ..wire.curve import generate_keys
 
     public, secret = generate_keys(args.directory, args.name)
     print(f"public key: {public}  (give to peers)")

@@ -24,9 +24,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .curve import CurveClient
-from .endpoint import check_endpoint, offset_for_rank, subscriber_binds
-from .frames import FrameReceiver, poll_ms
+from ..wire.curve import CurveClient
+from ..wire.endpoint import check_endpoint, offset_for_rank, subscriber_binds
+from ..wire.frames import FrameReceiver, poll_ms
 from .stream import (
     Batch,
     Delivery,

@@ -32,16 +32,16 @@ from typing import Literal
 
 import msgspec
 
-from . import wire
-from .events import FAST_DECODE_ERRORS as _DECODE_ERRORS
-from .events import (
+from .. import wire
+from ..wire.events import FAST_DECODE_ERRORS as _DECODE_ERRORS
+from ..wire.events import (
     BatchDecoder,
     BlockStored,
     DecodeError,
     EventError,
     KVEventBatch,
 )
-from .events import decode_fast as _decode_map
+from ..wire.events import decode_fast as _decode_map
 
 __all__ = [
     "Action",

@@ -4,7 +4,7 @@
  * a getsockopt for "more", a GIL release per call), and a KV event message has three
  * frames. This module calls libzmq directly and keeps the GIL for the microsecond a
  * non-blocking call takes. It links against nothing: Python hands it the addresses of
- * pyzmq's own libzmq functions (see kvwire/frames.py), so the socket handles are pyzmq's.
+ * pyzmq's own libzmq functions (see kvwire/wire/frames.py), so the socket handles are pyzmq's.
  *
  * Only non-blocking use is allowed (the GIL stays held): callers pass ZMQ_DONTWAIT for the
  * first frame; the remaining parts of a message arrive with the first, atomically.
@@ -241,7 +241,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvwire._zmqframes",
-    "Whole ZeroMQ multipart messages per call, GIL held (see kvwire/frames.py).", -1, methods,
+    "Whole ZeroMQ multipart messages per call, GIL held (see kvwire/wire/frames.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__zmqframes(void) { return PyModule_Create(&module); }

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from .events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["BlockCache", "CachedBlock", "chain_events", "medium_key"]
 

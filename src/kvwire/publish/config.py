@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from .endpoint import EndpointError, check_endpoint
-from .events import check_dialect
+from ..wire.endpoint import EndpointError, check_endpoint
+from ..wire.events import check_dialect
 
 __all__ = ["KVEventsConfig"]
 

@@ -28,11 +28,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from . import wire
-from .cache import BlockCache, chain_events
-from .config import KVEventsConfig
-from .curve import CurveServer
-from .endpoint import (
+from .. import wire
+from ..consume.cache import BlockCache, chain_events
+from ..wire.curve import CurveServer
+from ..wire.endpoint import (
     EndpointError,
     binds_all_interfaces,
     check_endpoint,
@@ -40,7 +39,7 @@ from .endpoint import (
     offset_for_rank,
     resolve_check,
 )
-from .events import (
+from ..wire.events import (
     AllBlocksCleared,
     BlockStored,
     EventBatch,
@@ -48,7 +47,8 @@ from .events import (
     check_dialect,
     encode_batch,
 )
-from .frames import FrameReceiver, FrameSender, poll_ms
+from ..wire.frames import FrameReceiver, FrameSender, poll_ms
+from .config import KVEventsConfig
 
 __all__ = [
     "EventPublisher",

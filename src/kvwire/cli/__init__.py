@@ -1,0 +1,1 @@
+"""The ``kvwire`` command and its terminal views."""

@@ -1,0 +1,1 @@
+"""The engine side: the publisher (intake + sender), its config and snapshot model."""
