@@ -1,0 +1,213 @@
+"""The routing policy: pure, I/O-free, shared unchanged by ``kvwire serve`` and the simulator.
+
+Cost of sending a prompt to an engine (lower is better)::
+
+    cost = prefill_weight * max(prompt_blocks - credit, 0) + load_weight * load
+
+``credit`` is the engine's cached prefix in block units (sum of tier credit x matched blocks,
+i.e. ``PrefixIndex.match(...)[stream].credit``), so the first term is the prefill work the
+engine would still have to do. ``load`` is in the SAME unit, blocks of work: what the router
+has reserved on that engine and not yet released (see :class:`LoadTracker` and
+:func:`request_load`). Both terms are therefore comparable and the weights are plain ratios.
+
+Ties (equal cost within ``1e-9``) go to the lower load, then to a seeded random pick. With
+``temperature > 0`` the engine is sampled from ``softmax(-cost / temperature)`` instead. A
+dead candidate gets no traffic unless every candidate is dead (then they all compete).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Candidate",
+    "Decision",
+    "LoadTracker",
+    "RoutingPolicy",
+    "request_load",
+]
+
+_TIE_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One engine (or engine DP rank) the policy may choose.
+
+    ``credit``: cached prefix in blocks (tier-weighted); ``load``: reserved work in blocks;
+    ``alive``: whether its event stream is live (dead ones are a last resort)."""
+
+    name: str
+    credit: float = 0.0
+    load: float = 0.0
+    alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen engine, and every candidate's cost and overlap (credit) for explanation."""
+
+    name: str
+    cost: dict[str, float] = field(default_factory=dict)
+    overlap: dict[str, float] = field(default_factory=dict)
+
+
+def request_load(prompt_blocks: int, credit: float = 0.0, output_blocks: float = 0.0,
+                 decode_share: float = 0.0) -> float:
+    """The load (in blocks of work) a routed request puts on its engine until released.
+
+    Prefill: the prompt blocks the engine must still compute (``prompt_blocks - credit``);
+    decode: ``decode_share`` x the expected output blocks (0 by default: decode is cheap per
+    block next to prefill, and the output length is rarely known at routing time)."""
+    return max(prompt_blocks - credit, 0.0) + max(decode_share, 0.0) * max(output_blocks, 0.0)
+
+
+class RoutingPolicy:
+    """Choose an engine by cost = prefill_weight x uncached blocks + load_weight x load.
+
+    Deterministic for a given ``seed`` (the rng breaks exact ties and samples when
+    ``temperature > 0``)."""
+
+    def __init__(self, prefill_weight: float = 1.0, load_weight: float = 1.0,
+                 temperature: float = 0.0, seed: int | None = None) -> None:
+        for label, v in (("prefill_weight", prefill_weight), ("load_weight", load_weight),
+                         ("temperature", temperature)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{label} must be a finite number >= 0, got {v!r}")
+        self.prefill_weight = float(prefill_weight)
+        self.load_weight = float(load_weight)
+        self.temperature = float(temperature)
+        self._rng = random.Random(seed)
+
+    def cost(self, prompt_blocks: int, c: Candidate) -> float:
+        """The cost of sending a ``prompt_blocks`` prompt to candidate ``c``."""
+        return (self.prefill_weight * max(prompt_blocks - c.credit, 0.0)
+                + self.load_weight * c.load)
+
+    def choose(self, prompt_blocks: int, candidates: Sequence[Candidate]) -> Decision:
+        """Pick one candidate; raises ValueError if there are none."""
+        if not candidates:
+            raise ValueError("no candidates to route to")
+        costs: dict[str, float] = {}
+        overlap: dict[str, float] = {}
+        for c in candidates:
+            costs[c.name] = self.cost(prompt_blocks, c)
+            overlap[c.name] = float(c.credit)
+        pool = [c for c in candidates if c.alive] or list(candidates)
+        if self.temperature > 0 and len(pool) > 1:
+            name = self._sample(pool, costs)
+        else:
+            name = self._best(pool, costs)
+        return Decision(name=name, cost=costs, overlap=overlap)
+
+    def _best(self, pool: Sequence[Candidate], costs: dict[str, float]) -> str:
+        best_cost = min(costs[c.name] for c in pool)
+        tied = [c for c in pool if costs[c.name] <= best_cost + _TIE_EPS]
+        if len(tied) > 1:
+            least = min(c.load for c in tied)
+            tied = [c for c in tied if c.load <= least + _TIE_EPS]
+        if len(tied) == 1:
+            return tied[0].name
+        return tied[self._rng.randrange(len(tied))].name
+
+    def _sample(self, pool: Sequence[Candidate], costs: dict[str, float]) -> str:
+        lo = min(costs[c.name] for c in pool)
+        weights = [math.exp(-(costs[c.name] - lo) / self.temperature) for c in pool]
+        return self._rng.choices(pool, weights=weights, k=1)[0].name
+
+
+class LoadTracker:
+    """Load reserved per engine by routed requests, until released or expired.
+
+    ``reserve`` on route, ``release`` on completion; a reservation whose release never comes
+    (a crashed client) expires after ``expiry_s`` so load cannot leak forever. Not thread-safe:
+    the caller serialises access (the service holds a lock)."""
+
+    def __init__(self, expiry_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not math.isfinite(expiry_s) or expiry_s <= 0:
+            raise ValueError(f"expiry_s must be > 0, got {expiry_s!r}")
+        self.expiry_s = float(expiry_s)
+        self.clock = clock
+        self._by_id: dict[str, tuple[str, float, float]] = {}  # id -> (name, amount, deadline)
+        self._load: dict[str, float] = {}
+        self._count: dict[str, int] = {}  # live reservations per engine (clears float residue)
+        self._heap: list[tuple[float, str]] = []  # (deadline, id); stale entries skipped
+        self.reserved = 0
+        self.released = 0
+        self.expired = 0
+        self.unknown_releases = 0
+
+    def reserve(self, request_id: str, name: str, amount: float,
+                now: float | None = None) -> None:
+        """Add ``amount`` to ``name``'s load until ``release(request_id)`` or expiry.
+        Reserving an id again replaces its previous reservation."""
+        if not math.isfinite(amount) or amount < 0:
+            raise ValueError(f"load amount must be a finite number >= 0, got {amount!r}")
+        now = self.clock() if now is None else now
+        self.expire(now)
+        if request_id in self._by_id:
+            self._drop(request_id)
+        deadline = now + self.expiry_s
+        self._by_id[request_id] = (name, float(amount), deadline)
+        self._load[name] = self._load.get(name, 0.0) + amount
+        self._count[name] = self._count.get(name, 0) + 1
+        heapq.heappush(self._heap, (deadline, request_id))
+        self.reserved += 1
+
+    def release(self, request_id: str) -> bool:
+        """Remove a reservation; False (and counted) if the id is unknown or already gone."""
+        if request_id not in self._by_id:
+            self.unknown_releases += 1
+            return False
+        self._drop(request_id)
+        self.released += 1
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop reservations whose deadline has passed; returns how many."""
+        now = self.clock() if now is None else now
+        n = 0
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            deadline, rid = heapq.heappop(heap)
+            entry = self._by_id.get(rid)
+            if entry is not None and entry[2] == deadline:
+                self._drop(rid)
+                n += 1
+        self.expired += n
+        if len(heap) > 2 * len(self._by_id) + 64:  # stale entries from releases: compact
+            self._heap = [(d, r) for r, (_, _, d) in self._by_id.items()]
+            heapq.heapify(self._heap)
+        return n
+
+    def _drop(self, request_id: str) -> None:
+        name, amount, _ = self._by_id.pop(request_id)
+        count = self._count[name] - 1
+        if count == 0:  # exact zero, no float residue from += / -=
+            del self._count[name]
+            self._load.pop(name, None)
+        else:
+            self._count[name] = count
+            self._load[name] = max(self._load[name] - amount, 0.0)
+
+    def load(self, name: str) -> float:
+        """Current reserved load of ``name`` (0.0 if none)."""
+        return self._load.get(name, 0.0)
+
+    def loads(self) -> dict[str, float]:
+        """Every engine's current reserved load."""
+        return dict(self._load)
+
+    def holder(self, request_id: str) -> str | None:
+        """The engine a live reservation is on, or None."""
+        entry = self._by_id.get(request_id)
+        return entry[0] if entry else None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
