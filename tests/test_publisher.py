@@ -177,7 +177,10 @@ class Feed:
         assert topic == self.topic
         assert len(seq_b) == 8
         seq = int.from_bytes(seq_b, "big")
-        assert payload == encode_batch(self.batches[seq], self.dialect), seq
+        batch = self.batches[seq]
+        if batch.data_parallel_rank is None:  # goes out tagged with the publisher's rank
+            batch = msgspec.structs.replace(batch, data_parallel_rank=self.pub._data_parallel_rank)
+        assert payload == encode_batch(batch, self.dialect), seq
         return seq
 
     def check_replayed(self, frames: list[bytes]) -> int:

@@ -11,11 +11,14 @@ what happens under pressure (see docs/design.md):
 * ``shutdown()`` flushes what was accepted within its timeout and reports the rest.
 * The replay socket also answers kvwire's INFO and SNAPSHOT requests, served in slices
   between live sends so a large replay never stalls the live stream.
+
+This module holds intake (``publish``) and sending (the background thread); the replay
+ring (publish/replay.py), the request server (publish/requests.py) and the snapshot model
+(publish/snapshot.py) have their own modules, all driven by that one thread.
 """
 
 from __future__ import annotations
 
-import abc
 import collections
 import logging
 import os
@@ -28,8 +31,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from .. import wire
-from ..consume.cache import BlockCache, chain_events
 from ..wire.curve import CurveServer
 from ..wire.endpoint import (
     EndpointError,
@@ -41,6 +42,7 @@ from ..wire.endpoint import (
 )
 from ..wire.events import (
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     EventBatch,
     KVEventBatch,
@@ -48,7 +50,17 @@ from ..wire.events import (
     encode_batch,
 )
 from ..wire.frames import FrameReceiver, FrameSender, poll_ms
+from .base import (
+    EventPublisher,
+    NullEventPublisher,
+    PublisherClosedError,
+    PublisherStats,
+    ShutdownReport,
+)
 from .config import KVEventsConfig
+from .replay import ReplayRing
+from .requests import RequestServer
+from .snapshot import SnapshotModel
 
 __all__ = [
     "EventPublisher",
@@ -62,105 +74,12 @@ __all__ = [
 
 log = logging.getLogger("kvwire.publisher")
 
-_snapshot_encoder = msgspec.msgpack.Encoder()
+#: Encodes a batch of an engine's own classes as given: what the engine's encoder does.
+_plain_encoder = msgspec.msgpack.Encoder()
+_OURS = frozenset({BlockStored, BlockRemoved, AllBlocksCleared})
 
 #: The replay ring is preallocated; this bounds what a config typo can allocate.
 MAX_BUFFER_STEPS = 10_000_000
-
-
-class PublisherClosedError(RuntimeError):
-    """``publish()`` was called after ``shutdown()``."""
-
-
-class PublisherStats(msgspec.Struct, frozen=True):
-    """Counters of one publisher; all monotonic except ``queue_depth`` and ``last_seq``."""
-
-    published: int = 0
-    sent: int = 0
-    dropped: int = 0
-    heartbeats: int = 0
-    encode_errors: int = 0
-    replay_requests: int = 0
-    replayed: int = 0
-    info_requests: int = 0
-    snapshot_requests: int = 0
-    snapshot_chunks: int = 0
-    bad_requests: int = 0
-    busy_rejections: int = 0
-    snapshots_unavailable: int = 0
-    queue_depth: int = 0
-    last_seq: int = -1
-    epoch: int = 0
-
-
-class ShutdownReport(msgspec.Struct, frozen=True):
-    """What ``shutdown()`` managed: ``unsent`` batches were accepted but never sent live."""
-
-    sent: int
-    unsent: int
-    timed_out: bool
-
-
-class EventPublisher(abc.ABC):
-    """Publishes KV event batches; engines call ``publish`` once per step that changed the cache."""
-
-    def __init__(self, data_parallel_rank: int = 0) -> None:
-        self._data_parallel_rank = data_parallel_rank
-
-    @abc.abstractmethod
-    def publish(self, events: EventBatch) -> None:
-        """Hand over one batch; must never block the caller."""
-
-    @abc.abstractmethod
-    def shutdown(self) -> Any:
-        """Flush and release resources; idempotent."""
-
-    def __enter__(self) -> EventPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-class NullEventPublisher(EventPublisher):
-    """Accepts and discards batches: what an engine gets with events disabled."""
-
-    def publish(self, events: EventBatch) -> None:
-        return None
-
-    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
-        return ShutdownReport(sent=0, unsent=0, timed_out=False)
-
-
-class _Replay:
-    """An in-flight replay reply to one client: seqs ``next..end`` then the end marker."""
-
-    __slots__ = ("ident", "next", "end", "started")
-
-    def __init__(self, ident: bytes, start: int, end: int) -> None:
-        self.ident = ident
-        self.next = start
-        self.end = end
-        self.started = time.monotonic()
-
-
-class _Snapshot:
-    """An in-flight snapshot reply: a point-in-time copy of the cache, sent in chunks."""
-
-    __slots__ = ("ident", "blocks", "positions", "seq", "chunk", "next_chunk", "chunks",
-                 "started")
-
-    def __init__(
-        self, ident: bytes, blocks: list[tuple[Any, BlockStored]], seq: int, chunk: int
-    ) -> None:
-        self.ident = ident
-        self.blocks = blocks  # (hash, event), from BlockCache.raw_copy()
-        self.positions: dict[int, dict[Any, int]] = {}  # chain_events' cache, across chunks
-        self.seq = seq
-        self.chunk = chunk
-        self.next_chunk = 0
-        self.chunks = max(1, -(-len(blocks) // chunk))
-        self.started = time.monotonic()
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -237,6 +156,14 @@ class ZmqEventPublisher(EventPublisher):
         resolve_check(endpoint)
         if replay_endpoint is not None:
             resolve_check(replay_endpoint, "replay_endpoint")
+        self._config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+            replay_endpoint=replay_endpoint, buffer_steps=buffer_steps, hwm=hwm,
+            max_queue_size=max_queue_size, topic=topic, dialect=dialect,
+            heartbeat_interval=heartbeat_interval,
+            curve_secret_key_file=getattr(curve, "secret_key_file", None),
+            curve_authorized_keys_dir=getattr(curve, "authorized_keys_dir", None),
+        )
 
         # A caller's context is needed for inproc:// (both ends must share it); kvwire then
         # leaves terminating it to the caller.
@@ -276,7 +203,8 @@ class ZmqEventPublisher(EventPublisher):
         # loop cannot turn each frame into a wait for the interpreter's switch interval.
         self._live_send = FrameSender(self._pub).send_message
         # The replay socket likewise: a GIL release there would also cost a switch interval.
-        self._router_send = self._router_recv = None
+        self._router_send: Any = None
+        self._router_recv: Any = None
         if self._router is not None:
             self._router_send = FrameSender(self._router).send_message
             self._router_recv = FrameReceiver(self._router).recv
@@ -286,17 +214,16 @@ class ZmqEventPublisher(EventPublisher):
         self._done_seq = -1  # last seq the sender has handled (so it is in the ring)
         # (seq, payload bytes), or (seq, batch) for a batch dropped from the live path,
         # which the sender encodes only if a replay asks for it.
-        self._ring: list[tuple[int, bytes | EventBatch] | None] = [None] * buffer_steps
-        self._unencodable: collections.deque[int] = collections.deque(maxlen=64)
+        self._ring = ReplayRing(buffer_steps, self._encode)
+        self._c: dict[str, int] = dict.fromkeys(PublisherStats.__struct_fields__, 0)
         # The snapshot model is owned by the sender thread, which applies batches in seq
         # order; the engine thread never pays for it.
-        self._model: BlockCache | None = BlockCache() if snapshot else None
-        self._model_seq = -1
-        self._lost_from: int | None = None  # first dropped seq the model has not seen
-        self._last_drop = -1
-        self._replays: dict[bytes, _Replay] = {}
-        self._snapshots: dict[bytes, _Snapshot] = {}
-        self._c: dict[str, int] = dict.fromkeys(PublisherStats.__struct_fields__, 0)
+        self._model = SnapshotModel(self._lock, self._c) if snapshot else None
+        self._requests: RequestServer | None = None
+        if self._router is not None:
+            self._requests = RequestServer(self, self._router, self._router_send,
+                                           self._router_recv)
+        self._sender_dead = False
         self._closing = False
         self._deadline = 0.0
         self._report: ShutdownReport | None = None
@@ -356,6 +283,9 @@ class ZmqEventPublisher(EventPublisher):
             raise PublisherClosedError(
                 "publish() after shutdown(): this ZmqEventPublisher no longer accepts batches"
             )
+        if self._sender_dead:
+            self._refuse_dead()
+            return
         with self._lock:
             self._accept(events)
         if self._idle:
@@ -368,33 +298,61 @@ class ZmqEventPublisher(EventPublisher):
             self._pending.append((seq, batch))
         else:  # full: skip the live stream, but keep it replayable (encoded on demand)
             self._c["dropped"] += 1
-            self._ring[seq % self._buffer_steps] = (seq, batch)
+            self._ring.keep_dropped(seq, batch)
             # The sender never sees this batch, so the snapshot model misses it.
-            self._last_drop = seq
-            if self._lost_from is None and self._model is not None:
-                self._lost_from = seq
+            if self._model is not None:
+                self._model.note_drop(seq)
+
+    def _refuse_dead(self) -> None:
+        """The sender thread died: nothing would ever send this batch. Count it, log once,
+        never block or raise into the engine loop."""
+        with self._lock:
+            self._c["dropped_sender_dead"] += 1
+            first = self._c["dropped_sender_dead"] == 1
+        if first:
+            log.error("KV event publisher's sender thread is dead: publish() drops every "
+                      "batch (counted as dropped_sender_dead); restart the publisher")
 
     def _encode(self, seq: int, batch: EventBatch) -> bytes | None:
+        """Bytes of ``batch`` in the configured dialect, tagged with this publisher's rank
+        when it has none. A batch holding an engine's own event classes is encoded as
+        given (byte-exact with that engine's encoder); None if it cannot be encoded."""
         try:
+            if batch.data_parallel_rank is None:
+                batch = msgspec.structs.replace(
+                    batch, data_parallel_rank=self._data_parallel_rank
+                )
             return encode_batch(batch, self._dialect)
         except Exception as e:  # a bad object from the engine must not break the stream
-            self._c["encode_errors"] += 1
-            log.error("cannot encode KV event batch seq %d (%s); the seq is skipped", seq, e)
-            return None
+            err: Exception = e
+        try:  # an engine's own classes: its encoder's bytes are the plain encoding
+            if any(type(ev) not in _OURS for ev in batch.events):
+                payload = _plain_encoder.encode(batch)
+                self._c["foreign_batches"] += 1
+                return payload
+        except Exception as e:
+            err = e
+        self._c["encode_errors"] += 1
+        log.error("cannot encode KV event batch seq %d (%s); the seq is skipped", seq, err)
+        return None
 
     def _wake(self) -> None:
         self._idle = False
+        if self._wake_w < 0:
+            return
         try:
             os.write(self._wake_w, b"\0")
         except OSError:
             pass  # pipe full (the thread is awake anyway) or closed by shutdown
 
     def stats(self) -> PublisherStats:
-        c = dict(self._c)
+        c: dict[str, Any] = dict(self._c)
         c["published"] = self._next_seq - c["heartbeats"]
         c["queue_depth"] = len(self._pending)
         c["last_seq"] = self._next_seq - 1
         c["epoch"] = self.epoch
+        c["sender_alive"] = self._thread.is_alive() and not self._sender_dead
+        c["snapshot_exact"] = self._model is not None and self._model.exact
         return PublisherStats(**c)
 
     def shutdown(self, timeout: float = 5.0) -> ShutdownReport:
@@ -428,10 +386,12 @@ class ZmqEventPublisher(EventPublisher):
             self._auth.stop()
         if self._own_ctx:
             self._ctx.term()
-        for fd in ("_wake_r", "_wake_w"):
-            if hasattr(self, fd):
+        for name in ("_wake_r", "_wake_w"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                setattr(self, name, -1)  # never write to a number the OS may hand out again
                 try:
-                    os.close(getattr(self, fd))
+                    os.close(fd)
                 except OSError:
                     pass
 
@@ -442,13 +402,14 @@ class ZmqEventPublisher(EventPublisher):
         poller.register(self._wake_r, zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
+        requests = self._requests
         active_until = 0.0
         try:
             while True:
                 worked = self._send_pending()
-                if self._router is not None:
-                    worked = self._read_requests() or worked
-                    worked = self._advance_jobs() or worked
+                if requests is not None:
+                    worked = requests.read() or worked
+                    worked = requests.advance() or worked
                 if self._closing:
                     if not self._pending or time.monotonic() >= self._deadline:
                         break
@@ -482,8 +443,10 @@ class ZmqEventPublisher(EventPublisher):
                 self._idle = False
                 if ready:
                     self._drain_wake()
-        except Exception:  # pragma: no cover - a bug; make it loud rather than silent
-            log.exception("KV event publisher thread failed")
+        except BaseException:  # a bug or a fault: loud, and visible in stats() and publish()
+            self._sender_dead = True
+            log.exception("KV event publisher's sender thread died; publish() now drops "
+                          "every batch (stats: sender_alive=False, dropped_sender_dead)")
         finally:
             self._close_all(max(0, int((self._deadline - time.monotonic()) * 1000)))
 
@@ -499,7 +462,7 @@ class ZmqEventPublisher(EventPublisher):
         if not pending:
             return False
         send, topic = self._live_send, self._topic_b
-        ring, n, encode = self._ring, self._buffer_steps, self._encode
+        ring, n, encode = self._ring.slots, self._buffer_steps, self._encode
         popleft = pending.popleft
         sent = 0
         model = self._model
@@ -507,7 +470,7 @@ class ZmqEventPublisher(EventPublisher):
             seq, batch = popleft()
             self._done_seq = seq
             if model is not None:
-                self._apply(model, seq, batch)
+                model.apply(seq, batch)
             payload = encode(seq, batch)
             if payload is None:
                 continue
@@ -525,87 +488,12 @@ class ZmqEventPublisher(EventPublisher):
         self._last_live = time.monotonic()
         return True
 
-    def _apply(self, model: BlockCache, seq: int, batch: EventBatch) -> None:
-        """Keep the snapshot model exact, or know since when it is not."""
-        lost = self._lost_from
-        try:
-            if lost is None or seq < lost:
-                model.apply_events(batch.events)
-            else:
-                # A dropped batch never reached the model; a later full clear makes it exact.
-                evs = batch.events
-                cut = max((i for i, e in enumerate(evs) if type(e) is AllBlocksCleared),
-                          default=None)
-                if cut is not None and seq > self._last_drop:
-                    model.clear()
-                    model.apply_events(evs[cut + 1 :])
-                    self._lost_from = None
-                    log.warning("snapshot model exact again at seq %d (cache cleared)", seq)
-        except Exception:  # not a KV batch: the encoder reports it
-            pass
-        self._model_seq = seq
-
-    # ------------------------------------------------------------------ replay socket
-
-    def _read_requests(self) -> bool:
-        recv = self._router_recv
-        assert recv is not None
-        for i in range(self.REQUEST_SLICE):
-            frames = recv()
-            if frames is None:
-                return i > 0
-            self._handle_request(frames)
-        return True
-
-    def _handle_request(self, frames: list[bytes]) -> None:
-        ident = frames[0]
-        req = wire.parse_request(frames[1:])
-        c = self._c
-        if type(req) is wire.ReplayRequest:
-            c["replay_requests"] += 1
-            if ident not in self._replays and len(self._replays) >= self.MAX_REPLAY_JOBS:
-                c["busy_rejections"] += 1
-                self._send_to(ident, [b"", b"", wire.END_SEQ, b""])
-                return
-            last = self._next_seq - 1
-            start = max(req.start, last - self._buffer_steps + 1, 0)
-            self._replays[ident] = _Replay(ident, start, last)
-        elif type(req) is wire.ControlRequest:
-            if req.op == wire.OP_INFO:
-                c["info_requests"] += 1
-                self._send_to(ident, wire.info_frames(self._info()))
-            else:
-                c["snapshot_requests"] += 1
-                if self._model is None:
-                    self._send_to(ident, wire.err_frames("snapshots are disabled"))
-                elif self._lost_from is not None and self._lost_from <= self._model_seq:
-                    c["snapshots_unavailable"] += 1
-                    self._send_to(ident, wire.err_frames(
-                        f"snapshot unavailable: the live queue overflowed at seq "
-                        f"{self._lost_from}; exact again after the engine clears its cache"))
-                elif (
-                    ident not in self._snapshots
-                    and len(self._snapshots) >= self.MAX_SNAPSHOT_JOBS
-                ):
-                    c["busy_rejections"] += 1
-                    self._send_to(ident, wire.err_frames("busy: too many snapshots in flight"))
-                else:
-                    seq = self._model_seq  # same thread as the model: exact
-                    self._snapshots[ident] = _Snapshot(
-                        ident, self._model.raw_copy(), seq, req.chunk_blocks
-                    )
-        else:
-            c["bad_requests"] += 1
-            log.debug("ignored bad replay-socket request: %s", req.reason)
-
     def _info(self) -> dict[str, Any]:
-        last = self._next_seq - 1
-        done = self._done_seq
         return {
             "version": 1,
             "epoch": self.epoch,
-            "seq": last,
-            "oldest": max(0, done - self._buffer_steps + 1) if done >= 0 else -1,
+            "seq": self._next_seq - 1,
+            "oldest": self._ring.oldest(self._done_seq),
             "topic": self._topic,
             "rank": self._data_parallel_rank,
             "heartbeat_interval": self._heartbeat,
@@ -613,87 +501,6 @@ class ZmqEventPublisher(EventPublisher):
             "buffer_steps": self._buffer_steps,
             "dialect": self._dialect,
         }
-
-    def _send_to(self, ident: bytes, frames: list[bytes]) -> bool | None:
-        """Send to one client: True sent, False client busy (retry later), None client gone."""
-        try:
-            return self._router_send(ident, *frames)  # type: ignore[misc]
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                return None
-            raise
-
-    def _advance_jobs(self) -> bool:
-        if not self._replays and not self._snapshots:
-            return False
-        now = time.monotonic()
-        for ident, job in list(self._replays.items()):
-            if self._advance_replay(job) or now - job.started > self.JOB_TIMEOUT:
-                del self._replays[ident]
-        for ident, snap in list(self._snapshots.items()):
-            if self._advance_snapshot(snap) or now - snap.started > self.JOB_TIMEOUT:
-                del self._snapshots[ident]
-        return True
-
-    def _advance_replay(self, job: _Replay) -> bool:
-        """Send one slice; True when the job is finished (or its client is gone)."""
-        ring, n, topic = self._ring, self._buffer_steps, self._topic_b
-        budget = self.REPLAY_SLICE
-        while job.next <= job.end and budget:
-            seq = job.next
-            slot = ring[seq % n]
-            if (slot is None or slot[0] != seq) and seq > self._done_seq:
-                return False  # still queued for the sender: wait for it, don't skip it
-            if slot is not None and slot[0] == seq:
-                payload = slot[1]
-                if type(payload) is not bytes:  # dropped from the live path: encode now
-                    payload = self._encode_dropped(seq, payload)
-                    if payload is None:
-                        job.next = seq + 1
-                        continue
-                r = self._send_to(job.ident, [b"", topic, seq.to_bytes(8, "big"), payload])
-                if r is None:
-                    return True
-                if r is False:
-                    return False
-                self._c["replayed"] += 1
-                budget -= 1
-            job.next = seq + 1
-        if job.next > job.end:
-            return self._send_to(job.ident, [b"", b"", wire.END_SEQ, b""]) is not False
-        return False
-
-    def _encode_dropped(self, seq: int, batch: EventBatch) -> bytes | None:
-        """Encode a batch kept in the ring as an object; an unencodable one is counted once
-        (the ring slot is the engine thread's too, so it is not rewritten from here)."""
-        if seq in self._unencodable:
-            return None
-        payload = self._encode(seq, batch)
-        if payload is None:
-            self._unencodable.append(seq)
-        return payload
-
-    def _advance_snapshot(self, snap: _Snapshot) -> bool:
-        i = snap.next_chunk
-        part = snap.blocks[i * snap.chunk : (i + 1) * snap.chunk]
-        payload = _snapshot_encoder.encode(
-            KVEventBatch(time.time(), chain_events(part, snap.positions), self._data_parallel_rank)
-        )
-        header = {
-            "epoch": self.epoch,
-            "seq": snap.seq,
-            "chunk": i,
-            "chunks": snap.chunks,
-            "blocks": len(snap.blocks),
-        }
-        r = self._send_to(snap.ident, wire.snap_frames(header, payload))
-        if r is None:
-            return True
-        if r is False:
-            return False
-        self._c["snapshot_chunks"] += 1
-        snap.next_chunk = i + 1
-        return snap.next_chunk >= snap.chunks
 
 
 def _node_ip() -> str:
@@ -725,7 +532,9 @@ class EventPublisherFactory:
     ) -> EventPublisher:
         """The configured publisher; the null one when events are off or absent."""
         if config is None or not config.enable_kv_cache_events or config.publisher == "null":
-            return NullEventPublisher(data_parallel_rank)
+            null = NullEventPublisher(data_parallel_rank)
+            null._config = config
+            return null
         name = config.publisher or "zmq"
         ctor = cls._registry.get(name)
         if ctor is None:
