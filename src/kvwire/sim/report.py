@@ -1,0 +1,83 @@
+"""The simulator's PNG report (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .fleet import SimResult
+
+__all__ = ["write_report"]
+
+_COLORS = {"kvwire": "#1b9e77", "oracle": "#7570b3", "random": "#999999",
+           "round_robin": "#e6ab02", "least_load": "#d95f02"}
+
+
+def write_report(result: SimResult, path: str | Path) -> Path:
+    """Four panels: hit ratio per policy, TTFT p50/p99 per policy, per-engine work, TTFT CDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    names = list(result.results)
+    res = [result.results[n] for n in names]
+    sums = [r.summary() for r in res]
+    colors = [_COLORS.get(n, "#444444") for n in names]
+    cfg = result.config
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), dpi=100)
+    fig.suptitle(
+        f"kvwire sim: {result.requests} requests, {cfg.engines} engines x {cfg.capacity} "
+        f"blocks of {cfg.block_tokens} tokens", fontsize=14)
+
+    ax = axes[0][0]
+    bars = ax.bar(names, [s["hit_ratio"] for s in sums], color=colors)
+    ax.bar_label(bars, fmt="%.3f")
+    ax.set_title("prefix cache hit ratio (higher is better)")
+    ax.set_ylim(0, max(1e-9, max(s["hit_ratio"] for s in sums)) * 1.2)
+
+    ax = axes[0][1]
+    x = range(len(names))
+    w = 0.38
+    b1 = ax.bar([i - w / 2 for i in x], [s["ttft_p50_s"] for s in sums], w, color=colors,
+                alpha=0.55, label="p50")
+    b2 = ax.bar([i + w / 2 for i in x], [s["ttft_p99_s"] for s in sums], w, color=colors,
+                label="p99")
+    ax.bar_label(b1, fmt="%.2f", fontsize=8)
+    ax.bar_label(b2, fmt="%.2f", fontsize=8)
+    ax.set_xticks(list(x), names)
+    ax.set_title("time to first token, s (p50 light, p99 dark; lower is better)")
+
+    ax = axes[1][0]
+    n_eng = cfg.engines
+    width = 0.8 / max(1, len(names))
+    for k, (n, r) in enumerate(zip(names, res)):
+        ax.bar([e + (k - (len(names) - 1) / 2) * width for e in range(n_eng)], r.engine_work_s,
+               width, color=_COLORS.get(n, "#444444"),
+               label=f"{n} (max/mean {r.work_max_over_mean:.2f})")
+    ax.set_xticks(range(n_eng), [f"e{e}" for e in range(n_eng)])
+    ax.set_ylabel("busy time, s")
+    ax.set_title("work per engine (prefill + decode)")
+    top = max((max(r.engine_work_s) for r in res if r.engine_work_s), default=1.0)
+    ax.set_ylim(0, top * 1.35)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
+
+    ax = axes[1][1]
+    for n, r in zip(names, res):
+        t = sorted(r.ttft_s)
+        if not t:
+            continue
+        ys = [(i + 1) / len(t) for i in range(len(t))]
+        ax.plot([max(v, 1e-3) for v in t], ys, color=_COLORS.get(n, "#444444"), label=n)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT, s (log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF (left and high is better)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
