@@ -1,0 +1,127 @@
+"""``kvwire serve``: the cache-aware routing service (needs ``pip install kvwire[serve]``).
+
+Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register` / :func:`run`;
+``python -m kvwire.cli.serve ...`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "register", "run"]
+
+
+def _engine(text: str):
+    from ..router.service import EngineSpec
+
+    try:
+        return EngineSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(kind: type):
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return v
+    return conv
+
+
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", action="append", type=_engine, required=True,
+                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
+                   help="an engine's KV event endpoint (repeat per engine); ranks=N follows "
+                        "DP ranks at port + rank")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    p.add_argument("--block-size", type=_positive(int), default=16,
+                   help="tokens per reference block, the policy's unit (default 16)")
+    p.add_argument("--prefill-weight", type=_nonneg, default=1.0)
+    p.add_argument("--load-weight", type=_nonneg, default=1.0)
+    p.add_argument("--temperature", type=_nonneg, default=0.0,
+                   help="> 0: sample engines by softmax(-cost/T) instead of the minimum")
+    p.add_argument("--seed", type=int, default=None, help="seed of tie-breaks and sampling")
+    p.add_argument("--max-tokens", type=_positive(int), default=1 << 20,
+                   help="longest prompt accepted (longer ones get 413)")
+    p.add_argument("--expiry", type=_positive(float), default=600.0,
+                   help="seconds after which an unreleased request's load is dropped")
+    p.add_argument("--predict-ttl", type=_nonneg, default=3.0,
+                   help="seconds a routed prefix counts for its engine before events confirm")
+    p.add_argument("--dead-after", type=_positive(float), default=None,
+                   help="silence (s) after which a stream is dead (default 3 heartbeats)")
+    p.add_argument("--log-level", default="warning")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to ``kvwire``'s subparsers."""
+    p = subparsers.add_parser("serve", help="route prompts to the engine holding their prefix",
+                              description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the subscriber thread and uvicorn; blocks until interrupted."""
+    try:
+        import uvicorn
+
+        from ..consume.stream import StreamConfig
+        from ..router.app import build_app
+        from ..router.policy import RoutingPolicy
+        from ..router.service import RouterCore
+    except ImportError as e:
+        print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        core = RouterCore(
+            args.engine,
+            policy=RoutingPolicy(args.prefill_weight, args.load_weight, args.temperature,
+                                 args.seed),
+            block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
+            predict_ttl=args.predict_ttl,
+            stream_config=StreamConfig(dead_after=args.dead_after),
+        )
+        core.start()
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"kvwire serve: {e}", file=sys.stderr)
+        return 2
+    print(f"kvwire serve: {len(core.targets)} streams; http://{args.host}:{args.port}/",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(build_app(core), host=args.host, port=args.port,
+                    log_level=args.log_level.lower(), access_log=False, lifespan="off")
+    finally:
+        core.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvwire serve`` as a standalone entry point."""
+    p = argparse.ArgumentParser(prog="kvwire serve", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""``kvwire serve``'s HTTP face (FastAPI + uvicorn; ``pip install kvwire[serve]``).
+
+Bodies are decoded with msgspec, not pydantic: a 2k-token prompt decodes in microseconds, and
+its errors name the offending field (``Expected `int`, got `str` - at `$.token_ids[3]```).
+Every bad request is answered 4xx with ``{"error": ..., "reason": ...}`` and counted in
+``kvwire_router_bad_requests_total{reason}``; the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .service import RouteError, RouterCore
+from .status_page import STATUS_HTML
+
+__all__ = ["build_app", "serve_in_thread"]
+
+#: Token ids are vocabulary indices: non-negative and below 2^32.
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_Name = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: list[TokenId]
+    lora_name: _Name | None = None
+    salt: _Name | None = None
+
+
+class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+_route_dec = msgspec.json.Decoder(RouteBody)
+_release_dec = msgspec.json.Decoder(ReleaseBody)
+_enc = msgspec.json.Encoder()
+
+
+class _Metrics:
+    """The service's own registry: nothing leaks into (or from) the process default one."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram(
+            "kvwire_router_route_seconds", "Time to answer /route and /score (index match + "
+            "policy), seconds", ["endpoint"], registry=r,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0))
+        self.hit = Histogram(
+            "kvwire_router_prefix_hit_ratio", "Matched / prompt blocks on the chosen engine "
+            "(credit-weighted), per routed request", registry=r,
+            buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0))
+        self.routed = Counter("kvwire_router_routed_total", "Requests routed, per engine",
+                              ["engine"], registry=r)
+        self.bad = Counter("kvwire_router_bad_requests_total",
+                           "Requests answered 4xx, by reason", ["reason"], registry=r)
+        r.register(_CoreCollector(core))
+
+    def on_route(self, label: str, credit: float, prompt_blocks: float) -> None:
+        self.routed.labels(label).inc()
+        self.hit.observe(credit / prompt_blocks if prompt_blocks > 0 else 0.0)
+
+
+class _CoreCollector:
+    """Index and stream figures read at scrape time (free on the routing path)."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        core = self.core
+        status = core.engines_status()
+        applied = CounterMetricFamily("kvwire_router_events_applied",
+                                      "Events applied to the index, per stream", labels=["stream"])
+        blocks = GaugeMetricFamily("kvwire_router_blocks", "Blocks indexed per stream and tier",
+                                   labels=["engine", "stream", "tier"])
+        resets = CounterMetricFamily("kvwire_router_resets", "Stream resets (restart, loss)",
+                                     labels=["stream"])
+        alive = GaugeMetricFamily("kvwire_router_stream_alive", "1 if the stream is live",
+                                  labels=["stream"])
+        load = GaugeMetricFamily("kvwire_router_load_blocks",
+                                 "Reserved load (uncached blocks of unreleased requests)",
+                                 labels=["stream"])
+        for engine, e in status.items():
+            for row in e["ranks"]:
+                s = row["stream"]
+                applied.add_metric([s], row["events_applied"])
+                resets.add_metric([s], row["resets"])
+                alive.add_metric([s], 1.0 if row["alive"] else 0.0)
+                load.add_metric([s], row["load"])
+                for tier, n in row["blocks"].items():
+                    blocks.add_metric([engine, s, str(tier)], n)
+        reqs = CounterMetricFamily("kvwire_router_requests", "Answered requests by kind",
+                                   labels=["kind"])
+        for k, v in core.counts.items():
+            reqs.add_metric([k], v)
+        lt = core.loads
+        expired = CounterMetricFamily("kvwire_router_reservations_expired",
+                                      "Reservations dropped because no release came")
+        expired.add_metric([], lt.expired)
+        yield from (applied, blocks, resets, alive, load, reqs, expired)
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_enc.encode(obj), status_code=status, media_type="application/json")
+
+
+def build_app(core: RouterCore) -> FastAPI:
+    """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops)."""
+    app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = _Metrics(core)
+    core.on_route = metrics.on_route
+    app.state.core = core
+    app.state.metrics = metrics
+
+    def bad(status: int, message: str, reason: str) -> Response:
+        metrics.bad.labels(reason).inc()
+        return _json({"error": message, "reason": reason}, status)
+
+    @app.exception_handler(RouteError)
+    async def _route_error(request: Request, exc: RouteError) -> Response:
+        return bad(exc.status, str(exc), exc.reason)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return bad(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                   "http_" + str(exc.status_code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return bad(422, str(exc.errors())[:500], "validation")
+
+    async def decode(request: Request, dec: msgspec.json.Decoder) -> Any:
+        body = await request.body()
+        try:
+            return dec.decode(body)
+        except msgspec.ValidationError as e:
+            raise RouteError(422, f"invalid request body: {e}", "wrong_type") from None
+        except msgspec.DecodeError as e:
+            raise RouteError(400, f"malformed JSON body: {e}", "malformed_json") from None
+
+    async def _answer(request: Request, reserve: bool) -> Response:
+        t0 = time.perf_counter()
+        body = await decode(request, _route_dec)
+        out = core.route(body.token_ids, body.lora_name, body.salt, reserve=reserve)
+        metrics.latency.labels("route" if reserve else "score").observe(
+            time.perf_counter() - t0)
+        return _json(out)
+
+    @app.post("/route")
+    async def route(request: Request) -> Response:
+        """Choose an engine and reserve load under the returned request_id."""
+        return await _answer(request, True)
+
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        """The same answer as /route, reserving nothing."""
+        return await _answer(request, False)
+
+    @app.post("/release")
+    async def release(request: Request) -> Response:
+        body = await decode(request, _release_dec)
+        return _json(core.release(body.request_id))
+
+    @app.get("/engines")
+    async def engines() -> Response:
+        return _json(core.engines_status())
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, why = core.healthy()
+        return _json({"ok": ok, "detail": why}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(generate_latest(metrics.registry),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def status_page() -> HTMLResponse:
+        return HTMLResponse(STATUS_HTML)
+
+    return app
+
+
+def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
+                    timeout: float = 10.0) -> tuple[Any, threading.Thread, int]:
+    """Run the app with uvicorn in a daemon thread (tests, docs, embedding).
+
+    Returns ``(server, thread, port)``; stop with ``server.should_exit = True;
+    thread.join()``. ``port=0`` picks a free port (the socket is bound here first)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(build_app(core), log_level="warning", access_log=False,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name="kvwire-router-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    return server, thread, port

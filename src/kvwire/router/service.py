@@ -1,0 +1,346 @@
+"""The routing core behind ``kvwire serve``: a subscriber thread feeds a PrefixIndex, and
+``route()`` asks the pure :class:`~kvwire.router.policy.RoutingPolicy` for an engine.
+
+HTTP lives in :mod:`kvwire.router.app`; this module has no web dependency, so it can be
+embedded (and tested) on its own.
+
+Units: the policy compares all streams in *reference blocks* of ``block_size`` tokens
+(default 16). A stream whose engine uses another block size has its credit rescaled by the
+fraction of the prompt it holds, so engines with different block sizes compete fairly. A
+routed request reserves ``request_load`` = its uncached reference blocks on the chosen engine
+until ``release`` (or ``expiry_s``).
+
+Concurrency: the subscriber thread is the index's only writer; it applies deliveries in small
+slices under a lock, so a route waits at most one slice (plus, after a restart, one snapshot),
+and gives up with :class:`RouteError` 503 after ``lock_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
+from ..consume.subscriber import StreamSpec, Subscriber
+from ..wire.endpoint import check_endpoint
+from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
+
+__all__ = ["EngineSpec", "RouteError", "RouterCore"]
+
+log = logging.getLogger("kvwire.router")
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+#: Deliveries applied per lock hold, so a route never waits behind a long burst.
+APPLY_SLICE = 64
+
+
+class RouteError(ValueError):
+    """A request the router cannot serve; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine to route to: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]``."""
+
+    name: str
+    endpoint: str
+    replay: str | None = None
+    ranks: int = 1
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> EngineSpec:
+        """Parse a ``--engine`` value; ValueError says which part is wrong."""
+        name, sep, rest = text.partition("=")
+        if not sep:
+            raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,replay=...]")
+        if not _NAME.match(name):
+            raise ValueError(f"--engine {text!r}: engine name {name!r} must be 1-64 of "
+                             "letters, digits, '_', '.', ':', '-'")
+        parts = rest.split(",")
+        endpoint, opts = parts[0], parts[1:]
+        if not endpoint:
+            raise ValueError(f"--engine {text!r}: missing ENDPOINT after '{name}='")
+        check_endpoint(endpoint, f"--engine {name} endpoint")
+        kw: dict[str, Any] = {}
+        for opt in opts:
+            key, eq, val = opt.partition("=")
+            if not eq or key not in ("replay", "ranks", "topic"):
+                raise ValueError(f"--engine {text!r}: unknown option {opt!r} "
+                                 "(expected replay=ENDPOINT, ranks=N or topic=T)")
+            if key in kw:
+                raise ValueError(f"--engine {text!r}: {key} given twice")
+            if key == "replay":
+                check_endpoint(val, f"--engine {name} replay")
+                kw["replay"] = val
+            elif key == "ranks":
+                if not val.isdigit() or not 1 <= int(val) <= 1024:
+                    raise ValueError(f"--engine {text!r}: ranks={val!r} must be 1..1024")
+                kw["ranks"] = int(val)
+            else:
+                kw["topic"] = val
+        return cls(name, endpoint, **kw)
+
+    def streams(self) -> list[StreamSpec]:
+        """The subscriber specs of this engine's DP ranks, named ``NAME/dpR``."""
+        return StreamSpec.for_ranks(self.name, self.endpoint, self.ranks, self.topic,
+                                    self.replay)
+
+
+@dataclass
+class _Target:
+    stream: str  # subscriber / index stream name, NAME/dpR
+    label: str  # key in answers: NAME, or NAME/dpR for multi-rank engines
+    engine: str
+    rank: int
+
+
+class RouterCore:
+    """Index + subscriber thread + policy + load: everything ``kvwire serve`` answers from."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineSpec],
+        *,
+        policy: RoutingPolicy | None = None,
+        block_size: int = 16,
+        max_tokens: int = 1 << 20,
+        expiry_s: float = 600.0,
+        predict_ttl: float = 3.0,
+        stream_config: StreamConfig | None = None,
+        lock_timeout: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        index: Any = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("at least one engine is needed")
+        names = [e.name for e in engines]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"engine names must be unique: {sorted(dup)} given twice")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.engines = list(engines)
+        self.policy = policy or RoutingPolicy()
+        self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.lock_timeout = lock_timeout
+        self.clock = clock
+        if index is None:
+            from ..index import PrefixIndex
+
+            index = PrefixIndex(predict_ttl=predict_ttl, clock=clock)
+        self.index = index  # a kvwire.index.PrefixIndex (or one with its API)
+        self.loads = LoadTracker(expiry_s=expiry_s, clock=clock)
+        self.targets: list[_Target] = []
+        self.specs: list[StreamSpec] = []
+        for e in self.engines:
+            for r, spec in enumerate(e.streams()):
+                label = e.name if e.ranks == 1 else spec.name
+                self.targets.append(_Target(spec.name, label, e.name, r))
+                self.specs.append(spec)
+        self._by_label = {t.label: t for t in self.targets}
+        self.stream_config = stream_config
+        self.lock = threading.Lock()
+        self.alive: dict[str, bool] = {t.stream: False for t in self.targets}
+        self.resets: dict[str, int] = dict.fromkeys(self.alive, 0)
+        self.last_item: dict[str, float] = {}
+        self.sub_stats: dict[str, Any] = {}
+        self.deliveries = 0
+        self.apply_errors = 0
+        self.counts: dict[str, int] = {"routes": 0, "scores": 0, "releases": 0}
+        self.on_route: Callable[[str, float, float], None] | None = None  # metrics hook
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ subscriber thread
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the subscriber thread (it owns the sockets); raises if it could not start."""
+        self._thread = threading.Thread(target=self._run, name="kvwire-router-sub",
+                                        daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError("router subscriber thread did not start")
+        if self._error is not None:
+            raise self._error
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the subscriber thread and close its sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            sub = Subscriber(self.specs, config=self.stream_config)
+        except BaseException as e:  # bad endpoint etc.: reported by start()
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        next_stats = 0.0
+        try:
+            while not self._stop.is_set():
+                items = sub.poll_many(0.05, max_items=APPLY_SLICE)
+                if items:
+                    self._apply(items)
+                now = time.monotonic()
+                if now >= next_stats:
+                    self.sub_stats = sub.stats()
+                    next_stats = now + 0.25
+        except BaseException:  # pragma: no cover - logged, the service reports unhealthy
+            log.exception("router subscriber thread failed")
+            self.alive = dict.fromkeys(self.alive, False)
+        finally:
+            sub.close()
+
+    def _apply(self, items: list) -> None:
+        now = self.clock()
+        with self.lock:
+            try:
+                self.index.apply_many(items)
+            except Exception:  # one bad delivery must not stop the feed: apply one by one
+                for it in items:
+                    try:
+                        self.index.apply(it)
+                    except Exception as e:
+                        self.apply_errors += 1
+                        log.warning("index could not apply %s of %s: %s",
+                                    type(it).__name__, getattr(it, "stream", "?"), e)
+        self.deliveries += len(items)
+        alive, last = self.alive, self.last_item
+        for it in items:
+            s = it.stream
+            if isinstance(it, Batch | Snapshot):
+                alive[s] = True
+                last[s] = now
+            elif isinstance(it, Liveness):
+                alive[s] = it.alive
+            elif isinstance(it, Reset):
+                self.resets[s] = self.resets.get(s, 0) + 1
+
+    # ------------------------------------------------------------------ routing
+
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """Reject empty or oversized prompts with the reason."""
+        if not token_ids:
+            raise RouteError(422, "token_ids is empty: nothing to route", "empty_tokens")
+        if len(token_ids) > self.max_tokens:
+            raise RouteError(413, f"token_ids has {len(token_ids)} tokens, more than the "
+                             f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
+
+    def route(self, token_ids: Sequence[int], lora_name: str | None = None,
+              salt: str | None = None, reserve: bool = True) -> dict[str, Any]:
+        """Choose an engine for the prompt; with ``reserve`` (``/route``) its load is
+        reserved under the returned ``request_id`` and its prefix predicted on the engine."""
+        self.check_tokens(token_ids)
+        prompt_blocks = len(token_ids) // self.block_size
+        if not self.lock.acquire(timeout=self.lock_timeout):
+            raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
+        try:
+            now = self.clock()
+            matches = self.index.match(token_ids, lora_name=lora_name, salt=salt)
+            self.loads.expire(now)
+            cands = []
+            blocks: dict[str, int] = {}
+            for t in self.targets:
+                m = matches.get(t.stream)
+                credit = 0.0
+                held = 0
+                if m is not None and m.prompt_blocks > 0:
+                    held = sum(m.tiers.values()) + m.predicted
+                    credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+                blocks[t.label] = held
+                cands.append(Candidate(t.label, credit, self.loads.load(t.label),
+                                       self.alive.get(t.stream, False)))
+            d = self.policy.choose(prompt_blocks, cands)
+            target = self._by_label[d.name]
+            rid = None
+            if reserve:
+                rid = uuid.uuid4().hex
+                self.loads.reserve(rid, d.name, request_load(prompt_blocks, d.overlap[d.name]),
+                                   now)
+                self.index.predict(target.stream, token_ids, lora_name=lora_name, salt=salt)
+                self.counts["routes"] += 1
+            else:
+                self.counts["scores"] += 1
+        finally:
+            self.lock.release()
+        if self.on_route is not None:
+            self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
+        out: dict[str, Any] = {"engine": target.engine, "rank": target.rank}
+        if rid is not None:
+            out["request_id"] = rid
+        out["overlap"] = blocks
+        out["cost"] = d.cost
+        return out
+
+    def release(self, request_id: str) -> dict[str, Any]:
+        """Release a routed request's load; 404 RouteError if the id is unknown or expired."""
+        with self.lock:
+            name = self.loads.holder(request_id)
+            ok = self.loads.release(request_id)
+        if not ok:
+            raise RouteError(404, f"unknown request_id {request_id[:80]!r} (never routed, "
+                             "already released, or expired)", "unknown_request_id")
+        self.counts["releases"] += 1
+        return {"released": request_id, "engine": name}
+
+    # ------------------------------------------------------------------ status
+
+    def engines_status(self) -> dict[str, Any]:
+        """Per engine and rank: stream state, blocks per tier, events applied, ages, alive."""
+        with self.lock:
+            idx = self.index.streams()
+            loads = self.loads.loads()
+        now = self.clock()
+        sub = self.sub_stats
+        out: dict[str, Any] = {}
+        for t in self.targets:
+            st = idx.get(t.stream)
+            ss = sub.get(t.stream)
+            proto = ss.stream if ss is not None else None
+            last = self.last_item.get(t.stream)
+            row: dict[str, Any] = {
+                "stream": t.stream,
+                "rank": t.rank,
+                "alive": self.alive.get(t.stream, False),
+                "phase": getattr(proto, "phase", "idle"),
+                "mode": getattr(proto, "mode", "unknown"),
+                "epoch": getattr(proto, "epoch", None),
+                "blocks": dict(getattr(st, "blocks", {}) or {}),
+                "events_applied": getattr(st, "events_applied", 0),
+                "block_size": getattr(st, "block_size", None),
+                "last_event_age_s": None if last is None else round(now - last, 3),
+                "resets": self.resets.get(t.stream, 0),
+                "load": loads.get(t.label, 0.0),
+                "suspect": getattr(st, "suspect", None),
+            }
+            out.setdefault(t.engine, {"ranks": []})["ranks"].append(row)
+        return out
+
+    def healthy(self) -> tuple[bool, str]:
+        """At least one stream live and caught up (phase ``live`` and not silent)."""
+        live = [t.stream for t in self.targets
+                if self.alive.get(t.stream)
+                and getattr(getattr(self.sub_stats.get(t.stream), "stream", None),
+                            "phase", None) == "live"]
+        if self._thread is None or not self._thread.is_alive():
+            return False, "subscriber thread not running"
+        if not live:
+            return False, "no stream is live and caught up"
+        return True, f"{len(live)}/{len(self.targets)} streams live"

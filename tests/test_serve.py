@@ -1,0 +1,325 @@
+"""``kvwire serve`` over real HTTP (uvicorn on a loopback port) fed by real ZmqEventPublishers:
+requests follow the cache, a killed engine stops getting traffic, a restarted one is rebuilt,
+bad input gets 4xx; the status page is checked in a real headless chromium."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from kvwire.consume.stream import StreamConfig  # noqa: E402
+from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
+from kvwire.router import RoutingPolicy  # noqa: E402
+from kvwire.router.app import serve_in_thread  # noqa: E402
+from kvwire.router.service import EngineSpec, RouterCore  # noqa: E402
+from kvwire.wire.events import BlockStored, KVEventBatch  # noqa: E402
+
+BS = 16
+HEARTBEAT = 0.2
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    """A prompt of ``blocks`` full blocks whose tokens differ for every seed."""
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(blocks * BS)]
+
+
+def stored(toks: list[int], first_hash: int, medium: str = "GPU") -> KVEventBatch:
+    n = len(toks) // BS
+    ev = BlockStored(list(range(first_hash, first_hash + n)), None, toks, BS, None, medium)
+    return KVEventBatch(time.time(), [ev], 0)
+
+
+def wait_for(pred: Callable[[], object], what: str, timeout: float = 30.0) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def publisher(where, name: str) -> ZmqEventPublisher:
+    """An engine's publisher on ipc endpoints under ``where`` (the same paths on restart)."""
+    return ZmqEventPublisher(endpoint=f"ipc://{where}/{name}.live",
+                             replay_endpoint=f"ipc://{where}/{name}.replay",
+                             heartbeat_interval=HEARTBEAT)
+
+
+@dataclass
+class Fleet:
+    pubs: dict[str, ZmqEventPublisher]
+    core: RouterCore
+    http: httpx.Client
+    port: int
+
+    def engine_row(self, name: str) -> dict:
+        return self.http.get("/engines").json()[name]["ranks"][0]
+
+    def blocks(self, name: str) -> int:
+        return sum(self.engine_row(name)["blocks"].values())
+
+
+@pytest.fixture
+def fleet(tmp_path) -> Iterator[Fleet]:
+    pubs = {n: publisher(tmp_path, n) for n in ("a", "b")}
+    engines = [EngineSpec(n, p.endpoint, p.replay_endpoint) for n, p in pubs.items()]
+    core = RouterCore(engines, policy=RoutingPolicy(seed=0), block_size=BS, max_tokens=4096,
+                      predict_ttl=0.5, stream_config=StreamConfig(dead_after=1.0))
+    core.start()
+    server, thread, port = serve_in_thread(core)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+    try:
+        yield Fleet(pubs, core, http, port)
+    finally:
+        http.close()
+        server.should_exit = True
+        thread.join(10)
+        core.close()
+        for p in pubs.values():
+            p.shutdown(timeout=1)
+
+
+def fill(f: Fleet) -> tuple[list[int], list[int]]:
+    """Engine a holds prefix PA (8 blocks), b holds PB; wait until the router sees both."""
+    pa, pb = tokens(1, 8), tokens(2, 8)
+    f.pubs["a"].publish(stored(pa, 1000))
+    f.pubs["b"].publish(stored(pb, 2000))
+    wait_for(lambda: f.blocks("a") >= 8 and f.blocks("b") >= 8, "both engines indexed")
+    wait_for(lambda: f.http.get("/health").status_code == 200, "health 200")
+    return pa, pb
+
+
+def test_requests_follow_the_cache(fleet: Fleet) -> None:
+    pa, pb = fill(fleet)
+    for prompt, want in ((pa + tokens(9, 2), "a"), (pb + tokens(9, 2), "b"), (pa, "a")):
+        r = fleet.http.post("/score", json={"token_ids": prompt})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["engine"] == want and out["rank"] == 0
+        assert "request_id" not in out  # /score reserves nothing
+        assert out["overlap"][want] == 8
+        assert out["cost"][want] < min(v for k, v in out["cost"].items() if k != want)
+    r = fleet.http.post("/route", json={"token_ids": pa + tokens(9, 2)}).json()
+    assert r["engine"] == "a" and r["request_id"]
+    assert fleet.engine_row("a")["load"] == 2.0  # the 2 uncached blocks, reserved
+    rel = fleet.http.post("/release", json={"request_id": r["request_id"]})
+    assert rel.status_code == 200 and rel.json()["engine"] == "a"
+    assert fleet.engine_row("a")["load"] == 0.0
+    again = fleet.http.post("/release", json={"request_id": r["request_id"]})
+    assert again.status_code == 404 and "unknown request_id" in again.json()["error"]
+
+
+def test_load_spreads_a_hot_prefix(fleet: Fleet) -> None:
+    """Many unreleased requests for a's prefix pile load on a until b becomes cheaper."""
+    pa, _ = fill(fleet)
+    prompt = pa + tokens(9, 4)  # 4 uncached blocks each
+    chosen = [fleet.http.post("/route", json={"token_ids": prompt}).json()["engine"]
+              for _ in range(6)]
+    assert chosen[0] == "a" and "b" in chosen
+
+
+def test_killed_engine_stops_getting_traffic_and_restart_rebuilds(fleet: Fleet) -> None:
+    pa, pb = fill(fleet)
+    old = fleet.pubs["a"]
+    where = old.endpoint[len("ipc://"):].rsplit("/", 1)[0]
+    epoch0 = fleet.engine_row("a")["epoch"]
+    resets0 = fleet.engine_row("a")["resets"]
+    old.shutdown(timeout=1)  # the engine dies: heartbeats stop
+    wait_for(lambda: not fleet.engine_row("a")["alive"], "engine a seen dead")
+    for _ in range(5):
+        out = fleet.http.post("/route", json={"token_ids": pa}).json()
+        assert out["engine"] == "b", out  # a holds the prefix but is dead
+    assert fleet.http.get("/health").status_code == 200  # b is still live
+    # The engine comes back on the same ports with a new epoch and a different cache.
+    new = fleet.pubs["a"] = publisher(where, "a")
+    pc = tokens(3, 6)
+    new.publish(stored(pc, 5000))
+    wait_for(lambda: fleet.engine_row("a")["resets"] > resets0, "reset after restart")
+    wait_for(lambda: fleet.engine_row("a")["alive"], "engine a live again")
+    row = wait_for(lambda: (r := fleet.engine_row("a"))["epoch"] != epoch0 and
+                   sum(r["blocks"].values()) == 6 and r, "a rebuilt from its new state")
+    assert row["phase"] == "live"
+    out = fleet.http.post("/score", json={"token_ids": pc}).json()
+    assert out["engine"] == "a" and out["overlap"] == {"a": 6, "b": 0}
+    out = fleet.http.post("/score", json={"token_ids": pa}).json()
+    assert out["overlap"]["a"] == 0  # the old cache is gone from the index
+
+
+BAD = [
+    ("/route", b"{not json", 400, "malformed JSON"),
+    ("/route", b"[1, 2, 3]", 422, "Expected `object`"),
+    ("/route", b'{"token_ids": "abc"}', 422, "$.token_ids"),
+    ("/route", b'{"token_ids": [1, "x"]}', 422, "$.token_ids[1]"),
+    ("/route", b'{"token_ids": [1, -5]}', 422, "$.token_ids[1]"),
+    ("/route", b'{"token_ids": [1.5]}', 422, "$.token_ids[0]"),
+    ("/route", b'{"tokens": [1]}', 422, "tokens"),
+    ("/route", b'{"token_ids": []}', 422, "token_ids is empty"),
+    ("/route", b'{"token_ids": [1], "lora_name": 7}', 422, "$.lora_name"),
+    ("/score", b'{"token_ids": [' + b",".join([b"1"] * 5000) + b"]}", 413, "5000 tokens"),
+    ("/release", b'{"request_id": "nope"}', 404, "unknown request_id 'nope'"),
+    ("/release", b'{"request_id": 5}', 422, "$.request_id"),
+    ("/release", b"", 400, "malformed JSON"),
+    ("/nowhere", b"{}", 404, "/nowhere"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD,
+                         ids=[f"{p}-{s}-{i}" for i, (p, _, s, _) in enumerate(BAD)])
+def test_bad_input_is_4xx_naming_the_problem(fleet: Fleet, path, body, status, needle) -> None:
+    r = fleet.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]
+    assert fleet.http.get("/engines").status_code == 200  # still serving
+    metrics = fleet.http.get("/metrics").text
+    assert "kvwire_router_bad_requests_total{reason=" in metrics
+
+
+def test_wrong_method_is_405_and_counted(fleet: Fleet) -> None:
+    r = fleet.http.get("/route")
+    assert r.status_code == 405 and "GET /route" in r.json()["error"]
+    assert 'kvwire_router_bad_requests_total{reason="http_405"} 1.0' in \
+        fleet.http.get("/metrics").text
+
+
+def test_metrics_and_health(fleet: Fleet) -> None:
+    pa, _ = fill(fleet)
+    for _ in range(3):
+        assert fleet.http.post("/route", json={"token_ids": pa}).status_code == 200
+    text = fleet.http.get("/metrics").text
+    for needle in ('kvwire_router_route_seconds_count{endpoint="route"} 3.0',
+                   "kvwire_router_prefix_hit_ratio_bucket",
+                   'kvwire_router_prefix_hit_ratio_bucket{le="0.99"} 0.0',  # all 3 full hits
+                   'kvwire_router_events_applied_total{stream="a/dp0"}',
+                   'kvwire_router_blocks{engine="a",stream="a/dp0",tier="GPU"} 8.0',
+                   'kvwire_router_resets_total{stream="b/dp0"}',
+                   'kvwire_router_routed_total{engine="a"} 3.0'):
+        assert needle in text, needle
+    assert fleet.http.get("/health").json()["ok"] is True
+
+
+def test_health_503_when_nothing_is_live() -> None:
+    port = free_port()  # nobody publishes here
+    core = RouterCore([EngineSpec("ghost", f"tcp://127.0.0.1:{port}")], block_size=BS)
+    core.start()
+    server, thread, http_port = serve_in_thread(core)
+    try:
+        r = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10)
+        assert r.status_code == 503 and "no stream is live" in r.json()["detail"]
+        # routing still answers (the only engine is dead, so it is the last resort)
+        r = httpx.post(f"http://127.0.0.1:{http_port}/score", json={"token_ids": [1] * 40})
+        assert r.status_code == 200 and r.json()["engine"] == "ghost"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        core.close()
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ("noequals", "expected NAME=ENDPOINT"),
+    ("a=", "missing ENDPOINT"),
+    ("a=tcp//x:1", "not a ZeroMQ endpoint"),
+    ("a b=tcp://127.0.0.1:1", "engine name"),
+    ("a=tcp://127.0.0.1:1,ranks=0", "ranks='0'"),
+    ("a=tcp://127.0.0.1:1,colour=red", "unknown option 'colour=red'"),
+    ("a=tcp://127.0.0.1:1,replay=nope", "replay"),
+])
+def test_bad_engine_specs(spec: str, needle: str) -> None:
+    with pytest.raises(ValueError) as ei:
+        EngineSpec.parse(spec)
+    assert needle in str(ei.value)
+
+
+def test_engine_spec_ranks_and_topic() -> None:
+    e = EngineSpec.parse("eng=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:6000,ranks=2,topic=kv")
+    assert [(s.name, s.endpoint, s.replay_endpoint, s.topic) for s in e.streams()] == [
+        ("eng/dp0", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:6000", "kv"),
+        ("eng/dp1", "tcp://127.0.0.1:5558", "tcp://127.0.0.1:6001", "kv"),
+    ]
+
+
+SERVE = [sys.executable, "-m", "kvwire.cli.serve"]
+
+
+def test_cli_bad_engine_exits_2_naming_it() -> None:
+    r = subprocess.run([*SERVE, "--engine", "a=tcp//nope"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "tcp//nope" in r.stderr
+
+
+def test_cli_serves_a_publisher_in_another_process(tmp_path) -> None:
+    """The whole thing as a user runs it: `kvwire serve` in its own process."""
+    pub = publisher(tmp_path, "e0")
+    port = free_port()
+    proc = subprocess.Popen(
+        [*SERVE, "--engine", f"e0={pub.endpoint},replay={pub.replay_endpoint}",
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        pa = tokens(4, 4)
+        pub.publish(stored(pa, 1))
+
+        def routed() -> dict | None:
+            if proc.poll() is not None:
+                raise AssertionError(proc.communicate()[1])
+            try:
+                r = httpx.post(url + "/score", json={"token_ids": pa}, timeout=5)
+            except httpx.TransportError:
+                return None
+            return r.json() if r.json().get("overlap", {}).get("e0") == 4 else None
+
+        out = wait_for(routed, "serve process up and indexed", timeout=60)
+        assert out["engine"] == "e0"
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+        pub.shutdown(timeout=1)
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_status_page_in_headless_chromium(fleet: Fleet, tmp_path) -> None:
+    browser = _chromium()
+    if browser is None:
+        msg = ("CHROMIUM NOT INSTALLED: the status page was NOT checked in a browser "
+               "(apt-get install -y chromium)")
+        print(msg, file=sys.stderr)
+        pytest.skip(msg)
+    fill(fleet)
+    r = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         f"--user-data-dir={tmp_path}", "--virtual-time-budget=5000", "--dump-dom",
+         f"http://127.0.0.1:{fleet.port}/"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    dom = r.stdout
+    assert r.returncode == 0, r.stderr[-2000:]
+    # Rows are built by the page's script from /engines: their presence proves the JS ran.
+    assert 'data-stream="a/dp0"' in dom and 'data-stream="b/dp0"' in dom, dom[-3000:]
+    assert 'data-alive="true"' in dom
+    assert '<b id="health" class="ok">ok</b>' in dom
+    assert "8 / 0 / 0" in dom  # a's 8 GPU blocks
