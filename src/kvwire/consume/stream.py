@@ -290,6 +290,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_snapshot_errors: int = 3
     #: Deliver empty batches (heartbeats) too.
     deliver_empty: bool = True
+    #: Replay requests in a row that time out without a single reply before the range
+    #: they ask for counts as unreachable (a stall on either side must not lose it).
+    replay_attempts: int = 3
 
 
 Phase = Literal["idle", "probe", "snapshot", "replay", "await_first", "live"]
@@ -299,9 +302,10 @@ Mode = Literal["unknown", "kvwire", "reference", "live-only"]
 class StreamStats(msgspec.Struct, frozen=True):
     """Counters of one stream; plain values, safe to serialize.
 
-    ``gaps``: holes in seq that had to be filled; ``lost``: seqs no replay could bring
-    back; ``duplicates``: seqs seen twice (live behind replay); ``resyncs``: snapshot
-    re-bootstraps after loss; ``resets``: Reset items (the first bootstrap included);
+    ``gaps``: holes in seq that had to be filled; ``lost``: seqs the publisher no longer
+    held (a replay answer started after them); ``duplicates``: seqs seen twice (live behind
+    replay); ``resyncs``: exact re-bootstraps after loss (a snapshot, or for a stream without
+    snapshots a rebuild by replay from seq 0); ``resets``: Reset items (the first bootstrap included);
     ``restarts``: publisher restarts detected; ``buffer_overflows``: resync attempts given
     up because more than ``max_buffer`` live batches piled up; ``stray_replies``: replies
     to no request in flight; ``exact``: the state is known completely (not an inexact start).
@@ -380,6 +384,12 @@ class StreamMachine:
         self._req_deadline = math.inf
         self._purpose = "boot"
         self._replay_from = 0
+        self._replay_kind: Literal["boot", "gap", "rebuild"] = "boot"
+        self._replay_got = 0  # replies received for the replay in flight
+        self._fruitless = 0  # replay requests in a row that timed out unanswered
+        self._from0_gone = False  # this run's replay buffer no longer starts at seq 0
+        self._rebuild_for: int | None = None  # first seq of the loss the last rebuild was for
+        self._rebuild_gap = (0, 0)  # that loss: seqs [a, b) missing, b held
         self._snap_header: SnapshotHeader | None = None
         self._snap_parts: dict[int, bytes] = {}
         self._snap_errors = 0
@@ -546,7 +556,8 @@ class StreamMachine:
                     self._fill_gap(now)
         elif self._delivered is not None and seq <= self._delivered:
             self._c["duplicates"] += 1
-        elif phase == "replay" and self._delivered is not None and seq == self._delivered + 1:
+        elif (phase == "replay" and self._delivered is not None and seq == self._delivered + 1
+              and self._replay_kind != "rebuild"):
             self._deliver(seq, payload)
             self._drain()
         else:
@@ -560,7 +571,15 @@ class StreamMachine:
             return []
         self._req_deadline = now + self.config.request_timeout
         self._c["replayed"] += 1
+        first = self._replay_got == 0
+        self._replay_got += 1
+        self._fruitless = 0
+        if self._replay_kind == "rebuild":
+            self._rebuild_answer(seq, payload, now)
+            return self._flush()
         if self._delivered is None:  # bootstrap without snapshot: replay from 0
+            if self._replay_from == 0 and seq > 0:
+                self._from0_gone = True
             self._baseline(seq, f"no snapshot available; starting at replayed seq {seq}")
             self._deliver(seq, payload)
             self._drain()
@@ -571,9 +590,43 @@ class StreamMachine:
         elif seq == nxt:
             self._deliver(seq, payload)
             self._drain()
-        else:
+        elif first:
+            # The answer starts after what we asked for: the publisher no longer has it.
             self._unfillable(nxt, seq, payload, now)
+        else:
+            # A hole inside the answer: lost on the way (the reference publisher's ROUTER
+            # drops at its HWM) or evicted while being served. Keep what came; the rest
+            # is asked for again when this answer ends.
+            self._hold(seq, payload, now)
         return self._flush()
+
+    def _rebuild_answer(self, seq: int, payload: bytes, now: float) -> None:
+        """First reply to the replay from 0 asked for after a loss."""
+        a, b = self._rebuild_gap
+        self._replay_kind = "gap"  # whatever follows continues like any replay
+        if seq == 0:
+            # The publisher still holds its whole run: start over from seq 0, exactly.
+            self._c["resyncs"] += 1
+            self._reset_reason = (
+                f"seqs {a}..{b - 1} not replayable; rebuilt exactly by a replay from seq 0"
+            )
+            self._baseline(0, self._reset_reason)
+            self._deliver(0, payload)
+            self._drain()
+            return
+        self._from0_gone = True
+        self._abort_request("replay buffer does not start at seq 0")
+        self._give_up(a, b, now)
+
+    def _give_up(self, a: int, b: int, now: float) -> None:
+        """Seqs ``a..b-1`` are gone for good (``b`` is held): go on inexact from ``b``."""
+        self._c["lost"] += b - a
+        self._last_error = f"seqs {a}..{b - 1} lost"
+        self._baseline(b, f"seqs {a}..{b - 1} lost and no snapshot available")
+        if b in self._buffer:
+            self._deliver(b, self._buffer.pop(b))
+        if self._req is None:
+            self._resume(now)
 
     def replay_end(self, now: float) -> list[Output]:
         """The replay end marker arrived."""
@@ -589,6 +642,9 @@ class StreamMachine:
             else:
                 self._phase = "await_first"
             return self._flush()
+        if self._replay_kind == "rebuild":  # an empty answer from 0: nothing to rebuild from
+            self._give_up(*self._rebuild_gap, now)
+            return self._flush()
         self._drain()
         if self._buffer and self._delivered + 1 == self._replay_from:
             # The replay brought nothing we needed: whatever is missing is gone.
@@ -597,7 +653,7 @@ class StreamMachine:
             if self._req is None and self._phase == "replay":
                 self._resume(now)
         else:
-            self._resume(now)
+            self._continue(now)
         return self._flush()
 
     def info(self, info: InfoReply, now: float) -> list[Output]:
@@ -707,6 +763,7 @@ class StreamMachine:
             self._probe("suspect", now)
         elif self._delivered is None and self._phase in ("probe", "replay"):
             self._buffer = {seq: payload}  # still bootstrapping: just start over from here
+            self._from0_gone, self._rebuild_for = False, None
             if self._phase == "replay":
                 self._start_replay(0, now)
         else:
@@ -716,6 +773,7 @@ class StreamMachine:
 
     def _restart(self, reason: str, now: float, keep_buffer: bool = False) -> None:
         self._abort_request("publisher restarted")
+        self._from0_gone, self._rebuild_for = False, None
         if not keep_buffer:
             self._buffer = {}
         self._emit_reset(reason)
@@ -755,7 +813,20 @@ class StreamMachine:
             self._start_replay(nxt, now)
 
     def _unfillable(self, nxt: int, seq: int, payload: bytes, now: float) -> None:
-        """Seqs ``nxt..seq-1`` are gone for good; ``seq`` is the next one we have."""
+        """Seqs ``nxt..seq-1`` cannot be replayed; ``seq`` is the next one we have.
+
+        With snapshots: resync. Without, unless this run's buffer is known not to start at
+        seq 0 (or this very loss was already rebuilt once: a seq the publisher never
+        buffered), ask a replay from 0 first: if it starts at 0 the stream is rebuilt
+        exactly; otherwise the range is lost and we go on inexact."""
+        if self.has_replay and not (self._mode == "kvwire" and self._snap_ok) and not (
+            self._from0_gone or self._rebuild_for == nxt
+        ):
+            self._buffer[seq] = payload
+            self._rebuild_for = nxt
+            self._rebuild_gap = (nxt, seq)
+            self._start_replay(0, now, "rebuild")
+            return
         self._c["lost"] += seq - nxt
         self._last_error = f"seqs {nxt}..{seq - 1} lost"
         if self._mode == "kvwire" and self._snap_ok:
@@ -773,7 +844,8 @@ class StreamMachine:
         elif self._buffer:
             m = min(self._buffer)
             self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
-            self._resume(now)
+            if self._req is None:
+                self._resume(now)
         else:
             self._enter_live(now)
 
@@ -785,6 +857,16 @@ class StreamMachine:
             self._fill_gap(now)
         else:
             self._enter_live(now)
+
+    def _continue(self, now: float) -> None:
+        """A replay answered in part: ask again for what is still missing (not a new gap)."""
+        self._drain()
+        if not self._buffer:
+            self._enter_live(now)
+        elif self._mode == "kvwire":
+            self._probe("gap", now)
+        else:
+            self._start_replay(self._delivered + 1, now, "gap")  # type: ignore[operator]
 
     def _timeout(self, now: float) -> None:
         kind = self._req
@@ -803,7 +885,16 @@ class StreamMachine:
                     self._resume(now)
             else:
                 self._probe(self._purpose, now)
+        elif kind == "replay" and self._replay_got > 0 and self._delivered is not None:
+            self._continue(now)  # the rest of the answer (or its end) was lost on the way
+        elif kind == "replay" and self._fruitless + 1 < self.config.replay_attempts:
+            self._fruitless += 1  # unanswered: a stall on either side; ask again
+            self._start_replay(self._replay_from, now, self._replay_kind)
+        elif kind == "replay" and self._replay_kind == "rebuild":
+            self._fruitless = 0
+            self._give_up(*self._rebuild_gap, now)
         elif kind == "replay":
+            self._fruitless = 0
             if self._mode == "kvwire":
                 self._probe("boot" if self._delivered is None else "gap", now)
             elif self._delivered is None:
@@ -827,7 +918,7 @@ class StreamMachine:
         if self._phase == "snapshot":
             self._start_snapshot(now)
         elif self._phase == "replay":
-            self._start_replay(self._replay_from, now)
+            self._start_replay(self._replay_from, now, self._replay_kind)
         elif self._phase == "probe":
             self._probe(self._purpose, now)
 
@@ -856,9 +947,12 @@ class StreamMachine:
             self.config.request_timeout
         self._send("info", SendInfo(), now, timeout)
 
-    def _start_replay(self, start: int, now: float) -> None:
+    def _start_replay(self, start: int, now: float,
+                      kind: Literal["boot", "gap", "rebuild"] | None = None) -> None:
         self._phase = "replay"
         self._replay_from = start
+        self._replay_kind = kind or ("boot" if self._delivered is None else "gap")
+        self._replay_got = 0
         self._c["replays"] += 1
         self._send("replay", SendReplay(start), now, self.config.request_timeout)
 
@@ -959,6 +1053,8 @@ class StreamMachine:
             self._abort_request("resync buffer overflow")
             if self._phase == "snapshot":
                 self._start_snapshot(now)
+            elif self._phase == "replay" and self._replay_kind == "rebuild":
+                self._start_replay(0, now, "rebuild")
             elif self._phase == "replay":
                 self._start_replay(0 if self._delivered is None else self._delivered + 1, now)
             elif self._phase == "probe":

@@ -295,8 +295,6 @@ class Subscriber:
         if self._closed:
             raise RuntimeError("Subscriber is closed")
         core.start(time.monotonic())
-        if not core.ready:
-            core.tick(time.monotonic())
         return core.ready.popleft() if core.ready else None
 
     def _wait_for(self, deadline: float) -> float:
@@ -325,6 +323,9 @@ class Subscriber:
                 return None
             events = self._sync_poller().poll(poll_ms(self._wait_for(deadline)))
             self._core.handle(events)
+            # Time-outs are judged after reading what arrived: after a stall of this
+            # process, replies already waiting must count, not time out unread.
+            self._core.tick(time.monotonic())
             polled = True
 
     def poll_many(self, timeout: float | None = None, max_items: int = 1000) -> list[Delivery]:
@@ -386,6 +387,7 @@ class Subscriber:
             wait_ms = poll_ms(self._wait_for(deadline))
             events = await self._async_poller().poll(wait_ms)
             self._core.handle(events)
+            self._core.tick(time.monotonic())  # after reading, as in poll()
             polled = True
 
     async def apoll_many(self, timeout: float | None = None,
