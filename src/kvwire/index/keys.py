@@ -1,0 +1,86 @@
+"""Own block keys: chained 64-bit xxh3 digests of each full block's token ids.
+
+Engine block hashes cannot be recomputed by a consumer (SHA-256 of pickles, signed
+truncations, 32-byte digests, per-engine seeds), so the index never compares them with
+anything: it hashes token ids itself, the same way for events and for requests. The key of
+block ``i`` is ``xxh3_64(int64 bytes of its tokens, seed=key[i-1])``; the first block's seed
+mixes the LoRA name and the cache salt / extra keys, so two adapters or two tenants with the
+same tokens never share a key. A partial last block has no key (engines cache full blocks).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from xxhash import xxh3_64_intdigest
+
+__all__ = ["ROOT_SEED", "block_keys", "root_seed", "token_bytes"]
+
+#: Seed of the first block when there is neither a LoRA name nor a salt.
+ROOT_SEED = 0
+_TAG = b"kvwire-index\x00"
+
+
+def _salt_bytes(salt: Any) -> bytes:
+    if isinstance(salt, str):
+        return b"s" + salt.encode("utf-8", "surrogatepass")
+    if isinstance(salt, bytes | bytearray | memoryview):
+        return b"b" + bytes(salt)
+    try:  # extra keys: tuples / lists of plain values, encoded canonically
+        return b"m" + msgspec.msgpack.encode(salt)
+    except (TypeError, msgspec.EncodeError):
+        return b"r" + repr(salt).encode()
+
+
+def root_seed(lora_name: str | None = None, salt: Any = None) -> int:
+    """Seed of a chain's first block: 0 for the plain case, else a digest of LoRA + salt."""
+    if lora_name is None and salt is None:
+        return ROOT_SEED
+    parts = _TAG
+    parts += b"-" if lora_name is None else b"l" + lora_name.encode("utf-8", "surrogatepass")
+    parts += b"\x00"
+    parts += b"-" if salt is None else _salt_bytes(salt)
+    return xxh3_64_intdigest(parts)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as native int64 bytes, converted once for the whole sequence."""
+    try:
+        return array("q", token_ids).tobytes()
+    except OverflowError:
+        raise ValueError("token ids must fit in a signed 64-bit integer") from None
+    except TypeError:
+        raise ValueError("token ids must be a sequence of integers") from None
+
+
+def chain(data: bytes, n: int, block_size: int, seed: int) -> list[int]:
+    """Keys of the first ``n`` blocks of ``data`` (token bytes), chained from ``seed``."""
+    step = block_size * 8
+    mv = memoryview(data)
+    out = []
+    append = out.append
+    k = seed
+    for off in range(0, n * step, step):
+        k = xxh3_64_intdigest(mv[off : off + step], k)
+        append(k)
+    return out
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, lora_name: str | None = None, salt: Any = None
+) -> list[int]:
+    """Chained own keys of every full ``block_size``-token block of ``token_ids``.
+
+    ``salt`` is the cache salt (a string) or extra keys (any msgpack-able value) of the
+    request; the same value must be given for the events' blocks to match.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size!r}")
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    return chain(token_bytes(token_ids[: n * block_size]), n, block_size,
+                 root_seed(lora_name, salt))

@@ -1,0 +1,703 @@
+"""PrefixIndex: which stream (engine x DP rank) holds which prefix, fed by live events.
+
+Layout, chosen so that ``match`` does one dict lookup and two integer ops per prompt block:
+
+* ``_keys: dict[own key, int]`` packs bit masks over *stream slots* (one slot per stream,
+  ``W`` slots per lane). Lane 0 = the stream holds the key in any tier; lane 1 = it holds
+  it, but not in the best tier (so a GPU-only fleet never leaves the fast path); lane
+  ``2 + t`` = it holds it in tier ``t``.
+* per stream and tier, ``engine hash -> own key`` (the engine's hashes are only ids: this
+  is how ``BlockRemoved`` finds the key), plus a rarely used duplicate count for two engine
+  hashes that map to one own key.
+* predictions: ``_pred: dict[own key, slot mask]`` with a TTL queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import msgspec
+from xxhash import xxh3_64_intdigest
+
+from ..consume.stream import Batch, Liveness, Reset, Snapshot
+from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from .keys import chain, root_seed, token_bytes
+
+__all__ = [
+    "DEFAULT_TIER_ALIASES", "DEFAULT_TIER_CREDITS", "PrefixIndex", "StreamIndexStats",
+    "StreamMatch",
+]
+
+log = logging.getLogger("kvwire.index")
+
+#: Credit of one matched block per tier: a CPU hit saves most of the prefill, a disk hit less.
+DEFAULT_TIER_CREDITS: dict[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25}
+#: Engine ``medium`` names folded into the canonical tiers (nil is GPU).
+DEFAULT_TIER_ALIASES: dict[str, str] = {
+    "CPU_PINNED": "CPU", "STORAGE": "DISK", "EXTERNAL": "DISK",
+}
+#: Recently removed engine hashes remembered per stream, so that a token-less store on an
+#: offload tier right after the GPU eviction still finds its key.
+GHOSTS = 65_536
+#: Requests a stream must have seen, all without a single match, before it is called suspect.
+SUSPECT_AFTER = 20
+_SYNTH = 0x6B76_7769_7265_5F78  # seed for keys of blocks whose tokens are unknown
+
+
+class StreamMatch(msgspec.Struct, frozen=True, gc=False):
+    """One stream's answer to ``match``: leading prompt blocks it holds, by best tier.
+
+    ``tiers`` counts plus ``predicted`` add up to the matched prefix length; ``credit`` is
+    sum(tier credit x blocks) + predicted blocks (at full credit); ``prompt_blocks`` is the
+    prompt's full blocks in this stream's block size (0 while the size is unknown).
+    """
+
+    stream: str
+    prompt_blocks: int
+    tiers: dict[str, int]
+    predicted: int
+    credit: float
+
+    @property
+    def blocks(self) -> int:
+        """Matched prefix length in blocks (every tier plus predicted)."""
+        return sum(self.tiers.values()) + self.predicted
+
+
+class StreamIndexStats(msgspec.Struct, frozen=True):
+    """What the index knows about one stream, and why it might be useless (``suspect``)."""
+
+    stream: str
+    block_size: int | None
+    blocks: int
+    tiers: dict[str, int]
+    events_applied: int
+    batches_applied: int
+    last_event_time: float | None
+    alive: bool
+    resets: int
+    snapshots: int
+    clears: int
+    stores_without_tokens: int
+    unplaced_blocks: int
+    orphan_stores: int
+    unknown_removes: int
+    bad_events: int
+    predicted_blocks: int
+    match_requests: int
+    matched_requests: int
+    suspect: str | None
+
+
+class _Stream:
+    """Mutable per-stream state (internal)."""
+
+    __slots__ = (
+        "name", "slot", "bit", "block_size", "sizes_seen", "h2k", "dups", "ghosts", "pred",
+        "events", "batches", "last_time", "alive", "resets", "snapshots", "clears",
+        "no_tokens", "unplaced", "orphans", "unknown_removes", "bad", "last_bad",
+        "req_base", "matched", "token_blocks",
+    )
+
+    def __init__(self, name: str, slot: int) -> None:
+        self.name = name
+        self.slot = slot
+        self.bit = 1 << slot
+        self.block_size: int | None = None
+        self.sizes_seen: set[int] = set()
+        self.h2k: dict[int, dict[BlockHash, int]] = {}
+        self.dups: dict[int, dict[int, int]] = {}
+        self.ghosts: dict[BlockHash, int] = {}
+        self.pred: dict[int, float] = {}
+        self.events = self.batches = 0
+        self.last_time: float | None = None
+        self.alive = True
+        self.resets = self.snapshots = self.clears = 0
+        self.no_tokens = self.unplaced = self.orphans = self.unknown_removes = self.bad = 0
+        self.last_bad = ""
+        self.req_base = 0
+        self.matched = 0
+        self.token_blocks = 0
+
+    def lookup(self, h: BlockHash) -> int | None:
+        for d in self.h2k.values():
+            k = d.get(h)
+            if k is not None:
+                return k
+        return self.ghosts.get(h)
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Indices of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _synthetic(h: BlockHash, seed: int) -> int:
+    """A key for a block whose tokens are unknown: unique, but no prompt will ever hash to it."""
+    if isinstance(h, int):
+        h = h.to_bytes(16, "little", signed=True)
+    return xxh3_64_intdigest(h, seed ^ _SYNTH)
+
+
+class PrefixIndex:
+    """Prefix index over many streams, fed by :mod:`kvwire.consume` deliveries.
+
+    Not thread-safe: one writer (the subscriber loop) and readers on the same thread, or a
+    lock around it (what the routing service does).
+    """
+
+    def __init__(
+        self,
+        tier_credits: Mapping[str, float] | None = None,
+        tier_aliases: Mapping[str, str] | None = None,
+        predict_ttl: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tier_credits = dict(DEFAULT_TIER_CREDITS if tier_credits is None else tier_credits)
+        if not self.tier_credits:
+            raise ValueError("tier_credits must name at least one tier")
+        for name, c in self.tier_credits.items():
+            if not isinstance(c, int | float) or c < 0:
+                raise ValueError(f"tier credit for {name!r} must be a number >= 0, got {c!r}")
+        self.tier_aliases = dict(DEFAULT_TIER_ALIASES if tier_aliases is None else tier_aliases)
+        if predict_ttl < 0:
+            raise ValueError(f"predict_ttl must be >= 0, got {predict_ttl!r}")
+        self.predict_ttl = float(predict_ttl)
+        self.clock = clock
+        self._W = 64
+        self._keys: dict[int, int] = {}
+        self._pred: dict[int, int] = {}
+        self._pred_queue: deque[tuple[float, _Stream, list[int]]] = deque()
+        # tiers: configured ones first, best credit first (index 0 is the best tier)
+        self._tiers: list[str] = sorted(self.tier_credits, key=lambda t: -self.tier_credits[t])
+        self._tier_idx: dict[str, int] = {t: i for i, t in enumerate(self._tiers)}
+        self._medium_cache: dict[str | None, int] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._by_slot: dict[int, _Stream] = {}
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._by_bs: dict[int, int] = {}  # block size -> slot mask of streams using it
+        self._bs_requests: dict[int, int] = {}  # block size -> match calls with >= 1 block
+        #: Items ``apply`` could not use (wrong type), counted; see ``last_error``.
+        self.bad_items = 0
+        self.last_error = ""
+
+    # ------------------------------------------------------------------ streams and tiers
+
+    def _stream(self, name: str) -> _Stream:
+        st = self._streams.get(name)
+        if st is None:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+                if slot >= self._W:
+                    self._grow()
+            st = self._streams[name] = _Stream(name, slot)
+            self._by_slot[slot] = st
+        return st
+
+    def _grow(self) -> None:
+        """Double the slots per lane and repack every key's masks (rare: every 64 streams)."""
+        old, new = self._W, self._W * 2
+        full = (1 << old) - 1
+        lanes = 2 + len(self._tiers)
+
+        def repack(v: int) -> int:
+            out = 0
+            for lane in range(lanes):
+                out |= ((v >> (lane * old)) & full) << (lane * new)
+            return out
+
+        self._keys = {k: repack(v) for k, v in self._keys.items()}
+        self._W = new
+
+    def _tier(self, medium: str | None) -> int:
+        t = self._medium_cache.get(medium)
+        if t is None:
+            name = "GPU" if medium is None else self.tier_aliases.get(medium, medium)
+            t = self._tier_idx.get(name)
+            if t is None:  # a tier nobody configured: indexed, credit 0, worst rank
+                t = self._tier_idx[name] = len(self._tiers)
+                self._tiers.append(name)
+                self.tier_credits.setdefault(name, 0.0)
+            self._medium_cache[medium] = t
+        return t
+
+    def _learn_block_size(self, st: _Stream, bs: int) -> None:
+        st.sizes_seen.add(bs)
+        if st.block_size == bs:
+            return
+        if st.block_size is not None:
+            self._by_bs[st.block_size] &= ~st.bit
+        st.block_size = bs
+        self._by_bs[bs] = self._by_bs.get(bs, 0) | st.bit
+        st.req_base = self._bs_requests.get(bs, 0)
+
+    # ------------------------------------------------------------------ ingest
+
+    def apply(self, item: Any) -> None:
+        """Apply one subscriber delivery (``Batch``, ``Reset``, ``Snapshot``, ``Liveness``)."""
+        tp = type(item)
+        if tp is Batch:
+            st = self._stream(item.stream)
+            self._apply_events(st, item.batch.events)
+            st.batches += 1
+            st.last_time = self.clock()
+        elif tp is Snapshot:
+            st = self._stream(item.stream)
+            self._clear(st)
+            st.snapshots += 1
+            self._apply_events(st, item.blocks)
+            st.last_time = self.clock()
+        elif tp is Reset:
+            st = self._stream(item.stream)
+            self._clear(st)
+            st.resets += 1
+        elif tp is Liveness:
+            self._stream(item.stream).alive = bool(item.alive)
+        else:
+            self.bad_items += 1
+            self.last_error = f"apply() got {tp.__name__}, expected Batch/Reset/Snapshot/Liveness"
+            raise TypeError(self.last_error)
+
+    def apply_many(self, items: Iterable[Any]) -> None:
+        """Apply a list of deliveries in order (``Subscriber.poll_many`` output)."""
+        for item in items:
+            self.apply(item)
+
+    def _apply_events(self, st: _Stream, events: Iterable[Any]) -> None:
+        for ev in events:
+            tp = type(ev)
+            if tp is BlockStored:
+                self._store(st, ev)
+            elif tp is BlockRemoved:
+                self._remove(st, ev.block_hashes, ev.medium)
+            elif tp is AllBlocksCleared:
+                self._clear(st)
+                st.clears += 1
+            else:
+                st.bad += 1
+                st.last_bad = f"unknown event type {tp.__name__}"
+                continue
+            st.events += 1
+
+    def _store(self, st: _Stream, ev: BlockStored) -> None:
+        hs = ev.block_hashes
+        n = len(hs)
+        if n == 0:
+            return
+        bs = ev.block_size
+        toks = ev.token_ids
+        parent = ev.parent_block_hash
+        if toks and isinstance(bs, int) and bs > 0 and len(toks) == n * bs:
+            if parent is None:
+                salt = ev.cache_salt
+                if salt is None and ev.extra_keys:
+                    salt = _salt_from_extra(ev.extra_keys[0], ev.lora_name)
+                lora = ev.lora_name
+                if lora is None and ev.lora_id is not None:
+                    lora = str(ev.lora_id)
+                seed = root_seed(lora, salt)
+            else:
+                seed = st.lookup(parent)
+                if seed is None:
+                    st.orphans += 1
+                    seed = _synthetic(parent, 0)
+            try:
+                keys = chain(token_bytes(toks), n, bs, seed)
+            except ValueError as e:
+                st.bad += 1
+                st.last_bad = f"BlockStored token ids: {e}"
+                return
+            if st.block_size != bs:
+                self._learn_block_size(st, bs)
+            st.token_blocks += n
+        elif not toks:
+            st.no_tokens += n
+            keys = []
+            prev = None if parent is None else st.lookup(parent)
+            for h in hs:
+                k = st.lookup(h)
+                if k is None:
+                    if prev is None:
+                        st.unplaced += 1
+                        k = _synthetic(h, 1)
+                    else:
+                        k = _synthetic(h, prev)
+                keys.append(k)
+                prev = k
+        else:
+            st.bad += 1
+            st.last_bad = (
+                f"BlockStored with {len(toks)} token ids for {n} blocks of block_size {bs!r}"
+            )
+            return
+        self._add(st, self._tier(ev.medium), hs, keys)
+
+    def _add(self, st: _Stream, t: int, hs: list[BlockHash], keys: list[int]) -> None:
+        d = st.h2k.get(t)
+        if d is None:
+            d = st.h2k[t] = {}
+        W = self._W
+        bit = st.bit
+        nb = bit << W
+        tb = bit << ((2 + t) * W)
+        kd = self._keys
+        kget = kd.get
+        pred = st.pred
+        dget = d.get
+        if t == 0:  # the best tier: any-lane and tier lane set, not-best lane cleared
+            setb = bit | tb
+            for h, k in zip(hs, keys):
+                old = dget(h)
+                if old is not None:
+                    if old != k:
+                        self._replace(st, t, h, k)
+                    continue  # the same block stored again: idempotent
+                d[h] = k
+                v = kget(k, 0)
+                if v & tb:
+                    self._dup(st, t, k)
+                else:
+                    kd[k] = (v | setb) & ~nb
+                if pred and k in pred:
+                    self._unpredict(st, k)
+        else:
+            best = bit << (2 * W)
+            for h, k in zip(hs, keys):
+                old = dget(h)
+                if old is not None:
+                    if old != k:
+                        self._replace(st, t, h, k)
+                    continue
+                d[h] = k
+                v = kget(k, 0)
+                if v & tb:
+                    self._dup(st, t, k)
+                else:
+                    v |= bit | tb
+                    if not v & best:
+                        v |= nb
+                    kd[k] = v
+                if pred and k in pred:
+                    self._unpredict(st, k)
+
+    def _dup(self, st: _Stream, t: int, k: int) -> None:
+        """A second engine hash for a key the stream already holds in tier ``t``."""
+        dd = st.dups.setdefault(t, {})
+        dd[k] = dd.get(k, 0) + 1
+
+    def _replace(self, st: _Stream, t: int, h: BlockHash, k: int) -> None:
+        """An engine hash re-stored with other tokens: move it to its new key."""
+        self._remove(st, [h], None, t)
+        self._add(st, t, [h], [k])
+
+    def _remove(self, st: _Stream, hs: list[BlockHash], medium: str | None,
+                t: int | None = None) -> None:
+        if t is None:
+            t = self._tier(medium)
+        d = st.h2k.get(t)
+        if d is None:
+            st.unknown_removes += len(hs)
+            return
+        W = self._W
+        bit = st.bit
+        tb = bit << ((2 + t) * W)
+        nb = bit << W
+        lanes = 2 + len(self._tiers)
+        kd = self._keys
+        dups = st.dups.get(t)
+        ghosts = st.ghosts
+        pop = d.pop
+        for h in hs:
+            k = pop(h, None)
+            if k is None:
+                st.unknown_removes += 1
+                continue
+            ghosts[h] = k
+            if dups:
+                c = dups.get(k)
+                if c:
+                    if c == 1:
+                        del dups[k]
+                    else:
+                        dups[k] = c - 1
+                    continue
+            v = kd[k] & ~tb
+            if lanes == 3:  # one tier: the stream holds nothing else of this key
+                v &= ~(bit | nb)
+            else:
+                held = 0
+                for lane in range(2, lanes):
+                    held |= v >> (lane * W)
+                if not held & bit:
+                    v &= ~(bit | nb)
+                elif t == 0:
+                    v |= nb
+            if v:
+                kd[k] = v
+            else:
+                del kd[k]
+        if len(ghosts) > GHOSTS:
+            for h in list(ghosts)[: len(ghosts) - GHOSTS]:
+                del ghosts[h]
+
+    def _clear(self, st: _Stream) -> None:
+        """Drop every block of the stream (predictions stay: they are routing decisions)."""
+        mask = ~(st.bit * self._lane_ones())
+        kd = self._keys
+        for d in st.h2k.values():
+            for k in d.values():
+                v = kd.get(k)
+                if v is not None:
+                    v &= mask
+                    if v:
+                        kd[k] = v
+                    else:
+                        del kd[k]
+        st.h2k = {}
+        st.dups = {}
+        st.ghosts = {}
+
+    def _lane_ones(self) -> int:
+        """An int with bit 0 of every lane set: ``bit * this`` is the bit in every lane."""
+        W = self._W
+        return sum(1 << (lane * W) for lane in range(2 + len(self._tiers)))
+
+    def remove_stream(self, stream: str) -> None:
+        """Forget a stream entirely (blocks, predictions, counters); its slot is reused."""
+        st = self._streams.pop(stream, None)
+        if st is None:
+            return
+        self._clear(st)
+        for k in st.pred:
+            self._clear_pred_bit(k, st.bit)
+        st.pred = {}
+        if st.block_size is not None:
+            self._by_bs[st.block_size] &= ~st.bit
+            if not self._by_bs[st.block_size]:
+                del self._by_bs[st.block_size]
+        del self._by_slot[st.slot]
+        self._free.append(st.slot)
+
+    # ------------------------------------------------------------------ predictions
+
+    def predict(self, stream: str, token_ids: list[int], lora_name: str | None = None,
+                salt: Any = None, block_size: int | None = None) -> int:
+        """Count the prompt's blocks as held by ``stream`` for ``predict_ttl`` seconds (or until
+        events store them): the gap between routing a request and the events confirming it.
+
+        Uses the stream's learned block size (or ``block_size`` while none is known); returns
+        the number of blocks predicted (0 when no block size is known).
+        """
+        st = self._stream(stream)
+        bs = st.block_size or block_size
+        if not bs or self.predict_ttl <= 0:
+            return 0
+        n = len(token_ids) // bs
+        if n == 0:
+            return 0
+        keys = chain(token_bytes(token_ids[: n * bs]), n, bs, root_seed(lora_name, salt))
+        now = self.clock()
+        self._expire(now)
+        exp = now + self.predict_ttl
+        pred = self._pred
+        bit = st.bit
+        sp = st.pred
+        for k in keys:
+            sp[k] = exp
+            pred[k] = pred.get(k, 0) | bit
+        self._pred_queue.append((exp, st, keys))
+        return n
+
+    def _unpredict(self, st: _Stream, k: int) -> None:
+        del st.pred[k]
+        self._clear_pred_bit(k, st.bit)
+
+    def _clear_pred_bit(self, k: int, bit: int) -> None:
+        v = self._pred.get(k, 0) & ~bit
+        if v:
+            self._pred[k] = v
+        else:
+            self._pred.pop(k, None)
+
+    def _expire(self, now: float) -> None:
+        q = self._pred_queue
+        while q and q[0][0] <= now:
+            _, st, keys = q.popleft()
+            sp = st.pred
+            if self._streams.get(st.name) is not st:
+                continue  # removed stream: its predictions went with it
+            for k in keys:
+                e = sp.get(k)
+                if e is not None and e <= now:
+                    del sp[k]
+                    self._clear_pred_bit(k, st.bit)
+
+    # ------------------------------------------------------------------ match
+
+    def match(self, token_ids: list[int], lora_name: str | None = None,
+              salt: Any = None) -> dict[str, StreamMatch]:
+        """Leading prompt blocks each known stream holds, by best tier (see StreamMatch)."""
+        if self._pred_queue:
+            self._expire(self.clock())
+        data = None
+        seed = root_seed(lora_name, salt)
+        ntok = len(token_ids)
+        found: dict[int, tuple[int, int, dict[int, int] | None, int]] = {}
+        for bs, group in self._by_bs.items():
+            n = ntok // bs
+            if n == 0 or not group:
+                continue
+            self._bs_requests[bs] = self._bs_requests.get(bs, 0) + 1
+            if data is None:
+                data = memoryview(token_bytes(token_ids))
+            self._walk(data, n, bs, seed, group, found)
+        credits = [self.tier_credits[t] for t in self._tiers]
+        tiers = self._tiers
+        out: dict[str, StreamMatch] = {}
+        for name, st in self._streams.items():
+            bs = st.block_size
+            pb = ntok // bs if bs else 0
+            r = found.get(st.slot)
+            if r is None:
+                out[name] = StreamMatch(name, pb, dict.fromkeys(tiers, 0), 0, 0.0)
+                continue
+            matched, predicted, extra, _ = r
+            counts = dict.fromkeys(tiers, 0)
+            credit = 0.0
+            rest = matched - predicted
+            if extra:
+                for t, c in extra.items():
+                    counts[tiers[t]] = c
+                    credit += credits[t] * c
+                    rest -= c
+            counts[tiers[0]] = rest
+            credit += credits[0] * rest + predicted
+            if matched - predicted > 0:
+                st.matched += 1
+            out[name] = StreamMatch(name, pb, counts, predicted, credit)
+        return out
+
+    def _walk(self, data: memoryview, n: int, bs: int, seed: int, alive: int,
+              found: dict[int, tuple[int, int, dict[int, int] | None, int]]) -> None:
+        """Hash the prompt in ``bs``-token blocks while any stream of the group still matches."""
+        kget = self._keys.get
+        pred = self._pred
+        pget = pred.get
+        W = self._W
+        step = bs * 8
+        k = seed
+        i = 0
+        slow: list[tuple[int, int, int, int]] = []  # (v, p, alive, run) for non-fast blocks
+        for off in range(0, n * step, step):
+            k = xxh3_64_intdigest(data[off : off + step], k)
+            v = kget(k, 0)
+            if pred:
+                p = pget(k, 0) & alive & ~v
+                hit = (v & alive) | p
+            else:
+                p = 0
+                hit = v & alive
+            if hit != alive:
+                for s in _bits(alive ^ hit):
+                    found[s] = (i, 0, None, 0)
+                alive = hit
+                if not alive:
+                    break
+            if (v >> W) & alive or p:
+                if slow and slow[-1][:3] == (v, p, alive):
+                    last = slow[-1]
+                    slow[-1] = (v, p, alive, last[3] + 1)
+                else:
+                    slow.append((v, p, alive, 1))
+            i += 1
+        for s in _bits(alive):
+            found[s] = (i, 0, None, 0)
+        if not slow:
+            return
+        # tier attribution for blocks not all in the best tier, run by run
+        full = (1 << W) - 1
+        lanes = 2 + len(self._tiers)
+        extra: dict[int, dict[int, int]] = {}
+        predicted: dict[int, int] = {}
+        for v, p, alv, run in slow:
+            rest = alv & ~p & ~((v >> (2 * W)) & full)  # held, not in the best tier
+            for lane in range(3, lanes):
+                m = (v >> (lane * W)) & rest
+                if m:
+                    rest &= ~m
+                    t = lane - 2
+                    for s in _bits(m):
+                        e = extra.setdefault(s, {})
+                        e[t] = e.get(t, 0) + run
+            for s in _bits(p):
+                predicted[s] = predicted.get(s, 0) + run
+        for s, (matched, _, _, _) in list(found.items()):
+            if s in extra or s in predicted:
+                # runs count blocks walked while the stream was alive, all within `matched`
+                found[s] = (matched, predicted.get(s, 0), extra.get(s), 0)
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def streams(self) -> dict[str, StreamIndexStats]:
+        """Per-stream state and diagnostics (see :class:`StreamIndexStats`)."""
+        return {name: self._stats(st) for name, st in self._streams.items()}
+
+    def _stats(self, st: _Stream) -> StreamIndexStats:
+        tiers = dict.fromkeys(self._tiers, 0)
+        for t, d in st.h2k.items():
+            tiers[self._tiers[t]] = len(d)
+        requests = (
+            self._bs_requests.get(st.block_size, 0) - st.req_base
+            if st.block_size is not None else 0
+        )
+        blocks = sum(tiers.values())
+        return StreamIndexStats(
+            stream=st.name, block_size=st.block_size, blocks=blocks, tiers=tiers,
+            events_applied=st.events, batches_applied=st.batches, last_event_time=st.last_time,
+            alive=st.alive, resets=st.resets, snapshots=st.snapshots, clears=st.clears,
+            stores_without_tokens=st.no_tokens, unplaced_blocks=st.unplaced,
+            orphan_stores=st.orphans, unknown_removes=st.unknown_removes, bad_events=st.bad,
+            predicted_blocks=len(st.pred), match_requests=requests,
+            matched_requests=st.matched, suspect=self._suspect(st, requests),
+        )
+
+    @staticmethod
+    def _suspect(st: _Stream, requests: int) -> str | None:
+        if st.no_tokens and not st.token_blocks and st.events:
+            return (f"{st.no_tokens} blocks stored without token ids and none with: the index "
+                    "cannot compute keys for this stream, so it never matches")
+        if st.token_blocks and requests >= SUSPECT_AFTER and st.matched == 0:
+            return (f"{st.token_blocks} blocks stored but 0 of {requests} requests matched any: "
+                    f"block size {st.block_size} (sizes seen {sorted(st.sizes_seen)}), LoRA "
+                    "name or cache salt may disagree between the engine and the requests")
+        if len(st.sizes_seen) > 1:
+            return (f"stores with several block sizes {sorted(st.sizes_seen)}: only "
+                    f"{st.block_size}-token blocks are matched")
+        if st.bad:
+            return f"{st.bad} events could not be indexed (last: {st.last_bad})"
+        return None
+
+
+def _salt_from_extra(first: Any, lora_name: str | None) -> Any:
+    """The cache salt in a vLLM first block's extra keys: its last string that is not the
+    LoRA name (vLLM appends the salt after the LoRA name and multimodal hashes)."""
+    if not first:
+        return None
+    if isinstance(first, str):
+        return None if first == lora_name else first
+    if isinstance(first, list | tuple):
+        for x in reversed(first):
+            if isinstance(x, str) and x != lora_name:
+                return x
+    return None
