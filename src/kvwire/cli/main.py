@@ -5,11 +5,66 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["main"]
+
+# Exit statuses a shell gives a process killed by the signal (128 + signo).
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
+RICH_HINT = "rich is not installed: plain output (pip install 'kvwire[cli]' for the live table)"
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler, so ``finally`` blocks run."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+def _install(signum: int, handler: object) -> dict[int, object]:
+    """Set a handler where Python allows it (main thread); {signum: previous} or {}."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, handler)}
+
+
+def _integer(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in [lo, hi]; the error names the bound, argparse the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            want = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {v}")
+        return v
+
+    return parse
+
+
+def _number(lo: float, *, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float > lo (``strict``) or >= lo."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or v < lo or (strict and v == lo):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if strict else '>='} {lo:g}, got {text}")
+        return v
+
+    return parse
 
 
 def _streams(args: argparse.Namespace) -> list:
@@ -58,13 +113,18 @@ def _cmd_listen(args: argparse.Namespace) -> int:
         notice(f"metrics on http://{args.metrics_addr}:{exporter.server_address[1]}/metrics")
     out = sys.stdout
     view = args.view if args.view is not None else (out.isatty() and not args.json)
+    if view:
+        try:  # an optional extra: without it, fall back to the plain view and say so once
+            from rich.console import Console
+            from rich.live import Live
+            from rich.table import Table
+        except ImportError:
+            notice(RICH_HINT)
+            view = False
     batches = 0
     deadline = None if args.duration is None else time.monotonic() + args.duration
     live = None
     if view:
-        from rich.console import Console
-        from rich.live import Live
-        from rich.table import Table
 
         def table():
             t = Table(title="kvwire listen", expand=False)
@@ -79,6 +139,8 @@ def _cmd_listen(args: argparse.Namespace) -> int:
         live = Live(table(), console=Console(), refresh_per_second=4, transient=False)
         live.start()
     last_draw = 0.0
+    status = 0
+    handlers = _install(signal.SIGTERM, _raise_terminated)
     try:
         with sub:
             while args.count is None or batches < args.count:
@@ -111,23 +173,35 @@ def _cmd_listen(args: argparse.Namespace) -> int:
                            f"{item.block_count} blocks ({how})")
                 elif isinstance(item, Liveness):
                     notice(f"{item.stream}: {'alive' if item.alive else 'DEAD'} ({item.reason})")
-            final = sub.stats()
-    except KeyboardInterrupt:
-        final = {}
+    except KeyboardInterrupt:  # Ctrl-C: still say what was seen, exit as a shell expects
+        status = EXIT_SIGINT
+    except _Terminated:
+        status = EXIT_SIGTERM
     except BrokenPipeError:
         return 0
     finally:
-        if live is not None:
-            live.stop()
-        if exporter is not None:
-            exporter.shutdown()
-    for name, st in final.items():
-        s = st.stream
-        notice(
-            f"{name}: {s.batches} batches, {s.gaps} gaps, {s.replayed} replayed, {s.lost} lost, "
-            f"{s.snapshots} snapshots, {s.resyncs} resyncs, {s.restarts} restarts, "
-            f"{s.bad_frames + s.bad_payloads} bad messages, mode {s.mode}"
-        )
+        # A second signal while the summary prints would only lose the summary.
+        handlers.update(_install(signal.SIGINT, signal.SIG_IGN))
+        _install(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if live is not None:
+                live.stop()
+            if exporter is not None:
+                exporter.shutdown()
+            final = sub.stats()  # still readable after close: the counters outlive the sockets
+            for name, st in final.items():
+                s = st.stream
+                notice(
+                    f"{name}: {s.batches} batches, {s.gaps} gaps, {s.replayed} replayed, "
+                    f"{s.lost} lost, {s.snapshots} snapshots, {s.resyncs} resyncs, "
+                    f"{s.restarts} restarts, {s.bad_frames + s.bad_payloads} bad messages, "
+                    f"mode {s.mode}"
+                )
+        finally:
+            for signum, handler in handlers.items():
+                _install(signum, handler)
+    if status:
+        return status
     if args.count is not None and batches < args.count:
         return 1
     return 0
@@ -182,13 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     ls.add_argument("--json", action="store_true",
                     help="one JSON object per line: batches, resets, snapshots (field kind)")
-    ls.add_argument("--count", type=int, metavar="N", help="exit 0 after N batches")
-    ls.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    ls.add_argument("--count", type=_integer(1), metavar="N", help="exit 0 after N batches")
+    ls.add_argument("--duration", type=_number(0, strict=True), metavar="S",
+                    help="stop after S seconds")
     ls.add_argument("--view", action=argparse.BooleanOptionalAction, default=None,
                     help="live per-stream table (default: when stdout is a terminal)")
-    ls.add_argument("--replay-timeout", type=float, default=2.0, metavar="S",
+    ls.add_argument("--replay-timeout", type=_number(0, strict=True), default=2.0, metavar="S",
                     help="give up on a replay/snapshot answer after S seconds of silence")
-    ls.add_argument("--metrics", type=int, metavar="PORT",
+    ls.add_argument("--metrics", type=_integer(0, 65535), metavar="PORT",
                     help="serve Prometheus metrics on PORT (0: any free port)")
     ls.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
     ls.add_argument("--curve-secret", metavar="FILE", help="this client's CurveZMQ secret key")
@@ -201,9 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     ks.set_defaults(func=_cmd_keys)
 
     dm = sub.add_parser("demo", help="run an embedded engine and a live listener")
-    dm.add_argument("--steps", type=int, default=3000)
-    dm.add_argument("--capacity", type=int, default=4096, help="engine cache size in blocks")
-    dm.add_argument("--rate", type=float, default=1000.0, help="engine steps per second")
+    dm.add_argument("--steps", type=_integer(1), default=3000, help="engine steps to run")
+    dm.add_argument("--capacity", type=_integer(1), default=4096,
+                    help="engine cache size in blocks")
+    dm.add_argument("--rate", type=_number(0, strict=False), default=1000.0,
+                    help="engine steps per second (0: as fast as possible)")
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
     return p

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 import random
 import shutil
 import tempfile
@@ -137,8 +138,17 @@ def run_demo(
 
     The subscriber starts after ``join_after`` of the steps, bootstraps from the
     publisher's snapshot and then follows the live stream; the summary checks that its
-    rebuilt cache equals the engine's.
+    rebuilt cache equals the engine's. Bad arguments raise ValueError naming the argument
+    (a negative step count used to run zero steps and report success).
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
+        raise ValueError(f"rate must be a finite number >= 0 (0: unpaced), got {rate!r}")
+    if not (isinstance(join_after, (int, float)) and 0 <= join_after <= 1):
+        raise ValueError(f"join_after must be in [0, 1], got {join_after!r}")
     t0 = time.monotonic()
     engine = DemoEngine(capacity=capacity)
     prompts = synthetic_prompts(steps, seed)
