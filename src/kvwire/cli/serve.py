@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds after which an unreleased request's load is dropped")
     p.add_argument("--predict-ttl", type=_nonneg, default=3.0,
                    help="seconds a routed prefix counts for its engine before events confirm")
+    p.add_argument("--decode-load", type=_nonneg, default=1.0,
+                   help="blocks of load a request reserves beyond its uncached prompt blocks "
+                        "(its decode; default 1)")
     p.add_argument("--dead-after", type=_positive(float), default=None,
                    help="silence (s) after which a stream is dead (default 3 heartbeats)")
     p.add_argument("--log-level", default="warning")
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             policy=RoutingPolicy(args.prefill_weight, args.load_weight, args.temperature,
                                  args.seed),
             block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
-            predict_ttl=args.predict_ttl,
+            predict_ttl=args.predict_ttl, decode_load=args.decode_load,
             stream_config=StreamConfig(dead_after=args.dead_after),
         )
         core.start()

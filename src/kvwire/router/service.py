@@ -7,8 +7,10 @@ embedded (and tested) on its own.
 Units: the policy compares all streams in *reference blocks* of ``block_size`` tokens
 (default 16). A stream whose engine uses another block size has its credit rescaled by the
 fraction of the prompt it holds, so engines with different block sizes compete fairly. A
-routed request reserves ``request_load`` = its uncached reference blocks on the chosen engine
-until ``release`` (or ``expiry_s``).
+routed request reserves its uncached reference blocks plus ``decode_load`` (default 1 block: a
+fully cached request still occupies the engine while it decodes) on the chosen engine until
+``release`` (or ``expiry_s``). Without that constant, a hot prefix would cost nothing after
+its first request (predicted entries make every repeat a full hit) and pile onto one engine.
 
 Concurrency: the subscriber thread is the index's only writer; it applies deliveries in small
 slices under a lock, so a route waits at most one slice (plus, after a restart, one snapshot),
@@ -118,6 +120,7 @@ class RouterCore:
         max_tokens: int = 1 << 20,
         expiry_s: float = 600.0,
         predict_ttl: float = 3.0,
+        decode_load: float = 1.0,
         stream_config: StreamConfig | None = None,
         lock_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -133,7 +136,10 @@ class RouterCore:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.engines = list(engines)
         self.policy = policy or RoutingPolicy()
+        if not decode_load >= 0:
+            raise ValueError(f"decode_load must be >= 0, got {decode_load}")
         self.block_size = block_size
+        self.decode_load = float(decode_load)
         self.max_tokens = max_tokens
         self.lock_timeout = lock_timeout
         self.clock = clock
@@ -272,8 +278,8 @@ class RouterCore:
             rid = None
             if reserve:
                 rid = uuid.uuid4().hex
-                self.loads.reserve(rid, d.name, request_load(prompt_blocks, d.overlap[d.name]),
-                                   now)
+                self.loads.reserve(rid, d.name, request_load(prompt_blocks, d.overlap[d.name])
+                                   + self.decode_load, now)
                 self.index.predict(target.stream, token_ids, lora_name=lora_name, salt=salt)
                 self.counts["routes"] += 1
             else:
@@ -322,7 +328,7 @@ class RouterCore:
                 "phase": getattr(proto, "phase", "idle"),
                 "mode": getattr(proto, "mode", "unknown"),
                 "epoch": getattr(proto, "epoch", None),
-                "blocks": dict(getattr(st, "blocks", {}) or {}),
+                "blocks": dict(getattr(st, "tiers", {}) or {}),
                 "events_applied": getattr(st, "events_applied", 0),
                 "block_size": getattr(st, "block_size", None),
                 "last_event_age_s": None if last is None else round(now - last, 3),
