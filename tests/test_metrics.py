@@ -54,3 +54,40 @@ def test_publisher_and_subscriber_metrics_over_http(tmp_path) -> None:
         server.shutdown()
         sub.close()
         pub.shutdown(timeout=1)
+
+
+class _Fatal(BaseException):
+    """Kills the publisher's sender thread for real (a forced fault): not an Exception."""
+
+
+class _Deadly(list):
+    def __iter__(self):  # type: ignore[override]
+        raise _Fatal("forced: the sender thread dies reading this batch")
+
+
+def test_dead_sender_and_inexact_model_show_in_metrics(tmp_path) -> None:
+    pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/l", replay_endpoint=f"ipc://{tmp_path}/r",
+                            heartbeat_interval=None)
+    reg = CollectorRegistry()
+    register(publisher_collector({"e0": pub}), reg)
+
+    def value(name: str) -> float | None:
+        return reg.get_sample_value(name, {"publisher": "e0"})
+
+    try:
+        assert value("kvwire_publisher_sender_alive") == 1
+        assert value("kvwire_publisher_snapshot_exact") == 1
+        # A block hash that cannot be a dict key: the model fails half way (forced for real).
+        pub.publish(KVEventBatch(0.0, [BlockStored([[1]], None, [1] * 4, 4, None)], 0))  # type: ignore[list-item]
+        pub.publish(KVEventBatch(1.0, _Deadly(), 0))
+        deadline = time.monotonic() + 20
+        while pub.stats().sender_alive and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for i in range(3):
+            pub.publish(KVEventBatch(float(i), [BlockStored([i], None, [1] * 4, 4, None)], 0))
+        assert value("kvwire_publisher_sender_alive") == 0
+        assert value("kvwire_publisher_batches_dropped_sender_dead_total") == 3
+        assert value("kvwire_publisher_model_errors_total") == 1
+        assert value("kvwire_publisher_snapshot_exact") == 0
+    finally:
+        pub.shutdown(timeout=1)

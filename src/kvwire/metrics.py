@@ -24,6 +24,7 @@ __all__ = [
 GAUGES = frozenset({
     "queue_depth", "last_seq", "buffered", "expected_seq", "alive", "seq", "blocks",
     "last_heartbeat_age", "last_message_age", "state_code", "live", "streams", "exact",
+    "sender_alive", "snapshot_exact",
 })
 #: Fields that are identifiers, not measurements.
 SKIP = frozenset({"epoch", "name", "endpoint", "state", "topic"})
@@ -35,6 +36,8 @@ _PUBLISHER_NAMES = {
     "replayed": "batches_replayed",
     "heartbeats": "heartbeats_sent",
     "queue_depth": "queue_depth_batches",
+    "dropped_sender_dead": "batches_dropped_sender_dead",
+    "foreign_batches": "batches_encoded_as_given",
 }
 
 

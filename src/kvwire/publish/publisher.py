@@ -444,9 +444,9 @@ class ZmqEventPublisher(EventPublisher):
                 if ready:
                     self._drain_wake()
         except BaseException:  # a bug or a fault: loud, and visible in stats() and publish()
-            self._sender_dead = True
             log.exception("KV event publisher's sender thread died; publish() now drops "
                           "every batch (stats: sender_alive=False, dropped_sender_dead)")
+            self._sender_dead = True
         finally:
             self._close_all(max(0, int((self._deadline - time.monotonic()) * 1000)))
 
