@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import subprocess
 import sys
 import threading
@@ -53,6 +55,7 @@ class ReferencePublisher:
         self.topic = topic
         self.legacy = legacy
         self.buffer: dict[int, bytes] = {}
+        self.requests: list[tuple[int, int]] = []  # (start seq, batches sent) per replay
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -85,6 +88,7 @@ class ReferencePublisher:
                     self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
                 else:
                     self.router.send_multipart([ident, b"", self.topic, s.to_bytes(8, "big"), p])
+            self.requests.append((start, len(items)))
             end = (-1).to_bytes(8, "big", signed=True)
             if self.legacy:
                 self.router.send_multipart([ident, b"", end, b""])
@@ -116,38 +120,102 @@ def wait_connected(pub_send, proc: subprocess.Popen, timeout: float = 20.0) -> N
             return
 
 
+class Lines:
+    """The listener's stdout, line by line, read by a thread so the test can wait on it."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    def _read(self, f) -> None:
+        for line in f:
+            self.lines.put(line)
+        self.lines.put(None)  # EOF
+
+    def until_batch(self, seq: int, timeout: float = 30.0) -> None:
+        """Block until the JSON line of batch ``seq`` was printed (fails on timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"batch {seq} not printed within {timeout}s: {self.seen[-5:]}"
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, f"listener exited before batch {seq}: {self.seen[-5:]}"
+            self.seen.append(line)
+            r = json.loads(line)
+            if r["kind"] == "batch" and r["seq"] == seq:
+                return
+
+    def rest(self, timeout: float = 30.0) -> list[str]:
+        """Every line printed, once the process closed its stdout."""
+        while (line := self.lines.get(timeout=timeout)) is not None:
+            self.seen.append(line)
+        return self.seen
+
+
+SUMMARY = re.compile(r"(?P<stream>\S+): (?P<batches>\d+) batches, (?P<gaps>\d+) gaps, "
+                     r"(?P<replayed>\d+) replayed, (?P<lost>\d+) lost")
+
+
+def summary(err: str) -> dict[str, dict[str, int]]:
+    """The final per-stream counters the listener printed on stderr."""
+    return {m["stream"]: {k: int(v) for k, v in m.groupdict().items() if k != "stream"}
+            for m in SUMMARY.finditer(err)}
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["topic-frame", "legacy-replay"])
 def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
+    """A live gap, for real: the listener is caught up, then seqs 10..14 go only into the
+    publisher's replay buffer; seq 15 shows the hole and the listener must replay it."""
     ref = ReferencePublisher(b"kv", legacy=legacy)
     n = 30
     proc = start_listen(ref.endpoint, "--replay", ref.replay_endpoint, "--topic", "kv",
                         "--json", "--count", str(n))
+    out = Lines(proc)
     try:
-        time.sleep(0.5)  # give the process time to import and connect; gaps are filled anyway
-        for i in range(n):
-            # seqs 10..14 never go live: the listener must ask the replay endpoint
-            ref.publish(i, encode_batch(batch(i)), live=not (10 <= i < 15))
-            time.sleep(0.005)
-        out, err = proc.communicate(timeout=60)
+        ref.wait_subscribed()
+        ref.publish(0, encode_batch(batch(0)))
+        out.until_batch(0)  # bootstrapped (whatever it replayed, seq 0 is all there was)
+        for i in range(1, 10):
+            ref.publish(i, encode_batch(batch(i)))
+        out.until_batch(9)  # caught up: nothing is missing, nothing in flight
+        with ref.lock:
+            before = list(ref.requests)
+        for i in range(10, 15):
+            ref.publish(i, encode_batch(batch(i)), live=False)  # withheld from the live stream
+        ref.publish(15, encode_batch(batch(15)))
+        out.until_batch(15)  # the gap was filled, so 15 could follow 14
+        for i in range(16, n):
+            ref.publish(i, encode_batch(batch(i)))
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
     finally:
         proc.kill()
         ref.close()
     assert proc.returncode == 0, err
-    records = [json.loads(line) for line in out.splitlines()]
+    records = [json.loads(line) for line in out.rest()]
     kinds = [r["kind"] for r in records]
     # A reference publisher: the stream starts with a reset and a snapshot record (no
     # contents), then exactly one line per batch, in seq order with the gap filled.
     assert kinds[:2] == ["reset", "snapshot"]
-    objs = [r for r in records if r["kind"] == "batch"]
-    assert len(objs) == n
-    first = records[1]["seq"] + 1
-    assert [o["seq"] for o in objs] == list(range(first, first + n))
+    assert kinds[2:] == ["batch"] * n
+    objs = records[2:]
+    assert [o["seq"] for o in objs] == list(range(n))
     by_seq = {o["seq"]: o for o in objs}
     assert by_seq[3]["events"][0]["block_hashes"] == [31, {"hex": "01" * 32}]
     assert by_seq[3]["events"][1] == {
         "type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    assert by_seq[12]["events"][0]["block_hashes"][0] == 121  # a replayed one, intact
     assert all(o["stream"] == ref.endpoint for o in objs)
-    assert "1 gaps" in err or "replayed" in err
+    # The publisher saw exactly one replay after the catch-up: from the first missing seq,
+    # answered with 10..15 (15 was already held live, so one of the six is a duplicate).
+    assert ref.requests[len(before):] == [(10, 6)]
+    counts = summary(err)[ref.endpoint]
+    assert counts == {"batches": n, "gaps": 1, "lost": 0,
+                      "replayed": sum(sent for _, sent in ref.requests)}, err
 
 
 def test_listen_reports_unfillable_gap_and_restart() -> None:
