@@ -1,0 +1,403 @@
+"""Benchmark ``kvwire serve``: /route throughput and latency while ingesting events.
+
+Three kinds of process, like production:
+
+* a publisher process: ``--engines`` kvwire ``ZmqEventPublisher``s (ipc), each first storing
+  ``--prefixes`` distinct prompts of ``--prompt-tokens`` tokens (16-token blocks), then
+  churning at ``--ingest`` batches/s in total (each batch: store one new block, remove the
+  one stored ``--window`` batches before, so the index size stays constant);
+* the service process: RouterCore + uvicorn, as ``kvwire serve`` runs it (one process);
+* the client (this process): asyncio, raw HTTP/1.1 over ``--concurrency`` keep-alive
+  connections, bodies pre-encoded, each prompt = one stored prefix + a few fresh tokens.
+
+Rows, in the same run and against the same publishers: the service with kvwire's
+PrefixIndex, and a naive baseline service (dict of sets per stream, keys = Python ``hash`` of
+each block's token tuple chained; the same policy and HTTP code). For each: closed-loop
+/route+/release pairs (max rate), and an open-loop run offering ``--rate`` /route/s
+(latency measured from each request's scheduled send time, so a stall is not hidden).
+``followed`` = share of routes sent to the engine holding the prompt's prefix; ``ingest`` =
+batches/s the service applied during the run (from /engines).
+
+    .venv/bin/python bench/route.py            # about a minute
+    .venv/bin/python bench/route.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+CTX = mp.get_context("spawn")
+BS = 16
+
+
+def prompt_tokens(engine: int, j: int, n: int) -> list[int]:
+    rnd = random.Random(engine * 100_003 + j)
+    return [rnd.randrange(50_000) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- publisher
+
+
+def publisher_main(where: str, engines: int, prefixes: int, ntok: int, rate: float,
+                   window: int, ready, stop) -> None:
+    from kvwire.publish.publisher import ZmqEventPublisher
+    from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch
+
+    pubs = [ZmqEventPublisher(endpoint=f"ipc://{where}/e{i}.live",
+                              replay_endpoint=f"ipc://{where}/e{i}.replay",
+                              heartbeat_interval=1.0, buffer_steps=200_000)
+            for i in range(engines)]
+    for i, pub in enumerate(pubs):
+        for j in range(prefixes):
+            toks = prompt_tokens(i, j, ntok)
+            base = (i << 40) | (j << 20)
+            pub.publish(KVEventBatch(time.time(), [BlockStored(
+                list(range(base, base + ntok // BS)), None, toks, BS, None, "GPU")], 0))
+    ready.set()
+    period = 1.0 / rate
+    start = time.perf_counter()
+    k = 0
+    rnd = random.Random(7)
+    while not stop.is_set():
+        due = start + k * period
+        now = time.perf_counter()
+        if due > now:
+            time.sleep(min(due - now, 0.01)) if due - now > 0.002 else None
+            continue
+        e = k % engines
+        h = (1 << 60) | k
+        evs: list = [BlockStored([h], None, [rnd.randrange(50_000) for _ in range(BS)], BS,
+                                 None, "GPU")]
+        if k >= window:
+            evs.append(BlockRemoved([(1 << 60) | (k - window)], "GPU"))
+        pubs[e].publish(KVEventBatch(time.time(), evs, 0))
+        k += 1
+    for p in pubs:
+        p.shutdown(timeout=1)
+
+
+# ----------------------------------------------------------------------------- naive index
+
+
+@dataclass
+class _Match:
+    stream: str
+    prompt_blocks: int
+    tiers: dict
+    predicted: int
+    credit: float
+
+
+@dataclass
+class _Stats:
+    tiers: dict
+    events_applied: int = 0
+    block_size: int | None = None
+    suspect: str | None = None
+
+
+class NaiveIndex:
+    """The baseline: per stream a set of own keys (Python hash of the chained token tuple)
+    and a dict engine hash -> key; match walks every stream's set."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, set] = {}
+        self.ids: dict[str, dict] = {}
+        self.stats: dict[str, _Stats] = {}
+
+    def apply_many(self, items) -> None:
+        for it in items:
+            self.apply(it)
+
+    def apply(self, it) -> None:
+        from kvwire.consume.stream import Batch, Reset, Snapshot
+        from kvwire.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        s = it.stream
+        keys = self.keys.setdefault(s, set())
+        ids = self.ids.setdefault(s, {})
+        st = self.stats.setdefault(s, _Stats({}))
+        if isinstance(it, Reset):
+            keys.clear()
+            ids.clear()
+            return
+        if isinstance(it, Snapshot):
+            keys.clear()
+            ids.clear()
+            evs = it.blocks
+        elif isinstance(it, Batch):
+            evs = it.batch.events
+        else:
+            return
+        for e in evs:
+            st.events_applied += 1
+            if isinstance(e, BlockStored):
+                st.block_size = bs = e.block_size
+                prev = ids.get(e.parent_block_hash, 0)
+                t = e.token_ids
+                for i, h in enumerate(e.block_hashes):
+                    prev = hash((prev, tuple(t[i * bs:(i + 1) * bs])))
+                    keys.add(prev)
+                    ids[h] = prev
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    k = ids.pop(h, None)
+                    if k is not None:
+                        keys.discard(k)
+            elif isinstance(e, AllBlocksCleared):
+                keys.clear()
+                ids.clear()
+        st.tiers = {"GPU": len(keys)}
+
+    def match(self, token_ids, lora_name=None, salt=None) -> dict:
+        out = {}
+        n = len(token_ids) // BS
+        chain = []
+        prev = 0
+        for i in range(n):
+            prev = hash((prev, tuple(token_ids[i * BS:(i + 1) * BS])))
+            chain.append(prev)
+        for s, keys in self.keys.items():
+            m = 0
+            for k in chain:
+                if k not in keys:
+                    break
+                m += 1
+            out[s] = _Match(s, n, {"GPU": m}, 0, float(m))
+        return out
+
+    def predict(self, *args, **kw) -> None:
+        pass
+
+    def streams(self) -> dict:
+        return dict(self.stats)
+
+
+# ----------------------------------------------------------------------------- service
+
+
+def service_main(kind: str, where: str, engines: int, port: int) -> None:
+    import uvicorn
+
+    from kvwire.router.app import build_app, fast_app
+    from kvwire.router.service import EngineSpec, RouterCore
+
+    specs = [EngineSpec(f"e{i}", f"ipc://{where}/e{i}.live", f"ipc://{where}/e{i}.replay")
+             for i in range(engines)]
+    core = RouterCore(specs, block_size=BS, index=NaiveIndex() if kind == "naive" else None)
+    # The subscriber thread ingests while the event loop answers: a 0.5 ms switch interval
+    # (not 5 ms) bounds how long a request waits for the GIL behind an ingest burst.
+    sys.setswitchinterval(0.0005)
+    core.start()
+    loop = "uvloop" if _has("uvloop") else "asyncio"
+    http = "httptools" if _has("httptools") else "h11"
+    uvicorn.run(fast_app(build_app(core)), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False, lifespan="off", loop=loop, http=http)
+
+
+def _has(mod: str) -> bool:
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+# ----------------------------------------------------------------------------- client
+
+
+async def _request(reader, writer, path: bytes, body: bytes) -> bytes:
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: b\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    i = head.lower().index(b"content-length:") + 15
+    n = int(head[i:head.index(b"\r\n", i)])
+    data = await reader.readexactly(n)
+    if status != 200:
+        raise RuntimeError(f"{path.decode()} -> {status}: {data[:200]!r}")
+    return data
+
+
+async def _get(port: int, path: str) -> dict:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: b\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    i = head.lower().index(b"content-length:") + 15
+    data = await reader.readexactly(int(head[i:head.index(b"\r\n", i)]))
+    writer.close()
+    return json.loads(data)
+
+
+def applied(status: dict) -> int:
+    return sum(r["events_applied"] for e in status.values() for r in e["ranks"])
+
+
+async def closed_loop(port: int, bodies: list, seconds: float, conc: int) -> dict:
+    lat: list[float] = []
+    hits = [0, 0]
+    stop = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        rnd = random.Random(w)
+        while time.perf_counter() < stop:
+            want, body = bodies[rnd.randrange(len(bodies))]
+            t0 = time.perf_counter()
+            out = json.loads(await _request(reader, writer, b"/route", body))
+            lat.append(time.perf_counter() - t0)
+            hits[0] += out["engine"] == want
+            hits[1] += 1
+            await _request(reader, writer, b"/release",
+                           b'{"request_id":"' + out["request_id"].encode() + b'"}')
+        writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(conc)))
+    return {"routes": len(lat), "secs": time.perf_counter() - t0, "lat": lat, "hits": hits}
+
+
+async def open_loop(port: int, bodies: list, seconds: float, rate: float, conc: int) -> dict:
+    """Offer ``rate`` /score per second, spread over ``conc`` connections; latency counts
+    from the scheduled send time (no coordinated omission)."""
+    lat: list[float] = []
+    hits = [0, 0]
+    n = int(seconds * rate)
+    start = time.perf_counter() + 0.05
+
+    async def worker(w: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        rnd = random.Random(100 + w)
+        for k in range(w, n, conc):
+            due = start + k / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            want, body = bodies[rnd.randrange(len(bodies))]
+            out = json.loads(await _request(reader, writer, b"/score", body))
+            lat.append(time.perf_counter() - due)
+            hits[0] += out["engine"] == want
+            hits[1] += 1
+        writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(conc)))
+    return {"routes": len(lat), "secs": time.perf_counter() - t0, "lat": lat, "hits": hits}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_ready(port: int, engines: int, blocks: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            st = await _get(port, "/engines")
+            if all(sum(e["ranks"][0]["blocks"].values()) >= blocks for e in st.values()):
+                return
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("service did not index the prefixes in time")
+        await asyncio.sleep(0.2)
+
+
+def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> list[dict]:
+    port = free_port()
+    proc = CTX.Process(target=service_main, args=(kind, where, a.engines, port), daemon=True)
+    proc.start()
+    rows = []
+    try:
+        asyncio.run(wait_ready(port, a.engines, a.prefixes * (a.prompt_tokens // BS)))
+        for mode in ("closed", "open"):
+            async def one(mode: str = mode) -> tuple[dict, int, int]:
+                before = applied(await _get(port, "/engines"))
+                if mode == "closed":
+                    r = await closed_loop(port, bodies, a.seconds, a.concurrency)
+                else:
+                    r = await open_loop(port, bodies, a.seconds, a.rate, a.concurrency)
+                after = applied(await _get(port, "/engines"))
+                return r, before, after
+            r, before, after = asyncio.run(one())
+            rows.append({
+                "service": kind, "mode": mode if mode == "closed" else f"open {a.rate:.0f}/s",
+                "route_per_s": r["routes"] / r["secs"],
+                "p50_ms": pct(r["lat"], 0.50), "p99_ms": pct(r["lat"], 0.99),
+                "followed": r["hits"][0] / max(r["hits"][1], 1),
+                "ingest_batches_per_s": (after - before) / 2 / r["secs"],  # 2 events/batch
+            })
+    finally:
+        proc.terminate()
+        proc.join(10)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--prefixes", type=int, default=64, help="stored prompts per engine")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--ingest", type=float, default=10_000, help="batches/s, all engines")
+    p.add_argument("--window", type=int, default=50_000, help="live churn blocks")
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--rate", type=float, default=2000.0, help="open-loop offered /score/s")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.seconds, a.prefixes = 3.0, 16
+    bodies = []
+    for e in range(a.engines):
+        for j in range(a.prefixes):
+            toks = prompt_tokens(e, j, a.prompt_tokens) + [7, 8, 9]
+            bodies.append((f"e{e}", json.dumps({"token_ids": toks}).encode()))
+    with tempfile.TemporaryDirectory(prefix="kvw-route-") as where:
+        ready, stop = CTX.Event(), CTX.Event()
+        pub = CTX.Process(target=publisher_main, daemon=True, args=(
+            where, a.engines, a.prefixes, a.prompt_tokens, a.ingest, a.window, ready, stop))
+        pub.start()
+        if not ready.wait(60):
+            raise SystemExit("publisher did not start")
+        try:
+            rows = run_variant("kvwire", where, a, bodies) + run_variant("naive", where, a,
+                                                                         bodies)
+        finally:
+            stop.set()
+            pub.join(10)
+    if a.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"kvwire serve: {a.engines} engines x {a.prefixes} prompts of {a.prompt_tokens} "
+          f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
+          f"{os.cpu_count()} cpus")
+    print(f"{'service':8} {'mode':12} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'followed':>8} {'ingest b/s':>10}")
+    for r in rows:
+        print(f"{r['service']:8} {r['mode']:12} {r['route_per_s']:8.0f} {r['p50_ms']:7.2f} "
+              f"{r['p99_ms']:7.2f} {r['followed']:8.1%} {r['ingest_batches_per_s']:10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
