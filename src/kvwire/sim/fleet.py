@@ -28,12 +28,14 @@ from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..publish.publisher import ZmqEventPublisher
 from ..router.policy import Candidate, LoadTracker, RoutingPolicy, request_load
-from .engine import SimEngine, engine_keys, token_range
-from .trace import Request
+from .engine import SimEngine, engine_keys
+from .trace import Request, prompt_array
 
 __all__ = ["POLICIES", "PolicyResult", "SimConfig", "SimError", "SimResult", "run_sim",
            "simulate_policy"]
 
+_JSON_KEYS = ("hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
+              "events_published", "events_applied")
 POLICIES = ("kvwire", "oracle", "random", "round_robin", "least_load")
 
 
@@ -51,10 +53,12 @@ class SimConfig:
     prefill_rate: float = 20_000.0
     decode_rate: float = 400.0
     seed: int = 0
-    #: RoutingPolicy weights used by ``kvwire`` and ``oracle`` (same cost for both).
+    #: RoutingPolicy weights used by ``kvwire`` and ``oracle`` (same cost for both). 0.5 on
+    #: load: best hit ratio and balance on the bundled trace (docs/sim.md has the sweep).
     prefill_weight: float = 1.0
-    load_weight: float = 1.0
-    #: Load of a routed request = uncached blocks + decode_share x output blocks.
+    load_weight: float = 0.5
+    #: Load of a routed request = uncached blocks + decode_share x expected output blocks
+    #: (expected = mean output of the requests completed so far).
     #: None: prefill_rate / decode_rate, i.e. load is the request's work in block-prefills.
     decode_share: float | None = None
     #: Predicted entries live this long (virtual s) unless events confirm them.
@@ -93,7 +97,7 @@ class PolicyResult:
         return max(w) / mean if mean > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
-        """The JSON object of this policy (the six §4 keys first, then extras)."""
+        """The six §4 keys (deterministic for a seed), then wall-clock extras."""
         ttft = sorted(self.ttft_s)
         lat = sorted(self.route_us)
         return {
@@ -118,13 +122,15 @@ class SimResult:
     results: dict[str, PolicyResult]
 
     def to_json(self) -> dict[str, Any]:
-        """The object ``kvwire sim --json`` prints (wall-clock fields excluded: deterministic
-        for a seed, except the route latencies, which measure this machine)."""
+        """The object ``kvwire sim --json`` prints: exactly the issue's shape, every value
+        deterministic for a seed (route latencies, which measure this machine, are left to
+        the table and the report)."""
         return {
             "requests": self.requests,
             "engines": self.config.engines,
             "capacity": self.config.capacity,
-            "policies": {n: r.summary() for n, r in self.results.items()},
+            "policies": {n: {k: v for k, v in r.summary().items() if k in _JSON_KEYS}
+                         for n, r in self.results.items()},
         }
 
     def table(self) -> str:
@@ -169,13 +175,21 @@ class _Router:
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         raise NotImplementedError
 
+    # A router does not know a request's output length: it expects the mean output of the
+    # requests that have completed so far (learned online, no peeking at the trace).
+    _out_sum = 0
+    _out_n = 0
+
     def reserve(self, rid: str, e: int, prompt_blocks: int, credit: float, req: Request,
                 now: float) -> None:
-        out_blocks = req.output_length / self.cfg.block_tokens
-        amount = request_load(prompt_blocks, credit, out_blocks, self.cfg.share())
+        expect = self._out_sum / self._out_n if self._out_n else 0.0
+        amount = request_load(prompt_blocks, credit, expect / self.cfg.block_tokens,
+                              self.cfg.share())
         self.loads.reserve(rid, self.engines[e].name, amount, now)
 
-    def release(self, rid: str) -> None:
+    def release(self, rid: str, req: Request) -> None:
+        self._out_sum += req.output_length
+        self._out_n += 1
         self.loads.release(rid)
 
     def close(self) -> None:
@@ -239,6 +253,8 @@ class _Kvwire(_Router):
             raise SimError("the kvwire policy needs every engine to publish")
         self.sub = Subscriber(specs)
         self.applied = {e.name: -1 for e in engines}
+        self.alive = {e.name: True for e in engines}
+        self._dirty = True  # items applied since alive was read from the index
         self.index = {e.name: i for i, e in enumerate(engines)}
         self._wait_live()
 
@@ -258,6 +274,7 @@ class _Kvwire(_Router):
 
     def _apply(self, item: Any) -> None:
         self.idx.apply(item)
+        self._dirty = True
         if isinstance(item, Batch):
             self.applied[item.stream] = item.seq
             self.events_applied += len(item.batch.events)
@@ -287,15 +304,17 @@ class _Kvwire(_Router):
 
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         self.now = now
-        tokens = token_range(req, 0, len(keys) * self.cfg.block_tokens)
+        tokens = prompt_array(req, len(keys) * self.cfg.block_tokens)
         m = self.idx.match(tokens)
-        streams = self.idx.streams()
+        if self._dirty:  # liveness only changes when the subscriber delivers something
+            streams = self.idx.streams()
+            self.alive = {n: streams[n].alive if n in streams else True for n in self.alive}
+            self._dirty = False
         cands = []
         for e in self.engines:
             sm = m.get(e.name)
-            st = streams.get(e.name)
             cands.append(Candidate(e.name, sm.credit if sm is not None else 0.0,
-                                   self.loads.load(e.name), st.alive if st is not None else True))
+                                   self.loads.load(e.name), self.alive[e.name]))
         d = self.policy.choose(len(keys), cands)
         self.idx.predict(d.name, tokens)
         e = self.index[d.name]
@@ -395,7 +414,7 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
                 e, req, keys = payload
                 engines[e].commit(req, keys, when)
             else:
-                router.release(payload)
+                router.release(*payload)
 
     for i, req in enumerate(reqs):
         t = req.t
@@ -417,7 +436,7 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
         work[e] += prefill + decode
         res.ttft_s.append(first - t)
         heapq.heappush(heap, (first, order, _COMMIT, (e, req, keys)))
-        heapq.heappush(heap, (first + decode, order + 1, _RELEASE, rid))
+        heapq.heappush(heap, (first + decode, order + 1, _RELEASE, (rid, req)))
         order += 2
         bar.update(i + 1)
     advance(float("inf"))

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+try:  # optional (the sim extra brings it with matplotlib): 10x faster token arrays
+    import numpy as _np
+except ImportError:  # pragma: no cover - exercised where numpy is absent
+    _np = None
+
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "Request",
@@ -24,6 +29,7 @@ __all__ = [
     "block_tokens",
     "bundled_trace_path",
     "load_trace",
+    "prompt_array",
     "prompt_tokens",
     "repeat_trace",
 ]
@@ -143,3 +149,16 @@ def prompt_tokens(req: Request, n_tokens: int | None = None) -> list[int]:
     nb = -(-n // MOONCAKE_BLOCK_TOKENS)
     arr = array("H", b"".join(block_tokens(h) for h in req.hash_ids[:nb]))
     return arr[:n].tolist()
+
+
+def prompt_array(req: Request, n_tokens: int) -> array:
+    """The first ``n_tokens`` token ids as ``array('q')``: the index converts an int64 array
+    to bytes with one copy, where a list costs a Python int per token (about 8x slower)."""
+    nb = -(-n_tokens // MOONCAKE_BLOCK_TOKENS)
+    raw = b"".join(block_tokens(h) for h in req.hash_ids[:nb])
+    out = array("q")
+    if _np is not None:
+        out.frombytes(_np.frombuffer(raw, dtype=_np.uint16)[:n_tokens].astype(_np.int64).tobytes())
+    else:
+        out.extend(iter(array("H", raw)[:n_tokens]))
+    return out

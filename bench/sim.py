@@ -1,0 +1,48 @@
+"""Simulator throughput: N requests x all five policies, wall time (issue 10 §4 target:
+12,000 requests x 5 policies within 5 minutes on 2 cores), and the routing-quality targets
+of §6 on the bundled trace (8 engines x 5,000 blocks).
+
+    .venv/bin/python bench/sim.py            # 12k requests (bundled trace x3) + quality run
+    .venv/bin/python bench/sim.py --repeat 1 # the bundled trace once
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvwire.sim.fleet import POLICIES, SimConfig, run_sim
+from kvwire.sim.trace import bundled_trace_path, load_trace, repeat_trace
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--capacity", type=int, default=5000)
+    args = ap.parse_args()
+    base = load_trace(bundled_trace_path())
+    reqs = repeat_trace(base, args.repeat)
+    cfg = SimConfig(engines=args.engines, capacity=args.capacity)
+    t0 = time.monotonic()
+    res = run_sim(reqs, cfg, POLICIES, progress=None)
+    wall = time.monotonic() - t0
+    print(res.table())
+    print()
+    print("| requests | policies | wall s | per policy s |")
+    print("|---:|---:|---:|---|")
+    per = ", ".join(f"{n} {r.wall_s:.1f}" for n, r in res.results.items())
+    print(f"| {len(reqs)} | {len(POLICIES)} | {wall:.1f} | {per} |")
+    verdict = "MET" if wall <= 300 else "MISSED"
+    print(f"target: {len(reqs)} x {len(POLICIES)} policies <= 300 s: {verdict}")
+    kv, orc, rnd = (res.results[p] for p in ("kvwire", "oracle", "random"))
+    print()
+    print("| quality (kvwire) | value | target |")
+    print("|---|---:|---|")
+    print(f"| hit ratio / oracle's | {kv.hit_ratio / orc.hit_ratio:.3f} | >= 0.98 |")
+    print(f"| hit ratio / random's | {kv.hit_ratio / rnd.hit_ratio:.2f} | >= 2.5 |")
+    print(f"| work max/mean | {kv.work_max_over_mean:.3f} | <= 1.10 |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""kvwire sim: trace loading, engines publishing real events, policies, JSON, report, CLI.
+
+Every run here is real: engines publish through ZmqEventPublishers on ipc:// loopback and the
+kvwire policy routes from a Subscriber -> PrefixIndex. Runs use a slice of the bundled trace
+with a small fleet so each takes seconds on a loaded 2-core box.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvwire.cli import sim as sim_cli
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.stream import Batch, Snapshot
+from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.sim.engine import SimEngine, engine_keys, token_range
+from kvwire.sim.fleet import POLICIES, SimConfig, run_sim
+from kvwire.sim.trace import (
+    Request,
+    TraceError,
+    block_tokens,
+    bundled_trace_path,
+    load_trace,
+    prompt_tokens,
+    repeat_trace,
+)
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "sim.md"
+SMALL = ["--limit", "300", "--engines", "4", "--capacity", "400"]
+JSON_KEYS = {"hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
+             "events_published", "events_applied"}
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = sim_cli.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+# ------------------------------------------------------------------ trace
+
+
+def test_bundled_trace_loads() -> None:
+    reqs = load_trace(bundled_trace_path())
+    assert len(reqs) == 3993
+    assert all(a.t <= b.t for a, b in zip(reqs, reqs[1:]))
+    assert reqs[0].hash_ids[:3] == (0, 1, 2)
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    ("{not json", "not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    ('{"timestamp": 5, "input_length": "10", "output_length": 1, "hash_ids": [1]}',
+     "input_length"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}', "hash_ids"),
+    ('{"timestamp": 5, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
+     "needs 3 blocks"),
+])
+def test_bad_trace_line_is_named(tmp_path: Path, line: str, needle: str) -> None:
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [7, 8]}'
+    p = tmp_path / "t.jsonl"
+    p.write_text(f"{good}\n\n{line}\n{good}\n")
+    with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{re.escape(needle)}"):
+        load_trace(p)
+    rc, out, err = _cli([str(p), "--json"])
+    assert rc == 2 and out == ""
+    assert "t.jsonl:3" in err and needle in err
+
+
+def test_missing_or_empty_trace(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot open"):
+        load_trace(tmp_path / "nope.jsonl")
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(tmp_path / "e.jsonl")
+
+
+def test_tokens_depend_on_the_hash_id_only() -> None:
+    a = Request(0.0, 1024, 1, (5, 9))
+    b = Request(1.0, 1500, 1, (5, 11, 12))
+    ta, tb = prompt_tokens(a), prompt_tokens(b)
+    assert len(ta) == 1024 and len(tb) == 1500
+    assert ta[:512] == tb[:512] and ta[512:] != tb[512:1024]
+    assert block_tokens(5) == block_tokens(5) and block_tokens(5) != block_tokens(6)
+    assert token_range(b, 500, 1100) == tb[500:1100]
+
+
+def test_repeat_trace_shifts_time_and_ids() -> None:
+    reqs = load_trace(bundled_trace_path(), limit=50)
+    rep = repeat_trace(reqs, 3)
+    assert len(rep) == 150
+    assert all(a.t <= b.t for a, b in zip(rep, rep[1:]))
+    ids = [{h for r in rep[k * 50:(k + 1) * 50] for h in r.hash_ids} for k in range(3)]
+    assert not (ids[0] & ids[1]) and not (ids[1] & ids[2])
+
+
+def test_engine_keys_identify_prefixes_for_any_block_size() -> None:
+    a = Request(0.0, 1024, 1, (5, 9))
+    b = Request(0.0, 1024, 1, (5, 10))
+    for bs in (16, 100, 512):
+        ka, kb = engine_keys(a, bs), engine_keys(b, bs)
+        assert len(ka) == 1024 // bs and len(set(ka)) == len(ka)
+        shared = 512 // bs  # blocks entirely inside the shared first 512 tokens
+        assert ka[:shared] == kb[:shared] and ka[shared:] != kb[shared:]
+
+
+# ------------------------------------------------------------------ engine
+
+
+def test_engine_events_rebuild_its_cache(tmp_path: Path) -> None:
+    """Every store and eviction goes out on the wire: a subscriber rebuilds the LRU exactly."""
+    pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/e", replay_endpoint=f"ipc://{tmp_path}/r",
+                            heartbeat_interval=None)
+    eng = SimEngine("e0", capacity=40, block_size=64, publisher=pub)
+    reqs = load_trace(bundled_trace_path(), limit=60)
+    rebuilt = BlockCache()
+    try:
+        with Subscriber([StreamSpec("e0", pub.endpoint, "", pub.replay_endpoint)]) as sub:
+            for i, r in enumerate(reqs):
+                req = Request(r.t, min(r.input_length, 2048), r.output_length, r.hash_ids)
+                eng.commit(req, engine_keys(req, 64), float(i))
+            last = -1
+            import time
+            deadline = time.monotonic() + 30
+            while last < eng.batches - 1 and time.monotonic() < deadline:
+                for item in sub.poll_many(0.2):
+                    if isinstance(item, Snapshot):
+                        rebuilt.clear()
+                        rebuilt.apply_events(item.blocks)
+                        last = item.seq
+                    elif isinstance(item, Batch):
+                        rebuilt.apply(item.batch)
+                        last = item.seq
+            assert last == eng.batches - 1
+    finally:
+        pub.shutdown(timeout=1.0)
+    assert eng.removed > 0, "capacity 40 must have evicted"
+    assert {h for _, h in rebuilt.as_dict()} == set(eng.lru)
+    assert len(eng.lru) == 40
+
+
+# ------------------------------------------------------------------ the simulation
+
+
+@pytest.fixture(scope="module")
+def small_run() -> dict:
+    rc, out, err = _cli(["bundled", *SMALL, "--json", "--seed", "3"])
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_json_shape(small_run: dict) -> None:
+    assert set(small_run) == {"requests", "engines", "capacity", "policies"}
+    assert small_run["requests"] == 300 and small_run["engines"] == 4
+    assert small_run["capacity"] == 400
+    assert list(small_run["policies"]) == list(POLICIES)
+    for name, p in small_run["policies"].items():
+        assert set(p) == JSON_KEYS, name
+        assert 0.0 <= p["hit_ratio"] <= 1.0
+        assert p["work_max_over_mean"] >= 1.0
+        assert 0.0 <= p["ttft_p50_s"] <= p["ttft_p99_s"]
+        assert p["events_published"] > 0
+
+
+def test_deterministic_for_a_seed(small_run: dict) -> None:
+    rc, out, err = _cli(["bundled", *SMALL, "--json", "--seed", "3"])
+    assert rc == 0, err
+    assert err == "", "no progress bar when stderr is not a terminal"
+    assert json.loads(out) == small_run
+
+
+def test_policies_are_sane(small_run: dict) -> None:
+    p = small_run["policies"]
+    assert p["oracle"]["hit_ratio"] >= p["random"]["hit_ratio"]
+    assert p["kvwire"]["hit_ratio"] > p["random"]["hit_ratio"]
+    # The router saw every event the fleet published, exactly once.
+    assert p["kvwire"]["events_applied"] == p["kvwire"]["events_published"]
+    for name in ("oracle", "random", "round_robin", "least_load"):
+        assert p[name]["events_applied"] == 0  # only the kvwire policy subscribes
+
+
+def test_other_block_size_and_seed_change_results() -> None:
+    reqs = load_trace(bundled_trace_path(), limit=120)
+    cfg = SimConfig(engines=3, capacity=3000, block_tokens=128, seed=1)
+    a = run_sim(reqs, cfg, ["kvwire", "random"], progress=False).to_json()
+    assert a["policies"]["kvwire"]["events_applied"] == a["policies"]["kvwire"]["events_published"]
+    assert a["policies"]["kvwire"]["hit_ratio"] >= a["policies"]["random"]["hit_ratio"]
+    b = run_sim(reqs, SimConfig(engines=3, capacity=3000, block_tokens=128, seed=2),
+                ["random"], progress=False).to_json()
+    assert b["policies"]["random"] != a["policies"]["random"]
+
+
+def test_report_png(tmp_path: Path) -> None:
+    png = tmp_path / "out" / "report.png"
+    rc, out, err = _cli(["bundled", "--limit", "150", "--engines", "3", "--capacity", "300",
+                         "--policies", "kvwire,oracle,random", "--report", str(png)])
+    assert rc == 0, err
+    assert "kvwire" in out and str(png.resolve()) in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 1000 and height >= 700
+    assert len(data) > 40_000, "four panels of bars and curves, not an empty canvas"
+
+
+def test_bad_arguments() -> None:
+    rc, _, err = _cli(["bundled", "--policies", "kvwire,magic"])
+    assert rc == 2 and "magic" in err
+    with pytest.raises(SystemExit):
+        _cli(["bundled", "--engines", "0"])
+
+
+def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    reqs = load_trace(bundled_trace_path(), limit=20)
+    run_sim(reqs, SimConfig(engines=2, capacity=100), ["round_robin"], progress=True)
+    err = capsys.readouterr().err
+    assert "round_robin" in err and "20/20" in err
+
+
+def test_docs_example_runs() -> None:
+    """The python example of docs/sim.md runs as written."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+    assert blocks, "docs/sim.md has a python example"
+    for code in blocks:
+        exec(compile(code, str(DOCS), "exec"), {"__name__": "__docs__"})
