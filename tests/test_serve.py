@@ -324,3 +324,18 @@ def test_status_page_in_headless_chromium(fleet: Fleet, tmp_path) -> None:
     assert 'data-alive="true"' in dom
     assert '<b id="health" class="ok">ok</b>' in dom
     assert "8 / 0 / 0" in dom  # a's 8 GPU blocks
+
+
+def test_a_routed_prefix_is_predicted_until_its_ttl(fleet: Fleet) -> None:
+    """Between the routing decision and the events that confirm it, the prefix counts for
+    the chosen engine (so a burst of one new prompt does not scatter), then expires."""
+    fill(fleet)
+    fresh = tokens(42, 5)  # held by nobody
+    first = fleet.http.post("/route", json={"token_ids": fresh}).json()
+    chosen = first["engine"]
+    assert first["overlap"] == {"a": 0, "b": 0}
+    again = fleet.http.post("/score", json={"token_ids": fresh}).json()
+    assert again["engine"] == chosen and again["overlap"][chosen] == 5
+    fleet.http.post("/release", json={"request_id": first["request_id"]})
+    wait_for(lambda: fleet.http.post("/score", json={"token_ids": fresh}).json()
+             ["overlap"][chosen] == 0, "prediction expired (predict_ttl 0.5 s)")

@@ -280,7 +280,11 @@ class RouterCore:
                 rid = uuid.uuid4().hex
                 self.loads.reserve(rid, d.name, request_load(prompt_blocks, d.overlap[d.name])
                                    + self.decode_load, now)
-                self.index.predict(target.stream, token_ids, lora_name=lora_name, salt=salt)
+                m = matches.get(target.stream)
+                if m is None or m.blocks < m.prompt_blocks or m.prompt_blocks == 0:
+                    # only a prefix the engine does not already hold needs predicting
+                    self.index.predict(target.stream, token_ids, lora_name=lora_name,
+                                       salt=salt)
                 self.counts["routes"] += 1
             else:
                 self.counts["scores"] += 1
