@@ -84,7 +84,7 @@ def fleet(tmp_path) -> Iterator[Fleet]:
     pubs = {n: publisher(tmp_path, n) for n in ("a", "b")}
     engines = [EngineSpec(n, p.endpoint, p.replay_endpoint) for n, p in pubs.items()]
     core = RouterCore(engines, policy=RoutingPolicy(seed=0), block_size=BS, max_tokens=4096,
-                      predict_ttl=0.5, stream_config=StreamConfig(dead_after=1.0))
+                      predict_ttl=2.0, stream_config=StreamConfig(dead_after=1.0))
     core.start()
     server, thread, port = serve_in_thread(core)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
@@ -340,4 +340,4 @@ def test_a_routed_prefix_is_predicted_until_its_ttl(fleet: Fleet) -> None:
     again = fleet.http.post("/score", json={"token_ids": fresh}).json()
     assert again["engine"] == chosen  # released: now the predicted prefix wins
     wait_for(lambda: fleet.http.post("/score", json={"token_ids": fresh}).json()
-             ["overlap"][chosen] == 0, "prediction expired (predict_ttl 0.5 s)")
+             ["overlap"][chosen] == 0, "prediction expired (predict_ttl 2 s)")
