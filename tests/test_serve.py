@@ -341,3 +341,15 @@ def test_a_routed_prefix_is_predicted_until_its_ttl(fleet: Fleet) -> None:
     assert again["engine"] == chosen  # released: now the predicted prefix wins
     wait_for(lambda: fleet.http.post("/score", json={"token_ids": fresh}).json()
              ["overlap"][chosen] == 0, "prediction expired (predict_ttl 2 s)")
+
+
+def test_docs_examples_run() -> None:
+    """Every python example of docs/router.md runs as written (policy and loopback service)."""
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "router.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    assert len(blocks) == 2, "docs/router.md has a policy and a service example"
+    for code in blocks:
+        exec(compile(code, str(doc), "exec"), {"__name__": "__docs__"})
