@@ -178,6 +178,16 @@ def test_deterministic_for_a_seed(small_run: dict) -> None:
     assert json.loads(out) == small_run
 
 
+def test_worker_processes_do_not_change_results() -> None:
+    """Policies run in parallel processes by default; one process gives the same JSON."""
+    reqs = load_trace(bundled_trace_path(), limit=100)
+    cfg = SimConfig(engines=3, capacity=300, seed=5)
+    pol = ["kvwire", "oracle", "least_load"]
+    one = run_sim(reqs, cfg, pol, progress=False, workers=1).to_json()
+    two = run_sim(reqs, cfg, pol, progress=False, workers=2).to_json()
+    assert one == two
+
+
 def test_policies_are_sane(small_run: dict) -> None:
     p = small_run["policies"]
     assert p["oracle"]["hit_ratio"] >= p["random"]["hit_ratio"]
@@ -224,6 +234,10 @@ def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     run_sim(reqs, SimConfig(engines=2, capacity=100), ["round_robin"], progress=True)
     err = capsys.readouterr().err
     assert "round_robin" in err and "20/20" in err
+    run_sim(reqs, SimConfig(engines=2, capacity=100), ["random", "round_robin"],
+            progress=True, workers=2)
+    err = capsys.readouterr().err
+    assert "2 policies" in err and "40/40" in err
 
 
 def test_docs_example_runs() -> None:

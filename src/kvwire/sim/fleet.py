@@ -15,12 +15,15 @@ index's predicted entries (TTL in virtual seconds). The result is deterministic 
 from __future__ import annotations
 
 import heapq
+import multiprocessing
+import os
 import random
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,7 +367,7 @@ _COMMIT, _RELEASE = 0, 1
 
 
 def simulate_policy(reqs: Sequence[Request], policy: str, cfg: SimConfig,
-                    progress: bool | None = None) -> PolicyResult:
+                    progress: bool | None | _Progress = None) -> PolicyResult:
     """Run the whole trace under one policy with a fresh fleet of publishing engines."""
     if policy not in _ROUTERS:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -380,7 +383,9 @@ def simulate_policy(reqs: Sequence[Request], policy: str, cfg: SimConfig,
             )
             engines.append(SimEngine(f"engine{i}", cfg.capacity, cfg.block_tokens, pub))
         router = _ROUTERS[policy](engines, cfg)
-        res = _run(reqs, engines, router, cfg, _Progress(policy, len(reqs), progress))
+        bar = progress if isinstance(progress, _Progress) else _Progress(
+            policy, len(reqs), progress)
+        res = _run(reqs, engines, router, cfg, bar)
         res.name = policy
         router.sync(float("inf"))  # the last commits' events, so applied can match published
         res.events_published = sum(e.events for e in engines)
@@ -445,11 +450,66 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
     return res
 
 
+def _workers(n: int | None, policies: int) -> int:
+    if n is None:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            n = os.cpu_count() or 1
+    return max(1, min(n, policies))
+
+
+class _SharedProgress(_Progress):
+    """In a worker process: progress goes to a shared counter the parent draws."""
+
+    def __init__(self, slot: int) -> None:
+        super().__init__("", 0, False)
+        self.slot = slot
+
+    def update(self, n: int, force: bool = False) -> None:
+        if _COUNTS is not None:
+            _COUNTS[self.slot] = n
+
+
+_COUNTS: Any = None
+
+
+def _worker_init(counts: Any) -> None:
+    global _COUNTS
+    _COUNTS = counts
+
+
+def _worker(reqs: Sequence[Request], policy: str, cfg: SimConfig, slot: int) -> PolicyResult:
+    return simulate_policy(reqs, policy, cfg, _SharedProgress(slot))
+
+
 def run_sim(reqs: Sequence[Request], cfg: SimConfig, policies: Sequence[str] = POLICIES,
-            progress: bool | None = None) -> SimResult:
-    """Every policy over the same trace, each with its own fresh fleet."""
+            progress: bool | None = None, workers: int | None = None) -> SimResult:
+    """Every policy over the same trace, each with its own fresh fleet.
+
+    Policies are independent, so they run in ``workers`` processes (default: one per CPU,
+    at most one per policy); results do not depend on it."""
     for p in policies:
         if p not in _ROUTERS:
             raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
-    results = {p: simulate_policy(reqs, p, cfg, progress) for p in policies}
+    n = _workers(workers, len(policies))
+    if n == 1:
+        return SimResult(len(reqs), cfg,
+                         {p: simulate_policy(reqs, p, cfg, progress) for p in policies})
+    ctx = multiprocessing.get_context("spawn")  # no inherited sockets or threads
+    counts = ctx.Array("q", len(policies), lock=False)
+    bar = _Progress(f"{len(policies)} policies", len(policies) * len(reqs), progress)
+    # The kvwire policy takes longest: start it first so the others fill the other workers.
+    order = sorted(range(len(policies)), key=lambda i: policies[i] != "kvwire")
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init,
+                             initargs=(counts,)) as ex:
+        futs = {i: ex.submit(_worker, reqs, policies[i], cfg, i) for i in order}
+        pending = set(futs.values())
+        while pending:
+            _, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+            if any(f.done() and f.exception() is not None for f in futs.values()):
+                break
+            bar.update(sum(counts))
+        results = {policies[i]: futs[i].result() for i in range(len(policies))}
+    bar.done()
     return SimResult(len(reqs), cfg, results)

@@ -68,7 +68,10 @@ def write_report(result: SimResult, path: str | Path) -> Path:
         if not t:
             continue
         ys = [(i + 1) / len(t) for i in range(len(t))]
-        ax.plot([max(v, 1e-3) for v in t], ys, color=_COLORS.get(n, "#444444"), label=n)
+        # kvwire and the oracle often coincide: kvwire drawn thick, the oracle dashed on top.
+        ax.plot([max(v, 1e-3) for v in t], ys, color=_COLORS.get(n, "#444444"), label=n,
+                linewidth=3.0 if n == "kvwire" else 1.5,
+                linestyle="--" if n == "oracle" else "-", zorder=3 if n == "oracle" else 2)
     ax.set_xscale("log")
     ax.set_xlabel("TTFT, s (log)")
     ax.set_ylabel("fraction of requests")
