@@ -537,7 +537,11 @@ class StreamMachine:
             return self._flush()
         self._live_high = seq
         phase = self._phase
-        if phase == "await_first":
+        if phase == "await_first" and self.has_replay and seq > 0:
+            # The publisher had nothing when asked; it has this and what came before now.
+            self._hold(seq, payload, now)
+            self._start_replay(0, now, "boot")
+        elif phase == "await_first":
             self._baseline(seq, f"started at live seq {seq}")
             self._deliver(seq, payload)
             self._enter_live(now)
@@ -635,12 +639,18 @@ class StreamMachine:
             return []
         self._req, self._req_deadline = None, math.inf
         if self._delivered is None:
-            if self._buffer:
+            if self._buffer and self._replay_got == 0 and \
+                    self._fruitless + 1 < self.config.replay_attempts:
+                # Nothing buffered when it was served, but live batches came since: the
+                # publisher holds them from where they started, so ask again.
+                self._fruitless += 1
+                self._start_replay(0, now, "boot")
+            elif self._buffer:
                 m = min(self._buffer)
                 self._baseline(m, f"no snapshot available; starting at live seq {m}")
                 self._resume(now)
             else:
-                self._phase = "await_first"
+                self._phase = "await_first"  # the first live batch decides (see live())
             return self._flush()
         if self._replay_kind == "rebuild":  # an empty answer from 0: nothing to rebuild from
             self._give_up(*self._rebuild_gap, now)
@@ -858,10 +868,11 @@ class StreamMachine:
         else:
             self._enter_live(now)
 
-    def _continue(self, now: float) -> None:
-        """A replay answered in part: ask again for what is still missing (not a new gap)."""
+    def _continue(self, now: float, ended: bool = True) -> None:
+        """A replay answered in part: ask again for what is still missing (not a new gap).
+        ``ended=False``: its end never came, so where it would have ended is unknown."""
         self._drain()
-        if not self._buffer:
+        if ended and not self._buffer:
             self._enter_live(now)
         elif self._mode == "kvwire":
             self._probe("gap", now)
@@ -886,7 +897,7 @@ class StreamMachine:
             else:
                 self._probe(self._purpose, now)
         elif kind == "replay" and self._replay_got > 0 and self._delivered is not None:
-            self._continue(now)  # the rest of the answer (or its end) was lost on the way
+            self._continue(now, ended=False)  # the rest (or its end) was lost on the way
         elif kind == "replay" and self._fruitless + 1 < self.config.replay_attempts:
             self._fruitless += 1  # unanswered: a stall on either side; ask again
             self._start_replay(self._replay_from, now, self._replay_kind)

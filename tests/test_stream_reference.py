@@ -1,0 +1,291 @@
+"""A reference stream (no INFO, no snapshots) must never lose what its publisher still holds.
+
+Issue 9 §1: vLLM's publisher serves a replay from its sending thread, between live sends,
+through a ROUTER that drops what does not fit under its HWM. So a replay answer interleaves
+with live messages, can have holes, can lose its end marker, can end before the live edge
+(new drops at the PUB's HWM meanwhile) and can lose its head to eviction while it is being
+served. This model publisher does all of that (``RefPublisher``), and the property is strict:
+
+* deliveries are exactly the seqs in order, never twice (``App`` checks every item);
+* an inexact ``Snapshot(seq=s)`` (a loss, or a late start) is only allowed when the
+  publisher no longer holds anything up to ``s`` (its ring's oldest seq is past ``s``);
+* in the end everything is delivered; if the ring never evicted anything, the application
+  is exact and nothing was counted lost.
+
+Time passes only in ``tick``; as the real subscriber does, the I/O layer reads what has
+arrived before it lets the machine judge time-outs, and the publisher's loop runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_stream import App, SimPublisher
+
+from kvwire import wire
+from kvwire.consume.stream import (
+    RecycleRequests,
+    SendInfo,
+    SendReplay,
+    SendSnapshot,
+    Snapshot,
+    StreamConfig,
+    StreamMachine,
+)
+
+CFG = StreamConfig(request_timeout=1.0, info_timeout=0.5, retry_delay=0.2)
+
+
+class RefPublisher:
+    """The reference publisher's sending loop: live sends, and between them ``per_send``
+    replay messages of the request being served (None: the whole answer at once, as vLLM
+    does), read from the ring as it is at that moment; replies go through a pipe of
+    ``pipe_cap`` messages that drops when full (ROUTER at its HWM)."""
+
+    def __init__(self, rng: random.Random, buffer_steps: int, per_send: int | None,
+                 pipe_cap: int) -> None:
+        self.sim = SimPublisher(rng, kvwire=False, buffer_steps=buffer_steps)
+        self.per_send = per_send
+        self.pipe_cap = pipe_cap
+        self.gen = 0  # the client's DEALER generation (RecycleRequests opens a new one)
+        self.requests: deque[tuple[int, int]] = deque()  # (gen, start)
+        self.serving: list[int] | None = None  # [gen, next seq to send]
+        self.pipe: deque[list[bytes]] = deque()
+        self.evicted_ever = False
+
+    @property
+    def seq(self) -> int:
+        return self.sim.seq
+
+    def oldest(self) -> int:
+        return self.sim.ring[0][0] if self.sim.ring else self.sim.seq + 1
+
+    def publish(self) -> list[bytes]:
+        if len(self.sim.ring) == self.sim.ring.maxlen:
+            self.evicted_ever = True
+        seq, payload = self.sim.publish()
+        return [b"", wire.pack_seq(seq), payload]
+
+    def _reply(self, gen: int, frames: list[bytes]) -> None:
+        if gen == self.gen and len(self.pipe) < self.pipe_cap:
+            self.pipe.append(frames)  # else dropped: a recycled peer, or the HWM
+
+    def serve(self, budget: int | None) -> None:
+        """One turn of the loop's replay step: up to ``budget`` messages (None: all)."""
+        n = 0
+        while budget is None or n < budget:
+            if self.serving is None:
+                if not self.requests:
+                    return
+                self.serving = list(self.requests.popleft())
+            gen, cursor = self.serving
+            nxt = next(((s, p) for s, p in self.sim.ring if s >= cursor), None)
+            if nxt is None:
+                self._reply(gen, [b"", b"", wire.END_SEQ, b""])
+                self.serving = None
+                if budget is not None:
+                    return
+                continue
+            self._reply(gen, [b"", b"", wire.pack_seq(nxt[0]), nxt[1]])
+            self.serving[1] = nxt[0] + 1
+            n += 1
+
+    def request(self, start: int) -> None:
+        self.requests.append((self.gen, start))
+
+    def recycle(self) -> None:
+        self.gen += 1
+        self.pipe.clear()
+
+
+class RefSim:
+    def __init__(self, pub: RefPublisher, config: StreamConfig) -> None:
+        self.pub = pub
+        self.m = StreamMachine("ref", config=config)
+        self.app = App()
+        self.live_q: deque[list[bytes]] = deque()
+        self.now = 0.0
+        self.protected = 0  # live messages at the tail that must not be dropped
+
+    def handle(self, outs: list) -> None:
+        for o in outs:
+            if isinstance(o, RecycleRequests):
+                self.pub.recycle()
+            elif isinstance(o, SendReplay):
+                self.pub.request(o.start)
+            elif isinstance(o, (SendInfo, SendSnapshot)):
+                pass  # a reference publisher ignores what it does not understand
+            else:
+                if isinstance(o, Snapshot) and not o.exact:
+                    # Inexact only for what the publisher no longer holds.
+                    assert self.pub.oldest() > o.seq, (o, self.pub.oldest(), self.m.stats())
+                self.app.feed(o)
+
+    def publish(self, n: int) -> None:
+        for _ in range(n):
+            self.live_q.append(self.pub.publish())
+            self.pub.serve(self.pub.per_send)
+        self.protected = 0
+
+    def drop(self, n: int) -> None:
+        """The PUB's HWM: the newest unread live messages never arrive."""
+        for _ in range(min(n, len(self.live_q) - self.protected)):
+            self.live_q.pop()
+
+    def live(self, n: int) -> None:
+        msgs = [self.live_q.popleft() for _ in range(min(n, len(self.live_q)))]
+        self.protected = min(self.protected, len(self.live_q))
+        if msgs:
+            self.handle(self.m.live_messages(msgs, self.now))
+
+    def reply(self, n: int) -> None:
+        for _ in range(n):
+            if not self.pub.pipe:
+                return
+            self.handle(self.m.reply_frames(self.pub.pipe.popleft(), self.now))
+
+    def read_all(self) -> None:
+        while self.live_q or self.pub.pipe:
+            self.live(len(self.live_q))
+            self.reply(len(self.pub.pipe))
+
+    def tick(self, dt: float) -> None:
+        """Time passes: the publisher's loop keeps serving (one turn per 0.1 s), then the
+        I/O layer reads what arrived, then the machine judges its deadlines."""
+        for _ in range(max(1, int(dt / 0.1))):
+            self.pub.serve(self.pub.per_send)
+        self.read_all()
+        self.now += dt
+        self.handle(self.m.tick(self.now))
+
+    def settle(self) -> None:
+        self.live_q.append(self.pub.publish())  # a last batch shows where the end is
+        self.protected = 1
+        for _ in range(400):
+            self.pub.serve(None)
+            self.read_all()
+            if (self.m.phase == "live" and self.m.last_seq == self.pub.seq
+                    and not self.pub.requests and self.pub.serving is None):
+                return
+            self.tick(0.6)
+        raise AssertionError(f"no convergence: {self.m.stats()}")
+
+
+_ARGS = {
+    "pub": st.integers(1, 8),
+    "serve": st.just(0),
+    "live": st.integers(1, 10),
+    "reply": st.integers(1, 10),
+    "drop": st.integers(1, 6),
+    "tick": st.sampled_from([0.1, 0.3, 0.6]),
+    "stall": st.sampled_from([1.5, 3.0]),
+}
+_KINDS = ["pub", "live", "reply", "drop"] * 4 + ["serve", "tick", "stall"]
+op = st.sampled_from(_KINDS).flatmap(lambda k: st.tuples(st.just(k), _ARGS[k]))
+
+
+def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap: int,
+        max_buffer: int) -> RefSim:
+    pub = RefPublisher(random.Random(seed), buffer_steps, per_send, pipe_cap)
+    sim = RefSim(pub, StreamConfig(request_timeout=1.0, info_timeout=0.5, retry_delay=0.2,
+                                   max_buffer=max_buffer))
+    sim.handle(sim.m.start(sim.now))
+    for name, arg in ops:
+        if name == "pub":
+            sim.publish(arg)
+        elif name == "serve":
+            pub.serve(pub.per_send)
+        elif name == "live":
+            sim.live(arg)
+        elif name == "reply":
+            sim.reply(arg)
+        elif name == "drop":
+            sim.drop(arg)
+        elif name == "tick":
+            sim.tick(arg)
+        elif name == "stall":  # the consumer stopped: the publisher went on meanwhile
+            sim.tick(arg)
+    sim.settle()
+    return sim
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(op, min_size=10, max_size=150),
+    seed=st.integers(0, 2**32),
+    buffer_steps=st.sampled_from([3, 10, 40, 10_000]),
+    per_send=st.sampled_from([None, 1, 3]),
+    pipe_cap=st.integers(1, 12),
+    max_buffer=st.sampled_from([8, 100_000]),
+)
+def test_reference_stream_delivers_everything_the_publisher_holds(
+        ops, seed, buffer_steps, per_send, pipe_cap, max_buffer):
+    sim = run(ops, seed, buffer_steps, per_send, pipe_cap, max_buffer)
+    s = sim.m.stats()
+    assert s.phase == "live" and s.buffered == 0 and sim.app.next == sim.pub.seq + 1
+    c = sim.app.cache.as_dict()
+    if sim.app.exact:
+        assert c == sim.pub.sim.truth.as_dict()
+    if not sim.pub.evicted_ever:
+        assert sim.app.exact and s.lost == 0, s
+        assert c == sim.pub.sim.truth.as_dict()
+    assert s.mode == "reference"
+
+
+def _stalled_with_router_drops(per_send: int | None) -> RefSim:
+    """A fixed run of the issue's shape: a stall, live drops, a replay answer of 60 through
+    a 7-message pipe (holes, lost end), live arriving meanwhile."""
+    pub = RefPublisher(random.Random(3), 10_000, per_send, 7)
+    sim = RefSim(pub, CFG)
+    sim.handle(sim.m.start(0.0))
+    sim.tick(0.6)
+    sim.tick(0.6)  # no INFO answer: reference
+    sim.publish(5)
+    sim.read_all()
+    sim.publish(60)
+    sim.drop(58)  # the stall: only 2 of 60 made it past the HWM
+    sim.publish(10)
+    for _ in range(30):
+        sim.live(1)
+        sim.reply(2)
+        sim.publish(1)
+        sim.tick(0.3)
+    sim.settle()
+    return sim
+
+
+@pytest.mark.parametrize("per_send", [None, 2])
+def test_holes_in_a_replay_answer_are_asked_again_not_lost(per_send):
+    sim = _stalled_with_router_drops(per_send)
+    s = sim.m.stats()
+    assert sim.app.exact and s.lost == 0 and s.resets == 1, s
+    if per_send is None:  # the answer came all at once: holes and a lost end, continued
+        assert s.replays >= 3, s
+    assert sim.app.cache.as_dict() == sim.pub.sim.truth.as_dict()
+
+
+def test_eviction_counts_only_what_is_gone():
+    """The ring (10) evicted part of the gap: exactly those seqs are lost, the rest of the
+    gap is replayed, and the check for a ring that still starts at 0 finds it does not."""
+    pub = RefPublisher(random.Random(4), 10, None, 100)
+    sim = RefSim(pub, CFG)
+    sim.handle(sim.m.start(0.0))
+    sim.tick(0.6)
+    sim.tick(0.6)
+    sim.publish(3)
+    sim.read_all()  # 0..2 (replay from 0, exact)
+    sim.publish(20)  # 3..22; the ring keeps 13..22
+    sim.drop(19)  # only 3 arrives... then nothing
+    sim.publish(1)  # 23 shows the gap 4..22
+    sim.read_all()
+    for _ in range(5):
+        sim.tick(0.3)
+    sim.settle()
+    s = sim.m.stats()
+    assert s.lost == 10, s  # 4..13 were gone when asked for (the ring then: 14..23)
+    assert not sim.app.exact and sim.app.base == 13
+    assert sim.app.resets[-1] == "seqs 4..13 lost and no snapshot available"
