@@ -40,7 +40,7 @@ DEFAULT_TIER_CREDITS: dict[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25}
 DEFAULT_TIER_ALIASES: dict[str, str] = {
     "CPU_PINNED": "CPU", "STORAGE": "DISK", "EXTERNAL": "DISK",
 }
-#: Recently removed engine hashes remembered per stream, so that a token-less store on an
+#: Recently removed engine hashes remembered per stream (GHOSTS to 2x GHOSTS), so that a token-less store on an
 #: offload tier right after the GPU eviction still finds its key.
 GHOSTS = 65_536
 #: Requests a stream must have seen, all without a single match, before it is called suspect.
@@ -97,7 +97,8 @@ class _Stream:
     """Mutable per-stream state (internal)."""
 
     __slots__ = (
-        "name", "slot", "bit", "block_size", "sizes_seen", "h2k", "dups", "ghosts", "pred",
+        "name", "slot", "bit", "block_size", "sizes_seen", "h2k", "dups", "ghosts", "old_ghosts",
+        "pred",
         "events", "batches", "last_time", "alive", "resets", "snapshots", "clears",
         "no_tokens", "unplaced", "orphans", "unknown_removes", "bad", "last_bad",
         "req_base", "matched", "token_blocks",
@@ -112,6 +113,7 @@ class _Stream:
         self.h2k: dict[int, dict[BlockHash, int]] = {}
         self.dups: dict[int, dict[int, int]] = {}
         self.ghosts: dict[BlockHash, int] = {}
+        self.old_ghosts: dict[BlockHash, int] = {}
         self.pred: dict[int, float] = {}
         self.events = self.batches = 0
         self.last_time: float | None = None
@@ -128,7 +130,8 @@ class _Stream:
             k = d.get(h)
             if k is not None:
                 return k
-        return self.ghosts.get(h)
+        k = self.ghosts.get(h)
+        return self.old_ghosts.get(h) if k is None else k
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -159,6 +162,7 @@ class PrefixIndex:
         tier_aliases: Mapping[str, str] | None = None,
         predict_ttl: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
+        remember_removed: int = GHOSTS,
     ) -> None:
         self.tier_credits = dict(DEFAULT_TIER_CREDITS if tier_credits is None else tier_credits)
         if not self.tier_credits:
@@ -171,6 +175,8 @@ class PrefixIndex:
             raise ValueError(f"predict_ttl must be >= 0, got {predict_ttl!r}")
         self.predict_ttl = float(predict_ttl)
         self.clock = clock
+        #: engine hashes of removed blocks remembered per stream (between this and twice it)
+        self.remember_removed = max(0, int(remember_removed))
         self._W = 64
         self._keys: dict[int, int] = {}
         self._pred: dict[int, int] = {}
@@ -233,7 +239,6 @@ class PrefixIndex:
         return t
 
     def _learn_block_size(self, st: _Stream, bs: int) -> None:
-        st.sizes_seen.add(bs)
         if st.block_size == bs:
             return
         if st.block_size is not None:
@@ -319,6 +324,7 @@ class PrefixIndex:
                 st.last_bad = f"BlockStored token ids: {e}"
                 return
             if st.block_size != bs:
+                st.sizes_seen.add(bs)
                 self._learn_block_size(st, bs)
             st.token_blocks += n
         elif not toks:
@@ -447,9 +453,9 @@ class PrefixIndex:
                 kd[k] = v
             else:
                 del kd[k]
-        if len(ghosts) > GHOSTS:
-            for h in list(ghosts)[: len(ghosts) - GHOSTS]:
-                del ghosts[h]
+        if len(ghosts) >= self.remember_removed:  # two generations: bounded, O(1) per removal
+            st.old_ghosts = ghosts
+            st.ghosts = {}
 
     def _clear(self, st: _Stream) -> None:
         """Drop every block of the stream (predictions stay: they are routing decisions)."""
@@ -467,6 +473,7 @@ class PrefixIndex:
         st.h2k = {}
         st.dups = {}
         st.ghosts = {}
+        st.old_ghosts = {}
 
     def _lane_ones(self) -> int:
         """An int with bit 0 of every lane set: ``bit * this`` is the bit in every lane."""
@@ -500,7 +507,9 @@ class PrefixIndex:
         the number of blocks predicted (0 when no block size is known).
         """
         st = self._stream(stream)
-        bs = st.block_size or block_size
+        if st.block_size is None and block_size:
+            self._learn_block_size(st, block_size)  # until its events say otherwise
+        bs = st.block_size
         if not bs or self.predict_ttl <= 0:
             return 0
         n = len(token_ids) // bs
