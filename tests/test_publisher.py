@@ -566,6 +566,11 @@ def no_gc() -> Iterator[None]:
         gc.enable()
 
 
+# These two bound the worst call loosely (no subscriber / a stalled one). The tight bound,
+# publish() p99 with the sender itself stalled for real and a synchronous stand-in failing
+# it, is test_publisher_faults.test_publish_p99_stays_low_while_the_sender_is_stalled.
+
+
 def test_publish_never_blocks_or_raises_without_subscriber(make_pub) -> None:
     pub = make_pub(replay_endpoint="tcp://*:0")
     worst = 0.0
