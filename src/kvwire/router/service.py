@@ -31,6 +31,7 @@ from typing import Any
 from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..wire.endpoint import check_endpoint
+from ..wire.events import KVEventBatch
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 
 __all__ = ["EngineSpec", "RouteError", "RouterCore"]
@@ -40,6 +41,8 @@ log = logging.getLogger("kvwire.router")
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 #: Deliveries applied per lock hold, so a route never waits behind a long burst.
 APPLY_SLICE = 64
+#: Snapshot events applied per lock hold (a restart's snapshot can hold a million blocks).
+SNAPSHOT_SLICE = 512
 
 
 class RouteError(ValueError):
@@ -98,6 +101,24 @@ class EngineSpec:
         """The subscriber specs of this engine's DP ranks, named ``NAME/dpR``."""
         return StreamSpec.for_ranks(self.name, self.endpoint, self.ranks, self.topic,
                                     self.replay)
+
+
+def _pieces(items: list) -> list[list]:
+    """Deliveries cut so that no piece holds more than ``SNAPSHOT_SLICE`` snapshot events:
+    a big Snapshot becomes a Snapshot of its first events followed by Batches of the rest
+    (same resulting state), so rebuilding an engine never holds the index for long."""
+    out: list[list] = [[]]
+    for it in items:
+        if type(it) is not Snapshot or len(it.blocks) <= SNAPSHOT_SLICE:
+            out[-1].append(it)
+            continue
+        blocks = it.blocks
+        out.append([Snapshot(it.stream, it.seq, blocks[:SNAPSHOT_SLICE], it.epoch, it.exact)])
+        for i in range(SNAPSHOT_SLICE, len(blocks), SNAPSHOT_SLICE):
+            chunk = KVEventBatch(0.0, blocks[i:i + SNAPSHOT_SLICE], 0)
+            out.append([Batch(it.stream, it.seq, chunk, it.epoch)])
+        out.append([])
+    return [p for p in out if p]
 
 
 @dataclass
@@ -216,14 +237,13 @@ class RouterCore:
 
     def _apply(self, items: list) -> None:
         now = self.clock()
-        with self.lock:
-            try:
-                self.index.apply_many(items)
-            except Exception:  # one bad delivery must not stop the feed: apply one by one
-                for it in items:
+        apply = self.index.apply
+        for piece in _pieces(items):
+            with self.lock:  # one short hold per piece: routes interleave with a rebuild
+                for it in piece:
                     try:
-                        self.index.apply(it)
-                    except Exception as e:
+                        apply(it)
+                    except Exception as e:  # one bad delivery must not stop the feed
                         self.apply_errors += 1
                         log.warning("index could not apply %s of %s: %s",
                                     type(it).__name__, getattr(it, "stream", "?"), e)
