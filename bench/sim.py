@@ -2,8 +2,8 @@
 12,000 requests x 5 policies within 5 minutes on 2 cores), and the routing-quality targets
 of §6 on the bundled trace (8 engines x 5,000 blocks).
 
-    .venv/bin/python bench/sim.py            # 12k requests (bundled trace x3) + quality run
-    .venv/bin/python bench/sim.py --repeat 1 # the bundled trace once
+    .venv/bin/python bench/sim.py                   # 12,000 requests (bundled trace x4, cut)
+    .venv/bin/python bench/sim.py --requests 3993   # the bundled trace once (the §6 run)
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from kvwire.sim.trace import bundled_trace_path, load_trace, repeat_trace
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=5000)
     args = ap.parse_args()
     base = load_trace(bundled_trace_path())
-    reqs = repeat_trace(base, args.repeat)
+    reqs = repeat_trace(base, -(-args.requests // len(base)))[: args.requests]
     cfg = SimConfig(engines=args.engines, capacity=args.capacity)
     t0 = time.monotonic()
     res = run_sim(reqs, cfg, POLICIES, progress=None)
