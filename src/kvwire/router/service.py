@@ -301,7 +301,7 @@ class RouterCore:
                 self.loads.reserve(rid, d.name, request_load(prompt_blocks, d.overlap[d.name])
                                    + self.decode_load, now)
                 m = matches.get(target.stream)
-                if m is None or m.blocks < m.prompt_blocks or m.prompt_blocks == 0:
+                if m is None or m.prompt_blocks == 0 or blocks[d.name] < m.prompt_blocks:
                     # only a prefix the engine does not already hold needs predicting
                     self.index.predict(target.stream, token_ids, lora_name=lora_name,
                                        salt=salt)
