@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -15,8 +17,10 @@ import pytest
 import zmq
 
 from kvwire import wire
+from kvwire.cli.main import RICH_HINT, build_parser
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.sim.demo import run_demo
 from kvwire.wire.events import (
     BlockRemoved,
     BlockStored,
@@ -363,3 +367,132 @@ def test_listen_with_curve_keys(tmp_path) -> None:
     assert good.returncode == 0, err
     assert sum(json.loads(x)["kind"] == "batch" for x in out.splitlines()) == 2
     assert not [x for x in pout.splitlines() if json.loads(x)["kind"] == "batch"]
+
+
+def _flood_until_printed(ref: ReferencePublisher, out: Lines, n: int) -> None:
+    ref.wait_subscribed()
+    ref.publish(0, encode_batch(batch(0)))
+    out.until_batch(0)
+    for i in range(1, n):
+        ref.publish(i, encode_batch(batch(i)))
+    out.until_batch(n - 1)
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_listen_prints_the_summary_when_signalled(sig: int, status: int) -> None:
+    """Ctrl-C or a service manager's SIGTERM: the per-stream summary, then 128 + signo."""
+    ref = ReferencePublisher(b"")
+    proc = start_listen(ref.endpoint, "--json")
+    out = Lines(proc)
+    try:
+        _flood_until_printed(ref, out, 5)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        ref.close()
+    assert proc.returncode == status, err
+    assert "Traceback" not in err, err
+    assert summary(err)[ref.endpoint] == {"batches": 5, "gaps": 0, "replayed": 0, "lost": 0}
+
+
+def _run_on_a_terminal(argv: list[str], env: dict[str, str], publish) -> tuple[int, str]:
+    """Run ``argv`` with stdout and stderr on a pseudo-terminal; (status, what it showed)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal is gone
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        publish()
+        proc.wait(timeout=60)
+        reader.join(10)
+    finally:
+        proc.kill()
+        os.close(master)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize("have_rich", [False, True], ids=["without-rich", "with-rich"])
+def test_listen_on_a_terminal_with_and_without_rich(tmp_path, have_rich: bool) -> None:
+    """``pip install kvwire`` has no rich: on a terminal the listener falls back to the plain
+    view with a one-line hint instead of crashing (rich made unimportable for real: a
+    ``rich.py`` that raises ImportError first on the path)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm", COLUMNS="200")
+    if not have_rich:
+        (tmp_path / "rich.py").write_text('raise ImportError("rich blocked by test_cli")\n')
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    ref = ReferencePublisher(b"")
+
+    def publish() -> None:
+        ref.wait_subscribed()
+        for i in range(3):
+            ref.publish(i, encode_batch(batch(i)))
+
+    try:
+        status, shown = _run_on_a_terminal([*KVWIRE, "listen", ref.endpoint, "--count", "3"],
+                                           env, publish)
+    finally:
+        ref.close()
+    assert status == 0, shown
+    assert "Traceback" not in shown, shown
+    if have_rich:
+        assert RICH_HINT not in shown
+        assert "kvwire listen" in shown and "batches/s" in shown  # the live table
+    else:
+        assert shown.count(RICH_HINT) == 1, shown
+        assert f"{ref.endpoint}  seq 2" in shown  # the plain per-batch view
+    assert "3 batches, 0 gaps" in shown
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["demo", "--steps", "-5"], "--steps"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--capacity", "0"], "--capacity"),
+    (["demo", "--rate", "-1"], "--rate"),
+    (["demo", "--rate", "nan"], "--rate"),
+    (["demo", "--steps", "many"], "--steps"),
+    (["listen", "tcp://127.0.0.1:1", "--count", "0"], "--count"),
+    (["listen", "tcp://127.0.0.1:1", "--duration", "-1"], "--duration"),
+    (["listen", "tcp://127.0.0.1:1", "--duration", "inf"], "--duration"),
+    (["listen", "tcp://127.0.0.1:1", "--replay-timeout", "0"], "--replay-timeout"),
+    (["listen", "tcp://127.0.0.1:1", "--metrics", "65536"], "--metrics"),
+    (["listen", "tcp://127.0.0.1:1", "--metrics", "-1"], "--metrics"),
+])
+def test_bad_numbers_are_argparse_errors_naming_the_flag(argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)  # parse only: a missed check must not start a listener
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and argv[-1] in err, err
+
+
+def test_demo_rejects_a_negative_step_count_as_a_process() -> None:
+    r = subprocess.run([*KVWIRE, "demo", "--steps", "-5"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2
+    assert "argument --steps: must be >= 1, got -5" in r.stderr
+    assert "summary" not in r.stdout  # nothing ran
+
+
+@pytest.mark.parametrize("kwargs", [{"steps": -5}, {"steps": 0}, {"capacity": 0},
+                                    {"rate": -1.0}, {"rate": float("nan")},
+                                    {"join_after": 1.5}])
+def test_run_demo_rejects_bad_arguments(kwargs) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        run_demo(**kwargs)
