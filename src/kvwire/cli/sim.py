@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use only the first N requests of the trace")
     p.add_argument("--load-weight", type=float, default=None,
                    help="kvwire/oracle RoutingPolicy load_weight (default: the sim's tuned one)")
+    p.add_argument("--workers", type=_positive_int, default=None,
+                   help="processes running policies in parallel (default: one per CPU)")
     p.add_argument("--predict-ttl", type=_positive_float, default=None,
                    help="virtual seconds a routed prefix counts before events confirm it")
 
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = SimConfig(engines=args.engines, capacity=args.capacity,
                         block_tokens=args.block_tokens, prefill_rate=args.prefill_rate,
                         decode_rate=args.decode_rate, seed=args.seed, **kw)
-        result = run_sim(reqs, cfg, policies)
+        result = run_sim(reqs, cfg, policies, workers=args.workers)
     except (SimError, ValueError) as e:
         print(f"kvwire sim: {e}", file=sys.stderr)
         return 1

@@ -472,6 +472,8 @@ class _SharedProgress(_Progress):
 
 
 _COUNTS: Any = None
+#: Requests x policies below which the default is one process (spawning costs ~1 s each).
+_PARALLEL_MIN = 3000
 
 
 def _worker_init(counts: Any) -> None:
@@ -488,10 +490,13 @@ def run_sim(reqs: Sequence[Request], cfg: SimConfig, policies: Sequence[str] = P
     """Every policy over the same trace, each with its own fresh fleet.
 
     Policies are independent, so they run in ``workers`` processes (default: one per CPU,
-    at most one per policy); results do not depend on it."""
+    at most one per policy, and one for runs too small to repay starting processes);
+    results do not depend on it."""
     for p in policies:
         if p not in _ROUTERS:
             raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    if workers is None and len(reqs) * len(policies) < _PARALLEL_MIN:
+        workers = 1
     n = _workers(workers, len(policies))
     if n == 1:
         return SimResult(len(reqs), cfg,
