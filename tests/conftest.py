@@ -28,3 +28,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kv_vector" in metafunc.fixturenames:
         vectors = _vectors()
         metafunc.parametrize("kv_vector", vectors, ids=[v["name"] for v in vectors])
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(
+        longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """Say loudly which tests did not run for want of torch (a failed `make` install skips
+    them, and a one-letter 's' among hundreds of dots is easy to miss)."""
+    skipped = [(r.nodeid, _skip_reason(r)) for r in terminalreporter.stats.get("skipped", [])]
+    torch = [(nodeid, reason) for nodeid, reason in skipped if "torch" in reason.lower()]
+    if not torch:
+        return
+    terminalreporter.write_sep(
+        "!", f"{len(torch)} test(s) SKIPPED because torch is missing", red=True, bold=True)
+    for nodeid, reason in torch:
+        terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
+    terminalreporter.write_line(
+        "install torch (`make test` retries it) to run them", red=True, bold=True)
