@@ -9,10 +9,14 @@ from setuptools import Extension, setup
 _MODULES = {
     "kvwire.wire._zmqframes": "src/kvwire/wire/_zmqframes.c",
     "kvwire.shm._ring": "src/kvwire/shm/_ring.c",
+    "kvwire.index._keys": "src/kvwire/index/_keys.c",
 }
+#: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
+_LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"]}
 
 ext_modules = [
-    Extension(name, [src], optional=True, extra_compile_args=["-O2", "-std=c11"])
+    Extension(name, [src], optional=True, extra_compile_args=["-O2", "-std=c11"],
+              extra_link_args=_LINK.get(name, []))
     for name, src in _MODULES.items()
     if os.path.exists(src) and not os.environ.get("KVWIRE_NO_NATIVE")
 ]

@@ -11,13 +11,15 @@ import time
 import tracemalloc
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.index import DEFAULT_TIER_CREDITS, PrefixIndex, block_keys
+from kvwire.index import keys as keys_mod
+from kvwire.index import prefix as prefix_mod
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.wire.events import (
     AllBlocksCleared,
@@ -79,6 +81,38 @@ def test_block_keys_chain_and_seed():
         block_keys(toks, 0)
     with pytest.raises(ValueError, match="64-bit"):
         block_keys([2**64] * 16, 16)
+
+
+@pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
+@settings(max_examples=300, deadline=None)
+@given(toks=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=200),
+       bs=st.integers(1, 40), seed=st.integers(0, 2**64 - 1))
+def test_native_keys_equal_pure_python(toks, bs, seed):
+    n = len(toks) // bs
+    assert keys_mod.chain_tokens(toks, bs, n, seed) == keys_mod.py_chain_tokens(toks, bs, n, seed)
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_key_errors_are_named(impl):
+    chain = keys_mod.chain_tokens if impl == "native" else keys_mod.py_chain_tokens
+    with pytest.raises(ValueError, match="64-bit"):
+        chain([2**63] * 4, 4, 1, 0)
+    with pytest.raises(ValueError, match="sequence of integers"):
+        chain(["a"] * 4, 4, 1, 0)
+    with pytest.raises(ValueError, match="fewer token ids"):
+        chain([1] * 4, 4, 2, 0)
+
+
+@pytest.fixture(params=["native", "python"])
+def key_impl(request, monkeypatch):
+    """Run a test with the C keys and with the pure-Python keys (the fallback when the C
+    module is not built): the implementation is chosen, nothing is faked."""
+    if request.param == "python":
+        monkeypatch.setattr(prefix_mod, "NATIVE", False)
+        monkeypatch.setattr(prefix_mod, "chain_tokens", keys_mod.py_chain_tokens)
+    elif not keys_mod.NATIVE:
+        pytest.skip(f"C keys not built: {keys_mod.REASON}")
+    return request.param
 
 
 # --------------------------------------------------------------------------- brute-force model
@@ -279,7 +313,7 @@ TestIndexAgainstModel = IndexMachine.TestCase
 # --------------------------------------------------------------------------- rules, one by one
 
 
-def test_two_block_sizes_both_match():
+def test_two_block_sizes_both_match(key_impl):
     idx = PrefixIndex()
     toks = list(range(100, 228))
     idx.apply(batch("e16", stored(toks, 16, 0, 8)))
@@ -312,7 +346,7 @@ def test_vllm_extra_keys_salt_and_lora_id():
     assert idx.match(toks)["f"].blocks == 0
 
 
-def test_offload_tiers_and_best_tier_attribution():
+def test_offload_tiers_and_best_tier_attribution(key_impl):
     idx = PrefixIndex(tier_aliases={"CPU_PINNED": "CPU", "NVME": "DISK"})
     toks = list(range(64))
     ev = stored(toks, 16, 0, 4)
@@ -336,7 +370,7 @@ def test_offload_tiers_and_best_tier_attribution():
     assert stats.unplaced_blocks == 1 and stats.tiers["TAPE"] == 1
 
 
-def test_predictions_expire_or_are_confirmed():
+def test_predictions_expire_or_are_confirmed(key_impl):
     clock = Clock()
     idx = PrefixIndex(predict_ttl=2.0, clock=clock)
     toks = list(range(64))

@@ -10,14 +10,15 @@ same tokens never share a key. A partial last block has no key (engines cache fu
 
 from __future__ import annotations
 
-from array import array
+import os
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["ROOT_SEED", "block_keys", "root_seed", "token_bytes"]
+__all__ = ["NATIVE", "ROOT_SEED", "block_keys", "chain_tokens", "root_seed", "token_bytes"]
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
 ROOT_SEED = 0
@@ -49,17 +50,21 @@ def root_seed(lora_name: str | None = None, salt: Any = None) -> int:
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as native int64 bytes, converted once for the whole sequence."""
     try:
-        return array("q", token_ids).tobytes()
-    except OverflowError:
-        raise ValueError("token ids must fit in a signed 64-bit integer") from None
-    except TypeError:
+        return struct.pack(f"{len(token_ids)}q", *token_ids)
+    except struct.error as e:
+        if "format requires" in str(e) or "out of range" in str(e):
+            raise ValueError("token ids must fit in a signed 64-bit integer") from None
         raise ValueError("token ids must be a sequence of integers") from None
 
 
-def chain(data: bytes, n: int, block_size: int, seed: int) -> list[int]:
-    """Keys of the first ``n`` blocks of ``data`` (token bytes), chained from ``seed``."""
+def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int) -> list[int]:
+    """Keys of the first ``n`` blocks of ``token_ids``, chained from ``seed`` (pure Python)."""
+    if block_size <= 0 or n < 0:
+        raise ValueError("block_size must be positive and n >= 0")
+    if n > len(token_ids) // block_size:
+        raise ValueError("fewer token ids than n blocks of block_size")
     step = block_size * 8
-    mv = memoryview(data)
+    mv = memoryview(token_bytes(token_ids[: n * block_size]))
     out = []
     append = out.append
     k = seed
@@ -67,6 +72,21 @@ def chain(data: bytes, n: int, block_size: int, seed: int) -> list[int]:
         k = xxh3_64_intdigest(mv[off : off + step], k)
         append(k)
     return out
+
+
+NATIVE = False
+#: Why the C path is not used (empty when it is).
+REASON = ""
+chain_tokens = py_chain_tokens
+if os.environ.get("KVWIRE_NO_NATIVE"):
+    REASON = "KVWIRE_NO_NATIVE set"
+else:
+    try:
+        from ._keys import chain_tokens  # type: ignore[no-redef]  # noqa: F811
+
+        NATIVE = True
+    except ImportError as e:  # not built (no compiler / no libxxhash): same keys, slower
+        REASON = f"not built ({e})"
 
 
 def block_keys(
@@ -79,8 +99,5 @@ def block_keys(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size!r}")
-    n = len(token_ids) // block_size
-    if n == 0:
-        return []
-    return chain(token_bytes(token_ids[: n * block_size]), n, block_size,
-                 root_seed(lora_name, salt))
+    return chain_tokens(token_ids, block_size, len(token_ids) // block_size,
+                        root_seed(lora_name, salt))

@@ -1,0 +1,275 @@
+"""Benchmark kvwire.index.PrefixIndex: ingest rate, match latency, memory per block, churn.
+
+Workload (deterministic for a seed): 64 engines (streams) x 16-token blocks. A pool of
+prompt families (8k tokens = 512 blocks each, random token ids); each engine caches the
+full 512-block chain of some of them, stored as vLLM-format ``BlockStored`` events of 32
+blocks (a 512-token chunk, parent = the previous chunk's last hash), 4 events per batch,
+until the index holds ``--blocks`` blocks (1M by default). Events are decoded values
+(``Batch`` deliveries as the subscriber yields them); building them is not timed, applying
+them is, own hashing included.
+
+Match: an 8k-token prompt (512 blocks) against that index, p50/p99 over many prompts:
+``typical`` = a cached family's prompt (held by the engines that cached it) with a fresh
+tail; ``all-64`` = the worst case, a prompt every one of the 64 engines holds in full (the
+walk never stops early); ``miss`` = a prompt nobody holds.
+
+Baseline measured in the same run: a naive index (dict of sets of stream names keyed by
+Python ``hash()`` of (parent key, token tuple), dict (stream, engine hash) -> key).
+
+    .venv/bin/python bench/index.py            # 1M blocks, about 1-2 minutes
+    .venv/bin/python bench/index.py --quick    # 200k blocks
+    .venv/bin/python bench/index.py --churn    # also 10^6 store/remove churn steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from kvwire.consume.stream import Batch  # noqa: E402
+from kvwire.index import PrefixIndex  # noqa: E402
+from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+
+BS = 16
+FAMILY_BLOCKS = 512
+CHUNK = 32
+ENGINES = 64
+
+
+class Workload:
+    def __init__(self, blocks: int, seed: int = 1) -> None:
+        rng = random.Random(seed)
+        self.vocab = list(range(32_000))  # shared int objects: token lists are pointer arrays
+        pairs = blocks // FAMILY_BLOCKS
+        per_engine = max(1, pairs // ENGINES)
+        families = max(per_engine * 4, 64)
+        self.families = [[self.vocab[rng.randrange(32_000)] for _ in range(FAMILY_BLOCKS * BS)]
+                         for _ in range(families)]
+        self.holders: dict[int, list[int]] = {}
+        self.plan: list[tuple[int, int]] = []
+        for e in range(ENGINES):
+            for f in rng.sample(range(families), per_engine):
+                self.plan.append((e, f))
+                self.holders.setdefault(f, []).append(e)
+        rng.shuffle(self.plan)
+        self.blocks = len(self.plan) * FAMILY_BLOCKS
+        self.rng = rng
+
+    @staticmethod
+    def ehash(f: int, i: int) -> int:
+        return (0x9E37_79B9_7F4A_7C15 * (f * 4096 + i + 1)) & 0xFFFF_FFFF_FFFF_FFFF
+
+    def batches(self, per: int = 4) -> Iterator[list[Batch]]:
+        """Deliveries in chunks of about 64k blocks (so the events are never all in memory)."""
+        out: list[Batch] = []
+        evs: list[BlockStored] = []
+        seq = 0
+        for e, f in self.plan:
+            toks = self.families[f]
+            for c in range(0, FAMILY_BLOCKS, CHUNK):
+                hs = [self.ehash(f, i) for i in range(c, c + CHUNK)]
+                parent = None if c == 0 else self.ehash(f, c - 1)
+                evs.append(BlockStored(hs, parent, toks[c * BS : (c + CHUNK) * BS], BS, None,
+                                       "GPU", None))
+                if len(evs) == per:
+                    out.append(Batch(f"engine{e}/dp0", seq, KVEventBatch(0.0, evs)))
+                    seq += 1
+                    evs = []
+            if len(out) * per * CHUNK >= 65_536:
+                yield out
+                out = []
+        if evs:
+            out.append(Batch("engine0/dp0", seq, KVEventBatch(0.0, evs)))
+        if out:
+            yield out
+
+    def prompt(self, kind: str) -> list[int]:
+        tail = [self.vocab[self.rng.randrange(32_000)] for _ in range(64 * BS)]
+        if kind == "miss":
+            return [self.vocab[self.rng.randrange(32_000)] for _ in range(FAMILY_BLOCKS * BS)]
+        f = self.rng.choice(sorted(self.holders))
+        return self.families[f][: (FAMILY_BLOCKS - 64) * BS] + tail
+
+
+class NaiveIndex:
+    """The baseline: dict of sets, Python hash() of (parent key, token tuple)."""
+
+    def __init__(self) -> None:
+        self.index: dict[int, set[str]] = {}
+        self.h2k: dict[tuple[str, int], int] = {}
+
+    def apply(self, item: Batch) -> None:
+        s = item.stream
+        for ev in item.batch.events:
+            if type(ev) is BlockStored:
+                bs = ev.block_size
+                prev = 0 if ev.parent_block_hash is None else self.h2k[(s, ev.parent_block_hash)]
+                toks = ev.token_ids
+                for i, h in enumerate(ev.block_hashes):
+                    prev = hash((prev, tuple(toks[i * bs : (i + 1) * bs])))
+                    self.index.setdefault(prev, set()).add(s)
+                    self.h2k[(s, h)] = prev
+            elif type(ev) is BlockRemoved:
+                for h in ev.block_hashes:
+                    k = self.h2k.pop((s, h), None)
+                    if k is not None:
+                        self.index[k].discard(s)
+
+    def match(self, toks: list[int], streams: list[str]) -> dict[str, int]:
+        alive = set(streams)
+        out = dict.fromkeys(streams, 0)
+        prev = 0
+        for i in range(len(toks) // BS):
+            prev = hash((prev, tuple(toks[i * BS : (i + 1) * BS])))
+            holders = self.index.get(prev)
+            nxt = alive & holders if holders else set()
+            for s in alive - nxt:
+                out[s] = i
+            alive = nxt
+            if not alive:
+                break
+        else:
+            for s in alive:
+                out[s] = len(toks) // BS
+        return out
+
+
+def ingest(w: Workload, idx) -> tuple[float, int]:
+    """Seconds spent in apply() for the whole workload, and blocks applied."""
+    spent = 0.0
+    n = 0
+    gc.disable()  # the subscriber's items are untracked; keep collector pauses out of the loop
+    try:
+        for chunk in w.batches():
+            t = time.perf_counter()
+            for item in chunk:
+                idx.apply(item)
+            spent += time.perf_counter() - t
+            n += sum(len(e.block_hashes) for b in chunk for e in b.batch.events)
+    finally:
+        gc.enable()
+    return spent, n
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def time_match(fn, prompts: list[list[int]]) -> tuple[float, float]:
+    ts = []
+    for p in prompts:
+        t = time.perf_counter_ns()
+        fn(p)
+        ts.append((time.perf_counter_ns() - t) / 1000)
+    return pct(ts, 50), pct(ts, 99)
+
+
+def churn_rows(steps: int) -> list[tuple[str, str, str]]:
+    idx = PrefixIndex()
+    nb = 100_000
+
+    def ev(i: int) -> BlockStored:
+        return BlockStored([i], None, list(range(i, i + BS)), BS, None, None, None)
+
+    idx.apply(Batch("e", 0, KVEventBatch(0.0, [ev(i) for i in range(nb)])))
+    marks = []
+    t = time.perf_counter()
+    for start in range(nb, nb + steps, 100):
+        evs: list = []
+        for i in range(start, start + 100):
+            evs.append(BlockRemoved([i - nb], None))
+            evs.append(ev(i))
+        idx.apply(Batch("e", 1, KVEventBatch(0.0, evs)))
+        if (start + 100 - nb) % (steps // 5) == 0:
+            gc.collect()
+            marks.append(sys.getallocatedblocks())
+    el = time.perf_counter() - t
+    return [(f"churn {steps:,} store+remove at {nb:,} blocks", "kvwire",
+             f"allocated objects per 1/5: {', '.join(f'{m:,}' for m in marks)} "
+             f"({2 * steps / el / 1e6:.2f} M events/s)")]
+
+
+def bytes_per_block() -> float:
+    idx = PrefixIndex()
+    evs = [BlockStored([(i * 7919 + 1) << 20], None, list(range(i, i + BS)), BS, None, None,
+                       None) for i in range(50_000)]
+    gc.collect()
+    tracemalloc.start()
+    b = tracemalloc.get_traced_memory()[0]
+    idx.apply(Batch("e", 0, KVEventBatch(0.0, evs)))
+    used = tracemalloc.get_traced_memory()[0] - b
+    tracemalloc.stop()
+    return used / len(evs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--quick", action="store_true", help="200k blocks, fewer prompts")
+    ap.add_argument("--churn", action="store_true", help="also 10^6 churn steps")
+    ap.add_argument("--prompts", type=int, default=2000)
+    ap.add_argument("--no-baseline", action="store_true")
+    a = ap.parse_args()
+    blocks = 200_000 if a.quick else a.blocks
+    nprompts = 300 if a.quick else a.prompts
+    w = Workload(blocks)
+    rows: list[tuple[str, str, str]] = []
+
+    idx = PrefixIndex()
+    spent, n = ingest(w, idx)
+    rows.append((f"ingest {n:,} blocks (32-block events, {ENGINES} streams)", "kvwire",
+                 f"{n / spent / 1e6:.2f} M blocks/s ({spent:.2f} s)"))
+    naive = None
+    if not a.no_baseline:
+        naive = NaiveIndex()
+        nspent, nn = ingest(w, naive)
+        rows.append(("", "naive", f"{nn / nspent / 1e6:.2f} M blocks/s ({nspent:.2f} s)"))
+    streams = sorted(idx.streams())
+    for kind in ("typical", "all-64", "miss"):
+        if kind == "all-64":  # every engine caches one more family, in full
+            extra = Workload(0, seed=99).families[0]
+            ev = [BlockStored([Workload.ehash(10**6, i) for i in range(FAMILY_BLOCKS)], None,
+                              extra, BS, None, None, None)]
+            for s in streams:
+                item = Batch(s, 0, KVEventBatch(0.0, ev))
+                idx.apply(item)
+                if naive is not None:
+                    naive.apply(item)
+            prompts = [extra[: (FAMILY_BLOCKS - 1) * BS] + w.prompt("miss")[:BS]
+                       for _ in range(nprompts)]
+        else:
+            prompts = [w.prompt(kind) for _ in range(nprompts)]
+        p50, p99 = time_match(idx.match, prompts)
+        rows.append((f"match 8k-token prompt, {kind}", "kvwire",
+                     f"p50 {p50:.0f} us, p99 {p99:.0f} us"))
+        if naive is not None:
+            p50, p99 = time_match(lambda p: naive.match(p, streams), prompts[: nprompts // 4])
+            rows.append(("", "naive", f"p50 {p50:.0f} us, p99 {p99:.0f} us"))
+    rows.append(("memory per indexed block (tracemalloc)", "kvwire",
+                 f"{bytes_per_block():.0f} B (+ the engine hash object the index keeps)"))
+    if a.churn:
+        rows += churn_rows(1_000_000)
+
+    w0 = max(len(r[0]) for r in rows)
+    print(f"kvwire index bench ({os.cpu_count()} cpus, {len(streams)} streams, "
+          f"{idx_blocks(idx):,} blocks indexed)")
+    print(f"{'measurement':<{w0}}  {'index':<7}  result")
+    for r in rows:
+        print(f"{r[0]:<{w0}}  {r[1]:<7}  {r[2]}")
+
+
+def idx_blocks(idx: PrefixIndex) -> int:
+    return sum(s.blocks for s in idx.streams().values())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+/* kvwire.index._keys: the chained block keys of kvwire.index.keys.chain, in C.
+ *
+ * chain_tokens(tokens, block_size, n, seed) -> list[int]
+ *   keys of the first n blocks of the token-id sequence `tokens`: key[i] =
+ *   XXH3_64bits_withSeed(int64 native bytes of block i, seed = key[i-1]), key[-1] = seed.
+ *   Exactly what the pure-Python path computes (array('q') bytes + xxhash's xxh3_64), but
+ *   reading the ints straight from the list: no intermediate bytes object, no slices.
+ *
+ * XXH3 comes from the system's libxxhash (the same algorithm, stable since xxHash 0.8.0, as
+ * the `xxhash` Python package bundles); its one prototype is declared here because Debian
+ * ships the header only in libxxhash-dev. The module is optional: without libxxhash or a
+ * compiler the build skips it and kvwire uses the pure-Python path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+unsigned long long XXH3_64bits_withSeed(const void *input, size_t length,
+                                        unsigned long long seed);
+
+#define STACK_TOKENS 1024
+
+static PyObject *
+chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "chain_tokens(tokens, block_size, n, seed)");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    if (bs == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (bs <= 0 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive and n >= 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "token ids must be a sequence of integers");
+    if (seq == NULL) {
+        PyErr_SetString(PyExc_ValueError, "token ids must be a sequence of integers");
+        return NULL;
+    }
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (n > len / bs) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "fewer token ids than n blocks of block_size");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int64_t stackbuf[STACK_TOKENS];
+    int64_t *buf = stackbuf;
+    if (bs > STACK_TOKENS) {
+        buf = PyMem_Malloc((size_t)bs * sizeof(int64_t));
+        if (buf == NULL) {
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) goto fail;
+    unsigned long long k = seed;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject **blk = items + i * bs;
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            PyObject *o = blk[j];
+            if (!PyLong_Check(o)) {
+                PyErr_SetString(PyExc_ValueError, "token ids must be a sequence of integers");
+                goto fail;
+            }
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (overflow) {
+                PyErr_SetString(PyExc_ValueError,
+                                "token ids must fit in a signed 64-bit integer");
+                goto fail;
+            }
+            buf[j] = (int64_t)v;
+        }
+        k = XXH3_64bits_withSeed(buf, (size_t)bs * sizeof(int64_t), k);
+        PyObject *key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) goto fail;
+        PyList_SET_ITEM(out, i, key);
+    }
+    if (buf != stackbuf) PyMem_Free(buf);
+    Py_DECREF(seq);
+    return out;
+fail:
+    if (buf != stackbuf) PyMem_Free(buf);
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,
+     "chain_tokens(tokens, block_size, n, seed) -> list of chained xxh3 block keys"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvwire.index._keys", "Chained xxh3 block keys (C).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__keys(void)
+{
+    return PyModule_Create(&module);
+}
