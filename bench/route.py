@@ -16,7 +16,9 @@ each block's token tuple chained; the same policy and HTTP code). For each: clos
 /route+/release pairs (max rate), and an open-loop run offering ``--rate`` /route/s
 (latency measured from each request's scheduled send time, so a stall is not hidden).
 ``followed`` = share of routes sent to the engine holding the prompt's prefix; ``ingest`` =
-batches/s the service applied during the run (from /engines).
+batches/s the service applied during the run (from /engines); ``svc cpu`` = the service
+process's CPU time / wall time (100% = one core busy: the service is one Python process, so
+that is its ceiling; below it, the box's other load was in the way).
 
     .venv/bin/python bench/route.py            # about a minute
     .venv/bin/python bench/route.py --quick
@@ -241,6 +243,14 @@ async def _get(port: int, path: str) -> dict:
     return json.loads(data)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to report CPU per request: a
+    figure that contention from other processes on the box does not inflate much."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def applied(status: dict) -> int:
     return sum(r["events_applied"] for e in status.values() for r in e["ranks"])
 
@@ -330,21 +340,24 @@ def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> l
     try:
         asyncio.run(wait_ready(port, a.engines, a.prefixes * (a.prompt_tokens // BS)))
         for mode in ("closed", "open"):
-            async def one(mode: str = mode) -> tuple[dict, int, int]:
+            async def one(mode: str = mode) -> tuple[dict, int, int, float]:
                 before = applied(await _get(port, "/engines"))
+                cpu0 = cpu_seconds(proc.pid)
                 if mode == "closed":
                     r = await closed_loop(port, bodies, a.seconds, a.concurrency)
                 else:
                     r = await open_loop(port, bodies, a.seconds, a.rate, a.concurrency)
+                cpu = cpu_seconds(proc.pid) - cpu0
                 after = applied(await _get(port, "/engines"))
-                return r, before, after
-            r, before, after = asyncio.run(one())
+                return r, before, after, cpu
+            r, before, after, cpu = asyncio.run(one())
             rows.append({
                 "service": kind, "mode": mode if mode == "closed" else f"open {a.rate:.0f}/s",
                 "route_per_s": r["routes"] / r["secs"],
                 "p50_ms": pct(r["lat"], 0.50), "p99_ms": pct(r["lat"], 0.99),
                 "followed": r["hits"][0] / max(r["hits"][1], 1),
                 "ingest_batches_per_s": (after - before) / 2 / r["secs"],  # 2 events/batch
+                "service_cpu": cpu / r["secs"],
             })
     finally:
         proc.terminate()
@@ -392,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
           f"{os.cpu_count()} cpus")
     print(f"{'service':8} {'mode':12} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'followed':>8} {'ingest b/s':>10}")
+          f"{'followed':>8} {'ingest b/s':>10} {'svc cpu':>7}")
     for r in rows:
         print(f"{r['service']:8} {r['mode']:12} {r['route_per_s']:8.0f} {r['p50_ms']:7.2f} "
-              f"{r['p99_ms']:7.2f} {r['followed']:8.1%} {r['ingest_batches_per_s']:10.0f}")
+              f"{r['p99_ms']:7.2f} {r['followed']:8.1%} {r['ingest_batches_per_s']:10.0f} "
+              f"{r['service_cpu']:7.0%}")
     return 0
 
 

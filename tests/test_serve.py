@@ -376,3 +376,46 @@ def test_a_big_snapshot_is_applied_in_pieces_to_the_same_state() -> None:
     assert tiers == cut.streams()["e/dp0"].tiers and tiers["GPU"] == 3 * len(evs)
     for p in prompts[::97]:
         assert whole.match(p)["e/dp0"].blocks == cut.match(p)["e/dp0"].blocks == 3
+
+
+def _two_ports() -> int:
+    """A base port P with P and P+1 free (DP ranks listen at port + rank)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_dp_ranks_are_routed_separately() -> None:
+    """ranks=2: each DP rank is its own stream at port + rank; the answer names the rank."""
+    base = _two_ports()
+    pubs = [ZmqEventPublisher(endpoint=f"tcp://*:{base}", heartbeat_interval=HEARTBEAT,
+                              data_parallel_rank=r) for r in range(2)]  # binds base + r
+    core = RouterCore([EngineSpec.parse(f"m=tcp://127.0.0.1:{base},ranks=2")], block_size=BS)
+    core.start()
+    server, thread, port = serve_in_thread(core)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        p1 = tokens(77, 4)
+
+        def indexed() -> dict | None:  # PUB/SUB joins late: publish until it is seen
+            pubs[1].publish(stored(p1, 9000))
+            out = httpx.post(url + "/score", json={"token_ids": p1}, timeout=10).json()
+            return out if out["overlap"]["m/dp1"] == 4 else None
+
+        out = wait_for(indexed, "rank 1's blocks indexed")
+        assert (out["engine"], out["rank"]) == ("m", 1)
+        assert set(out["cost"]) == {"m/dp0", "m/dp1"} and out["overlap"]["m/dp0"] == 0
+        ranks = httpx.get(url + "/engines", timeout=10).json()["m"]["ranks"]
+        assert [r["stream"] for r in ranks] == ["m/dp0", "m/dp1"]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        core.close()
+        for p in pubs:
+            p.shutdown(timeout=1)
