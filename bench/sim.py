@@ -25,7 +25,7 @@ def main() -> None:
     reqs = repeat_trace(base, -(-args.requests // len(base)))[: args.requests]
     cfg = SimConfig(engines=args.engines, capacity=args.capacity)
     t0 = time.monotonic()
-    res = run_sim(reqs, cfg, POLICIES, progress=None)
+    res = run_sim(reqs, cfg, POLICIES, progress=None, workers=None)
     wall = time.monotonic() - t0
     print(res.table())
     print()

@@ -62,8 +62,9 @@ def test_bundled_trace_loads() -> None:
     ('{"timestamp": 5, "input_length": "10", "output_length": 1, "hash_ids": [1]}',
      "input_length"),
     ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}', "hash_ids"),
-    ('{"timestamp": 5, "input_length": 1025, "output_length": 1, "hash_ids": [1, 2]}',
-     "needs 3 blocks"),
+    ('{"timestamp": 5, "input_length": 1025, "output_length": 1}', "hash_ids"),
+    ('{"timestamp": 5, "input_length": -3, "output_length": 1, "hash_ids": []}',
+     "input_length"),
 ])
 def test_bad_trace_line_is_named(tmp_path: Path, line: str, needle: str) -> None:
     good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [7, 8]}'
@@ -74,6 +75,16 @@ def test_bad_trace_line_is_named(tmp_path: Path, line: str, needle: str) -> None
     rc, out, err = _cli([str(p), "--json"])
     assert rc == 2 and out == ""
     assert "t.jsonl:3" in err and needle in err
+
+
+def test_fewer_ids_than_tokens_caches_what_the_ids_name(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 1.5, "input_length": 1600, "output_length": 2, "hash_ids": [4, 5]'
+                 ', "extra": "ignored"}\n')
+    (req,) = load_trace(p)
+    assert req.t == 0.0015 and req.cacheable_tokens == 1024
+    assert len(engine_keys(req, 512)) == 2 and len(engine_keys(req, 100)) == 10
+    assert len(prompt_tokens(req)) == 1024
 
 
 def test_missing_or_empty_trace(tmp_path: Path) -> None:
@@ -179,7 +190,7 @@ def test_deterministic_for_a_seed(small_run: dict) -> None:
 
 
 def test_worker_processes_do_not_change_results() -> None:
-    """Policies run in parallel processes by default; one process gives the same JSON."""
+    """Policies in parallel processes (the CLI's default) give the same JSON as one."""
     reqs = load_trace(bundled_trace_path(), limit=100)
     cfg = SimConfig(engines=3, capacity=300, seed=5)
     pol = ["kvwire", "oracle", "least_load"]

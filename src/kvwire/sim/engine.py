@@ -25,10 +25,11 @@ def engine_keys(req: Request, block_size: int) -> list[int]:
     """Opaque block hashes of the request's full ``block_size``-token blocks."""
     mb = MOONCAKE_BLOCK_TOKENS
     ids = req.hash_ids
+    n = req.cacheable_tokens // block_size
     if block_size == mb:
-        return [h * mb + (mb - 1) for h in ids[: req.input_length // mb]]
+        return [h * mb + (mb - 1) for h in ids[:n]]
     keys = []
-    for j in range(req.input_length // block_size):
+    for j in range(n):
         last = (j + 1) * block_size - 1
         keys.append(ids[last // mb] * mb + last % mb)
     return keys

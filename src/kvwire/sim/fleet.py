@@ -486,12 +486,14 @@ def _worker(reqs: Sequence[Request], policy: str, cfg: SimConfig, slot: int) -> 
 
 
 def run_sim(reqs: Sequence[Request], cfg: SimConfig, policies: Sequence[str] = POLICIES,
-            progress: bool | None = None, workers: int | None = None) -> SimResult:
+            progress: bool | None = None, workers: int | None = 1) -> SimResult:
     """Every policy over the same trace, each with its own fresh fleet.
 
-    Policies are independent, so they run in ``workers`` processes (default: one per CPU,
+    Policies are independent, so they can run in ``workers`` processes (None: one per CPU,
     at most one per policy, and one for runs too small to repay starting processes);
-    results do not depend on it."""
+    results do not depend on it. Worker processes are spawned, so a script calling this
+    with ``workers != 1`` needs the ``if __name__ == "__main__":`` guard; the CLI, the
+    fleet demo and the bench have it."""
     for p in policies:
         if p not in _ROUTERS:
             raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")

@@ -15,11 +15,13 @@ __all__ = ["run_fleet_demo"]
 def run_fleet_demo(out_png: str | Path | None = "report.png", engines: int = 8,
                    capacity: int = 5000, seed: int = 0, limit: int | None = None,
                    out: Callable[[str], None] = print,
-                   progress: bool | None = None) -> SimResult:
+                   progress: bool | None = None, workers: int | None = None) -> SimResult:
     """Simulate Mooncake's synthetic trace on a fleet under every routing policy.
 
     Prints what it does, the per-policy table and where the report went (``out_png=None``
-    skips the PNG). Engines publish real events; the ``kvwire`` policy routes from them."""
+    skips the PNG). Engines publish real events; the ``kvwire`` policy routes from them.
+    Policies run in one process per CPU (``workers``; spawned: a calling script needs the
+    ``if __name__ == "__main__":`` guard)."""
     t0 = time.monotonic()
     reqs = load_trace(bundled_trace_path(), limit=limit)
     out(f"kvwire fleet demo: {len(reqs)} requests of Mooncake's synthetic trace, {engines} "
@@ -27,7 +29,7 @@ def run_fleet_demo(out_png: str | Path | None = "report.png", engines: int = 8,
     out("each engine publishes its cache events over ZeroMQ; 'kvwire' routes from them "
         "(Subscriber -> PrefixIndex -> RoutingPolicy), 'oracle' reads the caches directly")
     result = run_sim(reqs, SimConfig(engines=engines, capacity=capacity, seed=seed),
-                     POLICIES, progress=progress)
+                     POLICIES, progress=progress, workers=workers)
     out(result.table())
     kv, orc, rnd = (result.results[p] for p in ("kvwire", "oracle", "random"))
     if orc.hit_ratio and rnd.hit_ratio:

@@ -52,6 +52,11 @@ class Request:
     output_length: int
     hash_ids: tuple[int, ...]
 
+    @property
+    def cacheable_tokens(self) -> int:
+        """Prompt tokens named by hash ids (all of them in a well-formed trace)."""
+        return min(self.input_length, len(self.hash_ids) * MOONCAKE_BLOCK_TOKENS)
+
 
 def bundled_trace_path() -> Path:
     """The Mooncake synthetic trace shipped as package data (3,993 requests)."""
@@ -76,19 +81,15 @@ def parse_line(line: str, where: str) -> Request:
     ts = obj.get("timestamp")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise TraceError(f"{where}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
-    inp = _int_field(obj, "input_length", where, 1)
+    inp = _int_field(obj, "input_length", where, 0)
     out = _int_field(obj, "output_length", where, 0)
     ids = obj.get("hash_ids")
     if not isinstance(ids, list) or not all(
         isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 48 for h in ids
     ):
         raise TraceError(f"{where}: 'hash_ids' must be a list of integers in [0, 2**48)")
-    need = -(-inp // MOONCAKE_BLOCK_TOKENS)
-    if len(ids) < need:
-        raise TraceError(
-            f"{where}: 'hash_ids' has {len(ids)} ids but input_length {inp} needs {need} "
-            f"blocks of {MOONCAKE_BLOCK_TOKENS} tokens"
-        )
+    # Fewer ids than input_length needs is accepted: only the prefix the ids name is
+    # cacheable (Request.cacheable_tokens); the rest is always prefilled.
     return Request(ts / 1000.0, inp, out, tuple(ids))
 
 
@@ -144,8 +145,8 @@ def block_tokens(hash_id: int) -> bytes:
 
 
 def prompt_tokens(req: Request, n_tokens: int | None = None) -> list[int]:
-    """The first ``n_tokens`` (default: all ``input_length``) token ids of a request."""
-    n = req.input_length if n_tokens is None else n_tokens
+    """The first ``n_tokens`` (default: all cacheable) token ids of a request."""
+    n = req.cacheable_tokens if n_tokens is None else n_tokens
     nb = -(-n // MOONCAKE_BLOCK_TOKENS)
     arr = array("H", b"".join(block_tokens(h) for h in req.hash_ids[:nb]))
     return arr[:n].tolist()
