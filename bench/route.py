@@ -13,7 +13,8 @@ Three kinds of process, like production:
 Rows, in the same run and against the same publishers: the service with kvwire's
 PrefixIndex, and a naive baseline service (dict of sets per stream, keys = Python ``hash`` of
 each block's token tuple chained; the same policy and HTTP code). For each: closed-loop
-/route+/release pairs (max rate), and an open-loop run offering ``--rate`` /route/s
+/route+/release pairs (max rate; ``closed+rel``: each /route is followed by its /release, so the HTTP request
+rate is twice the route rate), and an open-loop run offering ``--rate`` /route/s
 (latency measured from each request's scheduled send time, so a stall is not hidden).
 ``followed`` = share of routes sent to the engine holding the prompt's prefix; ``ingest`` =
 batches/s the service applied during the run (from /engines); ``svc cpu`` = the service
@@ -352,7 +353,7 @@ def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> l
                 return r, before, after, cpu
             r, before, after, cpu = asyncio.run(one())
             rows.append({
-                "service": kind, "mode": mode if mode == "closed" else f"open {a.rate:.0f}/s",
+                "service": kind, "mode": "closed+rel" if mode == "closed" else f"open {a.rate:.0f}/s",
                 "route_per_s": r["routes"] / r["secs"],
                 "p50_ms": pct(r["lat"], 0.50), "p99_ms": pct(r["lat"], 0.99),
                 "followed": r["hits"][0] / max(r["hits"][1], 1),
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"kvwire serve: {a.engines} engines x {a.prefixes} prompts of {a.prompt_tokens} "
           f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
-          f"{os.cpu_count()} cpus")
+          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
     print(f"{'service':8} {'mode':12} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'followed':>8} {'ingest b/s':>10} {'svc cpu':>7}")
     for r in rows:
