@@ -419,3 +419,65 @@ def test_dp_ranks_are_routed_separately() -> None:
         core.close()
         for p in pubs:
             p.shutdown(timeout=1)
+
+
+ENGINE = r"""
+import sys, time
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire.events import BlockStored, KVEventBatch
+where, name, seed, blocks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+toks = [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(blocks * 16)]
+pub = ZmqEventPublisher(endpoint=f"ipc://{where}/{name}.live",
+                        replay_endpoint=f"ipc://{where}/{name}.replay", heartbeat_interval=0.2)
+pub.publish(KVEventBatch(time.time(), [BlockStored(list(range(seed * 100, seed * 100 + blocks)),
+                                                   None, toks, 16, None, "GPU")], 0))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_sigkilled_engine_process_stops_getting_traffic_and_restart_rebuilds(tmp_path) -> None:
+    """Engines are real processes; one is SIGKILLed (no goodbye), then started again."""
+    def engine(name: str, seed: int, blocks: int) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", ENGINE, str(tmp_path), name, str(seed),
+                              str(blocks)], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        return p
+
+    procs = {"a": engine("a", 1, 8), "b": engine("b", 2, 8)}
+    specs = [EngineSpec.parse(f"{n}=ipc://{tmp_path}/{n}.live,replay=ipc://{tmp_path}/{n}.replay")
+             for n in procs]
+    core = RouterCore(specs, block_size=BS, stream_config=StreamConfig(dead_after=1.0))
+    core.start()
+    server, thread, port = serve_in_thread(core)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    def score(prompt: list[int]) -> dict:
+        return http.post("/score", json={"token_ids": prompt}).json()
+
+    def row() -> dict:
+        return http.get("/engines").json()["a"]["ranks"][0]
+
+    try:
+        pa = tokens(1, 8)
+        wait_for(lambda: score(pa)["overlap"]["a"] == 8, "a's prefix indexed")
+        assert score(pa)["engine"] == "a"
+        procs["a"].kill()  # SIGKILL
+        procs["a"].wait(10)
+        wait_for(lambda: not row()["alive"], "a seen dead")
+        assert score(pa)["engine"] == "b"
+        resets = row()["resets"]
+        procs["a"] = engine("a", 3, 5)  # back, new epoch, a different cache
+        pc = tokens(3, 5)
+        wait_for(lambda: row()["resets"] > resets and row()["alive"], "a reset and live")
+        wait_for(lambda: score(pc)["overlap"]["a"] == 5, "a rebuilt from its snapshot")
+        assert score(pc)["engine"] == "a" and score(pa)["overlap"]["a"] == 0
+    finally:
+        http.close()
+        server.should_exit = True
+        thread.join(10)
+        core.close()
+        for p in procs.values():
+            p.kill()
+            p.wait(10)
