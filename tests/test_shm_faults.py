@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from shm_helpers.procmaps import holders
 from shm_helpers.workers import blocked_reader, idle_reader, writer_then_die
 
 from kvwire.shm import (
@@ -21,6 +22,7 @@ from kvwire.shm import (
     ReaderDeadError,
     WriterDeadError,
 )
+from kvwire.shm import layout as L
 
 pytestmark = pytest.mark.timeout(180)  # fail fast instead of the global 300 s
 
@@ -29,12 +31,11 @@ LIVENESS = 0.05
 BOUND = 1.0  # documented bound is liveness_interval (+ scheduling); generous for a busy CI
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def leaked(before: set[str]) -> list[str]:
-    return sorted(e for e in shm_entries() - before if e.startswith("kvwire"))
+def wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
 
 
 def _ready(out, k: int) -> dict[int, int]:
@@ -47,8 +48,8 @@ def _ready(out, k: int) -> dict[int, int]:
 
 
 def test_sigkilled_reader_makes_blocked_writer_raise_then_drop_and_continue() -> None:
-    before = shm_entries()
     q = MessageQueue(2, 2, max_chunk_bytes=256, max_chunks=4, liveness_interval=LIVENESS)
+    name = q.buffer.name
     out = CTX.Queue()
     victim = CTX.Process(target=idle_reader, args=(q.export_handle(), 0, out))
     good = CTX.Process(target=blocked_reader, args=(q.export_handle(), 1, out))
@@ -82,8 +83,9 @@ def test_sigkilled_reader_makes_blocked_writer_raise_then_drop_and_continue() ->
     assert (tag, exc, got) == ("raised", "QueueShutdownError", list(range(40)))
     good.join(30)
     victim.join(30)
+    assert os.getpid() in holders(name)  # the check sees a live mapping (not vacuous)
     q.close()
-    assert leaked(before) == []
+    assert holders(name) == {}  # nobody maps the ring or holds its fd: its pages are freed
 
 
 def test_reader_killed_while_writer_not_blocked_is_reported_on_next_enqueue() -> None:
@@ -106,11 +108,11 @@ def test_reader_killed_while_writer_not_blocked_is_reported_on_next_enqueue() ->
 
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
 def test_dead_writer_makes_readers_raise_after_draining(how: str) -> None:
-    before = shm_entries()
     hq, go, out = CTX.Queue(), CTX.Event(), CTX.Queue()
     w = CTX.Process(target=writer_then_die, args=(hq, 2, 3, how, go))
     w.start()
     h = hq.get(timeout=60)
+    name = h.buffer_handle[3]
     other = CTX.Process(target=blocked_reader, args=(h, 1, out))
     other.start()
     me = MessageQueue.create_from_handle(h, 0, liveness_interval=LIVENESS)
@@ -126,8 +128,9 @@ def test_dead_writer_makes_readers_raise_after_draining(how: str) -> None:
     tag, exc, got, _ = out.get(timeout=60)
     assert (tag, exc, got) == ("raised", "WriterDeadError", [0, 1, 2])
     other.join(30)
+    assert set(holders(name)) == {os.getpid()}  # the writer and the other reader are gone
     me.close()
-    assert leaked(before) == []
+    assert holders(name) == {}
 
 
 def test_dead_remote_reader_is_detected() -> None:
@@ -153,19 +156,21 @@ def test_dead_remote_reader_is_detected() -> None:
 
 
 def test_writer_shutdown_wakes_an_idle_reader_which_raises() -> None:
+    """Only the writer's futex wake can end this reader's sleep early: it checks liveness
+    every 30 s, so without the wake it raises after ~30 s, far past the bound."""
     q = MessageQueue(1, 1, max_chunk_bytes=256, max_chunks=4)
     out = CTX.Queue()
-    r = CTX.Process(target=blocked_reader, args=(q.export_handle(), 0, out))
+    r = CTX.Process(target=blocked_reader, args=(q.export_handle(), 0, out, 30.0))
     r.start()
     q.wait_until_ready(timeout=60)
     _ready(out, 1)
     q.enqueue("last")
-    time.sleep(0.2)  # let the reader fall asleep (spin is 200 us): exercise the futex wake
+    wait_for(lambda: q.buffer.mv[L.OFF_SLEEPERS] == 1)  # read "last", now asleep on the futex
     t0 = time.monotonic()
     q.shutdown()
-    tag, exc, got, t_raised = out.get(timeout=30)
+    tag, exc, got, t_raised = out.get(timeout=90)
     assert (tag, exc, got) == ("raised", "QueueShutdownError", ["last"])
-    assert t_raised - t0 < 0.5
+    assert t_raised - t0 < 2.0, t_raised - t0
     r.join(30)
     q.close()
 
@@ -187,6 +192,7 @@ def test_no_leak_and_no_resource_tracker_warning_after_sigkill_and_exit() -> Non
             q.wait_until_ready(timeout=60)
             for _ in ps: rx.recv()
             for i in range(4): q.enqueue(b"x" * 1000)
+            print(q.buffer.name, flush=True)
             os.kill(ps[0].pid, signal.SIGKILL)
             ps[0].join()
             os.kill(ps[1].pid, signal.SIGTERM)
@@ -194,12 +200,12 @@ def test_no_leak_and_no_resource_tracker_warning_after_sigkill_and_exit() -> Non
             sys.stderr.flush()
             os._exit(0)
     """) % os.path.dirname(__file__)
-    before = shm_entries()
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "resource_tracker" not in r.stderr and "leaked" not in r.stderr, r.stderr
-    assert leaked(before) == []
+    name = r.stdout.split()[-1]
+    assert holders(name) == {}  # no process (writer, readers, trackers) keeps the pages
 
 
 def test_shutdown_of_blocked_reader_from_another_thread_cancels_it() -> None:

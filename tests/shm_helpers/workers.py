@@ -86,9 +86,12 @@ def idle_reader(handle: Any, rank: int, out: Any, msgspec: bool = False) -> None
         time.sleep(1)
 
 
-def blocked_reader(handle: Any, rank: int, out: Any) -> None:
-    """Attach and block in dequeue(); report how it ended (the exception's type name)."""
-    q = MessageQueue.create_from_handle(handle, rank, liveness_interval=0.05)
+def blocked_reader(handle: Any, rank: int, out: Any, liveness: float = 0.05) -> None:
+    """Attach and block in dequeue(); report how it ended (the exception's type name).
+
+    ``liveness`` is how often the waiting reader wakes on its own to check the writer: a
+    long one makes it sleep until something wakes it."""
+    q = MessageQueue.create_from_handle(handle, rank, liveness_interval=liveness)
     q.wait_until_ready(timeout=30)
     out.put(("ready", rank, os.getpid()))
     got = []
@@ -226,3 +229,21 @@ def writer_main(hq: Any, n_reader: int, n: int, seed: int, chunk: int, out: Any)
     except BaseException as e:  # report, do not hang the parent
         out.put(("writer", None, f"{type(e).__name__}: {e}"))
 
+
+
+def shutdown_writer(hq: Any, env_local: bool, steps: Any, done: Any) -> None:
+    """Writer that shuts down without writing, then closes when told (vLLM's cancel test).
+
+    ``env_local`` sets KVWIRE_SHM_LOCAL_SHUTDOWN=1 in this process before the queue is
+    built, as a deployment that cannot pass the keyword (create_from_process_group) would."""
+    if env_local:
+        os.environ["KVWIRE_SHM_LOCAL_SHUTDOWN"] = "1"
+    q = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=4)
+    hq.put((q.export_handle(), q.local_shutdown))
+    q.wait_until_ready(timeout=30)
+    steps.get(timeout=60)  # "shutdown"
+    q.shutdown()
+    done.put(("shut", q.shutting_down))
+    steps.get(timeout=60)  # "close"
+    q.close()
+    done.put(("closed", time.monotonic()))
