@@ -129,6 +129,18 @@ def test_requests_follow_the_cache(fleet: Fleet) -> None:
     assert again.status_code == 404 and "unknown request_id" in again.json()["error"]
 
 
+def test_release_output_tokens_teach_the_decode_load(fleet: Fleet) -> None:
+    """load = uncached blocks + decode_share x mean reported output blocks + decode_load."""
+    pa, _ = fill(fleet)
+    fleet.core.decode_share = 2.0
+    prompt = pa + tokens(9, 2)
+    r = fleet.http.post("/route", json={"token_ids": prompt}).json()
+    assert fleet.engine_row("a")["load"] == 3.0  # nothing learned yet: 2 + 1
+    fleet.http.post("/release", json={"request_id": r["request_id"], "output_tokens": 64})
+    r = fleet.http.post("/route", json={"token_ids": tokens(10, 3)}).json()
+    assert fleet.engine_row(r["engine"])["load"] == 3 + 2.0 * 64 / BS + 1
+
+
 def test_load_spreads_a_hot_prefix(fleet: Fleet) -> None:
     """Many unreleased requests for a's prefix pile load on a until b becomes cheaper."""
     pa, _ = fill(fleet)
@@ -179,6 +191,7 @@ BAD = [
     ("/score", b'{"token_ids": [' + b",".join([b"1"] * 5000) + b"]}", 413, "5000 tokens"),
     ("/release", b'{"request_id": "nope"}', 404, "unknown request_id 'nope'"),
     ("/release", b'{"request_id": 5}', 422, "$.request_id"),
+    ("/release", b'{"request_id": "x", "output_tokens": -1}', 422, "$.output_tokens"),
     ("/release", b"", 400, "malformed JSON"),
     ("/nowhere", b"{}", 404, "/nowhere"),
 ]

@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive(int), default=16,
                    help="tokens per reference block, the policy's unit (default 16)")
     p.add_argument("--prefill-weight", type=_nonneg, default=1.0)
-    p.add_argument("--load-weight", type=_nonneg, default=1.0)
+    p.add_argument("--load-weight", type=_nonneg, default=0.5,
+                   help="weight of reserved load (default 0.5: the simulator's best balance "
+                        "of hits and spread, docs/sim.md)")
     p.add_argument("--temperature", type=_nonneg, default=0.0,
                    help="> 0: sample engines by softmax(-cost/T) instead of the minimum")
     p.add_argument("--seed", type=int, default=None, help="seed of tie-breaks and sampling")
@@ -68,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-load", type=_nonneg, default=1.0,
                    help="blocks of load a request reserves beyond its uncached prompt blocks "
                         "(its decode; default 1)")
+    p.add_argument("--decode-share", type=_nonneg, default=50.0,
+                   help="load per expected output block, learned from /release's "
+                        "output_tokens (default 50 = 20k prefill / 400 decode tokens/s)")
     p.add_argument("--dead-after", type=_positive(float), default=None,
                    help="silence (s) after which a stream is dead (default 3 heartbeats)")
     p.add_argument("--log-level", default="warning")
@@ -103,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                                  args.seed),
             block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
             predict_ttl=args.predict_ttl, decode_load=args.decode_load,
+            decode_share=args.decode_share,
             stream_config=StreamConfig(dead_after=args.dead_after),
         )
         core.start()

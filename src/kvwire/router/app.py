@@ -39,6 +39,7 @@ class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
 
 class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    output_tokens: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] | None = None
 
 
 _route_dec = msgspec.json.Decoder(RouteBody)
@@ -166,7 +167,7 @@ def build_app(core: RouterCore) -> FastAPI:
     @app.post("/release")
     async def release(request: Request) -> Response:
         body = await decode(request, _release_dec)
-        return _json(core.release(body.request_id))
+        return _json(core.release(body.request_id, body.output_tokens))
 
     @app.get("/engines")
     async def engines() -> Response:
@@ -221,7 +222,8 @@ def fast_app(app: FastAPI) -> Any:
         status = 200
         try:
             if path == b"/release":
-                out = core.release(_decode_body(body, _release_dec).request_id)
+                rel = _decode_body(body, _release_dec)
+                out = core.release(rel.request_id, rel.output_tokens)
             else:
                 req = _decode_body(body, _route_dec)
                 out = core.route(req.token_ids, req.lora_name, req.salt,

@@ -7,9 +7,11 @@ embedded (and tested) on its own.
 Units: the policy compares all streams in *reference blocks* of ``block_size`` tokens
 (default 16). A stream whose engine uses another block size has its credit rescaled by the
 fraction of the prompt it holds, so engines with different block sizes compete fairly. A
-routed request reserves its uncached reference blocks plus ``decode_load`` (default 1 block: a
-fully cached request still occupies the engine while it decodes) on the chosen engine until
-``release`` (or ``expiry_s``). Without that constant, a hot prefix would cost nothing after
+routed request reserves its uncached reference blocks, plus its expected decode work
+``decode_share`` x expected output blocks (the mean ``output_tokens`` reported on ``release``
+so far; the simulator's model, where decode_share = prefill rate / decode rate), plus
+``decode_load`` (default 1 block: a fully cached request still occupies the engine) on the
+chosen engine until ``release`` (or ``expiry_s``). Without that constant, a hot prefix would cost nothing after
 its first request (predicted entries make every repeat a full hit) and pile onto one engine.
 
 Concurrency: the subscriber thread is the index's only writer; it applies deliveries in small
@@ -142,6 +144,7 @@ class RouterCore:
         expiry_s: float = 600.0,
         predict_ttl: float = 3.0,
         decode_load: float = 1.0,
+        decode_share: float = 0.0,
         stream_config: StreamConfig | None = None,
         lock_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -157,8 +160,12 @@ class RouterCore:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.engines = list(engines)
         self.policy = policy or RoutingPolicy()
-        if not decode_load >= 0:
-            raise ValueError(f"decode_load must be >= 0, got {decode_load}")
+        if not decode_load >= 0 or not decode_share >= 0:
+            raise ValueError(f"decode_load and decode_share must be >= 0, got "
+                             f"{decode_load}, {decode_share}")
+        self.decode_share = float(decode_share)
+        self._out_sum = 0
+        self._out_n = 0
         self.block_size = block_size
         self.decode_load = float(decode_load)
         self.max_tokens = max_tokens
@@ -298,8 +305,10 @@ class RouterCore:
             rid = None
             if reserve:
                 rid = uuid.uuid4().hex
-                self.loads.reserve(rid, d.name, request_load(prompt_blocks, d.overlap[d.name])
-                                   + self.decode_load, now)
+                expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
+                amount = request_load(prompt_blocks, d.overlap[d.name], expect,
+                                      self.decode_share) + self.decode_load
+                self.loads.reserve(rid, d.name, amount, now)
                 m = matches.get(target.stream)
                 if m is None or m.prompt_blocks == 0 or blocks[d.name] < m.prompt_blocks:
                     # only a prefix the engine does not already hold needs predicting
@@ -319,11 +328,15 @@ class RouterCore:
         out["cost"] = d.cost
         return out
 
-    def release(self, request_id: str) -> dict[str, Any]:
-        """Release a routed request's load; 404 RouteError if the id is unknown or expired."""
+    def release(self, request_id: str, output_tokens: int | None = None) -> dict[str, Any]:
+        """Release a routed request's load; 404 RouteError if the id is unknown or expired.
+        ``output_tokens`` (optional) teaches the expected decode work of later requests."""
         with self.lock:
             name = self.loads.holder(request_id)
             ok = self.loads.release(request_id)
+            if ok and output_tokens is not None:
+                self._out_sum += output_tokens
+                self._out_n += 1
         if not ok:
             raise RouteError(404, f"unknown request_id {request_id[:80]!r} (never routed, "
                              "already released, or expired)", "unknown_request_id")
