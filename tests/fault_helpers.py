@@ -35,6 +35,7 @@ from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.sim.demo import DemoEngine
+from kvwire.wire.events import KVEventBatch, encode_batch
 
 CTX = mp.get_context("spawn")
 
@@ -42,6 +43,7 @@ CTX = mp.get_context("spawn")
 WORKLOADS = {
     "normal": ((64, 128, 256), (16, 160)),
     "small": ((32, 48), (16, 40)),  # fewer blocks per step: 100k batches in seconds
+    "wide": ((384,), (450, 650)),  # ~2.5 KB batches, as in issue 9's vLLM runs
 }
 
 
@@ -140,13 +142,148 @@ def engine_main(conn: Any, port: int, rport: int, seed: int, opts: dict) -> None
             return
 
 
-class Engine:
-    """Parent-side handle of one engine process."""
+# --------------------------------------------------------------------------- reference publisher
 
-    def __init__(self, seed: int, port: int = 0, rport: int = 0, **opts: Any) -> None:
+
+def _ref_sockets(port: int, rport: int, opts: dict) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, opts.get("hwm", 100))  # vLLM 0.33 in the issue: hwm=100
+    router = ctx.socket(zmq.ROUTER)  # no ROUTER_MANDATORY: drops at its HWM, as vLLM's does
+    router.setsockopt(zmq.SNDHWM, opts.get("router_hwm", 1000))
+    for s_ in (pub, router):
+        s_.setsockopt(zmq.LINGER, 0)
+        if opts.get("sndbuf"):
+            s_.setsockopt(zmq.SNDBUF, opts["sndbuf"])
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            pub.bind(f"tcp://127.0.0.1:{port}")
+            router.bind(f"tcp://127.0.0.1:{rport}")
+            return ctx, pub, router
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # the killed predecessor's port is not free yet
+
+
+def ref_engine_main(conn: Any, port: int, rport: int, seed: int, opts: dict) -> None:
+    """vLLM's ZmqEventPublisher as the spec (§3) describes it, written from the spec: one
+    sending loop owns the PUB and the ROUTER; between two live sends it serves one waiting
+    replay request, the whole answer at once (``per_send=None``, as vLLM does) or
+    ``per_send`` messages of it per live send (the answer then follows the ring as it moves,
+    evictions included). No INFO, no snapshots, no heartbeats: a reference publisher.
+    ``pause_replay`` leaves the ROUTER unread (a sending loop busy elsewhere)."""
+    try:
+        ctx, pub, router = _ref_sockets(port, rport, opts)
+    except Exception as e:
+        conn.send(("error", repr(e)))
+        return
+    steps = opts.get("buffer_steps", 20_000)
+    ring: dict[int, bytes] = {}  # the last ``steps`` batches by seq (contiguous)
+    per_send = opts.get("per_send")
+    conn.send(("ready", int(pub.getsockopt(zmq.LAST_ENDPOINT).rsplit(b":", 1)[1]),
+               int(router.getsockopt(zmq.LAST_ENDPOINT).rsplit(b":", 1)[1]), None, os.getpid()))
+    engine = DemoEngine(capacity=opts.get("capacity", 1500))
+    prompts = Prompts(seed, opts.get("workload", "wide"))
+    truth = BlockCache()
+    history: list[KVEventBatch] = []
+    seq = 0
+    paused = False
+    serving: list | None = None  # [identity, next seq]
+    counts = {"replay_requests": 0, "replay_sent": 0, "payload_bytes": 0}
+    job: list | None = None  # [left, rate, next send time, t0, n]
+    todo: list[tuple[KVEventBatch, bytes]] = []
+
+    def serve(budget: int | None) -> None:
+        nonlocal serving
+        if serving is None:
+            if paused or not router.poll(0):
+                return
+            frames = router.recv_multipart()
+            if len(frames) != 3:
+                return  # the reference ignores malformed requests
+            counts["replay_requests"] += 1
+            serving = [frames[0], int.from_bytes(frames[2], "big")]
+        ident, cursor = serving
+        cursor = max(cursor, seq - len(ring))  # evicted meanwhile: the answer skips them
+        n = 0
+        while cursor < seq:
+            if budget is not None and n >= budget:
+                serving[1] = cursor
+                return
+            router.send_multipart([ident, b"", b"", cursor.to_bytes(8, "big"), ring[cursor]])
+            counts["replay_sent"] += 1
+            n += 1
+            cursor += 1
+        router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        serving = None
+
+    try:
+        while True:
+            while conn.poll(0 if job else 0.005):
+                cmd = conn.recv()
+                if cmd[0] == "run":
+                    # The workload is built first (its hashing costs ~0.6 ms a batch), so
+                    # the sends themselves run at the rate asked (thousands a second).
+                    todo = []
+                    while len(todo) < cmd[1]:
+                        b_ = engine.step(prompts.next())
+                        if b_ is not None:
+                            todo.append((b_, encode_batch(b_, "vllm")))
+                    todo.reverse()
+                    job = [cmd[1], cmd[2], time.monotonic(), time.monotonic(), cmd[1]]
+                elif cmd[0] == "pause_replay":
+                    paused = cmd[1]
+                    conn.send(("paused", paused))
+                elif cmd[0] == "stats":
+                    conn.send(("stats", dict(counts, seq=seq - 1,
+                                             oldest=seq - len(ring) if ring else -1)))
+                elif cmd[0] == "truth_since":
+                    c = BlockCache()
+                    for b in history[cmd[1] + 1:]:
+                        c.apply(b)
+                    conn.send(("truth", c.as_dict()))
+                elif cmd[0] == "stop":
+                    conn.send(("stopped",))
+                    return
+            serve(per_send)  # replay between live sends, as the reference does
+            if job is None:
+                continue
+            batch, payload = todo.pop()
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])  # drops at the HWM
+            ring[seq] = payload
+            if len(ring) > steps:
+                del ring[seq - steps]
+            truth.apply(batch)
+            history.append(batch)
+            counts["payload_bytes"] += len(payload)
+            seq += 1
+            job[0] -= 1
+            if job[0] == 0:
+                conn.send(("done", Done(seq - 1, seq, truth.as_dict(), sorted(engine.lru),
+                                        time.monotonic() - job[3])))
+                job = None
+            elif job[1]:
+                job[2] += 1.0 / job[1]
+                pause = job[2] - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)  # pacing the workload, not waiting on a result
+    finally:
+        pub.close()
+        router.close()
+        ctx.term()
+
+
+class Engine:
+    """Parent-side handle of one engine process (``ref=True``: the reference publisher)."""
+
+    def __init__(self, seed: int, port: int = 0, rport: int = 0, ref: bool = False,
+                 **opts: Any) -> None:
         self.seed = seed
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=engine_main, args=(child, port, rport, seed, opts),
+        main = ref_engine_main if ref else engine_main
+        self.proc = CTX.Process(target=main, args=(child, port, rport, seed, opts),
                                 daemon=True, name=f"kvwire-engine-{seed}")
         self.proc.start()
         child.close()
@@ -194,6 +331,16 @@ class Engine:
         self.conn.send(("stats",))
         msg = self._recv(10.0, "engine stats")
         return msg[1]
+
+    def pause_replay(self, paused: bool) -> None:
+        """Reference publisher only: stop / resume reading replay requests."""
+        self.conn.send(("pause_replay", paused))
+        assert self._recv(10.0, "pause replay") == ("paused", paused)
+
+    def truth_since(self, seq: int) -> dict:
+        """Reference publisher only: the cache that the batches after ``seq`` describe."""
+        self.conn.send(("truth_since", seq))
+        return self._recv(30.0, "truth since")[1]
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
@@ -315,7 +462,12 @@ def pump(sub: Subscriber, rb: Rebuild, until: Callable[[], bool], timeout: float
 
 
 def subscriber_main(conn: Any, spec: tuple, cfg: dict) -> None:
-    sub = Subscriber([StreamSpec(*spec)], config=StreamConfig(**cfg))
+    cfg = dict(cfg)
+    rcvhwm, rcvbuf = cfg.pop("rcvhwm", 100_000), cfg.pop("rcvbuf", None)
+    ctx = zmq.Context()
+    if rcvbuf:
+        ctx.setsockopt(zmq.RCVBUF, rcvbuf)  # small kernel buffers: a stall overflows them
+    sub = Subscriber([StreamSpec(*spec)], config=StreamConfig(**cfg), ctx=ctx, rcvhwm=rcvhwm)
     rb = Rebuild()
     conn.send(("ready", os.getpid()))
     try:
@@ -341,6 +493,7 @@ def subscriber_main(conn: Any, spec: tuple, cfg: dict) -> None:
         raise
     finally:
         sub.close()
+        ctx.term()
 
 
 class SubProc:

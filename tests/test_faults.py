@@ -280,3 +280,96 @@ def test_soak_randomized():
             r.close()
         rounds += 1
     print(f"soak: {rounds} rounds in {SOAK_SECONDS}s (seed {SOAK_SEED})")
+
+
+# --------------------------------------------------------------------------- reference publisher
+# Issue 9 §1: vLLM's own publisher (written here from the spec: fault_helpers.ref_engine_main)
+# serves replay from its sending loop and drops replay replies at its ROUTER's HWM. ~2.5 KB
+# batches, PUB hwm 20, ROUTER hwm 200 and 64 KiB kernel buffers on both sides, so a stalled
+# consumer overflows every buffer on the way (real drops of live and replayed messages).
+
+REF = {"hwm": 20, "router_hwm": 200, "sndbuf": 65536, "capacity": 1500}
+REF_CFG = {"request_timeout": 0.5, "info_timeout": 0.3, "retry_delay": 0.1}
+
+
+@pytest.mark.parametrize("per_send", [None, 8])
+def test_f_reference_publisher_consumer_sigstopped_recovers_exactly(reg, per_send):
+    """Several SIGSTOPs of a real subscriber process while the reference publisher sends
+    ~2.5 KB batches at up to 3,000/s: every gap (and every cut-short replay answer) is
+    filled from the publisher's buffer; the rebuilt cache equals the engine's, block for
+    block, with nothing counted lost."""
+    e = reg(Engine(11, ref=True, per_send=per_send, **REF))
+    s = reg(SubProc(e.spec(), dict(REF_CFG, rcvhwm=50, rcvbuf=65536)))
+    s.wait(lambda _, st_: st_["mode"] == "reference" and st_["phase"] == "await_first",
+           20, "subscriber bootstrapped against an empty publisher")
+    e.run(4000, 3000)
+    s.wait(lambda rb, _: rb["last_seq"] >= 0, 30, "the run started")
+    stalls = 3
+    for _ in range(stalls):
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        time.sleep(0.25)  # how long the consumer stays stopped (the fault itself)
+        os.kill(s.proc.pid, signal.SIGCONT)
+        time.sleep(0.1)  # running between stalls: it is catching up when the next one lands
+    done = e.wait_done(90)
+    rb = s.wait(lambda rb, _: rb["last_seq"] >= done.last_seq, 60, "caught up")
+    _, st_ = s.state()
+    es = e.stats()
+    print(f"ref stalls {stalls}: {done.last_seq + 1} batches, "
+          f"{es['payload_bytes'] / (done.last_seq + 1):.0f} B avg, {done.seconds:.1f}s; "
+          f"gaps {st_['gaps']} replays {st_['replays']} replayed {st_['replayed']} "
+          f"lost {st_['lost']} timeouts {st_['timeouts']}")
+    assert st_["gaps"] >= 1 and st_["replayed"] > 0, st_  # the stalls really dropped
+    assert st_["lost"] == 0 and rb["resets"] == ["bootstrap"], (st_, rb)
+    check_truth(s.cache(), done, rb["exact"])
+
+
+def test_g_reference_evicted_range_is_lost_and_reported(reg):
+    """A gap longer than the publisher's buffer (200): exactly what it no longer holds is
+    counted lost, the stream goes on inexact (Snapshot(exact=False)), and what it holds
+    after that is delivered: the cache equals what the batches since then describe."""
+    e = reg(Engine(12, ref=True, buffer_steps=200, **REF))
+    ctx = reg(zmq.Context())
+    ctx.setsockopt(zmq.RCVBUF, 65536)
+    sub, rb = reg(Subscriber([e.spec()], config=StreamConfig(**REF_CFG), ctx=ctx,
+                             rcvhwm=20)), Rebuild()
+    e.run(100, 1000)
+    pump(sub, rb, lambda: e.poll_done() is not None and rb.last_seq >= e.done.last_seq, 20,
+         "warm-up delivered")
+    assert rb.exact
+    e.run(1000, None)
+    e.wait_done(60)  # the stall: nobody reads the subscriber's sockets meanwhile
+    e.run(30, 300)  # the live stream goes on: the gap shows
+    pump(sub, rb, lambda: e.poll_done() is not None and rb.last_seq >= e.done.last_seq, 30,
+         "caught up after the stall")
+    s = st(sub)
+    seq, exact, _, _ = rb.snapshots[-1]
+    assert not rb.exact and not exact and "lost and no snapshot available" in rb.resets[-1]
+    assert s.lost >= 1 and s.resyncs == 0, s
+    assert rb.as_dict() == e.truth_since(seq)
+    assert e.stats()["oldest"] > seq  # inexact only past what the publisher still holds
+
+
+def test_h_reference_unreachable_range_with_full_buffer_rebuilds_exactly(reg):
+    """A range the consumer could not get (the publisher's loop did not serve replays for a
+    while, so every attempt timed out) while its buffer still starts at seq 0: the stream is
+    rebuilt exactly by a replay from 0 (Reset, Snapshot(-1, exact), batches from 0)."""
+    e = reg(Engine(13, ref=True, **REF))
+    ctx = reg(zmq.Context())
+    ctx.setsockopt(zmq.RCVBUF, 65536)
+    cfg = StreamConfig(**dict(REF_CFG, request_timeout=0.3))
+    sub, rb = reg(Subscriber([e.spec()], config=cfg, ctx=ctx, rcvhwm=20)), Rebuild()
+    e.run(100, 1000)
+    pump(sub, rb, lambda: e.poll_done() is not None and rb.last_seq >= e.done.last_seq, 20,
+         "warm-up delivered")
+    e.pause_replay(True)
+    e.run(1000, None)
+    e.wait_done(60)  # the stall: drops at every HWM
+    e.run(600, 300)  # live goes on while the replays go unanswered
+    # gap replay + 2 retries unanswered, then the replay from 0 is in flight
+    pump(sub, rb, lambda: st(sub).replays >= 5, 30, "attempts exhausted, rebuild asked")
+    e.pause_replay(False)
+    pump(sub, rb, lambda: rb.resets[-1].endswith("rebuilt exactly by a replay from seq 0"),
+         10, "rebuilt")
+    s = st(sub)
+    assert rb.snapshots[-1][:2] == (-1, True) and s.lost == 0 and s.resyncs == 1, s
+    converge(sub, rb, e, 60)

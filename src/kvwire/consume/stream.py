@@ -656,14 +656,17 @@ class StreamMachine:
             self._give_up(*self._rebuild_gap, now)
             return self._flush()
         self._drain()
-        if self._buffer and self._delivered + 1 == self._replay_from:
+        progress = self._delivered + 1 > self._replay_from
+        if self._buffer and not progress:
             # The replay brought nothing we needed: whatever is missing is gone.
             m = min(self._buffer)
             self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
             if self._req is None and self._phase == "replay":
                 self._resume(now)
-        else:
+        elif progress:
             self._continue(now)
+        else:
+            self._enter_live(now)
         return self._flush()
 
     def info(self, info: InfoReply, now: float) -> list[Output]:
@@ -872,7 +875,8 @@ class StreamMachine:
         """A replay answered in part: ask again for what is still missing (not a new gap).
         ``ended=False``: its end never came, so where it would have ended is unknown."""
         self._drain()
-        if ended and not self._buffer:
+        high = self._live_high
+        if ended and not self._buffer and (high is None or high <= self._delivered):  # type: ignore[operator]
             self._enter_live(now)
         elif self._mode == "kvwire":
             self._probe("gap", now)
