@@ -257,3 +257,16 @@ def test_docs_example_runs() -> None:
     assert blocks, "docs/sim.md has a python example"
     for code in blocks:
         exec(compile(code, str(DOCS), "exec"), {"__name__": "__docs__"})
+
+
+def test_fleet_demo_tells_the_story(tmp_path: Path) -> None:
+    from kvwire.sim.fleet_demo import run_fleet_demo
+
+    lines: list[str] = []
+    png = tmp_path / "report.png"
+    res = run_fleet_demo(png, engines=3, capacity=300, limit=120, out=lines.append,
+                         workers=1)
+    text = "\n".join(lines)
+    assert set(res.results) == set(POLICIES)
+    assert "x the oracle's hit ratio" in text and str(png.resolve()) in text
+    assert png.stat().st_size > 40_000
