@@ -86,10 +86,16 @@ def test_block_keys_chain_and_seed():
 @pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
 @settings(max_examples=300, deadline=None)
 @given(toks=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=200),
-       bs=st.integers(1, 40), seed=st.integers(0, 2**64 - 1))
-def test_native_keys_equal_pure_python(toks, bs, seed):
+       bs=st.integers(1, 40), seed=st.integers(0, 2**64 - 1), start=st.integers(0, 8))
+def test_native_keys_equal_pure_python(toks, bs, seed, start):
     n = len(toks) // bs
-    assert keys_mod.chain_tokens(toks, bs, n, seed) == keys_mod.py_chain_tokens(toks, bs, n, seed)
+    whole = keys_mod.chain_tokens(toks, bs, n, seed)
+    assert whole == keys_mod.py_chain_tokens(toks, bs, n, seed)
+    # a later chunk, chained from the key before it, continues the same chain
+    s = min(start, n)
+    mid = whole[s - 1] if s else seed
+    assert keys_mod.chain_tokens(toks, bs, n, mid, s) == whole[s:]
+    assert keys_mod.py_chain_tokens(toks, bs, n, mid, s) == whole[s:]
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])
@@ -170,6 +176,7 @@ class IndexMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.clock = Clock()
         self.idx = PrefixIndex(predict_ttl=TTL, clock=self.clock)
+        self.idx._first = 3  # short prompts here: make match hash in two chunks
         self.m = Model()
         self.seq = 0
 

@@ -1,8 +1,9 @@
 /* kvwire.index._keys: the chained block keys of kvwire.index.keys.chain, in C.
  *
- * chain_tokens(tokens, block_size, n, seed) -> list[int]
- *   keys of the first n blocks of the token-id sequence `tokens`: key[i] =
- *   XXH3_64bits_withSeed(int64 native bytes of block i, seed = key[i-1]), key[-1] = seed.
+ * chain_tokens(tokens, block_size, n, seed, start=0) -> list[int]
+ *   keys of blocks start..n-1 of the token-id sequence `tokens`: key[i] =
+ *   XXH3_64bits_withSeed(int64 native bytes of block i, seed = key[i-1]), key[start-1] = seed
+ *   (so a walk can hash a first few blocks, and the rest only if it gets that far).
  *   Exactly what the pure-Python path computes (array('q') bytes + xxhash's xxh3_64), but
  *   reading the ints straight from the list: no intermediate bytes object, no slices.
  *
@@ -24,9 +25,14 @@ static PyObject *
 chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "chain_tokens(tokens, block_size, n, seed)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "chain_tokens(tokens, block_size, n, seed, start=0)");
         return NULL;
+    }
+    Py_ssize_t start = 0;
+    if (nargs == 5) {
+        start = PyLong_AsSsize_t(args[4]);
+        if (start == -1 && PyErr_Occurred()) return NULL;
     }
     Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
     if (bs == -1 && PyErr_Occurred()) return NULL;
@@ -34,8 +40,8 @@ chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (n == -1 && PyErr_Occurred()) return NULL;
     unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    if (bs <= 0 || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be positive and n >= 0");
+    if (bs <= 0 || n < 0 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
         return NULL;
     }
     PyObject *seq = PySequence_Fast(args[0], "token ids must be a sequence of integers");
@@ -59,10 +65,10 @@ chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return PyErr_NoMemory();
         }
     }
-    PyObject *out = PyList_New(n);
+    PyObject *out = PyList_New(n > start ? n - start : 0);
     if (out == NULL) goto fail;
     unsigned long long k = seed;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = start; i < n; i++) {
         PyObject **blk = items + i * bs;
         for (Py_ssize_t j = 0; j < bs; j++) {
             PyObject *o = blk[j];
@@ -82,7 +88,7 @@ chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         k = XXH3_64bits_withSeed(buf, (size_t)bs * sizeof(int64_t), k);
         PyObject *key = PyLong_FromUnsignedLongLong(k);
         if (key == NULL) goto fail;
-        PyList_SET_ITEM(out, i, key);
+        PyList_SET_ITEM(out, i - start, key);
     }
     if (buf != stackbuf) PyMem_Free(buf);
     Py_DECREF(seq);
@@ -96,7 +102,7 @@ fail:
 
 static PyMethodDef methods[] = {
     {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,
-     "chain_tokens(tokens, block_size, n, seed) -> list of chained xxh3 block keys"},
+     "chain_tokens(tokens, block_size, n, seed, start=0) -> chained xxh3 block keys"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -57,18 +57,20 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
         raise ValueError("token ids must be a sequence of integers") from None
 
 
-def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int) -> list[int]:
-    """Keys of the first ``n`` blocks of ``token_ids``, chained from ``seed`` (pure Python)."""
-    if block_size <= 0 or n < 0:
-        raise ValueError("block_size must be positive and n >= 0")
+def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int,
+                    start: int = 0) -> list[int]:
+    """Keys of blocks ``start..n-1`` of ``token_ids``, chained from ``seed`` (the key of block
+    ``start - 1``, or the root seed); the pure-Python twin of the C ``chain_tokens``."""
+    if block_size <= 0 or n < 0 or start < 0:
+        raise ValueError("block_size must be positive, n and start >= 0")
     if n > len(token_ids) // block_size:
         raise ValueError("fewer token ids than n blocks of block_size")
     step = block_size * 8
-    mv = memoryview(token_bytes(token_ids[: n * block_size]))
-    out = []
+    mv = memoryview(token_bytes(token_ids[start * block_size : n * block_size]))
+    out: list[int] = []
     append = out.append
     k = seed
-    for off in range(0, n * step, step):
+    for off in range(0, (n - start) * step if n > start else 0, step):
         k = xxh3_64_intdigest(mv[off : off + step], k)
         append(k)
     return out

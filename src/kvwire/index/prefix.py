@@ -45,6 +45,8 @@ DEFAULT_TIER_ALIASES: dict[str, str] = {
 GHOSTS = 65_536
 #: Requests a stream must have seen, all without a single match, before it is called suspect.
 SUSPECT_AFTER = 20
+#: Keys hashed before the walk's first look (the rest only if a stream matches that far).
+_FIRST = 16
 _SYNTH = 0x6B76_7769_7265_5F78  # seed for keys of blocks whose tokens are unknown
 
 
@@ -194,6 +196,8 @@ class PrefixIndex:
         #: Items ``apply`` could not use (wrong type), counted; see ``last_error``.
         self.bad_items = 0
         self.last_error = ""
+        self._first = _FIRST
+        self._last = 0  # the last key a walk looked at (where a second chunk continues)
 
     # ------------------------------------------------------------------ streams and tiers
 
@@ -567,11 +571,21 @@ class PrefixIndex:
             if n == 0 or not group:
                 continue
             self._bs_requests[bs] = self._bs_requests.get(bs, 0) + 1
-            if NATIVE:  # all keys in C (~25 ns a block) beats hashing lazily in Python
-                keys: Iterable[int] = chain_tokens(token_ids, bs, n, seed)
+            slow: list[tuple[int, int, int, int]] = []
+            if NATIVE:  # a first few keys in C, the rest only if some stream gets that far
+                first = min(n, self._first)
+                alive, i = self._walk(chain_tokens(token_ids, bs, first, seed), group, 0,
+                                      found, slow)
+                if alive and n > first:
+                    alive, i = self._walk(chain_tokens(token_ids, bs, n, self._last, first),
+                                          alive, i, found, slow)
             else:
-                keys = _lazy_keys(token_ids, bs, n, seed)
-            self._walk(keys, group, found)
+                alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed), group, 0, found,
+                                      slow)
+            for s in _bits(alive):
+                found[s] = (i, 0, None)
+            if slow:
+                self._attribute(slow, found)
         credits = [self.tier_credits[t] for t in self._tiers]
         tiers = self._tiers
         out: dict[str, StreamMatch] = {}
@@ -598,15 +612,17 @@ class PrefixIndex:
             out[name] = StreamMatch(name, pb, counts, predicted, credit)
         return out
 
-    def _walk(self, keys: Iterable[int], alive: int,
-              found: dict[int, tuple[int, int, dict[int, int] | None]]) -> None:
-        """Follow the prompt's keys while any stream of the group (``alive``) still matches."""
+    def _walk(self, keys: Iterable[int], alive: int, i: int,
+              found: dict[int, tuple[int, int, dict[int, int] | None]],
+              slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
+        """Follow the prompt's keys from block ``i`` while any stream in ``alive`` still
+        matches; a stream that stops matching gets its matched length in ``found``. Blocks
+        not all in the best tier (or predicted) go to ``slow``, run-length coded."""
         kget = self._keys.get
         pred = self._pred
         pget = pred.get
         W = self._W
-        i = 0
-        slow: list[tuple[int, int, int, int]] = []  # (v, p, alive, run) for non-fast blocks
+        k = 0
         for k in keys:
             v = kget(k, 0)
             if pred:
@@ -628,11 +644,13 @@ class PrefixIndex:
                 else:
                     slow.append((v, p, alive, 1))
             i += 1
-        for s in _bits(alive):
-            found[s] = (i, 0, None)
-        if not slow:
-            return
-        # tier attribution for blocks not all in the best tier, run by run
+        self._last = k
+        return alive, i
+
+    def _attribute(self, slow: list[tuple[int, int, int, int]],
+                   found: dict[int, tuple[int, int, dict[int, int] | None]]) -> None:
+        """Tier attribution of the blocks not all in the best tier, run by run."""
+        W = self._W
         full = (1 << W) - 1
         lanes = 2 + len(self._tiers)
         extra: dict[int, dict[int, int]] = {}
