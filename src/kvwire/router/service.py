@@ -144,7 +144,7 @@ class RouterCore:
         expiry_s: float = 600.0,
         predict_ttl: float = 3.0,
         decode_load: float = 1.0,
-        decode_share: float = 0.0,
+        decode_share: float = 50.0,
         stream_config: StreamConfig | None = None,
         lock_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -159,7 +159,7 @@ class RouterCore:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.engines = list(engines)
-        self.policy = policy or RoutingPolicy()
+        self.policy = policy or RoutingPolicy(load_weight=0.5)
         if not decode_load >= 0 or not decode_share >= 0:
             raise ValueError(f"decode_load and decode_share must be >= 0, got "
                              f"{decode_load}, {decode_share}")
