@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 # the cross-process correctness suites (ordering/integrity, random sizes across the chunk
 # size and overflow, 1-3 readers, dead peers, wake-ups) and the in-process ones
 SUITES = ["test_shm_procs.py", "test_shm_faults.py", "test_shm_wake.py", "test_shm_ring.py",
-          "test_shm_queue.py", "test_shm_native.py"]
+          "test_shm_queue.py", "test_shm_native.py", "test_shm_shutdown.py"]
 
 
 @pytest.mark.skipif(os.environ.get("KVWIRE_SHM_PURE", "") == "1",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import random
@@ -53,28 +54,39 @@ def test_idle_reader_sleeps_and_wakes_fast() -> None:
     q.close()
 
 
-def _stress(n: int, n_reader: int, seed: int) -> None:
+def _stress(n: int, n_reader: int, seed: int, budget_s: float | None = None) -> int:
+    """Writer and ``n_reader`` reader processes with random pauses on both sides and no
+    liveness timer, so a lost wake-up shows as a 20-30 s time-out. ``budget_s``: stop
+    after that long (or n), then send None; returns how many messages went through."""
     q = MessageQueue(n_reader, n_reader, max_chunk_bytes=256, max_chunks=4, spin_s=20e-6,
                      liveness_interval=1e4, warn_interval=0)
     out = CTX.Queue()
-    ps = [CTX.Process(target=stress_reader, args=(q.export_handle(), r, n, seed, out))
+    rn = None if budget_s is not None else n
+    ps = [CTX.Process(target=stress_reader, args=(q.export_handle(), r, rn, seed, out))
           for r in range(n_reader)]
     for p in ps:
         p.start()
     q.wait_until_ready(timeout=60)
     rng = random.Random(seed)
-    for i in range(n):
+    end = math.inf if budget_s is None else time.monotonic() + budget_s
+    sent = 0
+    while sent < n and (sent & 255 or time.monotonic() < end):
         if rng.random() < 0.001:
             time.sleep(rng.random() * 0.003)
         elif rng.random() < 0.01:
             time.sleep(0)
-        q.enqueue(i, timeout=20)  # a lost wake-up of the writer would end here
+        q.enqueue(sent, timeout=20)  # a lost wake-up of the writer would end here
+        sent += 1
+    if budget_s is not None:
+        q.enqueue(None, timeout=20)
     res = dict(out.get(timeout=120) for _ in ps)
     for p in ps:
         p.join(30)
         assert p.exitcode == 0
-    assert res == dict.fromkeys(range(n_reader))
+    want = None if budget_s is None else (sent, None)
+    assert res == dict.fromkeys(range(n_reader), want)
     q.close()
+    return sent
 
 
 def test_no_lost_wakeups_random_pauses() -> None:
@@ -106,6 +118,13 @@ def test_small_object_round_trip_is_fast() -> None:
     assert statistics.median(windows) < 250, windows
     wq.close()
     rq.close()
+
+
+def test_no_lost_wakeups_three_readers_bounded() -> None:
+    """The issue's 3-reader stress, bounded for CI: 15 s of traffic (a 2-core box moves
+    tens of thousands of messages, each one possibly a sleep/wake on either side)."""
+    sent = _stress(1_000_000, 3, seed=3, budget_s=15.0)
+    assert sent >= 1000, f"only {sent} messages in 15 s"
 
 
 @pytest.mark.skipif(not os.environ.get("KVWIRE_SHM_STRESS_N"), reason="long run on demand")

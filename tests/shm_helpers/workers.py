@@ -147,23 +147,28 @@ def wake_reader(handle: Any, n: int, out: Any) -> None:
     q.close()
 
 
-def stress_reader(handle: Any, rank: int, n: int, seed: int, out: Any) -> None:
-    """Read 0..n-1 with random pauses; report count and first mismatch."""
+def stress_reader(handle: Any, rank: int, n: int | None, seed: int, out: Any) -> None:
+    """Read 0..n-1 with random pauses; report the first mismatch. ``n=None``: read until
+    the writer's None (a time-bounded run) and report (count, first mismatch)."""
     # No liveness polling: a lost wake-up would then hang until the dequeue timeout.
     q = MessageQueue.create_from_handle(handle, rank, spin_s=20e-6, liveness_interval=1e4,
                                         warn_interval=0)
     q.wait_until_ready(timeout=30)
     rng = random.Random(seed + rank)
     bad = None
-    for i in range(n):
+    i = 0
+    while n is None or i < n:
         if rng.random() < 0.001:
             time.sleep(rng.random() * 0.003)
         elif rng.random() < 0.01:
             time.sleep(0)
         got = q.dequeue(timeout=30)
+        if n is None and got is None:
+            break
         if bad is None and got != i:
             bad = (i, got)
-    out.put((rank, bad))
+        i += 1
+    out.put((rank, bad if n is not None else (i, bad)))
     q.close()
 
 
