@@ -91,6 +91,11 @@ class ZmqEventPublisher(EventPublisher):
     (CurveZMQ keys for the live and replay sockets), ``context`` (a zmq.Context to share,
     required for ``inproc://`` endpoints).
 
+    Batches may hold kvwire's event classes (encoded in ``dialect``) or an engine's own
+    msgspec structs (encoded as given, byte-exact with that engine's encoder; the snapshot
+    model follows them by tag and shape). A batch without a rank goes out with this
+    publisher's, as vLLM's does.
+
     Threads: the caller takes a seq and appends to a bounded deque. One background thread
     encodes, keeps the bytes for replay, updates the snapshot model and sends, all without
     releasing the GIL per frame (kvwire.frames); it answers the replay socket and sends
