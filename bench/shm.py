@@ -5,6 +5,9 @@ One writer process and one reader process (spawned). Measures:
     one per direction),
   * one-way throughput of that small tuple,
   * one-way throughput of 4 MiB bytes (for kvwire also numpy, and in place),
+  * for each of those, the CPU time both sides spent (process_time of the writer process
+    and of the reader/echo process over the same messages, per message): a reader that
+    spins instead of sleeping costs a core, which wall-clock rates alone would hide,
   * wake-up latency (kvwire only, next to a bare futex): the reader has been idle and asleep
     for ~1 s, the writer (busy, as an engine between steps) enqueues; time from just
     before enqueue to the reader's return from dequeue, median and p90 of a few trials.
@@ -13,6 +16,7 @@ One writer process and one reader process (spawned). Measures:
 
 kvwire runs twice: with its C hot path (kvwire.shm._ring) in this process, and in a
 subprocess with KVWIRE_SHM_PURE=1 (the pure-Python path), so both are in one table.
+Every transport moves the same number of messages.
 
 Run: .venv/bin/python bench/shm.py            (about a minute)
      .venv/bin/python bench/shm.py --quick    (about ten seconds, smaller counts)
@@ -42,8 +46,9 @@ def _now() -> float:
 
 
 # ------------------------------------------------------------------ ping-pong
-def _pingpong_child(kind: str, a: Any, b: Any, n: int) -> None:
-    # echo: read from a, write to b
+def _pingpong_child(kind: str, a: Any, b: Any, warm: int, n: int, res: Any) -> None:
+    """Echo: read from a, write to b; report the CPU time of the n timed round trips."""
+    cpu0 = 0.0
     if kind == "kvwire":
         from kvwire.shm import MessageQueue
 
@@ -52,39 +57,50 @@ def _pingpong_child(kind: str, a: Any, b: Any, n: int) -> None:
         b.put(wq.export_handle())
         rq.wait_until_ready()
         wq.wait_until_ready()
-        for _ in range(n):
+        for i in range(warm + n):
+            if i == warm:
+                cpu0 = time.process_time()
             wq.enqueue(rq.dequeue())
+        res.put(time.process_time() - cpu0)
         rq.close()
         wq.close()
-    elif kind == "mp.Queue":
-        for _ in range(n):
+        return
+    if kind == "mp.Queue":
+        def echo() -> None:
             b.put(a.get())
     elif kind == "mp.Pipe":
-        for _ in range(n):
+        def echo() -> None:
             b.send(a.recv())
-    elif kind == "zmq-ipc":
+    else:
         import pickle
 
         import zmq
 
         s = zmq.Context.instance().socket(zmq.PAIR)
         s.connect(a)
-        for _ in range(n):
+
+        def echo() -> None:
             s.send(pickle.dumps(pickle.loads(s.recv())))
-        s.close()
+    for i in range(warm + n):
+        if i == warm:
+            cpu0 = time.process_time()
+        echo()
+    res.put(time.process_time() - cpu0)
 
 
-def bench_pingpong(kind: str, n: int) -> float:
-    """Average round trip in us over n round trips, after n // 10 untimed warm-up ones."""
+def bench_pingpong(kind: str, n: int) -> tuple[float, float, float]:
+    """Average round trip in us over n round trips, after n // 10 untimed warm-up ones,
+    and the CPU us per round trip of this process and of the echo process."""
     ctx = mp.get_context("spawn")
     warm = n // 10
-    total = n + warm
+    cpu_q = ctx.Queue()
     if kind == "kvwire":
         from kvwire.shm import MessageQueue
 
         wq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=64)
         back = ctx.Queue()
-        p = ctx.Process(target=_pingpong_child, args=(kind, wq.export_handle(), back, total))
+        p = ctx.Process(target=_pingpong_child,
+                        args=(kind, wq.export_handle(), back, warm, n, cpu_q))
         p.start()
         rq = MessageQueue.create_from_handle(back.get(), 0)
         wq.wait_until_ready()
@@ -92,13 +108,13 @@ def bench_pingpong(kind: str, n: int) -> float:
         send, recv = wq.enqueue, rq.dequeue
     elif kind == "mp.Queue":
         q1, q2 = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=_pingpong_child, args=(kind, q1, q2, total))
+        p = ctx.Process(target=_pingpong_child, args=(kind, q1, q2, warm, n, cpu_q))
         p.start()
         send, recv = q1.put, q2.get
     elif kind == "mp.Pipe":
         a1, b1 = ctx.Pipe()
         a2, b2 = ctx.Pipe()
-        p = ctx.Process(target=_pingpong_child, args=(kind, b1, a2, total))
+        p = ctx.Process(target=_pingpong_child, args=(kind, b1, a2, warm, n, cpu_q))
         p.start()
         send, recv = a1.send, b2.recv
     else:
@@ -109,7 +125,7 @@ def bench_pingpong(kind: str, n: int) -> float:
         path = "ipc://" + os.path.join(tempfile.mkdtemp(), "pp")
         s = zmq.Context.instance().socket(zmq.PAIR)
         s.bind(path)
-        p = ctx.Process(target=_pingpong_child, args=(kind, path, None, total))
+        p = ctx.Process(target=_pingpong_child, args=(kind, path, None, warm, n, cpu_q))
         p.start()
 
         def send(o: Any) -> None:
@@ -121,16 +137,17 @@ def bench_pingpong(kind: str, n: int) -> float:
     for _ in range(warm):
         send(SMALL)
         recv()
-    t0 = _now()
+    t0, c0 = _now(), time.process_time()
     for _ in range(n):
         send(SMALL)
         recv()
-    dt = _now() - t0
+    dt, cpu = _now() - t0, time.process_time() - c0
+    cpu_echo = cpu_q.get()
     p.join()
     if kind == "kvwire":
         wq.close()
         rq.close()
-    return dt / n * 1e6
+    return dt / n * 1e6, cpu / n * 1e6, cpu_echo / n * 1e6
 
 
 # ------------------------------------------------------------------ one way
@@ -144,17 +161,17 @@ def _sink_child(kind: str, src: Any, res: Any, n: int, payload: str) -> None:
         if kind == "kvwire-inplace":
             with q.dequeue_inplace() as m:
                 size = len(memoryview(m).cast("B")) if payload != "small" else 0
-            t0 = _now()
+            t0, c0 = _now(), time.process_time()
             for _ in range(n - 1):
                 with q.dequeue_inplace() as m:
                     pass
         else:
             m = q.dequeue()
-            t0 = _now()
+            t0, c0 = _now(), time.process_time()
             for _ in range(n - 1):
                 m = q.dequeue()
             size = m.nbytes if payload == "numpy" else (len(m) if payload == "bytes" else 0)
-        res.put((_now() - t0, size))
+        res.put((_now() - t0, time.process_time() - c0, size))
         q.close()
         return
     if kind == "mp.Queue":
@@ -173,14 +190,16 @@ def _sink_child(kind: str, src: Any, res: Any, n: int, payload: str) -> None:
             return pickle.loads(s.recv(copy=False).buffer)
 
     m = get()
-    t0 = _now()
+    t0, c0 = _now(), time.process_time()
     for _ in range(n - 1):
         m = get()
-    res.put((_now() - t0, len(m) if payload == "bytes" else 0))
+    res.put((_now() - t0, time.process_time() - c0, len(m) if payload == "bytes" else 0))
 
 
-def bench_oneway(kind: str, n: int, payload: str) -> float:
-    """Messages/s for small payloads, GB/s for big ones (measured at the reader)."""
+def bench_oneway(kind: str, n: int, payload: str) -> tuple[float, float, float]:
+    """Messages/s for small payloads, GB/s for big ones (measured at the reader), and the
+    CPU us per message of the writer (all its threads, until the reader is done) and of
+    the reader (over the same n - 1 messages its rate is measured on)."""
     import numpy as np
 
     ctx = mp.get_context("spawn")
@@ -225,15 +244,16 @@ def bench_oneway(kind: str, n: int, payload: str) -> float:
         def send(o: Any) -> None:
             s.send(pickle.dumps(o, protocol=5), copy=not big)
 
+    c0 = time.process_time()
     for _ in range(n):
         send(obj)
-    dt, _size = res.get()
+    dt, cpu_r, _size = res.get()
+    cpu_w = time.process_time() - c0
     p.join()
     if kind.startswith("kvwire"):
         wq.close()
-    if big:
-        return (n - 1) * BIG / dt / 1e9
-    return (n - 1) / dt
+    rate = (n - 1) * BIG / dt / 1e9 if big else (n - 1) / dt
+    return rate, cpu_w / n * 1e6, cpu_r / (n - 1) * 1e6
 
 
 # ------------------------------------------------------------------ wake-up latency
@@ -374,6 +394,16 @@ def _wake_cell(lat: list[float] | None) -> str:
     return f"{statistics.median(lat):,.0f} / {pct(lat, 0.9):,.0f}"
 
 
+def _cpu_cell(m: Any, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    """'writer / reader' CPU per message (us, times ``scale``), or '' when not measured."""
+    if m is None:
+        return ""
+    return f"{fmt.format(m[1] * scale)} / {fmt.format(m[2] * scale)}"
+
+
+Row = tuple[str, Any, Any, Any, "list[float] | None"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small counts, a few seconds")
@@ -387,7 +417,7 @@ def main() -> None:
 
     from kvwire.shm._native import NATIVE, REASON
 
-    rows: list[tuple[str, float | None, float | None, float | None, list[float] | None]] = []
+    rows: list[Row] = []
     main_kv = kvwire_core(c)
     rows.append(("kvwire, C hot path" if NATIVE else "kvwire, pure Python", main_kv["pp"],
                  main_kv["small"], main_kv["big"], main_kv["wake"]))
@@ -396,11 +426,9 @@ def main() -> None:
         if pure is not None:
             rows.append(("kvwire, pure Python", pure["pp"], pure["small"], pure["big"],
                          pure["wake"]))
-    for k in ["mp.Queue", "mp.Pipe", "zmq-ipc"]:
-        pp = bench_pingpong(k, c["pp"] // 4)
-        small = bench_oneway(k, c["small"] // 4, "small")
-        big = bench_oneway(k, max(c["big"] // 4, 10), "bytes")
-        rows.append((k, pp, small, big, None))
+    for k in ["mp.Queue", "mp.Pipe", "zmq-ipc"]:  # the same message counts as kvwire's
+        rows.append((k, bench_pingpong(k, c["pp"]), bench_oneway(k, c["small"], "small"),
+                     bench_oneway(k, c["big"], "bytes"), None))
     futex, futex_py, how = bench_wake_futex(c["wake"], c["idle"])
     if how == "C":
         rows.append(("bare futex wake", None, None, None, futex))
@@ -415,15 +443,22 @@ def main() -> None:
     print(f"small = {SMALL!r}, pickled by every transport (kvwire's C path writes the "
           f"pickle opcodes itself); 4 MiB = bytes unless named; wake = enqueue -> dequeue "
           f"returns, reader asleep for {c['idle']:g} s, {c['wake']} trials")
-    w = 28
-    hdr = (f"| {'transport':<{w}} | {'RTT small (us)':>14} | {'small msgs/s':>12} | "
-           f"{'4 MiB GB/s':>10} | {'wake p50 / p90 (us)':>19} |")
-    print(hdr)
-    print("|" + "|".join("-" * (len(col) + 0) for col in hdr.split("|")[1:-1]) + "|")
+    print(f"messages per transport: {c['pp']:,} round trips, {c['small']:,} small, "
+          f"{c['big']:,} x 4 MiB; CPU = process time per message of the writer / the "
+          f"reader (echo) process")
+    cols = [("transport", 28), ("RTT small (us)", 14), ("RTT CPU w / r (us)", 18),
+            ("small msgs/s", 12), ("small CPU w / r (us)", 20), ("4 MiB GB/s", 10),
+            ("4 MiB CPU w / r (ms)", 20), ("wake p50 / p90 (us)", 19)]
+    print("| " + " | ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}"
+                             for i, (h, w) in enumerate(cols)) + " |")
+    print("|" + "|".join("-" * (w + 2) for _, w in cols) + "|")
     for name, pp, small, big, wake in rows:
-        print(f"| {name:<{w}} | {'' if pp is None else f'{pp:.1f}':>14} | "
-              f"{'' if small is None else f'{small:,.0f}':>12} | "
-              f"{'' if big is None else f'{big:.2f}':>10} | {_wake_cell(wake):>19} |")
+        cells = [name, "" if pp is None else f"{pp[0]:.1f}", _cpu_cell(pp),
+                 "" if small is None else f"{small[0]:,.0f}", _cpu_cell(small),
+                 "" if big is None else f"{big[0]:.2f}", _cpu_cell(big, 1e-3, "{:.2f}"),
+                 _wake_cell(wake)]
+        print("| " + " | ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}"
+                                 for i, (v, (_, w)) in enumerate(zip(cells, cols))) + " |")
 
 
 if __name__ == "__main__":
