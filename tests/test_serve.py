@@ -4,6 +4,7 @@ bad input gets 4xx; the status page is checked in a real headless chromium."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -79,12 +80,14 @@ class Fleet:
         return sum(self.engine_row(name)["blocks"].values())
 
 
-@pytest.fixture
-def fleet(tmp_path) -> Iterator[Fleet]:
-    pubs = {n: publisher(tmp_path, n) for n in ("a", "b")}
+@contextlib.contextmanager
+def running_fleet(where) -> Iterator[Fleet]:
+    """Two engines' publishers, the router core and uvicorn on a free loopback port."""
+    pubs = {n: publisher(where, n) for n in ("a", "b")}
     engines = [EngineSpec(n, p.endpoint, p.replay_endpoint) for n, p in pubs.items()]
+    # dead after 2 s of silence (10 missed 0.2 s heartbeats): no false deaths on a busy box
     core = RouterCore(engines, policy=RoutingPolicy(seed=0), block_size=BS, max_tokens=4096,
-                      predict_ttl=2.0, stream_config=StreamConfig(dead_after=1.0))
+                      predict_ttl=2.0, stream_config=StreamConfig(dead_after=2.0))
     core.start()
     server, thread, port = serve_in_thread(core)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
@@ -97,6 +100,19 @@ def fleet(tmp_path) -> Iterator[Fleet]:
         core.close()
         for p in pubs.values():
             p.shutdown(timeout=1)
+
+
+@pytest.fixture
+def fleet(tmp_path) -> Iterator[Fleet]:
+    with running_fleet(tmp_path) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(tmp_path_factory) -> Iterator[Fleet]:
+    """One fleet for the stateless bad-input cases (each would otherwise start its own)."""
+    with running_fleet(tmp_path_factory.mktemp("shared")) as f:
+        yield f
 
 
 def fill(f: Fleet) -> tuple[list[int], list[int]]:
@@ -199,7 +215,9 @@ BAD = [
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), BAD,
                          ids=[f"{p}-{s}-{i}" for i, (p, _, s, _) in enumerate(BAD)])
-def test_bad_input_is_4xx_naming_the_problem(fleet: Fleet, path, body, status, needle) -> None:
+def test_bad_input_is_4xx_naming_the_problem(shared_fleet: Fleet, path, body, status,
+                                             needle) -> None:
+    fleet = shared_fleet
     r = fleet.http.post(path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]
@@ -461,7 +479,7 @@ def test_sigkilled_engine_process_stops_getting_traffic_and_restart_rebuilds(tmp
     procs = {"a": engine("a", 1, 8), "b": engine("b", 2, 8)}
     specs = [EngineSpec.parse(f"{n}=ipc://{tmp_path}/{n}.live,replay=ipc://{tmp_path}/{n}.replay")
              for n in procs]
-    core = RouterCore(specs, block_size=BS, stream_config=StreamConfig(dead_after=1.0))
+    core = RouterCore(specs, block_size=BS, stream_config=StreamConfig(dead_after=2.0))
     core.start()
     server, thread, port = serve_in_thread(core)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
