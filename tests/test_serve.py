@@ -5,6 +5,7 @@ bad input gets 4xx; the status page is checked in a real headless chromium."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -512,3 +515,29 @@ def test_sigkilled_engine_process_stops_getting_traffic_and_restart_rebuilds(tmp
         for p in procs.values():
             p.kill()
             p.wait(10)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner,
+                                                                  max_size=4),
+    max_leaves=20,
+)
+bodies = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({"token_ids": json_values}, optional={
+        "lora_name": json_values, "salt": json_values, "request_id": json_values,
+        "output_tokens": json_values}).map(lambda v: json.dumps(v).encode()),
+)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/route", "/score", "/release"]), body=bodies)
+def test_fuzzed_bodies_never_get_a_5xx(shared_fleet: Fleet, path: str, body: bytes) -> None:
+    r = shared_fleet.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]  # says what was wrong
