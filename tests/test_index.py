@@ -98,6 +98,18 @@ def test_native_keys_equal_pure_python(toks, bs, seed, start):
     assert keys_mod.py_chain_tokens(toks, bs, n, mid, s) == whole[s:]
 
 
+@pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
+@settings(max_examples=200, deadline=None)
+@given(start=st.dictionaries(st.integers(0, 20), st.integers(1, 2**200)),
+       keys=st.lists(st.integers(0, 20)), slot=st.integers(0, 60))
+def test_native_add_bits_equals_pure_python(start, keys, slot):
+    setb, keep, tb = (1 | 4) << slot, ~(2 << slot), 4 << slot
+    a, b = dict(start), dict(start)
+    assert keys_mod.add_bits(a, keys, setb, keep, tb) == keys_mod.py_add_bits(b, keys, setb,
+                                                                              keep, tb)
+    assert a == b
+
+
 @pytest.mark.parametrize("impl", ["native", "python"])
 def test_key_errors_are_named(impl):
     chain = keys_mod.chain_tokens if impl == "native" else keys_mod.py_chain_tokens
@@ -116,6 +128,7 @@ def key_impl(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(prefix_mod, "NATIVE", False)
         monkeypatch.setattr(prefix_mod, "chain_tokens", keys_mod.py_chain_tokens)
+        monkeypatch.setattr(prefix_mod, "add_bits", keys_mod.py_add_bits)
     elif not keys_mod.NATIVE:
         pytest.skip(f"C keys not built: {keys_mod.REASON}")
     return request.param

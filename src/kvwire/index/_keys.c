@@ -100,7 +100,57 @@ fail:
     return NULL;
 }
 
+/* add_bits(masks, keys, setb, keep, tb) -> list of the keys whose masks already had tb
+ *   for each key: masks[key] = setb when absent, else (masks[key] | setb) & keep unless
+ *   masks[key] & tb (then the key is returned: a second engine hash for it). The ingest
+ *   loop of PrefixIndex._add for new best-tier blocks, without the interpreter per block. */
+static PyObject *
+add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "add_bits(dict, list, setb, keep, tb)");
+        return NULL;
+    }
+    PyObject *masks = args[0], *keys = args[1], *setb = args[2], *keep = args[3];
+    PyObject *tb = args[4];
+    PyObject *dups = PyList_New(0);
+    if (dups == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        PyObject *v = PyDict_GetItemWithError(masks, k); /* borrowed */
+        if (v == NULL) {
+            if (PyErr_Occurred() || PyDict_SetItem(masks, k, setb) < 0) goto fail;
+            continue;
+        }
+        PyObject *has = PyNumber_And(v, tb);
+        if (has == NULL) goto fail;
+        int dup = PyObject_IsTrue(has);
+        Py_DECREF(has);
+        if (dup < 0) goto fail;
+        if (dup) {
+            if (PyList_Append(dups, k) < 0) goto fail;
+            continue;
+        }
+        PyObject *o = PyNumber_Or(v, setb);
+        if (o == NULL) goto fail;
+        PyObject *nv = PyNumber_And(o, keep);
+        Py_DECREF(o);
+        if (nv == NULL) goto fail;
+        int rc = PyDict_SetItem(masks, k, nv);
+        Py_DECREF(nv);
+        if (rc < 0) goto fail;
+    }
+    return dups;
+fail:
+    Py_DECREF(dups);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"add_bits", (PyCFunction)(void (*)(void))add_bits, METH_FASTCALL,
+     "add_bits(masks, keys, setb, keep, tb) -> keys already holding tb"},
     {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,
      "chain_tokens(tokens, block_size, n, seed, start=0) -> chained xxh3 block keys"},
     {NULL, NULL, 0, NULL},

@@ -18,7 +18,9 @@ from typing import Any
 import msgspec
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["NATIVE", "ROOT_SEED", "block_keys", "chain_tokens", "root_seed", "token_bytes"]
+__all__ = [
+    "NATIVE", "ROOT_SEED", "add_bits", "block_keys", "chain_tokens", "root_seed", "token_bytes",
+]
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
 ROOT_SEED = 0
@@ -76,15 +78,33 @@ def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int
     return out
 
 
+def py_add_bits(masks: dict[int, int], keys: list[int], setb: int, keep: int,
+                tb: int) -> list[int]:
+    """Set ``setb`` (and clear what ``keep`` does not keep) in ``masks`` for every key, except
+    keys whose mask already has ``tb``: those are returned (the pure twin of the C one)."""
+    dups = []
+    get = masks.get
+    for k in keys:
+        v = get(k)
+        if v is None:
+            masks[k] = setb
+        elif v & tb:
+            dups.append(k)
+        else:
+            masks[k] = (v | setb) & keep
+    return dups
+
+
 NATIVE = False
 #: Why the C path is not used (empty when it is).
 REASON = ""
 chain_tokens = py_chain_tokens
+add_bits = py_add_bits
 if os.environ.get("KVWIRE_NO_NATIVE"):
     REASON = "KVWIRE_NO_NATIVE set"
 else:
     try:
-        from ._keys import chain_tokens  # type: ignore[no-redef]  # noqa: F811
+        from ._keys import add_bits, chain_tokens  # type: ignore[no-redef]  # noqa: F811
 
         NATIVE = True
     except ImportError as e:  # not built (no compiler / no libxxhash): same keys, slower

@@ -25,7 +25,7 @@ from xxhash import xxh3_64_intdigest
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from .keys import NATIVE, chain_tokens, root_seed, token_bytes
+from .keys import NATIVE, add_bits, chain_tokens, root_seed, token_bytes
 
 __all__ = [
     "DEFAULT_TIER_ALIASES", "DEFAULT_TIER_CREDITS", "PrefixIndex", "StreamIndexStats",
@@ -365,6 +365,16 @@ class PrefixIndex:
         kget = kd.get
         pred = st.pred
         dget = d.get
+        if t == 0 and not pred and d.keys().isdisjoint(hs):
+            # the common case: new blocks in the best tier, no predictions to confirm
+            before = len(d)
+            d.update(zip(hs, keys))
+            if len(d) - before == len(hs):
+                for k in add_bits(kd, keys, bit | tb, ~nb, tb):
+                    self._dup(st, t, k)
+                return
+            for h in hs:  # one hash twice in the event: undo, take the careful path
+                d.pop(h, None)
         if t == 0:  # the best tier: any-lane and tier lane set, not-best lane cleared
             setb = bit | tb
             for h, k in zip(hs, keys):
