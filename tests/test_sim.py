@@ -270,3 +270,14 @@ def test_fleet_demo_tells_the_story(tmp_path: Path) -> None:
     assert set(res.results) == set(POLICIES)
     assert "x the oracle's hit ratio" in text and str(png.resolve()) in text
     assert png.stat().st_size > 40_000
+
+
+def test_kvwire_routes_like_the_oracle() -> None:
+    """From events alone, kvwire finds about what the oracle finds reading the caches (a key
+    mismatch between events and prompts would leave it only its predictions)."""
+    reqs = load_trace(bundled_trace_path(), limit=600)
+    res = run_sim(reqs, SimConfig(engines=4, capacity=3000), ["kvwire", "oracle", "random"],
+                  progress=False).to_json()["policies"]
+    assert res["kvwire"]["hit_ratio"] >= 0.9 * res["oracle"]["hit_ratio"] > 0
+    assert res["kvwire"]["hit_ratio"] >= 2.5 * res["random"]["hit_ratio"]
+    assert res["kvwire"]["work_max_over_mean"] <= 1.10
