@@ -398,8 +398,10 @@ def test_listen_prints_the_summary_when_signalled(sig: int, status: int) -> None
     assert summary(err)[ref.endpoint] == {"batches": 5, "gaps": 0, "replayed": 0, "lost": 0}
 
 
-def _run_on_a_terminal(argv: list[str], env: dict[str, str], publish) -> tuple[int, str]:
-    """Run ``argv`` with stdout and stderr on a pseudo-terminal; (status, what it showed)."""
+def _run_on_a_terminal(argv: list[str], env: dict[str, str], drive) -> tuple[int, str]:
+    """Run ``argv`` with stdout and stderr on a pseudo-terminal; (status, what it showed).
+
+    ``drive(proc, shown)`` runs meanwhile; ``shown()`` is what the terminal got so far."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
     os.close(slave)
@@ -418,7 +420,7 @@ def _run_on_a_terminal(argv: list[str], env: dict[str, str], publish) -> tuple[i
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        publish()
+        drive(proc, lambda: b"".join(chunks).decode(errors="replace"))
         proc.wait(timeout=60)
         reader.join(10)
     finally:
@@ -431,7 +433,8 @@ def _run_on_a_terminal(argv: list[str], env: dict[str, str], publish) -> tuple[i
 def test_listen_on_a_terminal_with_and_without_rich(tmp_path, have_rich: bool) -> None:
     """``pip install kvwire`` has no rich: on a terminal the listener falls back to the plain
     view with a one-line hint instead of crashing (rich made unimportable for real: a
-    ``rich.py`` that raises ImportError first on the path)."""
+    ``rich.py`` that raises ImportError first on the path). With rich, the live table, left
+    by Ctrl-C (the usual way out of it) with the summary after it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm", COLUMNS="200")
     if not have_rich:
         (tmp_path / "rich.py").write_text('raise ImportError("rich blocked by test_cli")\n')
@@ -439,17 +442,24 @@ def test_listen_on_a_terminal_with_and_without_rich(tmp_path, have_rich: bool) -
             [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
     ref = ReferencePublisher(b"")
 
-    def publish() -> None:
+    def drive(proc: subprocess.Popen, shown) -> None:
         ref.wait_subscribed()
         for i in range(3):
             ref.publish(i, encode_batch(batch(i)))
+        if not have_rich:
+            return  # --count 3 ends it
+        deadline = time.monotonic() + 30
+        while not re.search(r"live-only/live\s*│\s*2\s*│", shown()):  # the table shows seq 2
+            assert time.monotonic() < deadline and proc.poll() is None, shown()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
 
+    argv = [*KVWIRE, "listen", ref.endpoint, *([] if have_rich else ["--count", "3"])]
     try:
-        status, shown = _run_on_a_terminal([*KVWIRE, "listen", ref.endpoint, "--count", "3"],
-                                           env, publish)
+        status, shown = _run_on_a_terminal(argv, env, drive)
     finally:
         ref.close()
-    assert status == 0, shown
+    assert status == (130 if have_rich else 0), shown
     assert "Traceback" not in shown, shown
     if have_rich:
         assert RICH_HINT not in shown
