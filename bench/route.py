@@ -221,6 +221,10 @@ def _has(mod: str) -> bool:
 # ----------------------------------------------------------------------------- client
 
 
+class Refused(Exception):
+    """A 4xx/5xx answer (e.g. 503 "index busy"): counted, not fatal."""
+
+
 async def _request(reader, writer, path: bytes, body: bytes) -> bytes:
     writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: b\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -230,7 +234,7 @@ async def _request(reader, writer, path: bytes, body: bytes) -> bytes:
     n = int(head[i:head.index(b"\r\n", i)])
     data = await reader.readexactly(n)
     if status != 200:
-        raise RuntimeError(f"{path.decode()} -> {status}: {data[:200]!r}")
+        raise Refused(f"{path.decode()} -> {status}: {data[:200]!r}")
     return data
 
 
@@ -259,6 +263,7 @@ def applied(status: dict) -> int:
 async def closed_loop(port: int, bodies: list, seconds: float, conc: int) -> dict:
     lat: list[float] = []
     hits = [0, 0]
+    errors = [0]
     stop = time.perf_counter() + seconds
 
     async def worker(w: int) -> None:
@@ -267,7 +272,11 @@ async def closed_loop(port: int, bodies: list, seconds: float, conc: int) -> dic
         while time.perf_counter() < stop:
             want, body = bodies[rnd.randrange(len(bodies))]
             t0 = time.perf_counter()
-            out = json.loads(await _request(reader, writer, b"/route", body))
+            try:
+                out = json.loads(await _request(reader, writer, b"/route", body))
+            except Refused:
+                errors[0] += 1
+                continue
             lat.append(time.perf_counter() - t0)
             hits[0] += out["engine"] == want
             hits[1] += 1
@@ -277,7 +286,8 @@ async def closed_loop(port: int, bodies: list, seconds: float, conc: int) -> dic
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(conc)))
-    return {"routes": len(lat), "secs": time.perf_counter() - t0, "lat": lat, "hits": hits}
+    return {"routes": len(lat), "secs": time.perf_counter() - t0, "lat": lat, "hits": hits,
+            "errors": errors[0]}
 
 
 async def open_loop(port: int, bodies: list, seconds: float, rate: float, conc: int) -> dict:
@@ -285,6 +295,7 @@ async def open_loop(port: int, bodies: list, seconds: float, rate: float, conc: 
     from the scheduled send time (no coordinated omission)."""
     lat: list[float] = []
     hits = [0, 0]
+    errors = [0]
     n = int(seconds * rate)
     start = time.perf_counter() + 0.05
 
@@ -297,7 +308,11 @@ async def open_loop(port: int, bodies: list, seconds: float, rate: float, conc: 
             if delay > 0:
                 await asyncio.sleep(delay)
             want, body = bodies[rnd.randrange(len(bodies))]
-            out = json.loads(await _request(reader, writer, b"/score", body))
+            try:
+                out = json.loads(await _request(reader, writer, b"/score", body))
+            except Refused:
+                errors[0] += 1
+                continue
             lat.append(time.perf_counter() - due)
             hits[0] += out["engine"] == want
             hits[1] += 1
@@ -305,7 +320,8 @@ async def open_loop(port: int, bodies: list, seconds: float, rate: float, conc: 
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(conc)))
-    return {"routes": len(lat), "secs": time.perf_counter() - t0, "lat": lat, "hits": hits}
+    return {"routes": len(lat), "secs": time.perf_counter() - t0, "lat": lat, "hits": hits,
+            "errors": errors[0]}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -359,6 +375,7 @@ def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> l
                 "followed": r["hits"][0] / max(r["hits"][1], 1),
                 "ingest_batches_per_s": (after - before) / 2 / r["secs"],  # 2 events/batch
                 "service_cpu": cpu / r["secs"],
+                "refused": r["errors"],
             })
     finally:
         proc.terminate()
@@ -406,11 +423,11 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
           f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
     print(f"{'service':8} {'mode':12} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'followed':>8} {'ingest b/s':>10} {'svc cpu':>7}")
+          f"{'followed':>8} {'ingest b/s':>10} {'svc cpu':>7} {'refused':>7}")
     for r in rows:
         print(f"{r['service']:8} {r['mode']:12} {r['route_per_s']:8.0f} {r['p50_ms']:7.2f} "
               f"{r['p99_ms']:7.2f} {r['followed']:8.1%} {r['ingest_batches_per_s']:10.0f} "
-              f"{r['service_cpu']:7.0%}")
+              f"{r['service_cpu']:7.0%} {r['refused']:7d}")
     return 0
 
 
