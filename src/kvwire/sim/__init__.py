@@ -1,1 +1,3 @@
-"""Engines that run without a GPU: the demo engine and (soon) the fleet simulator."""
+"""Engines that run without a GPU: the late-join demo (:mod:`.demo`) and the fleet simulator
+(:mod:`.trace`, :mod:`.engine`, :mod:`.fleet`, :mod:`.report`, :mod:`.fleet_demo`; see
+docs/sim.md)."""
