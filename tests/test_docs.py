@@ -6,7 +6,7 @@ example may build on the one before, as the prose does). Tracebacks name the Mar
 and line. The examples are written for real deployments, so before running them:
 
 - every ``tcp://HOST:PORT`` becomes ``tcp://127.0.0.1:P`` with a free port P per distinct
-  PORT of the file (tests send traffic only to loopback);
+  PORT of the file (tests send traffic only to loopback; port 0 stays 0);
 - ``start_exporter(PORT`` gets a free port too;
 - ``/etc/kvwire/`` becomes a scratch directory, and the ``kvwire keys ...`` lines of the
   file's ```sh blocks run first (so CurveZMQ examples find their key files);
@@ -83,6 +83,8 @@ class Localize:
         self.ports: dict[str, int] = {}
 
     def _port(self, port: str) -> int:
+        if port == "0":
+            return 0  # any free port already
         if port not in self.ports:
             self.ports[port] = _free_port()
         return self.ports[port]
@@ -151,8 +153,8 @@ def test_block_parser_and_localizer(tmp_path: Path) -> None:
         ("python", 3, "x = 1", None), ("python", 9, "gpu()", "needs a GPU"),
         ("sh", 12, "kvwire keys /etc/kvwire/a b", None)]
     local = Localize(tmp_path)
-    code = local('a("tcp://10.0.0.5:5557", "tcp://*:5557", "tcp://h:5558"); '
+    code = local('a("tcp://10.0.0.5:5557", "tcp://*:5557", "tcp://h:5558", "tcp://*:0"); '
                  'start_exporter(9400); open("/etc/kvwire/x")')
     p1, p2, p3 = local.ports["5557"], local.ports["5558"], local.ports["9400"]
     assert code == (f'a("tcp://127.0.0.1:{p1}", "tcp://127.0.0.1:{p1}", '
-                    f'"tcp://127.0.0.1:{p2}"); start_exporter({p3}); open("{tmp_path}/x")')
+                    f'"tcp://127.0.0.1:{p2}", "tcp://127.0.0.1:0"); start_exporter({p3}); open("{tmp_path}/x")')
