@@ -8,17 +8,20 @@ from setuptools import Extension, setup
 
 _MODULES = {
     "kvwire.wire._zmqframes": "src/kvwire/wire/_zmqframes.c",
-    "kvwire.shm._ring": "src/kvwire/shm/_ring.c",
+    "kvwire.shm._ring": ["src/kvwire/shm/_ring.c", "src/kvwire/shm/_pickle5.c"],
     "kvwire.index._keys": "src/kvwire/index/_keys.c",
 }
 #: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
 _LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"]}
+#: Headers a module's sources include (rebuild on change; shipped in the sdist).
+_DEPENDS = {"kvwire.shm._ring": ["src/kvwire/shm/_pickle5.h"]}
 
 ext_modules = [
-    Extension(name, [src], optional=True, extra_compile_args=["-O2", "-std=c11"],
-              extra_link_args=_LINK.get(name, []))
+    Extension(name, srcs, optional=True, extra_compile_args=["-O2", "-std=c11"],
+              extra_link_args=_LINK.get(name, []), depends=_DEPENDS.get(name, []))
     for name, src in _MODULES.items()
-    if os.path.exists(src) and not os.environ.get("KVWIRE_NO_NATIVE")
+    for srcs in [[src] if isinstance(src, str) else src]
+    if os.path.exists(srcs[0]) and not os.environ.get("KVWIRE_NO_NATIVE")
 ]
 
 setup(ext_modules=ext_modules)

@@ -1,7 +1,6 @@
 """The C hot path (kvwire.shm._ring) and its pure-Python fallback.
 
 * which path is active, and KVWIRE_SHM_PURE=1 turning the C path off;
-* the C module's pickle-subset codec against pickle itself (hypothesis);
 * a C-path writer with pure-Python readers and the reverse, across processes (same
   protocol, same bytes in the ring);
 * edge cases of the fast paths, run on whichever path is active (test_shm_pure.py
@@ -10,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -22,14 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from shm_helpers.workers import make_message, reader_main, writer_main
 
 import kvwire.shm
 from kvwire.shm import MessageQueue, QueueShutdownError
 from kvwire.shm import layout as L
-from kvwire.shm._native import NATIVE, REASON, ring
+from kvwire.shm._native import NATIVE, REASON
 
 pytestmark = pytest.mark.timeout(180)  # fail fast instead of the global 300 s
 
@@ -80,76 +76,6 @@ def test_pure_env_turns_the_c_path_off_in_a_fresh_process() -> None:
                          env=dict(os.environ, KVWIRE_SHM_PURE="1"), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "function"]  # ctypes futex, not the C one
-
-
-# ------------------------------------------------------------- the codec
-def _same(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    if type(a) is float:
-        return (math.isnan(a) and math.isnan(b)) or (
-            a == b and math.copysign(1, a) == math.copysign(1, b))
-    if type(a) in (list, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
-_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
-            | st.text(max_size=300) | st.binary(max_size=300))
-_keys = st.none() | st.booleans() | st.integers() | st.text(max_size=20) | st.binary(max_size=8)
-_values = st.recursive(
-    _scalars,
-    lambda inner: (st.lists(inner, max_size=6) | st.lists(inner, max_size=6).map(tuple)
-                   | st.dictionaries(_keys, inner, max_size=5)),
-    max_leaves=25)
-
-
-@needs_c
-@settings(max_examples=400, deadline=None)
-@given(_values)
-def test_codec_agrees_with_pickle(obj) -> None:
-    fast = ring.dumps_fast(obj)  # None: an int beyond 64 bits
-    if fast is not None:
-        assert _same(pickle.loads(fast), obj)  # valid pickle: a pure reader loads it
-        assert _same(ring.loads_fast(fast), obj)
-    std = pickle.dumps(obj, protocol=5)
-    got = ring.loads_fast(std)  # pickle's own output for these types, memo included
-    if got is not ring.SLOW:
-        assert _same(got, pickle.loads(std))
-
-
-@needs_c
-def test_codec_leaves_sharing_recursion_and_other_types_to_pickle() -> None:
-    x = [1]
-    assert ring.dumps_fast((x, x)) is None  # shared list: pickle's memo keeps the identity
-    loop: list = []
-    loop.append(loop)
-    assert ring.dumps_fast(loop) is None
-    for other in ({1, 2}, 1j, bytearray(b"x"), np.int64(3), "\ud800", 2**64, True.__class__):
-        assert ring.dumps_fast(other) is None
-    a, b = ring.loads_fast(pickle.dumps((x, x), 5))  # memo GETs keep the sharing
-    assert a is b
-    back = ring.loads_fast(pickle.dumps(loop, 5))
-    assert back[0] is back
-    assert ring.loads_fast(pickle.dumps({1, 2}, 5)) is ring.SLOW
-
-
-@needs_c
-def test_codec_never_crashes_on_damaged_input() -> None:
-    import random
-
-    rng = random.Random(5)
-    for obj in [("step", 42, [1, 2, 3]), {"k": [1.5, None, "x" * 300, b"y" * 70000]}]:
-        for data in (ring.dumps_fast(obj), pickle.dumps(obj, 5)):
-            for k in range(0, len(data), max(1, len(data) // 200)):
-                ring.loads_fast(data[:k])  # truncated: SLOW or some object, never a crash
-            for _ in range(300):
-                q = bytearray(data)
-                for _ in range(rng.randrange(1, 4)):
-                    q[rng.randrange(len(q))] = rng.randrange(256)
-                ring.loads_fast(bytes(q))
 
 
 # ------------------------------------------------------------- mixed paths

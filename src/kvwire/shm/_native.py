@@ -32,7 +32,8 @@ def _expected_layout() -> dict[str, int]:
         "OFF_READERS": L.OFF_READERS, "R_SEQ": L.R_SEQ, "R_STATUS": L.R_STATUS,
         "R_DROPPED": L.R_DROPPED, "R_CLOSED": L.R_CLOSED, "W_SHUTDOWN": L.W_SHUTDOWN,
         "CHUNK_HDR": L.CHUNK_HDR, "C_SEQ": L.C_SEQ, "C_META": L.C_META,
-        "SINGLE_HI": L.SINGLE_HI,
+        "SINGLE_HI": L.SINGLE_HI, "F_SINGLE": L.F_SINGLE, "MASK40": L.MASK40,
+        "MAX_READERS": L.MAX_READERS,
     }
 
 
