@@ -9,6 +9,7 @@ import hashlib
 import sys
 import time
 import tracemalloc
+from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -96,6 +97,10 @@ def test_native_keys_equal_pure_python(toks, bs, seed, start):
     mid = whole[s - 1] if s else seed
     assert keys_mod.chain_tokens(toks, bs, n, mid, s) == whole[s:]
     assert keys_mod.py_chain_tokens(toks, bs, n, mid, s) == whole[s:]
+    # an int64 buffer (what the simulator passes) hashes the same as the list
+    arr = array("q", toks)
+    assert keys_mod.chain_tokens(arr, bs, n, mid, s) == whole[s:]
+    assert keys_mod.py_chain_tokens(arr, bs, n, mid, s) == whole[s:]
 
 
 @pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")

@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 unsigned long long XXH3_64bits_withSeed(const void *input, size_t length,
                                         unsigned long long seed);
@@ -44,7 +45,40 @@ chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "token ids must be a sequence of integers");
+    PyObject *src = args[0];
+    if (!PyList_CheckExact(src) && !PyTuple_CheckExact(src) && PyObject_CheckBuffer(src)) {
+        /* an int64 buffer (array('q'), numpy int64): hash its memory directly */
+        Py_buffer view;
+        if (PyObject_GetBuffer(src, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            const char *f = view.format ? view.format : "B";
+            if (*f == '<' || *f == '=' || *f == '@') f++;
+            if (view.itemsize == 8 && view.ndim == 1 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
+                Py_ssize_t blen = view.len / 8;
+                if (n > blen / bs) {
+                    PyBuffer_Release(&view);
+                    PyErr_SetString(PyExc_ValueError, "fewer token ids than n blocks of block_size");
+                    return NULL;
+                }
+                PyObject *res = PyList_New(n > start ? n - start : 0);
+                if (res != NULL) {
+                    const int64_t *toks = (const int64_t *)view.buf;
+                    unsigned long long k = seed;
+                    for (Py_ssize_t i = start; i < n; i++) {
+                        k = XXH3_64bits_withSeed(toks + i * bs, (size_t)bs * 8, k);
+                        PyObject *key = PyLong_FromUnsignedLongLong(k);
+                        if (key == NULL) { Py_CLEAR(res); break; }
+                        PyList_SET_ITEM(res, i - start, key);
+                    }
+                }
+                PyBuffer_Release(&view);
+                return res;
+            }
+            PyBuffer_Release(&view);
+        } else {
+            PyErr_Clear();
+        }
+    }
+    PyObject *seq = PySequence_Fast(src, "token ids must be a sequence of integers");
     if (seq == NULL) {
         PyErr_SetString(PyExc_ValueError, "token ids must be a sequence of integers");
         return NULL;

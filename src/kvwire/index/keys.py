@@ -50,7 +50,16 @@ def root_seed(lora_name: str | None = None, salt: Any = None) -> int:
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as native int64 bytes, converted once for the whole sequence."""
+    """Token ids as native int64 bytes, converted once for the whole sequence (an int64
+    buffer such as ``array('q')`` or a numpy int64 array is copied as is)."""
+    if not isinstance(token_ids, list | tuple):
+        try:
+            mv = memoryview(token_ids)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if mv.itemsize == 8 and mv.ndim == 1 and mv.format.lstrip("<=@") in ("q", "l"):
+                return mv.tobytes()
     try:
         return struct.pack(f"{len(token_ids)}q", *token_ids)
     except struct.error as e:
