@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.cli import sim as sim_cli
 from kvwire.consume.cache import BlockCache
@@ -157,6 +159,34 @@ def test_engine_events_rebuild_its_cache(tmp_path: Path) -> None:
     assert eng.removed > 0, "capacity 40 must have evicted"
     assert {h for _, h in rebuilt.as_dict()} == set(eng.lru)
     assert len(eng.lru) == 40
+
+
+paths = st.lists(st.lists(st.integers(0, 2), max_size=6), min_size=1, max_size=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(paths=paths, capacity=st.integers(1, 12), bs=st.sampled_from([128, 256, 512]),
+       tail=st.integers(0, 511))
+def test_engine_lru_state_machine(paths: list[list[int]], capacity: int, bs: int,
+                                  tail: int) -> None:
+    """Any sequence of commits: the events replayed from empty give exactly the cache, which
+    stays within capacity, prefix-closed, and holds the last request's blocks."""
+    ids: dict[tuple[int, ...], int] = {}
+    eng = SimEngine("e", capacity, bs, publisher=None)
+    rebuilt = BlockCache()
+    parent: dict[int, int] = {}
+    for i, path in enumerate(paths):
+        hid = tuple(ids.setdefault(tuple(path[: j + 1]), len(ids)) for j in range(len(path)))
+        req = Request(float(i), max(0, len(hid) * 512 - tail), 1, hid)
+        keys = engine_keys(req, bs)
+        parent.update(zip(keys[1:], keys))
+        batch = eng.commit(req, keys, float(i))
+        if batch is not None:
+            rebuilt.apply(batch)
+        assert len(eng.lru) <= capacity
+        assert all(k in eng.lru for k in keys[:capacity])
+        assert {h for _, h in rebuilt.as_dict()} == set(eng.lru)
+        assert all(parent[k] in eng.lru for k in eng.lru if k in parent), "prefix-closed"
 
 
 # ------------------------------------------------------------------ the simulation

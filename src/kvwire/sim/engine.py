@@ -71,9 +71,10 @@ class SimEngine:
             n += 1
         return n
 
-    def commit(self, req: Request, keys: list[int], now: float) -> None:
+    def commit(self, req: Request, keys: list[int], now: float) -> KVEventBatch | None:
         """The request's prefill completed: its blocks become cached (evicting the least
-        recently used), and the changes are published as one batch."""
+        recently used), and the changes are published as one batch (also returned; None
+        when nothing changed)."""
         keys = keys[: self.capacity]
         lru = self.lru
         new_idx = [i for i, k in enumerate(keys) if k not in lru]
@@ -109,8 +110,11 @@ class SimEngine:
             ))
             self.stored += b - a
             i = j + 1
-        if events:
-            self.events += len(events)
-            self.batches += 1
-            if self.publisher is not None:
-                self.publisher.publish(KVEventBatch(time.time(), events, None))
+        if not events:
+            return None
+        self.events += len(events)
+        self.batches += 1
+        batch = KVEventBatch(time.time(), events, None)
+        if self.publisher is not None:
+            self.publisher.publish(batch)
+        return batch
