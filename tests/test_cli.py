@@ -506,3 +506,12 @@ def test_demo_rejects_a_negative_step_count_as_a_process() -> None:
 def test_run_demo_rejects_bad_arguments(kwargs) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         run_demo(**kwargs)
+
+
+def test_every_subcommand_is_reachable_from_kvwire() -> None:
+    r = subprocess.run([*KVWIRE, "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    for cmd in ("listen", "keys", "demo", "sim", "serve"):
+        assert cmd in r.stdout
+        h = subprocess.run([*KVWIRE, cmd, "--help"], capture_output=True, text=True, timeout=30)
+        assert h.returncode == 0 and f"usage: kvwire {cmd}" in h.stdout, h.stderr

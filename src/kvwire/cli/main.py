@@ -1,4 +1,4 @@
-"""``kvwire`` command line: ``listen`` to any engine's KV events, run the ``demo``."""
+"""``kvwire`` command line: ``listen`` to any engine's KV events, ``demo``, ``sim``, ``serve``."""
 
 from __future__ import annotations
 
@@ -283,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine steps per second (0: as fast as possible)")
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
+
+    from . import serve, sim  # their own modules (light imports; the work is imported in run)
+
+    sim.register(sub)
+    serve.register(sub)
     return p
 
 
