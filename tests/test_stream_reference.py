@@ -154,12 +154,18 @@ class RefSim:
             self.reply(len(self.pub.pipe))
 
     def tick(self, dt: float) -> None:
-        """Time passes: the publisher's loop keeps serving (one turn per 0.1 s), then the
-        I/O layer reads what arrived, then the machine judges its deadlines."""
-        for _ in range(max(1, int(dt / 0.1))):
+        """Time passes in 0.1 s turns: the publisher's loop serves, the I/O layer reads
+        what arrived, then the machine judges its deadlines."""
+        for _ in range(max(1, round(dt / 0.1))):
+            self.stall(0.1)
+
+    def stall(self, dt: float) -> None:
+        """The consumer is stopped for ``dt``: the publisher's loop goes on (one turn per
+        0.1 s); on waking, the I/O layer reads what arrived before any deadline is judged."""
+        for _ in range(max(1, round(dt / 0.1))):
             self.pub.serve(self.pub.per_send)
-        self.read_all()
         self.now += dt
+        self.read_all()
         self.handle(self.m.tick(self.now))
 
     def settle(self) -> None:
@@ -207,8 +213,8 @@ def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap:
             sim.drop(arg)
         elif name == "tick":
             sim.tick(arg)
-        elif name == "stall":  # the consumer stopped: the publisher went on meanwhile
-            sim.tick(arg)
+        elif name == "stall":
+            sim.stall(arg)
     sim.settle()
     return sim
 
@@ -289,3 +295,83 @@ def test_eviction_counts_only_what_is_gone():
     assert s.lost == 10, s  # 4..13 were gone when asked for (the ring then: 14..23)
     assert not sim.app.exact and sim.app.base == 13
     assert sim.app.resets[-1] == "seqs 4..13 lost and no snapshot available"
+
+
+# --------------------------------------------------------------------------- hand-fed cases
+
+_PUB = SimPublisher(random.Random(9), kvwire=False, buffer_steps=100)
+_PAYLOADS = [_PUB.publish()[1] for _ in range(8)]
+
+
+def _rep(seq: int) -> list[bytes]:
+    return [b"", b"", wire.pack_seq(seq), _PAYLOADS[seq]]
+
+
+_END = [b"", b"", wire.END_SEQ, b""]
+
+
+def _at_gap() -> tuple[StreamMachine, App, list]:
+    """A reference stream that has 0..1 and then sees live 5: replay from 2 asked."""
+    m, app, sent = StreamMachine("r", config=CFG), App(), []
+
+    def feed(outs: list) -> None:
+        for o in outs:
+            if isinstance(o, (SendInfo, SendReplay, SendSnapshot, RecycleRequests)):
+                sent.append(o)
+            else:
+                app.feed(o)
+
+    feed(m.start(0.0))
+    feed(m.tick(0.6))  # no INFO answer: reference, replay from 0
+    for f in (_rep(0), _rep(1), _END):
+        feed(m.reply_frames(f, 0.7))
+    feed(m.live_frames([b"", wire.pack_seq(5), _PAYLOADS[5]], 0.8))
+    assert sent[-1] == SendReplay(2) and app.next == 2
+    return m, app, sent
+
+
+def _feed_into(m: StreamMachine, app: App, sent: list, outs: list) -> None:
+    for o in outs:
+        if isinstance(o, (SendInfo, SendReplay, SendSnapshot, RecycleRequests)):
+            sent.append(o)
+        else:
+            app.feed(o)
+
+
+def test_unanswered_replay_is_retried_then_rebuilt_exactly_from_0():
+    m, app, sent = _at_gap()
+    t = 0.8
+    for _ in range(CFG.replay_attempts - 1):
+        t += 1.1
+        _feed_into(m, app, sent, m.tick(t))
+        assert sent[-1] == SendReplay(2)  # asked again: a stall is not a loss
+    t += 1.1
+    _feed_into(m, app, sent, m.tick(t))
+    assert sent[-1] == SendReplay(0) and m.stats().lost == 0  # the rebuild check
+    for s in range(6):
+        _feed_into(m, app, sent, m.reply_frames(_rep(s), t))
+    _feed_into(m, app, sent, m.reply_frames(_END, t))
+    st_ = m.stats()
+    assert app.resets[-1] == "seqs 2..4 not replayable; rebuilt exactly by a replay from seq 0"
+    assert app.exact and app.next == 6 and st_.lost == 0 and st_.resyncs == 1
+    assert st_.phase == "live"
+
+
+def test_rebuild_answer_from_later_seq_counts_only_the_evicted():
+    m, app, sent = _at_gap()
+    t = 0.8
+    for _ in range(CFG.replay_attempts):
+        t += 1.1
+        _feed_into(m, app, sent, m.tick(t))
+    assert sent[-1] == SendReplay(0)
+    for s in (3, 4, 5):  # the buffer starts at 3: only seq 2 is gone
+        _feed_into(m, app, sent, m.reply_frames(_rep(s), t))
+    _feed_into(m, app, sent, m.reply_frames(_END, t))
+    st_ = m.stats()
+    assert st_.lost == 1 and not app.exact and app.base == 2 and app.next == 6, st_
+    assert app.resets[-1] == "seqs 2..2 lost and no snapshot available"
+    # and no second rebuild check: the buffer is known not to start at 0 any more
+    _feed_into(m, app, sent, m.live_frames([b"", wire.pack_seq(7), _PAYLOADS[7]], t))
+    assert sent[-1] == SendReplay(6)
+    _feed_into(m, app, sent, m.reply_frames(_rep(7), t))
+    assert m.stats().lost == 2 and sent[-1] == SendReplay(6)

@@ -578,8 +578,7 @@ class StreamMachine:
         first = self._replay_got == 0
         self._replay_got += 1
         self._fruitless = 0
-        if self._replay_kind == "rebuild":
-            self._rebuild_answer(seq, payload, now)
+        if self._replay_kind == "rebuild" and self._rebuild_answer(seq, payload, now):
             return self._flush()
         if self._delivered is None:  # bootstrap without snapshot: replay from 0
             if self._replay_from == 0 and seq > 0:
@@ -604,8 +603,9 @@ class StreamMachine:
             self._hold(seq, payload, now)
         return self._flush()
 
-    def _rebuild_answer(self, seq: int, payload: bytes, now: float) -> None:
-        """First reply to the replay from 0 asked for after a loss."""
+    def _rebuild_answer(self, seq: int, payload: bytes, now: float) -> bool:
+        """First reply to the replay from 0 asked for after a loss; False: handle it (and
+        the rest of the answer) as any replay reply."""
         a, b = self._rebuild_gap
         self._replay_kind = "gap"  # whatever follows continues like any replay
         if seq == 0:
@@ -617,10 +617,22 @@ class StreamMachine:
             self._baseline(0, self._reset_reason)
             self._deliver(0, payload)
             self._drain()
-            return
+            return True
         self._from0_gone = True
-        self._abort_request("replay buffer does not start at seq 0")
-        self._give_up(a, b, now)
+        if seq <= a:
+            return False  # it holds the range after all (it was only unreachable): go on
+        # The buffer starts at ``seq``: what we lack below it is gone.
+        m = min(seq, min(self._buffer, default=seq))
+        self._c["lost"] += m - a
+        self._last_error = f"seqs {a}..{m - 1} lost"
+        self._baseline(m, f"seqs {a}..{m - 1} lost and no snapshot available")
+        if m == seq:
+            self._deliver(seq, payload)
+        else:
+            self._deliver(m, self._buffer.pop(m))
+            self._hold(seq, payload, now)  # a hole above what we held: asked again at the end
+        self._drain()
+        return True
 
     def _give_up(self, a: int, b: int, now: float) -> None:
         """Seqs ``a..b-1`` are gone for good (``b`` is held): go on inexact from ``b``."""
@@ -828,13 +840,11 @@ class StreamMachine:
     def _unfillable(self, nxt: int, seq: int, payload: bytes, now: float) -> None:
         """Seqs ``nxt..seq-1`` cannot be replayed; ``seq`` is the next one we have.
 
-        With snapshots: resync. Without, unless this run's buffer is known not to start at
-        seq 0 (or this very loss was already rebuilt once: a seq the publisher never
-        buffered), ask a replay from 0 first: if it starts at 0 the stream is rebuilt
+        With snapshots: resync. A reference stream, unless this run's buffer is known not to
+        start at seq 0 (or this very loss was already rebuilt once: a seq the publisher never
+        buffered), asks a replay from 0 first: if it starts at 0 the stream is rebuilt
         exactly; otherwise the range is lost and we go on inexact."""
-        if self.has_replay and not (self._mode == "kvwire" and self._snap_ok) and not (
-            self._from0_gone or self._rebuild_for == nxt
-        ):
+        if self._mode == "reference" and not (self._from0_gone or self._rebuild_for == nxt):
             self._buffer[seq] = payload
             self._rebuild_for = nxt
             self._rebuild_gap = (nxt, seq)
