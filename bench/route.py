@@ -383,6 +383,46 @@ def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> l
     return rows
 
 
+def core_cpu(kind: str, engines: int, prefixes: int, ntok: int) -> dict:
+    """CPU time (process_time, so other load on the box barely counts) of RouterCore.route
+    (index match + policy, no HTTP, no JSON) and of applying one churn batch, in-process."""
+    from kvwire.consume.stream import Batch
+    from kvwire.router.service import EngineSpec, RouterCore
+    from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch
+
+    core = RouterCore([EngineSpec(f"e{i}", f"ipc:///nonexistent/e{i}")
+                       for i in range(engines)], block_size=BS,
+                      index=NaiveIndex() if kind == "naive" else None)
+    core.alive = dict.fromkeys(core.alive, True)
+    prompts = []
+    for e in range(engines):
+        for j in range(prefixes):
+            base = (e << 40) | (j << 20)
+            toks = prompt_tokens(e, j, ntok)
+            prompts.append(toks + [7, 8, 9])
+            ev = BlockStored(list(range(base, base + ntok // BS)), None, toks, BS, None, "GPU")
+            core.index.apply(Batch(f"e{e}/dp0", j, KVEventBatch(0.0, [ev], 0)))
+    rnd = random.Random(3)
+    churn = []
+    for k in range(20_000):
+        evs: list = [BlockStored([(1 << 60) | k], None, [rnd.randrange(50_000) for _ in range(BS)],
+                                 BS, None, "GPU")]
+        if k >= 5_000:
+            evs.append(BlockRemoved([(1 << 60) | (k - 5_000)], "GPU"))
+        churn.append(Batch(f"e{k % engines}/dp0", 10_000 + k, KVEventBatch(0.0, evs, 0)))
+    t = time.process_time()
+    for b in churn:
+        core.index.apply(b)
+    apply_us = (time.process_time() - t) / len(churn) * 1e6
+    n = 3000
+    t = time.process_time()
+    for i in range(n):
+        core.route(prompts[i % len(prompts)], reserve=False)
+    return {"service": kind, "engines": engines,
+            "route_us": (time.process_time() - t) / n * 1e6,
+            "apply_us": apply_us}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=4)
@@ -393,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rate", type=float, default=2000.0, help="open-loop offered /score/s")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--cpu-engines", type=int, default=64,
+                   help="engines of the second in-process CPU table")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -403,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         for j in range(a.prefixes):
             toks = prompt_tokens(e, j, a.prompt_tokens) + [7, 8, 9]
             bodies.append((f"e{e}", json.dumps({"token_ids": toks}).encode()))
+    cpu_rows = [core_cpu(k, n, max(1, 256 // n), a.prompt_tokens)
+                for n in sorted({a.engines, a.cpu_engines}) for k in ("kvwire", "naive")]
     with tempfile.TemporaryDirectory(prefix="kvw-route-") as where:
         ready, stop = CTX.Event(), CTX.Event()
         pub = CTX.Process(target=publisher_main, daemon=True, args=(
@@ -417,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             stop.set()
             pub.join(10)
     if a.json:
-        print(json.dumps(rows))
+        print(json.dumps({"http": rows, "cpu": cpu_rows}))
         return 0
     print(f"kvwire serve: {a.engines} engines x {a.prefixes} prompts of {a.prompt_tokens} "
           f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
@@ -428,6 +472,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['service']:8} {r['mode']:12} {r['route_per_s']:8.0f} {r['p50_ms']:7.2f} "
               f"{r['p99_ms']:7.2f} {r['followed']:8.1%} {r['ingest_batches_per_s']:10.0f} "
               f"{r['service_cpu']:7.0%} {r['refused']:7d}")
+    print(f"\nin-process CPU (process_time: other load barely counts), "
+          f"{a.prompt_tokens}-token prompts, 256 stored prompts over the engines")
+    print(f"{'index':8} {'engines':>7} {'route() us':>10} {'route()/s/core':>14} "
+          f"{'apply us/batch':>14}")
+    for r in cpu_rows:
+        print(f"{r['service']:8} {r['engines']:7d} {r['route_us']:10.1f} "
+              f"{1e6 / r['route_us']:14.0f} {r['apply_us']:14.1f}")
     return 0
 
 

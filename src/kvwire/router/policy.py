@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 __all__ = [
     "Candidate",
@@ -35,12 +36,13 @@ __all__ = [
 _TIE_EPS = 1e-9
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One engine (or engine DP rank) the policy may choose.
 
     ``credit``: cached prefix in blocks (tier-weighted); ``load``: reserved work in blocks;
-    ``alive``: whether its event stream is live (dead ones are a last resort)."""
+    ``alive``: whether its event stream is live (dead ones are a last resort). A NamedTuple:
+    a router builds one per engine per request (64 engines: ~5x cheaper than a frozen
+    dataclass)."""
 
     name: str
     credit: float = 0.0
@@ -93,11 +95,13 @@ class RoutingPolicy:
         """Pick one candidate; raises ValueError if there are none."""
         if not candidates:
             raise ValueError("no candidates to route to")
+        pw, lw = self.prefill_weight, self.load_weight
         costs: dict[str, float] = {}
         overlap: dict[str, float] = {}
-        for c in candidates:
-            costs[c.name] = self.cost(prompt_blocks, c)
-            overlap[c.name] = float(c.credit)
+        for name, credit, load, _ in candidates:  # the cost formula, inlined (hot path)
+            uncached = prompt_blocks - credit
+            costs[name] = (pw * uncached if uncached > 0 else 0.0) + lw * load
+            overlap[name] = float(credit)
         pool = [c for c in candidates if c.alive] or list(candidates)
         if self.temperature > 0 and len(pool) > 1:
             name = self._sample(pool, costs)
@@ -106,11 +110,12 @@ class RoutingPolicy:
         return Decision(name=name, cost=costs, overlap=overlap)
 
     def _best(self, pool: Sequence[Candidate], costs: dict[str, float]) -> str:
-        best_cost = min(costs[c.name] for c in pool)
+        best_cost = min([costs[c.name] for c in pool])
         tied = [c for c in pool if costs[c.name] <= best_cost + _TIE_EPS]
-        if len(tied) > 1:
-            least = min(c.load for c in tied)
-            tied = [c for c in tied if c.load <= least + _TIE_EPS]
+        if len(tied) == 1:
+            return tied[0].name
+        least = min([c.load for c in tied])
+        tied = [c for c in tied if c.load <= least + _TIE_EPS]
         if len(tied) == 1:
             return tied[0].name
         return tied[self._rng.randrange(len(tied))].name

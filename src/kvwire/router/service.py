@@ -210,6 +210,7 @@ class RouterCore:
                 self.targets.append(_Target(spec.name, label, e.name, r))
                 self.specs.append(spec)
         self._by_label = {t.label: t for t in self.targets}
+        self._pairs = [(t.stream, t.label) for t in self.targets]
         self.stream_config = stream_config
         self.lock = threading.Lock()
         self.alive: dict[str, bool] = {t.stream: False for t in self.targets}
@@ -320,16 +321,18 @@ class RouterCore:
             self.loads.expire(now)
             cands = []
             blocks: dict[str, int] = {}
-            for t in self.targets:
-                m = matches.get(t.stream)
-                credit = 0.0
-                held = 0
-                if m is not None and m.prompt_blocks > 0:
-                    held = sum(m.tiers.values()) + m.predicted
-                    credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
-                blocks[t.label] = held
-                cands.append(Candidate(t.label, credit, self.loads.load(t.label),
-                                       self.alive.get(t.stream, False)))
+            load = self.loads.load
+            alive = self.alive
+            get = matches.get
+            for stream, label in self._pairs:
+                m = get(stream)
+                if m is None or not m.credit or not m.prompt_blocks:
+                    blocks[label] = 0
+                    cands.append(Candidate(label, 0.0, load(label), alive.get(stream, False)))
+                    continue
+                blocks[label] = sum(m.tiers.values()) + m.predicted
+                credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+                cands.append(Candidate(label, credit, load(label), alive.get(stream, False)))
             d = self.policy.choose(prompt_blocks, cands)
             target = self._by_label[d.name]
             rid = None
