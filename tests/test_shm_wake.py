@@ -96,10 +96,12 @@ def test_no_lost_wakeups_random_pauses() -> None:
 
 
 def test_small_object_round_trip_is_fast() -> None:
-    """Loose CI guard on the hot path (bench/shm.py has the real numbers): median of
-    ten 200-round-trip windows under 250 us, i.e. no syscall/sleep per message (a
-    futex round trip costs more than that on this VM), even on a busy machine."""
-    n = 2000
+    """Loose CI guard on the hot path (bench/shm.py has the real numbers): the best of
+    twenty 200-round-trip windows under 250 us, i.e. no syscall/sleep per message (a
+    futex round trip costs more than that on this VM). The best window, not the median:
+    with ~7 test processes on 2 cores the median measured the scheduler (320-850 us seen),
+    while a sleep per message costs it in every window."""
+    n = 4000
     wq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=16)
     hq = CTX.Queue()
     p = CTX.Process(target=echo_main, args=(wq.export_handle(), hq, n))
@@ -115,7 +117,7 @@ def test_small_object_round_trip_is_fast() -> None:
             rq.dequeue(timeout=30)
         windows.append((time.perf_counter() - t0) / 200 * 1e6)
     p.join(30)
-    assert statistics.median(windows) < 250, windows
+    assert min(windows) < 250, windows
     wq.close()
     rq.close()
 
