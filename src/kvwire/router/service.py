@@ -400,6 +400,7 @@ class RouterCore:
                 "epoch": getattr(proto, "epoch", None),
                 "blocks": dict(getattr(st, "tiers", {}) or {}),
                 "events_applied": getattr(st, "events_applied", 0),
+                "batches_applied": getattr(st, "batches_applied", 0),
                 "block_size": getattr(st, "block_size", None),
                 "last_event_age_s": None if last is None else round(now - last, 3),
                 "resets": self.resets.get(t.stream, 0),
