@@ -12,16 +12,23 @@ Three kinds of process, like production:
 
 Rows, in the same run and against the same publishers: the service with kvwire's
 PrefixIndex, and a naive baseline service (dict of sets per stream, keys = Python ``hash`` of
-each block's token tuple chained; the same policy and HTTP code). For each: closed-loop
-/route+/release pairs (max rate; ``closed+rel``: each /route is followed by its /release, so the HTTP request
-rate is twice the route rate), and an open-loop run offering ``--rate`` /route/s
-(latency measured from each request's scheduled send time, so a stall is not hidden).
+each block's token tuple chained; the same policy and HTTP code). For each:
+
+* ``wrk /score``: closed loop driven by wrk (C, Debian package ``wrk``; skipped without it),
+  the service's own ceiling, since the Python client costs about as much CPU per request;
+* ``closed+rel``: closed loop from the Python client, each /route followed by its /release
+  (so the HTTP request rate is twice the route rate);
+* ``open R/s``: the Python client offers R /score per second (``--rates``); latency counts
+  from each request's scheduled send time, so a stall is not hidden. Past capacity, latency
+  is queueing and grows with the run.
+
 ``followed`` = share of routes sent to the engine holding the prompt's prefix; ``ingest`` =
 batches/s the service applied during the run (from /engines); ``svc cpu`` = the service
 process's CPU time / wall time (100% = one core busy: the service is one Python process, so
-that is its ceiling; below it, the box's other load was in the way).
+that is its ceiling; below it, the box's other load was in the way). A second table gives
+the CPU cost of ``RouterCore.route`` itself (no HTTP, no JSON) for 4 and 64 engines.
 
-    .venv/bin/python bench/route.py            # about a minute
+    .venv/bin/python bench/route.py            # about two minutes
     .venv/bin/python bench/route.py --quick
 """
 
@@ -397,20 +404,21 @@ def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> l
             rows.append({"service": kind, "mode": "wrk /score", **w, "followed": float("nan"),
                          "ingest_batches_per_s": (after - before) / secs,
                          "service_cpu": (cpu_seconds(proc.pid) - cpu0) / secs})
-        for mode in ("closed", "open"):
+        for mode in ("closed", *[f"open {r:g}" for r in a.rates]):
             async def one(mode: str = mode) -> tuple[dict, int, int, float]:
                 before = applied(await _get(port, "/engines"))
                 cpu0 = cpu_seconds(proc.pid)
                 if mode == "closed":
                     r = await closed_loop(port, bodies, a.seconds, a.concurrency)
                 else:
-                    r = await open_loop(port, bodies, a.seconds, a.rate, a.concurrency)
+                    rate = float(mode.split()[1])
+                    r = await open_loop(port, bodies, a.seconds, rate, a.concurrency)
                 cpu = cpu_seconds(proc.pid) - cpu0
                 after = applied(await _get(port, "/engines"))
                 return r, before, after, cpu
             r, before, after, cpu = asyncio.run(one())
             rows.append({
-                "service": kind, "mode": "closed+rel" if mode == "closed" else f"open {a.rate:.0f}/s",
+                "service": kind, "mode": "closed+rel" if mode == "closed" else f"{mode}/s",
                 "route_per_s": r["routes"] / r["secs"],
                 "p50_ms": pct(r["lat"], 0.50), "p99_ms": pct(r["lat"], 0.99),
                 "followed": r["hits"][0] / max(r["hits"][1], 1),
@@ -472,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ingest", type=float, default=10_000, help="batches/s, all engines")
     p.add_argument("--window", type=int, default=50_000, help="live churn blocks")
     p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--rate", type=float, default=2000.0, help="open-loop offered /score/s")
+    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
+                   default=[500.0, 2000.0], help="open-loop offered /score/s (comma list)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--cpu-engines", type=int, default=64,
                    help="engines of the second in-process CPU table")
