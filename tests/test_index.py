@@ -194,7 +194,7 @@ class IndexMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.clock = Clock()
         self.idx = PrefixIndex(predict_ttl=TTL, clock=self.clock)
-        self.idx._first = 3  # short prompts here: make match hash in two chunks
+        self.idx._max_stops = 2  # short prompts: make match leave the C scan for Python too
         self.m = Model()
         self.seq = 0
 
@@ -241,6 +241,7 @@ class IndexMachine(RuleBasedStateMachine):
         lora, salt, prefix = gpu[h]
         tier = data.draw(st.sampled_from(["CPU", "DISK"]))
         self.m.held[s][tier][h] = gpu[h]
+        self.m.pred[s].pop(gpu[h], None)  # any store of the block confirms it
         ev = BlockStored([h], None, [], STREAMS[s][0], None, tier, lora)
         self.idx.apply(batch(s, ev))
 

@@ -134,6 +134,136 @@ fail:
     return NULL;
 }
 
+/* scan_tokens(tokens, block_size, n, start, seed, masks, alive, not_best, pred)
+ *     -> (i, key)
+ *   The match walk's fast path: hash blocks start.. of `tokens` (chained from `seed`) and
+ *   look each key up in `masks`, while the block is held by every stream in `alive`, by none
+ *   of them outside the best tier (`v & not_best == 0`) and not in `pred`. Returns the first
+ *   block that is not so (and its key), or (n, key of block n-1) / (n, seed) at the end.
+ *   Only list/tuple tokens or an int64 buffer. */
+static PyObject *
+scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 9 || !PyDict_CheckExact(args[5]) || !PyDict_CheckExact(args[8])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred)");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    if (bs == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long k = PyLong_AsUnsignedLongLong(args[4]);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *masks = args[5], *alive = args[6], *not_best = args[7], *pred = args[8];
+    if (bs <= 0 || n < 0 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
+        return NULL;
+    }
+    PyObject *src = args[0];
+    Py_buffer view;
+    int have_view = 0;
+    const int64_t *flat = NULL;
+    PyObject **items = NULL;
+    Py_ssize_t len;
+    if (PyList_CheckExact(src) || PyTuple_CheckExact(src)) {
+        items = PySequence_Fast_ITEMS(src);
+        len = PySequence_Fast_GET_SIZE(src);
+    } else {
+        if (PyObject_GetBuffer(src, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        have_view = 1;
+        const char *f = view.format ? view.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (!(view.itemsize == 8 && view.ndim == 1 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0))) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "scan_tokens: tokens must be a list, tuple or int64 buffer");
+            return NULL;
+        }
+        flat = (const int64_t *)view.buf;
+        len = view.len / 8;
+    }
+    if (n > len / bs) {
+        if (have_view) PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "fewer token ids than n blocks of block_size");
+        return NULL;
+    }
+    int64_t stackbuf[STACK_TOKENS];
+    int64_t *buf = stackbuf;
+    if (items != NULL && bs > STACK_TOKENS) {
+        buf = PyMem_Malloc((size_t)bs * sizeof(int64_t));
+        if (buf == NULL) {
+            if (have_view) PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+    }
+    int check_pred = PyDict_GET_SIZE(pred) > 0;
+    PyObject *key = NULL, *result = NULL;
+    Py_ssize_t i = start;
+    for (; i < n; i++) {
+        const void *data;
+        if (items != NULL) {
+            PyObject **blk = items + i * bs;
+            for (Py_ssize_t j = 0; j < bs; j++) {
+                PyObject *o = blk[j];
+                if (!PyLong_Check(o)) {
+                    PyErr_SetString(PyExc_ValueError, "token ids must be a sequence of integers");
+                    goto done;
+                }
+                int overflow = 0;
+                long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+                if (overflow) {
+                    PyErr_SetString(PyExc_ValueError,
+                                    "token ids must fit in a signed 64-bit integer");
+                    goto done;
+                }
+                buf[j] = (int64_t)v;
+            }
+            data = buf;
+        } else {
+            data = flat + i * bs;
+        }
+        k = XXH3_64bits_withSeed(data, (size_t)bs * sizeof(int64_t), k);
+        Py_XDECREF(key);
+        key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) goto done;
+        PyObject *v = PyDict_GetItemWithError(masks, key); /* borrowed */
+        if (v == NULL) {
+            if (PyErr_Occurred()) goto done;
+            break;
+        }
+        if (check_pred) {
+            int c = PyDict_Contains(pred, key);
+            if (c < 0) goto done;
+            if (c) break;
+        }
+        PyObject *t = PyNumber_And(v, alive);
+        if (t == NULL) goto done;
+        int eq = PyObject_RichCompareBool(t, alive, Py_EQ);
+        Py_DECREF(t);
+        if (eq < 0) goto done;
+        if (!eq) break;
+        t = PyNumber_And(v, not_best);
+        if (t == NULL) goto done;
+        int nz = PyObject_IsTrue(t);
+        Py_DECREF(t);
+        if (nz < 0) goto done;
+        if (nz) break;
+    }
+    if (key == NULL) {  /* nothing hashed: start >= n */
+        key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) goto done;
+    }
+    result = Py_BuildValue("(nO)", i, key);
+done:
+    Py_XDECREF(key);
+    if (buf != stackbuf) PyMem_Free(buf);
+    if (have_view) PyBuffer_Release(&view);
+    return result;
+}
+
 /* add_bits(masks, keys, setb, keep, tb) -> list of the keys whose masks already had tb
  *   for each key: masks[key] = setb when absent, else (masks[key] | setb) & keep unless
  *   masks[key] & tb (then the key is returned: a second engine hash for it). The ingest
@@ -183,6 +313,8 @@ fail:
 }
 
 static PyMethodDef methods[] = {
+    {"scan_tokens", (PyCFunction)(void (*)(void))scan_tokens, METH_FASTCALL,
+     "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred) -> (i, key)"},
     {"add_bits", (PyCFunction)(void (*)(void))add_bits, METH_FASTCALL,
      "add_bits(masks, keys, setb, keep, tb) -> keys already holding tb"},
     {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,

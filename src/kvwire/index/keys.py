@@ -19,7 +19,8 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "add_bits", "block_keys", "chain_tokens", "root_seed", "token_bytes",
+    "NATIVE", "ROOT_SEED", "add_bits", "block_keys", "chain_tokens", "root_seed", "scan_tokens",
+    "token_bytes",
 ]
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
@@ -109,11 +110,16 @@ NATIVE = False
 REASON = ""
 chain_tokens = py_chain_tokens
 add_bits = py_add_bits
+scan_tokens = None  # C only: PrefixIndex walks in Python without it
 if os.environ.get("KVWIRE_NO_NATIVE"):
     REASON = "KVWIRE_NO_NATIVE set"
 else:
     try:
-        from ._keys import add_bits, chain_tokens  # type: ignore[no-redef]  # noqa: F811
+        from ._keys import (  # type: ignore[no-redef]  # noqa: F811
+            add_bits,
+            chain_tokens,
+            scan_tokens,
+        )
 
         NATIVE = True
     except ImportError as e:  # not built (no compiler / no libxxhash): same keys, slower

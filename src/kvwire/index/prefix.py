@@ -25,7 +25,7 @@ from xxhash import xxh3_64_intdigest
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from .keys import NATIVE, add_bits, chain_tokens, root_seed, token_bytes
+from .keys import NATIVE, add_bits, chain_tokens, root_seed, scan_tokens, token_bytes
 
 __all__ = [
     "DEFAULT_TIER_ALIASES", "DEFAULT_TIER_CREDITS", "PrefixIndex", "StreamIndexStats",
@@ -45,8 +45,8 @@ DEFAULT_TIER_ALIASES: dict[str, str] = {
 GHOSTS = 65_536
 #: Requests a stream must have seen, all without a single match, before it is called suspect.
 SUSPECT_AFTER = 20
-#: Keys hashed before the walk's first look (the rest only if a stream matches that far).
-_FIRST = 16
+#: Blocks off the C scan's fast path before the rest of a prompt is walked in Python.
+_MAX_STOPS = 32
 _SYNTH = 0x6B76_7769_7265_5F78  # seed for keys of blocks whose tokens are unknown
 
 
@@ -196,7 +196,7 @@ class PrefixIndex:
         #: Items ``apply`` could not use (wrong type), counted; see ``last_error``.
         self.bad_items = 0
         self.last_error = ""
-        self._first = _FIRST
+        self._max_stops = _MAX_STOPS
         self._last = 0  # the last key a walk looked at (where a second chunk continues)
 
     # ------------------------------------------------------------------ streams and tiers
@@ -378,6 +378,8 @@ class PrefixIndex:
         if t == 0:  # the best tier: any-lane and tier lane set, not-best lane cleared
             setb = bit | tb
             for h, k in zip(hs, keys):
+                if pred and k in pred:  # events confirm the prediction: they decide now
+                    self._unpredict(st, k)
                 old = dget(h)
                 if old is not None:
                     if old != k:
@@ -389,11 +391,11 @@ class PrefixIndex:
                     self._dup(st, t, k)
                 else:
                     kd[k] = (v | setb) & ~nb
-                if pred and k in pred:
-                    self._unpredict(st, k)
         else:
             best = bit << (2 * W)
             for h, k in zip(hs, keys):
+                if pred and k in pred:
+                    self._unpredict(st, k)
                 old = dget(h)
                 if old is not None:
                     if old != k:
@@ -408,8 +410,6 @@ class PrefixIndex:
                     if not v & best:
                         v |= nb
                     kd[k] = v
-                if pred and k in pred:
-                    self._unpredict(st, k)
 
     def _dup(self, st: _Stream, t: int, k: int) -> None:
         """A second engine hash for a key the stream already holds in tier ``t``."""
@@ -576,19 +576,18 @@ class PrefixIndex:
         seed = root_seed(lora_name, salt)
         ntok = len(token_ids)
         found: dict[int, tuple[int, int, dict[int, int] | None]] = {}
+        scannable = type(token_ids) is list or type(token_ids) is tuple
         for bs, group in self._by_bs.items():
             n = ntok // bs
             if n == 0 or not group:
                 continue
             self._bs_requests[bs] = self._bs_requests.get(bs, 0) + 1
             slow: list[tuple[int, int, int, int]] = []
-            if NATIVE:  # a first few keys in C, the rest only if some stream gets that far
-                first = min(n, self._first)
-                alive, i = self._walk(chain_tokens(token_ids, bs, first, seed), group, 0,
-                                      found, slow)
-                if alive and n > first:
-                    alive, i = self._walk(chain_tokens(token_ids, bs, n, self._last, first),
-                                          alive, i, found, slow)
+            if NATIVE:
+                if not scannable:
+                    token_ids = _as_scannable(token_ids)
+                    scannable = True
+                alive, i = self._scan(token_ids, bs, n, seed, group, found, slow)
             else:
                 alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed), group, 0, found,
                                       slow)
@@ -598,16 +597,18 @@ class PrefixIndex:
                 self._attribute(slow, found)
         credits = [self.tier_credits[t] for t in self._tiers]
         tiers = self._tiers
+        zero = dict.fromkeys(tiers, 0)
+        copy = zero.copy
         out: dict[str, StreamMatch] = {}
         for name, st in self._streams.items():
             bs = st.block_size
             pb = ntok // bs if bs else 0
             r = found.get(st.slot)
-            if r is None:
-                out[name] = StreamMatch(name, pb, dict.fromkeys(tiers, 0), 0, 0.0)
+            if r is None:  # not even the first block (a stream absent from ``found``)
+                out[name] = StreamMatch(name, pb, copy(), 0, 0.0)
                 continue
             matched, predicted, extra = r
-            counts = dict.fromkeys(tiers, 0)
+            counts = copy()
             credit = 0.0
             rest = matched - predicted
             if extra:
@@ -622,6 +623,27 @@ class PrefixIndex:
             out[name] = StreamMatch(name, pb, counts, predicted, credit)
         return out
 
+    def _scan(self, token_ids: Any, bs: int, n: int, seed: int, alive: int,
+              found: dict[int, tuple[int, int, dict[int, int] | None]],
+              slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
+        """The C walk: ``scan_tokens`` hashes and looks up blocks while every stream in
+        ``alive`` holds them in the best tier, and stops at the first block where something
+        changes; that block goes through ``_walk``, then the scan goes on. A prompt whose
+        blocks keep changing (offload tiers, predictions) is walked in Python after a while."""
+        kd = self._keys
+        pred = self._pred
+        W = self._W
+        i, k, stops = 0, seed, 0
+        while alive and i < n:
+            j, k = scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred)
+            if j >= n:
+                return alive, n
+            alive, i = self._walk((k,), alive, j, found, slow)
+            stops += 1
+            if stops >= self._max_stops and alive and i < n:
+                return self._walk(chain_tokens(token_ids, bs, n, k, i), alive, i, found, slow)
+        return alive, i
+
     def _walk(self, keys: Iterable[int], alive: int, i: int,
               found: dict[int, tuple[int, int, dict[int, int] | None]],
               slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
@@ -632,6 +654,7 @@ class PrefixIndex:
         pred = self._pred
         pget = pred.get
         W = self._W
+        not_best = alive << W  # lane 1 of the streams still matching
         k = 0
         for k in keys:
             v = kget(k, 0)
@@ -642,12 +665,14 @@ class PrefixIndex:
                 p = 0
                 hit = v & alive
             if hit != alive:
-                for s in _bits(alive ^ hit):
-                    found[s] = (i, 0, None)
+                if i:  # streams that drop out at block 0 matched nothing: left out of found
+                    for s in _bits(alive ^ hit):
+                        found[s] = (i, 0, None)
                 alive = hit
                 if not alive:
                     break
-            if (v >> W) & alive or p:
+                not_best = alive << W
+            if v & not_best or p:
                 if slow and slow[-1][:3] == (v, p, alive):
                     last = slow[-1]
                     slow[-1] = (v, p, alive, last[3] + 1)
@@ -722,6 +747,20 @@ class PrefixIndex:
         if st.bad:
             return f"{st.bad} events could not be indexed (last: {st.last_bad})"
         return None
+
+
+def _as_scannable(token_ids: Any) -> Any:
+    """Token ids as something ``scan_tokens`` reads directly: an int64 buffer as is,
+    anything else as a list."""
+    if not isinstance(token_ids, list | tuple):
+        try:
+            mv = memoryview(token_ids)
+        except TypeError:
+            return list(token_ids)
+        if mv.itemsize == 8 and mv.ndim == 1 and mv.format.lstrip("<=@") in ("q", "l"):
+            return token_ids
+        return list(token_ids)
+    return token_ids
 
 
 def _lazy_keys(token_ids: list[int], bs: int, n: int, seed: int) -> Iterable[int]:
