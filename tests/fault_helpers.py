@@ -151,6 +151,11 @@ def _ref_sockets(port: int, rport: int, opts: dict) -> tuple[zmq.Context, zmq.So
     pub.setsockopt(zmq.SNDHWM, opts.get("hwm", 100))  # vLLM 0.33 in the issue: hwm=100
     router = ctx.socket(zmq.ROUTER)  # no ROUTER_MANDATORY: drops at its HWM, as vLLM's does
     router.setsockopt(zmq.SNDHWM, opts.get("router_hwm", 1000))
+    if opts.get("per_send"):
+        # Serving an answer over many turns, a publisher must notice that its client is
+        # gone (or the next client's request waits behind thousands of dead replies):
+        # MANDATORY reports that; a full pipe (Again) is still a silent drop below.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     for s_ in (pub, router):
         s_.setsockopt(zmq.LINGER, 0)
         if opts.get("sndbuf"):
@@ -212,11 +217,22 @@ def ref_engine_main(conn: Any, port: int, rport: int, seed: int, opts: dict) -> 
             if budget is not None and n >= budget:
                 serving[1] = cursor
                 return
-            router.send_multipart([ident, b"", b"", cursor.to_bytes(8, "big"), ring[cursor]])
-            counts["replay_sent"] += 1
+            try:
+                router.send_multipart([ident, b"", b"", cursor.to_bytes(8, "big"),
+                                       ring[cursor]], zmq.NOBLOCK)
+                counts["replay_sent"] += 1
+            except zmq.Again:
+                pass  # the HWM: dropped, as without MANDATORY
+            except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
+                serving = None
+                return
             n += 1
             cursor += 1
-        router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        try:
+            router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""],
+                                  zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # dropped (HWM) or the client is gone
         serving = None
 
     try:
