@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvwire-installed
 TORCH_STAMP := $(VENV)/.kvwire-torch
+BROWSER_STAMP := $(VENV)/.kvwire-browser
 
 .PHONY: demo test lint bench venv clean
 
@@ -24,10 +25,20 @@ $(TORCH_STAMP): $(STAMP)
 	  echo "kvwire: WARNING: the torch.distributed tests (tests/test_shm_group.py) will be SKIPPED;" >&2; \
 	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
 
+# Debian's chromium, headless, for the test that looks at `kvwire serve`'s status page. Like
+# torch: the stamp only on success, a loud warning and a retry next time otherwise.
+$(BROWSER_STAMP): $(STAMP)
+	@if command -v chromium >/dev/null 2>&1 || \
+	   ( (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null) 2>&1 ); then \
+	  touch $(BROWSER_STAMP); else \
+	  echo "kvwire: WARNING: chromium could not be installed (apt-get as root is needed)." >&2; \
+	  echo "kvwire: WARNING: tests/test_serve.py::test_status_page_in_headless_chromium will be SKIPPED;" >&2; \
+	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
+
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
-test: $(STAMP) $(TORCH_STAMP)
+test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
@@ -35,6 +46,9 @@ bench: $(STAMP)
 	$(PY) bench/events.py
 	$(PY) bench/subscriber.py
 	$(PY) bench/shm.py
+	$(PY) bench/index.py
+	$(PY) bench/route.py
+	$(PY) bench/sim.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

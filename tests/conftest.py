@@ -37,16 +37,20 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return reason.removeprefix("Skipped: ")
 
 
+_MISSING = {"torch": "install torch (`make test` retries it) to run them",
+            "chromium": "install chromium (`make test` retries it, as root) to run it"}
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
-    """Say loudly which tests did not run for want of torch (a failed `make` install skips
-    them, and a one-letter 's' among hundreds of dots is easy to miss)."""
+    """Say loudly which tests did not run for want of torch or chromium (a failed `make`
+    install skips them, and a one-letter 's' among hundreds of dots is easy to miss)."""
     skipped = [(r.nodeid, _skip_reason(r)) for r in terminalreporter.stats.get("skipped", [])]
-    torch = [(nodeid, reason) for nodeid, reason in skipped if "torch" in reason.lower()]
-    if not torch:
-        return
-    terminalreporter.write_sep(
-        "!", f"{len(torch)} test(s) SKIPPED because torch is missing", red=True, bold=True)
-    for nodeid, reason in torch:
-        terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
-    terminalreporter.write_line(
-        "install torch (`make test` retries it) to run them", red=True, bold=True)
+    for what, hint in _MISSING.items():
+        hit = [(nodeid, reason) for nodeid, reason in skipped if what in reason.lower()]
+        if not hit:
+            continue
+        terminalreporter.write_sep(
+            "!", f"{len(hit)} test(s) SKIPPED because {what} is missing", red=True, bold=True)
+        for nodeid, reason in hit:
+            terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
+        terminalreporter.write_line(hint, red=True, bold=True)

@@ -281,10 +281,21 @@ def test_listen_bad_endpoint_is_a_clear_error() -> None:
 
 
 def test_demo_runs_and_rebuilds_the_cache_exactly() -> None:
-    r = subprocess.run([*KVWIRE, "demo", "--steps", "600", "--rate", "2000"],
+    r = subprocess.run([*KVWIRE, "demo", "--late-join", "--steps", "600", "--rate", "2000"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "exact match" in r.stdout
+
+
+def test_demo_tells_the_fleet_story_by_default(tmp_path) -> None:
+    png = tmp_path / "fleet.png"
+    r = subprocess.run([*KVWIRE, "demo", "--engines", "3", "--capacity", "300", "--limit", "150",
+                        "--report", str(png)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for policy in ("kvwire", "oracle", "random", "round_robin", "least_load"):
+        assert f"\n{policy} " in r.stdout
+    assert f"report written to {png.resolve()}" in r.stdout
+    assert png.stat().st_size > 10_000
 
 
 def test_keys_command_writes_a_usable_pair(tmp_path) -> None:

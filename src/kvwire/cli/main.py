@@ -208,9 +208,17 @@ def _cmd_listen(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if not args.late_join:
+        from ..sim.fleet_demo import run_fleet_demo
+
+        run_fleet_demo(args.report, engines=args.engines,
+                       capacity=args.capacity if args.capacity is not None else 5000,
+                       seed=args.seed, limit=args.limit)
+        return 0
     from ..sim.demo import run_demo
 
-    s = run_demo(steps=args.steps, capacity=args.capacity, rate=args.rate, seed=args.seed)
+    s = run_demo(steps=args.steps, capacity=args.capacity if args.capacity is not None else 4096,
+                 rate=args.rate, seed=args.seed)
     print("\nkvwire demo summary")
     print(f"  engine steps            {s.steps}")
     print(f"  batches published       {s.batches_published} (+ heartbeats)")
@@ -275,12 +283,25 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("name")
     ks.set_defaults(func=_cmd_keys)
 
-    dm = sub.add_parser("demo", help="run an embedded engine and a live listener")
-    dm.add_argument("--steps", type=_integer(1), default=3000, help="engine steps to run")
-    dm.add_argument("--capacity", type=_integer(1), default=4096,
-                    help="engine cache size in blocks")
+    dm = sub.add_parser(
+        "demo", help="the fleet story: route the bundled trace by cache, every policy",
+        description="Default: simulate Mooncake's synthetic trace on 8 engines that publish real "
+        "KV events, route it with every policy, print the table and write a PNG report. "
+        "--late-join: one engine and a subscriber that joins late, bootstraps from a snapshot "
+        "and must rebuild the engine's cache exactly.")
+    dm.add_argument("--engines", type=_integer(1), default=8, help="fleet size (fleet story)")
+    dm.add_argument("--capacity", type=_integer(1), default=None,
+                    help="engine cache size in blocks (default 5000; --late-join: 4096)")
+    dm.add_argument("--report", default="report.png", metavar="FILE.png",
+                    help="where the fleet story's PNG goes")
+    dm.add_argument("--limit", type=_integer(1), default=None, metavar="N",
+                    help="only the trace's first N requests (fleet story)")
+    dm.add_argument("--late-join", action="store_true",
+                    help="the single-engine late-joiner check instead of the fleet story")
+    dm.add_argument("--steps", type=_integer(1), default=3000,
+                    help="engine steps to run (--late-join)")
     dm.add_argument("--rate", type=_number(0, strict=False), default=1000.0,
-                    help="engine steps per second (0: as fast as possible)")
+                    help="engine steps per second, 0: as fast as possible (--late-join)")
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
 
