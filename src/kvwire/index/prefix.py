@@ -14,25 +14,31 @@ Layout, chosen so that ``match`` does one dict lookup and two integer ops per pr
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import msgspec
-from xxhash import xxh3_64_intdigest
-
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from .keys import NATIVE, add_bits, chain_tokens, root_seed, scan_tokens, token_bytes
+from .keys import NATIVE, add_bits, chain_tokens, root_seed, scan_tokens
+from .state import (
+    StreamIndexStats,
+    StreamMatch,
+    _as_scannable,
+    _bits,
+    _lazy_keys,
+    _salt_from_extra,
+    _Stream,
+    _synthetic,
+    suspect,
+)
 
 __all__ = [
     "DEFAULT_TIER_ALIASES", "DEFAULT_TIER_CREDITS", "PrefixIndex", "StreamIndexStats",
     "StreamMatch",
 ]
 
-log = logging.getLogger("kvwire.index")
 
 #: Credit of one matched block per tier: a CPU hit saves most of the prefill, a disk hit less.
 DEFAULT_TIER_CREDITS: dict[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25}
@@ -43,112 +49,8 @@ DEFAULT_TIER_ALIASES: dict[str, str] = {
 #: Recently removed engine hashes remembered per stream (GHOSTS to 2x GHOSTS), so that a token-less store on an
 #: offload tier right after the GPU eviction still finds its key.
 GHOSTS = 65_536
-#: Requests a stream must have seen, all without a single match, before it is called suspect.
-SUSPECT_AFTER = 20
 #: Blocks off the C scan's fast path before the rest of a prompt is walked in Python.
 _MAX_STOPS = 32
-_SYNTH = 0x6B76_7769_7265_5F78  # seed for keys of blocks whose tokens are unknown
-
-
-class StreamMatch(msgspec.Struct, frozen=True, gc=False):
-    """One stream's answer to ``match``: leading prompt blocks it holds, by best tier.
-
-    ``tiers`` counts plus ``predicted`` add up to the matched prefix length; ``credit`` is
-    sum(tier credit x blocks) + predicted blocks (at full credit); ``prompt_blocks`` is the
-    prompt's full blocks in this stream's block size (0 while the size is unknown).
-    """
-
-    stream: str
-    prompt_blocks: int
-    tiers: dict[str, int]
-    predicted: int
-    credit: float
-
-    @property
-    def blocks(self) -> int:
-        """Matched prefix length in blocks (every tier plus predicted)."""
-        return sum(self.tiers.values()) + self.predicted
-
-
-class StreamIndexStats(msgspec.Struct, frozen=True):
-    """What the index knows about one stream, and why it might be useless (``suspect``)."""
-
-    stream: str
-    block_size: int | None
-    blocks: int
-    tiers: dict[str, int]
-    events_applied: int
-    batches_applied: int
-    last_event_time: float | None
-    alive: bool
-    resets: int
-    snapshots: int
-    clears: int
-    stores_without_tokens: int
-    unplaced_blocks: int
-    orphan_stores: int
-    unknown_removes: int
-    bad_events: int
-    predicted_blocks: int
-    match_requests: int
-    matched_requests: int
-    suspect: str | None
-
-
-class _Stream:
-    """Mutable per-stream state (internal)."""
-
-    __slots__ = (
-        "name", "slot", "bit", "block_size", "sizes_seen", "h2k", "dups", "ghosts", "old_ghosts",
-        "pred",
-        "events", "batches", "last_time", "alive", "resets", "snapshots", "clears",
-        "no_tokens", "unplaced", "orphans", "unknown_removes", "bad", "last_bad",
-        "req_base", "matched", "token_blocks",
-    )
-
-    def __init__(self, name: str, slot: int) -> None:
-        self.name = name
-        self.slot = slot
-        self.bit = 1 << slot
-        self.block_size: int | None = None
-        self.sizes_seen: set[int] = set()
-        self.h2k: dict[int, dict[BlockHash, int]] = {}
-        self.dups: dict[int, dict[int, int]] = {}
-        self.ghosts: dict[BlockHash, int] = {}
-        self.old_ghosts: dict[BlockHash, int] = {}
-        self.pred: dict[int, float] = {}
-        self.events = self.batches = 0
-        self.last_time: float | None = None
-        self.alive = True
-        self.resets = self.snapshots = self.clears = 0
-        self.no_tokens = self.unplaced = self.orphans = self.unknown_removes = self.bad = 0
-        self.last_bad = ""
-        self.req_base = 0
-        self.matched = 0
-        self.token_blocks = 0
-
-    def lookup(self, h: BlockHash) -> int | None:
-        for d in self.h2k.values():
-            k = d.get(h)
-            if k is not None:
-                return k
-        k = self.ghosts.get(h)
-        return self.old_ghosts.get(h) if k is None else k
-
-
-def _bits(mask: int) -> Iterable[int]:
-    """Indices of the set bits of ``mask``, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def _synthetic(h: BlockHash, seed: int) -> int:
-    """A key for a block whose tokens are unknown: unique, but no prompt will ever hash to it."""
-    if isinstance(h, int):
-        h = h.to_bytes(16, "little", signed=True)
-    return xxh3_64_intdigest(h, seed ^ _SYNTH)
 
 
 class PrefixIndex:
@@ -729,59 +631,5 @@ class PrefixIndex:
             stores_without_tokens=st.no_tokens, unplaced_blocks=st.unplaced,
             orphan_stores=st.orphans, unknown_removes=st.unknown_removes, bad_events=st.bad,
             predicted_blocks=len(st.pred), match_requests=requests,
-            matched_requests=st.matched, suspect=self._suspect(st, requests),
+            matched_requests=st.matched, suspect=suspect(st, requests),
         )
-
-    @staticmethod
-    def _suspect(st: _Stream, requests: int) -> str | None:
-        if st.no_tokens and not st.token_blocks and st.events:
-            return (f"{st.no_tokens} blocks stored without token ids and none with: the index "
-                    "cannot compute keys for this stream, so it never matches")
-        if st.token_blocks and requests >= SUSPECT_AFTER and st.matched == 0:
-            return (f"{st.token_blocks} blocks stored but 0 of {requests} requests matched any: "
-                    f"block size {st.block_size} (sizes seen {sorted(st.sizes_seen)}), LoRA "
-                    "name or cache salt may disagree between the engine and the requests")
-        if len(st.sizes_seen) > 1:
-            return (f"stores with several block sizes {sorted(st.sizes_seen)}: only "
-                    f"{st.block_size}-token blocks are matched")
-        if st.bad:
-            return f"{st.bad} events could not be indexed (last: {st.last_bad})"
-        return None
-
-
-def _as_scannable(token_ids: Any) -> Any:
-    """Token ids as something ``scan_tokens`` reads directly: an int64 buffer as is,
-    anything else as a list."""
-    if not isinstance(token_ids, list | tuple):
-        try:
-            mv = memoryview(token_ids)
-        except TypeError:
-            return list(token_ids)
-        if mv.itemsize == 8 and mv.ndim == 1 and mv.format.lstrip("<=@") in ("q", "l"):
-            return token_ids
-        return list(token_ids)
-    return token_ids
-
-
-def _lazy_keys(token_ids: list[int], bs: int, n: int, seed: int) -> Iterable[int]:
-    """Pure-Python keys one block at a time, so a walk that stops early hashes no further."""
-    mv = memoryview(token_bytes(token_ids[: n * bs]))
-    step = bs * 8
-    k = seed
-    for off in range(0, n * step, step):
-        k = xxh3_64_intdigest(mv[off : off + step], k)
-        yield k
-
-
-def _salt_from_extra(first: Any, lora_name: str | None) -> Any:
-    """The cache salt in a vLLM first block's extra keys: its last string that is not the
-    LoRA name (vLLM appends the salt after the LoRA name and multimodal hashes)."""
-    if not first:
-        return None
-    if isinstance(first, str):
-        return None if first == lora_name else first
-    if isinstance(first, list | tuple):
-        for x in reversed(first):
-            if isinstance(x, str) and x != lora_name:
-                return x
-    return None
