@@ -298,6 +298,28 @@ def test_demo_tells_the_fleet_story_by_default(tmp_path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_demo_and_sim_without_matplotlib_say_so(tmp_path) -> None:
+    """`pip install kvwire` has no matplotlib: the demo still tells its story and says how to
+    get the PNG; `sim --report` says the same and exits 2 (after printing its results)."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "matplotlib.py").write_text('raise ImportError("matplotlib blocked by test")\n')
+    env = {**os.environ, "PYTHONPATH": str(blocker)}
+    png = tmp_path / "x.png"
+    r = subprocess.run([*KVWIRE, "demo", "--engines", "2", "--capacity", "200", "--limit", "60",
+                        "--report", str(png)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert "pip install 'kvwire[sim]'" in r.stdout and "Traceback" not in r.stderr
+    assert not png.exists()
+    r = subprocess.run([*KVWIRE, "sim", "--engines", "2", "--capacity", "200", "--limit", "60",
+                        "--policies", "random", "--report", str(png)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2
+    assert "random" in r.stdout
+    assert "pip install 'kvwire[sim]'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_keys_command_writes_a_usable_pair(tmp_path) -> None:
     r = subprocess.run([*KVWIRE, "keys", str(tmp_path), "srv"], capture_output=True, text=True,
                        timeout=30)

@@ -104,9 +104,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result.table())
     if args.report:
-        from ..sim.report import write_report
+        from ..sim.report import ReportUnavailable, write_report
 
-        out = write_report(result, args.report)
+        try:
+            out = write_report(result, args.report)
+        except ReportUnavailable as e:
+            print(f"kvwire sim: {e}", file=sys.stderr)
+            return 2
         if not args.json:
             print(f"report written to {out.resolve()}")
     return 0

@@ -40,9 +40,13 @@ def run_fleet_demo(out_png: str | Path | None = "report.png", engines: int = 8,
         f"0.98), {times(kv.hit_ratio, rnd.hit_ratio)} random's (>= 2.5), work max/mean "
         f"{kv.work_max_over_mean:.3f} (<= 1.10)")
     if out_png is not None:
-        from .report import write_report
+        from .report import ReportUnavailable, write_report
 
-        path = write_report(result, out_png)
-        out(f"report written to {path.resolve()}")
+        try:
+            path = write_report(result, out_png)
+        except ReportUnavailable as e:
+            out(str(e))
+        else:
+            out(f"report written to {path.resolve()}")
     out(f"done in {time.monotonic() - t0:.1f}s")
     return result

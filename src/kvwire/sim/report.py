@@ -6,7 +6,11 @@ from pathlib import Path
 
 from .fleet import SimResult
 
-__all__ = ["write_report"]
+__all__ = ["ReportUnavailable", "write_report"]
+
+
+class ReportUnavailable(RuntimeError):
+    """The PNG needs matplotlib, an optional dependency (``pip install 'kvwire[sim]'``)."""
 
 _COLORS = {"kvwire": "#1b9e77", "oracle": "#7570b3", "random": "#999999",
            "round_robin": "#e6ab02", "least_load": "#d95f02"}
@@ -14,7 +18,12 @@ _COLORS = {"kvwire": "#1b9e77", "oracle": "#7570b3", "random": "#999999",
 
 def write_report(result: SimResult, path: str | Path) -> Path:
     """Four panels: hit ratio per policy, TTFT p50/p99 per policy, per-engine work, TTFT CDF."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ReportUnavailable(
+            f"no PNG report: matplotlib is not installed ({e}); "
+            "pip install 'kvwire[sim]' for it") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
