@@ -43,6 +43,8 @@ test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
+	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows" >&2
 	$(PY) bench/events.py
 	$(PY) bench/subscriber.py
 	$(PY) bench/shm.py
