@@ -320,6 +320,19 @@ class IndexMachine(RuleBasedStateMachine):
                     assert g.credit == pytest.approx(credit)
 
     @invariant()
+    def mirror_agrees(self) -> None:
+        """The C scan's mirror of lanes 0/1 holds exactly the dict's keys and lanes."""
+        lanes = getattr(getattr(self, "idx", None), "_lanes", None)
+        if lanes is None:
+            return
+        full = (1 << 64) - 1
+        kd = self.idx._keys
+        assert len(lanes) == sum(1 for v in kd.values() if v & full)
+        for k, v in kd.items():
+            want = (v & full, (v >> 64) & full) if v & full else None
+            assert lanes.get(k) == want, (k, v)
+
+    @invariant()
     def stats_agree(self) -> None:
         if not hasattr(self, "idx"):
             return

@@ -134,6 +134,225 @@ fail:
     return NULL;
 }
 
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30 && defined(__SIZEOF_INT128__)
+/* Bits off..off+63 of a non-negative int, read from its digits: the scan tests two 64-bit
+ * lanes of a mask per block without allocating the two ints PyNumber_And would. */
+#define FAST_LANES 1
+static inline uint64_t
+lane_bits(PyObject *v, Py_ssize_t off)
+{
+    Py_ssize_t nd = Py_SIZE(v);
+    const digit *dg = ((PyLongObject *)v)->ob_digit;
+    Py_ssize_t d = off / PyLong_SHIFT;
+    int r = (int)(off % PyLong_SHIFT);
+    unsigned __int128 acc = 0;
+    for (Py_ssize_t i = d, sh = 0; i < nd && sh < 128; i++, sh += PyLong_SHIFT)
+        acc |= (unsigned __int128)dg[i] << sh;
+    return (uint64_t)(acc >> r);
+}
+#else
+#define FAST_LANES 0
+#endif
+
+/* Lanes: a uint64 key -> (lane 0, lane 1) mirror of PrefixIndex._keys while it has 64 slots
+ * per lane, in one open-addressing table (linear probing, backward-shift deletion, 24 bytes
+ * an entry). The scan reads it instead of the dict: one cache line per block instead of the
+ * dict's index, entry, key and value objects (the walk over 1M keys is memory-bound). It is
+ * only a hint of the fast path: a key absent here (or any == 0) stops the scan, and the
+ * Python walk then reads the dict; so it may miss keys, never invent them. */
+typedef struct { uint64_t key, any, nb; } LaneEntry;
+typedef struct {
+    PyObject_HEAD
+    LaneEntry *tab;
+    size_t mask;   /* slots - 1 (slots a power of two) */
+    size_t used;
+} LanesObject;
+
+static PyTypeObject LanesType;
+
+static inline size_t lanes_home(const LanesObject *L, uint64_t k)
+{
+    return (size_t)((k ^ (k >> 29)) * 0x9E3779B97F4A7C15ULL >> 7) & L->mask;
+}
+
+static inline const LaneEntry *lanes_find(const LanesObject *L, uint64_t k)
+{
+    size_t i = lanes_home(L, k);
+    for (;;) {
+        const LaneEntry *e = &L->tab[i];
+        if (e->any == 0) return NULL;
+        if (e->key == k) return e;
+        i = (i + 1) & L->mask;
+    }
+}
+
+static int lanes_resize(LanesObject *L, size_t slots)
+{
+    LaneEntry *nt = PyMem_Calloc(slots, sizeof(LaneEntry));
+    if (nt == NULL) { PyErr_NoMemory(); return -1; }
+    LaneEntry *old = L->tab;
+    size_t oslots = old ? L->mask + 1 : 0;
+    L->tab = nt;
+    L->mask = slots - 1;
+    for (size_t j = 0; j < oslots; j++) {
+        if (old[j].any == 0) continue;
+        size_t i = lanes_home(L, old[j].key);
+        while (nt[i].any != 0) i = (i + 1) & L->mask;
+        nt[i] = old[j];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+static void lanes_del(LanesObject *L, uint64_t k)
+{
+    size_t i = lanes_home(L, k);
+    for (;;) {
+        if (L->tab[i].any == 0) return;
+        if (L->tab[i].key == k) break;
+        i = (i + 1) & L->mask;
+    }
+    L->used--;
+    size_t j = i;
+    for (;;) {  /* backward shift: move later entries of the cluster into the hole */
+        L->tab[i].any = 0;
+        for (;;) {
+            j = (j + 1) & L->mask;
+            if (L->tab[j].any == 0) return;
+            size_t h = lanes_home(L, L->tab[j].key);
+            /* entry j may fill the hole i if its home is not cyclically in (i, j] */
+            if (i <= j ? (h <= i || h > j) : (h <= i && h > j)) break;
+        }
+        L->tab[i] = L->tab[j];
+        i = j;
+    }
+}
+
+static int lanes_put(LanesObject *L, uint64_t k, uint64_t any, uint64_t nb)
+{
+    if (any == 0) { lanes_del(L, k); return 0; }
+    if ((L->used + 1) * 4 > (L->mask + 1) * 3) {
+        if (lanes_resize(L, (L->mask + 1) * 2) < 0) return -1;
+    }
+    size_t i = lanes_home(L, k);
+    for (;;) {
+        LaneEntry *e = &L->tab[i];
+        if (e->any == 0) { e->key = k; e->any = any; e->nb = nb; L->used++; return 0; }
+        if (e->key == k) { e->any = any; e->nb = nb; return 0; }
+        i = (i + 1) & L->mask;
+    }
+}
+
+/* lanes 0 and 1 of a mask int v (64 slots per lane); -1 when v is not a non-negative int */
+static int lanes_of(PyObject *v, uint64_t *any, uint64_t *nb)
+{
+#if FAST_LANES
+    if (PyLong_CheckExact(v) && Py_SIZE(v) >= 0) {
+        *any = lane_bits(v, 0);
+        *nb = lane_bits(v, 64);
+        return 0;
+    }
+#endif
+    PyObject *full = PyLong_FromUnsignedLongLong(~0ULL);
+    if (full == NULL) return -1;
+    PyObject *lo = PyNumber_And(v, full);
+    PyObject *sh = PyLong_FromLong(64);
+    PyObject *hi = sh ? PyNumber_Rshift(v, sh) : NULL;
+    PyObject *hi2 = hi ? PyNumber_And(hi, full) : NULL;
+    int rc = -1;
+    if (lo && hi2) {
+        *any = PyLong_AsUnsignedLongLong(lo);
+        *nb = PyLong_AsUnsignedLongLong(hi2);
+        rc = PyErr_Occurred() ? -1 : 0;
+    }
+    Py_XDECREF(full); Py_XDECREF(lo); Py_XDECREF(sh); Py_XDECREF(hi); Py_XDECREF(hi2);
+    return rc;
+}
+
+static int lanes_set_obj(LanesObject *L, PyObject *key, PyObject *v)
+{
+    uint64_t k = PyLong_AsUnsignedLongLong(key);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    uint64_t any, nb;
+    if (lanes_of(v, &any, &nb) < 0) return -1;
+    return lanes_put(L, k, any, nb);
+}
+
+static PyObject *Lanes_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    (void)args; (void)kw;
+    LanesObject *L = (LanesObject *)type->tp_alloc(type, 0);
+    if (L == NULL) return NULL;
+    if (lanes_resize(L, 64) < 0) { Py_DECREF(L); return NULL; }
+    return (PyObject *)L;
+}
+
+static void Lanes_dealloc(LanesObject *L)
+{
+    PyMem_Free(L->tab);
+    Py_TYPE(L)->tp_free((PyObject *)L);
+}
+
+static PyObject *Lanes_set(LanesObject *L, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "set(key, mask)"); return NULL; }
+    if (lanes_set_obj(L, args[0], args[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lanes_discard(LanesObject *L, PyObject *key)
+{
+    uint64_t k = PyLong_AsUnsignedLongLong(key);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    lanes_del(L, k);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lanes_get(LanesObject *L, PyObject *key)
+{
+    uint64_t k = PyLong_AsUnsignedLongLong(key);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    const LaneEntry *e = lanes_find(L, k);
+    if (e == NULL) Py_RETURN_NONE;
+    return Py_BuildValue("(KK)", (unsigned long long)e->any, (unsigned long long)e->nb);
+}
+
+static PyObject *Lanes_clear(LanesObject *L, PyObject *unused)
+{
+    (void)unused;
+    LaneEntry *nt = PyMem_Calloc(64, sizeof(LaneEntry));
+    if (nt == NULL) return PyErr_NoMemory();
+    PyMem_Free(L->tab);
+    L->tab = nt;
+    L->mask = 63;
+    L->used = 0;
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t Lanes_len(LanesObject *L) { return (Py_ssize_t)L->used; }
+
+static PyMethodDef Lanes_methods[] = {
+    {"set", (PyCFunction)(void (*)(void))Lanes_set, METH_FASTCALL, "set(key, mask): mirror lanes 0/1"},
+    {"discard", (PyCFunction)Lanes_discard, METH_O, "discard(key)"},
+    {"get", (PyCFunction)Lanes_get, METH_O, "get(key) -> (lane0, lane1) or None"},
+    {"clear", (PyCFunction)Lanes_clear, METH_NOARGS, "clear()"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Lanes_as_seq = { .sq_length = (lenfunc)Lanes_len };
+
+static PyTypeObject LanesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.index._keys.Lanes",
+    .tp_basicsize = sizeof(LanesObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "uint64 key -> lanes 0/1 of PrefixIndex masks (64 slots per lane)",
+    .tp_new = Lanes_new,
+    .tp_dealloc = (destructor)Lanes_dealloc,
+    .tp_methods = Lanes_methods,
+    .tp_as_sequence = &Lanes_as_seq,
+};
+
 /* scan_tokens(tokens, block_size, n, start, seed, masks, alive, not_best, pred)
  *     -> (i, key)
  *   The match walk's fast path: hash blocks start.. of `tokens` (chained from `seed`) and
@@ -145,7 +364,8 @@ static PyObject *
 scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 9 || !PyDict_CheckExact(args[5]) || !PyDict_CheckExact(args[8])) {
+    if ((nargs != 9 && nargs != 10) || !PyDict_CheckExact(args[5]) || !PyDict_CheckExact(args[8])
+        || (nargs == 10 && args[9] != Py_None && !PyObject_TypeCheck(args[9], &LanesType))) {
         PyErr_SetString(PyExc_TypeError,
                         "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred)");
         return NULL;
@@ -159,6 +379,7 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long k = PyLong_AsUnsignedLongLong(args[4]);
     if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     PyObject *masks = args[5], *alive = args[6], *not_best = args[7], *pred = args[8];
+    LanesObject *lanes = (nargs == 10 && args[9] != Py_None) ? (LanesObject *)args[9] : NULL;
     if (bs <= 0 || n < 0 || start < 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
         return NULL;
@@ -200,6 +421,29 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     int check_pred = PyDict_GET_SIZE(pred) > 0;
+    /* fast lanes: alive fits in 64 bits and not_best == alive << W (how _scan calls it) */
+    uint64_t alive64 = 0;
+    Py_ssize_t lane_w = -1;
+#if FAST_LANES
+    if (PyLong_CheckExact(alive) && PyLong_CheckExact(not_best) && Py_SIZE(alive) > 0) {
+        alive64 = PyLong_AsUnsignedLongLong(alive);
+        if (alive64 == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        } else {
+            int64_t w = (int64_t)_PyLong_NumBits(not_best) - (int64_t)_PyLong_NumBits(alive);
+            if (w >= 64) {
+                PyObject *sh = PyLong_FromLongLong(w);
+                PyObject *chk = sh ? PyNumber_Lshift(alive, sh) : NULL;
+                Py_XDECREF(sh);
+                if (chk == NULL) { if (have_view) PyBuffer_Release(&view); if (buf != stackbuf) PyMem_Free(buf); return NULL; }
+                int same = PyObject_RichCompareBool(chk, not_best, Py_EQ);
+                Py_DECREF(chk);
+                if (same < 0) { if (have_view) PyBuffer_Release(&view); if (buf != stackbuf) PyMem_Free(buf); return NULL; }
+                if (same) lane_w = (Py_ssize_t)w;
+            }
+        }
+    }
+#endif
     PyObject *key = NULL, *result = NULL;
     Py_ssize_t i = start;
     for (; i < n; i++) {
@@ -226,6 +470,16 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             data = flat + i * bs;
         }
         k = XXH3_64bits_withSeed(data, (size_t)bs * sizeof(int64_t), k);
+        if (lanes != NULL && lane_w == 64 && !check_pred) {
+            /* the mirror: no int object, one probe; a miss or a change stops here */
+            const LaneEntry *e = lanes_find(lanes, k);
+            if (e == NULL || (e->any & alive64) != alive64 || (e->nb & alive64)) {
+                Py_XDECREF(key);
+                key = NULL;  /* made below from k */
+                break;
+            }
+            continue;
+        }
         Py_XDECREF(key);
         key = PyLong_FromUnsignedLongLong(k);
         if (key == NULL) goto done;
@@ -239,6 +493,13 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (c < 0) goto done;
             if (c) break;
         }
+#if FAST_LANES
+        if (lane_w > 0 && PyLong_CheckExact(v) && Py_SIZE(v) >= 0) {
+            if ((lane_bits(v, 0) & alive64) != alive64) break;
+            if (lane_bits(v, lane_w) & alive64) break;
+            continue;
+        }
+#endif
         PyObject *t = PyNumber_And(v, alive);
         if (t == NULL) goto done;
         int eq = PyObject_RichCompareBool(t, alive, Py_EQ);
@@ -252,7 +513,7 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (nz < 0) goto done;
         if (nz) break;
     }
-    if (key == NULL) {  /* nothing hashed: start >= n */
+    if (key == NULL) {  /* nothing hashed (start >= n), or the mirror's walk */
         key = PyLong_FromUnsignedLongLong(k);
         if (key == NULL) goto done;
     }
@@ -272,12 +533,14 @@ static PyObject *
 add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 5 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "add_bits(dict, list, setb, keep, tb)");
+    if ((nargs != 5 && nargs != 6) || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+        || (nargs == 6 && args[5] != Py_None && !PyObject_TypeCheck(args[5], &LanesType))) {
+        PyErr_SetString(PyExc_TypeError, "add_bits(dict, list, setb, keep, tb, lanes=None)");
         return NULL;
     }
     PyObject *masks = args[0], *keys = args[1], *setb = args[2], *keep = args[3];
     PyObject *tb = args[4];
+    LanesObject *lanes = (nargs == 6 && args[5] != Py_None) ? (LanesObject *)args[5] : NULL;
     PyObject *dups = PyList_New(0);
     if (dups == NULL) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
@@ -286,6 +549,7 @@ add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *v = PyDict_GetItemWithError(masks, k); /* borrowed */
         if (v == NULL) {
             if (PyErr_Occurred() || PyDict_SetItem(masks, k, setb) < 0) goto fail;
+            if (lanes != NULL && lanes_set_obj(lanes, k, setb) < 0) goto fail;
             continue;
         }
         PyObject *has = PyNumber_And(v, tb);
@@ -303,6 +567,7 @@ add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(o);
         if (nv == NULL) goto fail;
         int rc = PyDict_SetItem(masks, k, nv);
+        if (rc == 0 && lanes != NULL) rc = lanes_set_obj(lanes, k, nv);
         Py_DECREF(nv);
         if (rc < 0) goto fail;
     }
@@ -329,5 +594,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__keys(void)
 {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&LanesType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&LanesType);
+    if (PyModule_AddObject(m, "Lanes", (PyObject *)&LanesType) < 0) {
+        Py_DECREF(&LanesType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

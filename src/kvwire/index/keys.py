@@ -19,7 +19,7 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "add_bits", "block_keys", "chain_tokens", "root_seed", "scan_tokens",
+    "NATIVE", "ROOT_SEED", "Lanes", "add_bits", "block_keys", "chain_tokens", "root_seed", "scan_tokens",
     "token_bytes",
 ]
 
@@ -89,7 +89,7 @@ def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int
 
 
 def py_add_bits(masks: dict[int, int], keys: list[int], setb: int, keep: int,
-                tb: int) -> list[int]:
+                tb: int, lanes: Any = None) -> list[int]:
     """Set ``setb`` (and clear what ``keep`` does not keep) in ``masks`` for every key, except
     keys whose mask already has ``tb``: those are returned (the pure twin of the C one)."""
     dups = []
@@ -111,11 +111,13 @@ REASON = ""
 chain_tokens = py_chain_tokens
 add_bits = py_add_bits
 scan_tokens = None  # C only: PrefixIndex walks in Python without it
+Lanes = None  # C only: the scan's uint64 mirror of the masks' lanes 0/1
 if os.environ.get("KVWIRE_NO_NATIVE"):
     REASON = "KVWIRE_NO_NATIVE set"
 else:
     try:
         from ._keys import (  # type: ignore[no-redef]  # noqa: F811
+            Lanes,
             add_bits,
             chain_tokens,
             scan_tokens,

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from .keys import NATIVE, add_bits, chain_tokens, root_seed, scan_tokens
+from .keys import NATIVE, Lanes, add_bits, chain_tokens, root_seed, scan_tokens
 from .state import (
     StreamIndexStats,
     StreamMatch,
@@ -83,6 +83,8 @@ class PrefixIndex:
         self.remember_removed = max(0, int(remember_removed))
         self._W = 64
         self._keys: dict[int, int] = {}
+        # C mirror of lanes 0/1 of ``_keys`` for the scan (while W == 64); None without C
+        self._lanes: Any = Lanes() if Lanes is not None else None
         self._pred: dict[int, int] = {}
         self._pred_queue: deque[tuple[float, _Stream, list[int]]] = deque()
         # tiers: configured ones first, best credit first (index 0 is the best tier)
@@ -131,6 +133,7 @@ class PrefixIndex:
 
         self._keys = {k: repack(v) for k, v in self._keys.items()}
         self._W = new
+        self._lanes = None  # the mirror holds 64 slots per lane: the scan reads the dict now
 
     def _tier(self, medium: str | None) -> int:
         t = self._medium_cache.get(medium)
@@ -265,6 +268,7 @@ class PrefixIndex:
         tb = bit << ((2 + t) * W)
         kd = self._keys
         kget = kd.get
+        lanes = self._lanes
         pred = st.pred
         dget = d.get
         if t == 0 and not pred and d.keys().isdisjoint(hs):
@@ -272,7 +276,7 @@ class PrefixIndex:
             before = len(d)
             d.update(zip(hs, keys))
             if len(d) - before == len(hs):
-                for k in add_bits(kd, keys, bit | tb, ~nb, tb):
+                for k in add_bits(kd, keys, bit | tb, ~nb, tb, lanes):
                     self._dup(st, t, k)
                 return
             for h in hs:  # one hash twice in the event: undo, take the careful path
@@ -292,7 +296,9 @@ class PrefixIndex:
                 if v & tb:
                     self._dup(st, t, k)
                 else:
-                    kd[k] = (v | setb) & ~nb
+                    v = kd[k] = (v | setb) & ~nb
+                    if lanes is not None:
+                        lanes.set(k, v)
         else:
             best = bit << (2 * W)
             for h, k in zip(hs, keys):
@@ -312,6 +318,8 @@ class PrefixIndex:
                     if not v & best:
                         v |= nb
                     kd[k] = v
+                    if lanes is not None:
+                        lanes.set(k, v)
 
     def _dup(self, st: _Stream, t: int, k: int) -> None:
         """A second engine hash for a key the stream already holds in tier ``t``."""
@@ -337,6 +345,7 @@ class PrefixIndex:
         nb = bit << W
         lanes = 2 + len(self._tiers)
         kd = self._keys
+        mirror = self._lanes
         dups = st.dups.get(t)
         ghosts = st.ghosts
         pop = d.pop
@@ -367,8 +376,12 @@ class PrefixIndex:
                     v |= nb
             if v:
                 kd[k] = v
+                if mirror is not None:
+                    mirror.set(k, v)
             else:
                 del kd[k]
+                if mirror is not None:
+                    mirror.discard(k)
         if len(ghosts) >= self.remember_removed:  # two generations: bounded, O(1) per removal
             st.old_ghosts = ghosts
             st.ghosts = {}
@@ -377,6 +390,7 @@ class PrefixIndex:
         """Drop every block of the stream (predictions stay: they are routing decisions)."""
         mask = ~(st.bit * self._lane_ones())
         kd = self._keys
+        lanes = self._lanes
         for d in st.h2k.values():
             for k in d.values():
                 v = kd.get(k)
@@ -384,8 +398,12 @@ class PrefixIndex:
                     v &= mask
                     if v:
                         kd[k] = v
+                        if lanes is not None:
+                            lanes.set(k, v)
                     else:
                         del kd[k]
+                        if lanes is not None:
+                            lanes.discard(k)
         st.h2k = {}
         st.dups = {}
         st.ghosts = {}
@@ -537,7 +555,7 @@ class PrefixIndex:
         W = self._W
         i, k, stops = 0, seed, 0
         while alive and i < n:
-            j, k = scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred)
+            j, k = scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred, self._lanes)
             if j >= n:
                 return alive, n
             alive, i = self._walk((k,), alive, j, found, slow)
