@@ -202,6 +202,15 @@ class BlockCache:
         self.apply_events(batch.events)
 
     def apply_events(self, events: Iterable[Any]) -> None:
+        """Apply events in order; events of other kinds are skipped."""
+        it = iter(events)
+        while self.apply_known(it) is not None:
+            pass
+
+    def apply_known(self, events: Iterable[Any]) -> Any:
+        """Apply kvwire's own events in order; stop at the first other one and return it
+        (None when all were applied). Given an iterator, it resumes after that event on the
+        next call. The publisher's snapshot model runs this per batch: no allocation."""
         tiers = self._tiers
         for ev in events:
             t = type(ev)
@@ -220,6 +229,9 @@ class BlockCache:
                         pop(h, None)
             elif t is AllBlocksCleared:
                 tiers.clear()
+            else:
+                return ev
+        return None
 
     def clear(self) -> None:
         self._tiers.clear()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -86,35 +85,6 @@ def follow_event(ev: Any) -> Event | None:
         return None
 
 
-class _Cache(BlockCache):
-    __slots__ = ()
-
-    def apply_known(self, events: Iterable[Any]) -> Any:
-        """Apply kvwire's own events in order; stop at the first other one and return it
-        (None when all were applied). The publisher's hot path: no allocation."""
-        tiers = self._tiers
-        for ev in events:
-            t = type(ev)
-            if t is BlockStored:
-                m = "GPU" if ev.medium is None else ev.medium
-                d = tiers.get(m)
-                if d is None:
-                    d = tiers[m] = {}
-                for h in ev.block_hashes:
-                    d[h] = ev
-            elif t is BlockRemoved:
-                d = tiers.get("GPU" if ev.medium is None else ev.medium)
-                if d:
-                    pop = d.pop
-                    for h in ev.block_hashes:
-                        pop(h, None)
-            elif t is AllBlocksCleared:
-                tiers.clear()
-            else:
-                return ev
-        return None
-
-
 class _CannotFollow(Exception):
     """An event of a kind or shape the model does not understand."""
 
@@ -127,7 +97,7 @@ class SnapshotModel:
     """
 
     def __init__(self, lock: threading.Lock, counters: dict[str, int]) -> None:
-        self.cache = _Cache()
+        self.cache = BlockCache()
         self.seq = -1  # last seq applied (or skipped while inexact)
         self.lost_from: int | None = None  # first seq the model could not follow
         self.reason = ""
