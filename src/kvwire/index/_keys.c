@@ -586,6 +586,16 @@ add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PyList_GET_SIZE(keys);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = PyList_GET_ITEM(keys, i);
+#ifdef __GNUC__
+        if (lanes != NULL && i + 4 < n) {  /* the mirror slot a few keys on: overlap misses */
+            PyObject *ahead = PyList_GET_ITEM(keys, i + 4);
+            if (PyLong_CheckExact(ahead) && Py_SIZE(ahead) > 0) {
+                uint64_t ka = PyLong_AsUnsignedLongLong(ahead);
+                if (ka == (unsigned long long)-1 && PyErr_Occurred()) PyErr_Clear();
+                else __builtin_prefetch(&lanes->tab[lanes_home(lanes, ka)], 1);
+            }
+        }
+#endif
         PyObject *v = PyDict_GetItemWithError(masks, k); /* borrowed */
         if (v == NULL) {
             if (PyErr_Occurred() || PyDict_SetItem(masks, k, setb) < 0) goto fail;
