@@ -32,14 +32,12 @@ from typing import Literal
 
 import msgspec
 
-from .. import wire
 from ..wire.events import FAST_DECODE_ERRORS as _DECODE_ERRORS
 from ..wire.events import (
     BatchDecoder,
     BlockStored,
     DecodeError,
     EventError,
-    KVEventBatch,
 )
 from ..wire.events import decode_fast as _decode_map
 
@@ -69,200 +67,30 @@ __all__ = [
     "parse_reply",
 ]
 
-# --------------------------------------------------------------------------- actions
-
-
-class SendInfo(msgspec.Struct, frozen=True):
-    """Ask the publisher for INFO (epoch, heartbeat interval, snapshot support)."""
-
-    def frames(self) -> list[bytes]:
-        return [b"", wire.MAGIC, wire.OP_INFO]
-
-
-class SendReplay(msgspec.Struct, frozen=True):
-    """Ask for every buffered batch with ``seq >= start``."""
-
-    start: int
-
-    def frames(self) -> list[bytes]:
-        return [b"", wire.pack_seq(self.start)]
-
-
-class SendSnapshot(msgspec.Struct, frozen=True):
-    """Ask for the publisher's cache contents (in chunks of ``max_blocks`` blocks)."""
-
-    max_blocks: int | None = None
-
-    def frames(self) -> list[bytes]:
-        f = [b"", wire.MAGIC, wire.OP_SNAPSHOT]
-        if self.max_blocks is not None:
-            f.append(self.max_blocks.to_bytes(4, "big"))
-        return f
-
-
-class RecycleRequests(msgspec.Struct, frozen=True):
-    """Close the request socket and open a new one: drops replies to abandoned requests."""
-
-    reason: str
-
-
-Action = SendInfo | SendReplay | SendSnapshot | RecycleRequests
-
-# --------------------------------------------------------------------------- deliveries
-
-
-class Batch(msgspec.Struct, frozen=True, gc=False):
-    """One batch of stream ``stream``, delivered exactly once and in seq order
-    (untracked by the GC, like the batch it carries)."""
-
-    stream: str
-    seq: int
-    batch: KVEventBatch
-    epoch: int | None = None
-
-
-class Reset(msgspec.Struct, frozen=True):
-    """Drop everything known about this stream's engine; a :class:`Snapshot` follows."""
-
-    stream: str
-    reason: str
-    epoch: int | None = None
-
-
-class Snapshot(msgspec.Struct, frozen=True):
-    """The engine's blocks after every batch with seq <= ``seq``; replaces the state.
-
-    ``exact`` is False when the publisher could not provide its contents (reference
-    publishers, or loss that no replay could fill): then ``blocks`` is empty and only
-    what the following batches say is known.
-    """
-
-    stream: str
-    seq: int
-    blocks: list[BlockStored]  # events covering the blocks; an event may be a chain
-    epoch: int | None = None
-    exact: bool = True
-
-    @property
-    def block_count(self) -> int:
-        """Blocks covered: ``blocks`` holds events, and an event may be a chain of blocks."""
-        return sum(len(e.block_hashes) for e in self.blocks)
-
-
-class Liveness(msgspec.Struct, frozen=True):
-    """The stream went silent for longer than ``dead_after`` (or came back)."""
-
-    stream: str
-    alive: bool
-    reason: str
-
-
-Delivery = Batch | Reset | Snapshot | Liveness
-Output = Action | Delivery
-
-# --------------------------------------------------------------------------- parsed frames
-
-
-class FrameError(ValueError):
-    """A multipart message that is not any message of the protocol."""
-
-
-class InfoReply(msgspec.Struct, frozen=True, kw_only=True):
-    """The INFO map (docs/protocol.md, 2.1); unknown keys are ignored."""
-
-    epoch: int
-    version: int = 1
-    seq: int = -1
-    oldest: int = -1
-    topic: str = ""
-    rank: int | None = None
-    heartbeat_interval: float | None = None
-    snapshot: bool = False
-    buffer_steps: int = 0
-    dialect: str = "vllm"
-
-
-class SnapshotHeader(msgspec.Struct, frozen=True):
-    epoch: int
-    seq: int
-    chunk: int
-    chunks: int
-    blocks: int = 0
-
-
-class ReplayMessage(msgspec.Struct, frozen=True):
-    seq: int
-    payload: bytes
-
-
-class ReplayEnd(msgspec.Struct, frozen=True):
-    pass
-
-
-class SnapshotChunk(msgspec.Struct, frozen=True):
-    header: SnapshotHeader
-    payload: bytes
-
-
-class ErrorReply(msgspec.Struct, frozen=True):
-    message: str
-
-
-Reply = ReplayMessage | ReplayEnd | InfoReply | SnapshotChunk | ErrorReply
-
-_info_dec = msgspec.msgpack.Decoder(InfoReply)
-_snap_dec = msgspec.msgpack.Decoder(SnapshotHeader)
-
-
-def parse_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
-    """``(topic, seq, payload)`` of a live message; raises :class:`FrameError`."""
-    if len(frames) != 3:
-        raise FrameError(f"live message must have 3 frames, got {len(frames)}")
-    topic, seq_f, payload = frames
-    if len(seq_f) != 8:
-        raise FrameError(f"live seq frame must be 8 bytes, got {len(seq_f)}")
-    seq = int.from_bytes(seq_f, "big", signed=True)
-    if seq < 0:
-        raise FrameError(f"live seq must be >= 0, got {seq}")
-    return bytes(topic), seq, bytes(payload)
-
-
-def parse_reply(frames: list[bytes]) -> Reply:
-    """Classify one message from the replay socket, as a DEALER receives it.
-
-    Accepts both replay layouts (with and without the topic frame).
-    """
-    if not frames or frames[0] != b"":
-        raise FrameError("reply lacks the empty delimiter frame")
-    body = frames[1:]
-    n = len(body)
-    if n >= 2 and body[0] == wire.MAGIC and len(body[1]) != 8:
-        op = body[1]
-        try:
-            if op == wire.REPLY_INFO and n == 3:
-                return _info_dec.decode(body[2])
-            if op == wire.REPLY_SNAP and n == 4:
-                return SnapshotChunk(_snap_dec.decode(body[2]), bytes(body[3]))
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise FrameError(f"bad {op[:8]!r} reply: {e}") from None
-        if op == wire.REPLY_ERR and n == 3:
-            return ErrorReply(bytes(body[2]).decode("utf-8", "replace"))
-        raise FrameError(f"unknown control reply {op[:16]!r} with {n} frames")
-    if n == 3:  # topic, seq, payload
-        seq_f, payload = body[1], body[2]
-    elif n == 2:  # pre-0.26 layout: seq, payload
-        seq_f, payload = body[0], body[1]
-    else:
-        raise FrameError(f"replay reply must have 2 or 3 frames after the delimiter, got {n}")
-    if len(seq_f) != 8:
-        raise FrameError(f"replay seq frame must be 8 bytes, got {len(seq_f)}")
-    seq = int.from_bytes(seq_f, "big", signed=True)
-    if seq == -1:
-        return ReplayEnd()
-    if seq < 0:
-        raise FrameError(f"replay seq must be >= 0 or -1, got {seq}")
-    return ReplayMessage(seq, bytes(payload))
-
+from .items import (
+    Action,
+    Batch,
+    Delivery,
+    Liveness,
+    Output,
+    RecycleRequests,
+    Reset,
+    SendInfo,
+    SendReplay,
+    SendSnapshot,
+    Snapshot,
+)
+from .replies import (
+    ErrorReply,
+    FrameError,
+    InfoReply,
+    ReplayEnd,
+    ReplayMessage,
+    SnapshotChunk,
+    SnapshotHeader,
+    parse_live,
+    parse_reply,
+)
 
 # --------------------------------------------------------------------------- machine
 
