@@ -566,3 +566,16 @@ def test_real_publisher_subscriber_feed(dialect, as_bytes):
     finally:
         sub.close()
         pub.shutdown()
+
+
+def test_set_bits_helper_agrees_with_pure_python():
+    """_bits (C bits64 for 64-bit masks) lists the same slots as the pure generator."""
+    import random
+
+    from kvwire.index.state import _bits, _py_bits
+
+    rng = random.Random(7)
+    masks = [0, 1, 1 << 63, (1 << 64) - 1, 1 << 64, (1 << 200) | 5]
+    masks += [rng.getrandbits(rng.choice([8, 64, 130])) for _ in range(300)]
+    for m in masks:
+        assert list(_bits(m)) == list(_py_bits(m)), m

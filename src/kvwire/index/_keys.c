@@ -677,7 +677,28 @@ fail:
     return NULL;
 }
 
+/* bits64(mask) -> list of the set bits' indices, lowest first (mask: an int in [0, 2**64)).
+ * match iterates the slots of up to 64 matched streams a few times per call. */
+static PyObject *
+bits64(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    unsigned long long m = PyLong_AsUnsignedLongLong(arg);
+    if (m == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *out = PyList_New(__builtin_popcountll(m));
+    if (out == NULL) return NULL;
+    Py_ssize_t j = 0;
+    while (m) {
+        PyObject *v = PyLong_FromLong(__builtin_ctzll(m));
+        if (v == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, j++, v);
+        m &= m - 1;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"bits64", (PyCFunction)bits64, METH_O, "bits64(mask) -> indices of set bits, lowest first"},
     {"scan_tokens", (PyCFunction)(void (*)(void))scan_tokens, METH_FASTCALL,
      "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred) -> (i, key)"},
     {"add_bits", (PyCFunction)(void (*)(void))add_bits, METH_FASTCALL,

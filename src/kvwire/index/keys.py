@@ -19,7 +19,7 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "Lanes", "add_bits", "block_keys", "chain_tokens", "root_seed", "scan_tokens",
+    "NATIVE", "ROOT_SEED", "Lanes", "add_bits", "bits64", "block_keys", "chain_tokens", "root_seed", "scan_tokens",
     "token_bytes",
 ]
 
@@ -112,6 +112,7 @@ chain_tokens = py_chain_tokens
 add_bits = py_add_bits
 scan_tokens = None  # C only: PrefixIndex walks in Python without it
 Lanes = None  # C only: the scan's uint64 mirror of the masks' lanes 0/1
+bits64 = None  # C only: set bits of a 64-bit mask as a list
 if os.environ.get("KVWIRE_NO_NATIVE"):
     REASON = "KVWIRE_NO_NATIVE set"
 else:
@@ -119,6 +120,7 @@ else:
         from ._keys import (  # type: ignore[no-redef]  # noqa: F811
             Lanes,
             add_bits,
+            bits64,
             chain_tokens,
             scan_tokens,
         )

@@ -10,7 +10,7 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 from ..wire.events import BlockHash
-from .keys import token_bytes
+from .keys import bits64, token_bytes
 
 __all__ = ["StreamIndexStats", "StreamMatch"]
 
@@ -106,6 +106,12 @@ class _Stream:
 
 def _bits(mask: int) -> Iterable[int]:
     """Indices of the set bits of ``mask``, lowest first."""
+    if bits64 is not None and 0 <= mask < 1 << 64:
+        return bits64(mask)
+    return _py_bits(mask)
+
+
+def _py_bits(mask: int) -> Iterable[int]:
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
