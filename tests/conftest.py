@@ -1,12 +1,17 @@
-"""Shared fixtures: the golden vectors, vendored into ``tests/data`` (see its README)."""
+"""Shared fixtures: the golden vectors, vendored into ``tests/data`` (see its README), and a
+ZeroMQ context with the publishers made on it (shut down before the context goes)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+
+from kvwire.publish.publisher import ZmqEventPublisher
 
 DATA = Path(__file__).resolve().parent / "data"
 VECTORS = DATA / "kv_events.json"
@@ -54,3 +59,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         for nodeid, reason in hit:
             terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
         terminalreporter.write_line(hint, red=True, bold=True)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture
+def pubs(ctx: zmq.Context) -> Iterator[list[ZmqEventPublisher]]:
+    made: list[ZmqEventPublisher] = []
+    yield made
+    for p in made:
+        p.shutdown(timeout=1.0)

@@ -99,13 +99,6 @@ def mk(i: int, rank: int | None = 0, tokens: int = 4) -> KVEventBatch:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
 def make_pub() -> Iterator[Callable[..., ZmqEventPublisher]]:
     pubs: list[ZmqEventPublisher] = []
 

@@ -15,10 +15,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import zmq
 
 from kvwire import wire
@@ -67,21 +65,6 @@ class _Deadly(list):
 def step(i: int) -> list[Any]:
     return [BlockStored([i, i + 1], i - 1, list(range(8)), 4, None, "GPU"),
             BlockRemoved([i - 7], "GPU")]
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
-def pubs(ctx: zmq.Context) -> Iterator[list[ZmqEventPublisher]]:
-    made: list[ZmqEventPublisher] = []
-    yield made
-    for p in made:
-        p.shutdown(timeout=1.0)
 
 
 def make(pubs: list[ZmqEventPublisher], ctx: zmq.Context, **kw: Any) -> ZmqEventPublisher:

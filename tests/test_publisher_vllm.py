@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -76,21 +75,6 @@ class EngineBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     ts: float
     events: list[EngineStored | EngineRemoved | EngineCleared]
     data_parallel_rank: int | None = None
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
-def pubs(ctx: zmq.Context) -> Iterator[list[ZmqEventPublisher]]:
-    made: list[ZmqEventPublisher] = []
-    yield made
-    for p in made:
-        p.shutdown(timeout=1.0)
 
 
 def make(pubs: list[ZmqEventPublisher], ctx: zmq.Context, rank: int = 0,
