@@ -74,3 +74,13 @@ def pubs(ctx: zmq.Context) -> Iterator[list[ZmqEventPublisher]]:
     yield made
     for p in made:
         p.shutdown(timeout=1.0)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Any) -> Iterator[Any]:
+    """A real nats-server with JetStream file storage in a temp dir (tests/nats_helpers.py)."""
+    from nats_helpers import NatsServer
+
+    srv = NatsServer(tmp_path / "nats").start()
+    yield srv
+    srv.stop()

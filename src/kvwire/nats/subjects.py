@@ -1,0 +1,98 @@
+"""How kvwire's exact streams are laid out on NATS JetStream: names, headers, message ids.
+
+This module is the contract between :mod:`kvwire.nats.bridge` (writer) and
+:mod:`kvwire.nats.consumer` (reader); it does no I/O. See docs/scale-out.md.
+
+* One JetStream stream (default ``KVWIRE``) captures ``<prefix>.>``; each engine DP rank has
+  one subject ``<prefix>.<engine>.<rank>``, so per-subject order is the engine's order and
+  per-subject limits bound each engine's history on its own.
+* Every message carries ``Kvwire-Kind`` (``batch``, ``reset`` or ``snapshot``),
+  ``Kvwire-Epoch`` and ``Kvwire-Seq``. ``Nats-Msg-Id`` is ``engine/rank/epoch/seq`` (batches)
+  or ``engine/rank/epoch/<kind>-seq[-chunk]`` (markers), so JetStream drops the second copy a
+  restarted or redundant bridge writes within the stream's duplicate window; outside it the
+  bridge's own check (the subject's last message) keeps it exact.
+* ``epoch`` is the publisher's epoch when it has one (kvwire publishers); reference publishers
+  have none, so the bridge numbers their incarnations itself: ``0`` first, ``+1`` per reset,
+  recovered after a bridge restart from the subject's last message.
+* A ``batch`` body is the batch encoded as vLLM's wire format (:func:`kvwire.wire.encode_batch`).
+  A ``reset`` body is empty (its reason is in ``Kvwire-Reason``); a ``snapshot`` (the blocks
+  after every batch with seq <= ``Kvwire-Seq``) is a msgpack list of ``BlockStored`` events,
+  split into ``Kvwire-Chunk: i/n`` messages when larger than the server's max payload.
+* Compacted snapshots for bootstrapping live in the object store bucket ``kvwire-snapshots``,
+  object ``<engine>.<rank>``, with the JetStream sequence they correspond to.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "DEFAULT_LEASE_BUCKET", "DEFAULT_PREFIX", "DEFAULT_SNAPSHOT_BUCKET", "DEFAULT_STREAM",
+    "H_CHUNK", "H_EPOCH", "H_KIND", "H_MSG_ID", "H_REASON", "H_SEQ", "KINDS",
+    "check_token", "msg_id", "parse_subject", "snapshot_object", "stream_name", "subject_for",
+]
+
+DEFAULT_STREAM = "KVWIRE"
+DEFAULT_PREFIX = "kvwire.events"
+DEFAULT_SNAPSHOT_BUCKET = "kvwire-snapshots"
+DEFAULT_LEASE_BUCKET = "kvwire-leases"
+
+H_KIND = "Kvwire-Kind"
+H_EPOCH = "Kvwire-Epoch"
+H_SEQ = "Kvwire-Seq"
+H_REASON = "Kvwire-Reason"
+H_CHUNK = "Kvwire-Chunk"
+H_MSG_ID = "Nats-Msg-Id"
+
+KINDS = ("batch", "reset", "snapshot")
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """A NATS subject token: no dots, wildcards or spaces (they would change the subject)."""
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise ValueError(
+            f"{what} {value!r} cannot be a NATS subject token: use letters, digits, '_' or '-'")
+    return value
+
+
+def subject_for(prefix: str, engine: str, rank: int) -> str:
+    """``<prefix>.<engine>.<rank>``: the one subject of an engine DP rank."""
+    for part in prefix.split("."):
+        check_token(part, "subject prefix part")
+    check_token(engine, "engine name")
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+    return f"{prefix}.{engine}.{rank}"
+
+
+def parse_subject(prefix: str, subject: str) -> tuple[str, int]:
+    """``(engine, rank)`` of a subject written by :func:`subject_for`; ValueError otherwise."""
+    head = prefix + "."
+    rest = subject[len(head):] if subject.startswith(head) else None
+    parts = rest.split(".") if rest else []
+    if len(parts) != 2 or not _TOKEN.match(parts[0]) or not parts[1].isdigit():
+        raise ValueError(f"subject {subject!r} is not {prefix}.<engine>.<rank>")
+    return parts[0], int(parts[1])
+
+
+def stream_name(engine: str, rank: int) -> str:
+    """The stream name consumers deliver under: the same as ``StreamSpec.for_ranks`` uses."""
+    return f"{engine}/dp{rank}"
+
+
+def msg_id(engine: str, rank: int, epoch: int, seq: int, kind: str = "batch",
+           chunk: int | None = None) -> str:
+    """``Nats-Msg-Id``: equal for the same item however many bridges write it."""
+    if kind == "batch":
+        return f"{engine}/{rank}/{epoch}/{seq}"
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    tail = "" if chunk is None else f"-{chunk}"
+    return f"{engine}/{rank}/{epoch}/{kind}-{seq}{tail}"
+
+
+def snapshot_object(engine: str, rank: int) -> str:
+    """Object name of an engine rank's compacted snapshot in the snapshot bucket."""
+    return f"{check_token(engine, 'engine name')}.{rank}"
