@@ -108,6 +108,10 @@ class _Match:
     predicted: int
     credit: float
 
+    @property
+    def blocks(self) -> int:
+        return sum(self.tiers.values()) + self.predicted
+
 
 @dataclass
 class _Stats:

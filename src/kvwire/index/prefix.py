@@ -515,32 +515,40 @@ class PrefixIndex:
                 found[s] = (i, 0, None)
             if slow:
                 self._attribute(slow, found)
-        credits = [self.tier_credits[t] for t in self._tiers]
-        tiers = self._tiers
-        zero = dict.fromkeys(tiers, 0)
-        copy = zero.copy
+        names = tuple(self._tiers)
+        credits = [self.tier_credits[t] for t in names]
+        c0 = credits[0]
+        zeros = (0,) * len(names)
+        tail = zeros[1:]
         out: dict[str, StreamMatch] = {}
         for name, st in self._streams.items():
             bs = st.block_size
             pb = ntok // bs if bs else 0
             r = found.get(st.slot)
             if r is None:  # not even the first block (a stream absent from ``found``)
-                out[name] = StreamMatch(name, pb, copy(), 0, 0.0)
+                m = st.miss
+                if m is None or m.prompt_blocks != pb or m.tier_names != names:
+                    m = st.miss = StreamMatch(name, pb, 0, 0, 0.0, zeros, names)
+                out[name] = m
                 continue
             matched, predicted, extra = r
-            counts = copy()
-            credit = 0.0
             rest = matched - predicted
             if extra:
+                counts = list(zeros)
+                credit = float(predicted)
                 for t, c in extra.items():
-                    counts[tiers[t]] = c
+                    counts[t] = c
                     credit += credits[t] * c
                     rest -= c
-            counts[tiers[0]] = rest
-            credit += credits[0] * rest + predicted
+                counts[0] = rest
+                credit += c0 * rest
+                counts_t = tuple(counts)
+            else:
+                counts_t = (rest, *tail)
+                credit = c0 * rest + predicted
             if matched - predicted > 0:
                 st.matched += 1
-            out[name] = StreamMatch(name, pb, counts, predicted, credit)
+            out[name] = StreamMatch(name, pb, matched, predicted, credit, counts_t, names)
         return out
 
     def _scan(self, token_ids: Any, bs: int, n: int, seed: int, alive: int,

@@ -21,21 +21,26 @@ _SYNTH = 0x6B76_7769_7265_5F78  # seed for keys of blocks whose tokens are unkno
 class StreamMatch(msgspec.Struct, frozen=True, gc=False):
     """One stream's answer to ``match``: leading prompt blocks it holds, by best tier.
 
-    ``tiers`` counts plus ``predicted`` add up to the matched prefix length; ``credit`` is
-    sum(tier credit x blocks) + predicted blocks (at full credit); ``prompt_blocks`` is the
-    prompt's full blocks in this stream's block size (0 while the size is unknown).
+    ``blocks`` is the matched prefix length: the ``counts`` of each tier (in the order of
+    ``tier_names``, best first) plus ``predicted``. ``credit`` is sum(tier credit x blocks) +
+    predicted blocks (at full credit); ``prompt_blocks`` is the prompt's full blocks in this
+    stream's block size (0 while the size is unknown). Every field is immutable, so the index
+    can hand the same answer out again (a stream that matched nothing costs no allocation);
+    ``tiers`` builds the ``{tier: blocks}`` dict on demand.
     """
 
     stream: str
     prompt_blocks: int
-    tiers: dict[str, int]
+    blocks: int
     predicted: int
     credit: float
+    counts: tuple[int, ...]
+    tier_names: tuple[str, ...]
 
     @property
-    def blocks(self) -> int:
-        """Matched prefix length in blocks (every tier plus predicted)."""
-        return sum(self.tiers.values()) + self.predicted
+    def tiers(self) -> dict[str, int]:
+        """``{tier: blocks}`` for every configured tier (a new dict each time)."""
+        return dict(zip(self.tier_names, self.counts))
 
 
 class StreamIndexStats(msgspec.Struct, frozen=True):
@@ -71,7 +76,7 @@ class _Stream:
         "pred",
         "events", "batches", "last_time", "alive", "resets", "snapshots", "clears",
         "no_tokens", "unplaced", "orphans", "unknown_removes", "bad", "last_bad",
-        "req_base", "matched", "token_blocks",
+        "req_base", "matched", "token_blocks", "miss",
     )
 
     def __init__(self, name: str, slot: int) -> None:
@@ -94,6 +99,7 @@ class _Stream:
         self.req_base = 0
         self.matched = 0
         self.token_blocks = 0
+        self.miss: Any = None  # the cached no-match StreamMatch (see PrefixIndex.match)
 
     def lookup(self, h: BlockHash) -> int | None:
         for d in self.h2k.values():

@@ -333,7 +333,7 @@ class RouterCore:
                     blocks[label] = 0
                     cands.append(Candidate(label, 0.0, load(label), alive.get(stream, False)))
                     continue
-                blocks[label] = sum(m.tiers.values()) + m.predicted
+                blocks[label] = m.blocks
                 credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
                 cands.append(Candidate(label, credit, load(label), alive.get(stream, False)))
             d = self.policy.choose(prompt_blocks, cands)
