@@ -54,9 +54,27 @@ def _trust_env() -> bool:
     return os.environ.get("KVWIRE_SHM_TRUST_REMOTE_PICKLE", "") in ("1", "true", "yes")
 
 
+_local_shutdown_default = [False]  # set_local_shutdown_default(); one cell, process-wide
+
+
 def _local_shutdown_env() -> bool:
-    """``KVWIRE_SHM_LOCAL_SHUTDOWN=1``: vLLM's semantics (a writer's shutdown() stays local)."""
-    return os.environ.get("KVWIRE_SHM_LOCAL_SHUTDOWN", "").strip().lower() in ("1", "true", "yes")
+    """``KVWIRE_SHM_LOCAL_SHUTDOWN=1``: vLLM's semantics (a writer's shutdown() stays local).
+
+    Unset or empty: the process default (kvwire's semantics unless
+    ``set_local_shutdown_default(True)``, as ``kvwire.engines.vllm_shm.install()`` does).
+    """
+    v = os.environ.get("KVWIRE_SHM_LOCAL_SHUTDOWN", "").strip().lower()
+    if not v:
+        return _local_shutdown_default[0]
+    return v in ("1", "true", "yes")
+
+
+def set_local_shutdown_default(on: bool) -> bool:
+    """Default of ``local_shutdown`` for writers built from now on in this process, when
+    ``KVWIRE_SHM_LOCAL_SHUTDOWN`` is unset; returns the previous default."""
+    prev = _local_shutdown_default[0]
+    _local_shutdown_default[0] = bool(on)
+    return prev
 
 
 class _WState:

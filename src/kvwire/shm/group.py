@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from .handle import Handle
+from .handle import Handle, as_handle
 from .queue import MessageQueue
 
 
@@ -96,10 +96,11 @@ def node_key() -> str:
 
 @dataclass
 class _Ops:
-    rank: int
+    rank: int  # rank in the group
     world_size: int
     stateless: bool
     pg: Any
+    global_rank: int  # torch: rank in the default group (vLLM's reader_rank); else = rank
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.stateless:
@@ -110,19 +111,29 @@ class _Ops:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def group_rank(self, global_rank: int) -> int:
+        """The group rank of a global rank (the same number for stateless groups)."""
+        if self.stateless:
+            return global_rank
+        import torch.distributed as dist
+
+        return dist.get_group_rank(self.pg, global_rank)
+
     def handle(self, obj: Any) -> Handle | None:
         if obj is None or isinstance(obj, Handle):
             return obj
-        return msgspec.convert(obj, Handle)
+        if isinstance(obj, dict):  # StatelessGroup sends msgpack: a Handle arrives as a map
+            return msgspec.convert(obj, Handle)
+        return as_handle(obj)  # a clear error for a handle of vLLM's own queue
 
 
 def _ops(pg: Any) -> _Ops:
     if isinstance(pg, StatelessGroup) or (hasattr(pg, "all_gather_obj")
                                           and hasattr(pg, "world_size")):
-        return _Ops(pg.rank, pg.world_size, True, pg)
+        return _Ops(pg.rank, pg.world_size, True, pg, pg.rank)
     import torch.distributed as dist
 
-    return _Ops(dist.get_rank(pg), dist.get_world_size(pg), False, pg)
+    return _Ops(dist.get_rank(pg), dist.get_world_size(pg), False, pg, dist.get_rank())
 
 
 def create_from_process_group(pg: Any, max_chunk_bytes: int, max_chunks: int,
@@ -131,17 +142,21 @@ def create_from_process_group(pg: Any, max_chunk_bytes: int, max_chunks: int,
                               blocking: bool = True) -> MessageQueue:
     """Group rank ``writer_rank`` writes; all other ranks read (local if on the writer's node).
 
-    Reader ranks are group ranks. With ``external_writer_handle`` the writer is
-    outside ``pg`` and every group rank reads. Collective; ``blocking`` also waits
-    until ready.
+    Reader ranks are group ranks. As in vLLM 0.33, ``external_writer_handle`` counts on
+    group rank ``writer_rank`` only (other ranks may pass None): that rank hands it to the
+    others and every group rank, ``writer_rank`` included, joins that queue as a reader
+    with its group rank. Collective; ``blocking`` also waits until ready.
     """
     ops = _ops(pg)
-    if external_writer_handle is not None:
-        mq = MessageQueue.create_from_handle(ops.handle(external_writer_handle), ops.rank)
+    mine = external_writer_handle if ops.rank == writer_rank else None
+    gathered = ops.all_gather((node_key(), mine))  # one round: node keys and the handle
+    keys = [k for k, _ in gathered]
+    external = ops.handle(gathered[writer_rank][1])
+    if external is not None:
+        mq = MessageQueue.create_from_handle(external, ops.rank)
         if blocking:
             mq.wait_until_ready()
         return mq
-    keys = ops.all_gather(node_key())
     readers = [r for r in range(ops.world_size) if r != writer_rank]
     local = [r for r in readers if keys[r] == keys[writer_rank]]
     remote = [r for r in readers if r not in local]
@@ -162,15 +177,19 @@ def create_from_process_group_single_reader(pg: Any, max_chunk_bytes: int, max_c
                                             reader_rank: int = 0, blocking: bool = False
                                             ) -> tuple[MessageQueue, list[Handle]]:
     """Each rank creates a queue it writes, read by ``reader_rank`` (reader rank 0 in
-    every handle). The reader gets all handles (others get []) and joins them with
-    ``MessageQueue.create_from_handle(h, 0)``."""
+    every handle). The reader gets all handles, in group order (others get []), and joins
+    them with ``MessageQueue.create_from_handle(h, 0)``.
+
+    As in vLLM 0.33, ``reader_rank`` is a global rank (``torch.distributed.get_rank()``)
+    for a torch group; for a stateless group it is the group rank."""
     ops = _ops(pg)
+    reader = ops.group_rank(reader_rank)
     keys = ops.all_gather(node_key())
-    same = keys[ops.rank] == keys[reader_rank]
+    same = keys[ops.rank] == keys[reader]
     mq = MessageQueue(1, 1 if same else 0, None, max_chunk_bytes, max_chunks)
     handles = ops.all_gather(mq.export_handle())
     if blocking:
         mq.wait_until_ready()
-    if ops.rank == reader_rank:
+    if ops.global_rank == reader_rank:
         return mq, [ops.handle(h) for h in handles]
     return mq, []

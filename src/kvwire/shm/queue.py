@@ -44,7 +44,7 @@ from ._common import (
 from .buffer import ShmRingBuffer
 from .errors import QueueShutdownError, ShmQueueError
 from .fence import publish_fence, register_process, sleep_fence
-from .handle import Handle
+from .handle import Handle, as_handle
 from .remote import RemotePublisher, RemoteSubscriber
 from .serializer import PickleSerializer, Serializer, default_serializer
 from .wake import futex_wait, futex_wake
@@ -166,6 +166,7 @@ class MessageQueue:
         ``trust_remote_pickle=True`` (or env ``KVWIRE_SHM_TRUST_REMOTE_PICKLE=1``):
         unpickling bytes from a socket runs code chosen by whoever can reach it.
         """
+        handle = as_handle(handle)
         ser = serializer or default_serializer(handle.serializer)
         if ser.name != handle.serializer:
             raise ValueError(f"writer uses serializer {handle.serializer!r}, got {ser.name!r}")

@@ -56,6 +56,7 @@ class WriterQueue(MessageQueue):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         connect_ip: str | None = None,
+        enable_shm_tensor_arena: bool = False,
         *,
         serializer: Serializer | None = None,
         spin_s: float | None = None,
@@ -71,6 +72,9 @@ class WriterQueue(MessageQueue):
         if not 0 <= n_local_reader <= n_reader:
             raise ValueError("need 0 <= n_local_reader <= n_reader")
         self._setup_common(serializer, spin_s, liveness_interval, warn_interval)
+        # vLLM 0.33's arena maps large CPU tensors zero-copy; here pickle 5 buffers are
+        # written into the ring once and copied out once, so the flag is accepted, unused.
+        self.enable_shm_tensor_arena = bool(enable_shm_tensor_arena)
         self.local_shutdown = _local_shutdown_env() if local_shutdown is None else local_shutdown
         self._cbytes = max_chunk_bytes
         self.n_reader = n_reader
