@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import select
 import shutil
 import socket
 import subprocess
@@ -304,12 +306,13 @@ def test_cli_bad_engine_exits_2_naming_it() -> None:
 def test_cli_serves_a_publisher_in_another_process(tmp_path) -> None:
     """The whole thing as a user runs it: `kvwire serve` in its own process."""
     pub = publisher(tmp_path, "e0")
-    port = free_port()
     proc = subprocess.Popen(
         [*SERVE, "--engine", f"e0={pub.endpoint},replay={pub.replay_endpoint}",
-         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = _announced_url(proc)  # --port 0: the port the OS gave, as printed
+        assert not url.endswith(":0/"), url
+        url = url.rstrip("/")
         pa = tokens(4, 4)
         pub.publish(stored(pa, 1))
 
@@ -328,6 +331,36 @@ def test_cli_serves_a_publisher_in_another_process(tmp_path) -> None:
         proc.terminate()
         proc.communicate(timeout=20)
         pub.shutdown(timeout=1)
+
+
+def _announced_url(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The http://host:port/ that `kvwire serve` prints on stderr once it listens."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+        if not ready:
+            continue
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(r"(http://\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"no URL announced: {''.join(seen)!r}")
+
+
+def test_cli_port_in_use_exits_2_naming_it(tmp_path) -> None:
+    pub = publisher(tmp_path, "e0")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([*SERVE, "--engine", f"e0={pub.endpoint}", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    pub.shutdown(timeout=1)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
 
 
 def _chromium() -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -118,14 +119,40 @@ def run(args: argparse.Namespace) -> int:
     # The subscriber thread ingests while the event loop answers: a 0.5 ms switch interval
     # (not 5 ms) bounds how long a request waits for the GIL behind an ingest burst.
     sys.setswitchinterval(0.0005)
-    print(f"kvwire serve: {len(core.targets)} streams; http://{args.host}:{args.port}/",
+    # Bind here, not in uvicorn: `--port 0` then prints the port the OS gave, and a port in
+    # use is one clear line instead of uvicorn's traceback.
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        core.close()
+        print(f"kvwire serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(fast_app(build_app(core)), host=args.host, port=args.port,
-                    log_level=args.log_level.lower(), access_log=False, lifespan="off")
+        config = uvicorn.Config(fast_app(build_app(core)), log_level=args.log_level.lower(),
+                                access_log=False, lifespan="off")
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         core.close()
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> int:
