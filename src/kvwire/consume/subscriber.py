@@ -57,6 +57,8 @@ class StreamSpec(msgspec.Struct, frozen=True):
     replay_endpoint: str | None = None
     #: CurveZMQ keys for this publisher's live and replay sockets (see docs/operations.md).
     curve: CurveClient | None = None
+    #: ``(epoch, seq)`` already held: resume after it if the publisher can (StreamMachine).
+    resume: tuple[int, int] | None = None
 
     @classmethod
     def for_ranks(
@@ -126,13 +128,16 @@ class _Core:
         self.by_socket: dict[zmq.Socket, tuple[_Stream, bool, FrameReceiver]] = {}
         self.generation = 0  # bumped whenever the socket set changes
         self.started = False
+        self.links: list = []  # NATS sources (kvwire.nats.consumer.NatsLink)
+        self.popped = 0  # items handed to the application so far (NATS acks follow it)
         try:
             for spec in specs:
                 check_endpoint(spec.endpoint, f"{spec.name}.endpoint")
                 if spec.replay_endpoint is not None:
                     check_endpoint(spec.replay_endpoint, f"{spec.name}.replay_endpoint")
                 st = _Stream(spec, StreamMachine(
-                    spec.name, has_replay=spec.replay_endpoint is not None, config=config))
+                    spec.name, has_replay=spec.replay_endpoint is not None, config=config,
+                    resume_after=spec.resume))
                 self.streams.append(st)
                 sub = ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.LINGER, 0)
@@ -159,7 +164,8 @@ class _Core:
     def sockets(self) -> list[zmq.Socket]:
         """Live sockets first: a stream's live backlog is read before its replies."""
         subs = [s.sub for s in self.streams if s.sub is not None]
-        return subs + [s.dealer for s in self.streams if s.dealer is not None]
+        return subs + [s.dealer for s in self.streams if s.dealer is not None] + [
+            link.socket for link in self.links]
 
     def start(self, now: float) -> None:
         if not self.started:
@@ -170,6 +176,9 @@ class _Core:
     def handle(self, events: list[tuple[zmq.Socket, int]]) -> None:
         """Read what the poller reported readable (live sockets before request sockets)."""
         ready = {s for s, ev in events if ev & zmq.POLLIN}
+        for link in self.links:
+            if link.socket in ready:
+                link.drain(self.ready, self.popped)
         for sock in self.sockets():
             if sock in ready:
                 self._read(sock)
@@ -233,14 +242,19 @@ class _Core:
                 ready.append(o)  # type: ignore[arg-type]
 
     def stats(self) -> dict[str, SubscriberStats]:
-        return {
+        out = {
             st.spec.name: SubscriberStats(
                 st.machine.stats(), st.sent, st.send_failures, st.recycled
             )
             for st in self.streams
         }
+        for link in self.links:
+            out.update(link.subscriber_stats())
+        return out
 
     def close(self) -> None:
+        for link in self.links:
+            link.close()
         for st in self.streams:
             for sock in (st.sub, st.dealer):
                 if sock is not None and not sock.closed:
@@ -264,7 +278,7 @@ class Subscriber:
 
     def __init__(
         self,
-        streams: Sequence[StreamSpec],
+        streams: Sequence[StreamSpec],  # or kvwire.nats.NatsStreams (JetStream)
         *,
         config: StreamConfig | None = None,
         ctx: zmq.Context | None = None,
@@ -273,7 +287,9 @@ class Subscriber:
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context()
         try:
-            self._core = _Core(list(streams), config, self._ctx, rcvhwm)
+            nats = [s for s in streams if hasattr(s, "open_link")]
+            self._core = _Core([s for s in streams if s not in nats], config, self._ctx, rcvhwm)
+            self._core.links = [s.open_link(self._ctx) for s in nats]
         except BaseException:
             if self._own_ctx:
                 self._ctx.term()
@@ -295,7 +311,12 @@ class Subscriber:
         if self._closed:
             raise RuntimeError("Subscriber is closed")
         core.start(time.monotonic())
-        return core.ready.popleft() if core.ready else None
+        for link in core.links:  # what was handed out before this call is done: ack it
+            link.done(core.popped)
+        if core.ready:
+            core.popped += 1
+            return core.ready.popleft()
+        return None
 
     def _wait_for(self, deadline: float) -> float:
         now = time.monotonic()
@@ -342,7 +363,20 @@ class Subscriber:
         if n > 0:
             popleft = ready.popleft
             out += [popleft() for _ in range(n)]
+            self._core.popped += n
         return out
+
+    def commit(self, timeout: float = 5.0) -> bool:
+        """NATS durable consumers: acknowledge every item handed out so far and wait for the
+        server's confirmation (else items are acked when the application polls again)."""
+        core = self._core
+        for link in core.links:
+            link.done(core.popped)
+        return all([link.commit(timeout) for link in core.links])
+
+    def nats_stats(self) -> list:
+        """Counters of each NATS source (:class:`kvwire.nats.consumer.NatsStats`)."""
+        return [link.stats() for link in self._core.links]
 
     def __iter__(self) -> Iterator[Delivery]:
         while True:

@@ -1,0 +1,603 @@
+"""Reading kvwire's exact streams back from NATS JetStream (issue 12, the reader side).
+
+:class:`NatsSource` (asyncio) pulls a JetStream consumer over ``<prefix>.>`` (or a narrower
+filter) and turns messages into the same items a ZeroMQ :class:`~kvwire.consume.Subscriber`
+delivers (``Batch``, ``Reset``, ``Snapshot``), named ``engine/dpR``. Per subject the
+:class:`~kvwire.nats.exact.Tracker` accepts only what continues the subject; a gap (history
+discarded by retention, a consumer started past it) resyncs that subject from its latest
+snapshot object: Reset + Snapshot, and the subject's messages up to the snapshot's
+``js_seq`` are skipped. Without a usable snapshot the subject restarts inexact
+(``Snapshot(exact=False)``, counted as ``inexact``).
+
+* ephemeral (``durable=None``): bootstraps: per subject, read the snapshot; consume from the
+  lowest ``js_seq + 1`` over the filter (the stream's first message if a subject has none).
+* durable: a named consumer that survives this process. It resumes after what it acked;
+  items are acked once the application comes back for more (it is done with them), or on
+  :meth:`commit`. On resume, each subject's last acknowledged message is read back (one
+  direct-get batch, ``multi_last`` up to the ack floor) so continuity is still checked.
+
+Flow control: messages are fetched only while fewer than ``max_pending`` items wait for the
+application. The NATS client reconnects by itself; after any consumer error the consumer is
+repositioned (reset to the next sequence needed, or re-created), never silently skipped.
+:class:`NatsLink` runs a source on a background thread for :class:`Subscriber`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from ..consume.items import Delivery
+from . import subjects as S
+from .exact import BadMessage, Gap, Tracker
+
+__all__ = ["NatsSource", "NatsStats", "NatsStreams", "discover"]
+
+log = logging.getLogger("kvwire.nats.consumer")
+
+#: An item for the application (or None: a message that produced none) and the stream
+#: sequence that may be acknowledged once the application is done with it.
+Entry = tuple[Delivery | None, int]
+
+
+class NatsStreams(msgspec.Struct, frozen=True):
+    """Every kvwire stream on a JetStream stream, for :class:`~kvwire.consume.Subscriber`.
+
+    ``subject`` filters (default ``<prefix>.>``); ``durable`` names a consumer that outlives
+    the process (resumes where it acked); ``max_pending`` bounds items held in memory."""
+
+    url: str
+    stream: str = S.DEFAULT_STREAM
+    subject: str | None = None
+    durable: str | None = None
+    prefix: str = S.DEFAULT_PREFIX
+    snapshot_bucket: str = S.DEFAULT_SNAPSHOT_BUCKET
+    max_pending: int = 20_000
+    fetch: int = 1000
+    ack_wait: float = 30.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.url}/{self.stream}"
+
+    @property
+    def filter(self) -> str:
+        return self.subject or f"{self.prefix}.>"
+
+    def open_link(self, ctx: Any) -> NatsLink:
+        """Start the background thread feeding a Subscriber (wakes it through ``ctx``)."""
+        return NatsLink(self, ctx)
+
+
+class NatsStats(msgspec.Struct, frozen=True):
+    """Counters of one NATS source (all subjects)."""
+
+    connected: bool
+    messages: int
+    batches: int
+    resets: int
+    snapshots: int
+    skipped: int
+    duplicates: int
+    gaps: int
+    resyncs: int
+    inexact: int
+    bad_messages: int
+    bad_events: int
+    reconnects: int
+    repositions: int
+    acked: int
+    unverified_resumes: int
+    last_error: str | None
+
+
+def _hdrs(msg: Any) -> dict[str, str]:
+    return dict(msg.headers) if msg.headers else {}
+
+
+class NatsSource:
+    """The asyncio consumer. ``run(put)`` loops until :meth:`stop`; ``put(entries)`` hands
+    items on (and may wait: that is the flow control); ``done_js`` is how far the
+    application is done (acks never pass it)."""
+
+    def __init__(self, spec: NatsStreams) -> None:
+        for part in spec.prefix.split("."):
+            S.check_token(part, "subject prefix part")
+        if spec.durable is not None:
+            S.check_token(spec.durable, "durable consumer name")
+        if spec.max_pending < 1 or spec.fetch < 1:
+            raise ValueError("max_pending and fetch must be >= 1")
+        self.spec = spec
+        self.tracker = Tracker(spec.prefix)
+        self.done_js = 0  # set by the application side
+        self.nc: Any = None
+        self.js: Any = None
+        self.psub: Any = None
+        self.consumer = spec.durable
+        self.next_js = 1  # the next stream sequence this source needs
+        self.acked_js = 0
+        self._unacked: deque[tuple[int, Any]] = deque()  # (js_seq, msg) of acked-later msgs
+        self._stop = asyncio.Event()
+        self.connected = False
+        self.c = dict.fromkeys(("reconnects", "repositions", "acked", "unverified_resumes"), 0)
+        self.last_error: str | None = None
+        self._lost = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> NatsStats:
+        t = self.tracker.counts
+        return NatsStats(self.connected, **t, **self.c,
+                         last_error=self.last_error or self.tracker.last_error)
+
+    async def _connect(self) -> None:
+        import nats
+
+        async def disconnected() -> None:
+            self.connected = False
+
+        async def reconnected() -> None:
+            self.connected = True
+            self.c["reconnects"] += 1
+            self._lost = True  # what the server sent meanwhile may be lost: reposition
+
+        async def error(e: Exception) -> None:
+            self.last_error = f"nats: {e}"
+
+        while not self._stop.is_set():
+            try:
+                self.nc = await nats.connect(
+                    self.spec.url, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                    connect_timeout=2, disconnected_cb=disconnected,
+                    reconnected_cb=reconnected, error_cb=error, name="kvwire-consumer")
+                self.js = self.nc.jetstream(timeout=5)
+                self.connected = True
+                return
+            except Exception as e:  # server not up yet: keep trying, say why
+                self.last_error = f"cannot connect to {self.spec.url}: {e}"
+                log.warning("%s", self.last_error)
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self.psub is not None:
+            with contextlib.suppress(Exception):
+                await self.psub.unsubscribe()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5)
+        self.connected = False
+
+    # ------------------------------------------------------------------ set-up
+
+    async def _snapshot(self, engine: str, rank: int) -> Any:
+        from .snapshots import read_snapshot
+
+        try:
+            return await read_snapshot(self.js, engine, rank, self.spec.snapshot_bucket)
+        except Exception as e:  # an unreadable snapshot is as good as none: say so
+            self.last_error = f"snapshot {engine}.{rank} unusable: {e}"
+            log.warning("%s", self.last_error)
+            return None
+
+    async def _subjects(self) -> list[str]:
+        info = await self.js.stream_info(self.spec.stream, subjects_filter=self.spec.filter)
+        self._first_seq = info.state.first_seq or 1
+        return sorted((info.state.subjects or {}).keys())
+
+    async def _bootstrap(self, put: Callable[[list[Entry]], Awaitable[None]]) -> int:
+        """Fresh consumer: per subject read the snapshot; the sequence to start from."""
+        entries: list[Entry] = []
+        starts = []
+        for subject in await self._subjects():
+            try:
+                engine, rank = S.parse_subject(self.spec.prefix, subject)
+            except ValueError as e:
+                self.tracker._bad(subject, 0, str(e))
+                continue
+            snap = await self._snapshot(engine, rank)
+            if snap is None:
+                starts.append(self._first_seq)
+                continue
+            out = self.tracker.bootstrap(subject, snap.js_seq, snap.epoch, snap.seq,
+                                         snap.blocks, snap.exact, "bootstrap from snapshot",
+                                         resync=False)
+            entries += [(d, 0) for d in out]
+            starts.append(snap.js_seq + 1)
+        if entries:
+            await put(entries)
+        return min(starts) if starts else self._first_seq
+
+    async def _resume(self, ack_floor: int) -> None:
+        """Durable restart: each subject's last message at or below the ack floor."""
+        if ack_floor <= 0:
+            return
+        req = json.dumps({"multi_last": [self.spec.filter], "up_to_seq": ack_floor,
+                          "batch": 100_000}).encode()
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        n = 0
+        try:
+            await self.nc.publish(f"$JS.API.DIRECT.GET.{self.spec.stream}", req, reply=inbox)
+            while True:
+                m = await sub.next_msg(timeout=5)
+                h = _hdrs(m)
+                if h.get("Status") or not h.get("Nats-Sequence"):
+                    break
+                with contextlib.suppress(ValueError):
+                    self.tracker.resume(h["Nats-Subject"], int(h["Nats-Sequence"]), h)
+                    n += 1
+        except Exception as e:  # no allow_direct on the stream: trust the durable's position
+            self.c["unverified_resumes"] += 1
+            self.last_error = f"durable resume not verified per subject ({e})"
+            log.warning("%s", self.last_error)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if n == 0 and not self.c["unverified_resumes"]:
+            log.info("durable %s: no message at or below ack floor %d", self.consumer, ack_floor)
+
+    async def _setup(self, put: Callable[[list[Entry]], Awaitable[None]]) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
+
+        spec = self.spec
+        if spec.durable is not None:
+            try:
+                info = await self.js.consumer_info(spec.stream, spec.durable)
+            except NotFoundError:
+                info = None
+            if info is not None:
+                floor = info.ack_floor.stream_seq if info.ack_floor else 0
+                self.acked_js = floor
+                self.next_js = floor + 1
+                await self._resume(floor)
+                self.psub = await self.js.pull_subscribe_bind(
+                    durable=spec.durable, stream=spec.stream)
+                return
+        start = await self._bootstrap(put)
+        self.next_js = start
+        cfg = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+            filter_subject=spec.filter, max_ack_pending=-1)
+        if spec.durable is not None:
+            cfg.ack_policy = AckPolicy.ALL
+            cfg.ack_wait = spec.ack_wait
+            cfg.max_ack_pending = spec.max_pending + spec.fetch
+        else:
+            cfg.ack_policy = AckPolicy.NONE
+            cfg.inactive_threshold = 120.0
+            cfg.mem_storage = True
+        self.psub = await self.js.pull_subscribe(spec.filter, durable=spec.durable,
+                                                 stream=spec.stream, config=cfg)
+        self.consumer = self.psub._consumer
+
+    async def _reposition(self, why: str) -> None:
+        """After an error: make the consumer deliver from the next sequence we need."""
+        from nats.js.errors import NotFoundError
+
+        self.c["repositions"] += 1
+        self.last_error = f"repositioning consumer: {why}"
+        log.warning("%s", self.last_error)
+        seq = self.acked_js + 1 if self.spec.durable else self.next_js
+        try:
+            await self.js.reset_consumer(self.spec.stream, self.consumer, seq=max(seq, 1))
+            return
+        except NotFoundError:
+            pass
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        # The consumer is gone (an ephemeral after a server restart, or deleted): re-create
+        # it at that sequence. Messages already seen are skipped by the tracker.
+        cfg = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(seq, 1),
+            filter_subject=self.spec.filter, max_ack_pending=-1)
+        if self.spec.durable is not None:
+            cfg.ack_policy, cfg.ack_wait = AckPolicy.ALL, self.spec.ack_wait
+            cfg.max_ack_pending = self.spec.max_pending + self.spec.fetch
+        else:
+            cfg.ack_policy, cfg.inactive_threshold, cfg.mem_storage = AckPolicy.NONE, 120.0, True
+        with contextlib.suppress(Exception):
+            await self.psub.unsubscribe()
+        self.psub = await self.js.pull_subscribe(self.spec.filter, durable=self.spec.durable,
+                                                 stream=self.spec.stream, config=cfg)
+        self.consumer = self.psub._consumer
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self, put: Callable[[list[Entry]], Awaitable[None]],
+                  room: Callable[[], bool], wait_room: Callable[[], Awaitable[None]]) -> None:
+        """Consume until :meth:`stop`. ``room()`` says whether to fetch more now."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        await self._connect()
+        while not self._stop.is_set():
+            try:
+                await self._setup(put)
+                break
+            except Exception as e:  # stream missing yet, server restarting: retry
+                self.last_error = f"cannot set up consumer on {self.spec.stream}: {e}"
+                log.warning("%s", self.last_error)
+                await asyncio.sleep(0.5)
+        while not self._stop.is_set():
+            if self._lost:
+                self._lost = False
+                try:
+                    await self._reposition("reconnected")
+                except Exception as e:  # noqa: BLE001 - retried on the next error
+                    self.last_error = f"reposition failed: {e}"
+                    self._lost = True
+                    await asyncio.sleep(0.25)
+                    continue
+            await self._ack()
+            if not room():
+                await wait_room()
+                continue
+            try:
+                msgs = await self.psub.fetch(self.spec.fetch, timeout=0.25)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except Exception as e:  # noqa: BLE001 - consumer lost, server restart, ...
+                if self._stop.is_set():
+                    break
+                self.last_error = f"fetch failed: {type(e).__name__}: {e}"
+                self._lost = True
+                await asyncio.sleep(0.25)
+                continue
+            await put(await self._process(msgs))
+
+    async def _process(self, msgs: list[Any]) -> list[Entry]:
+        out: list[Entry] = []
+        tracker = self.tracker
+        for m in msgs:
+            js_seq = m.metadata.sequence.stream
+            if js_seq < self.next_js and self.spec.durable is None:
+                continue  # delivered again after a reposition
+            res = tracker.feed(m.subject, js_seq, _hdrs(m), m.data)
+            if type(res) is Gap:
+                res = await self._resync(res, m)
+            elif type(res) is BadMessage:
+                log.warning("bad message: %s", tracker.last_error)
+                res = []
+            ack = js_seq
+            if self.spec.durable is not None:
+                self._unacked.append((js_seq, m))
+            if res:
+                out += [(d, ack) for d in res[:-1]]
+                out.append((res[-1], ack))
+            else:
+                out.append((None, ack))
+            self.next_js = max(self.next_js, js_seq + 1)
+        return out
+
+    async def _resync(self, gap: Gap, m: Any) -> list[Delivery]:
+        """A gap on one subject: its snapshot object if it reaches this far, else inexact."""
+        st = self.tracker.state(gap.subject)
+        h = _hdrs(m)
+        log.warning("gap on %s at #%d: %s", gap.subject, gap.js_seq, gap.reason)
+        snap = await self._snapshot(st.engine, st.rank)
+        reason = f"gap: {gap.reason}"
+        if snap is not None and snap.js_seq >= gap.js_seq:
+            return self.tracker.bootstrap(gap.subject, snap.js_seq, snap.epoch, snap.seq,
+                                          snap.blocks, snap.exact, reason + "; resync")
+        epoch = int(h[S.H_EPOCH]) if h.get(S.H_EPOCH, "").isdigit() else None
+        seq = int(h[S.H_SEQ]) if h.get(S.H_SEQ, "").isdigit() else 0
+        kind = h.get(S.H_KIND)
+        if snap is not None and kind == "batch" and (epoch, seq) == (snap.epoch, snap.seq + 1):
+            # An older snapshot still continues here (nothing of this subject in between).
+            out = self.tracker.bootstrap(gap.subject, snap.js_seq, snap.epoch, snap.seq,
+                                         snap.blocks, snap.exact, reason + "; resync")
+            res = self.tracker.feed(gap.subject, gap.js_seq, h, m.data)
+            return out + (res if isinstance(res, list) else [])
+        why = reason + ("; no snapshot" if snap is None else
+                        f"; snapshot at #{snap.js_seq} is older") + ": contents before unknown"
+        self.last_error = f"{gap.subject}: {why}"
+        if kind == "batch":
+            res2 = self.tracker.inexact(gap.subject, epoch, seq - 1, why)
+            res = self.tracker.feed(gap.subject, gap.js_seq, h, m.data)
+            return res2 + (res if isinstance(res, list) else [])
+        return self.tracker.inexact(gap.subject, epoch, seq, why)
+
+    async def _ack(self, sync: bool = False) -> None:
+        """AckAll up to what the application is done with (never inside a snapshot that
+        is still being reassembled)."""
+        if self.spec.durable is None or not self._unacked:
+            return
+        limit = self.done_js
+        pending = self.tracker.pending_chunks_from()
+        if pending is not None:
+            limit = min(limit, pending - 1)
+        last = None
+        q = self._unacked
+        while q and q[0][0] <= limit:
+            last = q.popleft()
+        if last is None:
+            return
+        try:
+            if sync:
+                await last[1].ack_sync(timeout=5)
+            else:
+                await last[1].ack()
+            self.acked_js = last[0]
+            self.c["acked"] += 1
+        except Exception as e:  # the ack is lost: the server redelivers, the tracker skips
+            self.last_error = f"ack failed: {e}"
+
+    async def commit(self) -> None:
+        """Ack everything the application is done with and wait for the server to confirm."""
+        await self._ack(sync=True)
+
+
+async def _discover(url: str, stream: str, subject: str, prefix: str) -> list[tuple[str, int]]:
+    import nats
+
+    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+    finally:
+        await nc.close()
+    out = []
+    for s in sorted((info.state.subjects or {}).keys()):
+        with contextlib.suppress(ValueError):
+            out.append(S.parse_subject(prefix, s))
+    return out
+
+
+def discover(spec: NatsStreams) -> list[tuple[str, int]]:
+    """``(engine, rank)`` of every subject the stream holds now (for ``kvwire serve``)."""
+    return asyncio.run(_discover(spec.url, spec.stream, spec.filter, spec.prefix))
+
+
+class NatsLink:
+    """A :class:`NatsSource` on a background thread, feeding a Subscriber: a bounded deque
+    of entries plus an inproc PAIR socket whose readability wakes the Subscriber's poller."""
+
+    def __init__(self, spec: NatsStreams, ctx: Any) -> None:
+        import zmq
+
+        self.spec = spec
+        self.source = NatsSource(spec)
+        self.entries: deque[Entry] = deque()
+        self.lock = threading.Lock()
+        addr = f"inproc://kvwire-nats-{id(self):x}-{time.monotonic_ns()}"
+        self.socket = ctx.socket(zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(addr)
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.setsockopt(zmq.LINGER, 0)
+        self._tx.setsockopt(zmq.SNDHWM, 1)
+        self._tx.connect(addr)
+        self._zmq = zmq
+        self._handed: deque[tuple[int, int]] = deque()  # (ready index, ack js seq)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._room: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="kvwire-nats", daemon=True)
+        self._thread.start()
+        self._started.wait(5)
+
+    # ---------------------------------------------------------------- background thread
+
+    def _main(self) -> None:
+        asyncio.run(self._amain())
+
+    async def _amain(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._room = asyncio.Event()
+        self._started.set()
+        src = self.source
+        limit = self.spec.max_pending
+
+        async def put(entries: list[Entry]) -> None:
+            if not entries:
+                return
+            with self.lock:
+                self.entries.extend(entries)
+            with contextlib.suppress(self._zmq.Again):
+                self._tx.send(b"", self._zmq.NOBLOCK)
+
+        def room() -> bool:
+            return len(self.entries) < limit
+
+        async def wait_room() -> None:
+            self._room.clear()
+            if not room():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), 0.25)
+
+        try:
+            await src.run(put, room, wait_room)
+        except Exception as e:  # pragma: no cover - logged; stats show it
+            src.last_error = f"consumer thread failed: {e}"
+            log.exception("nats consumer thread failed")
+        finally:
+            with contextlib.suppress(Exception):
+                await src._ack()
+            await src.close()
+
+    # ---------------------------------------------------------------- subscriber side
+
+    def drain(self, ready: deque[Delivery], popped: int) -> None:
+        """Move waiting items into the Subscriber's ready queue (the wake bytes go too)."""
+        zmq = self._zmq
+        while True:
+            try:
+                self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        with self.lock:  # all of them: the source holds at most max_pending + fetch
+            entries, self.entries = self.entries, deque()
+        if not entries:
+            return
+        handed = self._handed
+        append = ready.append
+        for item, ack in entries:
+            if item is not None:
+                append(item)
+            handed.append((popped + len(ready), ack))
+        if self._loop is not None and self._room is not None:
+            self._loop.call_soon_threadsafe(self._room.set)
+
+    def done(self, popped: int) -> None:
+        """The application came back after ``popped`` items in total: those are done."""
+        h = self._handed
+        last = None
+        while h and h[0][0] <= popped:
+            last = h.popleft()[1]
+        if last is not None and last > self.source.done_js:
+            self.source.done_js = last
+
+    def commit(self, timeout: float = 5.0) -> bool:
+        """Ack (and wait for the server to confirm) all the application is done with."""
+        if self._loop is None or self.spec.durable is None:
+            return False
+        fut = asyncio.run_coroutine_threadsafe(self.source.commit(), self._loop)
+        try:
+            fut.result(timeout)
+            return True
+        except Exception:
+            return False
+
+    def stats(self) -> NatsStats:
+        return self.source.stats()
+
+    def subscriber_stats(self) -> dict[str, Any]:
+        """Per engine stream, in the Subscriber's shape (phase ``live`` once started)."""
+        from ..consume.stream import StreamStats
+        from ..consume.subscriber import SubscriberStats
+
+        out = {}
+        for st in list(self.source.tracker.subjects.values()):
+            c = st.c
+            ss = StreamStats(
+                stream=st.stream, phase="live" if st.seq is not None else "bootstrap",
+                mode="nats", epoch=st.epoch, last_seq=st.seq, exact=st.exact,
+                alive=self.source.connected, live_messages=c["batches"], batches=c["batches"],
+                events=c["events"], duplicates=c["duplicates"], gaps=c["gaps"], lost=0,
+                replays=0, replayed=0, snapshots=c["snapshots"], resyncs=c["resyncs"],
+                resets=c["resets"], restarts=0, buffer_overflows=0, buffered=0, timeouts=0,
+                error_replies=0, bad_frames=0, bad_payloads=c["bad_messages"], bad_events=0,
+                stray_replies=0, deaths=0, last_error=None)
+            out[st.stream] = SubscriberStats(ss, 0, 0, 0)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.source.stop)
+            if self._room is not None:
+                self._loop.call_soon_threadsafe(self._room.set)
+            self._thread.join(timeout)
+        for s in (self.socket, self._tx):
+            if not s.closed:
+                s.close(linger=0)

@@ -1,0 +1,166 @@
+"""Writes kvwire's JetStream layout (kvwire.nats.subjects) directly with nats-py: what the
+bridge writes, without engines, so consumer tests control every message (gaps, bad input,
+10^5 batches in seconds). Also the ground truth: a BlockCache per subject of what was written,
+and the consumer-side rebuild from delivered items."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import msgspec
+
+from kvwire.consume.cache import BlockCache
+from kvwire.consume.items import Batch, Reset, Snapshot
+from kvwire.nats import subjects as S
+from kvwire.nats.snapshots import snapshot_of, write_snapshot
+from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+
+_enc = msgspec.msgpack.Encoder()
+
+
+class Writer:
+    """One JetStream stream in kvwire's layout; ``truth[stream_name]`` follows every batch."""
+
+    def __init__(self, url: str, stream: str = S.DEFAULT_STREAM,
+                 prefix: str = S.DEFAULT_PREFIX, seed: int = 0) -> None:
+        self.url, self.stream, self.prefix = url, stream, prefix
+        self.truth: dict[str, BlockCache] = {}
+        self.pos: dict[str, tuple[int, int]] = {}  # stream name -> (epoch, last seq)
+        self.last_js: dict[str, int] = {}
+        self.rng = random.Random(seed)
+        self.nc: Any = None
+        self.js: Any = None
+        self._next_hash = 1
+
+    async def connect(self, **limits: Any) -> Writer:
+        import nats
+        from nats.js.api import StorageType, StreamConfig
+
+        self.nc = await nats.connect(self.url)
+        self.js = self.nc.jetstream(timeout=10)
+        cfg = StreamConfig(name=self.stream, subjects=[f"{self.prefix}.>"],
+                           storage=StorageType.FILE, allow_direct=True, **limits)
+        await self.js.add_stream(cfg)
+        return self
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+    async def _pub(self, engine: str, rank: int, kind: str, epoch: int, seq: int,
+                   body: bytes, extra: dict[str, str] | None = None,
+                   chunk: int | None = None) -> int:
+        h = {S.H_KIND: kind, S.H_EPOCH: str(epoch), S.H_SEQ: str(seq),
+             S.H_MSG_ID: S.msg_id(engine, rank, epoch, seq, kind, chunk)}
+        h.update(extra or {})
+        ack = await self.js.publish(S.subject_for(self.prefix, engine, rank), body, headers=h)
+        self.last_js[S.stream_name(engine, rank)] = ack.seq
+        return ack.seq
+
+    def events(self, name: str) -> list[Any]:
+        """A random step: store a chain (sometimes on a cached parent), maybe evict one."""
+        cache = self.truth.setdefault(name, BlockCache())
+        out: list[Any] = []
+        have = [b.hash for b in cache.blocks()] if len(cache) else []
+        if have and self.rng.random() < 0.3:
+            out.append(BlockRemoved([self.rng.choice(have)], None))
+        n = self.rng.randint(1, 3)
+        hashes = list(range(self._next_hash, self._next_hash + n))
+        self._next_hash += n
+        parent = self.rng.choice(have) if have and self.rng.random() < 0.5 else None
+        out.append(BlockStored(hashes, parent, [self.rng.randint(0, 999) for _ in range(4 * n)],
+                               4, None))
+        return out
+
+    async def start(self, engine: str, rank: int, epoch: int, reason: str = "engine start",
+                    chunks: int = 1) -> None:
+        """Reset marker + snapshot marker of what the engine holds (nothing after a reset)."""
+        name = S.stream_name(engine, rank)
+        self.truth[name] = BlockCache()
+        await self._pub(engine, rank, "reset", epoch, 0, b"", {S.H_REASON: reason})
+        await self.snapshot_marker(engine, rank, epoch, 0, chunks=chunks)
+        self.pos[name] = (epoch, 0)
+
+    async def snapshot_marker(self, engine: str, rank: int, epoch: int, seq: int,
+                              chunks: int = 1, exact: bool = True) -> int:
+        blocks = [b.as_event() for b in self.truth[S.stream_name(engine, rank)].blocks()]
+        per = max(1, -(-len(blocks) // chunks))
+        js = 0
+        for i in range(chunks):
+            part = blocks[i * per:(i + 1) * per]
+            extra = {S.H_CHUNK: f"{i}/{chunks}"}
+            if not exact:
+                extra["Kvwire-Exact"] = "0"
+            js = await self._pub(engine, rank, "snapshot", epoch, seq, _enc.encode(part), extra,
+                                 chunk=i)
+        return js
+
+    async def batches(self, engine: str, rank: int, n: int, publish: bool = True) -> None:
+        """``n`` batches continuing the subject (pipelined; ``publish`` False: truth only,
+        i.e. history that never reached the stream)."""
+        name = S.stream_name(engine, rank)
+        epoch, seq = self.pos[name]
+        subject = S.subject_for(self.prefix, engine, rank)
+        futs = []
+        for _ in range(n):
+            seq += 1
+            evs = self.events(name)
+            batch = KVEventBatch(float(seq), evs, rank)
+            self.truth[name].apply(batch)
+            if publish:
+                h = {S.H_KIND: "batch", S.H_EPOCH: str(epoch), S.H_SEQ: str(seq),
+                     S.H_MSG_ID: S.msg_id(engine, rank, epoch, seq)}
+                futs.append(await self.js.publish_async(subject, encode_batch(batch),
+                                                        headers=h))
+                if len(futs) >= 2000:
+                    acks = await asyncio.gather(*futs)
+                    self.last_js[name] = acks[-1].seq
+                    futs = []
+        if futs:
+            acks = await asyncio.gather(*futs)
+            self.last_js[name] = acks[-1].seq
+        self.pos[name] = (epoch, seq)
+
+    async def snapshot_object(self, engine: str, rank: int) -> int:
+        """Store the subject's truth as its snapshot object, as of its last message."""
+        name = S.stream_name(engine, rank)
+        epoch, seq = self.pos[name]
+        snap = snapshot_of(self.truth[name], engine=engine, rank=rank, epoch=epoch, seq=seq,
+                           js_seq=self.last_js[name])
+        return await write_snapshot(self.js, snap)
+
+    async def raw(self, engine: str, rank: int, body: bytes,
+                  headers: dict[str, str] | None) -> int:
+        ack = await self.js.publish(S.subject_for(self.prefix, engine, rank), body,
+                                    headers=headers)
+        return ack.seq
+
+
+class Rebuild:
+    """What an application holds after applying delivered items (per stream)."""
+
+    def __init__(self) -> None:
+        self.caches: dict[str, BlockCache] = {}
+        self.items: list[Any] = []
+        self.last: dict[str, tuple[int | None, int]] = {}
+        self.inexact: set[str] = set()
+
+    def apply(self, it: Any) -> None:
+        self.items.append(it)
+        if type(it) is Reset:
+            self.caches[it.stream] = BlockCache()
+        elif type(it) is Snapshot:
+            c = self.caches[it.stream] = BlockCache()
+            c.apply_events(it.blocks)
+            self.last[it.stream] = (it.epoch, it.seq)
+            if not it.exact:
+                self.inexact.add(it.stream)
+        elif type(it) is Batch:
+            ep, seq = self.last[it.stream]
+            assert (it.epoch, it.seq) == (ep, seq + 1), (it.stream, ep, seq, it.epoch, it.seq)
+            self.caches[it.stream].apply(it.batch)
+            self.last[it.stream] = (it.epoch, it.seq)
+
+    def caught_up(self, w: Writer) -> bool:
+        return all(self.last.get(n) == p for n, p in w.pos.items())
