@@ -305,10 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
 
-    from . import serve, sim  # their own modules (light imports; the work is imported in run)
+    from . import bridge, serve, sim  # their own modules (light imports; work imported in run)
 
     sim.register(sub)
     serve.register(sub)
+    bridge.register(sub)
     return p
 
 

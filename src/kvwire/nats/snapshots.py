@@ -153,3 +153,82 @@ async def _fetch(js: Any, bucket: str, info: Any) -> bytes:
     if got != info.size or h.digest() != base64.urlsafe_b64decode(digest):
         raise DigestMismatchError
     return b"".join(parts)
+
+
+class SubjectState(msgspec.Struct):
+    """A subject's state as rebuilt by :func:`rebuild_subject`."""
+
+    cache: BlockCache
+    epoch: int | None  # of the last message (None: the subject is empty)
+    seq: int | None
+    js_seq: int | None  # stream sequence of the last message read
+    exact: bool  # False: history before the rebuild was discarded (or an inexact snapshot)
+    complete: bool  # False: the last message is a reset or a snapshot chunk short of n/n
+    messages: int = 0
+
+
+async def rebuild_subject(js: Any, stream: str, subject: str, engine: str, rank: int, *,
+                          bucket: str = DEFAULT_SNAPSHOT_BUCKET,
+                          timeout: float = 10.0) -> SubjectState:
+    """The state of ``subject`` now: its object-store snapshot, then its messages from the
+    snapshot's ``js_seq + 1`` (the bridge's own cache after a restart or a takeover).
+
+    Continuity is checked as a consumer would: after the snapshot (or from the first
+    message, which must be a reset marker) each message is ``(epoch, seq + 1)``, a reset
+    marker or a snapshot chunk; anything else means history was discarded: ``exact=False``.
+    """
+    import asyncio
+
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+    from nats.js.errors import NotFoundError
+
+    from ..wire.events import BatchDecoder
+    from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_SEQ
+
+    try:
+        last = await js.get_last_msg(stream, subject)
+    except NotFoundError:
+        return SubjectState(BlockCache(), None, None, None, True, True)
+    snap = await read_snapshot(js, engine, rank, bucket)
+    if snap is not None and snap.js_seq > last.seq:
+        snap = None  # from an earlier life of the stream (purged or recreated)
+    cache = snap.cache() if snap is not None else BlockCache()
+    st = SubjectState(cache, None if snap is None else snap.epoch,
+                      None if snap is None else snap.seq, None if snap is None else snap.js_seq,
+                      True if snap is None else snap.exact, True)
+    if snap is not None and snap.js_seq == last.seq:
+        return st
+    start = 1 if snap is None else snap.js_seq + 1
+    sub = await js.subscribe(subject, ordered_consumer=True, config=ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
+    decoder = BatchDecoder(on_error=lambda err: None)
+    chunk_list = msgspec.msgpack.Decoder(list[BlockStored])
+    first = snap is None
+    try:
+        while True:
+            msg = await asyncio.wait_for(sub.next_msg(timeout), timeout + 1)
+            h = msg.headers or {}
+            kind, epoch, seq = h.get(H_KIND), int(h.get(H_EPOCH, -1)), int(h.get(H_SEQ, -1))
+            chunk = h.get(H_CHUNK, "0/1")
+            if kind == "reset":
+                cache.clear()
+                st.complete, st.exact = False, True  # the snapshot after it decides
+            elif kind == "snapshot":
+                i, n = (int(x) for x in chunk.split("/"))
+                if first or (st.epoch, st.seq) != (epoch, seq):
+                    st.exact = False  # a chunk without its reset: its start was discarded
+                cache.apply_events(chunk_list.decode(msg.data))
+                st.complete = i == n - 1
+                st.exact = st.exact and h.get("Kvwire-Exact", "1") not in ("0", "false")
+            else:
+                if first or st.seq is None or (st.epoch, st.seq + 1) != (epoch, seq):
+                    st.exact = False
+                cache.apply(decoder.decode(msg.data))
+                st.complete = True
+            first = False
+            st.epoch, st.seq, st.js_seq = epoch, seq, msg.metadata.sequence.stream
+            st.messages += 1
+            if st.js_seq >= last.seq:
+                return st
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,133 @@
+"""``kvwire bridge``: follow engines and write their KV event streams to NATS JetStream
+(needs ``pip install kvwire[nats]``; see docs/scale-out.md).
+
+Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register`; ``python -m
+kvwire.cli.bridge ...`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from .serve import _engine
+
+__all__ = ["add_arguments", "main", "register", "run"]
+
+
+def _number(kind: type, *, allow_zero: bool = False):
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not (v >= 0 if allow_zero else v > 0) or v != v or v in (float("inf"),):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be a finite number {'>=' if allow_zero else '>'} 0")
+        return v
+    return conv
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..nats.subjects import DEFAULT_PREFIX, DEFAULT_STREAM
+
+    p.add_argument("--nats", required=True, action="append", metavar="URL",
+                   help="NATS server URL, e.g. nats://10.0.0.9:4222 (repeat for a cluster)")
+    p.add_argument("--engine", action="append", type=_engine, required=True,
+                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
+                   help="an engine's KV event endpoint (repeat per engine), as for serve")
+    p.add_argument("--stream", default=DEFAULT_STREAM, help="JetStream stream name")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX,
+                   help="subject prefix: subjects are PREFIX.ENGINE.RANK")
+    p.add_argument("--max-age", type=_number(float), metavar="S",
+                   help="discard messages older than S seconds (default: keep)")
+    p.add_argument("--max-bytes", type=_number(int), metavar="B",
+                   help="stream size limit in bytes, oldest discarded (default: none)")
+    p.add_argument("--max-msgs-per-subject", type=_number(int), metavar="N",
+                   help="history kept per engine rank (default: all)")
+    p.add_argument("--duplicate-window", type=_number(float), default=120.0, metavar="S",
+                   help="Nats-Msg-Id dedupe window (default 120 s; <= --max-age)")
+    p.add_argument("--snapshot-interval", type=_number(float, allow_zero=True), default=30.0,
+                   metavar="S", help="object-store snapshot period (default 30 s; 0: none)")
+    p.add_argument("--share", action="store_true",
+                   help="split engines among bridges by leases (default: every bridge "
+                        "follows every engine, deduplicated)")
+    p.add_argument("--lease-ttl", type=_number(float), default=10.0, metavar="S",
+                   help="lease lifetime (--share): a dead bridge's engines move after S s")
+    p.add_argument("--max-inflight", type=_number(int), default=4096, metavar="N",
+                   help="unacknowledged publishes at most (default 4096)")
+    p.add_argument("--ack-timeout", type=_number(float), default=5.0, metavar="S")
+    p.add_argument("--log-interval", type=_number(float, allow_zero=True), default=10.0,
+                   metavar="S", help="one-line stats every S seconds (0: none)")
+    p.add_argument("--log-level", default="warning")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bridge`` subcommand to ``kvwire``'s subparsers."""
+    p = subparsers.add_parser("bridge", help="write engines' KV events to NATS JetStream",
+                              description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM; exit 0 after a clean close, 2 on bad config."""
+    try:
+        from ..nats.bridge import Bridge, BridgeConfig, BridgeError
+    except ImportError as e:
+        print(f"kvwire bridge: {e}; install with: pip install 'kvwire[nats]'", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = BridgeConfig(
+        nats=args.nats, stream=args.stream, prefix=args.prefix, max_age=args.max_age,
+        max_bytes=args.max_bytes, max_msgs_per_subject=args.max_msgs_per_subject,
+        duplicate_window=args.duplicate_window, snapshot_interval=args.snapshot_interval,
+        share=args.share, lease_ttl=args.lease_ttl, max_inflight=args.max_inflight,
+        ack_timeout=args.ack_timeout, log_interval=args.log_interval)
+    try:
+        bridge = Bridge(args.engine, cfg)
+    except BridgeError as e:
+        print(f"kvwire bridge: {e}", file=sys.stderr)
+        return 2
+
+    async def main_async() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await bridge.start()
+        except BridgeError as e:
+            print(f"kvwire bridge: {e}", file=sys.stderr)
+            await bridge.close(drain=0)
+            return 2
+        print(f"kvwire bridge: {len(args.engine)} engines -> {cfg.stream} ({cfg.prefix}.>) "
+              f"on {', '.join(cfg.nats)}{' (share)' if cfg.share else ''}",
+              file=sys.stderr, flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await bridge.close()
+        print(f"kvwire bridge: stopped {json.dumps(bridge.summary())}", file=sys.stderr,
+              flush=True)
+        return 0
+
+    return asyncio.run(main_async())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvwire bridge`` as a standalone entry point."""
+    p = argparse.ArgumentParser(prog="kvwire bridge", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
