@@ -195,7 +195,7 @@ class StreamMachine:
         #: ``(epoch, seq)`` the application already has (e.g. the NATS bridge after a restart):
         #: if the publisher still runs that epoch and buffers ``seq + 1``, deliveries begin
         #: with ``Batch(seq + 1)`` (no Reset/Snapshot); otherwise the usual bootstrap.
-        self._resume = resume_after
+        self._resume_after = resume_after
         self.config = config or StreamConfig()
         self.has_replay = has_replay
         self._decoder = BatchDecoder(on_error=self._bad_event)
@@ -533,8 +533,8 @@ class StreamMachine:
             self._restart(f"publisher restarted (epoch {old:#x} -> {info.epoch:#x})", now)
             return self._flush()
         self._epoch = info.epoch
-        if self._delivered is None and self._resume is not None:
-            (r_epoch, r_seq), self._resume = self._resume, None
+        if self._delivered is None and self._resume_after is not None:
+            (r_epoch, r_seq), self._resume_after = self._resume_after, None
             if info.epoch == r_epoch and info.oldest != -1 and info.oldest <= r_seq + 1 \
                     and info.seq >= r_seq:
                 self._label, self._delivered, self._exact = info.epoch, r_seq, True
