@@ -27,6 +27,7 @@ class Writer:
                  prefix: str = S.DEFAULT_PREFIX, seed: int = 0) -> None:
         self.url, self.stream, self.prefix = url, stream, prefix
         self.truth: dict[str, BlockCache] = {}
+        self.hashes: dict[str, list[int]] = {}  # cached hashes per stream (picks, evictions)
         self.pos: dict[str, tuple[int, int]] = {}  # stream name -> (epoch, last seq)
         self.last_js: dict[str, int] = {}
         self.rng = random.Random(seed)
@@ -60,17 +61,20 @@ class Writer:
 
     def events(self, name: str) -> list[Any]:
         """A random step: store a chain (sometimes on a cached parent), maybe evict one."""
-        cache = self.truth.setdefault(name, BlockCache())
+        have = self.hashes.setdefault(name, [])
+        rng = self.rng
         out: list[Any] = []
-        have = [b.hash for b in cache.blocks()] if len(cache) else []
-        if have and self.rng.random() < 0.3:
-            out.append(BlockRemoved([self.rng.choice(have)], None))
-        n = self.rng.randint(1, 3)
+        if have and rng.random() < 0.3:
+            i = rng.randrange(len(have))
+            have[i], have[-1] = have[-1], have[i]
+            out.append(BlockRemoved([have.pop()], None))
+        n = rng.randint(1, 3)
         hashes = list(range(self._next_hash, self._next_hash + n))
         self._next_hash += n
-        parent = self.rng.choice(have) if have and self.rng.random() < 0.5 else None
-        out.append(BlockStored(hashes, parent, [self.rng.randint(0, 999) for _ in range(4 * n)],
+        parent = rng.choice(have) if have and rng.random() < 0.5 else None
+        out.append(BlockStored(hashes, parent, [rng.randint(0, 999) for _ in range(4 * n)],
                                4, None))
+        have.extend(hashes)
         return out
 
     async def start(self, engine: str, rank: int, epoch: int, reason: str = "engine start",
@@ -78,6 +82,7 @@ class Writer:
         """Reset marker + snapshot marker of what the engine holds (nothing after a reset)."""
         name = S.stream_name(engine, rank)
         self.truth[name] = BlockCache()
+        self.hashes[name] = []
         await self._pub(engine, rank, "reset", epoch, 0, b"", {S.H_REASON: reason})
         await self.snapshot_marker(engine, rank, epoch, 0, chunks=chunks)
         self.pos[name] = (epoch, 0)

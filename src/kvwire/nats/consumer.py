@@ -258,10 +258,16 @@ class NatsSource:
                 info = await self.js.consumer_info(spec.stream, spec.durable)
             except NotFoundError:
                 info = None
-            if info is not None:
-                floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            floor = info.ack_floor.stream_seq if info is not None and info.ack_floor else 0
+            if info is not None and floor == 0:
+                # Never acknowledged: nothing the application did is recorded; start afresh.
+                await self.js.delete_consumer(spec.stream, spec.durable)
+            elif info is not None:
+                # Deliver again from the ack floor (what was delivered to a dead process but
+                # not acked would otherwise come back only after ack_wait, out of order).
                 self.acked_js = floor
                 self.next_js = floor + 1
+                await self.js.reset_consumer(spec.stream, spec.durable, seq=floor + 1)
                 await self._resume(floor)
                 self.psub = await self.js.pull_subscribe_bind(
                     durable=spec.durable, stream=spec.stream)

@@ -152,7 +152,9 @@ class Tracker:
                 self.counts["duplicates"] += 1
                 st.c["duplicates"] += 1
                 return []
-            have = "nothing" if st.seq is None else f"epoch {st.epoch} seq {st.seq}"
+            have = (f"epoch {st.epoch} seq {st.seq}" if st.seq is not None else
+                    "a reset marker" if st.started else
+                    "an unknown position (nothing of it delivered or still stored)")
             return self._gap(st, js_seq, f"batch epoch {epoch} seq {seq} after {have}")
         try:
             batch = self._decoder.decode(data)

@@ -1,0 +1,31 @@
+"""A consumer process for the durable-resume test: follows a JetStream stream with a durable
+consumer and appends one JSON line per item to a file (flushed), committing after each slice.
+Usage: python _nats_consume_proc.py URL DURABLE OUTFILE"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvwire.consume.items import Batch, Reset, Snapshot
+from kvwire.consume.subscriber import Subscriber
+from kvwire.nats.consumer import NatsStreams
+
+
+def main() -> None:
+    url, durable, path = sys.argv[1:4]
+    with open(path, "a") as out, Subscriber([NatsStreams(url, durable=durable)]) as sub:
+        print("ready", flush=True)
+        while True:
+            items = sub.poll_many(0.2, max_items=50)
+            for it in items:
+                kind = {Batch: "batch", Reset: "reset", Snapshot: "snapshot"}.get(type(it), "?")
+                out.write(json.dumps([kind, it.stream, getattr(it, "epoch", None),
+                                      getattr(it, "seq", None)]) + "\n")
+            out.flush()
+            if items:
+                sub.commit()
+
+
+if __name__ == "__main__":
+    main()
