@@ -1,0 +1,178 @@
+"""Helpers for tests/test_nats_bridge.py: read a subject back and check kvwire's per-subject
+contract (what every consumer relies on), and run ``kvwire bridge`` as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvwire.consume.cache import BlockCache
+from kvwire.nats import subjects as S
+from kvwire.wire.events import BlockStored, decode_batch
+
+_chunk = msgspec.msgpack.Decoder(list[BlockStored])
+
+
+class SubjectLog(msgspec.Struct):
+    """Everything on one subject, checked: ``batches`` are the (epoch, seq) of batch messages
+    in order; ``markers`` the (epoch, seq, reason) of reset markers; ``cache`` the state."""
+
+    messages: int
+    batches: list[tuple[int, int]]
+    markers: list[tuple[int, int, str]]
+    cache: BlockCache
+    exact: bool
+    last_js_seq: int
+
+
+async def read_subject(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -> SubjectLog:
+    """Read ``subject`` from its first message; AssertionError on any break of the contract:
+    the first message is a reset marker; a reset is followed by chunks 0..n-1 of the
+    snapshot at the same (epoch, seq); after that, a batch is (epoch, seq + 1) of the one
+    before or a reset comes; no Nats-Msg-Id twice."""
+    import nats
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        try:
+            last = await js.get_last_msg(stream, subject)
+        except NotFoundError:
+            return SubjectLog(0, [], [], BlockCache(), True, 0)
+        sub = await js.subscribe(subject, ordered_consumer=True, config=ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL))
+        log = SubjectLog(0, [], [], BlockCache(), True, 0)
+        ids: set[str] = set()
+        pos: tuple[int, int] | None = None
+        want_chunk: tuple[int, int] | None = None  # (next chunk, of n) inside a snapshot
+        while log.last_js_seq < last.seq:
+            m = await sub.next_msg(10)
+            h = m.headers or {}
+            mid = h[S.H_MSG_ID]
+            assert mid not in ids, f"{subject}: {mid} written twice"
+            ids.add(mid)
+            kind, ep, sq = h[S.H_KIND], int(h[S.H_EPOCH]), int(h[S.H_SEQ])
+            if log.messages == 0:
+                assert kind == "reset", f"{subject}: first message is {kind}, not a reset"
+            if kind == "reset":
+                assert want_chunk is None, f"{subject}: reset inside a snapshot"
+                assert mid == S.msg_id(*S.parse_subject(subject.rsplit(".", 2)[0], subject),
+                                       ep, sq, "reset")
+                log.markers.append((ep, sq, h.get(S.H_REASON, "")))
+                log.cache.clear()
+                pos, want_chunk = (ep, sq), (0, -1)
+            elif kind == "snapshot":
+                i, n = (int(x) for x in h[S.H_CHUNK].split("/"))
+                assert want_chunk is not None and want_chunk[0] == i and pos == (ep, sq), \
+                    f"{subject}: snapshot chunk {i}/{n} at {(ep, sq)} out of place ({pos})"
+                log.cache.apply_events(_chunk.decode(m.data))
+                log.exact = h.get("Kvwire-Exact", "1") != "0"
+                want_chunk = None if i == n - 1 else (i + 1, n)
+            else:
+                assert kind == "batch" and want_chunk is None and pos is not None, \
+                    f"{subject}: {kind} {(ep, sq)} out of place"
+                assert (ep, sq) == (pos[0], pos[1] + 1), \
+                    f"{subject}: batch {(ep, sq)} after {pos}: gap or duplicate"
+                assert mid == S.msg_id(*S.parse_subject(subject.rsplit(".", 2)[0], subject),
+                                       ep, sq)
+                log.cache.apply(decode_batch(m.data))
+                log.batches.append((ep, sq))
+                pos = (ep, sq)
+            log.messages += 1
+            log.last_js_seq = m.metadata.sequence.stream
+        await sub.unsubscribe()
+        return log
+    finally:
+        await nc.close()
+
+
+def subject_log(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -> SubjectLog:
+    return asyncio.run(read_subject(url, subject, stream))
+
+
+async def _last_seq(url: str, subject: str, stream: str) -> int | None:
+    import nats
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(url)
+    try:
+        m = await nc.jetstream().get_last_msg(stream, subject)
+        return int(m.headers[S.H_SEQ])
+    except NotFoundError:
+        return None
+    finally:
+        await nc.close()
+
+
+def wait_subject_seq(url: str, subject: str, seq: int, timeout: float,
+                     stream: str = S.DEFAULT_STREAM, procs: list[Any] = ()) -> None:
+    """Until the subject's last message has Kvwire-Seq >= ``seq``."""
+    deadline = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < deadline:
+        try:
+            got = asyncio.run(_last_seq(url, subject, stream))
+        except Exception:  # the server is restarting
+            got = None
+        if got is not None and got >= seq:
+            return
+        for p in procs:
+            assert p.poll() is None, f"bridge exited {p.returncode}: {p.log()}"
+        time.sleep(0.1)  # polling an outside process's progress
+    raise AssertionError(f"{subject}: last seq {got}, wanted {seq} within {timeout}s")
+
+
+class BridgeProc:
+    """``python -m kvwire bridge ...`` with its stderr in a file."""
+
+    def __init__(self, tmp: Path, url: str, engines: list[str], *extra: str) -> None:
+        self.log_path = Path(tmp) / f"bridge-{time.monotonic_ns()}.log"
+        args = [sys.executable, "-m", "kvwire", "bridge", "--nats", url, "--log-interval", "0",
+                "--log-level", "info", *extra]
+        for e in engines:
+            args += ["--engine", e]
+        with open(self.log_path, "wb") as f:
+            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def wait_started(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while "engines ->" not in self.log_path.read_text():
+            assert self.proc.poll() is None, f"bridge exited: {self.log()}"
+            assert time.monotonic() < deadline, f"bridge did not start: {self.log()}"
+            time.sleep(0.05)  # polling its log
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"bridge did not exit on SIGTERM: {self.log()}") from None

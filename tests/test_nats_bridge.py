@@ -1,0 +1,117 @@
+"""``kvwire bridge`` (issue 12, writer side): real nats-server, real engine processes (kvwire
+and reference publishers on loopback), real bridge processes. Ground truth at the end of
+each test: the engine's own cache vs the state rebuilt from the JetStream subject, which
+must also keep the per-subject contract (tests/bridge_helpers.py: no gap, no duplicate)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("nats")
+
+from bridge_helpers import BridgeProc, subject_log, wait_subject_seq  # noqa: E402
+from fault_helpers import Engine  # noqa: E402
+
+from kvwire.nats.snapshots import read_snapshot  # noqa: E402
+
+K, R = "kvwire.events.k.0", "kvwire.events.r.0"
+
+
+def _spec(name: str, e: Engine) -> str:
+    return f"{name}={e.endpoint},replay={e.replay_endpoint}"
+
+
+@pytest.fixture
+def engines():
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def test_items_land_on_subjects_exactly(nats_server, tmp_path, engines):
+    """Both publisher kinds: one subject each, a reset + snapshot marker first, then every
+    batch once with (epoch, seq) headers and Msg-Ids; the subject rebuilds the engine."""
+    k = Engine(1, workload="small")
+    r = Engine(2, ref=True, workload="small")
+    engines += [k, r]
+    b = BridgeProc(tmp_path, nats_server.url, [_spec("k", k), _spec("r", r)],
+                   "--snapshot-interval", "1")
+    try:
+        b.wait_started()
+        k.run(3000, 2000)
+        r.run(3000, 2000)
+        dk, dr = k.wait_done(60), r.wait_done(60)
+        wait_subject_seq(nats_server.url, K, dk.last_seq, 30, procs=[b])
+        wait_subject_seq(nats_server.url, R, dr.last_seq, 30, procs=[b])
+        assert b.stop() == 0, b.log()
+    finally:
+        b.kill()
+    lk, lr = subject_log(nats_server.url, K), subject_log(nats_server.url, R)
+    assert lk.cache.as_dict() == dk.truth and lr.cache.as_dict() == dr.truth
+    assert len(lk.markers) == len(lr.markers) == 1
+    # kvwire: the publisher's epoch; its heartbeats (empty batches) go on the subject too
+    assert lk.batches[-1][0] == k.epoch and lk.batches[-1][1] >= dk.last_seq
+    assert lr.batches[-1] == (0, dr.last_seq) and lr.batches[0] == (0, 0)  # reference: run 0
+    assert "stopped" in b.log()
+    # The object-store snapshot written on the clean exit covers the whole subject.
+    snap = asyncio.run(_read_snapshot(nats_server.url, "k", 0))
+    assert snap.js_seq == lk.last_js_seq and snap.epoch == k.epoch and snap.exact
+    assert snap.cache().as_dict() == dk.truth
+
+
+async def _read_snapshot(url: str, engine: str, rank: int):
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        return await read_snapshot(nc.jetstream(), engine, rank)
+    finally:
+        await nc.close()
+
+
+async def _republish(url: str, subject: str) -> tuple[bool, int, int]:
+    """Publish the subject's last message again with its Msg-Id: (duplicate?, msgs before,
+    msgs after)."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        last = await js.get_last_msg("KVWIRE", subject)
+        before = (await js.stream_info("KVWIRE")).state.messages
+        ack = await js.publish(subject, last.data, headers=dict(last.headers))
+        after = (await js.stream_info("KVWIRE")).state.messages
+        return ack.duplicate, before, after
+    finally:
+        await nc.close()
+
+
+def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, engines):
+    """Two bridges follow the same engines (redundant mode): every message exists once; and a
+    message published again with its Msg-Id is dropped by the server."""
+    k = Engine(3, workload="small")
+    r = Engine(4, ref=True, workload="small")
+    engines += [k, r]
+    specs = [_spec("k", k), _spec("r", r)]
+    b1 = BridgeProc(tmp_path, nats_server.url, specs)
+    b2 = BridgeProc(tmp_path, nats_server.url, specs)
+    try:
+        b1.wait_started()
+        b2.wait_started()
+        k.run(2000, 2000)
+        r.run(2000, 2000)
+        dk, dr = k.wait_done(60), r.wait_done(60)
+        wait_subject_seq(nats_server.url, K, dk.last_seq, 30, procs=[b1, b2])
+        wait_subject_seq(nats_server.url, R, dr.last_seq, 30, procs=[b1, b2])
+        assert b1.stop() == 0 and b2.stop() == 0
+    finally:
+        b1.kill()
+        b2.kill()
+    lk, lr = subject_log(nats_server.url, K), subject_log(nats_server.url, R)
+    assert lk.cache.as_dict() == dk.truth and lr.cache.as_dict() == dr.truth
+    assert len(lk.markers) == len(lr.markers) == 1
+    dup, before, after = asyncio.run(_republish(nats_server.url, K))
+    assert dup and before == after
