@@ -26,7 +26,8 @@ from ..shm._common import set_local_shutdown_default
 __all__ = ["SHM_MODULE", "install", "installed", "uninstall"]
 
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
-logger = logging.getLogger("kvwire.engines.vllm_shm")
+# a child of vLLM's logger: the line shows in vLLM's log, in its format
+logger = logging.getLogger("vllm.kvwire.shm")
 
 _lock = threading.Lock()
 _original: Any = None  # vLLM's class while installed
