@@ -100,14 +100,14 @@ def subject_log(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -> Subje
     return asyncio.run(read_subject(url, subject, stream))
 
 
-async def _last_seq(url: str, subject: str, stream: str) -> int | None:
+async def _last_seq(url: str, subject: str, stream: str) -> tuple[int, int] | None:
     import nats
     from nats.js.errors import NotFoundError
 
     nc = await nats.connect(url)
     try:
         m = await nc.jetstream().get_last_msg(stream, subject)
-        return int(m.headers[S.H_SEQ])
+        return int(m.headers[S.H_EPOCH]), int(m.headers[S.H_SEQ])
     except NotFoundError:
         return None
     finally:
@@ -115,8 +115,10 @@ async def _last_seq(url: str, subject: str, stream: str) -> int | None:
 
 
 def wait_subject_seq(url: str, subject: str, seq: int, timeout: float,
-                     stream: str = S.DEFAULT_STREAM, procs: list[Any] = ()) -> None:
-    """Until the subject's last message has Kvwire-Seq >= ``seq``."""
+                     stream: str = S.DEFAULT_STREAM, procs: list[Any] = (),
+                     epoch: int | None = None) -> None:
+    """Until the subject's last message has Kvwire-Seq >= ``seq`` (and Kvwire-Epoch
+    ``epoch`` when given)."""
     deadline = time.monotonic() + timeout
     got = None
     while time.monotonic() < deadline:
@@ -124,7 +126,7 @@ def wait_subject_seq(url: str, subject: str, seq: int, timeout: float,
             got = asyncio.run(_last_seq(url, subject, stream))
         except Exception:  # the server is restarting
             got = None
-        if got is not None and got >= seq:
+        if got is not None and got[1] >= seq and epoch in (None, got[0]):
             return
         for p in procs:
             assert p.poll() is None, f"bridge exited {p.returncode}: {p.log()}"

@@ -183,6 +183,8 @@ class _Follow:
         self.skip_seq = -1
         self.skip_exact = True
         self.skip_since = 0.0
+        self.fresh = True  # nothing delivered since the follower started
+        self.boot = True  # no Snapshot since the follower started
 
     def resume_point(self) -> tuple[int, int] | None:
         if self.complete and self.epoch is not None and self.seq is not None:
@@ -230,7 +232,10 @@ class Bridge:
             self.stats.last_error = f"nats: {e!r}"
 
         async def on_disconnect() -> None:
-            log.warning("disconnected from NATS; reconnecting")
+            if not self._closing:
+                log.warning("disconnected from NATS; reconnecting")
+            if self.writer is not None:
+                self.writer.on_disconnect()
 
         async def on_reconnect() -> None:
             log.warning("reconnected to NATS")
@@ -379,6 +384,10 @@ class Bridge:
 
     async def _on_item(self, f: _Follow, it: Any) -> None:
         t = type(it)
+        if f.fresh and t is not Liveness:
+            f.fresh = False
+            if t is Batch:  # the Subscriber resumed after the subject's (epoch, seq)
+                self.stats.resumed += 1
         if t is Batch:
             await self._on_batch(f, it)
         elif t is Reset:
@@ -392,7 +401,10 @@ class Bridge:
     async def _on_snapshot(self, f: _Follow, s: Snapshot) -> None:
         reason = f.reset.reason if f.reset is not None else "bootstrap"
         f.reset, f.skip_to, f.skip_cache = None, None, None
-        cur = f.seq if f.complete else None
+        # Only the first Snapshot after (re)starting may continue the subject: later ones
+        # follow a Reset the engine caused (restart, loss) and always go on as markers.
+        cur = f.seq if f.complete and f.boot else None
+        f.boot = False
         if s.epoch is not None:  # a kvwire publisher: its epoch says whether it continues
             if cur is not None and f.epoch == s.epoch and s.seq <= cur:
                 f.skip_to = cur

@@ -90,6 +90,7 @@ class Lane:
         self.pending: deque[Entry] = deque()
         self.held: deque[Entry] = deque()
         self.recovering = False
+        self.cut = False  # the connection broke with messages of this lane in flight
         self.cache = BlockCache()
         self.exact = True
         self.last: tuple[int, int] | None = None  # (epoch, seq) of the last acked message
@@ -301,6 +302,25 @@ class JsWriter:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
+    def on_disconnect(self) -> None:
+        """The connection broke: what the server got is a prefix of what was sent on it.
+
+        Keep it a prefix: nats-py would send the publishes still queued in its buffer after
+        the reconnect (ahead of anything a recovery decides), so they are dropped here (its
+        private ``_pending`` list; one bytes command per publish), and every lane with
+        messages in flight recovers (holding new ones) before anything else goes out."""
+        pending = getattr(self.nc, "_pending", None)
+        if isinstance(pending, list):
+            keep = [c for c in pending if not (
+                c[:5] == b"HPUB " and c[5:].split(b" ", 1)[0].decode() in self.lanes)]
+            if len(keep) != len(pending):
+                self.nc._pending = keep
+                self.nc._pending_data_size = sum(len(c) for c in keep)
+        for lane in self.lanes.values():
+            lane.cut = True  # acks of what is in flight went with the connection
+            if lane.pending or lane.held:
+                self._recover(lane, "disconnected")
+
     async def _watch(self) -> None:
         """Ack time-outs: a lane whose oldest message waits too long recovers."""
         while not self.closing:
@@ -335,8 +355,9 @@ class JsWriter:
         """Until every in-flight message of the lane is answered or timed out, connected."""
         while not self.closing:
             newest = max((e.sent_at for e in lane.pending if e.state == PENDING), default=None)
-            if self.nc.is_connected and (newest is None
+            if self.nc.is_connected and (newest is None or lane.cut
                                          or time.monotonic() - newest > self.ack_timeout):
+                lane.cut = False
                 return
             await asyncio.sleep(0.05)
 
