@@ -6,6 +6,7 @@ must also keep the per-subject contract (tests/bridge_helpers.py: no gap, no dup
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -203,3 +204,80 @@ def test_engine_restart_puts_reset_marker(nats_server, tmp_path, engines, ref):
     assert len(log.markers) == 2, log.markers
     assert log.markers[1][0] == (1 if ref else e2.epoch)
     assert log.cache.as_dict() == d2.truth
+
+
+async def _holders(url: str, names: list[str]) -> dict[str, str | None]:
+    import nats
+
+    from kvwire.nats.leases import LeaseTable
+
+    nc = await nats.connect(url)
+    try:
+        t = LeaseTable(nc.jetstream(), "observer")
+        try:
+            await t.open()
+        except Exception:  # noqa: BLE001 - not created yet
+            return dict.fromkeys(names)
+        return {n: await t.holder(n) for n in names}
+    finally:
+        await nc.close()
+
+
+def _wait_holders(url: str, names: list[str], ok, timeout: float, procs) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = asyncio.run(_holders(url, names))
+        if ok(h):
+            return h
+        for p in procs:
+            assert p.poll() is None, p.log()
+        assert time.monotonic() < deadline, f"lease holders {h}"
+        time.sleep(0.1)  # polling the bucket
+
+
+def _pid(owner: str | None) -> int:
+    return int(owner.split(":")[1]) if owner else -1
+
+
+def test_share_mode_one_bridge_per_engine_and_takeover(nats_server, tmp_path, engines):
+    """Two bridges with --share split two engines by leases (each engine by exactly one);
+    SIGKILL one: its lease expires, the other takes the engine over and the subject goes on
+    exactly (no marker, no gap, no duplicate)."""
+    a = Engine(9, workload="small")
+    b_ = Engine(10, workload="small")
+    engines += [a, b_]
+    specs = [_spec("a", a), _spec("b", b_)]
+    opts = ("--share", "--lease-ttl", "1.5", "--snapshot-interval", "0.5")
+    p1 = BridgeProc(tmp_path, nats_server.url, specs, *opts)
+    p2 = None
+    try:
+        p1.wait_started()
+        p2 = BridgeProc(tmp_path, nats_server.url, specs, *opts)
+        p2.wait_started()
+        procs = [p1, p2]
+        h = _wait_holders(nats_server.url, ["a", "b"],
+                          lambda h: None not in h.values() and len(set(h.values())) == 2,
+                          30, procs)
+        assert {_pid(v) for v in h.values()} == {p1.proc.pid, p2.proc.pid}
+        a.run(6000, 2000)
+        b_.run(6000, 2000)
+        wait_subject_seq(nats_server.url, "kvwire.events.a.0", 1500, 30, procs=procs)
+        victim = p1 if _pid(h["a"]) == p1.proc.pid else p2
+        survivor = p2 if victim is p1 else p1
+        victim.kill()
+        _wait_holders(nats_server.url, ["a", "b"],
+                      lambda h: {_pid(v) for v in h.values()} == {survivor.proc.pid},
+                      30, [survivor])
+        da, db = a.wait_done(60), b_.wait_done(60)
+        for name, d in (("a", da), ("b", db)):
+            wait_subject_seq(nats_server.url, f"kvwire.events.{name}.0", d.last_seq, 30,
+                             procs=[survivor])
+        assert survivor.stop() == 0, survivor.log()
+    finally:
+        p1.kill()
+        if p2 is not None:
+            p2.kill()
+    for name, d in (("a", da), ("b", db)):
+        log = subject_log(nats_server.url, f"kvwire.events.{name}.0")
+        assert len(log.markers) == 1, log.markers
+        assert log.cache.as_dict() == d.truth

@@ -474,22 +474,36 @@ class Bridge:
     # ------------------------------------------------------------------ share mode
 
     async def _share_loop(self) -> None:
-        assert self.leases is not None
+        """Renew what we hold; take free leases up to a fair share (engines / live bridges);
+        give back one above it per round, so a bridge that joins gets work."""
+        leases = self.leases
+        assert leases is not None
         every = self.config.lease_ttl / 3
+        bridges = 1
         while not self._closing:
+            try:
+                bridges = await leases.heartbeat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # NATS away: keep what we follow, retry
+                self.stats.last_error = f"lease heartbeat: {e!r}"
+            fair = -(-len(self.engines) // bridges)
             for spec in self.engines:
                 name = spec.name
                 try:
                     if name in self._tasks:
-                        if not await self.leases.renew(name):
+                        if not await leases.renew(name):
                             await self._stop_follow(name)
-                    elif await self.leases.try_acquire(name):
+                        elif len(leases.held) > fair:
+                            await self._stop_follow(name)
+                            await leases.release(name)
+                    elif len(leases.held) < fair and await leases.try_acquire(name):
                         self._start_follow(spec)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # NATS away: keep what we follow, retry
                     self.stats.last_error = f"lease {name}: {e!r}"
-            self.stats.leases_held = len(self.leases.held)
+            self.stats.leases_held = len(leases.held)
             await asyncio.sleep(every)
 
     # ------------------------------------------------------------------ snapshots, stats

@@ -51,6 +51,22 @@ class LeaseTable:
             bucket=self.bucket, ttl=self.ttl, history=1, storage=StorageType.FILE,
             description="kvwire bridge per-engine leases"))
 
+    @property
+    def presence_key(self) -> str:
+        return f"bridges.{self.owner.rsplit(':', 1)[-1]}"
+
+    async def heartbeat(self) -> int:
+        """Say this bridge is alive (a key the TTL expires if it dies); the number of live
+        bridges, so each can take its fair share of the engines."""
+        from nats.js.errors import NoKeysError
+
+        await self.kv.put(self.presence_key, self.owner.encode())
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            keys = []
+        return max(1, sum(1 for k in keys if k.startswith("bridges.")))
+
     async def try_acquire(self, engine: str) -> bool:
         """Take the lease of ``engine`` if nobody holds it (or renew it if we do)."""
         from nats.js.errors import KeyWrongLastSequenceError
@@ -96,6 +112,10 @@ class LeaseTable:
     async def release_all(self) -> None:
         for engine in list(self.held):
             await self.release(engine)
+        try:
+            await self.kv.delete(self.presence_key)
+        except Exception:  # noqa: BLE001 - gone already: the TTL removes it anyway
+            pass
 
     async def holder(self, engine: str) -> str | None:
         """Who holds the lease of ``engine`` now (None: free)."""
