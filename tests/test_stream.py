@@ -838,3 +838,36 @@ def test_bulk_live_path_equals_one_by_one(ops, seed, kvwire):
     assert bulk.app.cache.as_dict() == one.app.cache.as_dict()
     assert [type(a) for a in bulk.actions] == [type(a) for a in one.actions]
     assert bulk.m.stats() == one.m.stats()
+
+
+def test_reference_tail_drop_is_recovered_by_a_tail_check():
+    """A reference publisher sends no heartbeats: a batch dropped last is seen only when the
+    next one comes. While the stream is quiet the machine asks for anything after its last
+    seq every ``info_interval``; an empty answer changes nothing."""
+    pub = SimPublisher(random.Random(11), kvwire=False)
+    cfg = msgspec.structs.replace(CFG, info_interval=5.0)
+    sim = Sim(pub, config=cfg)
+    sim.join()
+    sim.tick(0.6)  # INFO unanswered: reference
+    sim.publish(4)
+    sim.drain()
+    assert sim.m.mode == "reference" and sim.m.last_seq == 3
+    sim.publish(2)
+    sim.drop(2)  # the tail: seqs 4 and 5 never arrive live, nothing follows them
+    sim.drain()
+    assert sim.m.last_seq == 3
+    sim.tick(5.0)  # a check while batches still came since the last one: an INFO probe
+    sim.tick(0.6)
+    sim.drain()
+    assert sim.m.last_seq == 3 and sim.m.stats().tail_checks == 0
+    sim.tick(5.0)  # quiet for a whole interval: the tail check
+    assert sim.actions[-1] == SendReplay(4)
+    sim.drain()
+    st = sim.m.stats()
+    assert (st.last_seq, st.tail_checks, st.lost, sim.m.phase) == (5, 1, 0, "live")
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+    sim.tick(5.0)  # nothing new: the answer is just the end marker
+    assert sim.actions[-1] == SendReplay(6)
+    sim.drain()
+    st = sim.m.stats()
+    assert (st.last_seq, st.tail_checks, st.lost, st.gaps, sim.m.phase) == (5, 2, 0, 0, "live")

@@ -22,7 +22,8 @@ behaviour is reproducible in tests.
 Known limits with *reference* publishers (no INFO): a restart is seen only when the live
 seq goes backwards; a restarted publisher whose seq has already passed ours when we first
 hear from it is indistinguishable from a gap. kvwire publishers close that hole with epochs
-(checked on every gap and every ``info_interval``).
+(checked on every gap and every ``info_interval``). Without heartbeats a dropped *last*
+batch is found by a tail check: a replay from the next seq after a quiet ``info_interval``.
 """
 
 from __future__ import annotations
@@ -168,12 +169,16 @@ class StreamStats(msgspec.Struct, frozen=True):
     stray_replies: int
     deaths: int
     last_error: str | None
+    #: Reference streams only: replays from the next seq asked after a quiet spell, because
+    #: without heartbeats a batch dropped last (the stream's tail) is otherwise seen only
+    #: when the next one comes.
+    tail_checks: int = 0
 
 
 _COUNTERS = (
     "live_messages", "batches", "events", "duplicates", "gaps", "lost", "replays", "replayed",
     "snapshots", "resyncs", "resets", "restarts", "buffer_overflows", "timeouts",
-    "error_replies", "bad_frames", "bad_payloads", "stray_replies", "deaths",
+    "error_replies", "bad_frames", "bad_payloads", "stray_replies", "deaths", "tail_checks",
 )
 
 
@@ -230,6 +235,7 @@ class StreamMachine:
         self._reset_sent = False
         self._reset_reason = "bootstrap"
         self._last_live = 0.0
+        self._checked_at = 0.0  # when tick last made a periodic check
         self._alive = True
         self._next_check = math.inf
 
@@ -615,7 +621,16 @@ class StreamMachine:
             self._phase == "live" and self._req is None and self.has_replay
             and now >= self._next_check
         ):
-            self._probe("check", now)
+            quiet = self._last_live <= self._checked_at
+            self._checked_at = now
+            if self._mode == "reference" and quiet and self._delivered is not None:
+                # No heartbeats to say what the last seq is: ask for anything after ours.
+                # An empty answer (just the end marker) means nothing was missed.
+                self._c["tail_checks"] += 1
+                self._next_check = now + self._info_interval()
+                self._start_replay(self._delivered + 1, now, "gap")
+            else:
+                self._probe("check", now)  # kvwire: the epoch; reference: an upgrade
         return self._flush()
 
     # ------------------------------------------------------------------ decisions
