@@ -280,3 +280,79 @@ def test_new_consumer_after_1e5_batches_bootstraps_from_the_snapshot(nats_server
     assert nst.messages <= 15_400 and nst.gaps == 0, nst
     print(f"wrote 10^5 batches in {wrote:.1f} s; bootstrap of "
           f"{sum(s.block_count for s in snaps)} blocks + 400 batches in {took:.2f} s")
+
+
+def test_malformed_messages_are_counted_named_and_never_crash(nats_server: Any) -> None:
+    """Bad headers, an unknown kind, a bad chunk header, a subject outside the layout and an
+    undecodable batch body: each counted and named; the consumer keeps going, and the batch
+    lost to a bad body is a gap (no snapshot object here: an inexact restart, counted)."""
+    from kvwire.nats import subjects as S
+
+    def h(kind: str | None = "batch", epoch: str | None = "1", seq: str | None = "6",
+          **extra: str) -> dict[str, str]:
+        out = {S.H_KIND: kind, S.H_EPOCH: epoch, S.H_SEQ: seq, **extra}
+        return {k: v for k, v in out.items() if v is not None}
+
+    async def plan(w: Writer) -> None:
+        await w.start("a", 0, epoch=1)
+        await w.batches("a", 0, 5)
+        await w.raw("a", 0, b"x", h(kind=None))
+        await w.raw("a", 0, b"x", h(kind="bogus"))
+        await w.raw("a", 0, b"x", h(epoch="one"))
+        await w.raw("a", 0, b"x", h(seq="-3"))
+        await w.raw("a", 0, b"x", None)
+        await w.raw("a", 0, b"x", h(kind="snapshot", **{S.H_CHUNK: "7/2"}))
+        await w.js.publish("kvwire.events.not-a-rank", b"x", headers=h())
+        await w.js.publish("kvwire.events.a.0.extra", b"x", headers=h())
+        await w.raw("a", 0, b"\xc1 not msgpack", h(seq="6"))  # seq 6's real body is lost
+        await w.batches("a", 0, 1, publish=False)  # (seq 6 in the truth)
+        await w.batches("a", 0, 7)
+
+    w = run(_write(nats_server.url, plan))
+    rb = Rebuild()
+    with Subscriber([NatsStreams(nats_server.url)]) as sub:
+        consume(sub, rb, lambda: rb.caught_up(w))
+        nst = sub.nats_stats()[0]
+        st = sub.stats()["a/dp0"].stream
+    assert nst.bad_messages == 9, nst
+    assert st.bad_payloads == 7  # the two with foreign subjects have no stream of their own
+    assert nst.gaps == 1 and nst.inexact == 1 and nst.resyncs == 0, nst
+    assert "no snapshot" in (nst.last_error or ""), nst.last_error
+    resync = [i for i in rb.items if type(i) is Reset][-1]
+    assert resync.reason.startswith("gap: batch epoch 1 seq 7 after epoch 1 seq 5"), resync
+    tail = rb.items[rb.items.index(resync) + 1:]
+    assert type(tail[0]) is Snapshot and not tail[0].exact and tail[0].seq == 6
+    assert [i.seq for i in tail[1:]] == list(range(7, 14))
+
+
+def test_consumer_reconnects_when_nats_server_restarts(nats_server: Any) -> None:
+    """nats-server SIGKILLed and restarted on the same port and store: the consumer (ephemeral
+    and durable) reconnects by itself and continues exactly, no gap."""
+    async def first(w: Writer) -> None:
+        await w.start("a", 0, epoch=2)
+        await w.batches("a", 0, 100)
+
+    w = run(_write(nats_server.url, first))
+    rbs = [Rebuild(), Rebuild()]
+    subs = [Subscriber([NatsStreams(nats_server.url)]),
+            Subscriber([NatsStreams(nats_server.url, durable="d")])]
+    try:
+        for sub, rb in zip(subs, rbs, strict=True):
+            consume(sub, rb, lambda rb=rb: rb.caught_up(w))
+        nats_server.kill()
+        for sub in subs:  # keep polling while the server is down: no crash, no items
+            assert sub.poll_many(0.3) == []
+        nats_server.start()
+
+        async def more(w: Writer) -> None:
+            await w.batches("a", 0, 100)
+
+        run(_write(nats_server.url, more, w))
+        for sub, rb in zip(subs, rbs, strict=True):
+            consume(sub, rb, lambda rb=rb: rb.caught_up(w), timeout=60)
+            same(rb, w)
+            nst = sub.nats_stats()[0]
+            assert nst.gaps == 0 and nst.reconnects >= 1, nst
+    finally:
+        for sub in subs:
+            sub.close()

@@ -203,9 +203,8 @@ class NatsSource:
         for subject in await self._subjects():
             try:
                 engine, rank = S.parse_subject(self.spec.prefix, subject)
-            except ValueError as e:
-                self.tracker._bad(subject, 0, str(e))
-                continue
+            except ValueError:
+                continue  # not the layout: counted (and named) when its messages are read
             snap = await self._snapshot(engine, rank)
             if snap is None:
                 starts.append(self._first_seq)
@@ -298,6 +297,8 @@ class NatsSource:
         log.warning("%s", self.last_error)
         seq = self.acked_js + 1 if self.spec.durable else self.next_js
         try:
+            # (asked first: CONSUMER.RESET of a missing consumer times out, no 404, on 2.15)
+            await self.js.consumer_info(self.spec.stream, self.consumer)
             await self.js.reset_consumer(self.spec.stream, self.consumer, seq=max(seq, 1))
             return
         except NotFoundError:
@@ -342,7 +343,8 @@ class NatsSource:
                 try:
                     await self._reposition("reconnected")
                 except Exception as e:  # noqa: BLE001 - retried on the next error
-                    self.last_error = f"reposition failed: {e}"
+                    self.last_error = f"reposition failed: {type(e).__name__}: {e}"
+                    log.warning("%s", self.last_error)
                     self._lost = True
                     await asyncio.sleep(0.25)
                     continue
@@ -358,6 +360,7 @@ class NatsSource:
                 if self._stop.is_set():
                     break
                 self.last_error = f"fetch failed: {type(e).__name__}: {e}"
+                log.warning("%s", self.last_error)
                 self._lost = True
                 await asyncio.sleep(0.25)
                 continue
