@@ -356,3 +356,39 @@ def test_consumer_reconnects_when_nats_server_restarts(nats_server: Any) -> None
     finally:
         for sub in subs:
             sub.close()
+
+
+def test_kvwire_listen_nats_in_a_real_process(nats_server: Any) -> None:
+    """``kvwire listen nats://... --json --count N`` shows the items (and the plain output
+    names the streams); the summary on stderr has the NATS counters."""
+    import json
+    import subprocess
+    import sys
+
+    async def plan(w: Writer) -> None:
+        await w.start("a", 0, epoch=4)
+        await w.start("b", 2, epoch=1)
+        await w.batches("a", 0, 7)
+        await w.batches("b", 2, 5)
+
+    run(_write(nats_server.url, plan))
+    base = [sys.executable, "-m", "kvwire", "listen", nats_server.url, "--stream", "KVWIRE"]
+    r = subprocess.run(base + ["--json", "--count", "12", "--duration", "60"],
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in r.stdout.splitlines()]
+    a = [(x["kind"], x.get("seq")) for x in recs if x["stream"] == "a/dp0"]
+    assert a == [("reset", None), ("snapshot", 0)] + [("batch", s) for s in range(1, 8)]
+    assert {x["stream"] for x in recs} == {"a/dp0", "b/dp2"}
+    assert "nats: 16 messages, 12 batches, 0 gaps" in r.stderr, r.stderr
+    # a subject filter narrows it to one engine; plain output
+    r = subprocess.run(base + ["--subject", "kvwire.events.b.>", "--count", "5",
+                               "--duration", "60", "--no-view"],
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert "b/dp2" in r.stdout and "a/dp0" not in r.stdout
+    assert "b/dp2: snapshot at seq 0" in r.stderr
+    # a bad durable name: one clear line, exit 2
+    r = subprocess.run(base + ["--durable", "no.dots", "--count", "1"],
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 2 and "durable consumer name 'no.dots'" in r.stderr, r.stderr

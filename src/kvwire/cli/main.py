@@ -81,8 +81,14 @@ def _streams(args: argparse.Namespace) -> list:
             raise ValueError("CurveZMQ needs both --curve-secret and --curve-server-key")
         curve = CurveClient(secret_key_file=args.curve_secret,
                             server_public_key_file=args.curve_server_key)
-    specs = []
+    specs: list = []
     for i, ep in enumerate(args.endpoint):
+        if ep.startswith("nats://"):  # every engine stream on a JetStream stream
+            from ..nats.consumer import NatsStreams
+
+            specs.append(NatsStreams(ep, stream=args.stream, subject=args.subject,
+                                     durable=args.durable))
+            continue
         replay = args.replay[i] if i < len(args.replay) and args.replay[i] != "-" else None
         name = args.name[i] if i < len(args.name) else ep
         specs.append(StreamSpec(name, ep, args.topic, replay, curve))
@@ -103,7 +109,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
     except ValueError as e:
         notice(str(e))
         return 2
-    tallies = {s.name: StreamTally(s.name) for s in specs}
+    tallies = {s.name: StreamTally(s.name) for s in specs if not hasattr(s, "open_link")}
     exporter = None
     if args.metrics is not None:
         from ..metrics import register, start_exporter, subscriber_collector
@@ -154,6 +160,8 @@ def _cmd_listen(args: argparse.Namespace) -> int:
                     last_draw = now
                 if item is None:
                     continue
+                if item.stream not in tallies:  # NATS: streams appear as they are read
+                    tallies[item.stream] = StreamTally(item.stream)
                 tallies[item.stream].add(item, now)
                 if isinstance(item, Batch):
                     batches += 1
@@ -197,6 +205,11 @@ def _cmd_listen(args: argparse.Namespace) -> int:
                     f"{s.restarts} restarts, {s.bad_frames + s.bad_payloads} bad messages, "
                     f"mode {s.mode}"
                 )
+            for n in sub.nats_stats():
+                notice(f"nats: {n.messages} messages, {n.batches} batches, {n.gaps} gaps, "
+                       f"{n.resyncs} resyncs, {n.inexact} inexact, {n.bad_messages} bad "
+                       f"messages, {n.reconnects} reconnects"
+                       + (f" (last error: {n.last_error})" if n.last_error else ""))
         finally:
             for signum, handler in handlers.items():
                 _install(signum, handler)
@@ -256,7 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
         "piped: one readable block per batch; --json: one JSON object per item.",
     )
     ls.add_argument("endpoint", nargs="+",
-                    help="live endpoint(s), e.g. tcp://10.0.0.5:5557 (binds only tcp://*:PORT)")
+                    help="live endpoint(s), e.g. tcp://10.0.0.5:5557 (binds only tcp://*:PORT), "
+                    "or nats://HOST:PORT: every engine on a JetStream stream (kvwire bridge)")
+    ls.add_argument("--stream", default="KVWIRE", metavar="NAME",
+                    help="nats://: the JetStream stream (default KVWIRE)")
+    ls.add_argument("--subject", default=None, metavar="FILTER",
+                    help="nats://: subject filter (default kvwire.events.>)")
+    ls.add_argument("--durable", default=None, metavar="NAME",
+                    help="nats://: a durable consumer (resumes where it acked)")
     ls.add_argument("--replay", metavar="ENDPOINT", action="append", default=[],
                     help="replay/snapshot endpoint of the i-th live endpoint (repeat; - for none)")
     ls.add_argument("--name", action="append", default=[],
