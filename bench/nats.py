@@ -1,0 +1,533 @@
+"""Benchmark kvwire's NATS JetStream path (issue 12) beside the direct ZeroMQ path, same run.
+
+Processes (2 cores shared by all of them): a reference engine (vLLM's publisher as the spec
+describes it: PUB + replay ROUTER, no epoch, no snapshots), ``kvwire bridge`` (a real
+subprocess), a nats-server started here (JetStream file storage in a temp dir, loopback), a
+consumer (``Subscriber([NatsStreams(url)])``). The direct path is the same engine read by
+``Subscriber([StreamSpec(...)])``. The parent only orchestrates and samples CPU (psutil).
+Batches are the reference engine step of bench/events.py (one 4-block BlockStored of 64
+tokens + one 4-hash BlockRemoved), ``ts`` set right before the send.
+
+* throughput: the engine sends n batches flat out; delivered batches/s = n / (last delivery
+  - first send); CPU per delivered batch of each process over the same window.
+* latency at 1,000 batches/s: consumer wall clock at delivery minus ``batch.ts``.
+* bootstrap: the engine stores 10^6 blocks (1000 batches of 1000), the bridge snapshots the
+  subject into the object store; a new consumer's time to the Snapshot and to the first live
+  Batch after it (the engine trickles 200 batches/s meanwhile).
+* raw nats-py rows: what the client library itself does with the same payload (no kvwire),
+  so the bridge's and consumer's own overhead can be read off.
+
+    .venv/bin/python bench/nats.py            # about 2 minutes
+    .venv/bin/python bench/nats.py --quick    # smaller counts, 200k-block bootstrap
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+HERE = Path(__file__).resolve().parent
+# `python bench/nats.py` puts bench/ first on sys.path, where this file would shadow nats-py.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server the tests use
+
+from kvwire.consume.items import Batch, Snapshot  # noqa: E402
+from kvwire.consume.subscriber import StreamSpec, Subscriber  # noqa: E402
+from kvwire.wire import events as E  # noqa: E402
+
+CTX = mp.get_context("spawn")
+SUBJECT = "kvwire.events.e.0"
+
+
+def step(i: int) -> E.KVEventBatch:
+    base = 4 * i
+    return E.KVEventBatch(
+        time.time(),
+        [E.BlockStored([base + 1, base + 2, base + 3, base + 4], base,
+                       list(range(i % 1000, i % 1000 + 64)), 16, None, "GPU"),
+         E.BlockRemoved([base - 7, base - 6, base - 5, base - 4], "GPU")],
+        0,
+    )
+
+
+# ------------------------------------------------------------------ engine (reference publisher)
+
+
+def engine_main(conn: Any) -> None:
+    """A reference publisher: [topic, seq, payload] on PUB, whole replay answers on ROUTER
+    (``[id, "", topic, seq, payload]``..., then seq -1). Unbounded queues: nothing dropped,
+    so both paths see every batch (we measure transport, not loss handling)."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    rport = router.bind_to_random_port("tcp://127.0.0.1")
+    conn.send((port, rport, os.getpid()))
+    ring: list[bytes] = []  # every payload by seq (a bench-sized run fits in memory)
+    send = pub.send_multipart
+
+    def serve() -> None:
+        while router.poll(0):
+            frames = router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            for s in range(start, len(ring)):
+                router.send_multipart([ident, b"", b"", s.to_bytes(8, "big"), ring[s]])
+            router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    i = 1 << 20
+    while True:
+        if not conn.poll(0.01):
+            serve()
+            continue
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] == "run":  # n reference steps at rate/s (None: flat out)
+            _, n, rate = cmd
+            t0 = time.perf_counter()
+            for k in range(n):
+                if rate and k % 10 == 0:
+                    pause = t0 + k / rate - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)  # pacing the workload
+                if k % 256 == 0:
+                    serve()
+                payload = E.encode_batch(step(i), "vllm")
+                i += 1
+                send([b"", len(ring).to_bytes(8, "big"), payload])
+                ring.append(payload)
+            conn.send(("done", time.perf_counter() - t0))
+        elif cmd[0] == "fill":  # `blocks` live blocks, then 200 small batches/s until told
+            h = 1
+            for _ in range(cmd[1] // 1000):
+                tokens = [t & 255 for t in range(h, h + 16_000)]
+                payload = E.encode_batch(E.KVEventBatch(time.time(), [
+                    E.BlockStored(list(range(h, h + 1000)), None, tokens, 16, None, "GPU")], 0))
+                h += 1000
+                send([b"", len(ring).to_bytes(8, "big"), payload])
+                ring.append(payload)
+                serve()
+            conn.send(("filled", len(ring) - 1))
+            nxt = time.perf_counter()
+            while not conn.poll(0):
+                nxt += 1 / 200
+                time.sleep(max(0.0, nxt - time.perf_counter()))
+                serve()
+                payload = E.encode_batch(E.KVEventBatch(time.time(), [
+                    E.BlockStored([h], h - 1, [1] * 16, 16, None, "GPU")], 0))
+                h += 1
+                send([b"", len(ring).to_bytes(8, "big"), payload])
+                ring.append(payload)
+    pub.close(0)
+    router.close(0)
+    ctx.term()
+
+
+# ------------------------------------------------------------------ consumer
+
+
+def consumer_main(conn: Any, kind: str, target: Any) -> None:
+    """Counts delivered batches on command: ("count", n, latencies?) -> (t_end, lat, info)."""
+    logging.getLogger("kvwire").setLevel(logging.ERROR)
+    if kind == "nats":
+        from kvwire.nats.consumer import NatsStreams
+
+        spec: Any = NatsStreams(target)
+    else:
+        spec = StreamSpec("e", target[0], "", target[1])
+    sub = Subscriber([spec])
+    conn.send(os.getpid())
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        _, n, want_lat = cmd
+        lat: list[float] = []
+        got = 0
+        deadline = time.monotonic() + 300
+        while got < n and time.monotonic() < deadline:
+            for it in sub.poll_many(1.0):
+                if type(it) is Batch:
+                    got += 1
+                    if want_lat:
+                        lat.append(time.time() - it.batch.ts)
+        t_end = time.time()
+        info = str(sub.nats_stats()[0]) if kind == "nats" else ""
+        conn.send((t_end, got, lat, info))
+    sub.close()
+
+
+def bootstrap_main(conn: Any, url: str) -> None:
+    """A new consumer joining: time to its Snapshot and to the first live Batch after it."""
+    from kvwire.nats.consumer import NatsStreams
+
+    logging.getLogger("kvwire").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    t_snap = t_batch = None
+    blocks = 0
+    with Subscriber([NatsStreams(url)]) as sub:
+        while t_batch is None and time.perf_counter() - t0 < 120:
+            for it in sub.poll_many(1.0):
+                if type(it) is Snapshot and t_snap is None:
+                    t_snap, blocks = time.perf_counter() - t0, it.block_count
+                elif type(it) is Batch and t_snap is not None and t_batch is None:
+                    t_batch = time.perf_counter() - t0
+    conn.send((t_snap, t_batch, blocks))
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+class Cpu:
+    """CPU seconds (user + system, children threads included) of processes since start()."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.procs = {k: psutil.Process(p) for k, p in pids.items()}
+        self.t0: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        out = {}
+        for k, p in self.procs.items():
+            c = p.cpu_times()
+            out[k] = c.user + c.system
+        return out
+
+    def start(self) -> None:
+        self.t0 = self._now()
+
+    def per(self, n: int) -> str:
+        now = self._now()
+        parts = [f"{k} {(now[k] - self.t0[k]) / n * 1e6:.1f}" for k in self.procs]
+        total = sum(now[k] - self.t0[k] for k in self.procs) / n * 1e6
+        return f"{' + '.join(parts)} = {total:.1f} us"
+
+
+def spawn(target: Any, *args: Any) -> tuple[Any, Any]:
+    a, b = CTX.Pipe()
+    p = CTX.Process(target=target, args=(b, *args), daemon=True)
+    p.start()
+    b.close()
+    return p, a
+
+
+def recv(conn: Any, timeout: float, what: str) -> Any:
+    if not conn.poll(timeout):
+        raise RuntimeError(f"{what}: no answer in {timeout}s")
+    return conn.recv()
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * p))] * 1e3 if xs else float("nan")
+
+
+class Bridge:
+    """``kvwire bridge`` as a real subprocess, stderr to a log file."""
+
+    def __init__(self, url: str, port: int, rport: int, tmp: Path, *extra: str) -> None:
+        self.log = tmp / f"bridge-{port}.log"
+        env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvwire.cli.bridge", "--nats", url, "--engine",
+                 f"e=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{rport}",
+                 "--log-interval", "0", *extra], stderr=f, env=env)
+        deadline = time.monotonic() + 60
+        while "engines ->" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bridge did not start: {self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[Any]
+              ) -> dict[str, Any]:
+    """One engine, (bridge,) one consumer: warm up, throughput run, latency run."""
+    ep, eng = spawn(engine_main)
+    procs.append(ep)
+    port, rport, epid = recv(eng, 30, "engine")
+    pids = {"engine": epid}
+    bridge = None
+    if kind == "nats":
+        bridge = Bridge(srv.url, port, rport, tmp)
+        pids |= {"bridge": bridge.proc.pid, "nats-server": srv.proc.pid}
+        target: Any = srv.url
+    else:
+        target = (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+    cp, con = spawn(consumer_main, kind, target)
+    procs.append(cp)
+    pids["consumer"] = recv(con, 60, "consumer")
+    try:
+        # warm-up: both ends connected, the bridge's first markers written and read
+        con.send(("count", 500, False))
+        eng.send(("run", 500, 2000))
+        recv(eng, 60, "engine warm-up")
+        recv(con, 120, "consumer warm-up")
+        cpu = Cpu(pids)
+        cpu.start()
+        con.send(("count", n, False))
+        t0 = time.time()
+        eng.send(("run", n, None))
+        _, send_s = recv(eng, 300, "engine run")
+        t_end, got, _, info = recv(con, 330, "consumer run")
+        out = {"rate": got / (t_end - t0), "got": got, "send_rate": n / send_s,
+               "cpu": cpu.per(max(got, 1)), "info": info}
+        cpu.start()
+        con.send(("count", lat_n, True))
+        eng.send(("run", lat_n, 1000))
+        recv(eng, 120, "engine paced run")
+        _, got_l, lat, _ = recv(con, 150, "consumer paced run")
+        out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1))}
+        con.send(("quit",))
+        eng.send(("quit",))
+        cp.join(30)
+        ep.join(30)
+        return out
+    finally:
+        if bridge is not None:
+            bridge.stop()
+
+
+def bootstrap_run(blocks: int, srv: Any, tmp: Path, procs: list[Any]) -> dict[str, Any]:
+    from nats_helpers import NatsServer
+
+    srv2 = NatsServer(tmp / "nats-boot").start()  # its own stream: one subject, one snapshot
+    try:
+        ep, eng = spawn(engine_main)
+        procs.append(ep)
+        port, rport, _ = recv(eng, 30, "engine")
+        bridge = Bridge(srv2.url, port, rport, tmp, "--snapshot-interval", "1")
+        try:
+            t = time.perf_counter()
+            eng.send(("fill", blocks))
+            _, last = recv(eng, 300, "engine fill")
+            snap, took = asyncio.run(wait_snapshot(srv2.url, last, 300))
+            fill = time.perf_counter() - t
+            t_read = asyncio.run(read_once(srv2.url))
+            bp, bc = spawn(bootstrap_main, srv2.url)
+            procs.append(bp)
+            t_snap, t_batch, got = recv(bc, 180, "bootstrap consumer")
+            bp.join(30)
+            eng.send(("stop",))
+            eng.send(("quit",))
+            ep.join(30)
+        finally:
+            bridge.stop()
+    finally:
+        srv2.stop()
+    return {"fill": fill, "snap_blocks": snap.block_count, "snap_wait": took, "read": t_read,
+            "t_snap": t_snap, "t_batch": t_batch, "got": got}
+
+
+async def wait_snapshot(url: str, last_seq: int, timeout: float) -> tuple[Any, float]:
+    """Until the bridge's snapshot object covers the engine's fill (its seq >= last_seq)."""
+    import nats
+
+    from kvwire.nats.snapshots import read_snapshot
+
+    nc = await nats.connect(url)
+    t0 = time.perf_counter()
+    try:
+        while True:
+            snap = await read_snapshot(nc.jetstream(), "e", 0)
+            if snap is not None and snap.seq >= last_seq:
+                return snap, time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"no snapshot covering seq {last_seq} after {timeout}s")
+            await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+
+
+async def read_once(url: str) -> float:
+    import nats
+
+    from kvwire.nats.snapshots import read_snapshot
+
+    nc = await nats.connect(url)
+    try:
+        t0 = time.perf_counter()
+        await read_snapshot(nc.jetstream(), "e", 0)
+        return time.perf_counter() - t0
+    finally:
+        await nc.close()
+
+
+# ------------------------------------------------------------------ raw nats-py rows
+
+
+async def raw_rows(url: str, n: int, srv_pid: int) -> list[tuple[str, str, str]]:
+    """nats-py alone, one JetStream message per reference batch (no kvwire code)."""
+    import nats
+    from nats.js import api
+
+    payload = E.encode_batch(step(1), "vllm")
+    nc = await nats.connect(url, pending_size=64 << 20)
+    js = nc.jetstream()
+    await js.add_stream(name="RAW", subjects=["raw.>"], storage=api.StorageType.FILE)
+    cpu = Cpu({"client": os.getpid(), "nats-server": srv_pid})
+    rows = []
+
+    def row(label: str, t0: float, k: int) -> None:
+        rows.append((label, f"{len(payload)} B msgs",
+                     f"{k / (time.perf_counter() - t0):>9,.0f} msgs/s   CPU/msg {cpu.per(k)}"))
+
+    # pipelined: core publish with a reply inbox per message, PubAcks counted, window 4000
+    inbox = nc.new_inbox()
+    acks = 0
+    done = asyncio.Event()
+    window = asyncio.Semaphore(4000)
+
+    async def on_ack(m: Any) -> None:
+        nonlocal acks
+        acks += 1
+        window.release()
+        if acks == n:
+            done.set()
+
+    sub = await nc.subscribe(inbox + ".*", cb=on_ack)
+    cpu.start()
+    t0 = time.perf_counter()
+    for i in range(n):
+        await window.acquire()
+        await nc.publish("raw.e.0", payload, reply=f"{inbox}.{i}",
+                         headers={"Kvwire-Kind": "batch", "Kvwire-Epoch": "0",
+                                  "Kvwire-Seq": str(i), "Nats-Msg-Id": f"e/0/0/{i}"})
+    await asyncio.wait_for(done.wait(), 120)
+    row("raw nats-py publish, core + reply inbox (PubAck each)", t0, n)
+    await sub.unsubscribe()
+    cpu.start()
+    t0 = time.perf_counter()
+    for _ in range(n // 10):
+        await js.publish("raw.e.1", payload)
+    row("raw nats-py publish, js.publish awaited one by one", t0, n // 10)
+
+    cpu.start()
+    t0 = time.perf_counter()
+    got = 0
+    done = asyncio.Event()
+
+    async def on_msg(m: Any) -> None:
+        nonlocal got
+        got += 1
+        if got == n:
+            done.set()
+
+    osub = await js.subscribe("raw.e.0", stream="RAW", cb=on_msg, ordered_consumer=True)
+    await asyncio.wait_for(done.wait(), 120)
+    row("raw nats-py consume, ordered push consumer, callback", t0, n)
+    await osub.unsubscribe()
+    cpu.start()
+    t0 = time.perf_counter()
+    psub = await js.pull_subscribe("raw.e.0", stream="RAW",
+                                   config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
+    got = 0
+    while got < n:
+        got += len(await psub.fetch(batch=min(1000, n - got), timeout=10))
+    row("raw nats-py consume, pull fetch(batch=1000), AckNone", t0, n)
+    await nc.close()
+    return rows
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> None:
+    from nats_helpers import NatsServer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("-n", type=int, default=None, help="batches per throughput run")
+    ap.add_argument("--blocks", type=int, default=None, help="blocks in the bootstrap snapshot")
+    ap.add_argument("--skip", default="", help="comma list of: raw,bootstrap")
+    args = ap.parse_args()
+    n = args.n or (20_000 if args.quick else 100_000)
+    lat_n = 3000 if args.quick else 10_000
+    blocks = args.blocks or (200_000 if args.quick else 1_000_000)
+    skip = set(filter(None, args.skip.split(",")))
+    rows: list[tuple[str, str, str]] = []
+    procs: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="kvwire-bench-nats-") as d:
+        tmp = Path(d)
+        srv = NatsServer(tmp / "nats").start()
+        try:
+            res = {k: path_runs(k, n, lat_n, srv, tmp, procs) for k in ("direct", "nats")}
+            label = {"direct": "direct ZeroMQ: engine -> Subscriber",
+                     "nats": "engine -> bridge -> JetStream (file) -> Subscriber(NatsStreams)"}
+            for k in ("direct", "nats"):
+                r = res[k]
+                rows.append((f"throughput, {n:,} batches flat out", label[k],
+                             f"{r['rate']:>9,.0f} batches/s ({r['got']:,} delivered; engine "
+                             f"sent at {r['send_rate']:,.0f}/s)   CPU/batch {r['cpu']}"))
+            for k in ("direct", "nats"):
+                r = res[k]
+                lat = r["lat"]
+                rows.append((f"latency @ 1,000 batches/s ({lat_n:,})", label[k],
+                             f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms  "
+                             f"max {max(lat, default=float('nan')) * 1e3:.1f} ms  "
+                             f"({r['lat_got']:,} delivered)   CPU/batch {r['lat_cpu']}"))
+            added = pct(res["nats"]["lat"], 0.99) - pct(res["direct"]["lat"], 0.99)
+            rows.append(("latency @ 1,000 batches/s", "bridge adds (p99 nats - p99 direct)",
+                         f"{added:.2f} ms"))
+            if "bootstrap" not in skip:
+                b = bootstrap_run(blocks, srv, tmp, procs)
+                where = f"bootstrap, {b['snap_blocks']:,} blocks (fill + snapshot {b['fill']:.1f}s)"
+                rows.append((where, "read_snapshot (object store get + decode)",
+                             f"{b['read']:.2f} s"))
+                ts = "n/a" if b["t_snap"] is None else f"{b['t_snap']:.2f} s"
+                tb = "n/a" if b["t_batch"] is None else f"{b['t_batch']:.2f} s"
+                rows.append((where, "new Subscriber(NatsStreams)",
+                             f"to Snapshot {ts} ({b['got']:,} blocks), to first live Batch {tb}"))
+            if "raw" not in skip:
+                rows += asyncio.run(raw_rows(srv.url, n // 2, srv.proc.pid))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            srv.stop()
+    import nats.aio.client
+    from nats_helpers import nats_server_binary
+
+    server_version = subprocess.run([nats_server_binary(), "--version"], capture_output=True,
+                                    text=True).stdout.strip()
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    print(f"kvwire NATS bench ({os.cpu_count()} cpus, python {sys.version.split()[0]}, "
+          f"nats-py {nats.aio.client.__version__}, {server_version}, "
+          f"load average {os.getloadavg()[0]:.1f})")
+    print(f"{'measurement':<{w0}}  {'path':<{w1}}  result")
+    for a, b_, c in rows:
+        print(f"{a:<{w0}}  {b_:<{w1}}  {c}")
+    if "info" in res["nats"]:
+        print(f"\nnats consumer stats after the throughput run: {res['nats']['info']}")
+    print("targets: >= 30,000 batches/s through JetStream; bridge adds <= 5 ms p99 at "
+          "1,000/s; bootstrap of 10^6 blocks <= 3 s")
+
+
+if __name__ == "__main__":
+    main()
