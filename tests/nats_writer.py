@@ -152,6 +152,16 @@ class Writer:
             self.last_js[name] = last
         self.pos[name] = (epoch, seq)
 
+    async def batch(self, engine: str, rank: int, events: list[Any]) -> int:
+        """One given batch continuing the subject; its js seq."""
+        name = S.stream_name(engine, rank)
+        epoch, seq = self.pos[name]
+        batch = KVEventBatch(float(seq + 1), events, rank)
+        self.truth[name].apply(batch)
+        js = await self._pub(engine, rank, "batch", epoch, seq + 1, encode_batch(batch))
+        self.pos[name] = (epoch, seq + 1)
+        return js
+
     async def snapshot_object(self, engine: str, rank: int) -> int:
         """Store the subject's truth as its snapshot object, as of its last message."""
         name = S.stream_name(engine, rank)

@@ -392,3 +392,56 @@ def test_kvwire_listen_nats_in_a_real_process(nats_server: Any) -> None:
     r = subprocess.run(base + ["--durable", "no.dots", "--count", "1"],
                        capture_output=True, text=True, timeout=90)
     assert r.returncode == 2 and "durable consumer name 'no.dots'" in r.stderr, r.stderr
+
+
+def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
+        nats_server: Any) -> None:
+    """``kvwire serve --nats URL`` (a real process): the engines are found on the stream, the
+    index is fed from JetStream, and a prompt goes to the engine whose cache holds it."""
+    import re
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from kvwire.wire.events import BlockStored
+
+    bs = 16
+
+    def toks(seed: int) -> list[int]:
+        return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(8 * bs)]
+
+    async def plan(w: Writer) -> None:
+        for e in ("a", "b"):
+            await w.start(e, 0, epoch=1)
+        await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, toks(1), bs, None)])
+        await w.batch("b", 0, [BlockStored(list(range(200, 208)), None, toks(2), bs, None)])
+
+    run(_write(nats_server.url, plan))
+    p = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
+                          "--port", "0", "--block-size", str(bs)],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None:
+            assert time.monotonic() < deadline and p.poll() is None, "serve did not start"
+            m = re.search(r"2 streams; http://127\.0\.0\.1:(\d+)/", p.stderr.readline())
+            port = int(m.group(1)) if m else None
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            def indexed() -> bool:
+                eng = http.get("/engines").json()
+                return all(sum(eng[e]["ranks"][0]["blocks"].values()) == 8 for e in "ab")
+
+            _wait(indexed, what="both engines indexed from JetStream")
+            for seed, want in ((1, "a"), (2, "b")):
+                r = http.post("/score", json={"token_ids": toks(seed)})
+                assert r.status_code == 200 and r.json()["engine"] == want, r.text
+                assert r.json()["overlap"][want] == 8
+    finally:
+        p.terminate()
+        p.wait(10)
+    r = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
+                        "--stream", "NOPE", "--port", "0"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "cannot read stream NOPE" in r.stderr, r.stderr

@@ -47,10 +47,20 @@ def _nonneg(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", action="append", type=_engine, required=True,
+    p.add_argument("--engine", action="append", type=_engine, default=[],
                    metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
                    help="an engine's KV event endpoint (repeat per engine); ranks=N follows "
                         "DP ranks at port + rank")
+    p.add_argument("--nats", metavar="URL", default=None,
+                   help="feed the index from JetStream (kvwire bridge) instead: router "
+                        "replicas share one ordered history")
+    p.add_argument("--stream", default="KVWIRE", metavar="NAME",
+                   help="--nats: the JetStream stream (default KVWIRE)")
+    p.add_argument("--subject", default=None, metavar="FILTER",
+                   help="--nats: subject filter (default kvwire.events.>)")
+    p.add_argument("--nats-engine", action="append", default=[], metavar="NAME[:RANKS]",
+                   help="--nats: an engine to route to (repeat; default: the engines on the "
+                        "stream at start)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
     p.add_argument("--block-size", type=_positive(int), default=16,
@@ -103,8 +113,16 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        nats = None
+        engines = args.engine
+        if args.nats is not None:
+            from .nats_engines import nats_engines
+
+            nats, engines = nats_engines(args)
+        elif not engines:
+            raise ValueError("give --engine NAME=ENDPOINT (repeat) or --nats URL")
         core = RouterCore(
-            args.engine,
+            engines, nats=nats,
             policy=RoutingPolicy(args.prefill_weight, args.load_weight, args.temperature,
                                  args.seed),
             block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
@@ -113,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             stream_config=StreamConfig(dead_after=args.dead_after),
         )
         core.start()
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return 2
     # The subscriber thread ingests while the event loop answers: a 0.5 ms switch interval

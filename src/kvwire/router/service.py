@@ -177,6 +177,7 @@ class RouterCore:
         lock_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         index: Any = None,
+        nats: Any = None,
     ) -> None:
         if not engines:
             raise ValueError("at least one engine is needed")
@@ -215,6 +216,7 @@ class RouterCore:
         self._by_label = {t.label: t for t in self.targets}
         self._pairs = [(t.stream, t.label) for t in self.targets]
         self.stream_config = stream_config
+        self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
         self.lock = threading.Lock()
         self.alive: dict[str, bool] = {t.stream: False for t in self.targets}
         self.resets: dict[str, int] = dict.fromkeys(self.alive, 0)
@@ -249,7 +251,8 @@ class RouterCore:
 
     def _run(self) -> None:
         try:
-            sub = Subscriber(self.specs, config=self.stream_config)
+            sub = Subscriber([self.nats] if self.nats is not None else self.specs,
+                             config=self.stream_config)
         except BaseException as e:  # bad endpoint etc.: reported by start()
             self._error = e
             self._started.set()
