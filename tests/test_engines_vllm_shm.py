@@ -280,3 +280,45 @@ def test_external_writer_handle_only_on_writer_rank() -> None:
         t.join(60)
     ext.close()
     assert got == {r: [0, 1, 2] for r in range(world)}
+
+
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_cpu_tensors_travel_out_of_band(side: str) -> None:
+    """vLLM's messages carry CPU tensors; with torch imported they go as raw buffers
+    (torch's own pickling costs ~1 ms per tensor), and come out equal and writable."""
+    torch = pytest.importorskip("torch", reason="torch is missing: the tensor path needs it")
+    from kvwire.shm import tensors
+
+    cases = [torch.randn(10), torch.arange(6).reshape(2, 3).t(), torch.tensor(3.5),
+             torch.empty(0, 4), torch.randn(4, dtype=torch.bfloat16),
+             torch.randn(3, dtype=torch.complex64).conj(), torch.randn(2, requires_grad=True),
+             torch.zeros(100_000), {"a": torch.ones(3, dtype=torch.int8), "b": [1, 2]}]
+    if side == "local":
+        w, r = _pair(max_chunk_bytes=1 << 16, max_chunks=4)
+    else:
+        w = MessageQueue(1, 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1")
+        r = MessageQueue.create_from_handle(w.export_handle(), 0, trust_remote_pickle=True)
+        t = threading.Thread(target=r.wait_until_ready, args=(30,))
+        t.start()
+        w.wait_until_ready(timeout=30)
+        t.join()
+    assert w._dumps is tensors.queue_dumps() and w._dumps is not __import__("pickle").dumps
+    bufs: list[Any] = []
+    w._dumps(torch.zeros(1000), 5, buffer_callback=bufs.append)
+    assert len(bufs) == 1 and bufs[0].raw().nbytes == 4000  # out of band, not torch.save
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.extend(r.dequeue(timeout=30) for _ in cases))
+    th.start()
+    for c in cases:
+        w.enqueue(c, timeout=30)
+    th.join(60)
+    assert len(out) == len(cases)
+    for c, o in zip(cases, out, strict=True):
+        if isinstance(c, dict):
+            assert torch.equal(c["a"], o["a"]) and c["b"] == o["b"]
+            continue
+        assert o.dtype == c.dtype and o.shape == c.shape and o.requires_grad == c.requires_grad
+        assert torch.equal(o.detach().resolve_conj(), c.detach().resolve_conj())
+    out[0] += 1  # writable, as vLLM's readers get them
+    r.close()
+    w.close()

@@ -23,6 +23,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from .tensors import queue_dumps
+
 Mode = Literal["copy", "own", "view"]
 _RAW = b"B"  # never a valid pickle (those start with the PROTO opcode 0x80)
 
@@ -47,7 +49,7 @@ class PickleSerializer:
         if type(obj) is bytes and len(obj) >= 4096:
             return [_RAW, obj]
         bufs: list[Any] = []
-        main = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
+        main = queue_dumps()(obj, 5, buffer_callback=bufs.append)  # tensors: tensors.py
         if bufs:
             return [main, *(b.raw() for b in bufs)]
         return [main]

@@ -26,7 +26,6 @@ from ._common import (
     DEFAULT_MAX_CHUNKS,
     KIND_RAW,
     _as_bytes_view,
-    _dumps,
     _local_shutdown_env,
     _mono,
     _ring,
@@ -41,6 +40,7 @@ from .queue import MessageQueue
 from .remote import KIND_MSG, KIND_READY, KIND_SHUTDOWN, RemotePublisher, default_ip
 from .ring import blocking_readers, can_write, min_live_rseq
 from .serializer import Serializer
+from .tensors import queue_dumps
 
 
 class WriterQueue(MessageQueue):
@@ -75,6 +75,7 @@ class WriterQueue(MessageQueue):
         # vLLM 0.33's arena maps large CPU tensors zero-copy; here pickle 5 buffers are
         # written into the ring once and copied out once, so the flag is accepted, unused.
         self.enable_shm_tensor_arena = bool(enable_shm_tensor_arena)
+        self._dumps = queue_dumps()  # CPU tensors out of band once torch is imported
         self.local_shutdown = _local_shutdown_env() if local_shutdown is None else local_shutdown
         self._cbytes = max_chunk_bytes
         self.n_reader = n_reader
@@ -109,7 +110,7 @@ class WriterQueue(MessageQueue):
             self._bind_ring()
             b = self.buffer
             self._ws = (_ring.Writer(b.mm, n_local_reader, b.max_chunk_bytes, self._nchunks,
-                                     b.header_size, b.chunk_stride, _dumps, fence.ASYMMETRIC,
+                                     b.header_size, b.chunk_stride, self._dumps, fence.ASYMMETRIC,
                                      self._spin_s, _RAW_MIN) if _ring else _WState())
         else:
             self._ws = _WState()
@@ -278,7 +279,7 @@ class WriterQueue(MessageQueue):
             # Hot path: pickle, one frame, one chunk, no remote; no syscall unless a
             # reader sleeps. Same steps as _write_frames + _publish, inlined.
             bufs = self._oob
-            main = _dumps(obj, 5, buffer_callback=bufs.append)
+            main = self._dumps(obj, 5, buffer_callback=bufs.append)
             ws = self._ws
             wseq = ws.wseq
             mv, u64, slots, nchunks, cbytes, sleep_w0, mm = hot
@@ -309,7 +310,7 @@ class WriterQueue(MessageQueue):
             self._writer_prologue()
         if self._pickle_fast and (type(obj) is not bytes or len(obj) < _RAW_MIN):
             bufs = self._oob
-            main = _dumps(obj, 5, buffer_callback=bufs.append)
+            main = self._dumps(obj, 5, buffer_callback=bufs.append)
             if bufs:
                 frames: list[Any] | None = [main, *(b.raw() for b in bufs)]
                 bufs.clear()
