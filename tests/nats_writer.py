@@ -87,6 +87,14 @@ class Writer:
         await self.snapshot_marker(engine, rank, epoch, 0, chunks=chunks)
         self.pos[name] = (epoch, 0)
 
+    async def resync(self, engine: str, rank: int, chunks: int = 1,
+                     reason: str = "resync") -> None:
+        """What the bridge writes when its Subscriber resynced (same epoch): a reset marker
+        and a snapshot marker of the current blocks at the current seq."""
+        epoch, seq = self.pos[S.stream_name(engine, rank)]
+        await self._pub(engine, rank, "reset", epoch, seq, b"", {S.H_REASON: reason})
+        await self.snapshot_marker(engine, rank, epoch, seq, chunks=chunks)
+
     async def snapshot_marker(self, engine: str, rank: int, epoch: int, seq: int,
                               chunks: int = 1, exact: bool = True) -> int:
         blocks = [b.as_event() for b in self.truth[S.stream_name(engine, rank)].blocks()]

@@ -72,7 +72,8 @@ def test_chunked_snapshot_marker_and_engine_restart_reach_every_consumer(
     async def plan(w: Writer) -> None:
         await w.start("e", 0, epoch=1)
         await w.batches("e", 0, 40)
-        await w.snapshot_marker("e", 0, 1, 40, chunks=3)  # a re-snapshot mid-run, chunked
+        await w.resync("e", 0, chunks=3)  # a resync mid-run: snapshot marker in 3 chunks
+        await w.snapshot_marker("e", 0, 1, 40)  # a repeat of it: nothing new, skipped
         await w.batches("e", 0, 5)
         await w.start("e", 0, epoch=2, reason="engine restarted")  # new epoch
         await w.batches("e", 0, 10)
@@ -86,11 +87,12 @@ def test_chunked_snapshot_marker_and_engine_restart_reach_every_consumer(
             consume(sub, rb, lambda rb=rb: rb.caught_up(w))
             same(rb, w)
             resets = [i for i in rb.items if type(i) is Reset]
-            assert [r.reason for r in resets] == ["engine start", "engine restarted"]
-            assert resets[1].epoch == 2
+            assert [r.reason for r in resets] == ["engine start", "resync", "engine restarted"]
+            assert resets[2].epoch == 2
             snaps = [i for i in rb.items if type(i) is Snapshot]
             assert [s.seq for s in snaps] == [0, 40, 0] and all(s.exact for s in snaps)
-            assert sub.nats_stats()[0].gaps == 0
+            nst = sub.nats_stats()[0]
+            assert nst.gaps == 0 and nst.duplicates == 1, nst
     finally:
         for sub in subs:
             sub.close()

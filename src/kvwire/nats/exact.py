@@ -199,12 +199,16 @@ class Tracker:
             return self._bad(st.subject, js_seq, f"header {S.H_CHUNK}={raw[:40]!r} is not i/n "
                              "(0 <= i < n)")
         key = (epoch, seq, n, _exact(h))
+        if (st.chunk_key is None and st.started and (epoch, seq) == (st.epoch, st.seq)) or (
+                st.chunk_key == key and i < len(st.chunks)):
+            # A marker for the position already held (a repeat, or the rest of one a resync
+            # went past), or a chunk repeated: nothing new.
+            st.last_js = js_seq
+            self.counts["duplicates"] += 1
+            st.c["duplicates"] += 1
+            return []
         if i == 0:
             st.chunks, st.chunk_key, st.chunk_first_js = [], key, js_seq
-        elif st.chunk_key is None and st.started and (epoch, seq) == (st.epoch, st.seq):
-            st.last_js = js_seq  # the rest of a marker already resynced past: covered
-            self.counts["skipped"] += 1
-            return []
         elif st.chunk_key != key or len(st.chunks) != i:
             st.chunks, st.chunk_key = [], None
             return self._gap(st, js_seq, f"snapshot chunk {i}/{n} without the ones before")
