@@ -73,7 +73,9 @@ def test_chunked_snapshot_marker_and_engine_restart_reach_every_consumer(
         await w.start("e", 0, epoch=1)
         await w.batches("e", 0, 40)
         await w.resync("e", 0, chunks=3)  # a resync mid-run: snapshot marker in 3 chunks
-        await w.snapshot_marker("e", 0, 1, 40)  # a repeat of it: nothing new, skipped
+        # a repeat of its last chunk outside the server's dedupe (no Msg-Id): skipped
+        await w.raw("e", 0, b"\x90", {"Kvwire-Kind": "snapshot", "Kvwire-Epoch": "1",
+                                       "Kvwire-Seq": "40", "Kvwire-Chunk": "2/3"})
         await w.batches("e", 0, 5)
         await w.start("e", 0, epoch=2, reason="engine restarted")  # new epoch
         await w.batches("e", 0, 10)
