@@ -449,3 +449,34 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
                         "--stream", "NOPE", "--port", "0"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "cannot read stream NOPE" in r.stderr, r.stderr
+
+
+def test_asyncio_face_and_bounded_memory(nats_server: Any) -> None:
+    """``async for`` delivers the same items; while the application does not take items,
+    at most ``max_pending`` + one fetch wait in memory (flow control, nothing dropped)."""
+    async def plan(w: Writer) -> None:
+        await w.start("a", 0, epoch=1)
+        await w.batches("a", 0, 3000)
+
+    w = run(_write(nats_server.url, plan))
+    spec = NatsStreams(nats_server.url, max_pending=100, fetch=50)
+
+    async def go() -> tuple[Rebuild, int]:
+        rb = Rebuild()
+        async with Subscriber([spec]) as sub:
+            first = await sub.apoll(30)  # the source is running; now leave it alone
+            rb.apply(first)
+            t0 = time.monotonic()
+            while sub.nats_stats()[0].messages < 100 and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # (an upper bound: slowness cannot make this fail)
+            held = sub.nats_stats()[0].messages
+            async for it in sub:
+                rb.apply(it)
+                if rb.caught_up(w):
+                    break
+        return rb, held
+
+    rb, held = run(go())
+    assert 100 <= held <= 100 + 50 + 1, held
+    same(rb, w)
