@@ -8,6 +8,9 @@ and line. The examples are written for real deployments, so before running them:
 - every ``tcp://HOST:PORT`` becomes ``tcp://127.0.0.1:P`` with a free port P per distinct
   PORT of the file (tests send traffic only to loopback; port 0 stays 0);
 - ``start_exporter(PORT`` gets a free port too;
+- when a file's examples name ``nats://HOST:PORT``, a real nats-server (tests/nats_helpers.py,
+  JetStream file storage in the scratch directory) is started for that file and every
+  ``nats://HOST:PORT`` points at it;
 - ``/etc/kvwire/`` becomes a scratch directory, and the ``kvwire keys ...`` lines of the
   file's ```sh blocks run first (so CurveZMQ examples find their key files);
 - a block right after ``<!-- no-run: reason -->`` is skipped (keep these rare; the reason
@@ -77,10 +80,12 @@ class Localize:
 
     TCP = re.compile(r"tcp://[A-Za-z0-9.*_-]+:(\d+)")
     EXPORTER = re.compile(r"start_exporter\((\d+)")
+    NATS = re.compile(r"nats://[A-Za-z0-9._-]+:\d+")
 
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self.ports: dict[str, int] = {}
+        self.nats_url: str | None = None
 
     def _port(self, port: str) -> int:
         if port == "0":
@@ -92,6 +97,8 @@ class Localize:
     def __call__(self, code: str) -> str:
         code = self.TCP.sub(lambda m: f"tcp://127.0.0.1:{self._port(m[1])}", code)
         code = self.EXPORTER.sub(lambda m: f"start_exporter({self._port(m[1])}", code)
+        if self.nats_url is not None:
+            code = self.NATS.sub(self.nats_url, code)
         return code.replace("/etc/kvwire/", f"{self.scratch}/")
 
 
@@ -119,13 +126,24 @@ def _run_file(md: Path, scratch: Path) -> tuple[list[Block], subprocess.Complete
                     argv = shlex.split(local(line), comments=True)[1:]
                     subprocess.run([sys.executable, "-m", "kvwire", *argv], check=True,
                                    timeout=60, capture_output=True)
-    runnable = [{"file": str(md), "line": b.line, "code": local(b.code)}
-                for b in found if b.lang == "python" and b.no_run is None]
-    (scratch / "blocks.json").write_text(json.dumps(runnable))
-    (scratch / "runner.py").write_text(RUNNER)
-    r = subprocess.run([sys.executable, str(scratch / "runner.py"), str(scratch / "blocks.json")],
-                       capture_output=True, text=True, timeout=TIMEOUT, cwd=scratch,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    srv = None
+    if any("nats://" in b.code for b in found if b.lang == "python" and b.no_run is None):
+        pytest.importorskip("nats")
+        from nats_helpers import NatsServer
+
+        srv = NatsServer(scratch / "nats").start()
+        local.nats_url = srv.url
+    try:
+        runnable = [{"file": str(md), "line": b.line, "code": local(b.code)}
+                    for b in found if b.lang == "python" and b.no_run is None]
+        (scratch / "blocks.json").write_text(json.dumps(runnable))
+        (scratch / "runner.py").write_text(RUNNER)
+        r = subprocess.run([sys.executable, str(scratch / "runner.py"),
+                            str(scratch / "blocks.json")], capture_output=True, text=True,
+                           timeout=TIMEOUT, cwd=scratch, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    finally:
+        if srv is not None:
+            srv.stop()
     return found, r
 
 
@@ -153,8 +171,10 @@ def test_block_parser_and_localizer(tmp_path: Path) -> None:
         ("python", 3, "x = 1", None), ("python", 9, "gpu()", "needs a GPU"),
         ("sh", 12, "kvwire keys /etc/kvwire/a b", None)]
     local = Localize(tmp_path)
+    local.nats_url = "nats://127.0.0.1:4999"
     code = local('a("tcp://10.0.0.5:5557", "tcp://*:5557", "tcp://h:5558", "tcp://*:0"); '
-                 'start_exporter(9400); open("/etc/kvwire/x")')
+                 'start_exporter(9400); open("/etc/kvwire/x"); n("nats://nats.internal:4222")')
     p1, p2, p3 = local.ports["5557"], local.ports["5558"], local.ports["9400"]
     assert code == (f'a("tcp://127.0.0.1:{p1}", "tcp://127.0.0.1:{p1}", '
-                    f'"tcp://127.0.0.1:{p2}", "tcp://127.0.0.1:0"); start_exporter({p3}); open("{tmp_path}/x")')
+                    f'"tcp://127.0.0.1:{p2}", "tcp://127.0.0.1:0"); start_exporter({p3}); open("{tmp_path}/x"); '
+                    'n("nats://127.0.0.1:4999")')
