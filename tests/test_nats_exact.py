@@ -143,3 +143,20 @@ def test_every_loss_of_a_batch_is_seen(ops: list[tuple[str, int]], data: Any) ->
         elif hd[S.H_KIND] == "batch" and out:
             assert not lost_since_marker, "a batch was delivered over a lost one"
         apply(out, state)
+
+
+def test_reference_publisher_bootstrap_at_seq_minus_one() -> None:
+    """A reference publisher's stream starts inexact before seq 0: markers at seq -1, then
+    batches 0, 1, ...: continuous, no gap, one inexact Snapshot."""
+    t = Tracker()
+    hd = {S.H_EPOCH: "0", S.H_SEQ: "-1"}
+    out = t.feed(SUBJ, 1, {**hd, S.H_KIND: "reset", S.H_REASON: "bootstrap"}, b"")
+    out += t.feed(SUBJ, 2, {**hd, S.H_KIND: "snapshot", S.H_CHUNK: "0/1", "Kvwire-Exact": "0"},
+                  b"\x90")  # type: ignore[operator]
+    for seq in range(3):
+        b = KVEventBatch(0.0, [BlockStored([seq + 1], None, [1, 2], 2, None)], 0)
+        out += t.feed(SUBJ, 3 + seq, {S.H_KIND: "batch", S.H_EPOCH: "0", S.H_SEQ: str(seq)},
+                      encode_batch(b))  # type: ignore[operator]
+    assert [type(i).__name__ for i in out] == ["Reset", "Snapshot", "Batch", "Batch", "Batch"]
+    assert out[1].seq == -1 and not out[1].exact  # type: ignore[union-attr]
+    assert t.counts["gaps"] == 0 and t.counts["bad_messages"] == 0 and t.counts["inexact"] == 1

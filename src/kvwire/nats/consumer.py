@@ -100,6 +100,13 @@ class NatsStats(msgspec.Struct, frozen=True):
     last_error: str | None
 
 
+def _num(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
 def _hdrs(msg: Any) -> dict[str, str]:
     return dict(msg.headers) if msg.headers else {}
 
@@ -400,8 +407,8 @@ class NatsSource:
         if snap is not None and snap.js_seq >= gap.js_seq:
             return self.tracker.bootstrap(gap.subject, snap.js_seq, snap.epoch, snap.seq,
                                           snap.blocks, snap.exact, reason + "; resync")
-        epoch = int(h[S.H_EPOCH]) if h.get(S.H_EPOCH, "").isdigit() else None
-        seq = int(h[S.H_SEQ]) if h.get(S.H_SEQ, "").isdigit() else 0
+        epoch = _num(h.get(S.H_EPOCH))
+        seq = _num(h.get(S.H_SEQ)) or 0
         kind = h.get(S.H_KIND)
         if snap is not None and kind == "batch" and (epoch, seq) == (snap.epoch, snap.seq + 1):
             # An older snapshot still continues here (nothing of this subject in between).

@@ -75,7 +75,7 @@ def decode_snapshot_body(data: bytes, decoder: BatchDecoder | None = None) -> li
     return [e for e in batch.events if type(e) is BlockStored]
 
 
-def _int(headers: dict[str, str], name: str) -> int:
+def _int(headers: dict[str, str], name: str, lo: int = 0) -> int:
     v = headers.get(name)
     if v is None:
         raise ValueError(f"missing header {name}")
@@ -83,8 +83,8 @@ def _int(headers: dict[str, str], name: str) -> int:
         n = int(v)
     except ValueError:
         raise ValueError(f"header {name}={v[:40]!r} is not an integer") from None
-    if n < 0:
-        raise ValueError(f"header {name}={n} is negative")
+    if n < lo:
+        raise ValueError(f"header {name}={n} is below {lo}")
     return n
 
 
@@ -133,7 +133,7 @@ class Tracker:
             if kind not in S.KINDS:
                 raise ValueError(f"header {S.H_KIND}={kind!r} is not one of {S.KINDS}")
             epoch = _int(h, S.H_EPOCH)
-            seq = _int(h, S.H_SEQ)
+            seq = _int(h, S.H_SEQ, -1)
         except ValueError as e:
             return self._bad(subject, js_seq, str(e))
         if js_seq <= st.skip_upto or js_seq <= st.last_js:
@@ -281,7 +281,7 @@ class Tracker:
         h = headers or {}
         kind = h.get(S.H_KIND)
         try:
-            epoch, seq = _int(h, S.H_EPOCH), _int(h, S.H_SEQ)
+            epoch, seq = _int(h, S.H_EPOCH), _int(h, S.H_SEQ, -1)
         except ValueError:
             return  # a bad message: the first good one after it will be judged on its own
         st.started = True
