@@ -108,7 +108,18 @@ def _num(text: str | None) -> int | None:
 
 
 def _hdrs(msg: Any) -> dict[str, str]:
-    return dict(msg.headers) if msg.headers else {}
+    return msg.headers or {}
+
+
+def _stream_seq(reply: str) -> int:
+    """The stream sequence in a JetStream ack subject: ``$JS.ACK.<stream>.<consumer>.
+    <delivered>.<sseq>...`` (9 tokens) or with domain and account hash (12+ tokens)."""
+    t = reply.split(".")
+    return int(t[5] if len(t) == 9 else t[7])
+
+
+#: A pull request's lifetime: the server ends it with a 408 status after this long.
+_EXPIRES_NS = 1_000_000_000
 
 
 class NatsSource:
@@ -138,6 +149,11 @@ class NatsSource:
         self.c = dict.fromkeys(("reconnects", "repositions", "acked", "unverified_resumes"), 0)
         self.last_error: str | None = None
         self._lost = False
+        self._msgs: deque[Any] = deque()
+        self._arrived = asyncio.Event()
+        self._want = 0  # messages asked for and not yet arrived (or ended by a status)
+        self._asked = 0.0
+        self._inbox = ""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -254,11 +270,31 @@ class NatsSource:
         if n == 0 and not self.c["unverified_resumes"]:
             log.info("durable %s: no message at or below ack floor %d", self.consumer, ack_floor)
 
-    async def _setup(self, put: Callable[[list[Entry]], Awaitable[None]]) -> None:
+    def _config(self, start: int) -> Any:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        spec = self.spec
+        cfg = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(start, 1),
+            filter_subject=spec.filter, max_ack_pending=-1)
+        if spec.durable is not None:
+            cfg.name = cfg.durable_name = spec.durable
+            cfg.ack_policy, cfg.ack_wait = AckPolicy.ALL, spec.ack_wait
+            cfg.max_ack_pending = spec.max_pending + 2 * spec.fetch
+        else:
+            cfg.ack_policy, cfg.inactive_threshold, cfg.mem_storage = AckPolicy.NONE, 120.0, True
+        return cfg
+
+    async def _create(self, start: int) -> None:
+        info = await self.js.add_consumer(self.spec.stream, config=self._config(start))
+        self.consumer = info.name
+        self._want = 0
+
+    async def _setup(self, put: Callable[[list[Entry]], Awaitable[None]]) -> None:
         from nats.js.errors import NotFoundError
 
         spec = self.spec
+        await self._open_inbox()
         if spec.durable is not None:
             try:
                 info = await self.js.consumer_info(spec.stream, spec.durable)
@@ -275,25 +311,31 @@ class NatsSource:
                 self.next_js = floor + 1
                 await self.js.reset_consumer(spec.stream, spec.durable, seq=floor + 1)
                 await self._resume(floor)
-                self.psub = await self.js.pull_subscribe_bind(
-                    durable=spec.durable, stream=spec.stream)
+                self.consumer = spec.durable
                 return
         start = await self._bootstrap(put)
         self.next_js = start
-        cfg = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
-            filter_subject=spec.filter, max_ack_pending=-1)
-        if spec.durable is not None:
-            cfg.ack_policy = AckPolicy.ALL
-            cfg.ack_wait = spec.ack_wait
-            cfg.max_ack_pending = spec.max_pending + spec.fetch
-        else:
-            cfg.ack_policy = AckPolicy.NONE
-            cfg.inactive_threshold = 120.0
-            cfg.mem_storage = True
-        self.psub = await self.js.pull_subscribe(spec.filter, durable=spec.durable,
-                                                 stream=spec.stream, config=cfg)
-        self.consumer = self.psub._consumer
+        await self._create(start)
+
+    async def _open_inbox(self) -> None:
+        """One inbox receives every pull request's messages; the callback only queues them."""
+        self._inbox = self.nc.new_inbox()
+        msgs, arrived = self._msgs, self._arrived
+
+        async def on_msg(m: Any) -> None:
+            msgs.append(m)
+            arrived.set()
+
+        self.psub = await self.nc.subscribe(self._inbox, cb=on_msg, pending_msgs_limit=-1,
+                                            pending_bytes_limit=-1)
+
+    async def _pull(self) -> None:
+        """Ask for the next ``fetch`` messages (they arrive in stream order on the inbox)."""
+        req = json.dumps({"batch": self.spec.fetch, "expires": _EXPIRES_NS}).encode()
+        await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.consumer}",
+                              req, reply=self._inbox)
+        self._want += self.spec.fetch
+        self._asked = time.monotonic()
 
     async def _reposition(self, why: str) -> None:
         """After an error: make the consumer deliver from the next sequence we need."""
@@ -303,6 +345,7 @@ class NatsSource:
         self.last_error = f"repositioning consumer: {why}"
         log.warning("%s", self.last_error)
         seq = self.acked_js + 1 if self.spec.durable else self.next_js
+        self._want = 0  # requests made before are void
         try:
             # (asked first: CONSUMER.RESET of a missing consumer times out, no 404, on 2.15)
             await self.js.consumer_info(self.spec.stream, self.consumer)
@@ -310,31 +353,15 @@ class NatsSource:
             return
         except NotFoundError:
             pass
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
         # The consumer is gone (an ephemeral after a server restart, or deleted): re-create
         # it at that sequence. Messages already seen are skipped by the tracker.
-        cfg = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(seq, 1),
-            filter_subject=self.spec.filter, max_ack_pending=-1)
-        if self.spec.durable is not None:
-            cfg.ack_policy, cfg.ack_wait = AckPolicy.ALL, self.spec.ack_wait
-            cfg.max_ack_pending = self.spec.max_pending + self.spec.fetch
-        else:
-            cfg.ack_policy, cfg.inactive_threshold, cfg.mem_storage = AckPolicy.NONE, 120.0, True
-        with contextlib.suppress(Exception):
-            await self.psub.unsubscribe()
-        self.psub = await self.js.pull_subscribe(self.spec.filter, durable=self.spec.durable,
-                                                 stream=self.spec.stream, config=cfg)
-        self.consumer = self.psub._consumer
+        await self._create(seq)
 
     # ------------------------------------------------------------------ main loop
 
     async def run(self, put: Callable[[list[Entry]], Awaitable[None]],
                   room: Callable[[], bool], wait_room: Callable[[], Awaitable[None]]) -> None:
-        """Consume until :meth:`stop`. ``room()`` says whether to fetch more now."""
-        from nats.errors import TimeoutError as NatsTimeout
-
+        """Consume until :meth:`stop`. ``room()`` says whether to ask for more now."""
         await self._connect()
         while not self._stop.is_set():
             try:
@@ -344,6 +371,8 @@ class NatsSource:
                 self.last_error = f"cannot set up consumer on {self.spec.stream}: {e}"
                 log.warning("%s", self.last_error)
                 await asyncio.sleep(0.5)
+        msgs, arrived = self._msgs, self._arrived
+        half = max(1, self.spec.fetch // 2)
         while not self._stop.is_set():
             if self._lost:
                 self._lost = False
@@ -356,28 +385,38 @@ class NatsSource:
                     await asyncio.sleep(0.25)
                     continue
             await self._ack()
-            if not room():
-                await wait_room()
+            if self._want < half and self.connected:
+                if room():
+                    try:
+                        await self._pull()
+                    except Exception as e:  # noqa: BLE001 - disconnected: the flag follows
+                        self.last_error = f"pull request failed: {e}"
+                elif not msgs:
+                    await wait_room()
+                    continue
+            if not msgs:
+                arrived.clear()
+                try:
+                    await asyncio.wait_for(arrived.wait(), 0.25)
+                except asyncio.TimeoutError:
+                    if self._want and time.monotonic() - self._asked > _EXPIRES_NS / 1e9 + 2:
+                        self._want = 0  # the request's end was lost (a reconnect): ask again
                 continue
-            try:
-                msgs = await self.psub.fetch(self.spec.fetch, timeout=0.25)
-            except (NatsTimeout, asyncio.TimeoutError):
-                continue
-            except Exception as e:  # noqa: BLE001 - consumer lost, server restart, ...
-                if self._stop.is_set():
-                    break
-                self.last_error = f"fetch failed: {type(e).__name__}: {e}"
-                log.warning("%s", self.last_error)
-                self._lost = True
-                await asyncio.sleep(0.25)
-                continue
-            await put(await self._process(msgs))
+            batch = list(msgs)
+            msgs.clear()
+            entries = await self._process(batch)
+            if entries:
+                await put(entries)
 
     async def _process(self, msgs: list[Any]) -> list[Entry]:
         out: list[Entry] = []
         tracker = self.tracker
         for m in msgs:
-            js_seq = m.metadata.sequence.stream
+            if not m.reply:  # a status: the end of a request, or the consumer is gone
+                self._status(m)
+                continue
+            self._want -= 1
+            js_seq = _stream_seq(m.reply)
             if js_seq < self.next_js and self.spec.durable is None:
                 continue  # delivered again after a reposition
             res = tracker.feed(m.subject, js_seq, _hdrs(m), m.data)
@@ -396,6 +435,15 @@ class NatsSource:
                 out.append((None, ack))
             self.next_js = max(self.next_js, js_seq + 1)
         return out
+
+    def _status(self, m: Any) -> None:
+        h = m.headers or {}
+        code = h.get("Status", "")
+        if code in ("408", "404", "409"):
+            left = _num(h.get("Nats-Pending-Messages"))
+            self._want = max(0, self._want - left) if left is not None else 0
+        if code == "409" and "deleted" in str(h.get("Description", "")).lower():
+            self._lost = True  # consumer deleted under us: re-create it where we are
 
     async def _resync(self, gap: Gap, m: Any) -> list[Delivery]:
         """A gap on one subject: its snapshot object if it reaches this far, else inexact."""
