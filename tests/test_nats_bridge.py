@@ -281,3 +281,45 @@ def test_share_mode_one_bridge_per_engine_and_takeover(nats_server, tmp_path, en
         log = subject_log(nats_server.url, f"kvwire.events.{name}.0")
         assert len(log.markers) == 1, log.markers
         assert log.cache.as_dict() == d.truth
+
+
+async def _make_stream(url: str, name: str, subjects: list[str]) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().add_stream(name=name, subjects=subjects)
+    finally:
+        await nc.close()
+
+
+def test_bad_config_clear_errors(nats_server, capsys):
+    """Each bad setting: exit 2 and one line naming it, no traceback."""
+    from nats_helpers import free_port
+
+    from kvwire.cli.main import main
+
+    eng = "e=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
+    url = nats_server.url
+
+    def run(*argv: str) -> str:
+        rc = main(["bridge", "--nats", url, "--log-interval", "0", *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and "Traceback" not in err, err
+        return err
+
+    assert "duplicate_window (60s) cannot exceed max_age (30s)" in run(
+        "--engine", eng, "--max-age", "30", "--duplicate-window", "60")
+    assert "'a.b' cannot be a NATS subject token" in run(
+        "--engine", "a.b=tcp://127.0.0.1:5557")
+    assert "below 1 MiB" in run("--engine", eng, "--max-bytes", "1000")
+    assert "stream name 'X.Y'" in run("--engine", eng, "--stream", "X.Y")
+    asyncio.run(_make_stream(url, "OTHER", ["other.>"]))
+    assert "exists with subjects ['other.>']" in run("--engine", eng, "--stream", "OTHER")
+    asyncio.run(_make_stream(url, "TAKEN", ["kvwire.events.>"]))
+    assert "JetStream refused stream KVWIRE" in run("--engine", eng)  # subjects overlap
+    url = f"nats://127.0.0.1:{free_port()}"
+    assert "cannot connect to NATS" in run("--engine", eng, "--connect-timeout", "1")
+    with pytest.raises(SystemExit):
+        main(["bridge", "--nats", url, "--engine", eng, "--max-age", "-5"])
+    assert "must be a finite number > 0" in capsys.readouterr().err

@@ -80,6 +80,7 @@ class BridgeConfig:
     ack_timeout: float = 5.0
     log_interval: float = 10.0  # seconds between one-line stat logs; 0: none
     skip_timeout: float = 10.0  # reference run check: longest wait to reach the subject's seq
+    connect_timeout: float = 10.0  # first connection only; later ones are retried forever
     stream_config: StreamConfig = field(default_factory=StreamConfig)
 
     def check(self) -> None:
@@ -111,7 +112,8 @@ class BridgeConfig:
         if not self.snapshot_interval >= 0:
             raise bad(f"snapshot_interval must be >= 0, got {self.snapshot_interval!r}")
         for name, v in (("lease_ttl", self.lease_ttl), ("ack_timeout", self.ack_timeout),
-                        ("skip_timeout", self.skip_timeout)):
+                        ("skip_timeout", self.skip_timeout),
+                        ("connect_timeout", self.connect_timeout)):
             if not v > 0:
                 raise bad(f"{name} must be > 0 seconds, got {v!r}")
         if self.max_inflight < 1:
@@ -240,14 +242,16 @@ class Bridge:
         async def on_reconnect() -> None:
             log.warning("reconnected to NATS")
 
-        try:
-            self.nc = await nats.connect(
+        try:  # (nats-py retries a first connect forever with max_reconnect_attempts=-1)
+            self.nc = await asyncio.wait_for(nats.connect(
                 servers=cfg.nats, name="kvwire-bridge", max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25, connect_timeout=2, error_cb=on_error,
                 disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                pending_size=64 << 20)
+                pending_size=64 << 20), cfg.connect_timeout)
         except Exception as e:
-            raise BridgeError(f"cannot connect to NATS at {cfg.nats}: {e!r}") from None
+            why = f"no answer in {cfg.connect_timeout:g}s" if isinstance(
+                e, asyncio.TimeoutError) else repr(e)
+            raise BridgeError(f"cannot connect to NATS at {cfg.nats}: {why}") from None
         self.js = self.nc.jetstream(timeout=5)
         await ensure_stream(self.js, cfg)
         self.writer = JsWriter(self.nc, self.js, cfg.stream, max_inflight=cfg.max_inflight,
