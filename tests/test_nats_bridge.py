@@ -8,14 +8,29 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 pytest.importorskip("nats")
 
 from bridge_helpers import BridgeProc, subject_log, wait_subject_seq  # noqa: E402
 from fault_helpers import Engine  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
+from kvwire.consume.cache import BlockCache  # noqa: E402
+from kvwire.consume.replies import InfoReply  # noqa: E402
+from kvwire.consume.stream import (  # noqa: E402
+    Batch,
+    SendInfo,
+    SendReplay,
+    SendSnapshot,
+    StreamMachine,
+)
 from kvwire.nats.snapshots import read_snapshot  # noqa: E402
+from kvwire.nats.subjects import msg_id  # noqa: E402
+from kvwire.nats.writer import Lane, marker_entries  # noqa: E402
+from kvwire.wire.events import BlockStored, KVEventBatch, encode_batch  # noqa: E402
 
 K, R = "kvwire.events.k.0", "kvwire.events.r.0"
 
@@ -323,3 +338,57 @@ def test_bad_config_clear_errors(nats_server, capsys):
     with pytest.raises(SystemExit):
         main(["bridge", "--nats", url, "--engine", eng, "--max-age", "-5"])
     assert "must be a finite number > 0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- pure parts
+
+_blocks = st.lists(st.integers(1, 40), min_size=0, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=_blocks, limit=st.integers(1500, 20_000), exact=st.booleans())
+def test_marker_chunks_round_trip(sizes, limit, exact):
+    """Snapshot markers: a reset, then chunks 0..n-1 each under the size limit (a chain too
+    big is split), whose events rebuild exactly the state given."""
+    events, h = [], 1
+    for n in sizes:
+        events.append(BlockStored(list(range(h, h + n)), h - 1 if h > 1 else None,
+                                  list(range(n * 4)), 4, None))
+        h += n
+    lane = Lane("kvwire.events.e.0", "e", 0)
+    out = marker_entries(lane, 7, 41, events, exact, "why\r\nnot", limit + 4096)
+    assert out[0].kind == "reset" and out[0].headers["Kvwire-Reason"] == "why not"
+    chunks = out[1:]
+    assert [c.headers["Kvwire-Chunk"] for c in chunks] == \
+        [f"{i}/{len(chunks)}" for i in range(len(chunks))]
+    want, got = BlockCache(), BlockCache()
+    want.apply_events(events)
+    dec = msgspec.msgpack.Decoder(list[BlockStored])
+    for c in chunks:
+        assert len(c.payload) <= limit
+        i = int(c.headers["Kvwire-Chunk"].split("/")[0])
+        assert c.headers["Nats-Msg-Id"] == msg_id("e", 0, 7, 41, "snapshot", i)
+        assert ("Kvwire-Exact" in c.headers) == (not exact)
+        got.apply_events(dec.decode(c.payload))
+    assert got.as_dict() == want.as_dict()
+
+
+def _payload() -> bytes:
+    return encode_batch(KVEventBatch(0.0, [], None))
+
+
+def test_stream_machine_resume_after():
+    """The bridge's restart: a publisher still running epoch 7 and holding seq 11 is asked
+    for a replay from 11 and batches 11.. come without Reset/Snapshot; another epoch, or
+    11 no longer buffered, bootstraps as usual (snapshot)."""
+    m = StreamMachine("s", resume_after=(7, 10))
+    assert isinstance(m.start(0.0)[0], SendInfo)
+    out = m.info(InfoReply(epoch=7, seq=12, oldest=5, snapshot=True), 0.1)
+    assert [type(o) for o in out] == [SendReplay] and out[0].start == 11
+    got = [o for s in (11, 12) for o in m.replay(s, _payload(), 0.2)]
+    assert [(type(o), o.seq, o.epoch) for o in got] == [(Batch, 11, 7), (Batch, 12, 7)]
+    for info in (InfoReply(epoch=8, seq=12, oldest=5, snapshot=True),
+                 InfoReply(epoch=7, seq=30, oldest=12, snapshot=True)):
+        m = StreamMachine("s", resume_after=(7, 10))
+        m.start(0.0)
+        assert [type(o) for o in m.info(info, 0.1)] == [SendSnapshot]
