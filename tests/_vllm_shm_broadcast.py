@@ -37,6 +37,9 @@ WORLD = 4
 WRITER = 2
 CHUNK = 40 * 1024
 NCHUNKS = 2
+# Benchmark mode (not used by the tests): "kvwire" or "vllm" (no swap: vLLM's own queue);
+# no sleeps, and only the broadcast phase.
+BENCH = os.environ.get("KVWIRE_VLLM_SHM_BENCH", "")
 
 
 def free_port() -> int:
@@ -87,7 +90,8 @@ def broadcast(mq: Any, rank: int, n: int, seed: int) -> int:
             if not np.array_equal(x, y):
                 raise AssertionError(f"rank {rank}: message {count} differs")
         count += 1
-        time.sleep(rnd.random() / 1000)
+        if not BENCH:
+            time.sleep(rnd.random() / 1000)
     return count
 
 
@@ -195,7 +199,7 @@ def worker(rank: int, port: int, port2: int, n: int, results: Any) -> None:
 
         import kvwire.shm
 
-        via = switch_on()
+        via = "none (benchmark of vLLM's queue)" if BENCH == "vllm" else switch_on()
         res: dict[str, Any] = {"rank": rank, "via": via, "pid": os.getpid(),
                                "class": f"{sb.MessageQueue.__module__}.{sb.MessageQueue.__qualname__}",
                                "is_kvwire": sb.MessageQueue is kvwire.shm.MessageQueue}
@@ -209,7 +213,7 @@ def worker(rank: int, port: int, port2: int, n: int, results: Any) -> None:
             mq = queues[name] = sb.MessageQueue.create_from_process_group(pg, CHUNK, NCHUNKS,
                                                                            WRITER)
             res[f"{name}_queue_is_kvwire"] = isinstance(mq, kvwire.shm.MessageQueue)
-            res[f"{name}_native"] = mq.native
+            res[f"{name}_native"] = getattr(mq, "native", None)
             seed = [random.randint(0, 1000) if rank == WRITER else None]
             dist.broadcast_object_list(seed, WRITER)
             seeds[name] = seed[0]
@@ -236,6 +240,9 @@ def worker(rank: int, port: int, port2: int, n: int, results: Any) -> None:
             raise AssertionError("\n".join(errors))
         stateless.barrier()
         dist.barrier()
+        if BENCH:
+            results.put(res)
+            return
         for mq in queues.values():
             mq.close()
         res.update(subgroup(sb, rank))
