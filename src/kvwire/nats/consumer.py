@@ -19,7 +19,8 @@ snapshot object: Reset + Snapshot, and the subject's messages up to the snapshot
 Flow control: messages are fetched only while fewer than ``max_pending`` items wait for the
 application. The NATS client reconnects by itself; after any consumer error the consumer is
 repositioned (reset to the next sequence needed, or re-created), never silently skipped.
-:class:`NatsLink` runs a source on a background thread for :class:`Subscriber`.
+:class:`kvwire.nats.link.NatsLink` runs a source on a background thread for
+:class:`~kvwire.consume.Subscriber`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -73,8 +73,11 @@ class NatsStreams(msgspec.Struct, frozen=True):
     def filter(self) -> str:
         return self.subject or f"{self.prefix}.>"
 
-    def open_link(self, ctx: Any) -> NatsLink:
-        """Start the background thread feeding a Subscriber (wakes it through ``ctx``)."""
+    def open_link(self, ctx: Any) -> Any:
+        """Start the background thread feeding a Subscriber (wakes it through ``ctx``):
+        a :class:`kvwire.nats.link.NatsLink`."""
+        from .link import NatsLink
+
         return NatsLink(self, ctx)
 
 
@@ -521,147 +524,3 @@ async def _discover(url: str, stream: str, subject: str, prefix: str) -> list[tu
 def discover(spec: NatsStreams) -> list[tuple[str, int]]:
     """``(engine, rank)`` of every subject the stream holds now (for ``kvwire serve``)."""
     return asyncio.run(_discover(spec.url, spec.stream, spec.filter, spec.prefix))
-
-
-class NatsLink:
-    """A :class:`NatsSource` on a background thread, feeding a Subscriber: a bounded deque
-    of entries plus an inproc PAIR socket whose readability wakes the Subscriber's poller."""
-
-    def __init__(self, spec: NatsStreams, ctx: Any) -> None:
-        import zmq
-
-        self.spec = spec
-        self.source = NatsSource(spec)
-        self.entries: deque[Entry] = deque()
-        self.lock = threading.Lock()
-        addr = f"inproc://kvwire-nats-{id(self):x}-{time.monotonic_ns()}"
-        self.socket = ctx.socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(addr)
-        self._tx = ctx.socket(zmq.PAIR)
-        self._tx.setsockopt(zmq.LINGER, 0)
-        self._tx.setsockopt(zmq.SNDHWM, 1)
-        self._tx.connect(addr)
-        self._zmq = zmq
-        self._handed: deque[tuple[int, int]] = deque()  # (ready index, ack js seq)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._room: asyncio.Event | None = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="kvwire-nats", daemon=True)
-        self._thread.start()
-        self._started.wait(5)
-
-    # ---------------------------------------------------------------- background thread
-
-    def _main(self) -> None:
-        asyncio.run(self._amain())
-
-    async def _amain(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._room = asyncio.Event()
-        self._started.set()
-        src = self.source
-        limit = self.spec.max_pending
-
-        async def put(entries: list[Entry]) -> None:
-            if not entries:
-                return
-            with self.lock:
-                self.entries.extend(entries)
-            with contextlib.suppress(self._zmq.Again):
-                self._tx.send(b"", self._zmq.NOBLOCK)
-
-        def room() -> bool:
-            return len(self.entries) < limit
-
-        async def wait_room() -> None:
-            self._room.clear()
-            if not room():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), 0.25)
-
-        try:
-            await src.run(put, room, wait_room)
-        except Exception as e:  # pragma: no cover - logged; stats show it
-            src.last_error = f"consumer thread failed: {e}"
-            log.exception("nats consumer thread failed")
-        finally:
-            with contextlib.suppress(Exception):
-                await src._ack()
-            await src.close()
-
-    # ---------------------------------------------------------------- subscriber side
-
-    def drain(self, ready: deque[Delivery], popped: int) -> None:
-        """Move waiting items into the Subscriber's ready queue (the wake bytes go too)."""
-        zmq = self._zmq
-        while True:
-            try:
-                self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        with self.lock:  # all of them: the source holds at most max_pending + fetch
-            entries, self.entries = self.entries, deque()
-        if not entries:
-            return
-        handed = self._handed
-        append = ready.append
-        for item, ack in entries:
-            if item is not None:
-                append(item)
-            handed.append((popped + len(ready), ack))
-        if self._loop is not None and self._room is not None:
-            self._loop.call_soon_threadsafe(self._room.set)
-
-    def done(self, popped: int) -> None:
-        """The application came back after ``popped`` items in total: those are done."""
-        h = self._handed
-        last = None
-        while h and h[0][0] <= popped:
-            last = h.popleft()[1]
-        if last is not None and last > self.source.done_js:
-            self.source.done_js = last
-
-    def commit(self, timeout: float = 5.0) -> bool:
-        """Ack (and wait for the server to confirm) all the application is done with."""
-        if self._loop is None or self.spec.durable is None:
-            return False
-        fut = asyncio.run_coroutine_threadsafe(self.source.commit(), self._loop)
-        try:
-            fut.result(timeout)
-            return True
-        except Exception:
-            return False
-
-    def stats(self) -> NatsStats:
-        return self.source.stats()
-
-    def subscriber_stats(self) -> dict[str, Any]:
-        """Per engine stream, in the Subscriber's shape (phase ``live`` once started)."""
-        from ..consume.stream import StreamStats
-        from ..consume.subscriber import SubscriberStats
-
-        out = {}
-        for st in list(self.source.tracker.subjects.values()):
-            c = st.c
-            ss = StreamStats(
-                stream=st.stream, phase="live" if st.seq is not None else "bootstrap",
-                mode="nats", epoch=st.epoch, last_seq=st.seq, exact=st.exact,
-                alive=self.source.connected, live_messages=c["batches"], batches=c["batches"],
-                events=c["events"], duplicates=c["duplicates"], gaps=c["gaps"], lost=0,
-                replays=0, replayed=0, snapshots=c["snapshots"], resyncs=c["resyncs"],
-                resets=c["resets"], restarts=0, buffer_overflows=0, buffered=0, timeouts=0,
-                error_replies=0, bad_frames=0, bad_payloads=c["bad_messages"], bad_events=0,
-                stray_replies=0, deaths=0, last_error=None)
-            out[st.stream] = SubscriberStats(ss, 0, 0, 0)
-        return out
-
-    def close(self, timeout: float = 5.0) -> None:
-        if self._loop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self.source.stop)
-            if self._room is not None:
-                self._loop.call_soon_threadsafe(self._room.set)
-            self._thread.join(timeout)
-        for s in (self.socket, self._tx):
-            if not s.closed:
-                s.close(linger=0)
