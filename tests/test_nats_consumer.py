@@ -480,3 +480,44 @@ def test_asyncio_face_and_bounded_memory(nats_server: Any) -> None:
     rb, held = run(go())
     assert 100 <= held <= 100 + 50 + 1, held
     same(rb, w)
+
+
+def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
+        nats_server: Any, tmp_path: Any) -> None:
+    """End to end with the real pieces: a kvwire engine process -> ``kvwire bridge`` (a real
+    process) -> JetStream -> two consumers (ephemeral and durable), live the whole time. The
+    engine restarts (new epoch): both get a Reset with the new epoch, and both end exactly
+    at the new engine's cache."""
+    from bridge_helpers import BridgeProc
+    from fault_helpers import Engine
+
+    e = Engine(7, workload="small")
+    made = [e]
+    b = BridgeProc(tmp_path, nats_server.url, [f"k={e.endpoint},replay={e.replay_endpoint}"])
+    subs = [Subscriber([NatsStreams(nats_server.url)]),
+            Subscriber([NatsStreams(nats_server.url, durable="d")])]
+    rbs = [Rebuild(), Rebuild()]
+    try:
+        b.wait_started()
+        e.run(1500, 3000)
+        d = e.wait_done(60)
+        for sub, rb in zip(subs, rbs, strict=True):
+            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e.epoch, d.last_seq), 60)
+        e.kill()
+        e2 = Engine(8, port=e.port, rport=e.rport, workload="small")
+        made.append(e2)
+        e2.run(1000, 3000)
+        d2 = e2.wait_done(60)
+        assert e2.epoch != e.epoch
+        for sub, rb in zip(subs, rbs, strict=True):
+            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e2.epoch, d2.last_seq), 60)
+            resets = [i for i in rb.items if type(i) is Reset]
+            assert [r.epoch for r in resets] == [e.epoch, e2.epoch], resets
+            assert rb.caches["k/dp0"].as_dict() == d2.truth
+            assert sub.nats_stats()[0].gaps == 0
+    finally:
+        for sub in subs:
+            sub.close()
+        b.kill()
+        for x in made:
+            x.close()
