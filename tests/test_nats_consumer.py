@@ -521,3 +521,28 @@ def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
         b.kill()
         for x in made:
             x.close()
+
+
+def test_durable_closed_cleanly_resumes_after_what_it_handed_out(nats_server: Any) -> None:
+    """Closing a durable Subscriber acks what the application took (no commit needed): the
+    next one continues after it, nothing repeated, no new Reset."""
+    async def first(w: Writer) -> None:
+        await w.start("a", 0, epoch=3)
+        await w.batches("a", 0, 50)
+
+    w = run(_write(nats_server.url, first))
+    rb = Rebuild()
+    spec = NatsStreams(nats_server.url, durable="tidy")
+    with Subscriber([spec]) as sub:
+        consume(sub, rb, lambda: rb.caught_up(w))
+
+    async def more(w: Writer) -> None:
+        await w.batches("a", 0, 10)
+
+    run(_write(nats_server.url, more, w))
+    before = len(rb.items)
+    with Subscriber([spec]) as sub:
+        consume(sub, rb, lambda: rb.caught_up(w))  # (a repeat would break its seq check)
+    assert [(type(i).__name__, i.seq) for i in rb.items[before:]] == [
+        ("Batch", s) for s in range(51, 61)]
+    same(rb, w)

@@ -254,6 +254,7 @@ class _Core:
 
     def close(self) -> None:
         for link in self.links:
+            link.done(self.popped)  # closing: the application is done with what it took
             link.close()
         for st in self.streams:
             for sock in (st.sub, st.dealer):
