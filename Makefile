@@ -5,6 +5,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvwire-installed
 TORCH_STAMP := $(VENV)/.kvwire-torch
 BROWSER_STAMP := $(VENV)/.kvwire-browser
+ENGINES_STAMP := $(VENV)/.kvwire-engines
+# vLLM and SGLang for the engines tier (tests/test_engines_*.py), without their dependency
+# trees: only what importing their kv_events and shm_broadcast modules needs, pinned
+# (transformers and llguidance at versions both engines accept).
+ENGINE_WHEELS := vllm==0.33.0 sglang==0.5.23
+ENGINE_DEPS := psutil==7.2.2 urllib3==2.8.0 regex==2026.11.15 cbor2==6.3.0 transformers==5.19.0 \
+  aiohttp==3.14.5 requests==2.34.2 openai-harmony==0.0.8 openai==3.54.0 pybase64==1.5.1 \
+  cachetools==8.0.1 cloudpickle==3.1.2 py-cpuinfo==9.0.0 xgrammar==0.2.8 \
+  partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1
 
 .PHONY: demo test lint bench venv clean
 
@@ -35,10 +44,19 @@ $(BROWSER_STAMP): $(STAMP)
 	  echo "kvwire: WARNING: tests/test_serve.py::test_status_page_in_headless_chromium will be SKIPPED;" >&2; \
 	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
 
+# Like torch: the stamp only on success, a loud warning and a retry next time otherwise.
+$(ENGINES_STAMP): $(STAMP) $(TORCH_STAMP)
+	@if $(PY) -m pip install -q $(ENGINE_DEPS) && $(PY) -m pip install -q --no-deps $(ENGINE_WHEELS) && \
+	   $(PY) -c "import vllm.distributed.kv_events, sglang.srt.disaggregation.kv_events"; then \
+	  touch $(ENGINES_STAMP); else \
+	  echo "kvwire: WARNING: $(ENGINE_WHEELS) could not be installed or imported (see above)." >&2; \
+	  echo "kvwire: WARNING: the engines tier (tests/test_engines_*.py) will be SKIPPED;" >&2; \
+	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
+
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
-test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP)
+test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 

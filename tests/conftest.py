@@ -43,12 +43,15 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 
 _MISSING = {"torch": "install torch (`make test` retries it) to run them",
-            "chromium": "install chromium (`make test` retries it, as root) to run it"}
+            "chromium": "install chromium (`make test` retries it, as root) to run it",
+            "vllm": "install vllm==0.33.0 (`make test` retries it: the ENGINES stamp) to run them",
+            "sglang": "install sglang==0.5.23 (`make test` retries it: the ENGINES stamp) to "
+                      "run them"}
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
-    """Say loudly which tests did not run for want of torch or chromium (a failed `make`
-    install skips them, and a one-letter 's' among hundreds of dots is easy to miss)."""
+    """Say loudly which tests did not run for want of torch, chromium, vLLM or SGLang (a
+    failed `make` install skips them, and a one-letter 's' among hundreds of dots is easy to miss)."""
     skipped = [(r.nodeid, _skip_reason(r)) for r in terminalreporter.stats.get("skipped", [])]
     for what, hint in _MISSING.items():
         hit = [(nodeid, reason) for nodeid, reason in skipped if what in reason.lower()]

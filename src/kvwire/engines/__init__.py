@@ -1,1 +1,101 @@
-"""Integrations with inference engines (vLLM, SGLang), each opt-in; see docs/engines.md."""
+"""kvwire inside real engines, without code changes: plugins for vLLM (``engines.vllm``)
+and SGLang (``engines.sglang``), loaded through the engines' own entry point groups.
+
+Each plugin is inert unless its environment switch is on (see docs/engines.md). This
+package only holds what both plugins share: reading a switch, and the engines' socket
+rules where they differ from kvwire's own publisher (the replay socket always binds; an
+``ipc://`` endpoint cannot be offset per data-parallel rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import zmq
+
+__all__ = ["EngineSockets", "check_rank_endpoint", "switch"]
+
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def switch(name: str, log: logging.Logger | None = None) -> bool:
+    """Whether environment switch ``name`` is on. Unset or 0/false/no/off is off; an
+    unrecognised value is off too, with a warning naming it (a typo must not half-enable)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        (log or logging.getLogger("kvwire.engines")).warning(
+            "%s=%r is not one of 1/true/yes/on or 0/false/no/off: treated as off", name, raw)
+    return False
+
+
+def check_rank_endpoint(endpoint: str | None, rank: int, field: str) -> None:
+    """Refuse what both engines refuse: a per-rank endpoint that is neither tcp nor inproc.
+    (Two ranks cannot share one ``ipc://`` path; the engines raise, and so does kvwire.)"""
+    if not endpoint or rank == 0:
+        return
+    if "inproc" in endpoint or "tcp" in endpoint:
+        return
+    raise ValueError(
+        f"{field} {endpoint!r}: data-parallel rank {rank} needs a tcp:// or inproc:// "
+        "endpoint (the port or name is offset per rank); an ipc:// path cannot be"
+    )
+
+
+class EngineSockets:
+    """Mixin for kvwire's ``ZmqEventPublisher``: bind and connect as the engine would.
+
+    kvwire's publisher binds or connects each socket by the endpoint's shape. Both engines
+    always bind the replay ROUTER (a concrete host included), and SGLang decides the live
+    socket with its own rule or an explicit ``bind``. Subclasses set ``_bind_live`` (None:
+    kvwire's rule) before the publisher's constructor runs. Bound endpoints are recorded in
+    ``_bound`` by field name (what the engine reports as its local source).
+    """
+
+    _bind_live: bool | None = None
+
+    def _attach(self, sock: zmq.Socket, endpoint: str, field: str) -> str:
+        from ..wire.endpoint import EndpointError, is_bind
+
+        bound: dict[str, str] = self.__dict__.setdefault("_bound", {})
+        want = True if field == "replay_endpoint" else self._bind_live
+        if want is None or want == is_bind(endpoint):
+            actual: str = super()._attach(sock, endpoint, field)  # type: ignore[misc]
+            if is_bind(endpoint):
+                bound[field] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return actual
+        if endpoint.startswith("tcp://") and ("[" in endpoint or "::" in endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            if want:
+                sock.bind(endpoint)
+                bound[field] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                return bound[field]
+            sock.connect(endpoint)
+            return endpoint
+        except zmq.ZMQError as e:
+            how = "bind" if want else "connect"
+            raise EndpointError(f"{field} {endpoint!r}: cannot {how} it: {e.strerror}") from None
+
+
+def warn_unknown_once(seen: set[str], unknown: dict[str, Any], engine: str,
+                      log: logging.Logger) -> None:
+    """Log once per key a config key this kvwire does not know (a newer engine's): ignored."""
+    new = sorted(set(unknown) - seen)
+    if new:
+        seen.update(new)
+        log.warning("kvwire: %s KV events config key(s) %s unknown to kvwire %s: ignored",
+                    engine, ", ".join(f"{k}={unknown[k]!r}" for k in new), _version())
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
