@@ -42,7 +42,7 @@ class Writer:
         self.nc = await nats.connect(self.url)
         self.js = self.nc.jetstream(timeout=10)
         cfg = StreamConfig(name=self.stream, subjects=[f"{self.prefix}.>"],
-                           storage=StorageType.FILE, allow_direct=True, **limits)
+                           storage=StorageType.FILE, **{"allow_direct": True, **limits})
         await self.js.add_stream(cfg)
         return self
 

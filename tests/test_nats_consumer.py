@@ -546,3 +546,33 @@ def test_durable_closed_cleanly_resumes_after_what_it_handed_out(nats_server: An
     assert [(type(i).__name__, i.seq) for i in rb.items[before:]] == [
         ("Batch", s) for s in range(51, 61)]
     same(rb, w)
+
+
+def test_durable_resume_without_direct_get_resyncs_never_trusts(nats_server: Any) -> None:
+    """On a stream without allow_direct a restarted durable cannot read where each subject
+    stood: it says so (counted) and each subject resyncs from its snapshot object."""
+    async def first(w: Writer) -> None:
+        await w.start("a", 0, epoch=1)
+        await w.batches("a", 0, 20)
+
+    w = run(_write(nats_server.url, first, allow_direct=False))
+    rb = Rebuild()
+    spec = NatsStreams(nats_server.url, durable="blind")
+    with Subscriber([spec]) as sub:
+        consume(sub, rb, lambda: rb.caught_up(w))
+
+    async def more(w: Writer) -> None:
+        await w.batches("a", 0, 5)
+        await w.snapshot_object("a", 0)
+        await w.batches("a", 0, 5)
+
+    run(_write(nats_server.url, more, w, allow_direct=False))
+    before = len(rb.items)
+    with Subscriber([spec]) as sub:
+        consume(sub, rb, lambda: rb.caught_up(w))
+        nst = sub.nats_stats()[0]
+    assert nst.unverified_resumes == 1 and nst.resyncs == 1 and nst.gaps == 1, nst
+    assert [(type(i).__name__, i.seq if type(i) is not Reset else None)
+            for i in rb.items[before:]] == [("Reset", None), ("Snapshot", 25)] + [
+                ("Batch", s) for s in range(26, 31)]
+    same(rb, w)

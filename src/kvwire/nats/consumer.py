@@ -258,14 +258,20 @@ class NatsSource:
             while True:
                 m = await sub.next_msg(timeout=5)
                 h = _hdrs(m)
-                if h.get("Status") or not h.get("Nats-Sequence"):
+                status = h.get("Status")
+                if status in ("204", "404"):  # end of the batch / nothing at or below
                     break
+                if status or not h.get("Nats-Sequence"):
+                    raise RuntimeError(f"direct get answered {status} {h.get('Description')}")
                 with contextlib.suppress(ValueError):
                     self.tracker.resume(h["Nats-Subject"], int(h["Nats-Sequence"]), h)
                     n += 1
-        except Exception as e:  # no allow_direct on the stream: trust the durable's position
+        except Exception as e:  # e.g. no allow_direct on the stream
+            # Where each subject stood is unknown: its next message is a gap (a resync from
+            # its snapshot, or inexact), never taken on trust.
             self.c["unverified_resumes"] += 1
-            self.last_error = f"durable resume not verified per subject ({e})"
+            self.last_error = (f"durable resume: cannot read each subject's last acknowledged "
+                               f"message ({type(e).__name__}: {e}); subjects will resync")
             log.warning("%s", self.last_error)
         finally:
             with contextlib.suppress(Exception):
