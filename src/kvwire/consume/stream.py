@@ -431,7 +431,7 @@ class StreamMachine:
             self._c["duplicates"] += 1
         elif seq == nxt:
             self._deliver(seq, payload)
-            self._drain()
+            self._drain_next(seq)
         elif first:
             # The answer starts after what we asked for: the publisher no longer has it.
             self._unfillable(nxt, seq, payload, now)
@@ -544,6 +544,8 @@ class StreamMachine:
             if info.epoch == r_epoch and info.oldest != -1 and info.oldest <= r_seq + 1 \
                     and info.seq >= r_seq:
                 self._label, self._delivered, self._exact = info.epoch, r_seq, True
+                for s in [s for s in self._buffer if s <= r_seq]:
+                    del self._buffer[s]
                 self._start_replay(r_seq + 1, now, "gap")
                 return self._flush()
         if self._delivered is None:
@@ -922,6 +924,18 @@ class StreamMachine:
         while d + 1 in buf:
             d += 1
             self._deliver(d, buf.pop(d))
+
+    def _drain_next(self, seq: int) -> None:
+        """:meth:`_drain` right after delivering ``seq`` = the previous last + 1: held seqs
+        are always above the last delivered, so only ``seq`` itself can have gone stale and
+        the buffer is not scanned (a replay into a big live backlog was quadratic)."""
+        buf = self._buffer
+        if buf:
+            buf.pop(seq, None)
+            d = self._delivered
+            while d + 1 in buf:  # type: ignore[operator]
+                d += 1  # type: ignore[operator]
+                self._deliver(d, buf.pop(d))
 
     def _hold(self, seq: int, payload: bytes, now: float) -> None:
         self._buffer[seq] = payload
