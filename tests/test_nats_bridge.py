@@ -392,3 +392,33 @@ def test_stream_machine_resume_after():
         m = StreamMachine("s", resume_after=(7, 10))
         m.start(0.0)
         assert [type(o) for o in m.info(info, 0.1)] == [SendSnapshot]
+
+
+def test_reference_engine_restarted_while_bridge_down(nats_server, tmp_path, engines):
+    """A reference engine has no epoch: when it restarted while the bridge was away and its
+    new run is already past the subject's seq, the bridge sees that the batch at that seq
+    differs and writes the new run as incarnation 1 (markers), not as a continuation."""
+    e = Engine(11, ref=True, workload="small")
+    engines.append(e)
+    b = BridgeProc(tmp_path, nats_server.url, [_spec("r", e)])
+    try:
+        b.wait_started()
+        e.run(1500, 3000)
+        d = e.wait_done(60)
+        wait_subject_seq(nats_server.url, R, d.last_seq, 30, procs=[b])
+        b.kill()
+        e.kill()
+        e2 = Engine(12, port=e.port, rport=e.rport, ref=True, workload="small")
+        engines.append(e2)
+        e2.run(2500, 5000)
+        d2 = e2.wait_done(60)
+        b = BridgeProc(tmp_path, nats_server.url, [_spec("r", e2)])
+        b.wait_started()
+        wait_subject_seq(nats_server.url, R, d2.last_seq, 30, procs=[b], epoch=1)
+        assert b.stop() == 0, b.log()
+    finally:
+        b.kill()
+    log = subject_log(nats_server.url, R)
+    assert [m[:2] for m in log.markers] == [(0, -1), (1, 1499)], log.markers
+    assert log.cache.as_dict() == d2.truth
+    assert '"diverged": 1,' in b.log()
