@@ -122,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         return 0
 
-    return asyncio.run(main_async())
+    try:  # uvloop when installed (kvwire[serve] brings it): ~20% less CPU per batch
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_async())
+    return uvloop.run(main_async())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
