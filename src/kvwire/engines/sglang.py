@@ -113,9 +113,12 @@ def publisher_class() -> type:
     global _class
     if _class is not None:
         return _class
+    import msgspec
     from sglang.srt.disaggregation import kv_events
 
     from ..publish.publisher import ZmqEventPublisher
+
+    _plain = msgspec.msgpack.Encoder()
 
     class KvwireSglangPublisher(EngineSockets, ZmqEventPublisher, kv_events.EventPublisher):
         """kvwire's ``ZmqEventPublisher`` with SGLang's constructor and socket rules.
@@ -156,6 +159,22 @@ def publisher_class() -> type:
             if getattr(events, "attn_dp_rank", 0) is None and not self._closing:
                 events.attn_dp_rank = self._data_parallel_rank
             super().publish(events)
+
+        def _encode(self, seq: int, batch: Any) -> bytes | None:
+            # SGLang's own batches (its rank filled in by publish()) are encoded as given,
+            # as SGLang's encoder does: no attempt at kvwire's dialect first, which would
+            # look for ``data_parallel_rank``. kvwire's heartbeats take the usual path.
+            if not isinstance(batch, kv_events.EventBatch):
+                return super()._encode(seq, batch)
+            try:
+                payload = _plain.encode(batch)
+            except Exception as e:  # a bad object from the engine must not break the stream
+                self._c["encode_errors"] += 1
+                log.error("cannot encode SGLang KV event batch seq %d (%s); the seq is "
+                          "skipped", seq, e)
+                return None
+            self._c["foreign_batches"] += 1
+            return payload
 
         def shutdown(self, timeout: float = 5.0) -> Any:
             atexit.unregister(self._exit_hook)
