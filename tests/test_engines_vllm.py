@@ -10,6 +10,7 @@ listen``. The child starts first so the two imports overlap.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import random
 import subprocess
@@ -185,6 +186,8 @@ def summary(ev: Any) -> tuple[Any, ...]:
 @pytest.fixture(scope="module")
 def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, str, str]]:
     """The child that loads the plugins as vLLM does; started before vLLM is imported here."""
+    if importlib.util.find_spec("vllm") is None:  # (cheap: no import)
+        import_or_skip("vllm", WHEEL)
     d = tmp_path_factory.mktemp("vllm-child")
     ep, rep = f"ipc://{d}/live", f"ipc://{d}/replay"
     [doc] = docs_blocks("test_engines_vllm")
