@@ -54,7 +54,7 @@ def test_items_land_on_subjects_exactly(nats_server, tmp_path, engines):
     r = Engine(2, ref=True, workload="small")
     engines += [k, r]
     b = BridgeProc(tmp_path, nats_server.url, [_spec("k", k), _spec("r", r)],
-                   "--snapshot-interval", "1")
+                   "--snapshot-interval", "1", "--log-interval", "0.5")
     try:
         b.wait_started()
         k.run(3000, 2000)
@@ -71,7 +71,7 @@ def test_items_land_on_subjects_exactly(nats_server, tmp_path, engines):
     # kvwire: the publisher's epoch; its heartbeats (empty batches) go on the subject too
     assert lk.batches[-1][0] == k.epoch and lk.batches[-1][1] >= dk.last_seq
     assert lr.batches[-1] == (0, dr.last_seq) and lr.batches[0] == (0, 0)  # reference: run 0
-    assert "stopped" in b.log()
+    assert "stopped" in b.log() and "bridge: 2 streams," in b.log()  # + the periodic line
     # The object-store snapshot written on the clean exit covers the whole subject.
     snap = asyncio.run(_read_snapshot(nats_server.url, "k", 0))
     assert snap.js_seq == lk.last_js_seq and snap.epoch == k.epoch and snap.exact

@@ -163,6 +163,7 @@ class BridgeStats(msgspec.Struct):
     diverged: int = 0  # reference runs found different from the subject's (restarted)
     discontinuities: int = 0  # a batch not following the subject's seq (should stay 0)
     liveness: int = 0
+    follower_restarts: int = 0
     snapshots_written: int = 0
     snapshot_bytes: int = 0
     snapshot_errors: int = 0
@@ -313,8 +314,21 @@ class Bridge:
     # ------------------------------------------------------------------ following
 
     def _start_follow(self, spec: Any) -> None:
-        t = asyncio.get_running_loop().create_task(self._follow(spec))
+        t = asyncio.get_running_loop().create_task(self._supervise(spec))
         self._tasks[spec.name] = t
+
+    async def _supervise(self, spec: Any) -> None:
+        """A follower that fails (a bug, an unexpected error) starts over from the subject
+        after a second, rather than leaving its engine unfollowed."""
+        while True:
+            try:
+                await self._follow(spec)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.stats.follower_restarts += 1
+                await asyncio.sleep(1.0)
 
     async def _stop_follow(self, name: str) -> None:
         t = self._tasks.pop(name, None)
