@@ -422,3 +422,44 @@ def test_reference_engine_restarted_while_bridge_down(nats_server, tmp_path, eng
     assert [m[:2] for m in log.markers] == [(0, -1), (1, 1499)], log.markers
     assert log.cache.as_dict() == d2.truth
     assert '"diverged": 1,' in b.log()
+
+
+async def _retained(url: str, subject: str, engine: str):
+    import nats
+
+    from kvwire.nats.snapshots import rebuild_subject
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info("KVWIRE", subjects_filter=subject)
+        st = await rebuild_subject(js, "KVWIRE", subject, engine, 0)
+        return info, st
+    finally:
+        await nc.close()
+
+
+def test_retention_limits_and_snapshot_bootstrap(nats_server, tmp_path, engines):
+    """Limits given on the command line are the stream's; with per-subject history cut to
+    300 messages, the object-store snapshot + what is left rebuilds the engine exactly."""
+    e = Engine(13, workload="small")
+    engines.append(e)
+    b = BridgeProc(tmp_path, nats_server.url, [_spec("k", e)], "--max-age", "3600",
+                   "--max-bytes", str(64 << 20), "--max-msgs-per-subject", "300",
+                   "--duplicate-window", "30", "--snapshot-interval", "0.3")
+    try:
+        b.wait_started()
+        e.run(3000, 3000)
+        d = e.wait_done(60)
+        wait_subject_seq(nats_server.url, K, d.last_seq, 30, procs=[b])
+        assert b.stop() == 0, b.log()
+    finally:
+        b.kill()
+    info, st = asyncio.run(_retained(nats_server.url, K, "k"))
+    c = info.config
+    assert (c.max_age, c.max_bytes, c.max_msgs_per_subject, c.duplicate_window) == \
+        (3600, 64 << 20, 300, 30)
+    assert c.allow_direct and str(getattr(c.storage, "value", c.storage)) == "file"
+    assert info.state.subjects[K] == 300  # history before the last 300 is gone
+    assert st.exact and st.complete and st.epoch == e.epoch
+    assert st.cache.as_dict() == d.truth
