@@ -452,6 +452,26 @@ def test_unknown_config_keys_warned_once_and_ignored(plugin_on, k, made, tmp_pat
     assert made[-1].stats().sender_alive
 
 
+def test_kvwire_options_from_the_environment(plugin_on, k, vllm_config, made, tmp_path,
+                                             monkeypatch) -> None:
+    """What vLLM's config cannot carry (heartbeats, snapshots, CurveZMQ) comes from
+    KVWIRE_PUBLISHER_OPTIONS; a bad one stops the publisher with the key named."""
+    cfg = vllm_config(enable_kv_cache_events=True, endpoint=ipc(tmp_path, "o"))
+    monkeypatch.setenv("KVWIRE_PUBLISHER_OPTIONS", '{"heartbeat_interval": null, '
+                       '"snapshot": false}')
+    pub = k.EventPublisherFactory.create(cfg, 0)
+    made.append(pub)
+    info = pub._info()  # what an INFO request answers
+    assert (info["heartbeat_interval"], info["snapshot"]) == (None, False)
+    for bad, words in (('{"heartbeat": 2}', "heartbeat"),
+                       ('{"heartbeat_interval": 0}', "heartbeat_interval"),
+                       ('{"curve_authorized_keys_dir": "/x"}', "curve_secret_key_file"),
+                       ("[1]", "JSON object")):
+        monkeypatch.setenv("KVWIRE_PUBLISHER_OPTIONS", bad)
+        with pytest.raises(ValueError, match=f"KVWIRE_PUBLISHER_OPTIONS.*{words}"):
+            k.EventPublisherFactory.create(cfg, 0)
+
+
 def test_after_shutdown_publish_raises_like_vllm(plugin_on, k, vllm_config, tmp_path) -> None:
     pub = k.EventPublisherFactory.create(
         vllm_config(enable_kv_cache_events=True, endpoint=ipc(tmp_path, "s")), 0)

@@ -13,9 +13,14 @@ import logging
 import os
 from typing import Any
 
+import msgspec
 import zmq
 
-__all__ = ["EngineSockets", "check_rank_endpoint", "switch"]
+__all__ = ["OPTIONS_ENV", "EngineSockets", "PublisherOptions", "check_rank_endpoint",
+           "publisher_options", "switch"]
+
+#: JSON object of kvwire's own publisher settings, which the engines' configs cannot carry.
+OPTIONS_ENV = "KVWIRE_PUBLISHER_OPTIONS"
 
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"", "0", "false", "no", "off"})
@@ -34,6 +39,44 @@ def switch(name: str, log: logging.Logger | None = None) -> bool:
         (log or logging.getLogger("kvwire.engines")).warning(
             "%s=%r is not one of 1/true/yes/on or 0/false/no/off: treated as off", name, raw)
     return False
+
+
+class PublisherOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``KVWIRE_PUBLISHER_OPTIONS``: kvwire's settings beyond the engine's config keys
+    (defaults as kvwire's publisher; docs/operations.md explains each)."""
+
+    heartbeat_interval: float | None = 1.0
+    snapshot: bool = True
+    curve_secret_key_file: str | None = None
+    curve_authorized_keys_dir: str | None = None
+
+
+def publisher_options() -> dict[str, Any]:
+    """Keyword arguments for kvwire's publisher from ``KVWIRE_PUBLISHER_OPTIONS`` (unset:
+    none). A bad value raises ValueError naming the variable and the key: the engine then
+    stops at start with that message, rather than run without what the operator asked."""
+    raw = os.environ.get(OPTIONS_ENV, "").strip()
+    if not raw:
+        return {}
+    known = ", ".join(PublisherOptions.__struct_fields__)
+    try:
+        opts = msgspec.json.decode(raw, type=PublisherOptions)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"{OPTIONS_ENV}={raw!r}: {e} (a JSON object; keys: {known})") from None
+    if opts.heartbeat_interval is not None and opts.heartbeat_interval <= 0:
+        raise ValueError(f"{OPTIONS_ENV}: heartbeat_interval must be > 0 seconds or null, "
+                         f"got {opts.heartbeat_interval!r}")
+    kw: dict[str, Any] = {"heartbeat_interval": opts.heartbeat_interval,
+                          "snapshot": opts.snapshot}
+    if opts.curve_secret_key_file is not None:
+        from ..wire.curve import CurveServer
+
+        kw["curve"] = CurveServer(secret_key_file=opts.curve_secret_key_file,
+                                  authorized_keys_dir=opts.curve_authorized_keys_dir)
+    elif opts.curve_authorized_keys_dir is not None:
+        raise ValueError(f"{OPTIONS_ENV}: curve_authorized_keys_dir needs "
+                         "curve_secret_key_file (the publisher's own key)")
+    return kw
 
 
 def check_rank_endpoint(endpoint: str | None, rank: int, field: str) -> None:

@@ -19,7 +19,13 @@ import threading
 import weakref
 from typing import Any
 
-from . import EngineSockets, check_rank_endpoint, switch, warn_unknown_once
+from . import (
+    EngineSockets,
+    check_rank_endpoint,
+    publisher_options,
+    switch,
+    warn_unknown_once,
+)
 
 __all__ = ["EVENTS_ENV", "install_events", "publisher_class", "register", "uninstall_events"]
 
@@ -148,7 +154,7 @@ def publisher_class() -> type:
             check_rank_endpoint(replay_endpoint, attn_dp_rank, "replay_endpoint")
             self._bind_live = _sglang_binds(endpoint) if bind is None else bool(bind)
             super().__init__(attn_dp_rank, endpoint, replay_endpoint, buffer_steps, hwm,
-                             max_queue_size, topic, dialect="sglang")
+                             max_queue_size, topic, dialect="sglang", **publisher_options())
             self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
             atexit.register(self._exit_hook)
             log.info("kvwire KV event publisher attn_dp%d: %s %s, replay/INFO/SNAPSHOT %s, "

@@ -22,7 +22,13 @@ import os
 import threading
 from typing import Any
 
-from . import EngineSockets, check_rank_endpoint, switch, warn_unknown_once
+from . import (
+    EngineSockets,
+    check_rank_endpoint,
+    publisher_options,
+    switch,
+    warn_unknown_once,
+)
 
 __all__ = ["EVENTS_ENV", "SHM_ENV", "install_events", "publisher_class", "register",
            "uninstall_events"]
@@ -152,7 +158,7 @@ def publisher_class() -> type:
             check_rank_endpoint(endpoint, data_parallel_rank, "endpoint")
             check_rank_endpoint(replay_endpoint, data_parallel_rank, "replay_endpoint")
             super().__init__(data_parallel_rank, endpoint, replay_endpoint, buffer_steps, hwm,
-                             max_queue_size, topic, dialect="vllm")
+                             max_queue_size, topic, dialect="vllm", **publisher_options())
             cfg = self._config
             assert cfg is not None
 
