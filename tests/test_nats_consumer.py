@@ -273,17 +273,20 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
 
 def test_new_consumer_after_1e5_batches_bootstraps_from_the_snapshot(nats_server: Any) -> None:
     """10^5 batches over 4 engines (written straight with nats-py: the bridge path is not
-    what is tested here), snapshot objects, then 100 more each: a new consumer loads the
-    snapshots, reads only what follows them, and ends exactly at the engines' state."""
+    what is tested here), snapshot objects (e0's 5,000 batches older), then 100 more each:
+    a new consumer loads the snapshots, reads only what follows each, and ends exactly at
+    the engines' state."""
     engines = ("e0", "e1", "e2", "e3")
 
     async def plan(w: Writer) -> None:
         for e in engines:
             await w.start(e, 0, epoch=9)
-        for _ in range(5):
+        for r in range(5):
+            if r == 4:
+                await w.snapshot_object("e0", 0)  # an older one: e0 catches up 5,000
             for e in engines:
                 await w.batches(e, 0, 5000)
-        for e in engines:
+        for e in engines[1:]:
             await w.snapshot_object(e, 0)
         for e in engines:
             await w.batches(e, 0, 100)
@@ -299,12 +302,15 @@ def test_new_consumer_after_1e5_batches_bootstraps_from_the_snapshot(nats_server
         nst = sub.nats_stats()[0]
     same(rb, w)
     snaps = [i for i in rb.items if type(i) is Snapshot]
-    assert sorted(s.seq for s in snaps) == [25_000] * 4 and all(s.exact for s in snaps)
-    assert sum(type(i) is Batch for i in rb.items) == 400
-    # read from the lowest snapshot's js_seq + 1 (e0's, 15,000 messages before the end)
-    assert nst.messages <= 15_400 and nst.gaps == 0, nst
+    assert sorted(s.seq for s in snaps) == [20_000] + [25_000] * 3
+    assert all(s.exact for s in snaps)
+    assert sum(type(i) is Batch for i in rb.items) == 5400
+    # each subject read from its own snapshot on (direct gets for e0's 5,000 before the
+    # newest snapshot): nothing of the other 10^5 read, nothing read only to be skipped
+    assert nst.messages == 5400 and nst.skipped == 0 and nst.caught_up == 3, nst
+    assert nst.gaps == 0
     print(f"wrote 10^5 batches in {wrote:.1f} s; bootstrap of "
-          f"{sum(s.block_count for s in snaps)} blocks + 400 batches in {took:.2f} s")
+          f"{sum(s.block_count for s in snaps)} blocks + 5,400 batches in {took:.2f} s")
 
 
 def test_malformed_messages_are_counted_named_and_never_crash(nats_server: Any) -> None:

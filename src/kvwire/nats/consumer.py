@@ -100,6 +100,7 @@ class NatsStats(msgspec.Struct, frozen=True):
     repositions: int
     acked: int
     unverified_resumes: int
+    caught_up: int  # subjects that caught up on their own history at bootstrap
     last_error: str | None
 
 
@@ -149,7 +150,8 @@ class NatsSource:
         self._unacked: deque[tuple[int, Any]] = deque()  # (js_seq, msg) of acked-later msgs
         self._stop = asyncio.Event()
         self.connected = False
-        self.c = dict.fromkeys(("reconnects", "repositions", "acked", "unverified_resumes"), 0)
+        self.c = dict.fromkeys(
+            ("reconnects", "repositions", "acked", "unverified_resumes", "caught_up"), 0)
         self.last_error: str | None = None
         self._lost = False
         self._msgs: deque[Any] = deque()
@@ -157,6 +159,8 @@ class NatsSource:
         self._want = 0  # messages asked for and not yet arrived (or ended by a status)
         self._asked = 0.0
         self._inbox = ""
+        self._first_seq = 1
+        self._direct = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -220,12 +224,18 @@ class NatsSource:
     async def _subjects(self) -> list[str]:
         info = await self.js.stream_info(self.spec.stream, subjects_filter=self.spec.filter)
         self._first_seq = info.state.first_seq or 1
+        self._direct = bool(getattr(info.config, "allow_direct", False))
         return sorted((info.state.subjects or {}).keys())
 
     async def _bootstrap(self, put: Callable[[list[Entry]], Awaitable[None]]) -> int:
-        """Fresh consumer: per subject read the snapshot; the sequence to start from."""
+        """Fresh consumer: per subject read the snapshot; the sequence to start from.
+
+        With direct gets (``allow_direct``) the consumer starts after the newest snapshot
+        and each subject first catches up on its own messages since its snapshot (or its
+        first message), so no other subject's history is read just to be skipped; without,
+        it starts at the oldest point needed and skips what the snapshots cover."""
         entries: list[Entry] = []
-        starts = []
+        starts: dict[str, int] = {}
         for subject in await self._subjects():
             try:
                 engine, rank = S.parse_subject(self.spec.prefix, subject)
@@ -233,16 +243,68 @@ class NatsSource:
                 continue  # not the layout: counted (and named) when its messages are read
             snap = await self._snapshot(engine, rank)
             if snap is None:
-                starts.append(self._first_seq)
+                starts[subject] = self._first_seq
                 continue
             out = self.tracker.bootstrap(subject, snap.js_seq, snap.epoch, snap.seq,
                                          snap.blocks, snap.exact, "bootstrap from snapshot",
                                          resync=False)
             entries += [(d, 0) for d in out]
-            starts.append(snap.js_seq + 1)
+            starts[subject] = snap.js_seq + 1
+        if not starts:
+            return self._first_seq
+        start = min(starts.values())
+        if self._direct and len(starts) > 1:
+            start = max(starts.values())
+            for subject, first in starts.items():
+                if first < start:
+                    entries += await self._catch_up(subject, first, start - 1)
         if entries:
             await put(entries)
-        return min(starts) if starts else self._first_seq
+        return start
+
+    async def _catch_up(self, subject: str, first: int, last: int) -> list[Entry]:
+        """The subject's messages with stream sequence in [first, last] (direct get batches),
+        through the tracker like consumed ones."""
+        out: list[Entry] = []
+        seq = first
+        inbox = self.nc.new_inbox()
+        got: list[Any] = []
+        ended = asyncio.Event()
+
+        async def on_msg(m: Any) -> None:  # only queues: one batch is handled at its end
+            got.append(m)
+            if m.headers and m.headers.get("Status"):  # 204 end of batch, 404 nothing more
+                ended.set()
+
+        sub = await self.nc.subscribe(inbox, cb=on_msg)
+        try:
+            while seq <= last:
+                got.clear()
+                ended.clear()
+                req = json.dumps({"seq": seq, "next_by_subj": subject, "batch": 1000}).encode()
+                await self.nc.publish(f"$JS.API.DIRECT.GET.{self.spec.stream}", req,
+                                      reply=inbox)
+                await asyncio.wait_for(ended.wait(), 10)
+                data = [m for m in got if not m.headers.get("Status")]
+                for m in data:
+                    h = m.headers
+                    js_seq = int(h["Nats-Sequence"])
+                    seq = js_seq + 1
+                    if js_seq > last:
+                        break  # (the rest: the consumer delivers those)
+                    res = self.tracker.feed(subject, js_seq, h, m.data)
+                    if type(res) is Gap:
+                        res = await self._resync(res, m)
+                    elif type(res) is BadMessage:
+                        res = []
+                    out += [(d, 0) for d in res]
+                if not data:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self.c["caught_up"] += 1
+        return out
 
     async def _resume(self, ack_floor: int) -> None:
         """Durable restart: each subject's last message at or below the ack floor."""
