@@ -160,3 +160,25 @@ def test_reference_publisher_bootstrap_at_seq_minus_one() -> None:
     assert [type(i).__name__ for i in out] == ["Reset", "Snapshot", "Batch", "Batch", "Batch"]
     assert out[1].seq == -1 and not out[1].exact  # type: ignore[union-attr]
     assert t.counts["gaps"] == 0 and t.counts["bad_messages"] == 0 and t.counts["inexact"] == 1
+
+
+_KEYS = st.sampled_from([S.H_KIND, S.H_EPOCH, S.H_SEQ, S.H_CHUNK, S.H_REASON, "Kvwire-Exact"])
+_VALS = st.one_of(st.sampled_from(["batch", "reset", "snapshot", "0", "1", "-1", "2/3", "0/1",
+                                   "1/0", "x", ""]), st.text(max_size=8),
+                  st.integers(-5, 10**20).map(str))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([SUBJ, "kvwire.events.f.1", "kvwire.events.x",
+                                           "other.e.0"]),
+                          st.one_of(st.none(), st.dictionaries(_KEYS, _VALS, max_size=6)),
+                          st.binary(max_size=40)), max_size=30))
+def test_any_input_is_an_answer_never_an_exception(msgs: list[Any]) -> None:
+    """Arbitrary headers, bodies and subjects: every message gets deliveries, a Gap or a
+    named BadMessage; nothing raises."""
+    t = Tracker()
+    for js, (subject, hd, body) in enumerate(msgs, 1):
+        out = t.feed(subject, js, hd, body)
+        assert isinstance(out, list | Gap | BadMessage)
+        if isinstance(out, BadMessage):
+            assert out.reason and out.subject == subject
