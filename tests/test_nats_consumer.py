@@ -603,3 +603,17 @@ def test_durable_resume_without_direct_get_resyncs_never_trusts(nats_server: Any
             for i in rb.items[before:]] == [("Reset", None), ("Snapshot", 25)] + [
                 ("Batch", s) for s in range(26, 31)]
     same(rb, w)
+
+
+def test_listen_nats_without_nats_py_says_how_to_get_it() -> None:
+    """Without the nats extra: one line naming the extra, exit 2 (nats-py is installed here,
+    so it is made unimportable in the child: the one way to cause this for real)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['nats'] = None\n"
+            "from kvwire.cli.main import main\n"
+            "sys.exit(main(['listen', 'nats://127.0.0.1:1', '--count', '1']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'kvwire[nats]'" in r.stderr and "Traceback" not in r.stderr

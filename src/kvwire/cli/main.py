@@ -106,7 +106,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
     try:
         specs = _streams(args)
         sub = Subscriber(specs, config=StreamConfig(request_timeout=args.replay_timeout))
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         notice(str(e))
         return 2
     tallies = {s.name: StreamTally(s.name) for s in specs if not hasattr(s, "open_link")}

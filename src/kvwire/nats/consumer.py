@@ -132,6 +132,10 @@ class NatsSource:
     application is done (acks never pass it)."""
 
     def __init__(self, spec: NatsStreams) -> None:
+        try:
+            import nats  # noqa: F401 - said here, not in the background thread
+        except ImportError:
+            raise ImportError("NATS streams need nats-py: pip install 'kvwire[nats]'") from None
         for part in spec.prefix.split("."):
             S.check_token(part, "subject prefix part")
         if spec.durable is not None:
