@@ -396,7 +396,13 @@ def test_any_vllm_event_encodes_as_vllm_encodes_it(plugin_on, k, vllm_config, ma
     want = copy.deepcopy(batch)
     if want.data_parallel_rank is None:
         want.data_parallel_rank = 3  # what vLLM's publish() fills in
-    assert pub._encode(0, batch) == msgspec.msgpack.Encoder().encode(want)
+    try:
+        vllms = msgspec.msgpack.Encoder().encode(want)
+    except OverflowError:  # vLLM's encoder refuses it; kvwire skips that seq, counted
+        errors = pub.stats().encode_errors
+        assert pub._encode(0, batch) is None and pub.stats().encode_errors == errors + 1
+        return
+    assert pub._encode(0, batch) == vllms
 
 
 def test_rank_offsets_and_binding_as_vllm(plugin_on, k, vllm_config, made, ctx) -> None:
