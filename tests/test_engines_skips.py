@@ -31,3 +31,29 @@ def test_missing_engine_wheels_are_listed_loudly(tmp_path) -> None:
         assert f"1 test(s) SKIPPED because {what} is missing" in r.stdout, r.stdout
         assert f"SKIPPED test_suite.py::{test}: {what} ({what}==" in r.stdout, r.stdout
     assert "ENGINES stamp" in r.stdout
+
+
+def test_switch_on_without_the_engine_logs_and_returns() -> None:
+    """A switch on where the engine's modules cannot be imported: an error naming the
+    switch, and register() returns (a plugin must never stop the engine from starting).
+    The modules are made unimportable for real (None in sys.modules), no vLLM needed."""
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+        "for m in ('vllm', 'sglang'):\n"
+        "    sys.modules[m] = None\n"
+        "from kvwire.engines import sglang, vllm\n"
+        "vllm.register(); sglang.register()\n"
+        "print('returned')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")}
+    env.update(KVWIRE_VLLM_EVENTS="1", KVWIRE_SGLANG_EVENTS="yes", KVWIRE_VLLM_SHM="maybe")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0 and "returned" in r.stdout, r.stderr
+    err = r.stderr
+    assert "ERROR kvwire: KVWIRE_VLLM_EVENTS=1 but kvwire's KV event publisher could not be " \
+           "installed (ModuleNotFoundError" in err, err
+    assert "vLLM keeps its own publisher" in err and "SGLang keeps its own publisher" in err
+    assert "KVWIRE_VLLM_SHM='maybe' is not one of" in err  # a typo is off, and said so
+    assert "active in" not in err
