@@ -1,7 +1,7 @@
 """Issue 12's fault suite across the whole chain: real engines (kvwire and reference
 publishers) -> ``kvwire bridge`` process -> real nats-server (file storage) -> consumer
 processes (``Subscriber([NatsStreams(url)])``). The bridge and the server are SIGKILLed and
-restarted and an engine restarts while a consumer keeps reading; at the end the consumer's
+restarted and both engines restart while a consumer keeps reading; at the end the consumer's
 caches, a consumer that joins afterwards (snapshot bootstrap) and the subjects themselves
 all equal the engines' ground truth, and every consumer saw the per-stream contract
 (Reset, Snapshot(N), Batch(N+1), ... : checked item by item by fault_helpers.Rebuild)."""
@@ -55,26 +55,32 @@ def test_chain_exact_through_bridge_server_and_engine_restarts(nats_server, tmp_
                and s.get("r/dp0", {}).get("last_seq") == dr.last_seq, 90,
                "consumer caught up after bridge and server restarts")
         assert a.cache() == {"k/dp0": dk.truth, "r/dp0": dr.truth}
-        # 3. the kvwire engine restarts (new epoch): every consumer gets a reset
+        # 3. both engines restart: kvwire with a new epoch, the reference one with its seq
+        # starting over (the bridge numbers its run 1); every consumer gets a reset
         k.kill()
+        r.kill()
         k2 = Engine(33, port=k.port, rport=k.rport, workload="small")
-        engines.append(k2)
+        r2 = Engine(34, port=r.port, rport=r.rport, ref=True, workload="small")
+        engines += [k2, r2]
         k2.run(1000, 2500)
-        d2 = k2.wait_done(60)
+        r2.run(1000, 2500)
+        d2, dr2 = k2.wait_done(60), r2.wait_done(60)
         wait_subject_seq(nats_server.url, K, d2.last_seq, 60, procs=bridges[-1:],
                          epoch=k2.epoch)
+        wait_subject_seq(nats_server.url, R, dr2.last_seq, 60, procs=bridges[-1:], epoch=1)
         st = a.wait(lambda s: s["k/dp0"]["epoch"] == k2.epoch
-                    and s["k/dp0"]["last_seq"] >= d2.last_seq, 60, "consumer saw the restart")
-        assert len(st["k/dp0"]["resets"]) == 2 and len(st["r/dp0"]["resets"]) == 1
+                    and s["k/dp0"]["last_seq"] >= d2.last_seq and s["r/dp0"]["epoch"] == 1
+                    and s["r/dp0"]["last_seq"] == dr2.last_seq, 60, "consumer saw the restarts")
+        assert len(st["k/dp0"]["resets"]) == 2 and len(st["r/dp0"]["resets"]) == 2, st
         assert all(s["exact"] for s in st.values()), st
-        assert a.cache() == {"k/dp0": d2.truth, "r/dp0": dr.truth}
+        assert a.cache() == {"k/dp0": d2.truth, "r/dp0": dr2.truth}
         # 4. a consumer that joins now bootstraps from the snapshot objects
         b = NatsConsumer(nats_server.url)
         consumers.append(b)
         b.wait(lambda s: s.get("k/dp0", {}).get("last_seq", -2) >= d2.last_seq
-               and s.get("r/dp0", {}).get("last_seq") == dr.last_seq, 60,
+               and s.get("r/dp0", {}).get("last_seq") == dr2.last_seq, 60,
                "late consumer bootstrapped")
-        assert b.cache() == {"k/dp0": d2.truth, "r/dp0": dr.truth}
+        assert b.cache() == {"k/dp0": d2.truth, "r/dp0": dr2.truth}
         assert bridges[-1].stop() == 0, bridges[-1].log()
     finally:
         for c in consumers:
@@ -85,5 +91,5 @@ def test_chain_exact_through_bridge_server_and_engine_restarts(nats_server, tmp_
             e.close()
     # The subjects themselves: no gap, no duplicate, markers only where something restarted.
     lk, lr = subject_log(nats_server.url, K), subject_log(nats_server.url, R)
-    assert lk.cache.as_dict() == d2.truth and lr.cache.as_dict() == dr.truth
-    assert len(lk.markers) == 2 and len(lr.markers) == 1, (lk.markers, lr.markers)
+    assert lk.cache.as_dict() == d2.truth and lr.cache.as_dict() == dr2.truth
+    assert len(lk.markers) == 2 and len(lr.markers) == 2, (lk.markers, lr.markers)
