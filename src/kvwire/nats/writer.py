@@ -59,7 +59,7 @@ class Entry:
                  "exact", "state", "js_seq", "sent_at", "token", "error", "oversize")
 
     def __init__(self, lane: Lane, kind: str, epoch: int, seq: int, mid: str,
-                 headers: dict[str, str], payload: bytes, effect: Any,
+                 headers: dict[str, str] | None, payload: bytes, effect: Any,
                  exact: bool = True) -> None:
         self.lane, self.kind, self.epoch, self.seq = lane, kind, epoch, seq
         self.msg_id, self.headers, self.payload, self.effect = mid, headers, payload, effect
@@ -73,9 +73,21 @@ class Entry:
 
     def raw_headers(self) -> bytes:
         """The NATS/1.0 header block (values are one line: see :func:`_header_text`)."""
+        if self.kind == "batch":
+            return _BATCH_HDR % (self.epoch, self.seq, self.msg_id.encode())
         return b"NATS/1.0\r\n" + b"".join(
-            b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in self.headers.items()
+            b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in self.header_dict().items()
         ) + b"\r\n"
+
+    def header_dict(self) -> dict[str, str]:
+        if self.headers is None:  # a batch: its headers are made when needed
+            self.headers = {H_KIND: "batch", H_EPOCH: str(self.epoch), H_SEQ: str(self.seq),
+                            H_MSG_ID: self.msg_id}
+        return self.headers
+
+
+_BATCH_HDR = (f"NATS/1.0\r\n{H_KIND}: batch\r\n{H_EPOCH}: %d\r\n{H_SEQ}: %d\r\n"
+              f"{H_MSG_ID}: %s\r\n\r\n").encode()
 
 
 def apply_entry_effect(cache: BlockCache, kind: str, effect: Any) -> None:
@@ -106,9 +118,8 @@ class Lane:
         self.dirty = False  # acked messages since the last object-store snapshot
 
     def batch_entry(self, epoch: int, seq: int, batch: KVEventBatch, payload: bytes) -> Entry:
-        mid = msg_id(self.engine, self.rank, epoch, seq)
-        hdrs = {H_KIND: "batch", H_EPOCH: str(epoch), H_SEQ: str(seq), H_MSG_ID: mid}
-        return Entry(self, "batch", epoch, seq, mid, hdrs, payload, batch)
+        return Entry(self, "batch", epoch, seq, f"{self.engine}/{self.rank}/{epoch}/{seq}",
+                     None, payload, batch)
 
 
 def marker_entries(lane: Lane, epoch: int, seq: int, events: list[BlockStored], exact: bool,
@@ -257,7 +268,7 @@ class JsWriter:
                 await self._hpub(e, f"{self._inbox}.{tok}")
             else:
                 await nc.publish(e.lane.subject, e.payload, reply=f"{self._inbox}.{tok}",
-                                 headers=e.headers)
+                                 headers=e.header_dict())
         except Exception as ex:  # not handed to the connection at all (closed, buffer full)
             self._fail(e, f"publish failed: {ex!r}")
 
