@@ -463,3 +463,48 @@ def test_retention_limits_and_snapshot_bootstrap(nats_server, tmp_path, engines)
     assert info.state.subjects[K] == 300  # history before the last 300 is gone
     assert st.exact and st.complete and st.epoch == e.epoch
     assert st.cache.as_dict() == d.truth
+
+
+def _two_free_pairs() -> tuple[int, int]:
+    """Base ports P, Q with P, P+1, Q, Q+1 all free (DP ranks sit at port + rank)."""
+    import socket
+
+    from nats_helpers import free_port
+
+    def free(p: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
+            return True
+
+    for _ in range(50):
+        p, q = free_port(), free_port()
+        if abs(p - q) > 1 and all(free(x) for x in (p + 1, q + 1)):
+            return p, q
+    raise AssertionError("no consecutive free ports")
+
+
+def test_dp_ranks_get_one_subject_each(nats_server, tmp_path, engines):
+    """``ranks=2``: ranks at port + rank, each on its own subject ``<engine>.<rank>``."""
+    p, q = _two_free_pairs()
+    e0 = Engine(14, port=p, rport=q, workload="small")
+    e1 = Engine(15, port=p + 1, rport=q + 1, workload="small")
+    engines += [e0, e1]
+    b = BridgeProc(tmp_path, nats_server.url,
+                   [f"m={e0.endpoint},replay={e0.replay_endpoint},ranks=2"])
+    try:
+        b.wait_started()
+        e0.run(800, 3000)
+        e1.run(500, 3000)
+        d0, d1 = e0.wait_done(60), e1.wait_done(60)
+        for rank, d in ((0, d0), (1, d1)):
+            wait_subject_seq(nats_server.url, f"kvwire.events.m.{rank}", d.last_seq, 30,
+                             procs=[b])
+        assert b.stop() == 0, b.log()
+    finally:
+        b.kill()
+    for rank, d, e in ((0, d0, e0), (1, d1, e1)):
+        log = subject_log(nats_server.url, f"kvwire.events.m.{rank}")
+        assert log.cache.as_dict() == d.truth and log.batches[-1][0] == e.epoch
