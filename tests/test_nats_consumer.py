@@ -480,7 +480,8 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
 
 def test_asyncio_face_and_bounded_memory(nats_server: Any) -> None:
     """``async for`` delivers the same items; while the application does not take items,
-    at most ``max_pending`` + one fetch wait in memory (flow control, nothing dropped)."""
+    the source stops asking (flow control, nothing dropped): about 2 x ``max_pending``
+    (source + Subscriber queue) at most, not the 3,000 waiting in the stream."""
     async def plan(w: Writer) -> None:
         await w.start("a", 0, epoch=1)
         await w.batches("a", 0, 3000)
@@ -505,7 +506,9 @@ def test_asyncio_face_and_bounded_memory(nats_server: Any) -> None:
         return rb, held
 
     rb, held = run(go())
-    assert 100 <= held <= 100 + 50 + 1, held
+    # at most max_pending in the source + one request in flight, and as much again moved
+    # into the Subscriber's queue by the one apoll (the application's side of the bound)
+    assert 100 <= held <= 2 * (100 + 50 + 25), held
     same(rb, w)
 
 
@@ -527,17 +530,17 @@ def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
     try:
         b.wait_started()
         e.run(1500, 3000)
-        d = e.wait_done(60)
+        d = e.wait_done(120)
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e.epoch, d.last_seq), 60)
+            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e.epoch, d.last_seq), 120)
         e.kill()
         e2 = Engine(8, port=e.port, rport=e.rport, workload="small")
         made.append(e2)
         e2.run(1000, 3000)
-        d2 = e2.wait_done(60)
+        d2 = e2.wait_done(120)
         assert e2.epoch != e.epoch
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e2.epoch, d2.last_seq), 60)
+            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e2.epoch, d2.last_seq), 120)
             resets = [i for i in rb.items if type(i) is Reset]
             assert [r.epoch for r in resets] == [e.epoch, e2.epoch], resets
             assert rb.caches["k/dp0"].as_dict() == d2.truth

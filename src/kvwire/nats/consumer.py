@@ -53,7 +53,8 @@ class NatsStreams(msgspec.Struct, frozen=True):
     """Every kvwire stream on a JetStream stream, for :class:`~kvwire.consume.Subscriber`.
 
     ``subject`` filters (default ``<prefix>.>``); ``durable`` names a consumer that outlives
-    the process (resumes where it acked); ``max_pending`` bounds items held in memory."""
+    the process (resumes where it acked); ``max_pending`` bounds items held in memory
+    (twice: waiting in the source, and moved into the Subscriber's queue)."""
 
     url: str
     stream: str = S.DEFAULT_STREAM
