@@ -151,23 +151,23 @@ def consumer_main(conn: Any, kind: str, target: Any) -> None:
 
         spec: Any = NatsStreams(target)
     else:
-        spec = StreamSpec("e", target[0], "", target[1])
+        spec = StreamSpec("e", target[0], "", target[1])  # replay None: join live only
     sub = Subscriber([spec])
     conn.send(os.getpid())
     while True:
         cmd = conn.recv()
         if cmd[0] == "quit":
             break
-        _, n, want_lat = cmd
-        lat: list[float] = []
+        _, n, want_lat, *limit = cmd
+        lat: dict[int, float] = {}  # engine seq -> delivery latency
         got = 0
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + (limit[0] if limit else 300)
         while got < n and time.monotonic() < deadline:
             for it in sub.poll_many(1.0):
                 if type(it) is Batch:
                     got += 1
                     if want_lat:
-                        lat.append(time.time() - it.batch.ts)
+                        lat[it.seq] = time.time() - it.batch.ts
         t_end = time.time()
         info = str(sub.nats_stats()[0]) if kind == "nats" else ""
         conn.send((t_end, got, lat, info))
@@ -180,14 +180,15 @@ def raw_consumer_main(conn: Any, url: str, n: int) -> None:
     import nats
     from nats.js.api import DeliverPolicy
 
-    async def amain() -> list[float]:
+    async def amain() -> dict[int, float]:
         nc = await nats.connect(url)
-        lat: list[float] = []
+        lat: dict[int, float] = {}
         done = asyncio.Event()
 
         async def on_msg(m: Any) -> None:
-            if (m.headers or {}).get("Kvwire-Kind") == "batch" and len(lat) < n:
-                lat.append(time.time() - E.decode_batch(m.data).ts)
+            h = m.headers or {}
+            if h.get("Kvwire-Kind") == "batch" and len(lat) < n:
+                lat[int(h["Kvwire-Seq"])] = time.time() - E.decode_batch(m.data).ts
                 if len(lat) == n:
                     done.set()
 
@@ -242,6 +243,13 @@ class Cpu:
     def start(self) -> None:
         self.t0 = self._now()
 
+    def ceiling(self, n: int) -> float:
+        """Batches/s all these processes could sustain on the machine's cores if they had
+        them to themselves: cores / (CPU seconds per batch). Reads through a loaded box."""
+        now = self._now()
+        per = sum(now[k] - self.t0[k] for k in self.procs) / n
+        return (os.cpu_count() or 1) / per if per > 0 else float("nan")
+
     def per(self, n: int) -> str:
         now = self._now()
         parts = [f"{k} {(now[k] - self.t0[k]) / n * 1e6:.1f}" for k in self.procs]
@@ -263,8 +271,9 @@ def recv(conn: Any, timeout: float, what: str) -> Any:
     return conn.recv()
 
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
+def pct(xs: Any, p: float) -> float:
+    """Percentile in ms of latencies in s (a list, or a dict's values)."""
+    xs = sorted(xs.values() if isinstance(xs, dict) else xs)
     return xs[min(len(xs) - 1, int(len(xs) * p))] * 1e3 if xs else float("nan")
 
 
@@ -325,20 +334,39 @@ def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[An
         _, send_s = recv(eng, 300, "engine run")
         t_end, got, _, info = recv(con, 330, "consumer run")
         out = {"rate": got / (t_end - t0), "got": got, "send_rate": n / send_s,
-               "cpu": cpu.per(max(got, 1)), "info": info}
-        raw = None
-        if kind == "nats":  # the same paced run read back by nats-py too: the bridge's share
+               "cpu": cpu.per(max(got, 1)), "ceiling": cpu.ceiling(max(got, 1)), "info": info,
+               "load": os.getloadavg()[0]}
+        raw = dcon = None
+        if kind == "nats":
+            # The paced run is also read (a) straight from the engine by a direct Subscriber,
+            # so each batch's NATS latency pairs with its direct one under the same load, and
+            # (b) from JetStream by raw nats-py: the bridge + JetStream share alone.
+            dp, dcon = spawn(consumer_main, "direct", (f"tcp://127.0.0.1:{port}", None))
+            procs.append(dp)
+            recv(dcon, 60, "paired direct consumer")
+            for _ in range(30):  # until both have seen a whole warm-up run (a SUB that
+                for c in (con, dcon):  # connects late misses the start of one)
+                    c.send(("count", 100, False, 5.0))
+                eng.send(("run", 100, 2000))
+                recv(eng, 60, "engine warm-up")
+                if all(recv(c, 60, "consumers warm-up")[1] == 100 for c in (con, dcon)):
+                    break
             rp, raw = spawn(raw_consumer_main, srv.url, lat_n)
             procs.append(rp)
             assert recv(raw, 60, "raw consumer") == "ready"
         cpu.start()
-        con.send(("count", lat_n, True))
+        for c in (con, dcon):
+            if c is not None:
+                c.send(("count", lat_n, True))
         eng.send(("run", lat_n, 1000))
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
-        out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1))}
-        if raw is not None:
+        out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
+                "lat_load": os.getloadavg()[0]}
+        if raw is not None and dcon is not None:
             out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
+            out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]
+            dcon.send(("quit",))
         con.send(("quit",))
         eng.send(("quit",))
         cp.join(30)
@@ -418,74 +446,84 @@ async def read_once(url: str) -> float:
 
 
 async def raw_rows(url: str, n: int, srv_pid: int) -> list[tuple[str, str, str]]:
-    """nats-py alone, one JetStream message per reference batch (no kvwire code)."""
+    """nats-py alone (no kvwire code) on the reference batch's bytes: one JetStream message
+    per batch, and 8 batches packed per message (what per-message costs are, per batch)."""
     import nats
     from nats.js import api
 
-    payload = E.encode_batch(step(1), "vllm")
+    one = E.encode_batch(step(1), "vllm")
     nc = await nats.connect(url, pending_size=64 << 20)
     js = nc.jetstream()
     await js.add_stream(name="RAW", subjects=["raw.>"], storage=api.StorageType.FILE)
     cpu = Cpu({"client": os.getpid(), "nats-server": srv_pid})
     rows = []
 
-    def row(label: str, t0: float, k: int) -> None:
-        rows.append((label, f"{len(payload)} B msgs",
-                     f"{k / (time.perf_counter() - t0):>9,.0f} msgs/s   CPU/msg {cpu.per(k)}"))
+    def row(label: str, t0: float, msgs: int, pack: int) -> None:
+        per, pers = ("batch", "batches") if pack > 1 else ("msg", "msgs")
+        rows.append((label, f"{pack} x {len(one)} B per msg",
+                     f"{msgs * pack / (time.perf_counter() - t0):>9,.0f} {pers}/s   "
+                     f"CPU/{per} {cpu.per(msgs * pack)}"))
 
-    # pipelined: core publish with a reply inbox per message, PubAcks counted, window 4000
-    inbox = nc.new_inbox()
-    acks = 0
-    done = asyncio.Event()
-    window = asyncio.Semaphore(4000)
+    async def publish(subject: str, payload: bytes, k: int) -> None:
+        """Pipelined: core publish with a reply inbox per message, PubAcks counted."""
+        inbox = nc.new_inbox()
+        acks = 0
+        done = asyncio.Event()
+        window = asyncio.Semaphore(4000)
 
-    async def on_ack(m: Any) -> None:
-        nonlocal acks
-        acks += 1
-        window.release()
-        if acks == n:
-            done.set()
+        async def on_ack(m: Any) -> None:
+            nonlocal acks
+            acks += 1
+            window.release()
+            if acks == k:
+                done.set()
 
-    sub = await nc.subscribe(inbox + ".*", cb=on_ack)
-    cpu.start()
-    t0 = time.perf_counter()
-    for i in range(n):
-        await window.acquire()
-        await nc.publish("raw.e.0", payload, reply=f"{inbox}.{i}",
-                         headers={"Kvwire-Kind": "batch", "Kvwire-Epoch": "0",
-                                  "Kvwire-Seq": str(i), "Nats-Msg-Id": f"e/0/0/{i}"})
-    await asyncio.wait_for(done.wait(), 120)
-    row("raw nats-py publish, core + reply inbox (PubAck each)", t0, n)
-    await sub.unsubscribe()
+        sub = await nc.subscribe(inbox + ".*", cb=on_ack)
+        for i in range(k):
+            await window.acquire()
+            await nc.publish(subject, payload, reply=f"{inbox}.{i}",
+                             headers={"Kvwire-Kind": "batch", "Kvwire-Epoch": "0",
+                                      "Kvwire-Seq": str(i), "Nats-Msg-Id": f"{subject}/{i}"})
+        await asyncio.wait_for(done.wait(), 120)
+        await sub.unsubscribe()
+
+    async def consume(subject: str, k: int) -> None:
+        got = 0
+        done = asyncio.Event()
+
+        async def on_msg(m: Any) -> None:
+            nonlocal got
+            got += 1
+            if got == k:
+                done.set()
+
+        osub = await js.subscribe(subject, stream="RAW", cb=on_msg, ordered_consumer=True)
+        await asyncio.wait_for(done.wait(), 120)
+        await osub.unsubscribe()
+
+    for pack in (1, 8):
+        k = n // pack
+        cpu.start()
+        t0 = time.perf_counter()
+        await publish(f"raw.p{pack}.0", one * pack, k)
+        row("raw nats-py publish, core + reply inbox (PubAck each)", t0, k, pack)
+        cpu.start()
+        t0 = time.perf_counter()
+        await consume(f"raw.p{pack}.0", k)
+        row("raw nats-py consume, ordered push consumer, callback", t0, k, pack)
     cpu.start()
     t0 = time.perf_counter()
     for _ in range(n // 10):
-        await js.publish("raw.e.1", payload)
-    row("raw nats-py publish, js.publish awaited one by one", t0, n // 10)
-
+        await js.publish("raw.a.0", one)
+    row("raw nats-py publish, js.publish awaited one by one", t0, n // 10, 1)
     cpu.start()
     t0 = time.perf_counter()
-    got = 0
-    done = asyncio.Event()
-
-    async def on_msg(m: Any) -> None:
-        nonlocal got
-        got += 1
-        if got == n:
-            done.set()
-
-    osub = await js.subscribe("raw.e.0", stream="RAW", cb=on_msg, ordered_consumer=True)
-    await asyncio.wait_for(done.wait(), 120)
-    row("raw nats-py consume, ordered push consumer, callback", t0, n)
-    await osub.unsubscribe()
-    cpu.start()
-    t0 = time.perf_counter()
-    psub = await js.pull_subscribe("raw.e.0", stream="RAW",
+    psub = await js.pull_subscribe("raw.p1.0", stream="RAW",
                                    config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
     got = 0
     while got < n:
         got += len(await psub.fetch(batch=min(1000, n - got), timeout=10))
-    row("raw nats-py consume, pull fetch(batch=1000), AckNone", t0, n)
+    row("raw nats-py consume, pull fetch(batch=1000), AckNone", t0, n, 1)
     await nc.close()
     return rows
 
@@ -519,23 +557,33 @@ def main() -> None:
                 r = res[k]
                 rows.append((f"throughput, {n:,} batches flat out", label[k],
                              f"{r['rate']:>9,.0f} batches/s ({r['got']:,} delivered; engine "
-                             f"sent at {r['send_rate']:,.0f}/s)   CPU/batch {r['cpu']}"))
+                             f"sent at {r['send_rate']:,.0f}/s; load {r['load']:.1f})   "
+                             f"CPU/batch {r['cpu']}   CPU-bound ceiling on "
+                             f"{os.cpu_count()} cores {r['ceiling']:,.0f}/s"))
             for k in ("direct", "nats"):
                 r = res[k]
                 lat = r["lat"]
                 rows.append((f"latency @ 1,000 batches/s ({lat_n:,})", label[k],
                              f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms  "
-                             f"max {max(lat, default=float('nan')) * 1e3:.1f} ms  "
-                             f"({r['lat_got']:,} delivered)   CPU/batch {r['lat_cpu']}"))
+                             f"max {max(lat.values(), default=float('nan')) * 1e3:.1f} ms  "
+                             f"({r['lat_got']:,} delivered; load {r['lat_load']:.1f})   "
+                             f"CPU/batch {r['lat_cpu']}"))
             rl = res["nats"]["raw_lat"]
             rows.append((f"latency @ 1,000 batches/s ({lat_n:,})",
                          "same run, JetStream read by raw nats-py (ordered push, callback)",
                          f"p50 {pct(rl, 0.5):.2f} ms  p99 {pct(rl, 0.99):.2f} ms  "
-                         f"max {max(rl, default=float('nan')) * 1e3:.1f} ms  ({len(rl):,} read)"))
-            direct99 = pct(res["direct"]["lat"], 0.99)
-            rows.append(("latency @ 1,000 batches/s", "added p99 vs direct ZeroMQ",
-                         f"bridge + JetStream {pct(rl, 0.99) - direct99:.2f} ms, "
-                         f"end to end {pct(res['nats']['lat'], 0.99) - direct99:.2f} ms"))
+                         f"max {max(rl.values(), default=float('nan')) * 1e3:.1f} ms  "
+                         f"({len(rl):,} read)"))
+            pair = res["nats"]["pair_lat"]
+            rows.append((f"latency @ 1,000 batches/s ({lat_n:,})",
+                         "same run, the same engine read directly (paired)",
+                         f"p50 {pct(pair, 0.5):.2f} ms  p99 {pct(pair, 0.99):.2f} ms"))
+            for what, got in (("bridge + JetStream", rl), ("end to end", res["nats"]["lat"])):
+                added = [got[q] - pair[q] for q in got if q in pair]
+                rows.append(("latency @ 1,000 batches/s",
+                             f"added by NATS, per batch vs its direct delivery: {what}",
+                             f"p50 {pct(added, 0.5):.2f} ms  p99 {pct(added, 0.99):.2f} ms  "
+                             f"({len(added):,} pairs)"))
             if "bootstrap" not in skip:
                 b = bootstrap_run(blocks, srv, tmp, procs)
                 where = f"bootstrap, {b['snap_blocks']:,} blocks (fill + snapshot {b['fill']:.1f}s)"
