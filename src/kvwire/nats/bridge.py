@@ -496,7 +496,7 @@ class Bridge:
         give back one above it per round, so a bridge that joins gets work."""
         leases = self.leases
         assert leases is not None
-        every = self.config.lease_ttl / 3
+        every = leases.ttl / 3
         bridges = 1
         while not self._closing:
             try:

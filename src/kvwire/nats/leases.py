@@ -44,9 +44,13 @@ class LeaseTable:
 
         try:
             self.kv = await self.js.key_value(self.bucket)
-            return
         except (BucketNotFoundError, NotFoundError):
             pass
+        else:  # the bucket's TTL rules (another bridge made it): renew in time for it
+            ttl = (await self.kv.status()).ttl
+            if ttl:
+                self.ttl = min(self.ttl, ttl)
+            return
         self.kv = await self.js.create_key_value(KeyValueConfig(
             bucket=self.bucket, ttl=self.ttl, history=1, storage=StorageType.FILE,
             description="kvwire bridge per-engine leases"))
