@@ -139,7 +139,7 @@ class BridgeProc:
 
     def __init__(self, tmp: Path, url: str, engines: list[str], *extra: str) -> None:
         self.log_path = Path(tmp) / f"bridge-{time.monotonic_ns()}.log"
-        args = [sys.executable, *(os.environ.get("KVWIRE_BRIDGE_PROFILE", "").split() or []), "-m", "kvwire", "bridge", "--nats", url, "--log-interval", "0",
+        args = [sys.executable, "-m", "kvwire", "bridge", "--nats", url, "--log-interval", "0",
                 "--log-level", "info", *extra]
         for e in engines:
             args += ["--engine", e]

@@ -57,8 +57,8 @@ def test_items_land_on_subjects_exactly(nats_server, tmp_path, engines):
                    "--snapshot-interval", "1", "--log-interval", "0.5")
     try:
         b.wait_started()
-        k.run(3000, 2000)
-        r.run(3000, 2000)
+        k.run(2000, 3000)
+        r.run(2000, 3000)
         dk, dr = k.wait_done(60), r.wait_done(60)
         wait_subject_seq(nats_server.url, K, dk.last_seq, 30, procs=[b])
         wait_subject_seq(nats_server.url, R, dr.last_seq, 30, procs=[b])
@@ -117,8 +117,8 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
     try:
         b1.wait_started()
         b2.wait_started()
-        k.run(2000, 2000)
-        r.run(2000, 2000)
+        k.run(1500, 3000)
+        r.run(1500, 3000)
         dk, dr = k.wait_done(60), r.wait_done(60)
         wait_subject_seq(nats_server.url, K, dk.last_seq, 30, procs=[b1, b2])
         wait_subject_seq(nats_server.url, R, dr.last_seq, 30, procs=[b1, b2])
@@ -146,8 +146,8 @@ def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref):
     b2 = None
     try:
         b.wait_started()
-        e.run(12000, 3000)
-        wait_subject_seq(nats_server.url, subject, 2500, 30, procs=[b])
+        e.run(6000, 3000)
+        wait_subject_seq(nats_server.url, subject, 1500, 30, procs=[b])
         b.kill()
         b2 = BridgeProc(tmp_path, nats_server.url, [_spec(name, e)], "--snapshot-interval", "0.5")
         b2.wait_started()
@@ -173,8 +173,8 @@ def test_nats_server_sigkill_restart(nats_server, tmp_path, engines):
                    "--snapshot-interval", "0.5")
     try:
         b.wait_started()
-        e.run(12000, 3000)
-        wait_subject_seq(nats_server.url, K, 2500, 30, procs=[b])
+        e.run(6000, 3000)
+        wait_subject_seq(nats_server.url, K, 1500, 30, procs=[b])
         nats_server.kill()
         nats_server.start()
         d = e.wait_done(60)
@@ -186,7 +186,7 @@ def test_nats_server_sigkill_restart(nats_server, tmp_path, engines):
     assert log.cache.as_dict() == d.truth
     seqs = {s for ep, s in log.batches if ep == e.epoch}
     first = log.batches[0][1]
-    assert set(range(first, 2501)) <= seqs  # everything stored before the kill survived
+    assert set(range(first, 1501)) <= seqs  # everything stored before the kill survived
     assert "reconnected to NATS" in b.log()
 
 
@@ -274,9 +274,9 @@ def test_share_mode_one_bridge_per_engine_and_takeover(nats_server, tmp_path, en
                           lambda h: None not in h.values() and len(set(h.values())) == 2,
                           30, procs)
         assert {_pid(v) for v in h.values()} == {p1.proc.pid, p2.proc.pid}
-        a.run(6000, 2000)
-        b_.run(6000, 2000)
-        wait_subject_seq(nats_server.url, "kvwire.events.a.0", 1500, 30, procs=procs)
+        a.run(5000, 2500)
+        b_.run(5000, 2500)
+        wait_subject_seq(nats_server.url, "kvwire.events.a.0", 1000, 30, procs=procs)
         victim = p1 if _pid(h["a"]) == p1.proc.pid else p2
         survivor = p2 if victim is p1 else p1
         victim.kill()
@@ -403,14 +403,14 @@ def test_reference_engine_restarted_while_bridge_down(nats_server, tmp_path, eng
     b = BridgeProc(tmp_path, nats_server.url, [_spec("r", e)])
     try:
         b.wait_started()
-        e.run(1500, 3000)
+        e.run(800, 3000)
         d = e.wait_done(60)
         wait_subject_seq(nats_server.url, R, d.last_seq, 30, procs=[b])
         b.kill()
         e.kill()
         e2 = Engine(12, port=e.port, rport=e.rport, ref=True, workload="small")
         engines.append(e2)
-        e2.run(2500, 5000)
+        e2.run(1200, 5000)
         d2 = e2.wait_done(60)
         b = BridgeProc(tmp_path, nats_server.url, [_spec("r", e2)])
         b.wait_started()
@@ -419,7 +419,7 @@ def test_reference_engine_restarted_while_bridge_down(nats_server, tmp_path, eng
     finally:
         b.kill()
     log = subject_log(nats_server.url, R)
-    assert [m[:2] for m in log.markers] == [(0, -1), (1, 1499)], log.markers
+    assert [m[:2] for m in log.markers] == [(0, -1), (1, 799)], log.markers
     assert log.cache.as_dict() == d2.truth
     assert '"diverged": 1,' in b.log()
 
