@@ -463,6 +463,15 @@ def test_retention_limits_and_snapshot_bootstrap(nats_server, tmp_path, engines)
     assert info.state.subjects[K] == 300  # history before the last 300 is gone
     assert st.exact and st.complete and st.epoch == e.epoch
     assert st.cache.as_dict() == d.truth
+    # A bridge started with other limits updates the existing stream.
+    b = BridgeProc(tmp_path, nats_server.url, [_spec("k", e)], "--max-msgs-per-subject", "200")
+    try:
+        b.wait_started()
+        assert b.stop() == 0, b.log()
+    finally:
+        b.kill()
+    info, _ = asyncio.run(_retained(nats_server.url, K, "k"))
+    assert info.config.max_msgs_per_subject == 200 and info.state.subjects[K] == 200
 
 
 def _two_free_pairs() -> tuple[int, int]:
