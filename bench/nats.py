@@ -9,13 +9,16 @@ Batches are the reference engine step of bench/events.py (one 4-block BlockStore
 tokens + one 4-hash BlockRemoved), ``ts`` set right before the send.
 
 * throughput: the engine sends n batches flat out; delivered batches/s = n / (last delivery
-  - first send); CPU per delivered batch of each process over the same window.
-* latency at 1,000 batches/s: consumer wall clock at delivery minus ``batch.ts``.
+  - first send); CPU per delivered batch of each process over the same window, and the
+  CPU-bound ceiling (cores / CPU per batch: what a quiet box would do).
+* latency at 1,000 batches/s: consumer wall clock at delivery minus ``batch.ts``; on the NATS
+  path the same batches are also read directly from the engine and from JetStream by raw
+  nats-py, so what NATS adds is paired per batch (robust to a loaded box's stalls).
 * bootstrap: the engine stores 10^6 blocks (1000 batches of 1000), the bridge snapshots the
   subject into the object store; a new consumer's time to the Snapshot and to the first live
   Batch after it (the engine trickles 200 batches/s meanwhile).
-* raw nats-py rows: what the client library itself does with the same payload (no kvwire),
-  so the bridge's and consumer's own overhead can be read off.
+* raw nats-py rows: what the client library itself does with the same bytes (no kvwire), one
+  batch per JetStream message and 8 packed per message: per-message costs set the ceiling.
 
     .venv/bin/python bench/nats.py            # about 2 minutes
     .venv/bin/python bench/nats.py --quick    # smaller counts, 200k-block bootstrap
@@ -214,7 +217,7 @@ def bootstrap_main(conn: Any, url: str) -> None:
     t_snap = t_batch = None
     blocks = 0
     with Subscriber([NatsStreams(url)]) as sub:
-        while t_batch is None and time.perf_counter() - t0 < 120:
+        while t_batch is None and time.perf_counter() - t0 < 60:
             for it in sub.poll_many(1.0):
                 if type(it) is Snapshot and t_snap is None:
                     t_snap, blocks = time.perf_counter() - t0, it.block_count
@@ -277,30 +280,14 @@ def pct(xs: Any, p: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * p))] * 1e3 if xs else float("nan")
 
 
-class Bridge:
-    """``kvwire bridge`` as a real subprocess, stderr to a log file."""
+def bridge(url: str, port: int, rport: int, tmp: Path, *extra: str) -> Any:
+    """``kvwire bridge`` as a real subprocess (tests/bridge_helpers.py), started."""
+    from bridge_helpers import BridgeProc
 
-    def __init__(self, url: str, port: int, rport: int, tmp: Path, *extra: str) -> None:
-        self.log = tmp / f"bridge-{port}.log"
-        env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvwire.cli.bridge", "--nats", url, "--engine",
-                 f"e=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{rport}",
-                 "--log-interval", "0", *extra], stderr=f, env=env)
-        deadline = time.monotonic() + 60
-        while "engines ->" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bridge did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+    b = BridgeProc(tmp, url, [f"e=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{rport}"],
+                   *extra)
+    b.wait_started(60)
+    return b
 
 
 def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[Any]
@@ -310,10 +297,10 @@ def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[An
     procs.append(ep)
     port, rport, epid = recv(eng, 30, "engine")
     pids = {"engine": epid}
-    bridge = None
+    br = None
     if kind == "nats":
-        bridge = Bridge(srv.url, port, rport, tmp)
-        pids |= {"bridge": bridge.proc.pid, "nats-server": srv.proc.pid}
+        br = bridge(srv.url, port, rport, tmp)
+        pids |= {"bridge": br.proc.pid, "nats-server": srv.proc.pid}
         target: Any = srv.url
     else:
         target = (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
@@ -373,8 +360,8 @@ def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[An
         ep.join(30)
         return out
     finally:
-        if bridge is not None:
-            bridge.stop()
+        if br is not None:
+            br.stop()
 
 
 def bootstrap_run(blocks: int, srv: Any, tmp: Path, procs: list[Any]) -> dict[str, Any]:
@@ -385,14 +372,15 @@ def bootstrap_run(blocks: int, srv: Any, tmp: Path, procs: list[Any]) -> dict[st
         ep, eng = spawn(engine_main)
         procs.append(ep)
         port, rport, _ = recv(eng, 30, "engine")
-        bridge = Bridge(srv2.url, port, rport, tmp, "--snapshot-interval", "1")
+        # Snapshots every 15 s (the default is 30): one covers the fill soon after it, and
+        # the reads below fall between two rewrites of the ~40 MB object.
+        br = bridge(srv2.url, port, rport, tmp, "--snapshot-interval", "15")
         try:
             t = time.perf_counter()
             eng.send(("fill", blocks))
             _, last = recv(eng, 300, "engine fill")
-            snap, took = asyncio.run(wait_snapshot(srv2.url, last, 300))
+            snap, t_read, stuck = asyncio.run(wait_snapshot(srv2.url, last, 300))
             fill = time.perf_counter() - t
-            t_read = asyncio.run(read_once(srv2.url))
             bp, bc = spawn(bootstrap_main, srv2.url)
             procs.append(bp)
             t_snap, t_batch, got = recv(bc, 180, "bootstrap consumer")
@@ -401,43 +389,44 @@ def bootstrap_run(blocks: int, srv: Any, tmp: Path, procs: list[Any]) -> dict[st
             eng.send(("quit",))
             ep.join(30)
         finally:
-            bridge.stop()
+            br.stop()
     finally:
         srv2.stop()
-    return {"fill": fill, "snap_blocks": snap.block_count, "snap_wait": took, "read": t_read,
+    return {"fill": fill, "snap_blocks": snap.block_count, "read": t_read, "stuck": stuck,
             "t_snap": t_snap, "t_batch": t_batch, "got": got}
 
 
-async def wait_snapshot(url: str, last_seq: int, timeout: float) -> tuple[Any, float]:
-    """Until the bridge's snapshot object covers the engine's fill (its seq >= last_seq)."""
+async def wait_snapshot(url: str, last_seq: int, timeout: float) -> tuple[Any, float, int]:
+    """Until the bridge's snapshot object covers the engine's fill (seq >= last_seq), then one
+    timed read of it. Each read is bounded: a read racing the object's replacement by the
+    bridge can wait forever (counted as stuck, retried)."""
     import nats
 
     from kvwire.nats.snapshots import read_snapshot
 
     nc = await nats.connect(url)
     t0 = time.perf_counter()
+    stuck = 0
+
+    async def read() -> Any:
+        nonlocal stuck
+        try:
+            return await asyncio.wait_for(read_snapshot(nc.jetstream(), "e", 0), 30)
+        except asyncio.TimeoutError:
+            stuck += 1
+            return None
+
     try:
         while True:
-            snap = await read_snapshot(nc.jetstream(), "e", 0)
+            snap = await read()
             if snap is not None and snap.seq >= last_seq:
-                return snap, time.perf_counter() - t0
+                break
             if time.perf_counter() - t0 > timeout:
                 raise RuntimeError(f"no snapshot covering seq {last_seq} after {timeout}s")
             await asyncio.sleep(0.5)
-    finally:
-        await nc.close()
-
-
-async def read_once(url: str) -> float:
-    import nats
-
-    from kvwire.nats.snapshots import read_snapshot
-
-    nc = await nats.connect(url)
-    try:
-        t0 = time.perf_counter()
-        await read_snapshot(nc.jetstream(), "e", 0)
-        return time.perf_counter() - t0
+        t = time.perf_counter()
+        again = await read()
+        return snap, (time.perf_counter() - t if again is not None else float("nan")), stuck
     finally:
         await nc.close()
 
@@ -513,11 +502,6 @@ async def raw_rows(url: str, n: int, srv_pid: int) -> list[tuple[str, str, str]]
         row("raw nats-py consume, ordered push consumer, callback", t0, k, pack)
     cpu.start()
     t0 = time.perf_counter()
-    for _ in range(n // 10):
-        await js.publish("raw.a.0", one)
-    row("raw nats-py publish, js.publish awaited one by one", t0, n // 10, 1)
-    cpu.start()
-    t0 = time.perf_counter()
     psub = await js.pull_subscribe("raw.p1.0", stream="RAW",
                                    config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
     got = 0
@@ -588,7 +572,9 @@ def main() -> None:
                 b = bootstrap_run(blocks, srv, tmp, procs)
                 where = f"bootstrap, {b['snap_blocks']:,} blocks (fill + snapshot {b['fill']:.1f}s)"
                 rows.append((where, "read_snapshot (object store get + decode)",
-                             f"{b['read']:.2f} s"))
+                             f"{b['read']:.2f} s"
+                             + (f"  ({b['stuck']} reads stuck >30 s, object replaced meanwhile)"
+                                if b["stuck"] else "")))
                 ts = "n/a" if b["t_snap"] is None else f"{b['t_snap']:.2f} s"
                 tb = "n/a" if b["t_batch"] is None else f"{b['t_batch']:.2f} s"
                 rows.append((where, "new Subscriber(NatsStreams)",
