@@ -226,7 +226,10 @@ class StreamMachine:
         self._replay_got = 0  # replies received for the replay in flight
         self._fruitless = 0  # replay requests in a row that timed out unanswered
         self._from0_gone = False  # this run's replay buffer no longer starts at seq 0
-        self._rebuild_for: int | None = None  # first seq of the loss the last rebuild was for
+        # First seqs of the losses already rebuilt once in this run: a seq the publisher never
+        # buffered stays missing however often we rebuild (two of them used to alternate
+        # forever when only the last one was remembered). At most one per buffered seq.
+        self._rebuilt: set[int] = set()
         self._rebuild_gap = (0, 0)  # that loss: seqs [a, b) missing, b held
         self._snap_header: SnapshotHeader | None = None
         self._snap_parts: dict[int, bytes] = {}
@@ -235,7 +238,8 @@ class StreamMachine:
         self._reset_sent = False
         self._reset_reason = "bootstrap"
         self._last_live = 0.0
-        self._checked_at = 0.0  # when tick last made a periodic check
+        self._checked_at = -math.inf  # when tick last made a periodic check
+        self._tail_last = False  # that check was a tail check
         self._alive = True
         self._next_check = math.inf
 
@@ -623,11 +627,17 @@ class StreamMachine:
             self._phase == "live" and self._req is None and self.has_replay
             and now >= self._next_check
         ):
-            quiet = self._last_live <= self._checked_at
+            quiet = self._last_live < self._checked_at
             self._checked_at = now
-            if self._mode == "reference" and quiet and self._delivered is not None:
+            tail, self._tail_last = (
+                self._mode == "reference" and quiet and self._delivered is not None
+                and not self._tail_last), False
+            if tail:
                 # No heartbeats to say what the last seq is: ask for anything after ours.
-                # An empty answer (just the end marker) means nothing was missed.
+                # An empty answer (just the end marker) means nothing was missed. Every
+                # other quiet check is still an INFO probe: a kvwire publisher whose first
+                # INFO answer was lost is recognised by it.
+                self._tail_last = True
                 self._c["tail_checks"] += 1
                 self._next_check = now + self._info_interval()
                 self._start_replay(self._delivered + 1, now, "gap")
@@ -645,7 +655,8 @@ class StreamMachine:
             self._probe("suspect", now)
         elif self._delivered is None and self._phase in ("probe", "replay"):
             self._buffer = {seq: payload}  # still bootstrapping: just start over from here
-            self._from0_gone, self._rebuild_for = False, None
+            self._from0_gone = False
+            self._rebuilt.clear()
             if self._phase == "replay":
                 self._start_replay(0, now)
         else:
@@ -655,7 +666,8 @@ class StreamMachine:
 
     def _restart(self, reason: str, now: float, keep_buffer: bool = False) -> None:
         self._abort_request("publisher restarted")
-        self._from0_gone, self._rebuild_for = False, None
+        self._from0_gone = False
+        self._rebuilt.clear()
         if not keep_buffer:
             self._buffer = {}
         self._emit_reset(reason)
@@ -701,9 +713,9 @@ class StreamMachine:
         start at seq 0 (or this very loss was already rebuilt once: a seq the publisher never
         buffered), asks a replay from 0 first: if it starts at 0 the stream is rebuilt
         exactly; otherwise the range is lost and we go on inexact."""
-        if self._mode == "reference" and not (self._from0_gone or self._rebuild_for == nxt):
+        if self._mode == "reference" and not (self._from0_gone or nxt in self._rebuilt):
             self._buffer[seq] = payload
-            self._rebuild_for = nxt
+            self._rebuilt.add(nxt)
             self._rebuild_gap = (nxt, seq)
             self._start_replay(0, now, "rebuild")
             return
