@@ -22,11 +22,14 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def consume(sub: Subscriber, rb: Rebuild, until: Any, timeout: float = 30.0) -> None:
+def consume(sub: Subscriber, rb: Rebuild, until: Any, timeout: float = 30.0,
+            want: Any = "") -> None:
     """Apply items until ``until()`` (condition-based, bounded)."""
     deadline = time.monotonic() + timeout
     while not until():
-        assert time.monotonic() < deadline, f"timed out; stats {sub.nats_stats()}"
+        assert time.monotonic() < deadline, (
+            f"timed out at {rb.last} (want {want() if callable(want) else want}); "
+            f"stats {sub.nats_stats()}")
         for it in sub.poll_many(0.2):
             rb.apply(it)
 
@@ -532,7 +535,8 @@ def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
         e.run(1500, 3000)
         d = e.wait_done(120)
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e.epoch, d.last_seq), 120)
+            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e.epoch, d.last_seq), 120,
+                    lambda: f"{d.last_seq} of epoch {e.epoch}; bridge log: {b.log()[-1500:]}")
         e.kill()
         e2 = Engine(8, port=e.port, rport=e.rport, workload="small")
         made.append(e2)
@@ -540,7 +544,8 @@ def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
         d2 = e2.wait_done(120)
         assert e2.epoch != e.epoch
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e2.epoch, d2.last_seq), 120)
+            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e2.epoch, d2.last_seq), 120,
+                    lambda: f"{d2.last_seq} of epoch {e2.epoch}; bridge log: {b.log()[-1500:]}")
             resets = [i for i in rb.items if type(i) is Reset]
             assert [r.epoch for r in resets] == [e.epoch, e2.epoch], resets
             assert rb.caches["k/dp0"].as_dict() == d2.truth

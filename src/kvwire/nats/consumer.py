@@ -453,7 +453,7 @@ class NatsSource:
             if self._lost:
                 self._lost = False
                 try:
-                    await self._reposition("reconnected")
+                    await self._reposition(self.last_error or "connection lost")
                 except Exception as e:  # noqa: BLE001 - retried on the next error
                     self.last_error = f"reposition failed: {type(e).__name__}: {e}"
                     log.warning("%s", self.last_error)
@@ -476,7 +476,10 @@ class NatsSource:
                     await asyncio.wait_for(arrived.wait(), 0.25)
                 except asyncio.TimeoutError:
                     if self._want and time.monotonic() - self._asked > _EXPIRES_NS / 1e9 + 2:
-                        self._want = 0  # the request's end was lost (a reconnect): ask again
+                        # The request's end never came (a reconnect, or no consumer any
+                        # more): ask again, after checking the consumer is still there.
+                        self._want = 0
+                        await self._check_consumer()
                 continue
             batch = list(msgs)
             msgs.clear()
@@ -512,14 +515,29 @@ class NatsSource:
             self.next_js = max(self.next_js, js_seq + 1)
         return out
 
+    async def _check_consumer(self) -> None:
+        from nats.js.errors import NotFoundError
+
+        try:
+            await self.js.consumer_info(self.spec.stream, self.consumer)
+        except NotFoundError:
+            self.last_error = f"consumer {self.consumer} is gone"
+            self._lost = True
+        except Exception as e:  # noqa: BLE001 - disconnected etc.: the next round retries
+            self.last_error = f"consumer check failed: {e}"
+
     def _status(self, m: Any) -> None:
         h = m.headers or {}
         code = h.get("Status", "")
         if code in ("408", "404", "409"):
             left = _num(h.get("Nats-Pending-Messages"))
             self._want = max(0, self._want - left) if left is not None else 0
-        if code == "409" and "deleted" in str(h.get("Description", "")).lower():
-            self._lost = True  # consumer deleted under us: re-create it where we are
+        desc = str(h.get("Description", "")).lower()
+        if code == "503" or ("consumer" in desc and ("deleted" in desc or "not found" in desc)):
+            # No consumer answers (503: no responders) or it was deleted under us: re-create
+            # it where we are.
+            self.last_error = f"pull answered {code} {desc}"
+            self._lost = True
 
     async def _resync(self, gap: Gap, m: Any) -> list[Delivery]:
         """A gap on one subject: its snapshot object if it reaches this far, else inexact."""
