@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(PY) bench/index.py
 	$(PY) bench/route.py
 	$(PY) bench/sim.py
+	$(PY) bench/nats.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
