@@ -383,7 +383,7 @@ def test_consumer_reconnects_when_nats_server_restarts(nats_server: Any) -> None
 
         run(_write(nats_server.url, more, w))
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.caught_up(w), timeout=60)
+            consume(sub, rb, lambda rb=rb: rb.caught_up(w), timeout=120)
             same(rb, w)
             nst = sub.nats_stats()[0]
             assert nst.gaps == 0 and nst.reconnects >= 1, nst
