@@ -15,6 +15,8 @@ that built them). msgspec decodes it straight into typed structs.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -25,7 +27,7 @@ from ..wire.events import BlockStored
 from .subjects import DEFAULT_SNAPSHOT_BUCKET, check_token, snapshot_object
 
 __all__ = ["FORMAT_VERSION", "StoredSnapshot", "decode_snapshot", "encode_snapshot",
-           "open_bucket", "read_snapshot", "snapshot_of", "write_snapshot"]
+           "SnapshotReadError", "open_bucket", "read_snapshot", "snapshot_of", "write_snapshot"]
 
 FORMAT_VERSION = 1
 
@@ -111,28 +113,57 @@ async def write_snapshot(js: Any, snap: StoredSnapshot, bucket: str = DEFAULT_SN
     return len(data)
 
 
+class SnapshotReadError(RuntimeError):
+    """The snapshot object could not be read whole (replaced while being read, every try)."""
+
+
+#: Longest wait for the next chunk of an object: the bridge replacing the object purges the
+#: old version's chunks, and a reader of that version would otherwise wait forever.
+CHUNK_TIMEOUT = 5.0
+#: Tries, each with the object's current version, before SnapshotReadError.
+READ_ATTEMPTS = 3
+
+
 async def read_snapshot(js: Any, engine: str, rank: int,
-                        bucket: str = DEFAULT_SNAPSHOT_BUCKET) -> StoredSnapshot | None:
-    """The latest snapshot of ``<engine>.<rank>``, or None (no bucket, no object yet)."""
+                        bucket: str = DEFAULT_SNAPSHOT_BUCKET, *,
+                        chunk_timeout: float = CHUNK_TIMEOUT,
+                        attempts: int = READ_ATTEMPTS) -> StoredSnapshot | None:
+    """The latest snapshot of ``<engine>.<rank>``, or None (no bucket, no object yet).
+
+    A read that stalls (no chunk for ``chunk_timeout`` s) or comes out short or corrupt is
+    retried with the object's current version (the bridge may have replaced it meanwhile);
+    after ``attempts`` tries, :class:`SnapshotReadError`. Never waits without bound."""
     from nats.js.errors import NotFoundError, ObjectNotFoundError
 
     store = await open_bucket(js, bucket)
     if store is None:
         return None
-    try:
-        info = await store.get_info(snapshot_object(engine, rank))
-    except (ObjectNotFoundError, NotFoundError):
-        return None
-    return decode_snapshot(await _fetch(js, bucket, info))
+    why = ""
+    for _ in range(max(1, attempts)):
+        try:
+            info = await store.get_info(snapshot_object(engine, rank))
+        except (ObjectNotFoundError, NotFoundError):
+            return None
+        try:
+            return decode_snapshot(await _fetch(js, bucket, info, chunk_timeout))
+        except _Incomplete as e:
+            why = str(e)
+    raise SnapshotReadError(
+        f"snapshot {snapshot_object(engine, rank)} in bucket {bucket!r} not read whole in "
+        f"{attempts} tries (last: {why})")
 
 
-async def _fetch(js: Any, bucket: str, info: Any) -> bytes:
+class _Incomplete(Exception):
+    pass
+
+
+async def _fetch(js: Any, bucket: str, info: Any, chunk_timeout: float = CHUNK_TIMEOUT) -> bytes:
     """The object's chunks, joined once. (nats-py's ``ObjectStore.get`` appends each chunk
     to a bytes object: quadratic, 3.5 s for a 35 MB snapshot instead of a fraction.)"""
     import base64
     from hashlib import sha256
 
-    from nats.js.errors import DigestMismatchError
+    from nats.errors import TimeoutError as NatsTimeout
 
     if not info.size:
         return b""
@@ -141,17 +172,23 @@ async def _fetch(js: Any, bucket: str, info: Any) -> bytes:
     h = sha256()
     got = 0
     try:
-        async for msg in sub.messages:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=chunk_timeout)
+            except (NatsTimeout, asyncio.TimeoutError):
+                raise _Incomplete(f"no chunk for {chunk_timeout:g}s after {got} of "
+                                  f"{info.size} bytes (object replaced?)") from None
             parts.append(msg.data)
             h.update(msg.data)
             got += len(msg.data)
-            if msg.metadata.num_pending == 0:
+            if msg.metadata.num_pending == 0 or got >= info.size:
                 break
     finally:
-        await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
     digest = info.digest.split("=", 1)[1] if "=" in info.digest else info.digest
     if got != info.size or h.digest() != base64.urlsafe_b64decode(digest):
-        raise DigestMismatchError
+        raise _Incomplete(f"{got} bytes of {info.size}, or digest mismatch")
     return b"".join(parts)
 
 
