@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
-__all__ = ["OPTIONS_ENV", "EngineSockets", "PublisherOptions", "check_rank_endpoint",
-           "publisher_options", "switch"]
+__all__ = ["OPTIONS_ENV", "EngineSockets", "FactorySwap", "PublisherOptions",
+           "check_rank_endpoint", "publisher_options", "switch"]
 
 #: JSON object of kvwire's own publisher settings, which the engines' configs cannot carry.
 OPTIONS_ENV = "KVWIRE_PUBLISHER_OPTIONS"
@@ -39,6 +41,34 @@ def switch(name: str, log: logging.Logger | None = None) -> bool:
         (log or logging.getLogger("kvwire.engines")).warning(
             "%s=%r is not one of 1/true/yes/on or 0/false/no/off: treated as off", name, raw)
     return False
+
+
+class FactorySwap:
+    """The ``"zmq"`` entry of an engine's ``EventPublisherFactory`` registry, swapped for
+    kvwire's publisher and back; ``registry`` is called only when needed (it imports the
+    engine). Idempotent both ways and thread-safe."""
+
+    def __init__(self, registry: Callable[[], dict], name: str = "zmq") -> None:
+        self._registry = registry
+        self._name = name
+        self._lock = threading.Lock()
+        self._original: Any = None  # the engine's own constructor while kvwire's is in
+
+    def install(self, cls: type) -> type:
+        reg = self._registry()
+        with self._lock:
+            current = reg.get(self._name)
+            if current is not cls:
+                self._original = current
+                reg[self._name] = cls
+        return cls
+
+    def uninstall(self) -> None:
+        with self._lock:
+            if self._original is None:
+                return
+            self._registry()[self._name] = self._original
+            self._original = None
 
 
 class PublisherOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

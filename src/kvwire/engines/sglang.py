@@ -15,12 +15,12 @@ import atexit
 import functools
 import logging
 import os
-import threading
 import weakref
 from typing import Any
 
 from . import (
     EngineSockets,
+    FactorySwap,
     check_rank_endpoint,
     publisher_options,
     switch,
@@ -34,9 +34,7 @@ KNOWN_KEYS = ("endpoint", "bind", "replay_endpoint", "buffer_steps", "hwm", "max
               "topic")
 
 log = logging.getLogger("sglang.kvwire")  # a child of SGLang's logger: shows in its log
-_lock = threading.Lock()
 _class: type | None = None
-_original: Any = None
 _unknown_seen: set[str] = set()
 
 
@@ -56,31 +54,23 @@ def register() -> None:
              __version__, os.getpid(), EVENTS_ENV)
 
 
-def install_events() -> type:
-    """Make SGLang's factory build kvwire's publisher for ``"zmq"``; idempotent."""
-    global _original
-    cls = publisher_class()
+def _registry() -> dict:
     from sglang.srt.disaggregation import kv_events
 
-    registry = kv_events.EventPublisherFactory._registry
-    with _lock:
-        current = registry.get("zmq")
-        if current is not cls:
-            _original = current
-            registry["zmq"] = cls
-    return cls
+    return kv_events.EventPublisherFactory._registry
+
+
+_swap = FactorySwap(_registry)
+
+
+def install_events() -> type:
+    """Make SGLang's factory build kvwire's publisher for ``"zmq"``; idempotent."""
+    return _swap.install(publisher_class())
 
 
 def uninstall_events() -> None:
     """Give SGLang's factory its own ``"zmq"`` publisher back (for tests)."""
-    global _original
-    with _lock:
-        if _original is None:
-            return
-        from sglang.srt.disaggregation import kv_events
-
-        kv_events.EventPublisherFactory._registry["zmq"] = _original
-        _original = None
+    _swap.uninstall()
 
 
 def _sglang_binds(endpoint: str) -> bool:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 from . import (
     EngineSockets,
+    FactorySwap,
     check_rank_endpoint,
     publisher_options,
     switch,
@@ -40,9 +40,7 @@ KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 #: ``enable_kv_cache_events`` and ``publisher``, which vLLM's factory consumes).
 KNOWN_KEYS = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic")
 
-_lock = threading.Lock()
 _class: type | None = None
-_original: Any = None  # vLLM's own "zmq" constructor while kvwire's is installed
 _unknown_seen: set[str] = set()
 
 
@@ -89,32 +87,24 @@ def register() -> None:
                  "; ".join(active))
 
 
+def _registry() -> dict:
+    from vllm.distributed import kv_events
+
+    return kv_events.EventPublisherFactory._registry
+
+
+_swap = FactorySwap(_registry)
+
+
 def install_events() -> type:
     """Make vLLM's factory build kvwire's publisher for ``"zmq"``; idempotent. Returns the
     class. Raises ImportError if vLLM's kv_events module cannot be imported."""
-    global _original
-    cls = publisher_class()
-    from vllm.distributed import kv_events
-
-    registry = kv_events.EventPublisherFactory._registry
-    with _lock:
-        current = registry.get("zmq")
-        if current is not cls:
-            _original = current
-            registry["zmq"] = cls
-    return cls
+    return _swap.install(publisher_class())
 
 
 def uninstall_events() -> None:
     """Give vLLM's factory its own ``"zmq"`` publisher back (for tests)."""
-    global _original
-    with _lock:
-        if _original is None:
-            return
-        from vllm.distributed import kv_events
-
-        kv_events.EventPublisherFactory._registry["zmq"] = _original
-        _original = None
+    _swap.uninstall()
 
 
 def publisher_class() -> type:
