@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 from typing import Any
 
-__all__ = ["nats_engines"]
+from ..nats.subjects import parse_subject
+
+__all__ = ["discover", "nats_engines"]
 
 
 def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """The NatsStreams spec and the EngineSpecs (``--nats-engine NAME[:RANKS]``, else every
     engine with a subject on the stream now). ValueError says what is wrong."""
-    from ..nats.consumer import NatsStreams, discover
+    from ..nats.consumer import NatsStreams
     from ..nats.subjects import check_token
     from ..router.service import EngineSpec
 
@@ -39,3 +43,23 @@ def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
                              "kvwire bridge first, or name them with --nats-engine NAME[:RANKS]")
     engines = [EngineSpec(name, spec.url, ranks=n) for name, n in ranks.items()]
     return spec, engines
+
+
+async def _discover(url: str, stream: str, subject: str, prefix: str) -> list[tuple[str, int]]:
+    import nats
+
+    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+    finally:
+        await nc.close()
+    out = []
+    for s in sorted((info.state.subjects or {}).keys()):
+        with contextlib.suppress(ValueError):
+            out.append(parse_subject(prefix, s))
+    return out
+
+
+def discover(spec: Any) -> list[tuple[str, int]]:
+    """``(engine, rank)`` of every subject the stream holds now (for ``kvwire serve``)."""
+    return asyncio.run(_discover(spec.url, spec.stream, spec.filter, spec.prefix))

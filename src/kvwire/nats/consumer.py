@@ -40,7 +40,7 @@ from ..consume.items import Delivery
 from . import subjects as S
 from .exact import BadMessage, Gap, Tracker
 
-__all__ = ["NatsSource", "NatsStats", "NatsStreams", "discover"]
+__all__ = ["NatsSource", "NatsStats", "NatsStreams"]
 
 log = logging.getLogger("kvwire.nats.consumer")
 
@@ -595,23 +595,3 @@ class NatsSource:
     async def commit(self) -> None:
         """Ack everything the application is done with and wait for the server to confirm."""
         await self._ack(sync=True)
-
-
-async def _discover(url: str, stream: str, subject: str, prefix: str) -> list[tuple[str, int]]:
-    import nats
-
-    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
-    try:
-        info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
-    finally:
-        await nc.close()
-    out = []
-    for s in sorted((info.state.subjects or {}).keys()):
-        with contextlib.suppress(ValueError):
-            out.append(S.parse_subject(prefix, s))
-    return out
-
-
-def discover(spec: NatsStreams) -> list[tuple[str, int]]:
-    """``(engine, rank)`` of every subject the stream holds now (for ``kvwire serve``)."""
-    return asyncio.run(_discover(spec.url, spec.stream, spec.filter, spec.prefix))
