@@ -113,9 +113,16 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
     engines += [k, r]
     specs = [_spec("k", k), _spec("r", r)]
     b1 = BridgeProc(tmp_path, nats_server.url, specs)
-    b2 = BridgeProc(tmp_path, nats_server.url, specs)
+    b2 = None
     try:
         b1.wait_started()
+        # The second joins the kvwire engine's subject once it holds the first's markers, so
+        # it resumes after them. (Two bridges bootstrapping the same empty subject at once at
+        # different snapshot seqs is a known defect: docs/scale-out.md, "Several bridges".
+        # The reference engine's subject stays empty until it runs: both bridges bootstrap
+        # it by a replay from seq 0, so their markers are the same messages.)
+        wait_subject_seq(nats_server.url, K, -1, 30, procs=[b1])
+        b2 = BridgeProc(tmp_path, nats_server.url, specs)
         b2.wait_started()
         k.run(1500, 3000)
         r.run(1500, 3000)
@@ -125,7 +132,8 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
         assert b1.stop() == 0 and b2.stop() == 0
     finally:
         b1.kill()
-        b2.kill()
+        if b2 is not None:
+            b2.kill()
     lk, lr = subject_log(nats_server.url, K), subject_log(nats_server.url, R)
     assert lk.cache.as_dict() == dk.truth and lr.cache.as_dict() == dr.truth
     assert len(lk.markers) == len(lr.markers) == 1
