@@ -418,14 +418,16 @@ def test_stalled_subscriber_gaps_are_filled_by_replay(closer):
 
 
 def test_heartbeats_keep_alive_and_death_is_reported(closer):
-    pub = kv_pub(heartbeat_interval=0.1)
+    # 0.2 s heartbeats (dead after 3 missed = 0.6 s): 0.1 s ones made a 0.3 s stall of a
+    # busy CI box look like a dead publisher
+    pub = kv_pub(heartbeat_interval=0.2)
     sub = Subscriber([StreamSpec("e", pub.endpoint, "", pub.replay_endpoint)])
     closer(sub)
     app = App()
     pump(sub, app, lambda: sub.stats()["e"].stream.phase == "live")
-    # idle for 10 heartbeat intervals (3 make it dead): still alive, seqs keep coming
+    # idle for 7-8 heartbeat intervals (3 make it dead): still alive, seqs keep coming
     first = app.last_seq("e")
-    end = time.monotonic() + 1.0
+    end = time.monotonic() + 1.5
     pump(sub, app, lambda: time.monotonic() >= end, timeout=5)
     assert app.liveness.get("e") is None and app.last_seq("e") > first + 3
     pub.shutdown(timeout=1.0)
