@@ -629,15 +629,14 @@ class StreamMachine:
         ):
             quiet = self._last_live < self._checked_at
             self._checked_at = now
-            tail, self._tail_last = (
-                self._mode == "reference" and quiet and self._delivered is not None
-                and not self._tail_last), False
+            tail = (self._mode == "reference" and quiet and self._delivered is not None
+                    and not self._tail_last)
+            self._tail_last = tail
             if tail:
                 # No heartbeats to say what the last seq is: ask for anything after ours.
                 # An empty answer (just the end marker) means nothing was missed. Every
                 # other quiet check is still an INFO probe: a kvwire publisher whose first
                 # INFO answer was lost is recognised by it.
-                self._tail_last = True
                 self._c["tail_checks"] += 1
                 self._next_check = now + self._info_interval()
                 self._start_replay(self._delivered + 1, now, "gap")
