@@ -1,0 +1,489 @@
+"""How one stream machine recovers: requests to the publisher and what their answers mean.
+
+The middle layer of :class:`kvwire.consume.stream.StreamMachine`, on top of
+:class:`~kvwire.consume.delivery.StreamState`: the INFO/REPLAY/SNAPSHOT requests (one in
+flight at a time, abandoned ones recycled), the reply inputs (:meth:`Recovery.replay`,
+:meth:`Recovery.replay_end`, :meth:`Recovery.info`, :meth:`Recovery.snapshot_chunk`,
+:meth:`Recovery.error`), and the decisions behind them: gap filling, rebuilds from seq 0,
+snapshot bootstrap and resync, restarts, timeouts and retries, the held-batch buffer."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from ..wire.events import BlockStored, DecodeError
+from .delivery import StreamState
+from .items import Action, Output, RecycleRequests, SendInfo, SendReplay, SendSnapshot
+from .replies import InfoReply, SnapshotHeader
+
+__all__ = ["Recovery"]
+
+
+class Recovery(StreamState):
+    """Request, reply and recovery logic of :class:`~kvwire.consume.stream.StreamMachine`."""
+
+    # ------------------------------------------------------------------ replies
+
+    def replay(self, seq: int, payload: bytes, now: float) -> list[Output]:
+        """One replayed batch arrived."""
+        if self._req != "replay":
+            self._c["stray_replies"] += 1
+            return []
+        self._req_deadline = now + self.config.request_timeout
+        self._c["replayed"] += 1
+        first = self._replay_got == 0
+        self._replay_got += 1
+        self._fruitless = 0
+        if self._replay_kind == "rebuild" and self._rebuild_answer(seq, payload, now):
+            return self._flush()
+        if self._delivered is None:  # bootstrap without snapshot: replay from 0
+            if self._replay_from == 0 and seq > 0:
+                self._from0_gone = True
+            self._baseline(seq, f"no snapshot available; starting at replayed seq {seq}")
+            self._deliver(seq, payload)
+            self._drain()
+            return self._flush()
+        nxt = self._delivered + 1
+        if seq < nxt:
+            self._c["duplicates"] += 1
+        elif seq == nxt:
+            self._deliver(seq, payload)
+            self._drain_next(seq)
+        elif first:
+            # The answer starts after what we asked for: the publisher no longer has it.
+            self._unfillable(nxt, seq, payload, now)
+        else:
+            # A hole inside the answer: lost on the way (the reference publisher's ROUTER
+            # drops at its HWM) or evicted while being served. Keep what came; the rest
+            # is asked for again when this answer ends.
+            self._hold(seq, payload, now)
+        return self._flush()
+
+    def _rebuild_answer(self, seq: int, payload: bytes, now: float) -> bool:
+        """First reply to the replay from 0 asked for after a loss; False: handle it (and
+        the rest of the answer) as any replay reply."""
+        a, b = self._rebuild_gap
+        self._replay_kind = "gap"  # whatever follows continues like any replay
+        if seq == 0:
+            # The publisher still holds its whole run: start over from seq 0, exactly.
+            self._c["resyncs"] += 1
+            self._reset_reason = (
+                f"seqs {a}..{b - 1} not replayable; rebuilt exactly by a replay from seq 0"
+            )
+            self._baseline(0, self._reset_reason)
+            self._deliver(0, payload)
+            self._drain()
+            return True
+        self._from0_gone = True
+        if seq <= a:
+            return False  # it holds the range after all (it was only unreachable): go on
+        # The buffer starts at ``seq``: what we lack below it is gone.
+        m = min(seq, min(self._buffer, default=seq))
+        self._c["lost"] += m - a
+        self._last_error = f"seqs {a}..{m - 1} lost"
+        self._baseline(m, f"seqs {a}..{m - 1} lost and no snapshot available")
+        if m == seq:
+            self._deliver(seq, payload)
+        else:
+            self._deliver(m, self._buffer.pop(m))
+            self._hold(seq, payload, now)  # a hole above what we held: asked again at the end
+        self._drain()
+        return True
+
+    def _give_up(self, a: int, b: int, now: float) -> None:
+        """Seqs ``a..b-1`` are gone for good (``b`` is held): go on inexact from ``b``."""
+        self._c["lost"] += b - a
+        self._last_error = f"seqs {a}..{b - 1} lost"
+        self._baseline(b, f"seqs {a}..{b - 1} lost and no snapshot available")
+        if b in self._buffer:
+            self._deliver(b, self._buffer.pop(b))
+        if self._req is None:
+            self._resume(now)
+
+    def replay_end(self, now: float) -> list[Output]:
+        """The replay end marker arrived."""
+        if self._req != "replay":
+            self._c["stray_replies"] += 1
+            return []
+        self._req, self._req_deadline = None, math.inf
+        if self._delivered is None:
+            if self._buffer and self._replay_got == 0 and \
+                    self._fruitless + 1 < self.config.replay_attempts:
+                # Nothing buffered when it was served, but live batches came since: the
+                # publisher holds them from where they started, so ask again.
+                self._fruitless += 1
+                self._start_replay(0, now, "boot")
+            elif self._buffer:
+                m = min(self._buffer)
+                self._baseline(m, f"no snapshot available; starting at live seq {m}")
+                self._resume(now)
+            else:
+                self._phase = "await_first"  # the first live batch decides (see live())
+            return self._flush()
+        if self._replay_kind == "rebuild":  # an empty answer from 0: nothing to rebuild from
+            self._give_up(*self._rebuild_gap, now)
+            return self._flush()
+        self._drain()
+        progress = self._delivered + 1 > self._replay_from
+        if self._buffer and not progress:
+            # The replay brought nothing we needed: whatever is missing is gone.
+            m = min(self._buffer)
+            self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
+            if self._req is None and self._phase == "replay":
+                self._resume(now)
+        elif progress:
+            self._continue(now)
+        else:
+            self._enter_live(now)
+        return self._flush()
+
+    def info(self, info: InfoReply, now: float) -> list[Output]:
+        """The publisher answered INFO."""
+        if self._req != "info":
+            self._c["stray_replies"] += 1
+            return []
+        self._req, self._req_deadline = None, math.inf
+        upgraded = self._mode != "kvwire"
+        self._mode = "kvwire"
+        self._hb = info.heartbeat_interval
+        self._snap_ok = bool(info.snapshot) and self.config.use_snapshots
+        self._next_check = now + self._info_interval()
+        purpose = self._purpose
+        if self._epoch is not None and info.epoch != self._epoch:
+            self._c["restarts"] += 1
+            old, self._epoch = self._epoch, info.epoch
+            self._live_high = None
+            self._restart(f"publisher restarted (epoch {old:#x} -> {info.epoch:#x})", now)
+            return self._flush()
+        self._epoch = info.epoch
+        if self._delivered is None and self._resume_after is not None:
+            (r_epoch, r_seq), self._resume_after = self._resume_after, None
+            if info.epoch == r_epoch and info.oldest != -1 and info.oldest <= r_seq + 1 \
+                    and info.seq >= r_seq:
+                self._label, self._delivered, self._exact = info.epoch, r_seq, True
+                for s in [s for s in self._buffer if s <= r_seq]:
+                    del self._buffer[s]
+                self._start_replay(r_seq + 1, now, "gap")
+                return self._flush()
+        if self._delivered is None:
+            self._bootstrap(now)
+        elif upgraded:
+            # What we hold was sequenced without epochs: it may mix runs. Start over.
+            self._restart("publisher now answers INFO; re-bootstrapping with epochs", now)
+        elif purpose == "gap":
+            nxt = self._delivered + 1
+            fillable = info.oldest != -1 and info.oldest <= nxt
+            if self._snap_ok and not fillable:
+                self._c["lost"] += max(0, (info.oldest if info.oldest != -1 else nxt) - nxt)
+                self._reset_reason = f"seqs from {nxt} no longer replayable; resynced"
+                self._resync(now)
+            else:
+                self._start_replay(nxt, now)
+        elif purpose in ("suspect", "boot"):
+            self._resume(now)
+        return self._flush()
+
+    def snapshot_chunk(self, header: SnapshotHeader, payload: bytes, now: float) -> list[Output]:
+        """One SNAPSHOT chunk arrived."""
+        if self._req != "snapshot":
+            self._c["stray_replies"] += 1
+            return []
+        self._req_deadline = now + self.config.request_timeout
+        h0 = self._snap_header
+        if not (0 <= header.chunk < header.chunks) or (
+            h0 is not None and (h0.epoch, h0.seq, h0.chunks) != (header.epoch, header.seq,
+                                                              header.chunks)
+        ):
+            self._bad_frame(f"inconsistent snapshot chunk {header}")
+            self._start_snapshot(now)
+            return self._flush()
+        self._snap_header = header
+        self._snap_parts[header.chunk] = payload
+        if len(self._snap_parts) == header.chunks:
+            self._complete_snapshot(header, now)
+        return self._flush()
+
+    def error(self, message: str, now: float) -> list[Output]:
+        """The publisher answered ERR (e.g. snapshots disabled, busy)."""
+        self._c["error_replies"] += 1
+        self._last_error = f"publisher error: {message}"
+        if self._req is None:
+            return []
+        kind, self._req, self._req_deadline = self._req, None, math.inf
+        if kind == "snapshot":
+            self._snap_errors += 1
+            if self._snap_errors >= self.config.max_snapshot_errors or "disabled" in message:
+                self._snap_ok = False
+                self._snap_errors = 0
+                self._no_snapshot_fallback(now)
+                return self._flush()
+        self._retry_at = now + self.config.retry_delay
+        return self._flush()
+
+    # ------------------------------------------------------------------ decisions
+
+    def _suspect_restart(self, seq: int, payload: bytes, old: int, now: float) -> None:
+        reason = f"publisher restarted (live seq went back from {old} to {seq})"
+        if self._mode == "kvwire":
+            # Could be a duplicate; the epoch decides. Older buffered batches are moot.
+            self._buffer = {seq: payload}
+            self._probe("suspect", now)
+        elif self._delivered is None and self._phase in ("probe", "replay"):
+            self._buffer = {seq: payload}  # still bootstrapping: just start over from here
+            self._from0_gone = False
+            self._rebuilt.clear()
+            if self._phase == "replay":
+                self._start_replay(0, now)
+        else:
+            self._c["restarts"] += 1
+            self._buffer = {seq: payload}
+            self._restart(reason, now, keep_buffer=True)
+
+    def _restart(self, reason: str, now: float, keep_buffer: bool = False) -> None:
+        self._abort_request("publisher restarted")
+        self._from0_gone = False
+        self._rebuilt.clear()
+        if not keep_buffer:
+            self._buffer = {}
+        self._emit_reset(reason)
+        self._reset_reason = reason
+        self._delivered = None
+        self._exact = False
+        self._bootstrap(now)
+
+    def _bootstrap(self, now: float) -> None:
+        """No baseline yet: get one (snapshot, replay from 0, or the first live batch)."""
+        self._delivered = None
+        if self._mode == "kvwire" and self._snap_ok:
+            self._start_snapshot(now)
+        elif self.has_replay:
+            self._start_replay(0, now)
+        elif self._buffer:
+            m = min(self._buffer)
+            self._baseline(m, f"started at live seq {m}")
+            self._resume(now)
+        else:
+            self._phase = "await_first"
+
+    def _resync(self, now: float) -> None:
+        self._c["resyncs"] += 1
+        self._start_snapshot(now)
+
+    def _fill_gap(self, now: float) -> None:
+        nxt = self._delivered + 1  # type: ignore[operator]
+        if not self.has_replay:
+            while self._buffer:
+                m = min(self._buffer)
+                self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)  # type: ignore[operator]
+            self._enter_live(now)
+        elif self._mode == "kvwire":
+            self._probe("gap", now)  # re-check the epoch before trusting a replay
+        else:
+            self._start_replay(nxt, now)
+
+    def _unfillable(self, nxt: int, seq: int, payload: bytes, now: float) -> None:
+        """Seqs ``nxt..seq-1`` cannot be replayed; ``seq`` is the next one we have.
+
+        With snapshots: resync. A reference stream, unless this run's buffer is known not to
+        start at seq 0 (or this very loss was already rebuilt once: a seq the publisher never
+        buffered), asks a replay from 0 first: if it starts at 0 the stream is rebuilt
+        exactly; otherwise the range is lost and we go on inexact."""
+        if self._mode == "reference" and not (self._from0_gone or nxt in self._rebuilt):
+            self._buffer[seq] = payload
+            self._rebuilt.add(nxt)
+            self._rebuild_gap = (nxt, seq)
+            self._start_replay(0, now, "rebuild")
+            return
+        self._c["lost"] += seq - nxt
+        self._last_error = f"seqs {nxt}..{seq - 1} lost"
+        if self._mode == "kvwire" and self._snap_ok:
+            self._buffer[seq] = payload
+            self._reset_reason = f"seqs {nxt}..{seq - 1} lost and not replayable; resynced"
+            self._resync(now)
+            return
+        self._baseline(seq, f"seqs {nxt}..{seq - 1} lost and no snapshot available")
+        self._deliver(seq, payload)
+        self._drain()
+
+    def _no_snapshot_fallback(self, now: float) -> None:
+        if self._delivered is None:
+            self._bootstrap(now)
+        elif self._buffer:
+            m = min(self._buffer)
+            self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
+            if self._req is None:
+                self._resume(now)
+        else:
+            self._enter_live(now)
+
+    def _resume(self, now: float) -> None:
+        """Baseline known, no request in flight: deliver what is held, fill what is not."""
+        self._drain()
+        if self._buffer:
+            self._c["gaps"] += 1
+            self._fill_gap(now)
+        else:
+            self._enter_live(now)
+
+    def _continue(self, now: float, ended: bool = True) -> None:
+        """A replay answered in part: ask again for what is still missing (not a new gap).
+        ``ended=False``: its end never came, so where it would have ended is unknown."""
+        self._drain()
+        high = self._live_high
+        if ended and not self._buffer and (high is None or high <= self._delivered):  # type: ignore[operator]
+            self._enter_live(now)
+        elif self._mode == "kvwire":
+            self._probe("gap", now)
+        else:
+            self._start_replay(self._delivered + 1, now, "gap")  # type: ignore[operator]
+
+    def _timeout(self, now: float) -> None:
+        kind = self._req
+        self._c["timeouts"] += 1
+        self._last_error = f"{kind} request timed out"
+        self._abort_request(f"{kind} request timed out")
+        if kind == "info":
+            if self._purpose == "check":
+                self._next_check = now + self._info_interval()
+            elif self._mode == "unknown":
+                self._mode = "reference"  # no INFO answer: a reference publisher
+                self._last_error = "no INFO reply: reference publisher (no snapshots/epochs)"
+                if self._delivered is None:
+                    self._bootstrap(now)
+                else:
+                    self._resume(now)
+            else:
+                self._probe(self._purpose, now)
+        elif kind == "replay" and self._replay_got > 0 and self._delivered is not None:
+            self._continue(now, ended=False)  # the rest (or its end) was lost on the way
+        elif kind == "replay" and self._fruitless + 1 < self.config.replay_attempts:
+            self._fruitless += 1  # unanswered: a stall on either side; ask again
+            self._start_replay(self._replay_from, now, self._replay_kind)
+        elif kind == "replay" and self._replay_kind == "rebuild":
+            self._fruitless = 0
+            self._give_up(*self._rebuild_gap, now)
+        elif kind == "replay":
+            self._fruitless = 0
+            if self._mode == "kvwire":
+                self._probe("boot" if self._delivered is None else "gap", now)
+            elif self._delivered is None:
+                if self._buffer:
+                    m = min(self._buffer)
+                    self._baseline(m, f"replay unavailable; starting at live seq {m}")
+                    self._resume(now)
+                else:
+                    self._phase = "await_first"
+            elif self._buffer:
+                m = min(self._buffer)
+                self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
+                if self._req is None:
+                    self._resume(now)
+            else:
+                self._enter_live(now)
+        else:
+            self._probe("boot" if self._delivered is None else "gap", now)
+
+    def _retry(self, now: float) -> None:
+        if self._phase == "snapshot":
+            self._start_snapshot(now)
+        elif self._phase == "replay":
+            self._start_replay(self._replay_from, now, self._replay_kind)
+        elif self._phase == "probe":
+            self._probe(self._purpose, now)
+
+    # ------------------------------------------------------------------ requests
+
+    def _send(self, kind: Literal["info", "replay", "snapshot"], action: Action,
+              now: float, timeout: float) -> None:
+        self._abort_request(f"superseded by {kind} request")
+        self._req = kind
+        self._req_deadline = now + timeout
+        self._retry_at = math.inf
+        self._out.append(action)
+
+    def _abort_request(self, reason: str) -> None:
+        if self._req is not None:
+            self._req, self._req_deadline = None, math.inf
+            self._out.append(RecycleRequests(reason))
+
+    def _probe(self, purpose: str, now: float) -> None:
+        if purpose != "check":
+            self._phase = "probe"
+        self._purpose = purpose
+        if self._req == "info":
+            return  # the INFO already in flight answers this too
+        timeout = self.config.info_timeout if self._mode != "kvwire" else \
+            self.config.request_timeout
+        self._send("info", SendInfo(), now, timeout)
+
+    def _start_replay(self, start: int, now: float,
+                      kind: Literal["boot", "gap", "rebuild"] | None = None) -> None:
+        self._phase = "replay"
+        self._replay_from = start
+        self._replay_kind = kind or ("boot" if self._delivered is None else "gap")
+        self._replay_got = 0
+        self._c["replays"] += 1
+        self._send("replay", SendReplay(start), now, self.config.request_timeout)
+
+    def _start_snapshot(self, now: float) -> None:
+        self._phase = "snapshot"
+        self._snap_header = None
+        self._snap_parts = {}
+        self._send("snapshot", SendSnapshot(self.config.snapshot_chunk_blocks), now,
+                   self.config.request_timeout)
+
+    def _complete_snapshot(self, header: SnapshotHeader, now: float) -> None:
+        self._req, self._req_deadline = None, math.inf
+        parts, self._snap_parts, self._snap_header = self._snap_parts, {}, None
+        blocks: list[BlockStored] = []
+        try:
+            for i in range(header.chunks):
+                blocks.extend(
+                    e for e in self._decoder.decode(parts[i]).events if type(e) is BlockStored
+                )
+        except DecodeError as e:
+            self._c["bad_payloads"] += 1
+            self._last_error = f"bad snapshot chunk: {e}"
+            self._retry_at = now + self.config.retry_delay
+            return
+        self._snap_errors = 0
+        self._c["snapshots"] += 1
+        if self._epoch is not None and header.epoch != self._epoch:
+            # Restarted between INFO and SNAPSHOT: the snapshot is right for the new run,
+            # but buffered live batches may belong to either run.
+            self._c["restarts"] += 1
+            self._reset_reason = (
+                f"publisher restarted (epoch {self._epoch:#x} -> {header.epoch:#x})"
+            )
+            self._buffer = {}
+        self._epoch = header.epoch
+        self._emit_snapshot(header.seq, blocks, True, self._reset_reason)
+        self._resume(now)
+
+    # ------------------------------------------------------------------ held batches
+
+    def _hold(self, seq: int, payload: bytes, now: float) -> None:
+        self._buffer[seq] = payload
+        if len(self._buffer) > self.config.max_buffer:
+            # Give up this attempt: start it again from scratch, with an empty buffer.
+            self._c["buffer_overflows"] += 1
+            self._last_error = f"more than {self.config.max_buffer} live batches held"
+            self._buffer = {}
+            self._abort_request("resync buffer overflow")
+            if self._phase == "snapshot":
+                self._start_snapshot(now)
+            elif self._phase == "replay" and self._replay_kind == "rebuild":
+                self._start_replay(0, now, "rebuild")
+            elif self._phase == "replay":
+                self._start_replay(0 if self._delivered is None else self._delivered + 1, now)
+            elif self._phase == "probe":
+                self._probe(self._purpose, now)
+
+    def _enter_live(self, now: float) -> None:
+        if self._want_resync and self._mode == "kvwire" and self._snap_ok:
+            self._want_resync = False
+            self._reset_reason = "resynced after an undecodable batch"
+            self._resync(now)
+            return
+        self._phase = "live"
