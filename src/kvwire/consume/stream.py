@@ -1,7 +1,7 @@
 """Reliable consumption of ONE publisher's stream, as a pure state machine (no I/O).
 
 Like h11, the protocol logic is kept apart from the sockets: the I/O layer
-(:mod:`kvwire.subscriber`, or a test) feeds in what arrived and the current time, and gets
+(:mod:`kvwire.consume.subscriber`, or a test) feeds in what arrived and the current time, and gets
 back a list of outputs:
 
 * **actions** for the I/O layer: :class:`SendInfo`, :class:`SendReplay`,

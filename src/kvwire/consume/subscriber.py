@@ -1,6 +1,6 @@
 """One subscriber for many publishers (engines x DP ranks), reliable per stream.
 
-All protocol decisions live in :class:`kvwire.stream.StreamMachine` (one per stream);
+All protocol decisions live in :class:`kvwire.consume.stream.StreamMachine` (one per stream);
 this module only moves bytes. A shared :class:`_Core` owns the sockets (a SUB for the live
 stream and a DEALER for replay/INFO/SNAPSHOT per stream, never REQ) and turns readable
 sockets and the passing of time into machine inputs. Two thin fronts drive the same core:
@@ -9,7 +9,7 @@ sockets and the passing of time into machine inputs. Two thin fronts drive the s
 * asyncio: ``async for item in sub:``, ``await sub.apoll(timeout)`` (``zmq.asyncio.Poller``).
 
 Every wait is bounded (by the caller's timeout and by the machines' own deadlines), so a
-dead publisher is reported through :class:`~kvwire.stream.Liveness`, never by hanging.
+dead publisher is reported through :class:`~kvwire.consume.stream.Liveness`, never by hanging.
 A Subscriber is not thread-safe: use it from one thread (or one event loop).
 """
 
@@ -268,13 +268,13 @@ class _Core:
 class Subscriber:
     """Reliable consumer of many publishers' KV event streams.
 
-    Yields :class:`~kvwire.stream.Batch`, :class:`~kvwire.stream.Reset`,
-    :class:`~kvwire.stream.Snapshot` and :class:`~kvwire.stream.Liveness` items, each
-    naming its stream. Per stream the order is always ``Reset, Snapshot(N), Batch(N+1),
-    Batch(N+2), ...`` (repeated after a publisher restart or unrecoverable loss), so an
-    application that clears on Reset, loads on Snapshot and applies Batches holds the
-    engine's cache. ``rcvhwm`` bounds each live socket's queue (overflow shows up as
-    gaps that are then replayed).
+    Yields :class:`~kvwire.consume.stream.Batch`, :class:`~kvwire.consume.stream.Reset`,
+    :class:`~kvwire.consume.stream.Snapshot` and :class:`~kvwire.consume.stream.Liveness`
+    items, each naming its stream. Per stream the order is always ``Reset, Snapshot(N),
+    Batch(N+1), Batch(N+2), ...`` (repeated after a publisher restart or unrecoverable
+    loss), so an application that clears on Reset, loads on Snapshot and applies Batches
+    holds the engine's cache. ``rcvhwm`` bounds each live socket's queue (overflow shows up
+    as gaps that are then replayed).
     """
 
     def __init__(
