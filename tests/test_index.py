@@ -106,12 +106,27 @@ def test_native_keys_equal_pure_python(toks, bs, seed, start):
 @pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
 @settings(max_examples=200, deadline=None)
 @given(start=st.dictionaries(st.integers(0, 20), st.integers(1, 2**200)),
-       keys=st.lists(st.integers(0, 20)), slot=st.integers(0, 60))
-def test_native_add_bits_equals_pure_python(start, keys, slot):
-    setb, keep, tb = (1 | 4) << slot, ~(2 << slot), 4 << slot
+       keys=st.lists(st.integers(0, 20)), slot=st.integers(0, 400),
+       lane=st.integers(1, 6))
+def test_native_add_bits_equals_pure_python(start, keys, slot, lane):
+    # slots far apart (several 30-bit digits) exercise the C digit-level update
+    far = slot * lane + 7
+    setb, keep, tb = 1 << slot | 1 << far, ~(1 << (slot + 3)), 1 << far
     a, b = dict(start), dict(start)
     assert keys_mod.add_bits(a, keys, setb, keep, tb) == keys_mod.py_add_bits(b, keys, setb,
                                                                               keep, tb)
+    assert a == b
+    assert all(type(v) is int for v in a.values())
+
+
+@pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
+@settings(max_examples=200, deadline=None)
+@given(start=st.dictionaries(st.integers(0, 30), st.integers(0, 300)),
+       hashes=st.lists(st.integers(0, 30), max_size=12))
+def test_native_insert_new_equals_pure_python(start, hashes):
+    keys = [h * 7 for h in hashes]  # small ints too: same objects as values already there
+    a, b = dict(start), dict(start)
+    assert keys_mod.insert_new(a, hashes, keys) == keys_mod.py_insert_new(b, hashes, keys)
     assert a == b
 
 
@@ -134,6 +149,7 @@ def key_impl(request, monkeypatch):
         monkeypatch.setattr(prefix_mod, "NATIVE", False)
         monkeypatch.setattr(prefix_mod, "chain_tokens", keys_mod.py_chain_tokens)
         monkeypatch.setattr(prefix_mod, "add_bits", keys_mod.py_add_bits)
+        monkeypatch.setattr(prefix_mod, "insert_new", keys_mod.py_insert_new)
     elif not keys_mod.NATIVE:
         pytest.skip(f"C keys not built: {keys_mod.REASON}")
     return request.param

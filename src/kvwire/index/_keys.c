@@ -613,6 +613,50 @@ done:
  *   for each key: masks[key] = setb when absent, else (masks[key] | setb) & keep unless
  *   masks[key] & tb (then the key is returned: a second engine hash for it). The ingest
  *   loop of PrefixIndex._add for new best-tier blocks, without the interpreter per block. */
+#if FAST_LANES
+#define MAX_MASK_DIGITS 64
+/* 1 if non-negative ints a and b share a set bit, 0 if not, -1 if either is not such an int */
+static inline int
+common_bits(PyObject *a, PyObject *b)
+{
+    if (!PyLong_CheckExact(a) || !PyLong_CheckExact(b) || Py_SIZE(a) < 0 || Py_SIZE(b) < 0)
+        return -1;
+    Py_ssize_t n = Py_SIZE(a) < Py_SIZE(b) ? Py_SIZE(a) : Py_SIZE(b);
+    const digit *x = ((PyLongObject *)a)->ob_digit, *y = ((PyLongObject *)b)->ob_digit;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (x[i] & y[i]) return 1;
+    return 0;
+}
+
+/* (v | s) & ~c for non-negative ints, as one new int built from their digits (the ingest's
+ * mask update without the three temporary ints of the generic number protocol); NULL
+ * without an error set when an argument does not fit this path. */
+static PyObject *
+or_andnot(PyObject *v, PyObject *s, PyObject *c)
+{
+    if (!PyLong_CheckExact(v) || !PyLong_CheckExact(s) || !PyLong_CheckExact(c)
+        || Py_SIZE(v) < 0 || Py_SIZE(s) < 0 || Py_SIZE(c) < 0)
+        return NULL;
+    Py_ssize_t nv = Py_SIZE(v), ns = Py_SIZE(s), nc = Py_SIZE(c);
+    Py_ssize_t n = nv > ns ? nv : ns;
+    if (n > MAX_MASK_DIGITS) return NULL;
+    const digit *dv = ((PyLongObject *)v)->ob_digit, *ds = ((PyLongObject *)s)->ob_digit;
+    const digit *dc = ((PyLongObject *)c)->ob_digit;
+    digit out[MAX_MASK_DIGITS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        digit d = (i < nv ? dv[i] : 0) | (i < ns ? ds[i] : 0);
+        if (i < nc) d &= ~dc[i];
+        out[i] = d & PyLong_MASK;
+    }
+    while (n > 0 && out[n - 1] == 0) n--;
+    if (n == 0) return PyLong_FromLong(0);
+    PyLongObject *r = _PyLong_New(n);
+    if (r == NULL) return NULL;
+    memcpy(r->ob_digit, out, (size_t)n * sizeof(digit));
+    return (PyObject *)r;
+}
+#endif
+
 static PyObject *
 add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -627,8 +671,15 @@ add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     LanesObject *lanes = (nargs == 6 && args[5] != Py_None) ? (LanesObject *)args[5] : NULL;
     uint64_t set_any = 0, set_nb = 0;  /* setb's lanes, for every new key */
     if (lanes != NULL && lanes_of(setb, &set_any, &set_nb) < 0) return NULL;
+    PyObject *clear = NULL;  /* ~keep: the bits the update clears (keep is negative) */
+#if FAST_LANES
+    if (PyLong_CheckExact(keep) && Py_SIZE(keep) < 0) {
+        clear = PyNumber_Invert(keep);
+        if (clear == NULL) return NULL;
+    }
+#endif
     PyObject *dups = PyList_New(0);
-    if (dups == NULL) return NULL;
+    if (dups == NULL) { Py_XDECREF(clear); return NULL; }
     Py_ssize_t n = PyList_GET_SIZE(keys);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = PyList_GET_ITEM(keys, i);
@@ -652,29 +703,68 @@ add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             continue;
         }
-        PyObject *has = PyNumber_And(v, tb);
-        if (has == NULL) goto fail;
-        int dup = PyObject_IsTrue(has);
-        Py_DECREF(has);
-        if (dup < 0) goto fail;
+        int dup = -1;
+        PyObject *nv = NULL;
+#if FAST_LANES
+        dup = common_bits(v, tb);
+        if (dup == 0 && clear != NULL) {
+            nv = or_andnot(v, setb, clear);
+            if (nv == NULL && PyErr_Occurred()) goto fail;
+        }
+#endif
+        if (dup < 0) {
+            PyObject *has = PyNumber_And(v, tb);
+            if (has == NULL) goto fail;
+            dup = PyObject_IsTrue(has);
+            Py_DECREF(has);
+            if (dup < 0) goto fail;
+        }
         if (dup) {
             if (PyList_Append(dups, k) < 0) goto fail;
             continue;
         }
-        PyObject *o = PyNumber_Or(v, setb);
-        if (o == NULL) goto fail;
-        PyObject *nv = PyNumber_And(o, keep);
-        Py_DECREF(o);
-        if (nv == NULL) goto fail;
+        if (nv == NULL) {
+            PyObject *o = PyNumber_Or(v, setb);
+            if (o == NULL) goto fail;
+            nv = PyNumber_And(o, keep);
+            Py_DECREF(o);
+            if (nv == NULL) goto fail;
+        }
         int rc = PyDict_SetItem(masks, k, nv);
         if (rc == 0 && lanes != NULL) rc = lanes_set_obj(lanes, k, nv);
         Py_DECREF(nv);
         if (rc < 0) goto fail;
     }
+    Py_XDECREF(clear);
     return dups;
 fail:
+    Py_XDECREF(clear);
     Py_DECREF(dups);
     return NULL;
+}
+
+/* insert_new(d, hashes, keys) -> count
+ *   d[hashes[i]] = keys[i] in order while hashes[i] is not in d yet (one probe each, by
+ *   setdefault); stops at the first hash already there (or repeated) and returns how many
+ *   it inserted, so the caller can undo them and take its careful path. */
+static PyObject *
+insert_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+        || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[1]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "insert_new(dict, list, list of the same length)");
+        return NULL;
+    }
+    PyObject *d = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(args[1]), i = 0;
+    for (; i < n; i++) {
+        Py_ssize_t before = PyDict_GET_SIZE(d);
+        if (PyDict_SetDefault(d, PyList_GET_ITEM(args[1], i), PyList_GET_ITEM(args[2], i)) == NULL)
+            return NULL;
+        if (PyDict_GET_SIZE(d) == before) break;  /* there already: left as it was */
+    }
+    return PyLong_FromSsize_t(i);
 }
 
 /* bits64(mask) -> list of the set bits' indices, lowest first (mask: an int in [0, 2**64)).
@@ -698,6 +788,8 @@ bits64(PyObject *self, PyObject *arg)
 }
 
 static PyMethodDef methods[] = {
+    {"insert_new", (PyCFunction)(void (*)(void))insert_new, METH_FASTCALL,
+     "insert_new(d, hashes, keys) -> how many were new and inserted, in order"},
     {"bits64", (PyCFunction)bits64, METH_O, "bits64(mask) -> indices of set bits, lowest first"},
     {"scan_tokens", (PyCFunction)(void (*)(void))scan_tokens, METH_FASTCALL,
      "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred) -> (i, key)"},

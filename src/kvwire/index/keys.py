@@ -19,8 +19,8 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "Lanes", "add_bits", "bits64", "block_keys", "chain_tokens", "root_seed", "scan_tokens",
-    "token_bytes",
+    "NATIVE", "ROOT_SEED", "Lanes", "add_bits", "bits64", "block_keys", "chain_tokens",
+    "insert_new", "root_seed", "scan_tokens", "token_bytes",
 ]
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
@@ -105,11 +105,23 @@ def py_add_bits(masks: dict[int, int], keys: list[int], setb: int, keep: int,
     return dups
 
 
+def py_insert_new(d: dict, hashes: list, keys: list) -> int:
+    """``d[hashes[i]] = keys[i]`` in order while ``hashes[i]`` is new to ``d``; stops at the
+    first one already there (or repeated) and returns how many it inserted (the pure twin)."""
+    for i, (h, k) in enumerate(zip(hashes, keys)):
+        before = len(d)
+        d.setdefault(h, k)
+        if len(d) == before:
+            return i
+    return len(hashes)
+
+
 NATIVE = False
 #: Why the C path is not used (empty when it is).
 REASON = ""
 chain_tokens = py_chain_tokens
 add_bits = py_add_bits
+insert_new = py_insert_new
 scan_tokens = None  # C only: PrefixIndex walks in Python without it
 Lanes = None  # C only: the scan's uint64 mirror of the masks' lanes 0/1
 bits64 = None  # C only: set bits of a 64-bit mask as a list
@@ -122,6 +134,7 @@ else:
             add_bits,
             bits64,
             chain_tokens,
+            insert_new,
             scan_tokens,
         )
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from .keys import NATIVE, Lanes, add_bits, chain_tokens, root_seed, scan_tokens
+from .keys import NATIVE, Lanes, add_bits, chain_tokens, insert_new, root_seed, scan_tokens
 from .state import (
     StreamIndexStats,
     StreamMatch,
@@ -51,6 +51,10 @@ DEFAULT_TIER_ALIASES: dict[str, str] = {
 GHOSTS = 65_536
 #: Blocks off the C scan's fast path before the rest of a prompt is walked in Python.
 _MAX_STOPS = 32
+#: Prompt lengths whose no-match answers are kept as templates (then the cache starts over).
+_TEMPLATES = 256
+#: Matched lengths whose best-tier-only counts tuples are kept (then the cache starts over).
+_COUNTS_CACHE = 65_536
 
 
 class PrefixIndex:
@@ -102,6 +106,14 @@ class PrefixIndex:
         self.last_error = ""
         self._max_stops = _MAX_STOPS
         self._last = 0  # the last key a walk looked at (where a second chunk continues)
+        # match's answer templates (see _misses): rebuilt when _shape moves on, i.e. when
+        # streams, block sizes or tiers change
+        self._shape = 0
+        self._tpl_shape = -1
+        self._tpl: dict[Any, dict[str, StreamMatch]] = {}
+        self._counts: dict[int, tuple[int, ...]] = {}
+        self._names: tuple[str, ...] = ()
+        self._zeros: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ streams and tiers
 
@@ -117,6 +129,7 @@ class PrefixIndex:
                     self._grow()
             st = self._streams[name] = _Stream(name, slot)
             self._by_slot[slot] = st
+            self._shape += 1
         return st
 
     def _grow(self) -> None:
@@ -144,6 +157,7 @@ class PrefixIndex:
                 t = self._tier_idx[name] = len(self._tiers)
                 self._tiers.append(name)
                 self.tier_credits.setdefault(name, 0.0)
+                self._shape += 1
             self._medium_cache[medium] = t
         return t
 
@@ -154,6 +168,7 @@ class PrefixIndex:
             self._by_bs[st.block_size] &= ~st.bit
         st.block_size = bs
         self._by_bs[bs] = self._by_bs.get(bs, 0) | st.bit
+        self._shape += 1
         st.req_base = self._bs_requests.get(bs, 0)
 
     # ------------------------------------------------------------------ ingest
@@ -271,16 +286,17 @@ class PrefixIndex:
         lanes = self._lanes
         pred = st.pred
         dget = d.get
-        if t == 0 and not pred and d.keys().isdisjoint(hs):
+        if t == 0 and not pred:
             # the common case: new blocks in the best tier, no predictions to confirm
-            before = len(d)
-            d.update(zip(hs, keys))
-            if len(d) - before == len(hs):
+            if type(hs) is not list:
+                hs = list(hs)
+            done = insert_new(d, hs, keys)
+            if done == len(hs):
                 for k in add_bits(kd, keys, bit | tb, ~nb, tb, lanes):
                     self._dup(st, t, k)
                 return
-            for h in hs:  # one hash twice in the event: undo, take the careful path
-                d.pop(h, None)
+            for h in hs[:done]:  # a hash known already (or twice in the event): undo,
+                del d[h]  # take the careful path
         if t == 0:  # the best tier: any-lane and tier lane set, not-best lane cleared
             setb = bit | tb
             for h, k in zip(hs, keys):
@@ -429,6 +445,7 @@ class PrefixIndex:
                 del self._by_bs[st.block_size]
         del self._by_slot[st.slot]
         self._free.append(st.slot)
+        self._shape += 1
 
     # ------------------------------------------------------------------ predictions
 
@@ -495,7 +512,8 @@ class PrefixIndex:
             self._expire(self.clock())
         seed = root_seed(lora_name, salt)
         ntok = len(token_ids)
-        found: dict[int, tuple[int, int, dict[int, int] | None]] = {}
+        found: dict[int, int] = {}  # slot -> matched blocks (ints only: nothing for the GC)
+        detail: dict[int, tuple[int, dict[int, int] | None]] = {}
         scannable = type(token_ids) is list or type(token_ids) is tuple
         for bs, group in self._by_bs.items():
             n = ntok // bs
@@ -512,47 +530,74 @@ class PrefixIndex:
                 alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed), group, 0, found,
                                       slow)
             for s in _bits(alive):
-                found[s] = (i, 0, None)
+                found[s] = i
             if slow:
-                self._attribute(slow, found)
-        names = tuple(self._tiers)
-        credits = [self.tier_credits[t] for t in names]
+                self._attribute(slow, found, detail)
+        out = self._misses(ntok)
+        if not found:
+            return out
+        names = self._names
+        tc = self.tier_credits  # read each time: callers may retune credits live
+        credits = [tc[t] for t in names]
         c0 = credits[0]
-        zeros = (0,) * len(names)
-        tail = zeros[1:]
-        out: dict[str, StreamMatch] = {}
-        for name, st in self._streams.items():
-            bs = st.block_size
-            pb = ntok // bs if bs else 0
-            r = found.get(st.slot)
-            if r is None:  # not even the first block (a stream absent from ``found``)
-                m = st.miss
-                if m is None or m.prompt_blocks != pb or m.tier_names != names:
-                    m = st.miss = StreamMatch(name, pb, 0, 0, 0.0, zeros, names)
-                out[name] = m
-                continue
-            matched, predicted, extra = r
-            rest = matched - predicted
-            if extra:
+        zeros = self._zeros
+        counts_of = self._counts
+        by_slot = self._by_slot
+        for s, matched in found.items():
+            st = by_slot[s]
+            d = detail.get(s)
+            if d is None:
+                counts_t = counts_of.get(matched)
+                if counts_t is None:
+                    if len(counts_of) >= _COUNTS_CACHE:
+                        counts_of.clear()
+                    counts_t = counts_of[matched] = (matched, *zeros[1:])
+                predicted, credit = 0, c0 * matched
+            else:
+                predicted, extra = d
+                rest = matched - predicted
                 counts = list(zeros)
                 credit = float(predicted)
-                for t, c in extra.items():
-                    counts[t] = c
-                    credit += credits[t] * c
-                    rest -= c
+                if extra:
+                    for t, c in extra.items():
+                        counts[t] = c
+                        credit += credits[t] * c
+                        rest -= c
                 counts[0] = rest
                 credit += c0 * rest
                 counts_t = tuple(counts)
-            else:
-                counts_t = (rest, *tail)
-                credit = c0 * rest + predicted
             if matched - predicted > 0:
                 st.matched += 1
-            out[name] = StreamMatch(name, pb, matched, predicted, credit, counts_t, names)
+            bs = st.block_size
+            out[st.name] = StreamMatch(st.name, ntok // bs if bs else 0, matched, predicted,
+                                       credit, counts_t, names)
         return out
 
+    def _misses(self, ntok: int) -> dict[str, StreamMatch]:
+        """A fresh dict of every stream's no-match answer for a prompt of ``ntok`` tokens:
+        a copy of a cached template (``match`` then overwrites only the streams that
+        matched), so a fleet of streams costs one dict copy, not a Python loop per stream."""
+        if self._shape != self._tpl_shape:  # streams, block sizes or tiers changed
+            self._tpl.clear()
+            self._counts.clear()
+            self._tpl_shape = self._shape
+            self._names = tuple(self._tiers)
+            self._zeros = (0,) * len(self._names)
+        key = ntok if len(self._by_bs) <= 1 else tuple(ntok // bs for bs in self._by_bs)
+        tpl = self._tpl.get(key)
+        if tpl is None:
+            if len(self._tpl) >= _TEMPLATES:
+                self._tpl.clear()
+            names, zeros = self._names, self._zeros
+            tpl = self._tpl[key] = {
+                name: StreamMatch(name, ntok // st.block_size if st.block_size else 0, 0, 0,
+                                  0.0, zeros, names)
+                for name, st in self._streams.items()
+            }
+        return tpl.copy()
+
     def _scan(self, token_ids: Any, bs: int, n: int, seed: int, alive: int,
-              found: dict[int, tuple[int, int, dict[int, int] | None]],
+              found: dict[int, int],
               slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
         """The C walk: ``scan_tokens`` hashes and looks up blocks while every stream in
         ``alive`` holds them in the best tier, and stops at the first block where something
@@ -573,7 +618,7 @@ class PrefixIndex:
         return alive, i
 
     def _walk(self, keys: Iterable[int], alive: int, i: int,
-              found: dict[int, tuple[int, int, dict[int, int] | None]],
+              found: dict[int, int],
               slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
         """Follow the prompt's keys from block ``i`` while any stream in ``alive`` still
         matches; a stream that stops matching gets its matched length in ``found``. Blocks
@@ -595,7 +640,7 @@ class PrefixIndex:
             if hit != alive:
                 if i:  # streams that drop out at block 0 matched nothing: left out of found
                     for s in _bits(alive ^ hit):
-                        found[s] = (i, 0, None)
+                        found[s] = i
                 alive = hit
                 if not alive:
                     break
@@ -610,9 +655,10 @@ class PrefixIndex:
         self._last = k
         return alive, i
 
-    def _attribute(self, slow: list[tuple[int, int, int, int]],
-                   found: dict[int, tuple[int, int, dict[int, int] | None]]) -> None:
-        """Tier attribution of the blocks not all in the best tier, run by run."""
+    def _attribute(self, slow: list[tuple[int, int, int, int]], found: dict[int, int],
+                   detail: dict[int, tuple[int, dict[int, int] | None]]) -> None:
+        """Tier attribution of the blocks not all in the best tier, run by run, into
+        ``detail``: slot -> (predicted blocks, {tier: blocks} outside the best tier)."""
         W = self._W
         full = (1 << W) - 1
         lanes = 2 + len(self._tiers)
@@ -630,10 +676,10 @@ class PrefixIndex:
                         e[t] = e.get(t, 0) + run
             for s in _bits(p):
                 predicted[s] = predicted.get(s, 0) + run
-        for s, (matched, _, _) in list(found.items()):
+        for s in found:
             if s in extra or s in predicted:
                 # runs count blocks walked while the stream was alive, all within `matched`
-                found[s] = (matched, predicted.get(s, 0), extra.get(s))
+                detail[s] = (predicted.get(s, 0), extra.get(s))
 
     # ------------------------------------------------------------------ diagnostics
 

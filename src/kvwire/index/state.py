@@ -76,7 +76,7 @@ class _Stream:
         "pred",
         "events", "batches", "last_time", "alive", "resets", "snapshots", "clears",
         "no_tokens", "unplaced", "orphans", "unknown_removes", "bad", "last_bad",
-        "req_base", "matched", "token_blocks", "miss",
+        "req_base", "matched", "token_blocks",
     )
 
     def __init__(self, name: str, slot: int) -> None:
@@ -99,7 +99,6 @@ class _Stream:
         self.req_base = 0
         self.matched = 0
         self.token_blocks = 0
-        self.miss: Any = None  # the cached no-match StreamMatch (see PrefixIndex.match)
 
     def lookup(self, h: BlockHash) -> int | None:
         for d in self.h2k.values():
