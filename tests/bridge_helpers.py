@@ -19,6 +19,7 @@ from kvwire.nats import subjects as S
 from kvwire.wire.events import BlockStored, decode_batch
 
 _chunk = msgspec.msgpack.Decoder(list[BlockStored])
+_runs = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 class SubjectLog(msgspec.Struct):
@@ -31,13 +32,18 @@ class SubjectLog(msgspec.Struct):
     cache: BlockCache
     exact: bool
     last_js_seq: int
+    packs: int = 0  # ``batches`` messages (bridge --pack)
+    stored_twice: int = 0  # batches stored again by an overlapping run (redundant packing)
 
 
-async def read_subject(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -> SubjectLog:
+async def read_subject(url: str, subject: str, stream: str = S.DEFAULT_STREAM,
+                       overlap: bool = False) -> SubjectLog:
     """Read ``subject`` from its first message; AssertionError on any break of the contract:
     the first message is a reset marker; a reset is followed by chunks 0..n-1 of the
     snapshot at the same (epoch, seq); after that, a batch is (epoch, seq + 1) of the one
-    before or a reset comes; no Nats-Msg-Id twice."""
+    before or a reset comes (a ``batches`` run: its first seq is; with ``overlap``, two
+    redundant packing bridges' runs may overlap what came before: counted in
+    ``stored_twice``, only the new tail applied); no Nats-Msg-Id twice."""
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
     from nats.js.errors import NotFoundError
@@ -79,15 +85,28 @@ async def read_subject(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -
                 log.exact = h.get("Kvwire-Exact", "1") != "0"
                 want_chunk = None if i == n - 1 else (i + 1, n)
             else:
-                assert kind == "batch" and want_chunk is None and pos is not None, \
+                assert kind in ("batch", "batches") and want_chunk is None and pos is not None, \
                     f"{subject}: {kind} {(ep, sq)} out of place"
-                assert (ep, sq) == (pos[0], pos[1] + 1), \
-                    f"{subject}: batch {(ep, sq)} after {pos}: gap or duplicate"
-                assert mid == S.msg_id(*S.parse_subject(subject.rsplit(".", 2)[0], subject),
-                                       ep, sq)
-                log.cache.apply(decode_batch(m.data))
-                log.batches.append((ep, sq))
-                pos = (ep, sq)
+                eng, rk = S.parse_subject(subject.rsplit(".", 2)[0], subject)
+                if kind == "batches":
+                    first = int(h[S.H_FIRST_SEQ])
+                    assert mid == S.run_msg_id(eng, rk, ep, first, sq)
+                    bodies = [bytes(x) for x in _runs.decode(m.data)]
+                    assert len(bodies) == sq - first + 1, f"{subject}: {mid} holds {len(bodies)}"
+                    log.packs += 1
+                else:
+                    first, bodies = sq, [m.data]
+                    assert mid == S.msg_id(eng, rk, ep, sq)
+                if overlap and ep == pos[0] and first <= pos[1]:
+                    again = min(sq, pos[1]) - first + 1
+                    log.stored_twice += again
+                    bodies, first = bodies[again:], first + again
+                assert not bodies or (ep, first) == (pos[0], pos[1] + 1), \
+                    f"{subject}: batch {(ep, first)}..{sq} after {pos}: gap or duplicate"
+                for i, body in enumerate(bodies):
+                    log.cache.apply(decode_batch(body))
+                    log.batches.append((ep, first + i))
+                pos = (ep, max(sq, pos[1]) if ep == pos[0] else sq)
             log.messages += 1
             log.last_js_seq = m.metadata.sequence.stream
         await sub.unsubscribe()
@@ -96,8 +115,9 @@ async def read_subject(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -
         await nc.close()
 
 
-def subject_log(url: str, subject: str, stream: str = S.DEFAULT_STREAM) -> SubjectLog:
-    return asyncio.run(read_subject(url, subject, stream))
+def subject_log(url: str, subject: str, stream: str = S.DEFAULT_STREAM,
+                overlap: bool = False) -> SubjectLog:
+    return asyncio.run(read_subject(url, subject, stream, overlap))
 
 
 async def _last_seq(url: str, subject: str, stream: str) -> tuple[int, int] | None:

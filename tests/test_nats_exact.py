@@ -162,8 +162,10 @@ def test_reference_publisher_bootstrap_at_seq_minus_one() -> None:
     assert t.counts["gaps"] == 0 and t.counts["bad_messages"] == 0 and t.counts["inexact"] == 1
 
 
-_KEYS = st.sampled_from([S.H_KIND, S.H_EPOCH, S.H_SEQ, S.H_CHUNK, S.H_REASON, "Kvwire-Exact"])
-_VALS = st.one_of(st.sampled_from(["batch", "reset", "snapshot", "0", "1", "-1", "2/3", "0/1",
+_KEYS = st.sampled_from([S.H_KIND, S.H_EPOCH, S.H_SEQ, S.H_CHUNK, S.H_REASON, "Kvwire-Exact",
+                         S.H_FIRST_SEQ])
+_VALS = st.one_of(st.sampled_from(["batch", "batches", "reset", "snapshot", "0", "1", "-1",
+                                   "2/3", "0/1",
                                    "1/0", "x", ""]), st.text(max_size=8),
                   st.integers(-5, 10**20).map(str))
 

@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=_number(int), default=4096, metavar="N",
                    help="unacknowledged publishes at most (default 4096)")
     p.add_argument("--ack-timeout", type=_number(float), default=5.0, metavar="S")
+    p.add_argument("--pack", type=_number(int), default=1, metavar="N",
+                   help="up to N consecutive batches already in hand per JetStream message "
+                        "(default 1: one each; never waits to fill one). With N > 1, two "
+                        "redundant bridges may cut different runs and a batch can be stored "
+                        "twice (consumers drop it); --share has no such issue")
     p.add_argument("--connect-timeout", type=_number(float), default=10.0, metavar="S",
                    help="give up if the first connection takes longer (later: retried)")
     p.add_argument("--log-interval", type=_number(float, allow_zero=True), default=10.0,
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes, max_msgs_per_subject=args.max_msgs_per_subject,
         duplicate_window=args.duplicate_window, snapshot_interval=args.snapshot_interval,
         share=args.share, lease_ttl=args.lease_ttl, max_inflight=args.max_inflight,
-        ack_timeout=args.ack_timeout, log_interval=args.log_interval,
+        ack_timeout=args.ack_timeout, pack=args.pack, log_interval=args.log_interval,
         connect_timeout=args.connect_timeout)
     try:
         bridge = Bridge(args.engine, cfg)

@@ -17,6 +17,12 @@ a rank, the bridge reads the subject's last message ``(epoch, seq)`` and rebuild
 
 Redundant bridges write identical messages with identical ``Nats-Msg-Id`` (deduplicated);
 ``share=True`` splits the engines by leases (:mod:`kvwire.nats.leases`).
+
+``pack=N`` (opt-in, N > 1): consecutive batches of one stream and epoch that the bridge
+already has in hand (one Subscriber poll) go out as one ``batches`` message of up to N (the
+per-message costs of the bridge, nats-server and consumers are then paid once per run).
+It never waits to fill a run. Redundant bridges may cut different runs, so a batch can be
+stored twice (consumers drop seqs they already delivered); shared mode has no such issue.
 """
 
 from __future__ import annotations
@@ -51,6 +57,25 @@ from .subjects import (
 )
 from .writer import JsWriter, Lane, marker_entries
 
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def last_batch_body(headers: dict[str, str], data: bytes, seq: int | None) -> bytes | None:
+    """The encoded batch at ``seq`` if the message (a ``batch`` or a ``batches`` run) ends
+    there: what a reference run's check compares the engine's batch with."""
+    kind = headers.get("Kvwire-Kind")
+    if seq is None or headers.get("Kvwire-Seq") != str(seq):
+        return None  # (a redundant bridge's late, overlapping run: no check possible)
+    if kind == "batch":
+        return data
+    if kind == "batches":
+        try:
+            parts = _raw_list.decode(data)
+        except msgspec.DecodeError:
+            return None
+        return bytes(parts[-1]) if parts else None
+    return None
+
 __all__ = ["Bridge", "BridgeConfig", "BridgeError", "BridgeStats", "ensure_stream"]
 
 log = logging.getLogger("kvwire.nats.bridge")
@@ -78,6 +103,7 @@ class BridgeConfig:
     lease_ttl: float = 10.0
     max_inflight: int = 4096
     ack_timeout: float = 5.0
+    pack: int = 1  # up to this many batches in hand per JetStream message (1: one each)
     log_interval: float = 10.0  # seconds between one-line stat logs; 0: none
     skip_timeout: float = 10.0  # reference run check: longest wait to reach the subject's seq
     connect_timeout: float = 10.0  # first connection only; later ones are retried forever
@@ -118,6 +144,8 @@ class BridgeConfig:
                 raise bad(f"{name} must be > 0 seconds, got {v!r}")
         if self.max_inflight < 1:
             raise bad(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if not isinstance(self.pack, int) or not 1 <= self.pack <= 4096:
+            raise bad(f"pack must be an int from 1 to 4096, got {self.pack!r}")
 
 
 async def ensure_stream(js: Any, cfg: BridgeConfig) -> Any:
@@ -156,7 +184,8 @@ async def ensure_stream(js: Any, cfg: BridgeConfig) -> Any:
 
 class BridgeStats(msgspec.Struct):
     streams: int = 0
-    batches: int = 0  # batch messages submitted
+    batches: int = 0  # batches submitted
+    packs: int = 0  # ``batches`` messages (runs of >= 2) submitted
     markers: int = 0  # reset + snapshot marker sets submitted
     skipped: int = 0  # delivered batches already on the subject (restart, redundancy)
     resumed: int = 0  # streams continued exactly from the subject's last message
@@ -188,6 +217,11 @@ class _Follow:
         self.skip_since = 0.0
         self.fresh = True  # nothing delivered since the follower started
         self.boot = True  # no Snapshot since the follower started
+        self.run: list[Any] = []  # batches in hand, not yet submitted (pack > 1)
+        self.run_payloads: list[bytes] = []
+        self.run_bytes = 0
+        self.run_epoch = 0
+        self.run_first = 0
 
     def resume_point(self) -> tuple[int, int] | None:
         if self.complete and self.epoch is not None and self.seq is not None:
@@ -360,6 +394,10 @@ class Bridge:
                 items = await sub.apoll_many(0.25, 1000)
                 for it in items:
                     await self._on_item(by_name[it.stream], it)
+                if cfg.pack > 1:  # what is in hand goes now: never wait to fill a run
+                    for f in by_name.values():
+                        if f.run:
+                            await self._flush_run(f)
                 now = time.monotonic()
                 for f in by_name.values():
                     if f.skip_cache is not None and now - f.skip_since > cfg.skip_timeout:
@@ -396,12 +434,14 @@ class Bridge:
         if st.seq is not None and f.complete:
             try:
                 m = await self.js.get_last_msg(cfg.stream, lane.subject)
-                f.last_body = m.data if (m.headers or {}).get("Kvwire-Kind") == "batch" else None
+                f.last_body = last_batch_body(m.headers or {}, m.data, st.seq)
             except Exception:
                 f.last_body = None
 
     async def _on_item(self, f: _Follow, it: Any) -> None:
         t = type(it)
+        if f.run and t is not Batch:
+            await self._flush_run(f)
         if f.fresh and t is not Liveness:
             f.fresh = False
             if t is Batch:  # the Subscriber resumed after the subject's (epoch, seq)
@@ -466,13 +506,38 @@ class Bridge:
             self.stats.last_error = f"{f.lane.subject}: batch {b.seq} after {f.seq}"
         w = self.writer
         assert w is not None
-        await w.submit(f.lane.batch_entry(epoch, b.seq, b.batch, encode_batch(b.batch)))
-        self.stats.batches += 1
+        payload = encode_batch(b.batch)
+        if self.config.pack > 1:
+            if f.run and (epoch != f.run_epoch or b.seq != f.run_first + len(f.run)
+                          or len(f.run) >= self.config.pack
+                          or f.run_bytes + len(payload) + 2048 > w.max_payload):
+                await self._flush_run(f)
+            if not f.run:
+                f.run_epoch, f.run_first, f.run_bytes = epoch, b.seq, 0
+            f.run.append(b.batch)
+            f.run_payloads.append(payload)
+            f.run_bytes += len(payload)
+        else:
+            await w.submit(f.lane.batch_entry(epoch, b.seq, b.batch, payload))
+            self.stats.batches += 1
         f.epoch, f.seq, f.complete, f.last_body = epoch, b.seq, True, None
+
+    async def _flush_run(self, f: _Follow) -> None:
+        """Submit the batches in hand as one message (a run of one is a plain batch)."""
+        run, payloads = f.run, f.run_payloads
+        f.run, f.run_payloads, f.run_bytes = [], [], 0
+        w = self.writer
+        assert w is not None
+        await w.submit(f.lane.run_entry(f.run_epoch, f.run_first, run, payloads))
+        self.stats.batches += len(run)
+        if len(run) > 1:
+            self.stats.packs += 1
 
     async def _diverged(self, f: _Follow, why: str) -> None:
         """A reference engine restarted while the bridge was away: its run goes on as a new
         incarnation, from what was skipped."""
+        if f.run:
+            await self._flush_run(f)
         cache = f.skip_cache or BlockCache()
         self.stats.diverged += 1
         epoch = 0 if f.epoch is None else f.epoch + 1
@@ -484,6 +549,8 @@ class Bridge:
                        reason: str) -> None:
         w = self.writer
         assert w is not None
+        if f.run:
+            await self._flush_run(f)
         for e in marker_entries(f.lane, epoch, seq, blocks, exact, reason, w.max_payload):
             await w.submit(e)
         self.stats.markers += 1

@@ -504,14 +504,15 @@ class NatsSource:
             elif type(res) is BadMessage:
                 log.warning("bad message: %s", tracker.last_error)
                 res = []
-            ack = js_seq
             if self.spec.durable is not None:
                 self._unacked.append((js_seq, m))
             if res:
-                out += [(d, ack) for d in res[:-1]]
-                out.append((res[-1], ack))
+                # A message counts as done with its last item: the items before it (a run's
+                # batches, a Reset before its Snapshot) only finish the messages before.
+                out += [(d, js_seq - 1) for d in res[:-1]]
+                out.append((res[-1], js_seq))
             else:
-                out.append((None, ack))
+                out.append((None, js_seq))
             self.next_js = max(self.next_js, js_seq + 1)
         return out
 
@@ -552,7 +553,11 @@ class NatsSource:
         epoch = _num(h.get(S.H_EPOCH))
         seq = _num(h.get(S.H_SEQ)) or 0
         kind = h.get(S.H_KIND)
-        if snap is not None and kind == "batch" and (epoch, seq) == (snap.epoch, snap.seq + 1):
+        first = (_num(h.get(S.H_FIRST_SEQ)) or 0) if kind == "batches" else seq
+        if kind == "batches":
+            kind = "batch"  # (a run is judged by its first seq here)
+        if snap is not None and kind == "batch" and epoch == snap.epoch and (
+                first <= snap.seq + 1 <= seq):
             # An older snapshot still continues here (nothing of this subject in between).
             out = self.tracker.bootstrap(gap.subject, snap.js_seq, snap.epoch, snap.seq,
                                          snap.blocks, snap.exact, reason + "; resync")
@@ -562,7 +567,7 @@ class NatsSource:
                         f"; snapshot at #{snap.js_seq} is older") + ": contents before unknown"
         self.last_error = f"{gap.subject}: {why}"
         if kind == "batch":
-            res2 = self.tracker.inexact(gap.subject, epoch, seq - 1, why)
+            res2 = self.tracker.inexact(gap.subject, epoch, first - 1, why)
             res = self.tracker.feed(gap.subject, gap.js_seq, h, m.data)
             return res2 + (res if isinstance(res, list) else [])
         return self.tracker.inexact(gap.subject, epoch, seq, why)

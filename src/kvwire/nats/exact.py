@@ -2,7 +2,10 @@
 with hypothesis like :class:`kvwire.consume.stream.StreamMachine`.
 
 Per subject, a message is accepted only if it continues what was delivered: a batch with the
-same epoch and ``seq + 1``, or a reset marker, or a (possibly chunked) snapshot marker.
+same epoch and ``seq + 1``, or a run of batches (``batches``, ``first..last``) of the same
+epoch with ``first <= seq + 1 <= last`` (only its seqs after ``seq`` are delivered: runs cut
+differently by redundant bridges may overlap), or a reset marker, or a (possibly chunked)
+snapshot marker. Batches at or below ``seq`` of the same epoch are duplicates, dropped.
 Anything else is a :class:`Gap`; the I/O layer (:mod:`kvwire.nats.consumer`) then resyncs
 the subject from its latest snapshot object (:meth:`Tracker.bootstrap`) or, when there is
 no usable one, declares it inexact (:meth:`Tracker.inexact`). It never silently carries on.
@@ -24,6 +27,7 @@ _PER_SUBJECT = ("batches", "events", "resets", "snapshots", "duplicates", "gaps"
                 "inexact", "bad_messages")
 
 _blocks_dec = msgspec.msgpack.Decoder(list[BlockStored])
+_run_dec = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 class Gap(msgspec.Struct, frozen=True):
@@ -134,6 +138,11 @@ class Tracker:
                 raise ValueError(f"header {S.H_KIND}={kind!r} is not one of {S.KINDS}")
             epoch = _int(h, S.H_EPOCH)
             seq = _int(h, S.H_SEQ, -1)
+            first = seq
+            if kind == "batches":
+                first = _int(h, S.H_FIRST_SEQ)
+                if first >= seq:
+                    raise ValueError(f"run {first}..{seq} covers fewer than two seqs")
         except ValueError as e:
             return self._bad(subject, js_seq, str(e))
         if js_seq <= st.skip_upto or js_seq <= st.last_js:
@@ -146,7 +155,7 @@ class Tracker:
             return self._snapshot_part(st, js_seq, h, epoch, seq, data)
         if st.chunk_key is not None:
             return self._gap(st, js_seq, "batch inside a chunked snapshot")
-        if st.seq is None or epoch != st.epoch or seq != st.seq + 1:
+        if st.seq is None or epoch != st.epoch or not first <= st.seq + 1 <= seq:
             if st.seq is not None and epoch == st.epoch and seq <= st.seq:
                 st.last_js = js_seq
                 self.counts["duplicates"] += 1
@@ -155,7 +164,10 @@ class Tracker:
             have = (f"epoch {st.epoch} seq {st.seq}" if st.seq is not None else
                     "a reset marker" if st.started else
                     "an unknown position (nothing of it delivered or still stored)")
-            return self._gap(st, js_seq, f"batch epoch {epoch} seq {seq} after {have}")
+            what = f"seq {seq}" if first == seq else f"seqs {first}..{seq}"
+            return self._gap(st, js_seq, f"batch epoch {epoch} {what} after {have}")
+        if kind == "batches":
+            return self._run(st, js_seq, epoch, first, seq, data)
         try:
             batch = self._decoder.decode(data)
         except DecodeError as e:
@@ -166,6 +178,34 @@ class Tracker:
         st.c["batches"] += 1
         st.c["events"] += len(batch.events)
         return [Batch(st.stream, seq, batch, epoch)]
+
+    def _run(self, st: SubjectState, js_seq: int, epoch: int, first: int, last: int,
+             data: bytes) -> list[Delivery] | BadMessage:
+        """A ``batches`` message continuing the subject: its seqs after ``st.seq``."""
+        try:
+            parts = _run_dec.decode(data)
+        except msgspec.DecodeError as e:
+            return self._bad(st.subject, js_seq, f"undecodable run body: {e}")
+        if len(parts) != last - first + 1:
+            return self._bad(st.subject, js_seq, f"run {first}..{last} holds {len(parts)} "
+                             "batches")
+        start = st.seq + 1 - first  # type: ignore[operator]
+        dec = self._decoder.decode
+        try:
+            batches = [dec(p) for p in parts[start:]]
+        except DecodeError as e:
+            return self._bad(st.subject, js_seq, f"undecodable batch in run: {e}")
+        if start:
+            self.counts["duplicates"] += start
+            st.c["duplicates"] += start
+        st.seq = last
+        st.last_js = js_seq
+        n = len(batches)
+        self.counts["batches"] += n
+        st.c["batches"] += n
+        st.c["events"] += sum(len(b.events) for b in batches)
+        stream = st.stream
+        return [Batch(stream, first + start + i, b, epoch) for i, b in enumerate(batches)]
 
     def _bad(self, subject: str, js_seq: int, reason: str) -> BadMessage:
         self.counts["bad_messages"] += 1

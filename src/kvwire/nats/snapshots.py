@@ -220,7 +220,7 @@ async def rebuild_subject(js: Any, stream: str, subject: str, engine: str, rank:
     from nats.js.errors import NotFoundError
 
     from ..wire.events import BatchDecoder
-    from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_SEQ
+    from .subjects import H_CHUNK, H_EPOCH, H_FIRST_SEQ, H_KIND, H_SEQ
 
     try:
         last = await js.get_last_msg(stream, subject)
@@ -240,6 +240,7 @@ async def rebuild_subject(js: Any, stream: str, subject: str, engine: str, rank:
         deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
     decoder = BatchDecoder(on_error=lambda err: None)
     chunk_list = msgspec.msgpack.Decoder(list[BlockStored])
+    run_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
     first = snap is None
     try:
         while True:
@@ -257,10 +258,21 @@ async def rebuild_subject(js: Any, stream: str, subject: str, engine: str, rank:
                 cache.apply_events(chunk_list.decode(msg.data))
                 st.complete = i == n - 1
                 st.exact = st.exact and h.get("Kvwire-Exact", "1") not in ("0", "false")
+            elif (not first and st.seq is not None and st.epoch == epoch and seq <= st.seq
+                  and st.complete):
+                # A batch (or run) already applied: redundant packing bridges cut runs
+                # differently. The position stays where it is.
+                epoch, seq = st.epoch, st.seq
             else:
-                if first or st.seq is None or (st.epoch, st.seq + 1) != (epoch, seq):
+                lo = int(h.get(H_FIRST_SEQ, seq)) if kind == "batches" else seq
+                if first or st.seq is None or st.epoch != epoch or not lo <= st.seq + 1 <= seq:
                     st.exact = False
-                cache.apply(decoder.decode(msg.data))
+                if kind == "batches":
+                    skip = 0 if st.seq is None or st.epoch != epoch else max(0, st.seq + 1 - lo)
+                    for part in run_list.decode(msg.data)[skip:]:
+                        cache.apply(decoder.decode(part))
+                else:
+                    cache.apply(decoder.decode(msg.data))
                 st.complete = True
             first = False
             st.epoch, st.seq, st.js_seq = epoch, seq, msg.metadata.sequence.stream

@@ -6,11 +6,19 @@ This module is the contract between :mod:`kvwire.nats.bridge` (writer) and
 * One JetStream stream (default ``KVWIRE``) captures ``<prefix>.>``; each engine DP rank has
   one subject ``<prefix>.<engine>.<rank>``, so per-subject order is the engine's order and
   per-subject limits bound each engine's history on its own.
-* Every message carries ``Kvwire-Kind`` (``batch``, ``reset`` or ``snapshot``),
+* Every message carries ``Kvwire-Kind`` (``batch``, ``batches``, ``reset`` or ``snapshot``),
   ``Kvwire-Epoch`` and ``Kvwire-Seq``. ``Nats-Msg-Id`` is ``engine/rank/epoch/seq`` (batches)
   or ``engine/rank/epoch/<kind>-seq[-chunk]`` (markers), so JetStream drops the second copy a
   restarted or redundant bridge writes within the stream's duplicate window; outside it the
   bridge's own check (the subject's last message) keeps it exact.
+* A ``batches`` message (a bridge run with ``--pack N``, N > 1) carries a run of 2..N
+  consecutive batches of one epoch: ``Kvwire-First-Seq`` is the first seq, ``Kvwire-Seq`` the
+  last (so ``Kvwire-Seq`` is always the last seq a message covers), ``Nats-Msg-Id`` is
+  ``engine/rank/epoch/first-last``. Its body is a msgpack array of the batches, each in
+  vLLM's wire format (the array header followed by the batch encodings). The id names the
+  whole run: a shorter run from another bridge never deduplicates a longer one away; runs
+  cut differently by two redundant bridges may both be stored, and readers drop seqs they
+  already have (a packed run may overlap what was delivered; only its new tail counts).
 * ``epoch`` is the publisher's epoch when it has one (kvwire publishers); reference publishers
   have none, so the bridge numbers their incarnations itself: ``0`` first, ``+1`` per reset,
   recovered after a bridge restart from the subject's last message.
@@ -28,8 +36,8 @@ import re
 
 __all__ = [
     "DEFAULT_LEASE_BUCKET", "DEFAULT_PREFIX", "DEFAULT_SNAPSHOT_BUCKET", "DEFAULT_STREAM",
-    "H_CHUNK", "H_EPOCH", "H_KIND", "H_MSG_ID", "H_REASON", "H_SEQ", "KINDS",
-    "check_token", "msg_id", "parse_subject", "snapshot_object", "stream_name", "subject_for",
+    "H_CHUNK", "H_EPOCH", "H_FIRST_SEQ", "H_KIND", "H_MSG_ID", "H_REASON", "H_SEQ", "KINDS",
+    "check_token", "msg_id", "run_msg_id", "parse_subject", "snapshot_object", "stream_name", "subject_for",
 ]
 
 DEFAULT_STREAM = "KVWIRE"
@@ -40,11 +48,12 @@ DEFAULT_LEASE_BUCKET = "kvwire-leases"
 H_KIND = "Kvwire-Kind"
 H_EPOCH = "Kvwire-Epoch"
 H_SEQ = "Kvwire-Seq"
+H_FIRST_SEQ = "Kvwire-First-Seq"  # on ``batches`` messages: the first seq of the run
 H_REASON = "Kvwire-Reason"
 H_CHUNK = "Kvwire-Chunk"
 H_MSG_ID = "Nats-Msg-Id"
 
-KINDS = ("batch", "reset", "snapshot")
+KINDS = ("batch", "batches", "reset", "snapshot")
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -87,10 +96,18 @@ def msg_id(engine: str, rank: int, epoch: int, seq: int, kind: str = "batch",
     """``Nats-Msg-Id``: equal for the same item however many bridges write it."""
     if kind == "batch":
         return f"{engine}/{rank}/{epoch}/{seq}"
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind not in KINDS or kind == "batches":
+        raise ValueError(f"kind must be one of {KINDS} (a run's id: run_msg_id), got {kind!r}")
     tail = "" if chunk is None else f"-{chunk}"
     return f"{engine}/{rank}/{epoch}/{kind}-{seq}{tail}"
+
+
+def run_msg_id(engine: str, rank: int, epoch: int, first: int, last: int) -> str:
+    """``Nats-Msg-Id`` of a ``batches`` message: the run ``first..last`` (a one-batch run is
+    an ordinary ``batch`` message with :func:`msg_id`)."""
+    if last <= first:
+        raise ValueError(f"a run covers at least two seqs, got {first}..{last}")
+    return f"{engine}/{rank}/{epoch}/{first}-{last}"
 
 
 def snapshot_object(engine: str, rank: int) -> str:

@@ -27,10 +27,20 @@ import msgspec
 
 from ..consume.cache import BlockCache, chain_events
 from ..wire.events import BlockStored, KVEventBatch
-from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_MSG_ID, H_REASON, H_SEQ, msg_id
+from .subjects import (
+    H_CHUNK,
+    H_EPOCH,
+    H_FIRST_SEQ,
+    H_KIND,
+    H_MSG_ID,
+    H_REASON,
+    H_SEQ,
+    msg_id,
+    run_msg_id,
+)
 
 __all__ = ["H_EXACT", "Entry", "JsWriter", "Lane", "WriterStats", "apply_entry_effect",
-           "marker_entries"]
+           "marker_entries", "pack_body"]
 
 log = logging.getLogger("kvwire.nats.writer")
 
@@ -52,16 +62,25 @@ _ack_decoder = msgspec.json.Decoder(_PubAck)
 _event_list = msgspec.msgpack.Encoder()
 
 
-class Entry:
-    """One message for a lane: a batch, a reset marker or one snapshot marker chunk."""
+def pack_body(payloads: list[bytes]) -> bytes:
+    """A ``batches`` body: a msgpack array of the encoded batches (header + concatenation)."""
+    n = len(payloads)
+    head = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return head + b"".join(payloads)
 
-    __slots__ = ("lane", "kind", "epoch", "seq", "msg_id", "headers", "payload", "effect",
-                 "exact", "state", "js_seq", "sent_at", "token", "error", "oversize")
+
+class Entry:
+    """One message for a lane: a batch, a run of batches (``batches``), a reset marker or one
+    snapshot marker chunk. ``seq`` is the last seq it covers, ``first`` the first."""
+
+    __slots__ = ("lane", "kind", "epoch", "seq", "first", "msg_id", "headers", "payload",
+                 "effect", "exact", "state", "js_seq", "sent_at", "token", "error", "oversize")
 
     def __init__(self, lane: Lane, kind: str, epoch: int, seq: int, mid: str,
                  headers: dict[str, str] | None, payload: bytes, effect: Any,
                  exact: bool = True) -> None:
         self.lane, self.kind, self.epoch, self.seq = lane, kind, epoch, seq
+        self.first = seq
         self.msg_id, self.headers, self.payload, self.effect = mid, headers, payload, effect
         self.exact = exact
         self.state = PENDING
@@ -75,19 +94,25 @@ class Entry:
         """The NATS/1.0 header block (values are one line: see :func:`_header_text`)."""
         if self.kind == "batch":
             return _BATCH_HDR % (self.epoch, self.seq, self.msg_id.encode())
+        if self.kind == "batches":
+            return _RUN_HDR % (self.epoch, self.first, self.seq, self.msg_id.encode())
         return b"NATS/1.0\r\n" + b"".join(
             b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in self.header_dict().items()
         ) + b"\r\n"
 
     def header_dict(self) -> dict[str, str]:
-        if self.headers is None:  # a batch: its headers are made when needed
-            self.headers = {H_KIND: "batch", H_EPOCH: str(self.epoch), H_SEQ: str(self.seq),
+        if self.headers is None:  # a batch or a run: its headers are made when needed
+            self.headers = {H_KIND: self.kind, H_EPOCH: str(self.epoch), H_SEQ: str(self.seq),
                             H_MSG_ID: self.msg_id}
+            if self.kind == "batches":
+                self.headers[H_FIRST_SEQ] = str(self.first)
         return self.headers
 
 
 _BATCH_HDR = (f"NATS/1.0\r\n{H_KIND}: batch\r\n{H_EPOCH}: %d\r\n{H_SEQ}: %d\r\n"
               f"{H_MSG_ID}: %s\r\n\r\n").encode()
+_RUN_HDR = (f"NATS/1.0\r\n{H_KIND}: batches\r\n{H_EPOCH}: %d\r\n{H_FIRST_SEQ}: %d\r\n"
+            f"{H_SEQ}: %d\r\n{H_MSG_ID}: %s\r\n\r\n").encode()
 
 
 def apply_entry_effect(cache: BlockCache, kind: str, effect: Any) -> None:
@@ -95,6 +120,9 @@ def apply_entry_effect(cache: BlockCache, kind: str, effect: Any) -> None:
     chunk stores its blocks (after the reset that precedes it)."""
     if kind == "batch":
         cache.apply(effect)
+    elif kind == "batches":
+        for b in effect:
+            cache.apply(b)
     elif kind == "reset":
         cache.clear()
     elif effect:
@@ -120,6 +148,18 @@ class Lane:
     def batch_entry(self, epoch: int, seq: int, batch: KVEventBatch, payload: bytes) -> Entry:
         return Entry(self, "batch", epoch, seq, f"{self.engine}/{self.rank}/{epoch}/{seq}",
                      None, payload, batch)
+
+    def run_entry(self, epoch: int, first: int, batches: list[KVEventBatch],
+                  payloads: list[bytes]) -> Entry:
+        """Consecutive batches ``first..`` of one epoch as one message (one: a ``batch``)."""
+        if len(batches) == 1:
+            return self.batch_entry(epoch, first, batches[0], payloads[0])
+        last = first + len(batches) - 1
+        e = Entry(self, "batches", epoch, last,
+                  run_msg_id(self.engine, self.rank, epoch, first, last), None,
+                  pack_body(payloads), batches)
+        e.first = first
+        return e
 
 
 def marker_entries(lane: Lane, epoch: int, seq: int, events: list[BlockStored], exact: bool,

@@ -1,0 +1,219 @@
+"""``kvwire bridge --pack N`` with real processes: engines (kvwire and reference publishers),
+bridge processes SIGKILLed and restarted, a real nats-server, consumer processes (one
+durable, SIGKILLed and restarted). Ground truth at the end: the engines' caches, the
+subjects read back (tests/bridge_helpers.py) and what every consumer delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nats")
+
+from bridge_helpers import BridgeProc, subject_log, wait_subject_seq  # noqa: E402
+from fault_helpers import Engine  # noqa: E402
+from nats_e2e_helpers import NatsConsumer  # noqa: E402
+
+from kvwire.nats.snapshots import read_snapshot  # noqa: E402
+
+K, R = "kvwire.events.k.0", "kvwire.events.r.0"
+PACK = ("--pack", os.environ.get("KVW_PACK", "16"))
+
+
+def _spec(name: str, e: Engine) -> str:
+    return f"{name}={e.endpoint},replay={e.replay_endpoint}"
+
+
+async def _snapshot(url: str, engine: str) -> Any:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        return await read_snapshot(nc.jetstream(), engine, 0)
+    finally:
+        await nc.close()
+
+
+def test_packed_bridge_sigkill_restart_exact(nats_server, tmp_path):
+    """SIGKILL a packing bridge mid-stream and restart it: it resumes after the LAST seq of
+    the subject's last message, so no batch is missing and none is stored twice (the subject
+    is read strictly); a live consumer delivers every seq once; the snapshot object written
+    on the clean exit ends at a whole message; a late consumer bootstraps from it exactly."""
+    k = Engine(61, workload="small")
+    r = Engine(62, ref=True, workload="small")
+    specs = [_spec("k", k), _spec("r", r)]
+    bridges: list[BridgeProc] = []
+    consumers: list[NatsConsumer] = []
+    try:
+        bridges.append(BridgeProc(tmp_path, nats_server.url, specs, *PACK,
+                                  "--snapshot-interval", "0.5"))
+        bridges[-1].wait_started()
+        a = NatsConsumer(nats_server.url)
+        consumers.append(a)
+        k.run(5000, 5000)
+        r.run(5000, 5000)
+        wait_subject_seq(nats_server.url, K, 1500, 60, procs=bridges)
+        wait_subject_seq(nats_server.url, R, 1500, 60, procs=bridges)
+        bridges[-1].kill()
+        time.sleep(0.2)  # (not a timing assertion: the engines run on while no bridge does)
+        bridges.append(BridgeProc(tmp_path, nats_server.url, specs, *PACK,
+                                  "--snapshot-interval", "0.5"))
+        bridges[-1].wait_started()
+        dk, dr = k.wait_done(90), r.wait_done(90)
+        wait_subject_seq(nats_server.url, K, dk.last_seq, 60, procs=bridges[-1:])
+        wait_subject_seq(nats_server.url, R, dr.last_seq, 60, procs=bridges[-1:])
+        st = a.wait(lambda s: s.get("k/dp0", {}).get("last_seq", -2) >= dk.last_seq
+                    and s.get("r/dp0", {}).get("last_seq") == dr.last_seq, 60,
+                    "live consumer caught up")
+        assert len(st["k/dp0"]["resets"]) == 1 and len(st["r/dp0"]["resets"]) == 1, st
+        assert a.cache() == {"k/dp0": dk.truth, "r/dp0": dr.truth}
+        log2 = bridges[-1].log()
+        assert bridges[-1].stop() == 0, log2
+        log2 = bridges[-1].log()
+        assert '"resumed": 2,' in log2 and '"markers": 0,' in log2, log2
+        b = NatsConsumer(nats_server.url)
+        consumers.append(b)
+        b.wait(lambda s: s.get("k/dp0", {}).get("last_seq", -2) >= dk.last_seq
+               and s.get("r/dp0", {}).get("last_seq") == dr.last_seq, 60,
+               "late consumer bootstrapped")
+        assert b.cache() == {"k/dp0": dk.truth, "r/dp0": dr.truth}
+    finally:
+        for c in consumers:
+            c.close()
+        for bp in bridges:
+            bp.kill()
+        k.close()
+        r.close()
+    lk, lr = subject_log(nats_server.url, K), subject_log(nats_server.url, R)
+    assert lk.cache.as_dict() == dk.truth and lr.cache.as_dict() == dr.truth
+    assert len(lk.markers) == 1 and len(lr.markers) == 1, (lk.markers, lr.markers)
+    assert lk.stored_twice == lr.stored_twice == 0
+    assert lk.packs > 0 and lr.packs > 0, "nothing was packed: the test shows nothing"
+    for name, lg, d in (("k", lk, dk), ("r", lr, dr)):
+        snap = asyncio.run(_snapshot(nats_server.url, name))
+        # the clean exit's snapshot: the subject's last message, the seq that message ends at
+        assert snap.js_seq == lg.last_js_seq and snap.seq == lg.batches[-1][1], (snap, lg)
+        assert snap.cache().as_dict() == d.truth
+
+
+def test_redundant_packing_bridges_consumer_exact(nats_server, tmp_path):
+    """Two redundant bridges with different --pack cut different runs of one engine: a batch
+    may be stored twice (the accepted limit), but a consumer delivers every seq exactly once
+    and ends at the engine's state; the subject rebuilds the truth."""
+    k = Engine(63, workload="small")
+    b1 = BridgeProc(tmp_path, nats_server.url, [_spec("k", k)], "--pack", "16")
+    b2 = None
+    a = None
+    try:
+        b1.wait_started()
+        # the second joins once the first's markers are on the subject (docs/scale-out.md)
+        wait_subject_seq(nats_server.url, K, -1, 30, procs=[b1])
+        b2 = BridgeProc(tmp_path, nats_server.url, [_spec("k", k)], "--pack", "5")
+        b2.wait_started()
+        a = NatsConsumer(nats_server.url)
+        k.run(4000, 8000)
+        d = k.wait_done(60)
+        wait_subject_seq(nats_server.url, K, d.last_seq, 60, procs=[b1, b2])
+        st = a.wait(lambda s: s.get("k/dp0", {}).get("last_seq", -2) >= d.last_seq, 60,
+                    "consumer caught up")
+        assert len(st["k/dp0"]["resets"]) == 1, st
+        assert a.cache() == {"k/dp0": d.truth}
+        assert b1.stop() == 0 and b2.stop() == 0
+    finally:
+        if a is not None:
+            a.close()
+        b1.kill()
+        if b2 is not None:
+            b2.kill()
+        k.close()
+    lk = subject_log(nats_server.url, K, overlap=True)
+    assert lk.cache.as_dict() == d.truth and len(lk.markers) == 1
+    assert lk.packs > 0
+
+
+def _lines(path: Any) -> list[list[Any]]:
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("]")]
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # polling another process's output file
+
+
+def test_packed_stream_durable_consumer_killed_and_restarted(nats_server, tmp_path):
+    """A durable consumer process (slices of 7 items: packs of 16 are split across slices
+    and commits) SIGKILLed mid-stream and restarted: every batch arrives; repeats only from
+    the tail handed out after its last commit; a pack partly handed out is never acked."""
+    k = Engine(64, workload="small")
+    b = BridgeProc(tmp_path, nats_server.url, [_spec("k", k)], *PACK)
+    script = os.path.join(os.path.dirname(__file__), "_nats_consume_proc.py")
+    outs = [tmp_path / f"run{i}.jsonl" for i in range(2)]
+
+    def spawn(out: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, script, nats_server.url, "dur", str(out), "7"],
+                                stdout=subprocess.DEVNULL)
+
+    p = None
+    try:
+        b.wait_started()
+        p = spawn(outs[0])
+        k.run(4000, 8000)
+        _wait(lambda: len(_lines(outs[0])) >= 1500, 60, "1500 items")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        d = k.wait_done(60)
+        wait_subject_seq(nats_server.url, K, d.last_seq, 60, procs=[b])
+        p = spawn(outs[1])
+
+        def seen(paths: list[Any]) -> list[int]:
+            return [x[3] for q in paths for x in _lines(q) if x[0] == "batch"]
+
+        _wait(lambda: max(seen(outs[1:]), default=-1) >= d.last_seq, 60, "every batch")
+        assert b.stop() == 0, b.log()
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait(10)
+        b.kill()
+        k.close()
+    first = _lines(outs[0])
+    assert [x[0] for x in first[:2]] == ["reset", "snapshot"]
+    start = first[1][3] + 1  # the first batch after the bootstrap snapshot
+    l0, l1 = seen(outs[:1]), seen(outs[1:])
+    assert l0 == list(range(start, start + len(l0))), "gap or repeat before the kill"
+    assert [x for x in _lines(outs[1]) if x[0] != "batch"] == []  # resumed, no bootstrap
+    assert l1 == list(range(l1[0], l1[0] + len(l1))), "gap or repeat after the restart"
+    assert l1[0] <= l0[-1] + 1 and l1[-1] >= d.last_seq
+    repeats = l0[-1] - l1[0] + 1
+    # only what was handed out after the last commit: the last slice and the pack it cut
+    assert 0 <= repeats <= 7 + 16, repeats
+    import msgspec
+
+    from kvwire.consume.cache import BlockCache
+    from kvwire.wire.events import BlockStored, decode_batch
+
+    cache, last = BlockCache(), -1
+    for x in _lines(outs[0]) + _lines(outs[1]):
+        if x[0] == "snapshot":
+            cache.apply_events(msgspec.msgpack.decode(bytes.fromhex(x[4]),
+                                                      type=list[BlockStored]))
+            last = x[3]
+        elif x[0] == "batch" and x[3] > last:  # a repeat is applied once
+            cache.apply(decode_batch(bytes.fromhex(x[4])))
+            last = x[3]
+        if last == d.last_seq:
+            break
+    assert cache.as_dict() == d.truth
