@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -38,246 +36,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-import zmq
-
 HERE = Path(__file__).resolve().parent
 # `python bench/nats.py` puts bench/ first on sys.path, where this file would shadow nats-py.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server the tests use
+sys.path.append(str(HERE))  # nats_procs (after site-packages: `nats` stays nats-py)
 
-from kvwire.consume.items import Batch, Snapshot  # noqa: E402
-from kvwire.consume.subscriber import StreamSpec, Subscriber  # noqa: E402
+from nats_procs import (  # noqa: E402
+    Cpu,
+    bootstrap_main,
+    consumer_main,
+    engine_main,
+    pct,
+    raw_consumer_main,
+    recv,
+    spawn,
+    step,
+)
+
 from kvwire.wire import events as E  # noqa: E402
-
-CTX = mp.get_context("spawn")
-SUBJECT = "kvwire.events.e.0"
-
-
-def step(i: int) -> E.KVEventBatch:
-    base = 4 * i
-    return E.KVEventBatch(
-        time.time(),
-        [E.BlockStored([base + 1, base + 2, base + 3, base + 4], base,
-                       list(range(i % 1000, i % 1000 + 64)), 16, None, "GPU"),
-         E.BlockRemoved([base - 7, base - 6, base - 5, base - 4], "GPU")],
-        0,
-    )
-
-
-# ------------------------------------------------------------------ engine (reference publisher)
-
-
-def engine_main(conn: Any) -> None:
-    """A reference publisher: [topic, seq, payload] on PUB, whole replay answers on ROUTER
-    (``[id, "", topic, seq, payload]``..., then seq -1). Unbounded queues: nothing dropped,
-    so both paths see every batch (we measure transport, not loss handling)."""
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.SNDHWM, 0)
-    rport = router.bind_to_random_port("tcp://127.0.0.1")
-    conn.send((port, rport, os.getpid()))
-    ring: list[bytes] = []  # every payload by seq (a bench-sized run fits in memory)
-    send = pub.send_multipart
-
-    def serve() -> None:
-        while router.poll(0):
-            frames = router.recv_multipart()
-            if len(frames) != 3:
-                continue
-            ident, start = frames[0], int.from_bytes(frames[2], "big")
-            for s in range(start, len(ring)):
-                router.send_multipart([ident, b"", b"", s.to_bytes(8, "big"), ring[s]])
-            router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
-
-    i = 1 << 20
-    while True:
-        if not conn.poll(0.01):
-            serve()
-            continue
-        cmd = conn.recv()
-        if cmd[0] == "quit":
-            break
-        if cmd[0] == "run":  # n reference steps at rate/s (None: flat out)
-            _, n, rate = cmd
-            t0 = time.perf_counter()
-            for k in range(n):
-                if rate and k % 10 == 0:
-                    pause = t0 + k / rate - time.perf_counter()
-                    if pause > 0:
-                        time.sleep(pause)  # pacing the workload
-                if k % 256 == 0:
-                    serve()
-                payload = E.encode_batch(step(i), "vllm")
-                i += 1
-                send([b"", len(ring).to_bytes(8, "big"), payload])
-                ring.append(payload)
-            conn.send(("done", time.perf_counter() - t0))
-        elif cmd[0] == "fill":  # `blocks` live blocks, then 200 small batches/s until told
-            h = 1
-            for _ in range(cmd[1] // 1000):
-                tokens = [t & 255 for t in range(h, h + 16_000)]
-                payload = E.encode_batch(E.KVEventBatch(time.time(), [
-                    E.BlockStored(list(range(h, h + 1000)), None, tokens, 16, None, "GPU")], 0))
-                h += 1000
-                send([b"", len(ring).to_bytes(8, "big"), payload])
-                ring.append(payload)
-                serve()
-            conn.send(("filled", len(ring) - 1))
-            nxt = time.perf_counter()
-            while not conn.poll(0):
-                nxt += 1 / 200
-                time.sleep(max(0.0, nxt - time.perf_counter()))
-                serve()
-                payload = E.encode_batch(E.KVEventBatch(time.time(), [
-                    E.BlockStored([h], h - 1, [1] * 16, 16, None, "GPU")], 0))
-                h += 1
-                send([b"", len(ring).to_bytes(8, "big"), payload])
-                ring.append(payload)
-    pub.close(0)
-    router.close(0)
-    ctx.term()
-
-
-# ------------------------------------------------------------------ consumer
-
-
-def consumer_main(conn: Any, kind: str, target: Any) -> None:
-    """Counts delivered batches on command: ("count", n, latencies?) -> (t_end, lat, info)."""
-    logging.getLogger("kvwire").setLevel(logging.ERROR)
-    if kind == "nats":
-        from kvwire.nats.consumer import NatsStreams
-
-        spec: Any = NatsStreams(target)
-    else:
-        spec = StreamSpec("e", target[0], "", target[1])  # replay None: join live only
-    sub = Subscriber([spec])
-    conn.send(os.getpid())
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "quit":
-            break
-        _, n, want_lat, *limit = cmd
-        lat: dict[int, float] = {}  # engine seq -> delivery latency
-        got = 0
-        deadline = time.monotonic() + (limit[0] if limit else 300)
-        while got < n and time.monotonic() < deadline:
-            for it in sub.poll_many(1.0):
-                if type(it) is Batch:
-                    got += 1
-                    if want_lat:
-                        lat[it.seq] = time.time() - it.batch.ts
-        t_end = time.time()
-        info = str(sub.nats_stats()[0]) if kind == "nats" else ""
-        conn.send((t_end, got, lat, info))
-    sub.close()
-
-
-def raw_consumer_main(conn: Any, url: str, n: int) -> None:
-    """The bridge's share of the latency alone: JetStream read back by nats-py directly (an
-    ordered push consumer from new messages, callback), batch bodies decoded for ``ts``."""
-    import nats
-    from nats.js.api import DeliverPolicy
-
-    async def amain() -> dict[int, float]:
-        nc = await nats.connect(url)
-        lat: dict[int, float] = {}
-        done = asyncio.Event()
-
-        async def on_msg(m: Any) -> None:
-            h = m.headers or {}
-            if h.get("Kvwire-Kind") == "batch" and len(lat) < n:
-                lat[int(h["Kvwire-Seq"])] = time.time() - E.decode_batch(m.data).ts
-                if len(lat) == n:
-                    done.set()
-
-        await nc.jetstream().subscribe(SUBJECT, cb=on_msg, ordered_consumer=True,
-                                       deliver_policy=DeliverPolicy.NEW)
-        conn.send("ready")
-        try:
-            await asyncio.wait_for(done.wait(), 300)
-        except asyncio.TimeoutError:
-            pass
-        await nc.close()
-        return lat
-
-    conn.send(asyncio.run(amain()))
-
-
-def bootstrap_main(conn: Any, url: str) -> None:
-    """A new consumer joining: time to its Snapshot and to the first live Batch after it."""
-    from kvwire.nats.consumer import NatsStreams
-
-    logging.getLogger("kvwire").setLevel(logging.ERROR)
-    t0 = time.perf_counter()
-    t_snap = t_batch = None
-    blocks = 0
-    with Subscriber([NatsStreams(url)]) as sub:
-        while t_batch is None and time.perf_counter() - t0 < 60:
-            for it in sub.poll_many(1.0):
-                if type(it) is Snapshot and t_snap is None:
-                    t_snap, blocks = time.perf_counter() - t0, it.block_count
-                elif type(it) is Batch and t_snap is not None and t_batch is None:
-                    t_batch = time.perf_counter() - t0
-    conn.send((t_snap, t_batch, blocks))
-
-
-# ------------------------------------------------------------------ orchestration
-
-
-class Cpu:
-    """CPU seconds (user + system, children threads included) of processes since start()."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.procs = {k: psutil.Process(p) for k, p in pids.items()}
-        self.t0: dict[str, float] = {}
-
-    def _now(self) -> dict[str, float]:
-        out = {}
-        for k, p in self.procs.items():
-            c = p.cpu_times()
-            out[k] = c.user + c.system
-        return out
-
-    def start(self) -> None:
-        self.t0 = self._now()
-
-    def ceiling(self, n: int) -> float:
-        """Batches/s all these processes could sustain on the machine's cores if they had
-        them to themselves: cores / (CPU seconds per batch). Reads through a loaded box."""
-        now = self._now()
-        per = sum(now[k] - self.t0[k] for k in self.procs) / n
-        return (os.cpu_count() or 1) / per if per > 0 else float("nan")
-
-    def per(self, n: int) -> str:
-        now = self._now()
-        parts = [f"{k} {(now[k] - self.t0[k]) / n * 1e6:.1f}" for k in self.procs]
-        total = sum(now[k] - self.t0[k] for k in self.procs) / n * 1e6
-        return f"{' + '.join(parts)} = {total:.1f} us"
-
-
-def spawn(target: Any, *args: Any) -> tuple[Any, Any]:
-    a, b = CTX.Pipe()
-    p = CTX.Process(target=target, args=(b, *args), daemon=True)
-    p.start()
-    b.close()
-    return p, a
-
-
-def recv(conn: Any, timeout: float, what: str) -> Any:
-    if not conn.poll(timeout):
-        raise RuntimeError(f"{what}: no answer in {timeout}s")
-    return conn.recv()
-
-
-def pct(xs: Any, p: float) -> float:
-    """Percentile in ms of latencies in s (a list, or a dict's values)."""
-    xs = sorted(xs.values() if isinstance(xs, dict) else xs)
-    return xs[min(len(xs) - 1, int(len(xs) * p))] * 1e3 if xs else float("nan")
 
 
 def bridge(url: str, port: int, rport: int, tmp: Path, *extra: str) -> Any:
@@ -290,16 +68,20 @@ def bridge(url: str, port: int, rport: int, tmp: Path, *extra: str) -> Any:
     return b
 
 
-def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[Any]
+def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: int = 1
               ) -> dict[str, Any]:
-    """One engine, (bridge,) one consumer: warm up, throughput run, latency run."""
+    """One engine, (bridge --pack, its own nats-server,) one consumer: warm up, throughput
+    run, latency run."""
+    from nats_helpers import NatsServer
+
     ep, eng = spawn(engine_main)
     procs.append(ep)
     port, rport, epid = recv(eng, 30, "engine")
     pids = {"engine": epid}
-    br = None
+    br = srv = None
     if kind == "nats":
-        br = bridge(srv.url, port, rport, tmp)
+        srv = NatsServer(tmp / f"nats-p{pack}").start()
+        br = bridge(srv.url, port, rport, tmp, "--pack", str(pack))
         pids |= {"bridge": br.proc.pid, "nats-server": srv.proc.pid}
         target: Any = srv.url
     else:
@@ -338,7 +120,7 @@ def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[An
                 recv(eng, 60, "engine warm-up")
                 if all(recv(c, 60, "consumers warm-up")[1] == 100 for c in (con, dcon)):
                     break
-            rp, raw = spawn(raw_consumer_main, srv.url, lat_n)
+            rp, raw = spawn(raw_consumer_main, srv.url, lat_n)  # type: ignore[union-attr]
             procs.append(rp)
             assert recv(raw, 60, "raw consumer") == "ready"
         cpu.start()
@@ -362,6 +144,8 @@ def path_runs(kind: str, n: int, lat_n: int, srv: Any, tmp: Path, procs: list[An
     finally:
         if br is not None:
             br.stop()
+        if srv is not None:
+            srv.stop()
 
 
 def bootstrap_run(blocks: int, srv: Any, tmp: Path, procs: list[Any]) -> dict[str, Any]:
@@ -512,6 +296,37 @@ async def raw_rows(url: str, n: int, srv_pid: int) -> list[tuple[str, str, str]]
     return rows
 
 
+def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int
+                 ) -> list[tuple[str, str, str]]:
+    """Per path: p50/p99 at 1,000/s; per NATS path also raw nats-py's read of the same
+    JetStream, the paired direct read and what NATS adds per batch (paired difference)."""
+    rows = []
+    what = f"latency @ 1,000 batches/s ({lat_n:,})"
+    for k, r in res.items():
+        lat = r["lat"]
+        rows.append((what, label[k],
+                     f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms  "
+                     f"max {max(lat.values(), default=float('nan')) * 1e3:.1f} ms  "
+                     f"({r['lat_got']:,} delivered; load {r['lat_load']:.1f})   "
+                     f"CPU/batch {r['lat_cpu']}"))
+        if "raw_lat" not in r:
+            continue
+        rl, pair = r["raw_lat"], r["pair_lat"]
+        rows.append((what, "  same run, JetStream read by raw nats-py (ordered push)",
+                     f"p50 {pct(rl, 0.5):.2f} ms  p99 {pct(rl, 0.99):.2f} ms  "
+                     f"max {max(rl.values(), default=float('nan')) * 1e3:.1f} ms  "
+                     f"({len(rl):,} read)"))
+        rows.append((what, "  same run, the same engine read directly (paired)",
+                     f"p50 {pct(pair, 0.5):.2f} ms  p99 {pct(pair, 0.99):.2f} ms"))
+        for name, got in (("bridge + JetStream", rl), ("end to end", lat)):
+            added = [got[q] - pair[q] for q in got if q in pair]
+            rows.append((what, f"  added by NATS per batch (paired): {name}",
+                         f"p50 {pct(added, 0.5):.2f} ms  p99 {pct(added, 0.99):.2f} ms  "
+                         f"p99(nats) - p99(direct) {pct(got, 0.99) - pct(pair, 0.99):.2f} ms  "
+                         f"({len(added):,} pairs)"))
+    return rows
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -523,7 +338,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=None, help="batches per throughput run")
     ap.add_argument("--blocks", type=int, default=None, help="blocks in the bootstrap snapshot")
     ap.add_argument("--skip", default="", help="comma list of: raw,bootstrap")
+    ap.add_argument("--packs", default="1,16", help="bridge --pack values to run (comma list)")
     args = ap.parse_args()
+    packs = [int(x) for x in args.packs.split(",") if x]
     n = args.n or (20_000 if args.quick else 100_000)
     lat_n = 3000 if args.quick else 10_000
     blocks = args.blocks or (200_000 if args.quick else 1_000_000)
@@ -534,40 +351,19 @@ def main() -> None:
         tmp = Path(d)
         srv = NatsServer(tmp / "nats").start()
         try:
-            res = {k: path_runs(k, n, lat_n, srv, tmp, procs) for k in ("direct", "nats")}
-            label = {"direct": "direct ZeroMQ: engine -> Subscriber",
-                     "nats": "engine -> bridge -> JetStream (file) -> Subscriber(NatsStreams)"}
-            for k in ("direct", "nats"):
-                r = res[k]
+            res = {"direct": path_runs("direct", n, lat_n, tmp, procs)}
+            for pk in packs:
+                res[f"nats{pk}"] = path_runs("nats", n, lat_n, tmp, procs, pk)
+            label = {"direct": "direct ZeroMQ: engine -> Subscriber"} | {
+                f"nats{pk}": f"engine -> bridge --pack {pk} -> JetStream (file) -> "
+                             "Subscriber(NatsStreams)" for pk in packs}
+            for k, r in res.items():
                 rows.append((f"throughput, {n:,} batches flat out", label[k],
                              f"{r['rate']:>9,.0f} batches/s ({r['got']:,} delivered; engine "
                              f"sent at {r['send_rate']:,.0f}/s; load {r['load']:.1f})   "
                              f"CPU/batch {r['cpu']}   CPU-bound ceiling on "
                              f"{os.cpu_count()} cores {r['ceiling']:,.0f}/s"))
-            for k in ("direct", "nats"):
-                r = res[k]
-                lat = r["lat"]
-                rows.append((f"latency @ 1,000 batches/s ({lat_n:,})", label[k],
-                             f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms  "
-                             f"max {max(lat.values(), default=float('nan')) * 1e3:.1f} ms  "
-                             f"({r['lat_got']:,} delivered; load {r['lat_load']:.1f})   "
-                             f"CPU/batch {r['lat_cpu']}"))
-            rl = res["nats"]["raw_lat"]
-            rows.append((f"latency @ 1,000 batches/s ({lat_n:,})",
-                         "same run, JetStream read by raw nats-py (ordered push, callback)",
-                         f"p50 {pct(rl, 0.5):.2f} ms  p99 {pct(rl, 0.99):.2f} ms  "
-                         f"max {max(rl.values(), default=float('nan')) * 1e3:.1f} ms  "
-                         f"({len(rl):,} read)"))
-            pair = res["nats"]["pair_lat"]
-            rows.append((f"latency @ 1,000 batches/s ({lat_n:,})",
-                         "same run, the same engine read directly (paired)",
-                         f"p50 {pct(pair, 0.5):.2f} ms  p99 {pct(pair, 0.99):.2f} ms"))
-            for what, got in (("bridge + JetStream", rl), ("end to end", res["nats"]["lat"])):
-                added = [got[q] - pair[q] for q in got if q in pair]
-                rows.append(("latency @ 1,000 batches/s",
-                             f"added by NATS, per batch vs its direct delivery: {what}",
-                             f"p50 {pct(added, 0.5):.2f} ms  p99 {pct(added, 0.99):.2f} ms  "
-                             f"({len(added):,} pairs)"))
+            rows += latency_rows(res, label, lat_n)
             if "bootstrap" not in skip:
                 b = bootstrap_run(blocks, srv, tmp, procs)
                 where = f"bootstrap, {b['snap_blocks']:,} blocks (fill + snapshot {b['fill']:.1f}s)"
@@ -600,8 +396,9 @@ def main() -> None:
     print(f"{'measurement':<{w0}}  {'path':<{w1}}  result")
     for a, b_, c in rows:
         print(f"{a:<{w0}}  {b_:<{w1}}  {c}")
-    if "info" in res["nats"]:
-        print(f"\nnats consumer stats after the throughput run: {res['nats']['info']}")
+    for k, r in res.items():
+        if r.get("info"):
+            print(f"\n{k}: nats consumer stats after the throughput run: {r['info']}")
     print("targets: >= 30,000 batches/s through JetStream; bridge adds <= 5 ms p99 at "
           "1,000/s; bootstrap of 10^6 blocks <= 3 s")
 
