@@ -80,6 +80,16 @@ def pubs(ctx: zmq.Context) -> Iterator[list[ZmqEventPublisher]]:
 
 
 @pytest.fixture
+def made() -> Iterator[list[Any]]:
+    """Publishers of an engine's own classes (tests/test_engines_*.py), shut down after the
+    test (the engines' shutdown() takes no timeout)."""
+    pubs: list[Any] = []
+    yield pubs
+    for p in pubs:
+        p.shutdown()
+
+
+@pytest.fixture
 def nats_server(tmp_path: Any) -> Iterator[Any]:
     """A real nats-server with JetStream file storage in a temp dir (tests/nats_helpers.py)."""
     from nats_helpers import NatsServer

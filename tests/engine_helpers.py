@@ -1,22 +1,31 @@
 """Shared by the engines tier (tests/test_engines_*.py): loud skips for a missing wheel,
-raw ZeroMQ readers of a publisher (live SUB, reference replay), and a child process that
-loads an engine's plugins the way the engine does and publishes on command."""
+raw ZeroMQ readers of a publisher (live SUB, reference replay), the child process that
+loads an engine's plugins the way the engine does and publishes on command
+(tests/engine_child.py), and the checks both engines' tests make of kvwire's plugin."""
 
 from __future__ import annotations
 
+import copy
 import importlib
+import importlib.util
 import json
+import logging
 import os
 import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
+
+from kvwire.consume.items import Batch, Snapshot
+from kvwire.consume.subscriber import StreamSpec, Subscriber
 
 TIMEOUT = 30.0  # generous: a loaded 2-core box, engines importing for ~10 s of CPU
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -82,6 +91,18 @@ def replay_all(ctx: zmq.Context, endpoint: str, start: int = 0) -> dict[int, byt
         d.close()
 
 
+def free_ports(n: int, spare: int = 0) -> list[int]:
+    """``n`` ports free just now, each less ``spare`` (a DP rank moves them up by its rank)."""
+    from socket import socket as pysock
+
+    out = []
+    for _ in range(n):
+        with pysock() as s:
+            s.bind(("127.0.0.1", 0))
+            out.append(s.getsockname()[1] - spare)
+    return out
+
+
 def wait_for(cond: Callable[[], Any], what: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not cond():
@@ -98,18 +119,18 @@ def engine_env(**switches: str) -> dict[str, str]:
 
 
 class Child:
-    """A Python child speaking JSON lines: it prints one object per command it gets."""
+    """An engine child (tests/engine_child.py) speaking JSON lines: it prints one object per
+    phase, then one per command it gets."""
 
-    def __init__(self, script: str, args: list[str], env: dict[str, str], cwd: Path) -> None:
-        path = cwd / "child.py"
-        path.write_text(script)
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path) -> None:
         self.stderr_path = cwd / "child.stderr"
         self.log: list[str] = []  # the child's stdout lines that are not replies
         self._buf = b""
         self._err = open(self.stderr_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(path), *args], cwd=cwd, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, bufsize=0)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "engine_child.py"), *args], cwd=cwd,
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+            bufsize=0)
 
     def read(self, timeout: float = 120.0) -> dict[str, Any]:
         """The next JSON line (the first one waits for the engine's import). Lines that are
@@ -165,3 +186,182 @@ def docs_blocks(marker: str) -> list[str]:
     text = (ROOT / "docs" / "engines.md").read_text()
     return [b.code for b in blocks(text)
             if b.lang == "python" and b.no_run is not None and marker in b.no_run]
+
+
+def engine_child(engine: str, wheel: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, str, str]]:
+    """The body of a module fixture: the engine's child (tests/engine_child.py) running the
+    docs example on ipc endpoints; yields it with its live and replay endpoints. Started
+    before the test module imports the engine, so the two imports overlap."""
+    if importlib.util.find_spec(engine) is None:  # (cheap: no import)
+        import_or_skip(engine, wheel)
+    d = tmp_path_factory.mktemp(f"{engine}-child")
+    ep, rep = f"ipc://{d}/live", f"ipc://{d}/replay"
+    [doc] = docs_blocks(f"test_engines_{engine}")
+    doc = doc.replace("tcp://*:5557", ep).replace("tcp://*:5558", rep)
+    c = Child([engine, doc], engine_env(), d)
+    try:
+        yield c, ep, rep
+    finally:
+        c.close()
+
+
+def read_phase(c: Child, phase: str) -> dict[str, Any]:
+    """The child's report of ``phase`` (an earlier phase's line is skipped when the test
+    that reads it did not run)."""
+    while (got := c.read()).get("phase") != phase:
+        pass
+    return got
+
+
+def assert_off_phase(c: Child, engine: str) -> None:
+    """Loaded by the engine's own loader with the switches unset: the engine's factory
+    registry, its modules' and classes' attributes, environment and threads are as before."""
+    off = c.read()
+    assert off["phase"] == "off"
+    assert off["entry_point"] == [f"kvwire.engines.{engine}:register"]  # it was loaded
+    assert off["changed"] == [], off
+    assert off["kvwire_modules"] == ["kvwire", "kvwire.engines", f"kvwire.engines.{engine}"]
+
+
+def plugin_switched_on(plugin: Any, k: Any, switch: str,
+                       monkeypatch: pytest.MonkeyPatch) -> Iterator[type]:
+    """The body of a ``plugin_on`` fixture: only ``switch`` of kvwire's switches set, the
+    plugin registered in this process (yields the class in the engine's factory), then
+    uninstalled, leaving the engine's own publisher in place."""
+    for name in [n for n in os.environ if n.startswith("KVWIRE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(switch, "1")
+    plugin.register()
+    yield k.EventPublisherFactory._registry["zmq"]
+    plugin.uninstall_events()
+    assert k.EventPublisherFactory._registry["zmq"] is k.ZmqEventPublisher
+
+
+def assert_register_changes_nothing(plugin: Any, k: Any) -> None:
+    """register() with the switch off: no factory entry, no module imported."""
+    registry, mods = dict(k.EventPublisherFactory._registry), set(sys.modules)
+    plugin.register()
+    assert k.EventPublisherFactory._registry == registry
+    assert set(sys.modules) == mods
+
+
+@contextmanager
+def log_messages(logger: logging.Logger, level: int = logging.WARNING) -> Iterator[list[str]]:
+    """The messages ``logger`` handles at ``level`` or above while in the block (a handler
+    on the logger itself: the engines' loggers may not propagate to pytest's)."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    h = Keep(level)
+    logger.addHandler(h)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(h)
+
+
+def until_snapshot(sub: Subscriber) -> Snapshot:
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert time.monotonic() < deadline, "no snapshot"
+        item = sub.poll(TIMEOUT)
+        assert item is not None, "no snapshot"
+        if isinstance(item, Snapshot):
+            return item
+
+
+def receive(sub: Subscriber, n: int) -> dict[int, Any]:
+    """The first ``n`` non-empty batches ``sub`` delivers, by seq (kvwire's seqs also count
+    its heartbeats, empty batches)."""
+    got: dict[int, Any] = {}
+    while len(got) < n:
+        item = sub.poll(TIMEOUT)
+        assert item is not None, f"Subscriber got {len(got)} of {n}"
+        if isinstance(item, Batch) and item.batch.events:
+            got[item.seq] = item.batch
+    return got
+
+
+def nonempty(replayed: dict[int, bytes], strict: Any) -> list[int]:
+    """Seqs of the real batches (kvwire adds empty heartbeat batches when idle, which the
+    engine's strict decoder reads as empty batches)."""
+    return sorted(s for s, p in replayed.items() if strict.decode(p).events)
+
+
+Endpoints = tuple[Any, str, str]  # a publisher, its live and its replay endpoint
+
+
+def check_same_bytes(ctx: zmq.Context, k: Any, theirs: Endpoints, ours: Endpoints, *,
+                     batches: Callable[..., list[Any]], summary: Callable[[Any], Any],
+                     rank_field: str, topic: str = "", n: int = 120) -> tuple[list[Any],
+                                                                                Snapshot]:
+    """The engine's own publisher and kvwire's get the same engine objects (each its own
+    copy: both fill the rank in place): every live and replayed payload is byte-identical
+    (the engine's bytes, with rank 0), the engine's strict decoder reads all of them, and
+    kvwire's Subscriber receives every batch after its snapshot, in order. Returns the
+    batches sent and a late joiner's snapshot, taken after the last of them."""
+    pubs = [theirs[0], ours[0]]
+    subs = [sub_socket(ctx, theirs[1]), sub_socket(ctx, ours[1])]
+    sent: list[Any] = []
+
+    def publish_same(bs: list[Any]) -> None:
+        for b in bs:
+            for p in pubs:
+                p.publish(copy.deepcopy(b))
+        sent.extend(bs)
+
+    warm = iter(batches(k, 400, seed=99))
+    warm_up(subs, lambda: publish_same([next(warm)]))
+    strict = msgspec.msgpack.Decoder(k.KVEventBatch)
+    with Subscriber([StreamSpec("kvwire", ours[1], topic, ours[2])], ctx=ctx) as sub:
+        snaps = [until_snapshot(sub)]  # joined (INFO, SNAPSHOT) before the batches
+        publish_same(batches(k, n, seed=1))
+        replays: list[dict[int, bytes]] = []
+
+        def all_replayed() -> bool:
+            replays[:] = [replay_all(ctx, theirs[2]), replay_all(ctx, ours[2])]
+            return all(len(nonempty(r, strict)) == len(sent) for r in replays)
+
+        wait_for(all_replayed, "both replay buffers to hold every batch")
+        seqs = nonempty(replays[1], strict)  # kvwire's seqs also count its heartbeats
+        assert sorted(replays[0]) == list(range(len(sent)))
+        assert [replays[1][s] for s in seqs] == [replays[0][s] for s in range(len(sent))]
+        for i, seq in enumerate(seqs):  # the engine's bytes, with the publisher's rank
+            want = copy.deepcopy(sent[i])
+            setattr(want, rank_field, 0)
+            assert replays[1][seq] == msgspec.msgpack.encode(want), seq
+            assert strict.decode(replays[1][seq]) == strict.decode(replays[0][i]), seq
+        for s, r, last in zip(subs, replays, (len(sent) - 1, seqs[-1])):
+            live = collect(s, last)  # live bytes are the replayed bytes, without gaps
+            assert all(live[q] == r[q] for q in live)
+            assert sorted(live) == list(range(min(live), last + 1))
+            assert min(live) <= (seqs[-n] if r is replays[1] else len(sent) - n)
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + TIMEOUT
+        while seqs[-1] not in got:
+            assert time.monotonic() < deadline, f"Subscriber stalled at {sorted(got)[-1:]}"
+            item = sub.poll(TIMEOUT)
+            assert item is not None, f"Subscriber stalled at {sorted(got)[-1:]}"
+            if isinstance(item, Snapshot):
+                snaps.append(item)
+            elif isinstance(item, Batch) and item.batch.events:
+                assert item.seq not in got
+                got[item.seq] = item.batch
+        assert snaps[0].exact
+        assert sorted(got) == [q for q in seqs if q > snaps[0].seq] and len(got) >= n
+        index = {q: i for i, q in enumerate(seqs)}
+        for q, batch in got.items():
+            assert [summary(e) for e in batch.events] == [summary(e) for e in
+                                                          sent[index[q]].events]
+            assert batch.data_parallel_rank == 0  # the engine's rank, at the same place
+        assert sub.stats()["kvwire"].stream.mode == "kvwire"
+    with Subscriber([StreamSpec("late", ours[1], topic, ours[2])], ctx=ctx) as late:
+        snap = until_snapshot(late)
+    assert snap.exact and snap.seq >= seqs[-1]
+    st = ours[0].stats()
+    assert (st.encode_errors, st.model_unknown_events, st.snapshot_exact) == (0, 0, True)
+    return sent, snap

@@ -2,106 +2,46 @@
 
 SGLang has a general plugin group (``sglang.srt.plugins``), so this is the vLLM story with
 SGLang's factory (a JSON config string, ``attn_dp_rank``, ``bind``, ``describe_local_source``).
-SGLang is imported once here and once in a child that loads the plugins with SGLang's
-``load_plugins()``: switches off (nothing changes), then on (the docs example).
+SGLang is imported once here and once in a child (tests/engine_child.py) that loads the
+plugins with SGLang's ``load_plugins()``: switches off (nothing changes), then on (the docs
+example).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import logging
 import random
-import sys
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from engine_helpers import (
-    TIMEOUT,
     Child,
-    collect,
-    docs_blocks,
-    engine_env,
+    assert_off_phase,
+    assert_register_changes_nothing,
+    check_same_bytes,
+    engine_child,
+    free_ports,
     import_or_skip,
+    log_messages,
+    plugin_switched_on,
+    read_phase,
+    receive,
     replay_all,
     sub_socket,
-    wait_for,
+    until_snapshot,
     warm_up,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.consume.items import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.engines import sglang as plugin
 
 WHEEL = "sglang (sglang==0.5.23)"
-
-CHILD = r'''
-import faulthandler, json, logging, os, sys, threading
-faulthandler.dump_traceback_later(280, exit=True)  # a stuck child says where, then ends
-
-def out(obj):
-    print(json.dumps(obj), flush=True)
-
-def fingerprint():
-    import sglang.srt.disaggregation.kv_events as k
-    return {
-        "registry": {n: f"{v.__module__}.{v.__qualname__}"
-                     for n, v in k.EventPublisherFactory._registry.items()},
-        "kv_events": {n: id(v) for n, v in vars(k).items()},
-        "factory": {n: id(v) for n, v in vars(k.EventPublisherFactory).items()},
-        "zmq_publisher": {n: id(v) for n, v in vars(k.ZmqEventPublisher).items()},
-        "env": sorted(os.environ),
-        "threads": sorted(t.name for t in threading.enumerate()),
-    }
-
-logging.basicConfig(level=logging.INFO)  # as SGLang's server configures its log
-import sglang.srt.plugins as plugins
-from importlib.metadata import entry_points
-before, mods = fingerprint(), set(sys.modules)
-plugins.load_plugins()
-after = fingerprint()
-out({"phase": "off", "changed": sorted(k for k in before if before[k] != after[k]),
-     "kvwire_modules": sorted(m for m in set(sys.modules) - mods if m.startswith("kvwire")),
-     "entry_point": [e.value for e in entry_points(group="sglang.srt.plugins")
-                     if e.name == "kvwire"]})
-
-lines = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        lines.append(record.getMessage())
-logging.getLogger("sglang").addHandler(Keep())
-plugins._plugins_loaded = False  # phase 1 changed nothing: as fresh as a new process
-ns = {"__name__": "__main__"}
-exec(sys.argv[1], ns)  # the docs example: sets KVWIRE_SGLANG_EVENTS, loads, creates `pub`
-pub = ns["pub"]
-import sglang.srt.disaggregation.kv_events as k
-cls = k.EventPublisherFactory._registry["zmq"]
-out({"phase": "on", "registry": f"{cls.__module__}.{cls.__qualname__}",
-     "type": type(pub).__name__, "lines": lines, "source": pub.describe_local_source(16)})
-
-sys.path.insert(0, sys.argv[2])
-from test_engines_sglang import sglang_batches
-n = 0
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if cmd["op"] == "pub":
-        for b in sglang_batches(k, cmd["n"], seed=n):
-            pub.publish(b)
-        n += cmd["n"]
-        out({"published": n})
-    elif cmd["op"] == "quit":
-        out({"report": repr(pub.shutdown())})
-        break
-'''
 
 
 def sglang_batches(k: Any, n: int, seed: int = 0) -> list[Any]:
@@ -140,36 +80,13 @@ def summary(ev: Any) -> tuple[Any, ...]:
     return (kind,)
 
 
-def until_snapshot(sub: Subscriber) -> Snapshot:
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        assert time.monotonic() < deadline, "no snapshot"
-        item = sub.poll(TIMEOUT)
-        assert item is not None, "no snapshot"
-        if isinstance(item, Snapshot):
-            return item
-
-
-def nonempty(replayed: dict[int, bytes], strict: Any) -> list[int]:
-    """Seqs of real batches (kvwire adds empty heartbeat batches when idle)."""
-    return sorted(s for s, p in replayed.items() if strict.decode(p).events)
-
-
 # --------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="module")
 def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, str, str]]:
     """The child that loads the plugins as SGLang does; started before SGLang is imported here."""
-    if importlib.util.find_spec("sglang") is None:  # (cheap: no import)
-        import_or_skip("sglang", WHEEL)
-    d = tmp_path_factory.mktemp("sglang-child")
-    ep, rep = f"ipc://{d}/live", f"ipc://{d}/replay"
-    [doc] = docs_blocks("test_engines_sglang")
-    doc = doc.replace("tcp://*:5557", ep).replace("tcp://*:5558", rep)
-    c = Child(CHILD, [doc, str(Path(__file__).parent)], engine_env(), d)
-    yield c, ep, rep
-    c.close()
+    yield from engine_child("sglang", WHEEL, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -179,37 +96,7 @@ def k(child: Any) -> Any:
 
 @pytest.fixture
 def plugin_on(k: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[type]:
-    monkeypatch.setenv("KVWIRE_SGLANG_EVENTS", "1")
-    plugin.register()
-    yield k.EventPublisherFactory._registry["zmq"]
-    plugin.uninstall_events()
-    assert k.EventPublisherFactory._registry["zmq"] is k.ZmqEventPublisher
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    pubs: list[Any] = []
-    yield pubs
-    for p in pubs:
-        p.shutdown()
-
-
-def free_ports(n: int, spare: int = 0) -> list[int]:
-    from socket import socket as pysock
-
-    out = []
-    for _ in range(n):
-        with pysock() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(s.getsockname()[1] - spare)
-    return out
+    yield from plugin_switched_on(plugin, k, "KVWIRE_SGLANG_EVENTS", monkeypatch)
 
 
 def create(k: Any, rank: int = 0, **cfg: Any) -> Any:
@@ -238,61 +125,9 @@ def test_same_bytes_as_sglangs_own_publisher(plugin_on, k, made, ctx, tmp_path,
     assert src[1]["endpoint"] == f"ipc://{tmp_path}/kvwire-{tag}"
     eps = {w: (f"ipc://{tmp_path}/{w}-{tag}", f"ipc://{tmp_path}/{w}-{tag}-r")
            for w in cfgs}
-    subs = [sub_socket(ctx, eps[w][0]) for w in ("sglang", "kvwire")]
-    sent: list[Any] = []
-
-    def publish_same(batches: list[Any]) -> None:
-        for b in batches:  # each its own copy: both fill attn_dp_rank in place
-            theirs.publish(copy.deepcopy(b))
-            ours.publish(copy.deepcopy(b))
-        sent.extend(batches)
-
-    warm = iter(sglang_batches(k, 400, seed=99))
-    warm_up(subs, lambda: publish_same([next(warm)]))
-    strict = msgspec.msgpack.Decoder(k.KVEventBatch)
-    with Subscriber([StreamSpec("sglang", eps["kvwire"][0], "kv", eps["kvwire"][1])],
-                    ctx=ctx) as sub:
-        until_snapshot(sub)
-        publish_same(sglang_batches(k, 120, seed=1))
-        replays: list[dict[int, bytes]] = []
-
-        def all_replayed() -> bool:
-            replays[:] = [replay_all(ctx, eps[w][1]) for w in ("sglang", "kvwire")]
-            return all(len(nonempty(r, strict)) == len(sent) for r in replays)
-
-        wait_for(all_replayed, "both replay buffers to hold every batch")
-        seqs = nonempty(replays[1], strict)
-        assert sorted(replays[0]) == list(range(len(sent)))
-        assert [replays[1][s] for s in seqs] == [replays[0][s] for s in range(len(sent))]
-        for i, seq in enumerate(seqs):
-            want = copy.deepcopy(sent[i])
-            want.attn_dp_rank = 0
-            assert replays[1][seq] == msgspec.msgpack.encode(want), seq
-            assert strict.decode(replays[1][seq]) == want, seq
-        for s, r, last in zip(subs, replays, (len(sent) - 1, seqs[-1])):
-            live = collect(s, last)
-            assert all(live[q] == r[q] for q in live)
-            assert sorted(live) == list(range(min(live), last + 1))
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + TIMEOUT
-        while seqs[-1] not in got:
-            assert time.monotonic() < deadline, f"Subscriber stalled at {sorted(got)[-1:]}"
-            item = sub.poll(TIMEOUT)
-            assert item is not None, f"Subscriber stalled at {sorted(got)[-1:]}"
-            if isinstance(item, Batch) and item.batch.events:
-                got[item.seq] = item.batch
-        first = seqs.index(min(got))
-        assert sorted(got) == seqs[first:] and len(got) >= 120
-        for i, q in enumerate(seqs[first:], first):
-            assert [summary(e) for e in got[q].events] == [summary(e) for e in sent[i].events]
-            assert got[q].data_parallel_rank == 0  # attn_dp_rank, at the same place
-        assert sub.stats()["sglang"].stream.mode == "kvwire"
-    with Subscriber([StreamSpec("late", eps["kvwire"][0], "kv", eps["kvwire"][1])],
-                    ctx=ctx) as late:
-        snap = until_snapshot(late)
-        assert snap.exact and snap.seq >= seqs[-1]
-    st = ours.stats()
-    assert (st.encode_errors, st.model_unknown_events, st.snapshot_exact) == (0, 0, True)
+    check_same_bytes(ctx, k, (theirs, *eps["sglang"]), (ours, *eps["kvwire"]),
+                     batches=sglang_batches, summary=summary, rank_field="attn_dp_rank",
+                     topic="kv", n=120)
 
 
 def test_bind_loopback_and_rank_as_sglang(plugin_on, k, made, ctx) -> None:
@@ -353,58 +188,33 @@ def test_any_sglang_event_encodes_as_sglang_encodes_it(plugin_on, k, made, data)
 
 
 def test_unknown_keys_warned_once(plugin_on, made, tmp_path) -> None:
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    h = Keep(logging.WARNING)
-    plugin.log.addHandler(h)
-    try:
+    with log_messages(plugin.log) as records:
         for i in range(2):
             made.append(plugin_on(attn_dp_rank=0, endpoint=f"ipc://{tmp_path}/u{i}",
                                   future_sg_knob="x"))
-    finally:
-        plugin.log.removeHandler(h)
     hits = [r for r in records if "future_sg_knob='x'" in r]
     assert len(hits) == 1 and "ignored" in hits[0], records
 
 
 def test_off_register_changes_nothing_here(k, monkeypatch) -> None:
     monkeypatch.setenv("KVWIRE_SGLANG_EVENTS", "0")
-    registry, mods = dict(k.EventPublisherFactory._registry), set(sys.modules)
-    plugin.register()
-    assert k.EventPublisherFactory._registry == registry and set(sys.modules) == mods
+    assert_register_changes_nothing(plugin, k)
 
 
 def test_off_in_a_fresh_sglang_process(child) -> None:
-    c, _, _ = child
-    off = c.read()
-    assert off["phase"] == "off"
-    assert off["entry_point"] == ["kvwire.engines.sglang:register"]
-    assert off["changed"] == [], off
-    assert off["kvwire_modules"] == ["kvwire", "kvwire.engines", "kvwire.engines.sglang"]
+    assert_off_phase(child[0], "sglang")
 
 
 def test_loaded_by_sglang_publishes_to_subscriber_and_decoder(child, k, ctx) -> None:
     c, ep, rep = child
-    on = c.read()
-    while on.get("phase") != "on":
-        on = c.read()
+    on = read_phase(c, "on")
     assert on["registry"] == "kvwire.engines.sglang.KvwireSglangPublisher", on
     active = [ln for ln in on["lines"] if "active in SGLang" in ln]
     assert len(active) == 1 and "KVWIRE_SGLANG_EVENTS=1" in active[0], on["lines"]
     assert on["source"]["endpoint"] == ep and on["source"]["replay_endpoint"] == rep
     with Subscriber([StreamSpec("sglang", ep, replay_endpoint=rep)], ctx=ctx) as sub:
         until_snapshot(sub)
-        n = c.ask({"op": "pub", "n": 20})["published"]
-        got: dict[int, Any] = {}
-        while len(got) < n:
-            item = sub.poll(TIMEOUT)
-            assert item is not None, f"Subscriber got {len(got)} of {n}"
-            if isinstance(item, Batch) and item.batch.events:
-                got[item.seq] = item.batch
+        got = receive(sub, c.ask({"op": "pub", "n": 20})["published"])
         assert sub.stats()["sglang"].stream.mode == "kvwire"
     sent = sglang_batches(k, 20, seed=0)
     assert [[summary(e) for e in got[q].events] for q in sorted(got)] == \

@@ -3,16 +3,15 @@ names vLLM and SGLang): run for real, a pytest subprocess on a suite missing bot
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+from engine_helpers import engine_env
+from skip_helpers import run_suite
 
 
 def test_missing_engine_wheels_are_listed_loudly(tmp_path) -> None:
-    (tmp_path / "test_suite.py").write_text(
+    out = run_suite(tmp_path, (
         "from engine_helpers import import_or_skip\n"
         "def test_v():\n"
         "    import_or_skip('vllm_not_installed_kvwire.kv_events', 'vllm (vllm==0.33.0)')\n"
@@ -20,17 +19,11 @@ def test_missing_engine_wheels_are_listed_loudly(tmp_path) -> None:
         "    import_or_skip('sglang_not_installed_kvwire.kv', 'sglang (sglang==0.5.23)')\n"
         "def test_ok():\n"
         "    pass\n"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-         str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
+    ))
     for what, test in (("vllm", "test_v"), ("sglang", "test_s")):
-        assert f"1 test(s) SKIPPED because {what} is missing" in r.stdout, r.stdout
-        assert f"SKIPPED test_suite.py::{test}: {what} ({what}==" in r.stdout, r.stdout
-    assert "ENGINES stamp" in r.stdout
+        assert f"1 test(s) SKIPPED because {what} is missing" in out, out
+        assert f"SKIPPED test_suite.py::{test}: {what} ({what}==" in out, out
+    assert "ENGINES stamp" in out
 
 
 def test_switch_on_without_the_engine_logs_and_returns() -> None:
@@ -46,8 +39,8 @@ def test_switch_on_without_the_engine_logs_and_returns() -> None:
         "vllm.register(); sglang.register()\n"
         "print('returned')\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")}
-    env.update(KVWIRE_VLLM_EVENTS="1", KVWIRE_SGLANG_EVENTS="yes", KVWIRE_VLLM_SHM="maybe")
+    env = engine_env(KVWIRE_VLLM_EVENTS="1", KVWIRE_SGLANG_EVENTS="yes",
+                     KVWIRE_VLLM_SHM="maybe")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode == 0 and "returned" in r.stdout, r.stderr

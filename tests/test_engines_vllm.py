@@ -1,21 +1,20 @@
 """kvwire inside vLLM 0.33.0 (issue 11): the plugin, with vLLM's own code and real sockets.
 
-vLLM is imported once in this process (about 10 s of CPU) and once in one child that loads
-the plugins as vLLM does (``vllm.plugins.load_general_plugins()``): first with every switch
-off, checking that nothing of vLLM changed, then with the switches on (the docs example),
-publishing on command to this process's Subscriber, strict vLLM decoder and ``kvwire
-listen``. The child starts first so the two imports overlap.
+vLLM is imported once in this process (about 10 s of CPU) and once in one child
+(tests/engine_child.py) that loads the plugins as vLLM does
+(``vllm.plugins.load_general_plugins()``): first with every switch off, checking that
+nothing of vLLM changed, then with the switches on (the docs example), publishing on
+command to this process's Subscriber, strict vLLM decoder and ``kvwire listen``. The child
+starts first so the two imports overlap.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import random
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,99 +22,31 @@ from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from engine_helpers import (
     TIMEOUT,
     Child,
-    collect,
-    docs_blocks,
-    engine_env,
+    assert_off_phase,
+    assert_register_changes_nothing,
+    check_same_bytes,
+    engine_child,
+    free_ports,
     import_or_skip,
+    log_messages,
+    plugin_switched_on,
+    read_phase,
+    receive,
     replay_all,
     sub_socket,
-    wait_for,
+    until_snapshot,
     warm_up,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.consume.items import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.engines import vllm as plugin
 
 WHEEL = "vllm (vllm==0.33.0)"
-
-CHILD = r'''
-import faulthandler, json, logging, os, sys, threading
-faulthandler.dump_traceback_later(280, exit=True)  # a stuck child says where, then ends
-
-def out(obj):
-    print(json.dumps(obj), flush=True)
-
-def fingerprint():
-    import vllm.config.kv_events as c
-    import vllm.distributed.kv_events as k
-    name = lambda v: f"{getattr(v, '__module__', '?')}.{getattr(v, '__qualname__', v)}"
-    return {
-        "registry": {n: name(v) for n, v in k.EventPublisherFactory._registry.items()},
-        "kv_events": {n: id(v) for n, v in vars(k).items()},
-        "config": {n: id(v) for n, v in vars(c).items()},
-        "factory": {n: id(v) for n, v in vars(k.EventPublisherFactory).items()},
-        "zmq_publisher": {n: id(v) for n, v in vars(k.ZmqEventPublisher).items()},
-        "KVEventsConfig": {n: id(v) for n, v in vars(c.KVEventsConfig).items()},
-        "env": sorted(os.environ),
-        "threads": sorted(t.name for t in threading.enumerate()),
-        "loggers": sorted(logging.Logger.manager.loggerDict),
-    }
-
-# Phase 1: every switch off. A run without kvwire is the state before the plugins load.
-import vllm.plugins
-from importlib.metadata import entry_points
-before, mods = fingerprint(), set(sys.modules)
-vllm.plugins.load_general_plugins()
-after = fingerprint()
-new_loggers = sorted(set(after.pop("loggers")) - set(before.pop("loggers")))
-changed = sorted(k for k in before if before[k] != after[k])
-changed += [f"logger {n}" for n in new_loggers if "kvwire" in n]
-out({"phase": "off", "changed": changed,
-     "kvwire_modules": sorted(m for m in set(sys.modules) - mods if m.startswith("kvwire")),
-     "entry_point": [e.value for e in entry_points(group="vllm.general_plugins")
-                     if e.name == "kvwire"]})
-
-# Phase 2: the switches on, and the docs example, as a process of `vllm serve` would run
-# it. (Phase 1 changed nothing, so this process is as fresh as a new one; vLLM loads its
-# plugins once per process, hence the flag.)
-from vllm.config.logging import LoggingConfig
-from vllm.logger import configure_logging
-configure_logging(LoggingConfig())  # what `vllm serve` does: vLLM's log handler
-lines = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        lines.append(record.getMessage())
-logging.getLogger("vllm").addHandler(Keep())
-vllm.plugins.plugins_loaded = False
-ns = {"__name__": "__main__"}
-exec(sys.argv[1], ns)  # the docs example: sets KVWIRE_VLLM_EVENTS, loads, creates `pub`
-pub = ns["pub"]
-import vllm.distributed.kv_events as k
-out({"phase": "on", "registry": f"{k.EventPublisherFactory._registry['zmq'].__module__}."
-     f"{k.EventPublisherFactory._registry['zmq'].__qualname__}", "type": type(pub).__name__,
-     "config": repr(pub.get_publisher_config()), "lines": lines})
-
-sys.path.insert(0, sys.argv[2])
-from test_engines_vllm import vllm_batches
-n = 0
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if cmd["op"] == "pub":
-        for b in vllm_batches(k, cmd["n"], seed=n):
-            pub.publish(b)
-        n += cmd["n"]
-        out({"published": n})
-    elif cmd["op"] == "quit":
-        out({"report": repr(pub.shutdown())})
-        break
-'''
 
 
 def vllm_batches(k: Any, n: int, seed: int = 0) -> list[Any]:
@@ -186,15 +117,7 @@ def summary(ev: Any) -> tuple[Any, ...]:
 @pytest.fixture(scope="module")
 def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, str, str]]:
     """The child that loads the plugins as vLLM does; started before vLLM is imported here."""
-    if importlib.util.find_spec("vllm") is None:  # (cheap: no import)
-        import_or_skip("vllm", WHEEL)
-    d = tmp_path_factory.mktemp("vllm-child")
-    ep, rep = f"ipc://{d}/live", f"ipc://{d}/replay"
-    [doc] = docs_blocks("test_engines_vllm")
-    doc = doc.replace("tcp://*:5557", ep).replace("tcp://*:5558", rep)
-    c = Child(CHILD, [doc, str(Path(__file__).parent)], engine_env(), d)
-    yield c, ep, rep
-    c.close()
+    yield from engine_child("vllm", WHEEL, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -210,27 +133,7 @@ def vllm_config(k: Any) -> Any:
 
 @pytest.fixture
 def plugin_on(k: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[type]:
-    monkeypatch.setenv("KVWIRE_VLLM_EVENTS", "1")
-    monkeypatch.delenv("KVWIRE_VLLM_SHM", raising=False)
-    plugin.register()
-    yield k.EventPublisherFactory._registry["zmq"]
-    plugin.uninstall_events()
-    assert k.EventPublisherFactory._registry["zmq"] is k.ZmqEventPublisher
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    pubs: list[Any] = []
-    yield pubs
-    for p in pubs:
-        p.shutdown()
+    yield from plugin_switched_on(plugin, k, "KVWIRE_VLLM_EVENTS", monkeypatch)
 
 
 def ipc(tmp_path: Path, name: str) -> str:
@@ -262,7 +165,8 @@ def test_same_bytes_as_vllms_own_publisher(plugin_on, k, vllm_config, made, ctx,
                                            tmp_path) -> None:
     """Both publishers get the same vLLM objects: every live and replayed payload is
     byte-identical, a strict decoder of vLLM's classes reads all of them, and kvwire's
-    Subscriber receives every batch (and a snapshot of what they left cached)."""
+    Subscriber receives every batch (and a late joiner's snapshot holds exactly what
+    vLLM's events left cached)."""
     eps = {}
     for who in ("vllm", "kvwire"):
         cfg = vllm_config(enable_kv_cache_events=True, endpoint=ipc(tmp_path, who),
@@ -272,91 +176,10 @@ def test_same_bytes_as_vllms_own_publisher(plugin_on, k, vllm_config, made, ctx,
         made.append(pub)
         eps[who] = (pub, cfg.endpoint, cfg.replay_endpoint)
     assert type(eps["kvwire"][0]) is plugin_on
-    pubs = [eps["vllm"][0], eps["kvwire"][0]]
-    subs = [sub_socket(ctx, eps[w][1]) for w in ("vllm", "kvwire")]
-    sent: list[Any] = []
-
-    def publish_same(batches: list[Any]) -> None:
-        for b in batches:  # each publisher its own copy: vLLM's fills the rank in place
-            for p in pubs:
-                p.publish(copy.deepcopy(b))
-        sent.extend(batches)
-
-    warm = iter(vllm_batches(k, 400, seed=99))
-    warm_up(subs, lambda: publish_same([next(warm)]))
-    kw_sub = Subscriber([StreamSpec("vllm", eps["kvwire"][1], replay_endpoint=eps["kvwire"][2])],
-                        ctx=ctx)
-    strict = msgspec.msgpack.Decoder(k.KVEventBatch)
-    try:
-        snaps = [until_snapshot(kw_sub)]  # joined (INFO, SNAPSHOT) before the batches
-        publish_same(vllm_batches(k, 150, seed=1))
-        replays: list[dict[int, bytes]] = []
-
-        def all_replayed() -> bool:
-            replays[:] = [replay_all(ctx, eps[w][2]) for w in ("vllm", "kvwire")]
-            return all(len(batches_of(r, strict)) == len(sent) for r in replays)
-
-        wait_for(all_replayed, "both replay buffers to hold every batch")
-        ours = batches_of(replays[1], strict)  # kvwire's seqs also count its heartbeats
-        assert sorted(replays[0]) == list(range(len(sent)))
-        assert [replays[1][s] for s in ours] == [replays[0][s] for s in range(len(sent))]
-        for i, seq in enumerate(ours):  # vLLM's bytes and objects, with the publisher's rank
-            want = copy.deepcopy(sent[i])
-            want.data_parallel_rank = 0
-            assert replays[1][seq] == msgspec.msgpack.encode(want), seq
-            # (nested tuples in extra_keys come back as lists, from vLLM's bytes too)
-            assert strict.decode(replays[1][seq]) == strict.decode(replays[0][i]), seq
-        for s, r, last in zip(subs, replays, (len(sent) - 1, ours[-1])):
-            live = collect(s, last)  # live bytes are the replayed bytes, without gaps
-            assert all(live[q] == r[q] for q in live)
-            assert sorted(live) == list(range(min(live), last + 1))
-            assert min(live) <= (ours[-150] if r is replays[1] else len(sent) - 150)
-        # kvwire's Subscriber: every batch once, in order, after its snapshot.
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + TIMEOUT
-        while ours[-1] not in got:
-            assert time.monotonic() < deadline, f"Subscriber stalled at {sorted(got)[-1:]}"
-            item = kw_sub.poll(TIMEOUT)
-            assert item is not None, f"Subscriber stalled at {sorted(got)[-1:]}"
-            if isinstance(item, Snapshot):
-                snaps.append(item)
-            elif isinstance(item, Batch) and item.batch.events:
-                assert item.seq not in got
-                got[item.seq] = item.batch
-        assert snaps and snaps[0].exact
-        assert sorted(got) == [q for q in ours if q > snaps[0].seq]
-        index = {q: i for i, q in enumerate(ours)}
-        for seq, batch in got.items():
-            want_events = sent[index[seq]].events
-            assert [summary(e) for e in batch.events] == [summary(e) for e in want_events]
-        assert kw_sub.stats()["vllm"].stream.mode == "kvwire"
-    finally:
-        kw_sub.close()
-    # A late joiner's snapshot holds exactly what vLLM's events left cached.
-    with Subscriber([StreamSpec("late", eps["kvwire"][1], replay_endpoint=eps["kvwire"][2])],
-                    ctx=ctx) as late:
-        item = until_snapshot(late)
-        assert item.exact and item.seq >= ours[-1]
-        cached = {h for ev in item.blocks for h in ev.block_hashes}
-        assert cached == live_hashes(sent) and cached
-    st = eps["kvwire"][0].stats()
-    assert (st.encode_errors, st.model_unknown_events, st.snapshot_exact) == (0, 0, True)
-
-
-def until_snapshot(sub: Subscriber) -> Snapshot:
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        assert time.monotonic() < deadline, "no snapshot"
-        item = sub.poll(TIMEOUT)
-        assert item is not None, "no snapshot"
-        if isinstance(item, Snapshot):
-            return item
-
-
-def batches_of(replayed: dict[int, bytes], strict: Any) -> list[int]:
-    """Seqs of the non-empty batches (kvwire adds empty heartbeat batches when idle,
-    which vLLM's strict decoder reads as empty ``KVEventBatch``es)."""
-    return sorted(s for s, p in replayed.items() if strict.decode(p).events)
+    sent, late = check_same_bytes(ctx, k, eps["vllm"], eps["kvwire"], batches=vllm_batches,
+                                  summary=summary, rank_field="data_parallel_rank", n=150)
+    cached = {h for ev in late.blocks for h in ev.block_hashes}
+    assert cached == live_hashes(sent) and cached
 
 
 vllm_hash = st.one_of(st.integers(0, 2**64 - 1), st.binary(min_size=32, max_size=32))
@@ -408,13 +231,7 @@ def test_any_vllm_event_encodes_as_vllm_encodes_it(plugin_on, k, vllm_config, ma
 def test_rank_offsets_and_binding_as_vllm(plugin_on, k, vllm_config, made, ctx) -> None:
     """DP rank 2: the live endpoint (a concrete host: connect) and the replay endpoint
     (always bound) move by the rank, as vLLM's do; batches carry rank 2."""
-    from socket import socket as pysock
-
-    ports = []
-    for _ in range(2):
-        with pysock() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1] - 2)
+    ports = free_ports(2, spare=2)
     cfg = vllm_config(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{ports[0]}",
                       replay_endpoint=f"tcp://127.0.0.1:{ports[1]}")
     collector = sub_socket(ctx, f"tcp://127.0.0.1:{ports[0] + 2}", bind=True)
@@ -438,21 +255,10 @@ def test_rank_offsets_and_binding_as_vllm(plugin_on, k, vllm_config, made, ctx) 
 
 def test_unknown_config_keys_warned_once_and_ignored(plugin_on, k, made, tmp_path) -> None:
     """A newer vLLM's KVEventsConfig may carry keys kvwire does not know: one warning."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    log = logging.getLogger("vllm.kvwire")
-    h = Keep(logging.WARNING)
-    log.addHandler(h)
-    try:
+    with log_messages(logging.getLogger("vllm.kvwire")) as records:
         for _ in range(2):
             made.append(plugin_on(data_parallel_rank=0, endpoint=ipc(tmp_path, "u"),
                                   future_knob_xyz=3))
-    finally:
-        log.removeHandler(h)
     hits = [r for r in records if "future_knob_xyz=3" in r]
     assert len(hits) == 1 and "ignored" in hits[0], records
     assert made[-1].stats().sender_alive
@@ -495,22 +301,13 @@ def test_off_register_changes_nothing_here(k, monkeypatch) -> None:
     for name in ("KVWIRE_VLLM_EVENTS", "KVWIRE_VLLM_SHM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVWIRE_VLLM_SHM", "0")
-    registry = dict(k.EventPublisherFactory._registry)
-    mods = set(sys.modules)
-    plugin.register()
-    assert k.EventPublisherFactory._registry == registry
-    assert set(sys.modules) == mods
+    assert_register_changes_nothing(plugin, k)
 
 
 def test_off_in_a_fresh_vllm_process(child) -> None:
     """Loaded by vLLM's own loader with the switches unset: vLLM's factory registry, its
     modules' and classes' attributes, environment, threads and loggers are as before."""
-    c, _, _ = child
-    off = c.read()
-    assert off["phase"] == "off"
-    assert off["entry_point"] == ["kvwire.engines.vllm:register"]  # it was loaded
-    assert off["changed"] == [], off
-    assert off["kvwire_modules"] == ["kvwire", "kvwire.engines", "kvwire.engines.vllm"]
+    assert_off_phase(child[0], "vllm")
 
 
 # --------------------------------------------------------------------------- loaded by vLLM
@@ -521,9 +318,7 @@ def test_loaded_by_vllm_publishes_to_subscriber_decoder_and_listen(child, k, ctx
     then batches reach kvwire's Subscriber, a strict vLLM decoder (via vLLM's replay
     protocol) and ``kvwire listen``, which reports mode kvwire."""
     c, ep, rep = child
-    on = c.read()
-    while on.get("phase") != "on":  # the off phase's line when that test did not run
-        on = c.read()
+    on = read_phase(c, "on")
     assert on["registry"] == "kvwire.engines.vllm.KvwireVllmPublisher", on
     assert on["type"] == "KvwireVllmPublisher"
     active = [ln for ln in on["lines"] if "kvwire" in ln and "active in vLLM" in ln]
@@ -538,12 +333,7 @@ def test_loaded_by_vllm_publishes_to_subscriber_decoder_and_listen(child, k, ctx
         try:
             until_snapshot(sub)
             n = c.ask({"op": "pub", "n": 20})["published"]
-            got: dict[int, Any] = {}
-            while len(got) < n:
-                item = sub.poll(TIMEOUT)
-                assert item is not None, f"Subscriber got {len(got)} of {n}"
-                if isinstance(item, Batch) and item.batch.events:
-                    got[item.seq] = item.batch
+            got = receive(sub, n)
             while listen.poll() is None:  # it counts batches from its own join on
                 n = c.ask({"op": "pub", "n": 2})["published"]
                 try:
