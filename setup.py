@@ -10,6 +10,7 @@ _MODULES = {
     "kvwire.wire._zmqframes": "src/kvwire/wire/_zmqframes.c",
     "kvwire.shm._ring": ["src/kvwire/shm/_ring.c", "src/kvwire/shm/_pickle5.c"],
     "kvwire.index._keys": "src/kvwire/index/_keys.c",
+    "kvwire.router._tokens": "src/kvwire/router/_tokens.c",
 }
 #: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
 _LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"]}

@@ -219,7 +219,7 @@ def service_main(kind: str, where: str, engines: int, port: int) -> None:
     loop = "uvloop" if _has("uvloop") else "asyncio"
     http = "httptools" if _has("httptools") else "h11"
     uvicorn.run(fast_app(build_app(core)), host="127.0.0.1", port=port, log_level="warning",
-                access_log=False, lifespan="off", loop=loop, http=http)
+                access_log=False, lifespan="off", loop=loop, http=http, proxy_headers=False)
 
 
 def _has(mod: str) -> bool:

@@ -577,3 +577,39 @@ def test_fuzzed_bodies_never_get_a_5xx(shared_fleet: Fleet, path: str, body: byt
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code >= 400:
         assert r.json()["error"]  # says what was wrong
+
+
+_json_int = st.one_of(st.integers(0, 2**32 - 1), st.integers(2**32, 2**70),
+                      st.integers(-(2**40), -1))
+_spacing = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(toks=st.lists(_json_int, max_size=40), seps=st.lists(_spacing, min_size=4, max_size=4),
+       lora=st.one_of(st.none(), st.text(max_size=8)), odd=st.sampled_from(
+           ["", "1.5", "01", "1e3", "-0", "+1", "true", "null", '"7"', "[1]", ",", "x"]))
+def test_fast_token_parser_agrees_with_strict_decode(toks, seps, lora, odd) -> None:
+    """The C token parser (int64 array) answers exactly what msgspec's strict decode does:
+    the same token ids, or the same named error, for any spacing and any odd element."""
+    from kvwire.router import app as app_mod
+    from kvwire.router.service import RouteError
+
+    a, b, c, d = seps
+    items = [str(t) for t in toks] + ([odd] if odd else [])
+    text = f'{a}{{"token_ids":{b}[{c}{(c + "," + d).join(items)}{d}]'
+    text += "}" if lora is None else f', "lora_name": {json.dumps(lora)}}}'
+    body = text.encode()
+
+    def outcome(fn):
+        try:
+            r = fn(body)
+        except RouteError as e:
+            return ("error", e.status, str(e))
+        return ("ok", list(r.token_ids), r.lora_name, r.salt)
+
+    fast = outcome(app_mod._decode_route)
+    strict = outcome(lambda x: app_mod._decode_body(x, app_mod._route_dec))
+    assert fast == strict
+    if app_mod.parse_token_ids is not None and fast[0] == "ok" and toks and not odd:
+        # the fast path really ran: token ids came back as one int64 array
+        assert type(app_mod._decode_route(body).token_ids).__name__ == "array"

@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     try:
         config = uvicorn.Config(fast_app(build_app(core)), log_level=args.log_level.lower(),
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off",
+                                proxy_headers=False)  # no X-Forwarded-* rewriting per request
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()

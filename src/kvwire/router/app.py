@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from array import array
 from typing import Annotated, Any
 
 import msgspec
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .service import RouteError, RouterCore
 from .status_page import STATUS_HTML
+from .tokens import parse_token_ids
 
 __all__ = ["build_app", "fast_app", "serve_in_thread"]
 
@@ -42,7 +44,17 @@ class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     output_tokens: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] | None = None
 
 
+class _RouteRaw(msgspec.Struct, forbid_unknown_fields=True):
+    """RouteBody with the token ids left as JSON text, for the C parser (see _decode_route)."""
+
+    token_ids: msgspec.Raw
+    lora_name: _Name | None = None
+    salt: _Name | None = None
+
+
+
 _route_dec = msgspec.json.Decoder(RouteBody)
+_route_raw_dec = msgspec.json.Decoder(_RouteRaw)
 _release_dec = msgspec.json.Decoder(ReleaseBody)
 _enc = msgspec.json.Encoder()
 
@@ -148,7 +160,7 @@ def build_app(core: RouterCore) -> FastAPI:
 
     async def _answer(request: Request, reserve: bool) -> Response:
         t0 = time.perf_counter()
-        body = await decode(request, _route_dec)
+        body = _decode_route(await request.body())
         out = core.route(body.token_ids, body.lora_name, body.salt, reserve=reserve)
         metrics.latency.labels("route" if reserve else "score").observe(
             time.perf_counter() - t0)
@@ -225,7 +237,7 @@ def fast_app(app: FastAPI) -> Any:
                 rel = _decode_body(body, _release_dec)
                 out = core.release(rel.request_id, rel.output_tokens)
             else:
-                req = _decode_body(body, _route_dec)
+                req = _decode_route(body)
                 out = core.route(req.token_ids, req.lora_name, req.salt,
                                  reserve=path == b"/route")
                 latency[path].observe(time.perf_counter() - t0)
@@ -253,6 +265,24 @@ def _decode_body(body: bytes, dec: msgspec.json.Decoder) -> Any:
         raise RouteError(400, f"malformed JSON body: {e}", "malformed_json") from None
 
 
+def _decode_route(body: bytes) -> Any:
+    """A /route or /score body; token ids as an int64 ``array`` when the C parser takes
+    them (plain ints in range: no Python int per token), else exactly as msgspec decodes
+    and validates them (so every bad body still gets msgspec's named error)."""
+    if parse_token_ids is not None:
+        try:
+            raw = _route_raw_dec.decode(body)
+        except msgspec.DecodeError:
+            pass  # the strict decode below names what is wrong
+        else:
+            packed = parse_token_ids(raw.token_ids)
+            if packed is not None:
+                toks = array("q")
+                toks.frombytes(packed)
+                return RouteBody(toks, raw.lora_name, raw.salt)  # type: ignore[arg-type]
+    return _decode_body(body, _route_dec)
+
+
 def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 10.0) -> tuple[Any, threading.Thread, int]:
     """Run the app with uvicorn in a daemon thread (tests, docs, embedding).
@@ -266,7 +296,7 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     sock.bind((host, port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(fast_app(build_app(core)), log_level="warning", access_log=False,
-                            lifespan="off")
+                            lifespan="off", proxy_headers=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="kvwire-router-http", daemon=True)
