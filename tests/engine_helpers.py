@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import select
 import subprocess
 import sys
@@ -186,6 +187,37 @@ def docs_blocks(marker: str) -> list[str]:
     text = (ROOT / "docs" / "engines.md").read_text()
     return [b.code for b in blocks(text)
             if b.lang == "python" and b.no_run is not None and marker in b.no_run]
+
+
+def random_batches(k: Any, n: int, seed: int, *, block_size: int, t0: float,
+                   new_hash: Callable[[random.Random], Any],
+                   stored: Callable[[random.Random, list[Any]], dict[str, Any]],
+                   removed: Callable[[random.Random], dict[str, Any]]) -> list[Any]:
+    """``n`` batches of an engine's own event classes (its kv_events module ``k``),
+    deterministic per seed: each stores 1-3 new blocks (``new_hash`` makes their hashes,
+    ``stored(rng, hashes)`` the engine's other fields of BlockStored), chained to an
+    earlier block half the time; some remove 1-2 earlier blocks (``removed(rng)`` gives
+    the other fields of BlockRemoved); every 40th starts with a full clear."""
+    rng = random.Random(seed)
+    out: list[Any] = []
+    live: list[Any] = []
+    for i in range(n):
+        events: list[Any] = []
+        if i % 40 == 39:
+            events.append(k.AllBlocksCleared())
+            live.clear()
+        hashes = [new_hash(rng) for _ in range(rng.randint(1, 3))]
+        parent = live[-1] if live and rng.random() < 0.5 else None
+        events.append(k.BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, block_size=block_size,
+            token_ids=[rng.randrange(1 << 17) for _ in range(block_size * len(hashes))],
+            **stored(rng, hashes)))
+        live.extend(hashes)
+        if len(live) > 4 and rng.random() < 0.4:
+            gone = [live.pop(rng.randrange(len(live))) for _ in range(rng.randint(1, 2))]
+            events.append(k.BlockRemoved(block_hashes=gone, **removed(rng)))
+        out.append(k.KVEventBatch(ts=t0 + i, events=events))
+    return out
 
 
 def engine_child(engine: str, wheel: str,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from engine_helpers import (
     import_or_skip,
     log_messages,
     plugin_switched_on,
+    random_batches,
     read_phase,
     receive,
     replay_all,
@@ -47,27 +47,14 @@ WHEEL = "sglang (sglang==0.5.23)"
 def sglang_batches(k: Any, n: int, seed: int = 0) -> list[Any]:
     """``n`` batches of SGLang's own event classes, every field of 0.5.23's events used
     (signed 64-bit hashes as SGLang's namespacing makes them). Deterministic per seed."""
-    rng = random.Random(seed)
-    out, live = [], []
-    for i in range(n):
-        events: list[Any] = []
-        if i % 40 == 39:
-            events.append(k.AllBlocksCleared())
-            live.clear()
-        nb = rng.randint(1, 3)
-        hashes = [rng.randrange(-(1 << 63), 1 << 63) for _ in range(nb)]
-        events.append(k.BlockStored(
-            block_hashes=hashes, parent_block_hash=live[-1] if live and rng.random() < 0.5
-            else None, token_ids=[rng.randrange(1 << 17) for _ in range(2 * nb)], block_size=2,
+    return random_batches(
+        k, n, seed, block_size=2, t0=2000.0,
+        new_hash=lambda rng: rng.randrange(-(1 << 63), 1 << 63),
+        stored=lambda rng, _: dict(
             lora_id=rng.choice([None, 3]), medium=rng.choice(["GPU", "CPU_PINNED", None]),
             cache_salt=rng.choice([None, "salt"]), session_id=rng.choice([None, "s"]),
-            lora_name=rng.choice([None, "adapter"])))
-        live.extend(hashes)
-        if len(live) > 4 and rng.random() < 0.4:
-            gone = [live.pop(rng.randrange(len(live))) for _ in range(rng.randint(1, 2))]
-            events.append(k.BlockRemoved(block_hashes=gone, medium=rng.choice(["GPU", None])))
-        out.append(k.KVEventBatch(ts=2000.0 + i, events=events))
-    return out
+            lora_name=rng.choice([None, "adapter"])),
+        removed=lambda rng: dict(medium=rng.choice(["GPU", None])))
 
 
 def summary(ev: Any) -> tuple[Any, ...]:

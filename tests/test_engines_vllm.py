@@ -33,6 +33,7 @@ from engine_helpers import (
     import_or_skip,
     log_messages,
     plugin_switched_on,
+    random_batches,
     read_phase,
     receive,
     replay_all,
@@ -53,21 +54,10 @@ def vllm_batches(k: Any, n: int, seed: int = 0) -> list[Any]:
     """``n`` batches of vLLM's own event classes using every field of 0.33.0's events:
     int and bytes hashes, chains, LoRA, extra keys, groups, spec kinds, lookahead tokens,
     removals of earlier blocks and an occasional full clear. Deterministic per seed."""
-    rng = random.Random(seed)
-    out, live = [], []
-    for i in range(n):
-        events: list[Any] = []
-        if i % 40 == 39:
-            events.append(k.AllBlocksCleared())
-            live.clear()
-        nb = rng.randint(1, 3)
-        hashes = [rng.getrandbits(64) if rng.random() < 0.7 else rng.randbytes(32)
-                  for _ in range(nb)]
+    def stored(rng: random.Random, hashes: list[Any]) -> dict[str, Any]:
         lora = rng.random() < 0.3
-        events.append(k.BlockStored(
-            block_hashes=hashes, parent_block_hash=live[-1] if live and rng.random() < 0.5
-            else None, token_ids=[rng.randrange(1 << 17) for _ in range(4 * nb)],
-            block_size=4, lora_id=7 if lora else None, medium=rng.choice(["GPU", None]),
+        return dict(
+            lora_id=7 if lora else None, medium=rng.choice(["GPU", None]),
             lora_name="adapter" if lora else None,
             extra_keys=[("adapter", ("mm", "img", 3)) if lora else None for _ in hashes]
             if rng.random() < 0.3 else None,
@@ -75,14 +65,13 @@ def vllm_batches(k: Any, n: int, seed: int = 0) -> list[Any]:
             kv_cache_spec_sliding_window=rng.choice([None, 128]),
             locality=rng.choice([None, "LOCAL"]), ownership=None,
             session_id=rng.choice([None, "s1"]),
-            lookahead_token_ids=[[1, 2]] * nb if rng.random() < 0.2 else None))
-        live.extend(hashes)
-        if len(live) > 4 and rng.random() < 0.4:
-            gone = [live.pop(rng.randrange(len(live))) for _ in range(rng.randint(1, 2))]
-            events.append(k.BlockRemoved(block_hashes=gone, medium=rng.choice(["GPU", None]),
-                                         group_idx=rng.choice([None, 1])))
-        out.append(k.KVEventBatch(ts=1000.0 + i, events=events))
-    return out
+            lookahead_token_ids=[[1, 2]] * len(hashes) if rng.random() < 0.2 else None)
+
+    return random_batches(
+        k, n, seed, block_size=4, t0=1000.0, stored=stored,
+        new_hash=lambda rng: rng.getrandbits(64) if rng.random() < 0.7 else rng.randbytes(32),
+        removed=lambda rng: dict(medium=rng.choice(["GPU", None]),
+                                 group_idx=rng.choice([None, 1])))
 
 
 def live_hashes(batches: list[Any]) -> set[Any]:
