@@ -219,3 +219,23 @@ def test_bad_runs_are_named_and_counted(hd_extra: dict[str, str], body: bytes | 
     # the subject did not move: the good run continues it
     hd, good = message(3, 7)
     assert [x.seq for x in t.feed(SUBJ, 11, hd, good)] == [3, 4, 5, 6, 7]  # type: ignore[union-attr]
+
+
+_NAME = st.text(st.characters(min_codepoint=33, max_codepoint=126, blacklist_characters=":"),
+                min_size=1, max_size=12)
+_VALUE = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"),
+                 max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_NAME, _VALUE, st.sampled_from([": ", ":", ":\t", " : "])),
+                max_size=8))
+def test_fast_header_parse_equals_nats_py(headers: list[tuple[str, str, str]]) -> None:
+    """The consumer's header parser (installed on its own connection) gives nats-py's
+    answer for every header block of printable-ASCII names."""
+    from nats.aio.client import Client
+
+    from kvwire.nats.consumer import _header_lines
+
+    raw = b"".join(f"{k}{sep}{v}\r\n".encode() for k, v, sep in headers) + b"\r\n"
+    assert _header_lines(raw) == Client._parse_header_lines(raw)

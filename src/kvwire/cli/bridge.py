@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="up to N consecutive batches already in hand per JetStream message "
                         "(default 1: one each; never waits to fill one). With N > 1, two "
                         "redundant bridges may cut different runs and a batch can be stored "
-                        "twice (consumers drop it); --share has no such issue")
+                        "twice (consumers drop it); with --share only while a lease moves")
     p.add_argument("--connect-timeout", type=_number(float), default=10.0, metavar="S",
                    help="give up if the first connection takes longer (later: retried)")
     p.add_argument("--log-interval", type=_number(float, allow_zero=True), default=10.0,

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,24 @@ def _hdrs(msg: Any) -> dict[str, str]:
     return msg.headers or {}
 
 
+_HDR_NAME = re.compile(rb"[!-9;-~]+")  # printable ASCII, no ':' and no whitespace
+
+
+def _header_lines(raw: bytes) -> dict[str, str]:
+    """nats-py's ``Client._parse_header_lines``, about 5x cheaper: it tests every character
+    of every name with a Python generator (most of a consumer's CPU per message). Same
+    result for names of printable ASCII (all JetStream and kvwire headers); a name with
+    control characters is dropped here, as nats-py drops names with spaces."""
+    out: dict[str, str] = {}
+    for line in raw.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if sep:
+            name = name.strip()
+            if _HDR_NAME.fullmatch(name):
+                out[name.decode()] = value.strip().decode("utf-8", "replace")
+    return out
+
+
 def _stream_seq(reply: str) -> int:
     """The stream sequence in a JetStream ack subject: ``$JS.ACK.<stream>.<consumer>.
     <delivered>.<sseq>...`` (9 tokens) or with domain and account hash (12+ tokens)."""
@@ -198,6 +217,9 @@ class NatsSource:
                     connect_timeout=2, disconnected_cb=disconnected,
                     reconnected_cb=reconnected, error_cb=error, name="kvwire-consumer")
                 self.js = self.nc.jetstream(timeout=5)
+                if callable(getattr(self.nc, "_parse_header_lines", None)):
+                    # (nats-py calls it as self._parse_header_lines: this connection only)
+                    self.nc._parse_header_lines = _header_lines
                 self.connected = True
                 return
             except Exception as e:  # server not up yet: keep trying, say why
