@@ -15,5 +15,5 @@ def native_status() -> dict[str, str]:
     index = "c" if index_keys.NATIVE else f"python ({index_keys.REASON or 'not built'})"
     from .router import tokens
 
-    body = "c" if tokens.parse_token_ids is not None else f"python ({tokens.REASON})"
+    body = "c" if tokens.parse_route_body is not None else f"python ({tokens.REASON})"
     return {"frames": frames_status(), "shm": shm, "index": index, "route_body": body}

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .service import RouteError, RouterCore
 from .status_page import STATUS_HTML
-from .tokens import parse_token_ids
+from .tokens import parse_route_body
 
 __all__ = ["build_app", "fast_app", "serve_in_thread"]
 
@@ -44,17 +44,16 @@ class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     output_tokens: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] | None = None
 
 
-class _RouteRaw(msgspec.Struct, forbid_unknown_fields=True):
-    """RouteBody with the token ids left as JSON text, for the C parser (see _decode_route)."""
+class _RouteRest(msgspec.Struct, forbid_unknown_fields=True):
+    """A /route body's members other than token_ids (what the C parser leaves)."""
 
-    token_ids: msgspec.Raw
     lora_name: _Name | None = None
     salt: _Name | None = None
 
 
-
+_NO_REST = _RouteRest()
 _route_dec = msgspec.json.Decoder(RouteBody)
-_route_raw_dec = msgspec.json.Decoder(_RouteRaw)
+_route_rest_dec = msgspec.json.Decoder(_RouteRest)
 _release_dec = msgspec.json.Decoder(ReleaseBody)
 _enc = msgspec.json.Encoder()
 
@@ -269,17 +268,18 @@ def _decode_route(body: bytes) -> Any:
     """A /route or /score body; token ids as an int64 ``array`` when the C parser takes
     them (plain ints in range: no Python int per token), else exactly as msgspec decodes
     and validates them (so every bad body still gets msgspec's named error)."""
-    if parse_token_ids is not None:
-        try:
-            raw = _route_raw_dec.decode(body)
-        except msgspec.DecodeError:
-            pass  # the strict decode below names what is wrong
-        else:
-            packed = parse_token_ids(raw.token_ids)
-            if packed is not None:
+    if parse_route_body is not None:
+        fast = parse_route_body(body)
+        if fast is not None:
+            packed, rest = fast
+            try:
+                more = _NO_REST if rest is None else _route_rest_dec.decode(rest)
+            except msgspec.DecodeError:
+                more = None  # the strict decode below names what is wrong
+            if more is not None:
                 toks = array("q")
                 toks.frombytes(packed)
-                return RouteBody(toks, raw.lora_name, raw.salt)  # type: ignore[arg-type]
+                return RouteBody(toks, more.lora_name, more.salt)  # type: ignore[arg-type]
     return _decode_body(body, _route_dec)
 
 
