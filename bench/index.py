@@ -185,6 +185,18 @@ def calibration() -> str:
     return f"sum(range(10**6)) takes {best * 1e3:.1f} ms of CPU"
 
 
+def jitter() -> str:
+    """This host's own tail: a fixed ~50 us pure-Python loop timed like a match, 2000 times.
+    Its p99/p50 is what the box adds to any p99 here (a VM's steal, interrupts), whatever
+    the code does."""
+    def work(_: object) -> None:
+        s = 0
+        for i in range(2000):
+            s += i
+
+    return time_match(work, [None] * 2000)
+
+
 def _calib() -> float:
     c = time.thread_time()
     sum(range(10**6))
@@ -251,6 +263,7 @@ def main() -> None:
     rows: list[tuple[str, str, str]] = []
 
     rows.append(("calibration (this core, now)", "", calibration()))
+    rows.append(("host jitter: a fixed ~50 us loop, timed alike", "", jitter()))
     idx = PrefixIndex()
     cpu, wall, n = ingest(w, idx)
     rows.append((f"ingest {n:,} blocks (32-block events, {ENGINES} streams)", "kvwire",
