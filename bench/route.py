@@ -14,8 +14,11 @@ Rows, in the same run and against the same publishers: the service with kvwire's
 PrefixIndex, and a naive baseline service (dict of sets per stream, keys = Python ``hash`` of
 each block's token tuple chained; the same policy and HTTP code). For each:
 
-* ``wrk /score``: closed loop driven by wrk (C, Debian package ``wrk``; skipped without it),
-  the service's own ceiling, since the Python client costs about as much CPU per request;
+* ``wrk /route cN`` and ``wrk /score cN``: closed loops driven by wrk (C, Debian package
+  ``wrk``; skipped without it) over N connections, the service's own ceiling, since the
+  Python client costs about as much CPU per request. /route reserves load each time and
+  nothing releases it (requests whose completion never comes: the reservations pile up and
+  spread the traffic, as the policy intends);
 * ``closed+rel``: closed loop from the Python client, each /route followed by its /release
   (so the HTTP request rate is twice the route rate);
 * ``open R/s``: the Python client offers R /score per second (``--rates``); latency counts
@@ -336,20 +339,23 @@ async def open_loop(port: int, bodies: list, seconds: float, rate: float, conc: 
             "errors": errors[0]}
 
 
-def wrk_run(port: int, bodies: list, seconds: float, conc: int, where: str) -> dict | None:
+def wrk_run(port: int, bodies: list, seconds: float, conc: int, where: str,
+            path: str = "/score") -> dict | None:
     """Closed loop with wrk (a C load generator, Debian package ``wrk``), one thread: the
     Python client above costs about as much CPU per request as the service, so on 2 cores
-    it caps what can be measured. /score with the same prompt mix; None without wrk."""
+    it caps what can be measured. ``path`` (/score, or /route: each reserves load that no
+    release frees, so reservations pile up as for requests whose completion never comes)
+    with the same prompt mix; None without wrk."""
     wrk = shutil.which("wrk")
     if wrk is None:
         return None
-    script = os.path.join(where, "score.lua")
+    script = os.path.join(where, "load.lua")
     with open(script, "w") as f:
         f.write("bodies = {\n")
         for _, b in bodies:
             f.write("[[" + b.decode() + "]],\n")
         f.write("}\nwrk.method = 'POST'\nwrk.headers['Content-Type'] = 'application/json'\n"
-                "request = function()\n  return wrk.format(nil, '/score', nil, "
+                f"request = function()\n  return wrk.format(nil, '{path}', nil, "
                 "bodies[math.random(#bodies)])\nend\n")
     out = subprocess.run([wrk, "-t1", f"-c{conc}", f"-d{max(1, int(seconds))}s", "--latency",
                           "-s", script, f"http://127.0.0.1:{port}"],
@@ -399,13 +405,16 @@ def run_variant(kind: str, where: str, a: argparse.Namespace, bodies: list) -> l
     rows = []
     try:
         asyncio.run(wait_ready(port, a.engines, a.prefixes * (a.prompt_tokens // BS)))
-        before, cpu0, t0 = applied(asyncio.run(_get(port, "/engines"))), cpu_seconds(proc.pid), \
-            time.perf_counter()
-        w = wrk_run(port, bodies, a.seconds, a.concurrency, where)
-        if w is not None:
+        for path, conns in [("/route", c) for c in a.wrk_conns] + [("/score", a.concurrency)]:
+            before, cpu0, t0 = (applied(asyncio.run(_get(port, "/engines"))),
+                                cpu_seconds(proc.pid), time.perf_counter())
+            w = wrk_run(port, bodies, a.seconds, conns, where, path)
+            if w is None:
+                break
             secs = time.perf_counter() - t0
             after = applied(asyncio.run(_get(port, "/engines")))
-            rows.append({"service": kind, "mode": "wrk /score", **w, "followed": float("nan"),
+            rows.append({"service": kind, "mode": f"wrk {path} c{conns}", **w,
+                         "followed": float("nan"),
                          "ingest_batches_per_s": (after - before) / secs,
                          "service_cpu": (cpu_seconds(proc.pid) - cpu0) / secs})
         for mode in ("closed", *[f"open {r:g}" for r in a.rates]):
@@ -487,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
                    default=[500.0, 2000.0], help="open-loop offered /score/s (comma list)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--wrk-conns", type=lambda t: [int(x) for x in t.split(",")],
+                   default=[4, 8], help="wrk connections of the /route rows (comma list)")
     p.add_argument("--cpu-engines", type=int, default=64,
                    help="engines of the second in-process CPU table")
     p.add_argument("--quick", action="store_true")
@@ -520,10 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvwire serve: {a.engines} engines x {a.prefixes} prompts of {a.prompt_tokens} "
           f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
           f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'service':8} {'mode':12} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
+    print(f"{'service':8} {'mode':14} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'followed':>8} {'ingest b/s':>10} {'svc cpu':>7} {'refused':>7}")
     for r in rows:
-        print(f"{r['service']:8} {r['mode']:12} {r['route_per_s']:8.0f} {r['p50_ms']:7.2f} "
+        print(f"{r['service']:8} {r['mode']:14} {r['route_per_s']:8.0f} {r['p50_ms']:7.2f} "
               f"{r['p99_ms']:7.2f} {r['followed']:8.1%} {r['ingest_batches_per_s']:10.0f} "
               f"{r['service_cpu']:7.0%} {r['refused']:7d}")
     print(f"\nin-process CPU (process_time: other load barely counts), "
