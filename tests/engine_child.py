@@ -22,7 +22,9 @@ from importlib.metadata import entry_points
 from typing import Any
 
 faulthandler.dump_traceback_later(280, exit=True)  # a stuck child says where, then ends
-TESTS = sys.path.pop(0)  # this script's folder: off the path until the engine is checked
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# this script's folder (sys.path[0]) is off the path until the engine has been checked
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != TESTS]
 
 
 def out(obj: dict[str, Any]) -> None:
