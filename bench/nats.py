@@ -131,7 +131,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
-                "lat_load": os.getloadavg()[0]}
+                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited()}
         if raw is not None and dcon is not None:
             out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
             out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]
@@ -308,7 +308,7 @@ def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int
                      f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms  "
                      f"max {max(lat.values(), default=float('nan')) * 1e3:.1f} ms  "
                      f"({r['lat_got']:,} delivered; load {r['lat_load']:.1f})   "
-                     f"CPU/batch {r['lat_cpu']}"))
+                     f"CPU/batch {r['lat_cpu']}   waiting for a CPU {r['lat_wait']}"))
         if "raw_lat" not in r:
             continue
         rl, pair = r["raw_lat"], r["pair_lat"]

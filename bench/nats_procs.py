@@ -209,6 +209,30 @@ class Cpu:
     def __init__(self, pids: dict[str, int]) -> None:
         self.procs = {k: psutil.Process(p) for k, p in pids.items()}
         self.t0: dict[str, float] = {}
+        self.w0: dict[str, float] = {}
+        self.wall0 = 0.0
+
+    def _waits(self) -> dict[str, float]:
+        """Seconds each process's threads spent runnable but not running (the kernel's
+        run-queue wait, /proc/PID/task/*/schedstat): what a busy box adds to latency."""
+        out = {}
+        for k, p in self.procs.items():
+            total = 0.0
+            for tid in os.listdir(f"/proc/{p.pid}/task") if os.path.isdir(
+                    f"/proc/{p.pid}/task") else []:
+                try:
+                    with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[1]) / 1e9
+                except (OSError, IndexError, ValueError):
+                    pass
+            out[k] = total
+        return out
+
+    def waited(self) -> str:
+        """Run-queue wait of each process per second of wall time since start()."""
+        now, wall = self._waits(), time.perf_counter() - self.wall0
+        return " ".join(f"{k} {(now[k] - self.w0.get(k, now[k])) / wall * 1e3:.0f}"
+                        for k in self.procs) + " ms/s"
 
     def _now(self) -> dict[str, float]:
         out = {}
@@ -219,6 +243,7 @@ class Cpu:
 
     def start(self) -> None:
         self.t0 = self._now()
+        self.w0, self.wall0 = self._waits(), time.perf_counter()
 
     def ceiling(self, n: int) -> float:
         """Batches/s all these processes could sustain on the machine's cores if they had

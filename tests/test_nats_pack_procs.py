@@ -99,7 +99,8 @@ def test_packed_bridge_sigkill_restart_exact(nats_server, tmp_path):
     for name, lg, d in (("k", lk, dk), ("r", lr, dr)):
         snap = asyncio.run(_snapshot(nats_server.url, name))
         # the clean exit's snapshot: the subject's last message, the seq that message ends at
-        assert snap.js_seq == lg.last_js_seq and snap.seq == lg.batches[-1][1], (snap, lg)
+        assert snap.js_seq == lg.last_js_seq and snap.seq == lg.batches[-1][1], (
+            snap.js_seq, snap.seq, lg.last_js_seq, lg.batches[-1], log2)
         assert snap.cache().as_dict() == d.truth
 
 
