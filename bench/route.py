@@ -209,19 +209,47 @@ class NaiveIndex:
 def service_main(kind: str, where: str, engines: int, port: int) -> None:
     import uvicorn
 
+    from kvwire.cli.serve import tune_process
     from kvwire.router.app import build_app, fast_app
     from kvwire.router.service import EngineSpec, RouterCore
 
     specs = [EngineSpec(f"e{i}", f"ipc://{where}/e{i}.live", f"ipc://{where}/e{i}.replay")
              for i in range(engines)]
     core = RouterCore(specs, block_size=BS, index=NaiveIndex() if kind == "naive" else None)
-    # The subscriber thread ingests while the event loop answers: a 0.5 ms switch interval
-    # (not 5 ms) bounds how long a request waits for the GIL behind an ingest burst.
-    sys.setswitchinterval(0.0005)
     core.start()
+    app = fast_app(build_app(core))
+    if not os.environ.get("KVW_NO_TUNE"):
+        tune_process()  # what `kvwire serve` does: switch interval, gc.freeze, gc threshold
+    if os.environ.get("KVW_GC_LOG"):  # diagnostics: collector pauses, written at SIGTERM
+        import gc
+        import signal
+        pauses = []
+        t0 = [0.0]
+
+        def cb(phase, info):
+            if phase == "start":
+                t0[0] = time.perf_counter()
+            else:
+                pauses.append((info["generation"], time.perf_counter() - t0[0]))
+
+        gc.callbacks.append(cb)
+
+        def dump(*_):
+            by = {}
+            for g, d in pauses:
+                by.setdefault(g, []).append(d)
+            with open(os.environ["KVW_GC_LOG"] + "." + kind, "w") as f:
+                for g, ds in sorted(by.items()):
+                    ds.sort()
+                    f.write(f"gen{g} n={len(ds)} p50={ds[len(ds)//2]*1e3:.2f}ms "
+                            f"max={ds[-1]*1e3:.2f}ms total={sum(ds)*1e3:.0f}ms\n")
+                f.write(f"tracked objects {len(gc.get_objects())}\n")
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, dump)
     loop = "uvloop" if _has("uvloop") else "asyncio"
     http = "httptools" if _has("httptools") else "h11"
-    uvicorn.run(fast_app(build_app(core)), host="127.0.0.1", port=port, log_level="warning",
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
                 access_log=False, lifespan="off", loop=loop, http=http, proxy_headers=False)
 
 

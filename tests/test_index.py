@@ -444,6 +444,27 @@ def test_predictions_expire_or_are_confirmed(key_impl):
     assert (m.tiers["GPU"], m.predicted) == (1, 0)
 
 
+def test_predictions_and_matches_give_the_collector_nothing_to_walk():
+    """A busy router predicts a prefix per request and holds it for the TTL: those keys must
+    not sit in containers the cyclic GC walks (they made each full collection take tens of
+    ms), and a match on the fast path must not allocate tracked objects at all."""
+    import gc
+
+    idx = PrefixIndex(predict_ttl=60.0)
+    toks = list(range(20_000, 20_000 + 64 * 16))
+    idx.apply(batch("e", stored(toks, 16, 0, 64)))
+    for i in range(50):
+        assert idx.predict("f", [i] + toks[1:], block_size=16) == 64
+    # each held prediction gives the collector one object with no int referents to visit
+    assert all(len(gc.get_referents(keys)) <= 1 for _, _, keys in idx._pred_queue)
+    idx.match(toks)  # warm: answer templates, counts cache
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(200):
+        idx.match(toks)
+    assert len(gc.get_objects()) - before < 20  # 200 matches: no tracked allocation kept
+
+
 def test_suspect_stream_is_reported():
     idx = PrefixIndex()
     toks = list(range(160))

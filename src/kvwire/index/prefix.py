@@ -15,6 +15,7 @@ Layout, chosen so that ``match`` does one dict lookup and two integer ops per pr
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -90,7 +91,10 @@ class PrefixIndex:
         # C mirror of lanes 0/1 of ``_keys`` for the scan (while W == 64); None without C
         self._lanes: Any = Lanes() if Lanes is not None else None
         self._pred: dict[int, int] = {}
-        self._pred_queue: deque[tuple[float, _Stream, list[int]]] = deque()
+        # (expiry, stream, keys): keys as an array, which the cyclic GC never walks (a list
+        # per routed request, held for the TTL, made every full collection of a busy router
+        # visit millions of ints)
+        self._pred_queue: deque[tuple[float, _Stream, array[int]]] = deque()
         # tiers: configured ones first, best credit first (index 0 is the best tier)
         self._tiers: list[str] = sorted(self.tier_credits, key=lambda t: -self.tier_credits[t])
         self._tier_idx: dict[str, int] = {t: i for i, t in enumerate(self._tiers)}
@@ -476,7 +480,7 @@ class PrefixIndex:
         for k in keys:
             sp[k] = exp
             pred[k] = pred.get(k, 0) | bit
-        self._pred_queue.append((exp, st, keys))
+        self._pred_queue.append((exp, st, array("Q", keys)))
         return n
 
     def _unpredict(self, st: _Stream, k: int) -> None:
