@@ -18,7 +18,7 @@ are real PUB drops, not simulated); (d) publisher SIGSTOPped then SIGCONTed (rep
 then alive, state exact, no reset); (e) a subscriber joining after 100k batches.
 
 Soak: ``test_soak_randomized`` runs scenarios a-d with seeded random timings (kill points,
-rates, stall lengths, stop durations) for ``KVWIRE_SOAK_SECONDS`` seconds (default 12: one
+rates, stall lengths, stop durations) for ``KVWIRE_SOAK_SECONDS`` seconds (default 8: one
 short pass in CI). Long run on demand, reproducible by seed::
 
     KVWIRE_SOAK_SECONDS=1800 KVWIRE_SOAK_SEED=7 .venv/bin/python -m pytest -q -s \\
@@ -44,7 +44,7 @@ from kvwire.consume.subscriber import Subscriber
 pytestmark = pytest.mark.timeout(240)
 
 CFG = {"request_timeout": 1.0, "info_timeout": 0.5, "retry_delay": 0.1}
-SOAK_SECONDS = float(os.environ.get("KVWIRE_SOAK_SECONDS", "12"))
+SOAK_SECONDS = float(os.environ.get("KVWIRE_SOAK_SECONDS", "8"))
 SOAK_SEED = int(os.environ.get("KVWIRE_SOAK_SEED", "20240611"))
 
 
