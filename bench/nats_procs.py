@@ -5,6 +5,7 @@ sampler and small helpers the orchestration uses."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -124,6 +125,7 @@ def consumer_main(conn: Any, kind: str, target: Any) -> None:
     else:
         spec = StreamSpec("e", target[0], "", target[1])  # replay None: join live only
     sub = Subscriber([spec])
+    gc.freeze()  # as the bridge does (and a router should): startup objects out of gen2 scans
     conn.send(os.getpid())
     while True:
         cmd = conn.recv()

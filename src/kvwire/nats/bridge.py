@@ -222,7 +222,8 @@ class Bridge:
             t.cancel()
         # Let them finish: a snapshot write cut short marks its lane dirty again, so the
         # last write below covers it (without this wait it saw the lane clean and skipped).
-        await asyncio.gather(*self._bg, return_exceptions=True)
+        if self._bg:
+            await asyncio.wait(self._bg, timeout=5.0)
         if self.writer is not None:
             await self.writer.drain(drain)
             if self.config.snapshot_interval and self.nc is not None and self.nc.is_connected:
