@@ -239,3 +239,12 @@ def test_fast_header_parse_equals_nats_py(headers: list[tuple[str, str, str]]) -
 
     raw = b"".join(f"{k}{sep}{v}\r\n".encode() for k, v, sep in headers) + b"\r\n"
     assert _header_lines(raw) == Client._parse_header_lines(raw)
+
+
+@pytest.mark.parametrize("pack", [0, -3, 5000, 2.5])
+def test_bad_pack_is_named(pack: Any) -> None:
+    from kvwire.nats.bridge import BridgeConfig, BridgeError
+
+    with pytest.raises(BridgeError, match="pack must be an int from 1 to 4096"):
+        BridgeConfig(pack=pack).check()
+    BridgeConfig(pack=16).check()  # (and the default, 1)

@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         # Startup's objects (modules, the nats and zmq machinery) go to the permanent
         # generation: a full collection then scans only what the run keeps (its pauses
         # were 25-40 ms after a busy minute, stalling every stream; ~1-13 ms frozen).
+        gc.collect()
         gc.freeze()
         print(f"kvwire bridge: {len(args.engine)} engines -> {cfg.stream} ({cfg.prefix}.>) "
               f"on {', '.join(cfg.nats)}{' (share)' if cfg.share else ''}",
