@@ -218,3 +218,63 @@ def test_packed_stream_durable_consumer_killed_and_restarted(nats_server, tmp_pa
         if last == d.last_seq:
             break
     assert cache.as_dict() == d.truth
+
+
+def test_clean_exit_snapshot_covers_a_lane_whose_periodic_write_was_cut(nats_server, tmp_path):
+    """close() while a periodic snapshot write is in progress: that write is cancelled, and
+    the clean exit's own write must still cover the subject's last message (it used to see
+    the lane marked clean by the cut write and skip it). The in-progress write is held open
+    by wrapping write_snapshot (a timing that cannot be caused on demand for real)."""
+    import kvwire.nats.bridge as B
+    from kvwire.publish.publisher import ZmqEventPublisher
+    from kvwire.router.service import EngineSpec
+    from kvwire.wire.events import BlockStored, KVEventBatch
+
+    pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/e", replay_endpoint=f"ipc://{tmp_path}/r",
+                            heartbeat_interval=None)
+    real = B.write_snapshot
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def held(js: Any, snap: Any, *args: Any) -> int:
+        if snap.seq == 29:  # the write of the final state hangs in the middle
+            entered.set()
+            await release.wait()  # never set: only close() ends it (by cancelling)
+        return await real(js, snap, *args)
+
+    def step(i: int) -> KVEventBatch:
+        return KVEventBatch(time.time(), [BlockStored([i + 1], i or None, [1] * 4, 4, None)])
+
+    async def main() -> tuple[Any, Any]:
+        bridge = B.Bridge([EngineSpec.parse(f"k=ipc://{tmp_path}/e,replay=ipc://{tmp_path}/r")],
+                          B.BridgeConfig(nats=nats_server.url, snapshot_interval=0.2,
+                                         log_interval=0, pack=4))
+        await bridge.start()
+        lane = None
+        try:
+            for i in range(20):
+                pub.publish(step(i))
+            deadline = time.monotonic() + 30
+            while lane is None or lane.last is None or lane.last[1] < 19:
+                assert time.monotonic() < deadline, bridge.summary()
+                lane = next(iter(bridge.writer.lanes.values()), None)  # type: ignore[union-attr]
+                await asyncio.sleep(0.02)
+            B.write_snapshot = held
+            for i in range(20, 30):
+                pub.publish(step(i))
+            await asyncio.wait_for(entered.wait(), 10)  # its copy covers everything
+        finally:
+            B.write_snapshot = real
+            await bridge.close()
+        import nats
+
+        nc = await nats.connect(nats_server.url)
+        try:
+            return await read_snapshot(nc.jetstream(), "k", 0), lane.last_js_seq
+        finally:
+            await nc.close()
+
+    try:
+        snap, last_js = asyncio.run(main())
+    finally:
+        pub.shutdown(1.0)
+    assert snap is not None and snap.seq == 29 and snap.js_seq == last_js, snap
