@@ -220,14 +220,10 @@ class Bridge:
             await self._stop_follow(name)
         for t in self._bg:
             t.cancel()
-        # Let them finish: a snapshot write cut short marks its lane dirty again, so the
-        # last write below covers it (without this wait it saw the lane clean and skipped).
-        if self._bg:
-            await asyncio.wait(self._bg, timeout=5.0)
         if self.writer is not None:
             await self.writer.drain(drain)
             if self.config.snapshot_interval and self.nc is not None and self.nc.is_connected:
-                await self._write_snapshots()
+                await self._write_snapshots(final=True)
             await self.writer.close()
         if self.leases is not None:
             try:
@@ -494,11 +490,15 @@ class Bridge:
             await asyncio.sleep(self.config.snapshot_interval)
             await self._write_snapshots()
 
-    async def _write_snapshots(self) -> None:
+    async def _write_snapshots(self, final: bool = False) -> None:
+        """Each lane changed since its last snapshot. ``final`` (close): also each lane whose
+        stored object is not at its last message, e.g. when the periodic write that had
+        taken the lane's last state (and marked it clean) was cut short by close()."""
         loop = asyncio.get_running_loop()
         for f in list(self._follows.values()):
             lane = f.lane
-            if not lane.dirty or lane.last is None or lane.last_js_seq is None:
+            if lane.last is None or lane.last_js_seq is None or not (
+                    lane.dirty or final and lane.snapshot_js_seq != lane.last_js_seq):
                 continue
             records = lane.cache.raw_copy()  # consistent with (last, last_js_seq) right now
             (epoch, seq), js_seq, exact = lane.last, lane.last_js_seq, lane.exact
@@ -509,9 +509,10 @@ class Bridge:
                     seq=seq, js_seq=js_seq, exact=exact))
                 self.stats.snapshot_bytes += await write_snapshot(
                     self.js, snap, self.config.snapshot_bucket, self._store)
+                lane.snapshot_js_seq = js_seq
                 self.stats.snapshots_written += 1
             except asyncio.CancelledError:
-                lane.dirty = True  # (close() cancels the loop mid-write, then writes again)
+                lane.dirty = True  # (cut short, e.g. by close(): not written)
                 raise
             except Exception as e:
                 lane.dirty = True

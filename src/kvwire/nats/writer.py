@@ -144,6 +144,7 @@ class Lane:
         self.last: tuple[int, int] | None = None  # (epoch, seq) of the last acked message
         self.last_js_seq: int | None = None
         self.dirty = False  # acked messages since the last object-store snapshot
+        self.snapshot_js_seq: int | None = None  # js_seq of the last snapshot written
 
     def batch_entry(self, epoch: int, seq: int, batch: KVEventBatch, payload: bytes) -> Entry:
         return Entry(self, "batch", epoch, seq, f"{self.engine}/{self.rank}/{epoch}/{seq}",
