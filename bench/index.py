@@ -34,6 +34,8 @@ from collections.abc import Iterator
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from host import Steal  # noqa: E402
+
 from kvwire.consume.stream import Batch  # noqa: E402
 from kvwire.index import PrefixIndex  # noqa: E402
 from kvwire.index.keys import NATIVE, REASON  # noqa: E402
@@ -253,6 +255,7 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--churn-only", action="store_true", help="only the 10^6-step churn row")
     a = ap.parse_args()
+    steal = Steal()
     blocks = 200_000 if a.quick else a.blocks
     nprompts = 300 if a.quick else a.prompts
     if a.churn_only:
@@ -301,7 +304,7 @@ def main() -> None:
     w0 = max(len(r[0]) for r in rows)
     keys = "C keys" if NATIVE else f"pure-Python keys: {REASON}"
     print(f"kvwire index bench ({os.cpu_count()} cpus, {len(streams)} streams, "
-          f"{idx_blocks(idx):,} blocks indexed, {keys})")
+          f"{idx_blocks(idx):,} blocks indexed, {keys}; {steal})")
     print(f"{'measurement':<{w0}}  {'index':<7}  result")
     for r in rows:
         print(f"{r[0]:<{w0}}  {r[1]:<7}  {r[2]}")

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from host import Steal  # noqa: E402
+
 CTX = mp.get_context("spawn")
 BS = 16
 
@@ -531,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    steal = Steal()
     if a.quick:
         a.seconds, a.prefixes = 3.0, 16
     bodies = []
@@ -558,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"kvwire serve: {a.engines} engines x {a.prefixes} prompts of {a.prompt_tokens} "
           f"tokens, ingest offered {a.ingest:.0f} batches/s, {a.concurrency} connections, "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}")
+          f"{os.cpu_count()} cpus, {steal}")
     print(f"{'service':8} {'mode':14} {'route/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'followed':>8} {'ingest b/s':>10} {'svc cpu':>7} {'refused':>7}")
     for r in rows:
