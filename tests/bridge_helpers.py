@@ -195,6 +195,11 @@ class BridgeProc:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # its stacks into the log, for the report
+            until = time.monotonic() + 3.0
+            while "most recent call first" not in self.log_path.read_text(errors="replace") \
+                    and time.monotonic() < until:
+                time.sleep(0.05)  # polling its log for the dump
             self.proc.kill()
             self.proc.wait(10)
             raise AssertionError(f"bridge did not exit on SIGTERM: {self.log()}") from None

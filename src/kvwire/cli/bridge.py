@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import json
 import logging
@@ -105,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
     except BridgeError as e:
         print(f"kvwire bridge: {e}", file=sys.stderr)
         return 2
+
+    # SIGUSR1 prints every thread's stack to stderr: what a bridge that will not stop is doing
+    # (only where stderr is a real file: not when called in-process with stderr captured)
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, OSError, ValueError, RuntimeError):  # io.UnsupportedOperation too
+        pass
 
     async def main_async() -> int:
         stop = asyncio.Event()

@@ -72,6 +72,9 @@ def last_batch_body(headers: dict[str, str], data: bytes, seq: int | None) -> by
 __all__ = ["Bridge", "BridgeConfig", "BridgeError", "BridgeStats", "ensure_stream"]
 
 log = logging.getLogger("kvwire.nats.bridge")
+#: Seconds close() gives each of its steps, and the final snapshot writes.
+CLOSE_STEP_S = 5.0
+CLOSE_SNAPSHOTS_S = 10.0
 
 
 class BridgeStats(msgspec.Struct):
@@ -216,6 +219,8 @@ class Bridge:
         if self._closing:
             return
         self._closing = True
+        # Every step is bounded: a SIGTERMed bridge must exit (a step stuck on a NATS reply
+        # or a socket left open once kept one from exiting at all, seen under load in CI).
         for name in list(self._tasks):
             await self._stop_follow(name)
         for t in self._bg:
@@ -223,19 +228,26 @@ class Bridge:
         if self.writer is not None:
             await self.writer.drain(drain)
             if self.config.snapshot_interval and self.nc is not None and self.nc.is_connected:
-                await self._write_snapshots(final=True)
-            await self.writer.close()
+                await self._bounded("final snapshots", self._write_snapshots(final=True),
+                                    CLOSE_SNAPSHOTS_S)
+            await self._bounded("writer close", self.writer.close(), CLOSE_STEP_S)
         if self.leases is not None:
             try:
-                await self.leases.release_all()
+                await asyncio.wait_for(self.leases.release_all(), CLOSE_STEP_S)
             except Exception as e:  # NATS gone: the leases expire by themselves
                 log.info("leases not released: %r", e)
         if self.nc is not None:
-            try:
-                await self.nc.close()
-            except Exception:
-                pass
-        self._ctx.term()
+            await self._bounded("NATS close", self.nc.close(), CLOSE_STEP_S)
+        self._ctx.destroy(linger=0)  # closes any socket still open (term() would wait on it)
+
+    async def _bounded(self, what: str, aw: Any, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(aw, timeout)
+        except asyncio.TimeoutError:
+            self.stats.last_error = f"close: {what} took over {timeout:g} s, skipped"
+            log.warning("bridge close: %s took over %g s, skipped", what, timeout)
+        except Exception as e:  # NATS gone etc.: closing goes on
+            log.info("bridge close: %s: %r", what, e)
 
     # ------------------------------------------------------------------ following
 
@@ -261,7 +273,7 @@ class Bridge:
         if t is not None:
             t.cancel()
             try:
-                await t
+                await asyncio.wait_for(t, CLOSE_STEP_S)
             except (asyncio.CancelledError, Exception):
                 pass
 
