@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import psutil
 import zmq
+from workload import step
 
 from kvwire.consume.items import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
@@ -24,15 +25,6 @@ CTX = mp.get_context("spawn")
 SUBJECT = "kvwire.events.e.0"
 
 
-def step(i: int) -> E.KVEventBatch:
-    base = 4 * i
-    return E.KVEventBatch(
-        time.time(),
-        [E.BlockStored([base + 1, base + 2, base + 3, base + 4], base,
-                       list(range(i % 1000, i % 1000 + 64)), 16, None, "GPU"),
-         E.BlockRemoved([base - 7, base - 6, base - 5, base - 4], "GPU")],
-        0,
-    )
 
 
 # ------------------------------------------------------------------ engine (reference publisher)

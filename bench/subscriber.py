@@ -37,6 +37,8 @@ import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from workload import step  # noqa: E402
+
 from kvwire.consume.stream import Batch, Snapshot, StreamConfig  # noqa: E402
 from kvwire.consume.subscriber import StreamSpec, Subscriber  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
@@ -46,15 +48,6 @@ CTX = mp.get_context("spawn")
 BLOCKS_PER_FILL_BATCH = 1000
 
 
-def step(i: int) -> E.KVEventBatch:
-    base = 4 * i
-    return E.KVEventBatch(
-        time.time(),
-        [E.BlockStored([base + 1, base + 2, base + 3, base + 4], base,
-                       list(range(i % 1000, i % 1000 + 64)), 16, None, "GPU"),
-         E.BlockRemoved([base - 7, base - 6, base - 5, base - 4], "GPU")],
-        0,
-    )
 
 
 # ------------------------------------------------------------------ publisher process
