@@ -146,7 +146,8 @@ def key_impl(request, monkeypatch):
     """Run a test with the C keys and with the pure-Python keys (the fallback when the C
     module is not built): the implementation is chosen, nothing is faked."""
     if request.param == "python":
-        monkeypatch.setattr(prefix_mod, "NATIVE", False)
+        monkeypatch.setattr(keys_mod, "NATIVE", False)  # read by index.walk at each match
+        monkeypatch.setattr(keys_mod, "chain_tokens", keys_mod.py_chain_tokens)
         monkeypatch.setattr(prefix_mod, "chain_tokens", keys_mod.py_chain_tokens)
         monkeypatch.setattr(prefix_mod, "add_bits", keys_mod.py_add_bits)
         monkeypatch.setattr(prefix_mod, "insert_new", keys_mod.py_insert_new)

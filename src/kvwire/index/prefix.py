@@ -22,18 +22,16 @@ from typing import Any
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
-from .keys import NATIVE, Lanes, add_bits, chain_tokens, insert_new, root_seed, scan_tokens
+from .keys import Lanes, add_bits, chain_tokens, insert_new, root_seed
 from .state import (
     StreamIndexStats,
     StreamMatch,
-    _as_scannable,
-    _bits,
-    _lazy_keys,
     _salt_from_extra,
     _Stream,
     _synthetic,
     suspect,
 )
+from .walk import PrefixWalk
 
 __all__ = [
     "DEFAULT_TIER_ALIASES", "DEFAULT_TIER_CREDITS", "PrefixIndex", "StreamIndexStats",
@@ -52,13 +50,9 @@ DEFAULT_TIER_ALIASES: dict[str, str] = {
 GHOSTS = 65_536
 #: Blocks off the C scan's fast path before the rest of a prompt is walked in Python.
 _MAX_STOPS = 32
-#: Prompt lengths whose no-match answers are kept as templates (then the cache starts over).
-_TEMPLATES = 256
-#: Matched lengths whose best-tier-only counts tuples are kept (then the cache starts over).
-_COUNTS_CACHE = 65_536
 
 
-class PrefixIndex:
+class PrefixIndex(PrefixWalk):
     """Prefix index over many streams, fed by :mod:`kvwire.consume` deliveries.
 
     Not thread-safe: one writer (the subscriber loop) and readers on the same thread, or a
@@ -506,184 +500,6 @@ class PrefixIndex:
                 if e is not None and e <= now:
                     del sp[k]
                     self._clear_pred_bit(k, st.bit)
-
-    # ------------------------------------------------------------------ match
-
-    def match(self, token_ids: list[int], lora_name: str | None = None,
-              salt: Any = None) -> dict[str, StreamMatch]:
-        """Leading prompt blocks each known stream holds, by best tier (see StreamMatch)."""
-        if self._pred_queue:
-            self._expire(self.clock())
-        seed = root_seed(lora_name, salt)
-        ntok = len(token_ids)
-        found: dict[int, int] = {}  # slot -> matched blocks (ints only: nothing for the GC)
-        detail: dict[int, tuple[int, dict[int, int] | None]] = {}
-        scannable = type(token_ids) is list or type(token_ids) is tuple
-        for bs, group in self._by_bs.items():
-            n = ntok // bs
-            if n == 0 or not group:
-                continue
-            self._bs_requests[bs] = self._bs_requests.get(bs, 0) + 1
-            slow: list[tuple[int, int, int, int]] = []
-            if NATIVE:
-                if not scannable:
-                    token_ids = _as_scannable(token_ids)
-                    scannable = True
-                alive, i = self._scan(token_ids, bs, n, seed, group, found, slow)
-            else:
-                alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed), group, 0, found,
-                                      slow)
-            for s in _bits(alive):
-                found[s] = i
-            if slow:
-                self._attribute(slow, found, detail)
-        out = self._misses(ntok)
-        if not found:
-            return out
-        names = self._names
-        tc = self.tier_credits  # read each time: callers may retune credits live
-        credits = [tc[t] for t in names]
-        c0 = credits[0]
-        zeros = self._zeros
-        counts_of = self._counts
-        by_slot = self._by_slot
-        for s, matched in found.items():
-            st = by_slot[s]
-            d = detail.get(s)
-            if d is None:
-                counts_t = counts_of.get(matched)
-                if counts_t is None:
-                    if len(counts_of) >= _COUNTS_CACHE:
-                        counts_of.clear()
-                    counts_t = counts_of[matched] = (matched, *zeros[1:])
-                predicted, credit = 0, c0 * matched
-            else:
-                predicted, extra = d
-                rest = matched - predicted
-                counts = list(zeros)
-                credit = float(predicted)
-                if extra:
-                    for t, c in extra.items():
-                        counts[t] = c
-                        credit += credits[t] * c
-                        rest -= c
-                counts[0] = rest
-                credit += c0 * rest
-                counts_t = tuple(counts)
-            if matched - predicted > 0:
-                st.matched += 1
-            bs = st.block_size
-            out[st.name] = StreamMatch(st.name, ntok // bs if bs else 0, matched, predicted,
-                                       credit, counts_t, names)
-        return out
-
-    def _misses(self, ntok: int) -> dict[str, StreamMatch]:
-        """A fresh dict of every stream's no-match answer for a prompt of ``ntok`` tokens:
-        a copy of a cached template (``match`` then overwrites only the streams that
-        matched), so a fleet of streams costs one dict copy, not a Python loop per stream."""
-        if self._shape != self._tpl_shape:  # streams, block sizes or tiers changed
-            self._tpl.clear()
-            self._counts.clear()
-            self._tpl_shape = self._shape
-            self._names = tuple(self._tiers)
-            self._zeros = (0,) * len(self._names)
-        key = ntok if len(self._by_bs) <= 1 else tuple(ntok // bs for bs in self._by_bs)
-        tpl = self._tpl.get(key)
-        if tpl is None:
-            if len(self._tpl) >= _TEMPLATES:
-                self._tpl.clear()
-            names, zeros = self._names, self._zeros
-            tpl = self._tpl[key] = {
-                name: StreamMatch(name, ntok // st.block_size if st.block_size else 0, 0, 0,
-                                  0.0, zeros, names)
-                for name, st in self._streams.items()
-            }
-        return tpl.copy()
-
-    def _scan(self, token_ids: Any, bs: int, n: int, seed: int, alive: int,
-              found: dict[int, int],
-              slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
-        """The C walk: ``scan_tokens`` hashes and looks up blocks while every stream in
-        ``alive`` holds them in the best tier, and stops at the first block where something
-        changes; that block goes through ``_walk``, then the scan goes on. A prompt whose
-        blocks keep changing (offload tiers, predictions) is walked in Python after a while."""
-        kd = self._keys
-        pred = self._pred
-        W = self._W
-        i, k, stops = 0, seed, 0
-        while alive and i < n:
-            j, k = scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred, self._lanes)
-            if j >= n:
-                return alive, n
-            alive, i = self._walk((k,), alive, j, found, slow)
-            stops += 1
-            if stops >= self._max_stops and alive and i < n:
-                return self._walk(chain_tokens(token_ids, bs, n, k, i), alive, i, found, slow)
-        return alive, i
-
-    def _walk(self, keys: Iterable[int], alive: int, i: int,
-              found: dict[int, int],
-              slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
-        """Follow the prompt's keys from block ``i`` while any stream in ``alive`` still
-        matches; a stream that stops matching gets its matched length in ``found``. Blocks
-        not all in the best tier (or predicted) go to ``slow``, run-length coded."""
-        kget = self._keys.get
-        pred = self._pred
-        pget = pred.get
-        W = self._W
-        not_best = alive << W  # lane 1 of the streams still matching
-        k = 0
-        for k in keys:
-            v = kget(k, 0)
-            if pred:
-                p = pget(k, 0) & alive & ~v
-                hit = (v & alive) | p
-            else:
-                p = 0
-                hit = v & alive
-            if hit != alive:
-                if i:  # streams that drop out at block 0 matched nothing: left out of found
-                    for s in _bits(alive ^ hit):
-                        found[s] = i
-                alive = hit
-                if not alive:
-                    break
-                not_best = alive << W
-            if v & not_best or p:
-                if slow and slow[-1][:3] == (v, p, alive):
-                    last = slow[-1]
-                    slow[-1] = (v, p, alive, last[3] + 1)
-                else:
-                    slow.append((v, p, alive, 1))
-            i += 1
-        self._last = k
-        return alive, i
-
-    def _attribute(self, slow: list[tuple[int, int, int, int]], found: dict[int, int],
-                   detail: dict[int, tuple[int, dict[int, int] | None]]) -> None:
-        """Tier attribution of the blocks not all in the best tier, run by run, into
-        ``detail``: slot -> (predicted blocks, {tier: blocks} outside the best tier)."""
-        W = self._W
-        full = (1 << W) - 1
-        lanes = 2 + len(self._tiers)
-        extra: dict[int, dict[int, int]] = {}
-        predicted: dict[int, int] = {}
-        for v, p, alv, run in slow:
-            rest = alv & ~p & ~((v >> (2 * W)) & full)  # held, not in the best tier
-            for lane in range(3, lanes):
-                m = (v >> (lane * W)) & rest
-                if m:
-                    rest &= ~m
-                    t = lane - 2
-                    for s in _bits(m):
-                        e = extra.setdefault(s, {})
-                        e[t] = e.get(t, 0) + run
-            for s in _bits(p):
-                predicted[s] = predicted.get(s, 0) + run
-        for s in found:
-            if s in extra or s in predicted:
-                # runs count blocks walked while the stream was alive, all within `matched`
-                detail[s] = (predicted.get(s, 0), extra.get(s))
 
     # ------------------------------------------------------------------ diagnostics
 
