@@ -309,9 +309,15 @@ class Recovery(StreamState):
     def _no_snapshot_fallback(self, now: float) -> None:
         if self._delivered is None:
             self._bootstrap(now)
-        elif self._buffer:
+        else:
+            self._past_gap(now)
+
+    def _past_gap(self, now: float) -> None:
+        """Baseline known, the gap before the first held batch cannot be filled: jump to it
+        (``_unfillable`` decides how) and go on; nothing held: back to live."""
+        if self._buffer:
             m = min(self._buffer)
-            self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
+            self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)  # type: ignore[operator]
             if self._req is None:
                 self._resume(now)
         else:
@@ -374,13 +380,8 @@ class Recovery(StreamState):
                     self._resume(now)
                 else:
                     self._phase = "await_first"
-            elif self._buffer:
-                m = min(self._buffer)
-                self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
-                if self._req is None:
-                    self._resume(now)
             else:
-                self._enter_live(now)
+                self._past_gap(now)
         else:
             self._probe("boot" if self._delivered is None else "gap", now)
 
