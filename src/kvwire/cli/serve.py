@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
 
 #: Allocations between young-generation collections in a serve process (CPython: 700).
-GC_THRESHOLD0 = int(__import__("os").environ.get("KVWIRE_GC_THRESHOLD0", "10000"))
+GC_THRESHOLD0 = int(os.environ.get("KVWIRE_GC_THRESHOLD0", "10000"))
 
 __all__ = ["main", "register", "run"]
 
