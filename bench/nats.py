@@ -43,6 +43,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server the tests use
 sys.path.append(str(HERE))  # nats_procs (after site-packages: `nats` stays nats-py)
 
+from children import recv, spawn  # noqa: E402
 from nats_procs import (  # noqa: E402
     Cpu,
     bootstrap_main,
@@ -50,8 +51,6 @@ from nats_procs import (  # noqa: E402
     engine_main,
     pct,
     raw_consumer_main,
-    recv,
-    spawn,
     step,
 )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import multiprocessing as mp
 import os
 import time
 from typing import Any
@@ -21,7 +20,6 @@ from kvwire.consume.items import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.wire import events as E
 
-CTX = mp.get_context("spawn")
 SUBJECT = "kvwire.events.e.0"
 
 
@@ -251,20 +249,6 @@ class Cpu:
         parts = [f"{k} {(now[k] - self.t0[k]) / n * 1e6:.1f}" for k in self.procs]
         total = sum(now[k] - self.t0[k] for k in self.procs) / n * 1e6
         return f"{' + '.join(parts)} = {total:.1f} us"
-
-
-def spawn(target: Any, *args: Any) -> tuple[Any, Any]:
-    a, b = CTX.Pipe()
-    p = CTX.Process(target=target, args=(b, *args), daemon=True)
-    p.start()
-    b.close()
-    return p, a
-
-
-def recv(conn: Any, timeout: float, what: str) -> Any:
-    if not conn.poll(timeout):
-        raise RuntimeError(f"{what}: no answer in {timeout}s")
-    return conn.recv()
 
 
 def pct(xs: Any, p: float) -> float:

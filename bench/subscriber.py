@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from children import recv, spawn  # noqa: E402
 from workload import step  # noqa: E402
 
 from kvwire.consume.stream import Batch, Snapshot, StreamConfig  # noqa: E402
@@ -44,7 +44,6 @@ from kvwire.consume.subscriber import StreamSpec, Subscriber  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
 from kvwire.wire import events as E  # noqa: E402
 
-CTX = mp.get_context("spawn")
 BLOCKS_PER_FILL_BATCH = 1000
 
 
@@ -189,20 +188,6 @@ def replay_baseline(conn: Any, rport: int) -> None:
 # ------------------------------------------------------------------ orchestration
 
 
-def _call(target: Any, *args: Any) -> tuple[Any, Any]:
-    a, b = CTX.Pipe()
-    p = CTX.Process(target=target, args=(b, *args), daemon=True)
-    p.start()
-    b.close()
-    return p, a
-
-
-def _recv(conn: Any, timeout: float) -> Any:
-    if not conn.poll(timeout):
-        raise RuntimeError(f"no answer in {timeout}s")
-    return conn.recv()
-
-
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * p))] * 1e3
@@ -217,19 +202,19 @@ def main() -> None:
     rows: list[tuple[str, str, str]] = []
     procs: list[Any] = []
     try:
-        pub_p, pub = _call(publisher_main)
+        pub_p, pub = spawn(publisher_main)
         procs.append(pub_p)
-        port, rport = _recv(pub, 30)
+        port, rport = recv(pub, 30)
         for rate in (1000, 10_000):
             n = int(rate * seconds)
             res = {}
             for kind in ("raw", "kvwire"):
-                p, c = _call(latency_consumer, kind, port, rport, n)
+                p, c = spawn(latency_consumer, kind, port, rport, n)
                 procs.append(p)
-                assert _recv(c, 30) == "ready"
+                assert recv(c, 30) == "ready"
                 pub.send(("run", n, rate))
-                _, took = _recv(pub, 120)
-                lat = _recv(c, 60)
+                _, took = recv(pub, 120)
+                lat = recv(c, 60)
                 p.join(10)
                 res[kind] = (lat, n / took)
             for kind, label in (("raw", "baseline raw SUB + strict decode"),
@@ -241,33 +226,33 @@ def main() -> None:
         pub.send(("quit",))
         pub_p.join(10)
 
-        pub_p, pub = _call(publisher_main)
+        pub_p, pub = spawn(publisher_main)
         procs.append(pub_p)
-        port, rport = _recv(pub, 30)
+        port, rport = recv(pub, 30)
         t = time.perf_counter()
         pub.send(("fill", blocks, 200))
-        _, last = _recv(pub, 300)
+        _, last = recv(pub, 300)
         fill = time.perf_counter() - t
         label = f"bootstrap, {blocks / 1e6:g}M live blocks (fill took {fill:.1f}s)"
         for chunk in (1024, 65536):
-            p, c = _call(bootstrap_consumer, port, rport, chunk)
+            p, c = spawn(bootstrap_consumer, port, rport, chunk)
             procs.append(p)
-            t_snap, t_batch, got = _recv(c, 120)
+            t_snap, t_batch, got = recv(c, 120)
             p.join(10)
             snap_s = "n/a" if t_snap is None else f"{t_snap:.2f} s"
             batch_s = "n/a" if t_batch is None else f"{t_batch:.2f} s"
             rows.append((label, f"kvwire Subscriber, SNAPSHOT chunks of {chunk}",
                          f"to Snapshot {snap_s}, to first live Batch {batch_s} "
                          f"({got:,} blocks)"))
-        p, c = _call(replay_baseline, rport)
+        p, c = spawn(replay_baseline, rport)
         procs.append(p)
-        took, got, first = _recv(c, 120)
+        took, got, first = recv(c, 120)
         p.join(10)
         rows.append((label, "baseline raw DEALER replay from 0 + strict decode",
                      f"{took:.2f} s for {got:,} blocks (first replayed seq {first}; only "
                      f"works while all {last + 1} batches are in the replay buffer)"))
         pub.send(("stop",))
-        _recv(pub, 30)
+        recv(pub, 30)
         pub.send(("quit",))
         pub_p.join(10)
     finally:
