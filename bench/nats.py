@@ -337,7 +337,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=None, help="batches per throughput run")
     ap.add_argument("--blocks", type=int, default=None, help="blocks in the bootstrap snapshot")
     ap.add_argument("--skip", default="", help="comma list of: raw,bootstrap")
-    ap.add_argument("--packs", default="1,16", help="bridge --pack values to run (comma list)")
+    ap.add_argument("--packs", default="256,1", help="bridge --pack values to run (comma list)")
     args = ap.parse_args()
     packs = [int(x) for x in args.packs.split(",") if x]
     n = args.n or (20_000 if args.quick else 100_000)

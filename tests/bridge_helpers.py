@@ -173,6 +173,15 @@ class BridgeProc:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def summary(self) -> dict[str, Any]:
+        """The stats a stopped bridge printed (``kvwire bridge: stopped {json}``)."""
+        import json
+
+        for line in reversed(self.log_path.read_text(errors="replace").splitlines()):
+            if line.startswith("kvwire bridge: stopped "):
+                return json.loads(line[len("kvwire bridge: stopped "):])
+        raise AssertionError(f"no stop summary in the bridge's log: {self.log()}")
+
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode

@@ -104,10 +104,11 @@ def test_packed_bridge_sigkill_restart_exact(nats_server, tmp_path):
         assert snap.cache().as_dict() == d.truth
 
 
-def test_redundant_packing_bridges_consumer_exact(nats_server, tmp_path):
-    """Two redundant bridges with different --pack cut different runs of one engine: a batch
-    may be stored twice (the accepted limit), but a consumer delivers every seq exactly once
-    and ends at the engine's state; the subject rebuilds the truth."""
+def test_redundant_packing_bridges_never_store_a_batch_twice(nats_server, tmp_path):
+    """Two redundant bridges with different --pack cut different runs of one engine. Their
+    guards (Nats-Expected-Last-Subject-Sequence) refuse whatever the other already wrote:
+    the subject holds every batch once, in order, no run overlapping another; a consumer
+    delivers every seq once and ends at the engine's state."""
     k = Engine(63, workload="small")
     b1 = BridgeProc(tmp_path, nats_server.url, [_spec("k", k)], "--pack", "16")
     b2 = None
@@ -134,9 +135,43 @@ def test_redundant_packing_bridges_consumer_exact(nats_server, tmp_path):
         if b2 is not None:
             b2.kill()
         k.close()
-    lk = subject_log(nats_server.url, K, overlap=True)
+    lk = subject_log(nats_server.url, K)  # strict: a batch stored twice fails here
     assert lk.cache.as_dict() == d.truth and len(lk.markers) == 1
-    assert lk.packs > 0
+    assert lk.packs > 0 and lk.stored_twice == 0
+    w1, w2 = b1.summary()["writer"], b2.summary()["writer"]
+    # both wrote, and the guards did refuse: the two really raced on one subject
+    assert w1["acked"] > 0 and w2["acked"] > 0, (w1, w2)
+    assert w1["refused"] + w2["refused"] > 0, (w1, w2)
+
+
+@pytest.mark.parametrize("ref", [False, True], ids=["kvwire", "reference"])
+def test_redundant_bridges_bootstrapping_at_once_keep_a_clean_log(nats_server, tmp_path, ref):
+    """Two redundant bridges start at the same moment on an empty subject while the engine
+    publishes: their Subscribers bootstrap at different seqs, so they build different
+    marker sets. The guards let one set in whole at a time (never a batch inside a set,
+    never one twice); the subject, read strictly, ends at the engine's state."""
+    k = Engine(64 + ref, ref=ref, workload="small")
+    b1 = b2 = None
+    try:
+        k.run(12000, 4000)  # 3 s: both bridges start (about 1 s) while it publishes
+        b1 = BridgeProc(tmp_path, nats_server.url, [_spec("k", k)])
+        b2 = BridgeProc(tmp_path, nats_server.url, [_spec("k", k)])
+        b1.wait_started()
+        b2.wait_started()
+        d = k.wait_done(60)
+        wait_subject_seq(nats_server.url, K, d.last_seq, 60, procs=[b1, b2])
+        assert b1.stop() == 0 and b2.stop() == 0
+    finally:
+        for b in (b1, b2):
+            if b is not None:
+                b.kill()
+        k.close()
+    lk = subject_log(nats_server.url, K)  # strict: sets whole, no batch twice, no gap
+    assert lk.cache.as_dict() == d.truth and lk.exact
+    assert 1 <= len(lk.markers) <= 3, lk.markers
+    w1, w2 = b1.summary()["writer"], b2.summary()["writer"]
+    # they raced: one found the other's messages on the subject (refused, or skipped)
+    assert w1["refused"] + w2["refused"] + w1["superseded"] + w2["superseded"] > 0, (w1, w2)
 
 
 def _lines(path: Any) -> list[list[Any]]:

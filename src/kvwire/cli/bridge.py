@@ -64,11 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=_number(int), default=4096, metavar="N",
                    help="unacknowledged publishes at most (default 4096)")
     p.add_argument("--ack-timeout", type=_number(float), default=5.0, metavar="S")
-    p.add_argument("--pack", type=_number(int), default=1, metavar="N",
-                   help="up to N consecutive batches already in hand per JetStream message "
-                        "(default 1: one each; never waits to fill one). With N > 1, two "
-                        "redundant bridges may cut different runs and a batch can be stored "
-                        "twice (consumers drop it); with --share only while a lease moves")
+    p.add_argument("--pack", type=_number(int), default=256, metavar="N",
+                   help="one message in flight per engine rank, guarded by "
+                        "Nats-Expected-Last-Subject-Sequence; what arrives meanwhile goes "
+                        "as one run of up to N batches (default 256; never waits to fill "
+                        "one). 1: one message per batch, pipelined, deduplicated by "
+                        "Nats-Msg-Id alone")
     p.add_argument("--connect-timeout", type=_number(float), default=10.0, metavar="S",
                    help="give up if the first connection takes longer (later: retried)")
     p.add_argument("--log-interval", type=_number(float, allow_zero=True), default=10.0,

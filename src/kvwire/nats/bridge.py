@@ -15,15 +15,16 @@ a rank, the bridge reads the subject's last message ``(epoch, seq)`` and rebuild
   the batch at ``seq`` must be byte-identical to the subject's last one, else the engine
   restarted while the bridge was away and the skipped run goes on as markers.
 
-Redundant bridges write identical messages with identical ``Nats-Msg-Id`` (deduplicated);
-``share=True`` splits the engines by leases (:mod:`kvwire.nats.leases`).
+Redundant bridges may follow the same engines; ``share=True`` splits the engines by
+leases (:mod:`kvwire.nats.leases`) instead.
 
-``pack=N`` (opt-in, N > 1): consecutive batches of one stream and epoch that the bridge
-already has in hand (one Subscriber poll) go out as one ``batches`` message of up to N (the
-per-message costs of the bridge, nats-server and consumers are then paid once per run).
-It never waits to fill a run. Redundant bridges may cut different runs, so a batch can be
-stored twice (consumers drop seqs they already delivered); in shared mode only during the
-short overlap while a lease moves.
+``pack=N`` (default 256; :mod:`kvwire.nats.writer`): each subject has one message in flight,
+guarded by ``Nats-Expected-Last-Subject-Sequence``; the batches that arrive meanwhile go
+out as one ``batches`` run of up to N. A quiet stream sends each batch alone at once; a busy
+one pays the per-message costs of the bridge, nats-server and consumers once per run. The
+guard is what keeps redundant bridges (or a lease changing hands) from storing a batch twice
+even though they cut different runs. ``pack=1``: one message per batch, pipelined, and
+``Nats-Msg-Id`` dedupe is what keeps redundant bridges exact (identical messages).
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ CLOSE_SNAPSHOTS_S = 10.0
 class BridgeStats(msgspec.Struct):
     streams: int = 0
     batches: int = 0  # batches submitted
-    packs: int = 0  # ``batches`` messages (runs of >= 2) submitted
     markers: int = 0  # reset + snapshot marker sets submitted
     skipped: int = 0  # delivered batches already on the subject (restart, redundancy)
     resumed: int = 0  # streams continued exactly from the subject's last message
@@ -112,11 +112,6 @@ class _Follow:
         self.skip_since = 0.0
         self.fresh = True  # nothing delivered since the follower started
         self.boot = True  # no Snapshot since the follower started
-        self.run: list[Any] = []  # batches in hand, not yet submitted (pack > 1)
-        self.run_payloads: list[bytes] = []
-        self.run_bytes = 0
-        self.run_epoch = 0
-        self.run_first = 0
 
     def resume_point(self) -> tuple[int, int] | None:
         if self.complete and self.epoch is not None and self.seq is not None:
@@ -185,7 +180,7 @@ class Bridge:
         self.js = self.nc.jetstream(timeout=5)
         await ensure_stream(self.js, cfg)
         self.writer = JsWriter(self.nc, self.js, cfg.stream, max_inflight=cfg.max_inflight,
-                               ack_timeout=cfg.ack_timeout)
+                               ack_timeout=cfg.ack_timeout, pack=cfg.pack)
         await self.writer.start()
         if cfg.snapshot_interval:
             self._store = await open_bucket(self.js, cfg.snapshot_bucket, create=True)
@@ -298,10 +293,6 @@ class Bridge:
                 items = await sub.apoll_many(0.25, 1000)
                 for it in items:
                     await self._on_item(by_name[it.stream], it)
-                if cfg.pack > 1:  # what is in hand goes now: never wait to fill a run
-                    for f in by_name.values():
-                        if f.run:
-                            await self._flush_run(f)
                 now = time.monotonic()
                 for f in by_name.values():
                     if f.skip_cache is not None and now - f.skip_since > cfg.skip_timeout:
@@ -332,6 +323,9 @@ class Bridge:
         lane.cache, lane.exact, lane.dirty = st.cache, st.exact, False
         lane.last = None if st.epoch is None else (st.epoch, st.seq)  # type: ignore[assignment]
         lane.last_js_seq = st.js_seq
+        if st.epoch is not None:
+            lane.epochs.add(st.epoch)
+        lane.expect = None  # read again before the first guarded message
         f.epoch, f.seq = st.epoch, st.seq
         # Inexact (history discarded) or a half-written marker set: start over with markers.
         f.complete = st.complete and st.exact
@@ -344,8 +338,6 @@ class Bridge:
 
     async def _on_item(self, f: _Follow, it: Any) -> None:
         t = type(it)
-        if f.run and t is not Batch:
-            await self._flush_run(f)
         if f.fresh and t is not Liveness:
             f.fresh = False
             if t is Batch:  # the Subscriber resumed after the subject's (epoch, seq)
@@ -410,38 +402,13 @@ class Bridge:
             self.stats.last_error = f"{f.lane.subject}: batch {b.seq} after {f.seq}"
         w = self.writer
         assert w is not None
-        payload = encode_batch(b.batch)
-        if self.config.pack > 1:
-            if f.run and (epoch != f.run_epoch or b.seq != f.run_first + len(f.run)
-                          or len(f.run) >= self.config.pack
-                          or f.run_bytes + len(payload) + 2048 > w.max_payload):
-                await self._flush_run(f)
-            if not f.run:
-                f.run_epoch, f.run_first, f.run_bytes = epoch, b.seq, 0
-            f.run.append(b.batch)
-            f.run_payloads.append(payload)
-            f.run_bytes += len(payload)
-        else:
-            await w.submit(f.lane.batch_entry(epoch, b.seq, b.batch, payload))
-            self.stats.batches += 1
+        await w.submit(f.lane.batch_entry(epoch, b.seq, b.batch, encode_batch(b.batch)))
+        self.stats.batches += 1
         f.epoch, f.seq, f.complete, f.last_body = epoch, b.seq, True, None
-
-    async def _flush_run(self, f: _Follow) -> None:
-        """Submit the batches in hand as one message (a run of one is a plain batch)."""
-        run, payloads = f.run, f.run_payloads
-        f.run, f.run_payloads, f.run_bytes = [], [], 0
-        w = self.writer
-        assert w is not None
-        await w.submit(f.lane.run_entry(f.run_epoch, f.run_first, run, payloads))
-        self.stats.batches += len(run)
-        if len(run) > 1:
-            self.stats.packs += 1
 
     async def _diverged(self, f: _Follow, why: str) -> None:
         """A reference engine restarted while the bridge was away: its run goes on as a new
         incarnation, from what was skipped."""
-        if f.run:
-            await self._flush_run(f)
         cache = f.skip_cache or BlockCache()
         self.stats.diverged += 1
         epoch = 0 if f.epoch is None else f.epoch + 1
@@ -453,8 +420,6 @@ class Bridge:
                        reason: str) -> None:
         w = self.writer
         assert w is not None
-        if f.run:
-            await self._flush_run(f)
         for e in marker_entries(f.lane, epoch, seq, blocks, exact, reason, w.max_payload):
             await w.submit(e)
         self.stats.markers += 1
@@ -550,9 +515,10 @@ class Bridge:
             ws = w.stats if w is not None else None
             log.warning(
                 "bridge: %d streams, %d batches (%.0f/s), %d marker sets, %d skipped, "
-                "acked %d (dup %d), inflight %d, recoveries %d, snapshots %d%s",
+                "acked %d (dup %d, runs %d, refused %d), inflight %d, recoveries %d, "
+                "snapshots %d%s",
                 s.streams, s.batches, rate, s.markers, s.skipped, ws.acked if ws else 0,
-                ws.duplicates if ws else 0, w.inflight if w else 0,
-                ws.recoveries if ws else 0, s.snapshots_written,
+                ws.duplicates if ws else 0, ws.runs if ws else 0, ws.refused if ws else 0,
+                w.inflight if w else 0, ws.recoveries if ws else 0, s.snapshots_written,
                 f", last error: {s.last_error or (ws.last_error if ws else None)}"
                 if (s.last_error or (ws and ws.last_error)) else "")

@@ -41,7 +41,7 @@ class BridgeConfig:
     lease_ttl: float = 10.0
     max_inflight: int = 4096
     ack_timeout: float = 5.0
-    pack: int = 1  # up to this many batches in hand per JetStream message (1: one each)
+    pack: int = 256  # guarded runs of up to this many batches (1: one message per batch)
     log_interval: float = 10.0  # seconds between one-line stat logs; 0: none
     skip_timeout: float = 10.0  # reference run check: longest wait to reach the subject's seq
     connect_timeout: float = 10.0  # first connection only; later ones are retried forever

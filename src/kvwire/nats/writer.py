@@ -1,18 +1,31 @@
-"""Pipelined, checked JetStream publishing for the bridge: one :class:`Lane` per subject.
+"""Checked JetStream publishing for the bridge: one :class:`~kvwire.nats.lane.Lane` per
+subject, in one of two modes.
 
-Publishes go out as core NATS messages with a reply inbox (one wildcard subscription
-collects every PubAck), so the bridge never waits a round trip per batch; at most
-``max_inflight`` are unacknowledged at once. A lane applies what JetStream acknowledged,
-in subject order, to its :class:`~kvwire.consume.cache.BlockCache` (the state its
-object-store snapshots are taken from, with the PubAck's stream sequence).
+* ``pack=1``, pipelined: one message per batch, up to ``max_inflight`` unacknowledged at
+  once (publishes go out as core NATS messages with a reply inbox; one wildcard
+  subscription collects every PubAck). ``Nats-Msg-Id`` dedupe is what keeps a restarted or
+  redundant bridge from storing a batch twice.
+* ``pack=N > 1``, guarded: one message in flight per subject, each carrying
+  ``Nats-Expected-Last-Subject-Sequence`` = the subject's last stream sequence as this
+  writer knows it. What arrives meanwhile waits, and the next message takes up to N
+  consecutive batches of it (a ``batches`` run): the round trip sets the run length, so a
+  quiet stream sends each batch alone at once and a busy one pays per-message costs once
+  per run. JetStream refuses a message when anything else (another bridge) wrote the
+  subject since: two writers can cut different runs but never store a batch twice.
 
-When an ack fails or times out (server restarted, JetStream not ready yet), the lane
-*recovers*: it holds new items, lets what is in flight settle, reads the subject's last
-message and re-sends, in order and with the same ``Nats-Msg-Id``, exactly what came after
-it. Messages of one connection arrive in order, so what the server stored is a prefix of
-what was sent, except when it refused one (e.g. 503 while JetStream starts) and took a
-later one: that hole cannot be filled in order, so the lane writes a reset marker and a
-snapshot marker of its whole state instead (consumers resync from the subject itself).
+A lane applies what JetStream acknowledged, in subject order, to its
+:class:`~kvwire.consume.cache.BlockCache` (the state its object-store snapshots are taken
+from, with the PubAck's stream sequence).
+
+When an ack fails or times out (server restarted, JetStream not ready yet, a guard refused),
+the lane *recovers*: it holds new items, lets what is in flight settle, reads the subject's
+last message and re-sends, in order, exactly what came after it (:meth:`JsWriter._resolve`).
+Pipelined, what the server stored is a prefix of what was sent, except when it refused one
+(e.g. 503 while JetStream starts) and took a later one: that hole cannot be filled in order,
+so the lane writes a reset marker and a snapshot marker of its whole state instead
+(consumers resync from the subject itself). Guarded, the subject's last message says how far
+it goes (its ``Nats-Msg-Id``, else its epoch and seq); if it comes from an epoch this writer
+has never seen, the lane writes those markers too.
 """
 
 from __future__ import annotations
@@ -20,35 +33,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from typing import Any
 
 import msgspec
 
-from ..consume.cache import BlockCache, chain_events
-from ..wire.events import BlockStored, KVEventBatch
-from .subjects import (
-    H_CHUNK,
-    H_EPOCH,
-    H_FIRST_SEQ,
-    H_KIND,
-    H_MSG_ID,
-    H_REASON,
-    H_SEQ,
-    msg_id,
-    run_msg_id,
+from ..consume.cache import chain_events
+from .lane import (
+    ACKED,
+    FAILED,
+    H_EXACT,
+    H_EXPECT,
+    PENDING,
+    Entry,
+    Lane,
+    apply_entry_effect,
+    marker_entries,
+    pack_body,
 )
+from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_MSG_ID, H_SEQ
 
-__all__ = ["H_EXACT", "Entry", "JsWriter", "Lane", "WriterStats", "apply_entry_effect",
-           "marker_entries", "pack_body"]
+__all__ = ["H_EXACT", "H_EXPECT", "Entry", "JsWriter", "Lane", "WriterStats",
+           "apply_entry_effect", "marker_entries", "pack_body"]
 
 log = logging.getLogger("kvwire.nats.writer")
-
-#: On inexact snapshot markers only ("0"): the Subscriber's Snapshot had exact=False.
-H_EXACT = "Kvwire-Exact"
-
-PENDING, ACKED, FAILED = 0, 1, 2
-_CHUNK_SLACK = 4096  # headers and protocol overhead under the server's max payload
 
 
 class _PubAck(msgspec.Struct):
@@ -59,162 +66,6 @@ class _PubAck(msgspec.Struct):
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
-_event_list = msgspec.msgpack.Encoder()
-
-
-def pack_body(payloads: list[bytes]) -> bytes:
-    """A ``batches`` body: a msgpack array of the encoded batches (header + concatenation)."""
-    n = len(payloads)
-    head = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
-    return head + b"".join(payloads)
-
-
-class Entry:
-    """One message for a lane: a batch, a run of batches (``batches``), a reset marker or one
-    snapshot marker chunk. ``seq`` is the last seq it covers, ``first`` the first."""
-
-    __slots__ = ("lane", "kind", "epoch", "seq", "first", "msg_id", "headers", "payload",
-                 "effect", "exact", "state", "js_seq", "sent_at", "token", "error", "oversize")
-
-    def __init__(self, lane: Lane, kind: str, epoch: int, seq: int, mid: str,
-                 headers: dict[str, str] | None, payload: bytes, effect: Any,
-                 exact: bool = True) -> None:
-        self.lane, self.kind, self.epoch, self.seq = lane, kind, epoch, seq
-        self.first = seq
-        self.msg_id, self.headers, self.payload, self.effect = mid, headers, payload, effect
-        self.exact = exact
-        self.state = PENDING
-        self.js_seq: int | None = None
-        self.sent_at = 0.0
-        self.token = ""
-        self.error = ""
-        self.oversize = False
-
-    def raw_headers(self) -> bytes:
-        """The NATS/1.0 header block (values are one line: see :func:`_header_text`)."""
-        if self.kind == "batch":
-            return _BATCH_HDR % (self.epoch, self.seq, self.msg_id.encode())
-        if self.kind == "batches":
-            return _RUN_HDR % (self.epoch, self.first, self.seq, self.msg_id.encode())
-        return b"NATS/1.0\r\n" + b"".join(
-            b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in self.header_dict().items()
-        ) + b"\r\n"
-
-    def header_dict(self) -> dict[str, str]:
-        if self.headers is None:  # a batch or a run: its headers are made when needed
-            self.headers = {H_KIND: self.kind, H_EPOCH: str(self.epoch), H_SEQ: str(self.seq),
-                            H_MSG_ID: self.msg_id}
-            if self.kind == "batches":
-                self.headers[H_FIRST_SEQ] = str(self.first)
-        return self.headers
-
-
-_BATCH_HDR = (f"NATS/1.0\r\n{H_KIND}: batch\r\n{H_EPOCH}: %d\r\n{H_SEQ}: %d\r\n"
-              f"{H_MSG_ID}: %s\r\n\r\n").encode()
-_RUN_HDR = (f"NATS/1.0\r\n{H_KIND}: batches\r\n{H_EPOCH}: %d\r\n{H_FIRST_SEQ}: %d\r\n"
-            f"{H_SEQ}: %d\r\n{H_MSG_ID}: %s\r\n\r\n").encode()
-
-
-def apply_entry_effect(cache: BlockCache, kind: str, effect: Any) -> None:
-    """What a message does to the subject's state: batch applies, reset clears, a snapshot
-    chunk stores its blocks (after the reset that precedes it)."""
-    if kind == "batch":
-        cache.apply(effect)
-    elif kind == "batches":
-        for b in effect:
-            cache.apply(b)
-    elif kind == "reset":
-        cache.clear()
-    elif effect:
-        cache.apply_events(effect)
-
-
-class Lane:
-    """One subject: what is in flight (send order), what waits, and the acked state."""
-
-    def __init__(self, subject: str, engine: str, rank: int) -> None:
-        self.subject, self.engine, self.rank = subject, engine, rank
-        self.subject_b = subject.encode()
-        self.pending: deque[Entry] = deque()
-        self.held: deque[Entry] = deque()
-        self.recovering = False
-        self.cut = False  # the connection broke with messages of this lane in flight
-        self.cache = BlockCache()
-        self.exact = True
-        self.last: tuple[int, int] | None = None  # (epoch, seq) of the last acked message
-        self.last_js_seq: int | None = None
-        self.dirty = False  # acked messages since the last object-store snapshot
-        self.snapshot_js_seq: int | None = None  # js_seq of the last snapshot written
-
-    def batch_entry(self, epoch: int, seq: int, batch: KVEventBatch, payload: bytes) -> Entry:
-        return Entry(self, "batch", epoch, seq, f"{self.engine}/{self.rank}/{epoch}/{seq}",
-                     None, payload, batch)
-
-    def run_entry(self, epoch: int, first: int, batches: list[KVEventBatch],
-                  payloads: list[bytes]) -> Entry:
-        """Consecutive batches ``first..`` of one epoch as one message (one: a ``batch``)."""
-        if len(batches) == 1:
-            return self.batch_entry(epoch, first, batches[0], payloads[0])
-        last = first + len(batches) - 1
-        e = Entry(self, "batches", epoch, last,
-                  run_msg_id(self.engine, self.rank, epoch, first, last), None,
-                  pack_body(payloads), batches)
-        e.first = first
-        return e
-
-
-def marker_entries(lane: Lane, epoch: int, seq: int, events: list[BlockStored], exact: bool,
-                   reason: str, max_payload: int) -> list[Entry]:
-    """A reset marker and the snapshot marker chunks of state ``events`` at ``(epoch, seq)``."""
-    mid = msg_id(lane.engine, lane.rank, epoch, seq, "reset")
-    base = {H_EPOCH: str(epoch), H_SEQ: str(seq)}
-    out = [Entry(lane, "reset", epoch, seq, mid,
-                 {H_KIND: "reset", **base, H_REASON: _header_text(reason), H_MSG_ID: mid},
-                 b"", None, exact)]
-    chunks = _chunks(events, max(1024, max_payload - _CHUNK_SLACK))
-    for i, (evs, body) in enumerate(chunks):
-        cid = msg_id(lane.engine, lane.rank, epoch, seq, "snapshot", i)
-        h = {H_KIND: "snapshot", **base, H_CHUNK: f"{i}/{len(chunks)}", H_MSG_ID: cid}
-        if not exact:
-            h[H_EXACT] = "0"
-        out.append(Entry(lane, "snapshot", epoch, seq, cid, h, body, evs, exact))
-    return out
-
-
-def _header_text(text: str) -> str:
-    return " ".join(text.split())[:400]  # one line: a header value cannot hold CR/LF
-
-
-def _chunks(events: list[BlockStored], limit: int) -> list[tuple[list[BlockStored], bytes]]:
-    """Events cut into msgpack lists of at most ``limit`` bytes (an event too big alone is
-    split into sub-chains); always at least one chunk (an empty state is ``[]``)."""
-    enc = _event_list.encode
-    out: list[tuple[list[BlockStored], bytes]] = []
-    cur: list[BlockStored] = []
-    size = 1
-    todo = list(reversed(events))
-    while todo:
-        ev = todo.pop()
-        n = len(enc(ev))
-        if n + 8 > limit and len(ev.block_hashes) > 1:
-            half = len(ev.block_hashes) // 2
-            bs = ev.block_size
-            a = msgspec.structs.replace(ev, block_hashes=ev.block_hashes[:half],
-                                        token_ids=ev.token_ids[:half * bs], extra_keys=None,
-                                        lookahead_token_ids=None)
-            b = msgspec.structs.replace(ev, block_hashes=ev.block_hashes[half:],
-                                        parent_block_hash=ev.block_hashes[half - 1],
-                                        token_ids=ev.token_ids[half * bs:], extra_keys=None,
-                                        lookahead_token_ids=None)
-            todo += [b, a]
-            continue
-        if cur and size + n + 8 > limit:
-            out.append((cur, enc(cur)))
-            cur, size = [], 1
-        cur.append(ev)
-        size += n
-    out.append((cur, enc(cur)))
-    return out
 
 
 class WriterStats(msgspec.Struct):
@@ -228,16 +79,61 @@ class WriterStats(msgspec.Struct):
     holes: int = 0
     stray_acks: int = 0
     bytes: int = 0
+    runs: int = 0  # messages carrying a run of >= 2 batches (guarded lanes)
+    refused: int = 0  # messages a guard refused: the subject had moved on (another writer)
+    superseded: int = 0  # batches found stored (or passed) by another writer: not re-sent
     last_error: str | None = None
+
+
+_WRONG_LAST_SEQ = 10071  # JetStream's err_code: Nats-Expected-Last-Subject-Sequence failed
+
+
+def _flat(entries: list[Entry]) -> list[Entry]:
+    """Runs a guarded lane made, back into their batch entries (a recovery may split them)."""
+    out: list[Entry] = []
+    for e in entries:
+        if e.parts is not None:
+            for p in e.parts:
+                p.state = PENDING
+            out += e.parts
+        else:
+            e.state = PENDING
+            out.append(e)
+    return out
+
+
+def _mid_set(last: tuple[str, int, dict[str, str]] | None) -> bool:
+    """The subject's last message is a reset marker or a snapshot chunk short of n/n."""
+    if last is None:
+        return False
+    h = last[2]
+    kind = h.get(H_KIND)
+    if kind == "reset":
+        return True
+    if kind == "snapshot":
+        i, _, n = h.get(H_CHUNK, "0/1").partition("/")
+        return _int(i) is not None and _int(i) != (_int(n) or 1) - 1
+    return False
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 class JsWriter:
     """Sends :class:`Entry` objects on lanes, checks their acks, recovers lanes."""
 
     def __init__(self, nc: Any, js: Any, stream: str, *, max_inflight: int = 4096,
-                 ack_timeout: float = 5.0) -> None:
+                 ack_timeout: float = 5.0, pack: int = 1) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if not isinstance(pack, int) or pack < 1:
+            raise ValueError(f"pack must be an int >= 1, got {pack!r}")
+        self.pack = pack
+        self.guarded = pack > 1
         if not ack_timeout > 0:
             raise ValueError(f"ack_timeout must be > 0 seconds, got {ack_timeout!r}")
         self.nc, self.js, self.stream = nc, js, stream
@@ -274,8 +170,16 @@ class JsWriter:
         return len(self._inflight)
 
     async def submit(self, entry: Entry) -> None:
-        """Queue ``entry`` on its lane; waits while ``max_inflight`` are unacknowledged."""
+        """Queue ``entry`` on its lane; waits while ``max_inflight`` are unacknowledged
+        (guarded: while the lane holds ``4 * max_inflight``)."""
         lane = entry.lane
+        if self.guarded:
+            while len(lane.held) >= 4 * self.max_inflight and not self.closing:
+                await asyncio.sleep(0.005)  # bounded: back-pressure upstream
+            lane.held.append(entry)
+            if not (lane.busy or lane.pending or lane.recovering):
+                await self._pump(lane)
+            return
         while lane.recovering and len(lane.held) >= 4 * self.max_inflight and not self.closing:
             await asyncio.sleep(0.05)  # bounded while NATS is away: back-pressure upstream
         if lane.recovering or lane.held:
@@ -309,7 +213,7 @@ class JsWriter:
                 await self._hpub(e, f"{self._inbox}.{tok}")
             else:
                 await nc.publish(e.lane.subject, e.payload, reply=f"{self._inbox}.{tok}",
-                                 headers=e.header_dict())
+                                 headers=e.send_headers())
         except Exception as ex:  # not handed to the connection at all (closed, buffer full)
             self._fail(e, f"publish failed: {ex!r}")
 
@@ -325,35 +229,73 @@ class JsWriter:
         if nc._flush_queue is not None and nc._flush_queue.empty():
             await nc._flush_pending()
 
-    def _on_ack_sync(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+    async def _pump(self, lane: Lane) -> None:
+        """Guarded lanes: send the next message if none is in flight (its guard: the
+        subject's last seq; unknown, the lane first reads it)."""
+        if lane.busy or lane.pending or lane.recovering or not lane.held or self.closing:
+            return
+        if lane.expect is None:
+            self._recover(lane, "the subject's last sequence is not known", logging.INFO)
+            return
+        if lane.pos is not None:
+            self._skip_covered(lane)
+            if not lane.held:
+                return
+        lane.busy = True
+        try:
+            e = lane.next_message(self.pack, self.max_payload - 4096)
+            if e.parts is not None:
+                self.stats.runs += 1
+            e.expect = lane.expect
+            await self._send(e)
+        finally:
+            lane.busy = False
+
+    def _on_ack_sync(self, subject: str, data: bytes, headers: dict[str, str] | None
+                     ) -> Lane | None:
+        """Apply one PubAck; returns the lane (guarded: it may send its next message)."""
         e = self._inflight.pop(subject[len(self._inbox) + 1:], None)
         if e is None:
             self.stats.stray_acks += 1  # late answer to a message a recovery re-sent
-            return
+            return None
         if len(self._inflight) < self.max_inflight:
             self._room.set()
         if headers and headers.get("Status"):
             self._fail(e, f"JetStream status {headers.get('Status')} "
                           f"{headers.get('Description', '')}".strip())
-            return
+            return None
         try:
             ack = _ack_decoder.decode(data)
         except msgspec.DecodeError:
             self._fail(e, f"unreadable PubAck {data[:80]!r}")
-            return
+            return None
         if ack.error is not None:
+            if ack.error.get("err_code") == _WRONG_LAST_SEQ:
+                # Not a failure: another writer (a redundant bridge, the last owner of a
+                # lease) wrote the subject since; the recovery finds how far it went.
+                self.stats.refused += 1
+                e.state, e.error = FAILED, "refused by the guard"
+                self._recover(e.lane, "the subject moved on (another writer)", logging.INFO)
+                return None
             self._fail(e, f"JetStream refused {e.msg_id}: {ack.error.get('description', ack.error)}")
-            return
+            return None
         e.state, e.js_seq = ACKED, ack.seq
         self.stats.acked += 1
+        lane = e.lane
         if ack.duplicate:
             self.stats.duplicates += 1
-        lane = e.lane
+            # Stored before, not necessarily last: where the subject ends is read again.
+            lane.expect = None
+        elif self.guarded:
+            lane.expect, lane.pos = ack.seq, None  # the subject ends with our message
         if lane.pending and lane.pending[0] is e:
             self._advance(lane)
+        return lane
 
     async def _on_ack(self, msg: Any) -> None:
-        self._on_ack_sync(msg.subject, msg.data, msg.headers)
+        lane = self._on_ack_sync(msg.subject, msg.data, msg.headers)
+        if lane is not None and self.guarded:
+            await self._pump(lane)
 
     def _advance(self, lane: Lane) -> None:
         """Apply acked messages at the head of the lane, in subject order."""
@@ -367,6 +309,7 @@ class JsWriter:
         if e.kind == "snapshot":
             lane.exact = e.exact
         lane.last = (e.epoch, e.seq)
+        lane.epochs.add(e.epoch)
         lane.last_js_seq = e.js_seq  # None (ack lost): no object-store snapshot until known
         lane.dirty = True
 
@@ -376,12 +319,12 @@ class JsWriter:
         self.stats.last_error = why
         self._recover(e.lane, why)
 
-    def _recover(self, lane: Lane, why: str) -> None:
+    def _recover(self, lane: Lane, why: str, level: int = logging.WARNING) -> None:
         if lane.recovering or self.closing:
             return
         lane.recovering = True
         self.stats.recoveries += 1
-        log.warning("%s: recovering (%s)", lane.subject, why)
+        log.log(level, "%s: recovering (%s)", lane.subject, why)
         t = asyncio.get_running_loop().create_task(self._recovery(lane))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -420,6 +363,12 @@ class JsWriter:
         try:
             await self._settle(lane)
             last = await self._last_id(lane.subject)
+            if self.guarded:
+                last = await self._after_set(lane, last)
+                self._resolve_guarded(lane, last)
+                lane.recovering = False
+                await self._pump(lane)
+                return
             self._resolve(lane, last)
             while lane.held and not self.closing:
                 await self._send(lane.held.popleft())
@@ -445,8 +394,23 @@ class JsWriter:
                 return
             await asyncio.sleep(0.05)
 
-    async def _last_id(self, subject: str) -> tuple[str, int] | None:
-        """``(Nats-Msg-Id, stream seq)`` of the subject's last message (None: empty)."""
+    async def _after_set(self, lane: Lane, last: tuple[str, int, dict[str, str]] | None
+                         ) -> tuple[str, int, dict[str, str]] | None:
+        """Guarded lanes: if the subject ends inside another writer's marker set (its reset,
+        or a chunk short of n/n), wait for the set to be whole before writing after it,
+        up to ``ack_timeout`` (then it is left half-written: its writer died, and the lane
+        writes its own set over it). Never anything in the middle of a marker set."""
+        deadline = time.monotonic() + self.ack_timeout
+        while (_mid_set(last) and not self.closing and time.monotonic() < deadline
+               and not any(e.msg_id == last[0]  # type: ignore[index]
+                           for e in (*lane.pending, *lane.held))):
+            await asyncio.sleep(0.05)  # the other writer's next chunk is one round trip away
+            last = await self._last_id(lane.subject)
+        return last
+
+    async def _last_id(self, subject: str) -> tuple[str, int, dict[str, str]] | None:
+        """``(Nats-Msg-Id, stream seq, headers)`` of the subject's last message (None:
+        empty)."""
         from nats.js.errors import NotFoundError
 
         while True:
@@ -460,9 +424,10 @@ class JsWriter:
                 self.stats.last_error = f"{subject}: last message: {ex!r}"
                 await asyncio.sleep(0.2)
                 continue
-            return (m.headers or {}).get(H_MSG_ID, ""), m.seq
+            h = m.headers or {}
+            return h.get(H_MSG_ID, ""), m.seq, h
 
-    def _resolve(self, lane: Lane, last: tuple[str, int] | None) -> None:
+    def _resolve(self, lane: Lane, last: tuple[str, int, dict[str, str]] | None) -> None:
         """Decide, against the subject's last message, what was stored and what to re-send."""
         entries = list(lane.pending)
         lane.pending.clear()
@@ -492,19 +457,91 @@ class JsWriter:
         self.stats.resent += len(resend)
         lane.held.extendleft(reversed(resend))
 
-    def _heal(self, lane: Lane, entries: list[Entry], last: tuple[str, int] | None) -> None:
-        """A refused message sits before a stored one: write the whole state as markers."""
+    def _heal(self, lane: Lane, entries: list[Entry], last: Any,
+              why: str = "a message was refused before a stored one",
+              reason: str = "bridge: messages refused by JetStream out of order; resynced"
+              ) -> None:
+        """The subject cannot be continued in order: write the whole state as markers."""
         todo = entries + list(lane.held)
         lane.held.clear()
         for e in todo:
             apply_entry_effect(lane.cache, e.kind, e.effect)
         newest = todo[-1]
         events = chain_events(lane.cache.raw_copy())
-        log.warning("%s: a message was refused before a stored one; resync markers at "
-                    "(%d, %d)", lane.subject, newest.epoch, newest.seq)
-        lane.held.extend(marker_entries(
-            lane, newest.epoch, newest.seq, events, lane.exact,
-            "bridge: messages refused by JetStream out of order; resynced", self.max_payload))
+        log.warning("%s: %s; resync markers at (%d, %d)", lane.subject, why, newest.epoch,
+                    newest.seq)
+        lane.last_js_seq = None  # the cache is ahead of the subject until the markers land
+        lane.held.extend(marker_entries(lane, newest.epoch, newest.seq, events, lane.exact,
+                                        reason, self.max_payload))
+
+    def _resolve_guarded(self, lane: Lane, last: tuple[str, int, dict[str, str]] | None
+                         ) -> None:
+        """Guarded lanes: against the subject's last message, commit what is stored (by this
+        writer before, or by another one), hold the rest to be sent after it."""
+        entries = list(lane.pending) + list(lane.held)
+        lane.pending.clear()
+        lane.held.clear()
+        for e in entries:
+            self._inflight.pop(e.token, None)
+        self._room.set()
+        if last is None:  # an empty subject (or all of it aged out): everything goes
+            lane.expect, lane.pos = 0, None
+            lane.held.extend(_flat(entries))
+            return
+        mid, js, h = last
+        lane.expect = js
+        kind, epoch, seq = h.get(H_KIND), _int(h.get(H_EPOCH)), _int(h.get(H_SEQ))
+        lane.pos = None if epoch is None or seq is None else (kind or "", epoch, seq)
+        k = next((i for i in range(len(entries) - 1, -1, -1) if entries[i].msg_id == mid), -1)
+        if k >= 0:  # the last message is one of ours: what came up to it is stored
+            for i, e in enumerate(entries[:k + 1]):
+                e.state, e.js_seq = ACKED, js if i == k else None
+                self._commit(e)
+            lane.held.extend(_flat(entries[k + 1:]))
+            return
+        if not entries:
+            return
+        flat = _flat(entries)
+        if _mid_set(last):  # a set nobody finished (_after_set waited for it)
+            self._heal(lane, flat, last, why=f"the subject ends in a marker set left "
+                       f"half-written ({mid!r})",
+                       reason="bridge: a marker set on the subject was left unfinished; "
+                              "resynced")
+            return
+        pos = lane.pos
+        if pos is not None and (any(e.epoch == pos[1] for e in flat) or pos[1] in lane.epochs):
+            # Another writer's message of an epoch we have: what it reaches is stored or
+            # passed (the pump skips it); an epoch we left: ours go after it.
+            lane.held.extend(flat)
+            self._skip_covered(lane)
+            return
+        # An epoch this writer has never had (or not a kvwire message): which is newer is
+        # unknown, so the subject restarts from our whole state, guarded after that message.
+        self._heal(lane, flat, last, why=f"the subject's last message {mid!r} is of an epoch "
+                   "this bridge never wrote",
+                   reason="bridge: the subject went on in an epoch this bridge never saw; "
+                          "resynced")
+
+    def _skip_covered(self, lane: Lane) -> None:
+        """Commit, unsent, the held entries the subject already holds or has passed: of its
+        last message's epoch, at or before its seq (a marker there holds the state of every
+        batch up to it). Another writer put them there; sending them would store them twice."""
+        pos = lane.pos
+        if pos is None:
+            return
+        kind, epoch, seq = pos
+        held = lane.held
+        while held:
+            e = held[0]
+            if not (e.epoch == epoch and (e.seq < seq or e.seq == seq and (
+                    e.kind == "batch" or kind in ("batch", "batches")))):
+                return
+            held.popleft()
+            at_end = e.seq == seq and kind in ("batch", "batches") and e.kind == "batch"
+            e.state, e.js_seq = ACKED, lane.expect if at_end else None
+            self._commit(e)
+            if e.kind == "batch":
+                self.stats.superseded += 1
 
     async def drain(self, timeout: float) -> bool:
         """Wait until nothing is in flight or held (True) or ``timeout`` passes (False)."""
