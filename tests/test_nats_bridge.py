@@ -39,6 +39,10 @@ def _spec(name: str, e: Engine) -> str:
     return f"{name}={e.endpoint},replay={e.replay_endpoint}"
 
 
+#: Both writer modes: guarded runs (the default) and one pipelined message per batch.
+PACKS = pytest.mark.parametrize("pack", ["256", "1"], ids=["guarded", "pack1"])
+
+
 @pytest.fixture
 def engines():
     made: list[Engine] = []
@@ -107,14 +111,15 @@ async def _republish(url: str, subject: str) -> tuple[bool, int, int]:
         await nc.close()
 
 
-def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, engines):
+@PACKS
+def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, engines, pack):
     """Two bridges follow the same engines (redundant mode): every message exists once; and a
     message published again with its Msg-Id is dropped by the server."""
     k = Engine(3, workload="small")
     r = Engine(4, ref=True, workload="small")
     engines += [k, r]
     specs = [_spec("k", k), _spec("r", r)]
-    b1 = BridgeProc(tmp_path, nats_server.url, specs)
+    b1 = BridgeProc(tmp_path, nats_server.url, specs, "--pack", pack)
     b2 = None
     try:
         b1.wait_started()
@@ -123,7 +128,7 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
         # bootstrap at once may each write a whole set: test_nats_pack_procs.py,
         # test_redundant_bridges_bootstrapping_at_once_keep_a_clean_log.)
         wait_subject_seq(nats_server.url, K, -1, 30, procs=[b1])
-        b2 = BridgeProc(tmp_path, nats_server.url, specs)
+        b2 = BridgeProc(tmp_path, nats_server.url, specs, "--pack", pack)
         b2.wait_started()
         k.run(1500, 3000)
         r.run(1500, 3000)
@@ -142,8 +147,9 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
     assert dup and before == after
 
 
+@PACKS
 @pytest.mark.parametrize("ref", [False, True], ids=["kvwire", "reference"])
-def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref):
+def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref, pack):
     """SIGKILL the bridge mid-stream, restart it while the engine keeps publishing: it reads
     the subject's last (epoch, seq), gets seq + 1 on from the engine's replay buffer, and
     the subject has no batch missing and none twice (one marker set: the first join)."""
@@ -151,14 +157,15 @@ def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref):
     engines.append(e)
     subject = R if ref else K
     name = "r" if ref else "k"
-    b = BridgeProc(tmp_path, nats_server.url, [_spec(name, e)], "--snapshot-interval", "0.5")
+    opts = ("--snapshot-interval", "0.5", "--pack", pack)
+    b = BridgeProc(tmp_path, nats_server.url, [_spec(name, e)], *opts)
     b2 = None
     try:
         b.wait_started()
         e.run(6000, 3000)
         wait_subject_seq(nats_server.url, subject, 1500, 30, procs=[b])
         b.kill()
-        b2 = BridgeProc(tmp_path, nats_server.url, [_spec(name, e)], "--snapshot-interval", "0.5")
+        b2 = BridgeProc(tmp_path, nats_server.url, [_spec(name, e)], *opts)
         b2.wait_started()
         d = e.wait_done(60)
         wait_subject_seq(nats_server.url, subject, d.last_seq, 30, procs=[b2])
@@ -173,13 +180,14 @@ def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref):
     assert '"resumed": 1,' in b2.log() and '"markers": 0,' in b2.log(), b2.log()
 
 
-def test_nats_server_sigkill_restart(nats_server, tmp_path, engines):
+@PACKS
+def test_nats_server_sigkill_restart(nats_server, tmp_path, engines, pack):
     """nats-server SIGKILLed mid-stream and restarted on its file store: what it had stored
     is all there, the bridge reconnects by itself and the subject ends exact."""
     e = Engine(6, workload="small")
     engines.append(e)
     b = BridgeProc(tmp_path, nats_server.url, [_spec("k", e)], "--ack-timeout", "1",
-                   "--snapshot-interval", "0.5")
+                   "--snapshot-interval", "0.5", "--pack", pack)
     try:
         b.wait_started()
         e.run(6000, 3000)
