@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server 
 sys.path.append(str(HERE))  # nats_procs (after site-packages: `nats` stays nats-py)
 
 from children import recv, spawn  # noqa: E402
+from host import Steal  # noqa: E402
 from nats_procs import (  # noqa: E402
     Cpu,
     bootstrap_main,
@@ -55,6 +56,12 @@ from nats_procs import (  # noqa: E402
 )
 
 from kvwire.wire import events as E  # noqa: E402
+
+
+def _pct(steal: Steal) -> str:
+    """The share of CPU time the hypervisor took during one measurement (a calm host: ~0)."""
+    s = steal.share()
+    return "?" if s is None else f"{s:.1%}"
 
 
 def bridge(url: str, port: int, rport: int, tmp: Path, *extra: str) -> Any:
@@ -96,6 +103,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         recv(con, 120, "consumer warm-up")
         cpu = Cpu(pids)
         cpu.start()
+        steal = Steal()
         con.send(("count", n, False))
         t0 = time.time()
         eng.send(("run", n, None))
@@ -103,7 +111,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         t_end, got, _, info = recv(con, 330, "consumer run")
         out = {"rate": got / (t_end - t0), "got": got, "send_rate": n / send_s,
                "cpu": cpu.per(max(got, 1)), "ceiling": cpu.ceiling(max(got, 1)), "info": info,
-               "load": os.getloadavg()[0]}
+               "load": os.getloadavg()[0], "steal": _pct(steal)}
         raw = dcon = None
         if kind == "nats":
             # The paced run is also read (a) straight from the engine by a direct Subscriber,
@@ -123,6 +131,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
             procs.append(rp)
             assert recv(raw, 60, "raw consumer") == "ready"
         cpu.start()
+        steal = Steal()
         for c in (con, dcon):
             if c is not None:
                 c.send(("count", lat_n, True))
@@ -130,7 +139,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
-                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited()}
+                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(), "lat_steal": _pct(steal)}
         if raw is not None and dcon is not None:
             out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
             out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]
@@ -306,7 +315,8 @@ def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int
         rows.append((what, label[k],
                      f"p50 {pct(lat, 0.5):.2f} ms  p99 {pct(lat, 0.99):.2f} ms  "
                      f"max {max(lat.values(), default=float('nan')) * 1e3:.1f} ms  "
-                     f"({r['lat_got']:,} delivered; load {r['lat_load']:.1f})   "
+                     f"({r['lat_got']:,} delivered; load {r['lat_load']:.1f}, "
+                     f"steal {r['lat_steal']})   "
                      f"CPU/batch {r['lat_cpu']}   waiting for a CPU {r['lat_wait']}"))
         if "raw_lat" not in r:
             continue
@@ -346,6 +356,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     rows: list[tuple[str, str, str]] = []
     procs: list[Any] = []
+    whole = Steal()
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-nats-") as d:
         tmp = Path(d)
         srv = NatsServer(tmp / "nats").start()
@@ -359,7 +370,8 @@ def main() -> None:
             for k, r in res.items():
                 rows.append((f"throughput, {n:,} batches flat out", label[k],
                              f"{r['rate']:>9,.0f} batches/s ({r['got']:,} delivered; engine "
-                             f"sent at {r['send_rate']:,.0f}/s; load {r['load']:.1f})   "
+                             f"sent at {r['send_rate']:,.0f}/s; load {r['load']:.1f}, "
+                             f"steal {r['steal']})   "
                              f"CPU/batch {r['cpu']}   CPU-bound ceiling on "
                              f"{os.cpu_count()} cores {r['ceiling']:,.0f}/s"))
             rows += latency_rows(res, label, lat_n)
@@ -391,7 +403,7 @@ def main() -> None:
     w1 = max(len(r[1]) for r in rows)
     print(f"kvwire NATS bench ({os.cpu_count()} cpus, python {sys.version.split()[0]}, "
           f"nats-py {nats.aio.client.__version__}, {server_version}, "
-          f"load average {os.getloadavg()[0]:.1f})")
+          f"{whole})")
     print(f"{'measurement':<{w0}}  {'path':<{w1}}  result")
     for a, b_, c in rows:
         print(f"{a:<{w0}}  {b_:<{w1}}  {c}")

@@ -13,33 +13,19 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_nats_pack import engine
 
 from kvwire.consume.cache import BlockCache
 from kvwire.nats.lane import H_EXPECT
 from kvwire.nats.subjects import H_EPOCH, H_FIRST_SEQ, H_KIND, H_MSG_ID, H_SEQ, run_msg_id
 from kvwire.nats.writer import JsWriter, Lane, marker_entries
-from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvwire.wire.events import encode_batch
 
 EPOCH = 7
 N = 40
 
 
-def engine(n: int = N) -> tuple[list[KVEventBatch], list[dict[str, Any]]]:
-    """Batches 0..n-1 and the engine's state after each."""
-    batches, states = [], []
-    cache = BlockCache()
-    for i in range(n):
-        evs: list[Any] = [BlockStored([i + 1], i or None, [i % 7] * 2, 2, None)]
-        if i % 5 == 4:
-            evs.append(BlockRemoved([i - 2], None))
-        b = KVEventBatch(float(i), evs, 0)
-        cache.apply(b)
-        batches.append(b)
-        states.append(cache.as_dict())
-    return batches, states
-
-
-BATCHES, STATES = engine()
+BATCHES, _, STATES = engine(N)  # (the packed-runs tests' engine: 40 batches of one epoch)
 
 
 def lane_at(upto: int, pack: int = 8) -> tuple[JsWriter, Lane]:
