@@ -237,3 +237,17 @@ def test_our_own_half_written_set_is_continued() -> None:
                                             H_SEQ: "4", H_MSG_ID: e.msg_id}))
     assert [(x.kind, x.seq) for x in ln.held] == [("snapshot", 4), ("batch", 5), ("batch", 6)]
     assert ln.expect == 902
+
+
+def test_a_batch_over_the_max_payload_resyncs_as_chunked_markers() -> None:
+    """A batch that can never go as one message (over the server's max payload) must not be
+    retried forever: the lane's whole state goes as a reset + snapshot chunks instead."""
+    w, ln = lane_at(4)
+    hold(ln, 5, 6)
+    ln.held[0].oversize = True  # (what _send found when it tried)
+    in_flight(w, ln)
+    w._resolve_guarded(ln, (f"e/0/{EPOCH}/4", 104, {H_KIND: "batch", H_EPOCH: str(EPOCH),
+                                                     H_SEQ: "4", H_MSG_ID: f"e/0/{EPOCH}/4"}))
+    kinds = [e.kind for e in ln.held]
+    assert kinds[0] == "reset" and set(kinds[1:]) == {"snapshot"}
+    assert ln.held[0].seq == 6 and ln.cache.as_dict() == STATES[6]

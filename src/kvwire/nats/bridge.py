@@ -49,7 +49,7 @@ from .bridge_config import BridgeConfig, BridgeError, ensure_stream
 from .leases import LeaseTable
 from .snapshots import open_bucket, rebuild_subject, snapshot_of, write_snapshot
 from .subjects import check_token, subject_for
-from .writer import JsWriter, Lane, marker_entries
+from .writer import Entry, JsWriter, Lane, marker_entries
 
 _raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
@@ -393,18 +393,23 @@ class Bridge:
                             await self._diverged(f, "its batch at the subject's seq differs")
                 return
             f.skip_to = None
+        e = self._next_entry(f, b)
+        if e is not None:
+            assert self.writer is not None
+            await self.writer.submit(e)
+
+    def _next_entry(self, f: _Follow, b: Batch) -> Entry | None:
+        """The message entry of a batch that continues the subject (None: not written)."""
         epoch = b.epoch if b.epoch is not None else f.epoch
         if epoch is None:  # cannot happen: a Snapshot always comes first
             self.stats.discontinuities += 1
-            return
+            return None
         if f.seq is not None and epoch == f.epoch and b.seq != f.seq + 1:
             self.stats.discontinuities += 1
             self.stats.last_error = f"{f.lane.subject}: batch {b.seq} after {f.seq}"
-        w = self.writer
-        assert w is not None
-        await w.submit(f.lane.batch_entry(epoch, b.seq, b.batch, encode_batch(b.batch)))
         self.stats.batches += 1
         f.epoch, f.seq, f.complete, f.last_body = epoch, b.seq, True, None
+        return f.lane.batch_entry(epoch, b.seq, b.batch, encode_batch(b.batch))
 
     async def _diverged(self, f: _Follow, why: str) -> None:
         """A reference engine restarted while the bridge was away: its run goes on as a new

@@ -486,7 +486,7 @@ class JsWriter:
         self._room.set()
         if last is None:  # an empty subject (or all of it aged out): everything goes
             lane.expect, lane.pos = 0, None
-            lane.held.extend(_flat(entries))
+            self._requeue(lane, _flat(entries), last)
             return
         mid, js, h = last
         lane.expect = js
@@ -497,11 +497,14 @@ class JsWriter:
             for i, e in enumerate(entries[:k + 1]):
                 e.state, e.js_seq = ACKED, js if i == k else None
                 self._commit(e)
-            lane.held.extend(_flat(entries[k + 1:]))
+            self._requeue(lane, _flat(entries[k + 1:]), last)
             return
         if not entries:
             return
         flat = _flat(entries)
+        if any(e.oversize for e in flat):
+            self._requeue(lane, flat, last)
+            return
         if _mid_set(last):  # a set nobody finished (_after_set waited for it)
             self._heal(lane, flat, last, why=f"the subject ends in a marker set left "
                        f"half-written ({mid!r})",
@@ -521,6 +524,15 @@ class JsWriter:
                    "this bridge never wrote",
                    reason="bridge: the subject went on in an epoch this bridge never saw; "
                           "resynced")
+
+    def _requeue(self, lane: Lane, flat: list[Entry], last: Any) -> None:
+        """Hold ``flat`` to be sent again; a batch too big for one message can never be
+        sent: the lane's whole state goes as chunked markers instead."""
+        if any(e.oversize for e in flat):
+            self._heal(lane, flat, last, why="a batch is over the server's max payload",
+                       reason="bridge: a batch too large for one message; resynced")
+        else:
+            lane.held.extend(flat)
 
     def _skip_covered(self, lane: Lane) -> None:
         """Commit, unsent, the held entries the subject already holds or has passed: of its
