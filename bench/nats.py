@@ -12,8 +12,10 @@ tokens + one 4-hash BlockRemoved), ``ts`` set right before the send.
   - first send); CPU per delivered batch of each process over the same window, and the
   CPU-bound ceiling (cores / CPU per batch: what a quiet box would do).
 * latency at 1,000 batches/s: consumer wall clock at delivery minus ``batch.ts``; on the NATS
-  path the same batches are also read directly from the engine and from JetStream by raw
-  nats-py, so what NATS adds is paired per batch (robust to a loaded box's stalls).
+  path the same batches are also read directly from the engine, so what NATS adds is paired
+  per batch (robust to a loaded box's stalls). A second paced run reads JetStream by raw
+  nats-py instead of the Subscriber (the bridge + JetStream share alone), again paired with
+  the direct reader; each run has one NATS reader competing for the two cores.
 * bootstrap: the engine stores 10^6 blocks (1000 batches of 1000), the bridge snapshots the
   subject into the object store; a new consumer's time to the Snapshot and to the first live
   Batch after it (the engine trickles 200 batches/s meanwhile).
@@ -112,11 +114,12 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         out = {"rate": got / (t_end - t0), "got": got, "send_rate": n / send_s,
                "cpu": cpu.per(max(got, 1)), "ceiling": cpu.ceiling(max(got, 1)), "info": info,
                "load": os.getloadavg()[0], "steal": _pct(steal)}
-        raw = dcon = None
+        dcon = None
         if kind == "nats":
-            # The paced run is also read (a) straight from the engine by a direct Subscriber,
-            # so each batch's NATS latency pairs with its direct one under the same load, and
-            # (b) from JetStream by raw nats-py: the bridge + JetStream share alone.
+            # The paced run is also read straight from the engine by a direct Subscriber, so
+            # each batch's NATS latency pairs with its direct one under the same load. A
+            # second paced run pairs JetStream read by raw nats-py instead (the bridge +
+            # JetStream share alone); each run has one NATS reader on the two cores.
             dp, dcon = spawn(consumer_main, "direct", (f"tcp://127.0.0.1:{port}", None))
             procs.append(dp)
             recv(dcon, 60, "paired direct consumer")
@@ -127,9 +130,6 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
                 recv(eng, 60, "engine warm-up")
                 if all(recv(c, 60, "consumers warm-up")[1] == 100 for c in (con, dcon)):
                     break
-            rp, raw = spawn(raw_consumer_main, srv.url, lat_n)  # type: ignore[union-attr]
-            procs.append(rp)
-            assert recv(raw, 60, "raw consumer") == "ready"
         cpu.start()
         steal = Steal()
         for c in (con, dcon):
@@ -140,11 +140,21 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
                 "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(), "lat_steal": _pct(steal)}
-        if raw is not None and dcon is not None:
-            out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
-            out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]
-            dcon.send(("quit",))
         con.send(("quit",))
+        if dcon is not None:
+            out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]
+            cp.join(30)  # (the Subscriber(NatsStreams) is gone: raw nats-py reads alone)
+            rp, raw = spawn(raw_consumer_main, srv.url, lat_n)  # type: ignore[union-attr]
+            procs.append(rp)
+            assert recv(raw, 60, "raw consumer") == "ready"
+            steal = Steal()
+            dcon.send(("count", lat_n, True))
+            eng.send(("run", lat_n, 1000))
+            recv(eng, 120, "engine paced run (raw)")
+            out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
+            out["raw_pair_lat"] = recv(dcon, 150, "paired direct consumer (raw)")[2]
+            out["raw_steal"] = _pct(steal)
+            dcon.send(("quit",))
         eng.send(("quit",))
         cp.join(30)
         ep.join(30)
@@ -320,18 +330,20 @@ def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int
                      f"CPU/batch {r['lat_cpu']}   waiting for a CPU {r['lat_wait']}"))
         if "raw_lat" not in r:
             continue
-        rl, pair = r["raw_lat"], r["pair_lat"]
-        rows.append((what, "  same run, JetStream read by raw nats-py (ordered push)",
-                     f"p50 {pct(rl, 0.5):.2f} ms  p99 {pct(rl, 0.99):.2f} ms  "
-                     f"max {max(rl.values(), default=float('nan')) * 1e3:.1f} ms  "
-                     f"({len(rl):,} read)"))
+        rl, pair, rpair = r["raw_lat"], r["pair_lat"], r["raw_pair_lat"]
         rows.append((what, "  same run, the same engine read directly (paired)",
                      f"p50 {pct(pair, 0.5):.2f} ms  p99 {pct(pair, 0.99):.2f} ms"))
-        for name, got in (("bridge + JetStream", rl), ("end to end", lat)):
-            added = [got[q] - pair[q] for q in got if q in pair]
+        rows.append((what, "  next run, JetStream read by raw nats-py instead (ordered push)",
+                     f"p50 {pct(rl, 0.5):.2f} ms  p99 {pct(rl, 0.99):.2f} ms  "
+                     f"max {max(rl.values(), default=float('nan')) * 1e3:.1f} ms  "
+                     f"({len(rl):,} read; steal {r['raw_steal']})"))
+        rows.append((what, "  next run, the same engine read directly (paired)",
+                     f"p50 {pct(rpair, 0.5):.2f} ms  p99 {pct(rpair, 0.99):.2f} ms"))
+        for name, got, base in (("bridge + JetStream", rl, rpair), ("end to end", lat, pair)):
+            added = [got[q] - base[q] for q in got if q in base]
             rows.append((what, f"  added by NATS per batch (paired): {name}",
                          f"p50 {pct(added, 0.5):.2f} ms  p99 {pct(added, 0.99):.2f} ms  "
-                         f"p99(nats) - p99(direct) {pct(got, 0.99) - pct(pair, 0.99):.2f} ms  "
+                         f"p99(nats) - p99(direct) {pct(got, 0.99) - pct(base, 0.99):.2f} ms  "
                          f"({len(added):,} pairs)"))
     return rows
 
