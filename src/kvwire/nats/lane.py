@@ -192,10 +192,9 @@ class Lane:
             size += len(x.payload)
         if len(parts) == 1:
             return e
-        run = Entry(self, "batches", e.epoch, parts[-1].seq,
-                    run_msg_id(self.engine, self.rank, e.epoch, e.seq, parts[-1].seq), None,
-                    pack_body([p.payload for p in parts]), [p.effect for p in parts])
-        run.first, run.parts = e.seq, parts
+        run = self.run_entry(e.epoch, e.seq, [p.effect for p in parts],
+                             [p.payload for p in parts])
+        run.parts = parts
         return run
 
 
