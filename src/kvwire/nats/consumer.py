@@ -49,13 +49,6 @@ log = logging.getLogger("kvwire.nats.consumer")
 Entry = tuple[Delivery | None, int]
 
 
-def _num(text: str | None) -> int | None:
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
-
-
 def _hdrs(msg: Any) -> dict[str, str]:
     return msg.headers or {}
 
@@ -496,7 +489,7 @@ class NatsSource:
         h = m.headers or {}
         code = h.get("Status", "")
         if code in ("408", "404", "409"):
-            left = _num(h.get("Nats-Pending-Messages"))
+            left = S.header_int(h.get("Nats-Pending-Messages"))
             self._want = max(0, self._want - left) if left is not None else 0
         desc = str(h.get("Description", "")).lower()
         if code == "503" or ("consumer" in desc and ("deleted" in desc or "not found" in desc)):
@@ -515,10 +508,10 @@ class NatsSource:
         if snap is not None and snap.js_seq >= gap.js_seq:
             return self.tracker.bootstrap(gap.subject, snap.js_seq, snap.epoch, snap.seq,
                                           snap.blocks, snap.exact, reason + "; resync")
-        epoch = _num(h.get(S.H_EPOCH))
-        seq = _num(h.get(S.H_SEQ)) or 0
+        epoch = S.header_int(h.get(S.H_EPOCH))
+        seq = S.header_int(h.get(S.H_SEQ)) or 0
         kind = h.get(S.H_KIND)
-        first = (_num(h.get(S.H_FIRST_SEQ)) or 0) if kind == "batches" else seq
+        first = (S.header_int(h.get(S.H_FIRST_SEQ)) or 0) if kind == "batches" else seq
         if kind == "batches":
             kind = "batch"  # (a run is judged by its first seq here)
         if snap is not None and kind == "batch" and epoch == snap.epoch and (

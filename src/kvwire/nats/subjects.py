@@ -37,7 +37,7 @@ import re
 __all__ = [
     "DEFAULT_LEASE_BUCKET", "DEFAULT_PREFIX", "DEFAULT_SNAPSHOT_BUCKET", "DEFAULT_STREAM",
     "H_CHUNK", "H_EPOCH", "H_FIRST_SEQ", "H_KIND", "H_MSG_ID", "H_REASON", "H_SEQ", "KINDS",
-    "check_token", "msg_id", "run_msg_id", "parse_subject", "snapshot_object", "stream_name", "subject_for",
+    "check_token", "header_int", "msg_id", "run_msg_id", "parse_subject", "snapshot_object", "stream_name", "subject_for",
 ]
 
 DEFAULT_STREAM = "KVWIRE"
@@ -56,6 +56,14 @@ H_MSG_ID = "Nats-Msg-Id"
 KINDS = ("batch", "batches", "reset", "snapshot")
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def header_int(text: str | None) -> int | None:
+    """A header value as an int; None when absent or not a number (callers say why)."""
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def check_token(value: str, what: str) -> str:

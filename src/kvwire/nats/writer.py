@@ -50,7 +50,7 @@ from .lane import (
     marker_entries,
     pack_body,
 )
-from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_MSG_ID, H_SEQ
+from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_MSG_ID, H_SEQ, header_int
 
 __all__ = ["H_EXACT", "H_EXPECT", "Entry", "JsWriter", "Lane", "WriterStats",
            "apply_entry_effect", "marker_entries", "pack_body"]
@@ -112,15 +112,9 @@ def _mid_set(last: tuple[str, int, dict[str, str]] | None) -> bool:
         return True
     if kind == "snapshot":
         i, _, n = h.get(H_CHUNK, "0/1").partition("/")
-        return _int(i) is not None and _int(i) != (_int(n) or 1) - 1
+        idx = header_int(i)
+        return idx is not None and idx != (header_int(n) or 1) - 1
     return False
-
-
-def _int(text: str | None) -> int | None:
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
 
 
 class JsWriter:
@@ -132,10 +126,10 @@ class JsWriter:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if not isinstance(pack, int) or pack < 1:
             raise ValueError(f"pack must be an int >= 1, got {pack!r}")
-        self.pack = pack
-        self.guarded = pack > 1
         if not ack_timeout > 0:
             raise ValueError(f"ack_timeout must be > 0 seconds, got {ack_timeout!r}")
+        self.pack = pack
+        self.guarded = pack > 1
         self.nc, self.js, self.stream = nc, js, stream
         self.max_inflight, self.ack_timeout = max_inflight, ack_timeout
         self.stats = WriterStats()
@@ -177,8 +171,7 @@ class JsWriter:
             while len(lane.held) >= 4 * self.max_inflight and not self.closing:
                 await asyncio.sleep(0.005)  # bounded: back-pressure upstream
             lane.held.append(entry)
-            if not (lane.busy or lane.pending or lane.recovering):
-                await self._pump(lane)
+            await self._pump(lane)
             return
         while lane.recovering and len(lane.held) >= 4 * self.max_inflight and not self.closing:
             await asyncio.sleep(0.05)  # bounded while NATS is away: back-pressure upstream
@@ -490,7 +483,7 @@ class JsWriter:
             return
         mid, js, h = last
         lane.expect = js
-        kind, epoch, seq = h.get(H_KIND), _int(h.get(H_EPOCH)), _int(h.get(H_SEQ))
+        kind, epoch, seq = h.get(H_KIND), header_int(h.get(H_EPOCH)), header_int(h.get(H_SEQ))
         lane.pos = None if epoch is None or seq is None else (kind or "", epoch, seq)
         k = next((i for i in range(len(entries) - 1, -1, -1) if entries[i].msg_id == mid), -1)
         if k >= 0:  # the last message is one of ours: what came up to it is stored
@@ -502,9 +495,6 @@ class JsWriter:
         if not entries:
             return
         flat = _flat(entries)
-        if any(e.oversize for e in flat):
-            self._requeue(lane, flat, last)
-            return
         if _mid_set(last):  # a set nobody finished (_after_set waited for it)
             self._heal(lane, flat, last, why=f"the subject ends in a marker set left "
                        f"half-written ({mid!r})",
@@ -515,7 +505,7 @@ class JsWriter:
         if pos is not None and (any(e.epoch == pos[1] for e in flat) or pos[1] in lane.epochs):
             # Another writer's message of an epoch we have: what it reaches is stored or
             # passed (the pump skips it); an epoch we left: ours go after it.
-            lane.held.extend(flat)
+            self._requeue(lane, flat, last)
             self._skip_covered(lane)
             return
         # An epoch this writer has never had (or not a kvwire message): which is newer is
