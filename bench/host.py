@@ -31,6 +31,11 @@ class Steal:
             return None
         return (t1[1] - self.t0[1]) / (t1[0] - self.t0[0])
 
+    def percent(self) -> str:
+        """The stolen share alone, e.g. ``1.2%`` (``?`` where /proc/stat is unreadable)."""
+        s = self.share()
+        return "?" if s is None else f"{s:.1%}"
+
     def __str__(self) -> str:
         s = self.share()
         load = os.getloadavg()[0]

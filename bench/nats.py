@@ -60,12 +60,6 @@ from nats_procs import (  # noqa: E402
 from kvwire.wire import events as E  # noqa: E402
 
 
-def _pct(steal: Steal) -> str:
-    """The share of CPU time the hypervisor took during one measurement (a calm host: ~0)."""
-    s = steal.share()
-    return "?" if s is None else f"{s:.1%}"
-
-
 def bridge(url: str, port: int, rport: int, tmp: Path, *extra: str) -> Any:
     """``kvwire bridge`` as a real subprocess (tests/bridge_helpers.py), started."""
     from bridge_helpers import BridgeProc
@@ -113,7 +107,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         t_end, got, _, info = recv(con, 330, "consumer run")
         out = {"rate": got / (t_end - t0), "got": got, "send_rate": n / send_s,
                "cpu": cpu.per(max(got, 1)), "ceiling": cpu.ceiling(max(got, 1)), "info": info,
-               "load": os.getloadavg()[0], "steal": _pct(steal)}
+               "load": os.getloadavg()[0], "steal": steal.percent()}
         dcon = None
         if kind == "nats":
             # The paced run is also read straight from the engine by a direct Subscriber, so
@@ -139,7 +133,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
-                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(), "lat_steal": _pct(steal)}
+                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(), "lat_steal": steal.percent()}
         con.send(("quit",))
         if dcon is not None:
             out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]
@@ -153,7 +147,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
             recv(eng, 120, "engine paced run (raw)")
             out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
             out["raw_pair_lat"] = recv(dcon, 150, "paired direct consumer (raw)")[2]
-            out["raw_steal"] = _pct(steal)
+            out["raw_steal"] = steal.percent()
             dcon.send(("quit",))
         eng.send(("quit",))
         cp.join(30)
