@@ -522,3 +522,18 @@ def test_durable_resume_without_direct_get_resyncs_never_trusts(nats_server: Any
             for i in rb.items[before:]] == [("Reset", None), ("Snapshot", 25)] + [
                 ("Batch", s) for s in range(26, 31)]
     same(rb, w)
+
+
+def test_closing_after_the_consumer_thread_ended_raises_nothing(nats_server: Any) -> None:
+    """The NATS thread's event loop closes when the thread ends (stopped, or failed), at any
+    moment: waking it then must not raise. A raise in ``close()`` once left the Subscriber's
+    sockets and context open, and a later garbage collection hung in ``Context.term()``."""
+    sub = Subscriber([NatsStreams(nats_server.url)])
+    link = sub._core.links[0]  # (reached into: the thread has to be gone first, for real)
+    link._in_loop(link._stop_in_loop)
+    link._thread.join(10)
+    assert not link._thread.is_alive() and link._loop is not None and link._loop.is_closed()
+    link._in_loop(link._stop_in_loop)  # what close() and drain() do: no RuntimeError
+    assert sub.poll_many(0.05) == []
+    sub.close()
+    assert link.socket.closed and link._tx.closed

@@ -110,8 +110,21 @@ class NatsLink:
             if item is not None:
                 append(item)
             handed.append((popped + len(ready), ack))
-        if self._loop is not None and self._room is not None:
-            self._loop.call_soon_threadsafe(self._room.set)
+        if self._room is not None:
+            self._in_loop(self._room.set)
+
+    def _in_loop(self, fn: Any) -> None:
+        """Run ``fn`` on the source's loop soon. The loop closes when its thread ends (after a
+        stop, or a failure) at any moment, checks included: then nothing is left to wake."""
+        if self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+            self._loop.call_soon_threadsafe(fn)
+
+    def _stop_in_loop(self) -> None:
+        self.source.stop()
+        if self._room is not None:
+            self._room.set()
 
     def done(self, popped: int) -> None:
         """The application came back after ``popped`` items in total: those are done."""
@@ -157,10 +170,8 @@ class NatsLink:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._loop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self.source.stop)
-            if self._room is not None:
-                self._loop.call_soon_threadsafe(self._room.set)
+        if self._thread.is_alive():
+            self._in_loop(self._stop_in_loop)
             self._thread.join(timeout)
         for s in (self.socket, self._tx):
             if not s.closed:
