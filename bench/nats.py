@@ -11,7 +11,9 @@ tokens + one 4-hash BlockRemoved), ``ts`` set right before the send.
 * throughput: the engine sends n batches flat out; delivered batches/s = n / (last delivery
   - first send); CPU per delivered batch of each process over the same window, and the
   CPU-bound ceiling (cores / CPU per batch: what a quiet box would do).
-* latency at 1,000 batches/s: consumer wall clock at delivery minus ``batch.ts``; on the NATS
+* latency at 1,000 batches/s (``--pacing``: by default ten batches back to back every 10 ms,
+  as in every run before 2026-11-24; ``even``: one per ms; ``poisson``: random arrivals, as
+  from many engines): consumer wall clock at delivery minus ``batch.ts``; on the NATS
   path the same batches are also read directly from the engine, so what NATS adds is paired
   per batch (robust to a loaded box's stalls). A second paced run reads JetStream by raw
   nats-py instead of the Subscriber (the bridge + JetStream share alone), again paired with
@@ -48,6 +50,7 @@ sys.path.append(str(HERE))  # nats_procs (after site-packages: `nats` stays nats
 from children import recv, spawn  # noqa: E402
 from host import Steal  # noqa: E402
 from nats_procs import (  # noqa: E402
+    PACINGS,
     Cpu,
     bootstrap_main,
     consumer_main,
@@ -70,8 +73,8 @@ def bridge(url: str, port: int, rport: int, tmp: Path, *extra: str) -> Any:
     return b
 
 
-def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: int = 1
-              ) -> dict[str, Any]:
+def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: int = 1,
+              pace: str = "burst10") -> dict[str, Any]:
     """One engine, (bridge --pack, its own nats-server,) one consumer: warm up, throughput
     run, latency run."""
     from nats_helpers import NatsServer
@@ -129,7 +132,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         for c in (con, dcon):
             if c is not None:
                 c.send(("count", lat_n, True))
-        eng.send(("run", lat_n, 1000))
+        eng.send(("run", lat_n, 1000, pace))
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
@@ -143,7 +146,7 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
             assert recv(raw, 60, "raw consumer") == "ready"
             steal = Steal()
             dcon.send(("count", lat_n, True))
-            eng.send(("run", lat_n, 1000))
+            eng.send(("run", lat_n, 1000, pace))
             recv(eng, 120, "engine paced run (raw)")
             out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
             out["raw_pair_lat"] = recv(dcon, 150, "paired direct consumer (raw)")[2]
@@ -308,12 +311,12 @@ async def raw_rows(url: str, n: int, srv_pid: int) -> list[tuple[str, str, str]]
     return rows
 
 
-def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int
+def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int, pace: str
                  ) -> list[tuple[str, str, str]]:
     """Per path: p50/p99 at 1,000/s; per NATS path also raw nats-py's read of the same
     JetStream, the paired direct read and what NATS adds per batch (paired difference)."""
     rows = []
-    what = f"latency @ 1,000 batches/s ({lat_n:,})"
+    what = f"latency @ 1,000 batches/s, {pace} ({lat_n:,})"
     for k, r in res.items():
         lat = r["lat"]
         rows.append((what, label[k],
@@ -354,6 +357,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=None, help="blocks in the bootstrap snapshot")
     ap.add_argument("--skip", default="", help="comma list of: raw,bootstrap")
     ap.add_argument("--packs", default="256,1", help="bridge --pack values to run (comma list)")
+    ap.add_argument("--pacing", default="burst10", choices=PACINGS,
+                    help="how the 1,000 batches/s runs space batches (bench/nats_procs.py)")
     args = ap.parse_args()
     packs = [int(x) for x in args.packs.split(",") if x]
     n = args.n or (20_000 if args.quick else 100_000)
@@ -367,9 +372,9 @@ def main() -> None:
         tmp = Path(d)
         srv = NatsServer(tmp / "nats").start()
         try:
-            res = {"direct": path_runs("direct", n, lat_n, tmp, procs)}
+            res = {"direct": path_runs("direct", n, lat_n, tmp, procs, pace=args.pacing)}
             for pk in packs:
-                res[f"nats{pk}"] = path_runs("nats", n, lat_n, tmp, procs, pk)
+                res[f"nats{pk}"] = path_runs("nats", n, lat_n, tmp, procs, pk, args.pacing)
             label = {"direct": "direct ZeroMQ: engine -> Subscriber"} | {
                 f"nats{pk}": f"engine -> bridge --pack {pk} -> JetStream (file) -> "
                              "Subscriber(NatsStreams)" for pk in packs}
@@ -380,7 +385,7 @@ def main() -> None:
                              f"steal {r['steal']})   "
                              f"CPU/batch {r['cpu']}   CPU-bound ceiling on "
                              f"{os.cpu_count()} cores {r['ceiling']:,.0f}/s"))
-            rows += latency_rows(res, label, lat_n)
+            rows += latency_rows(res, label, lat_n, args.pacing)
             if "bootstrap" not in skip:
                 b = bootstrap_run(blocks, srv, tmp, procs)
                 where = f"bootstrap, {b['snap_blocks']:,} blocks (fill + snapshot {b['fill']:.1f}s)"

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import os
+import random
 import time
 from typing import Any
 
@@ -26,6 +27,31 @@ SUBJECT = "kvwire.events.e.0"
 
 
 # ------------------------------------------------------------------ engine (reference publisher)
+
+
+#: How a paced run spaces its batches (the same average rate):
+#: ``even``: one batch every 1/rate s (an engine publishing one batch per step);
+#: ``poisson``: independent arrivals, exponential gaps (many engines merged; fixed seed);
+#: ``burst10``: ten back to back every 10/rate s (the pattern of the runs before 2026-11-24).
+PACINGS = ("even", "poisson", "burst10")
+
+
+def pacing(n: int, rate: float | None, how: str) -> list[float | None] | None:
+    """When batch k is due, in seconds after the start (None: send at once)."""
+    if not rate:
+        return None
+    if how == "even":
+        return [k / rate for k in range(n)]
+    if how == "burst10":
+        return [k / rate if k % 10 == 0 else None for k in range(n)]
+    if how == "poisson":
+        rng = random.Random(1234)
+        t, out = 0.0, []
+        for _ in range(n):
+            out.append(t)
+            t += rng.expovariate(rate)
+        return out
+    raise ValueError(f"unknown pacing {how!r}: one of {', '.join(PACINGS)}")
 
 
 def engine_main(conn: Any) -> None:
@@ -61,12 +87,13 @@ def engine_main(conn: Any) -> None:
         cmd = conn.recv()
         if cmd[0] == "quit":
             break
-        if cmd[0] == "run":  # n reference steps at rate/s (None: flat out)
-            _, n, rate = cmd
+        if cmd[0] == "run":  # n reference steps at rate/s (None: flat out), paced as told
+            _, n, rate, *rest = cmd
+            due = pacing(n, rate, rest[0] if rest else "burst10")
             t0 = time.perf_counter()
             for k in range(n):
-                if rate and k % 10 == 0:
-                    pause = t0 + k / rate - time.perf_counter()
+                if due is not None and due[k] is not None:
+                    pause = t0 + due[k] - time.perf_counter()
                     if pause > 0:
                         time.sleep(pause)  # pacing the workload
                 if k % 256 == 0:

@@ -38,6 +38,7 @@ from typing import Any
 from ..consume.items import Delivery
 from . import subjects as S
 from .exact import BadMessage, Gap, Tracker
+from .inbox import subscribe_inline
 from .streams import NatsStats, NatsStreams
 
 __all__ = ["NatsSource", "NatsStats", "NatsStreams"]
@@ -352,16 +353,17 @@ class NatsSource:
         await self._create(start)
 
     async def _open_inbox(self) -> None:
-        """One inbox receives every pull request's messages; the callback only queues them."""
+        """One inbox receives every pull request's messages; the callback only queues them
+        (in the read loop: no task of nats-py's between a message and :meth:`run`)."""
         self._inbox = self.nc.new_inbox()
         msgs, arrived = self._msgs, self._arrived
 
-        async def on_msg(m: Any) -> None:
+        def on_msg(m: Any) -> None:  # in nats-py's read loop (kvwire.nats.inbox)
             msgs.append(m)
             arrived.set()
 
-        self.psub = await self.nc.subscribe(self._inbox, cb=on_msg, pending_msgs_limit=-1,
-                                            pending_bytes_limit=-1)
+        self.psub = await subscribe_inline(self.nc, self._inbox, on_msg, pending_msgs_limit=-1,
+                                           pending_bytes_limit=-1)
 
     async def _pull(self) -> None:
         """Ask for the next ``fetch`` messages (they arrive in stream order on the inbox)."""

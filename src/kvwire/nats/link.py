@@ -46,6 +46,7 @@ class NatsLink:
         self._handed: deque[tuple[int, int]] = deque()  # (ready index, ack js seq)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._room: asyncio.Event | None = None
+        self._waiting = False  # the source waits for room in the Subscriber's queue
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvwire-nats", daemon=True)
         self._thread.start()
@@ -76,9 +77,13 @@ class NatsLink:
 
         async def wait_room() -> None:
             self._room.clear()
-            if not room():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), 0.25)
+            self._waiting = True  # before the check: drain() empties, then looks at this
+            try:
+                if not room():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._room.wait(), 0.25)
+            finally:
+                self._waiting = False
 
         try:
             await src.run(put, room, wait_room)
@@ -110,7 +115,9 @@ class NatsLink:
             if item is not None:
                 append(item)
             handed.append((popped + len(ready), ack))
-        if self._room is not None:
+        if self._waiting and self._room is not None:
+            # Only while the source waits for room: waking its loop on every drain cost that
+            # thread a wakeup (and the GIL) per delivery, for nothing.
             self._in_loop(self._room.set)
 
     def _in_loop(self, fn: Any) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from ..consume.cache import chain_events
+from .inbox import subscribe_inline
 from .lane import (
     ACKED,
     FAILED,
@@ -143,6 +144,9 @@ class JsWriter:
         self._watch_task: asyncio.Task[None] | None = None
         self._fast = all(hasattr(nc, a) for a in ("_send_command", "_flush_queue",
                                                    "_flush_pending"))
+        self._direct = self._fast and all(hasattr(nc, a) for a in (
+            "_transport", "_pending_data_size", "stats"))
+        self._inbox_b = b""
         self.lanes: dict[str, Lane] = {}
         self.closing = False
 
@@ -156,7 +160,8 @@ class JsWriter:
     async def start(self) -> None:
         self.max_payload = int(getattr(self.nc, "max_payload", 1 << 20) or 1 << 20)
         self._inbox = self.nc.new_inbox()
-        self._sub = await self.nc.subscribe(self._inbox + ".*", cb=self._on_ack)
+        self._inbox_b = self._inbox.encode()
+        self._sub = await subscribe_inline(self.nc, self._inbox + ".*", self._on_ack)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
 
     @property
@@ -165,7 +170,9 @@ class JsWriter:
 
     async def submit(self, entry: Entry) -> None:
         """Queue ``entry`` on its lane; waits while ``max_inflight`` are unacknowledged
-        (guarded: while the lane holds ``4 * max_inflight``)."""
+        (guarded: while the lane holds ``4 * max_inflight``). A lane's submits must not
+        overlap (await each, as the bridge does per stream): waiters are not queued in
+        order."""
         lane = entry.lane
         if self.guarded:
             while len(lane.held) >= 4 * self.max_inflight and not self.closing:
@@ -187,6 +194,25 @@ class JsWriter:
                 await asyncio.wait_for(self._room.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+        cmd = self._register(e)
+        if cmd is None or self._write_now(cmd):
+            return
+        nc = self.nc
+        try:
+            if self._fast and nc.is_connected:
+                await nc._send_command(cmd)
+                if nc._flush_queue is not None and nc._flush_queue.empty():
+                    await nc._flush_pending()
+            else:
+                await nc.publish(e.lane.subject, e.payload, reply=f"{self._inbox}.{e.token}",
+                                 headers=e.send_headers())
+        except Exception as ex:  # not handed to the connection at all (closed, buffer full)
+            self._fail(e, f"publish failed: {ex!r}")
+
+    def _register(self, e: Entry) -> bytes | None:
+        """Make ``e`` in flight; returns its HPUB command (built here in one go: nats-py's
+        ``publish`` validates and encodes the header dict key by key, which was most of the
+        bridge's cost per batch), or None when it cannot go out at all."""
         self._n += 1
         e.token = tok = str(self._n)
         e.state, e.js_seq, e.sent_at = PENDING, None, time.monotonic()
@@ -194,55 +220,77 @@ class JsWriter:
         e.lane.pending.append(e)
         self.stats.sent += 1
         self.stats.bytes += len(e.payload)
-        nc = self.nc
         if len(e.payload) + 1024 > self.max_payload:
             # The server would drop the connection; cannot go out as one message.
             e.oversize = True
             self._fail(e, f"{e.msg_id}: {len(e.payload)} bytes, over the server's max "
                           f"payload {self.max_payload}")
-            return
-        try:
-            if self._fast and nc.is_connected:
-                await self._hpub(e, f"{self._inbox}.{tok}")
-            else:
-                await nc.publish(e.lane.subject, e.payload, reply=f"{self._inbox}.{tok}",
-                                 headers=e.send_headers())
-        except Exception as ex:  # not handed to the connection at all (closed, buffer full)
-            self._fail(e, f"publish failed: {ex!r}")
-
-    async def _hpub(self, e: Entry, reply: str) -> None:
-        """The HPUB command built here in one go: nats-py's ``publish`` validates and
-        encodes the header dict key by key (its cost was most of the bridge's per batch).
-        Uses nats-py's command queue the way ``publish`` does."""
+            return None
         hdr = e.raw_headers()
         p = e.payload
+        return b"HPUB %s %s.%s %d %d\r\n%s%s\r\n" % (
+            e.lane.subject_b, self._inbox_b, tok.encode(), len(hdr), len(hdr) + len(p), hdr, p)
+
+    def _write_now(self, cmd: bytes) -> bool:
+        """Guarded lanes: hand ``cmd`` to the socket at once when nothing of nats-py's is
+        queued ahead of it. Saves the wakeup of nats-py's flusher task per message, which a
+        guarded lane (one message per round trip) pays in full; pipelined lanes keep the
+        flusher, which writes many messages per wakeup."""
+        if not (self.guarded and self._can_write_now()):
+            return False
         nc = self.nc
-        await nc._send_command(b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
-            e.lane.subject_b, reply.encode(), len(hdr), len(hdr) + len(p), hdr, p))
-        if nc._flush_queue is not None and nc._flush_queue.empty():
-            await nc._flush_pending()
+        nc._transport.write(cmd)
+        nc.stats["out_msgs"] += 1
+        nc.stats["out_bytes"] += len(cmd)
+        return True
 
     async def _pump(self, lane: Lane) -> None:
         """Guarded lanes: send the next message if none is in flight (its guard: the
         subject's last seq; unknown, the lane first reads it)."""
-        if lane.busy or lane.pending or lane.recovering or not lane.held or self.closing:
+        e = self._take(lane)
+        if e is None:
             return
-        if lane.expect is None:
-            self._recover(lane, "the subject's last sequence is not known", logging.INFO)
-            return
-        if lane.pos is not None:
-            self._skip_covered(lane)
-            if not lane.held:
-                return
         lane.busy = True
         try:
-            e = lane.next_message(self.pack, self.max_payload - 4096)
-            if e.parts is not None:
-                self.stats.runs += 1
-            e.expect = lane.expect
             await self._send(e)
         finally:
             lane.busy = False
+
+    def _take(self, lane: Lane) -> Entry | None:
+        """The lane's next guarded message, if it may send one now."""
+        if lane.busy or lane.pending or lane.recovering or not lane.held or self.closing:
+            return None
+        if lane.expect is None:
+            self._recover(lane, "the subject's last sequence is not known", logging.INFO)
+            return None
+        if lane.pos is not None:
+            self._skip_covered(lane)
+            if not lane.held:
+                return None
+        e = lane.next_message(self.pack, self.max_payload - 4096)
+        if e.parts is not None:
+            self.stats.runs += 1
+        e.expect = lane.expect
+        return e
+
+    def _pump_now(self, lane: Lane) -> None:
+        """:meth:`_pump` from the read loop (an ack just came): sends at once when there is
+        room and the socket can take it, else leaves it to a task (never waits here)."""
+        if lane.busy or lane.pending or lane.recovering or not lane.held or self.closing:
+            return
+        if len(self._inflight) < self.max_inflight and self._can_write_now():
+            e = self._take(lane)
+            if e is not None:
+                cmd = self._register(e)
+                if cmd is not None:
+                    self._write_now(cmd)
+            return
+        self._spawn(self._pump(lane))
+
+    def _can_write_now(self) -> bool:
+        nc = self.nc
+        return (self._direct and nc.is_connected and not nc._pending_data_size
+                and nc._transport is not None)
 
     def _on_ack_sync(self, subject: str, data: bytes, headers: dict[str, str] | None
                      ) -> Lane | None:
@@ -285,10 +333,11 @@ class JsWriter:
             self._advance(lane)
         return lane
 
-    async def _on_ack(self, msg: Any) -> None:
+    def _on_ack(self, msg: Any) -> None:
+        """Runs in nats-py's read loop (:func:`~kvwire.nats.inbox.subscribe_inline`)."""
         lane = self._on_ack_sync(msg.subject, msg.data, msg.headers)
         if lane is not None and self.guarded:
-            await self._pump(lane)
+            self._pump_now(lane)
 
     def _advance(self, lane: Lane) -> None:
         """Apply acked messages at the head of the lane, in subject order."""
@@ -318,7 +367,10 @@ class JsWriter:
         lane.recovering = True
         self.stats.recoveries += 1
         log.log(level, "%s: recovering (%s)", lane.subject, why)
-        t = asyncio.get_running_loop().create_task(self._recovery(lane))
+        self._spawn(self._recovery(lane))
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 

@@ -1,0 +1,205 @@
+"""``kvwire.nats.inbox``: subscriptions handled in nats-py's read loop, and the guarded
+writer that uses them for its PubAcks (with its direct socket writes), on a real
+nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+nats = pytest.importorskip("nats")
+
+from kvwire.consume.cache import BlockCache  # noqa: E402
+from kvwire.nats.bridge_config import BridgeConfig, ensure_stream  # noqa: E402
+from kvwire.nats.inbox import inline_supported, subscribe_inline  # noqa: E402
+from kvwire.nats.subjects import H_FIRST_SEQ, H_SEQ  # noqa: E402
+from kvwire.nats.writer import JsWriter  # noqa: E402
+from kvwire.wire import events as E  # noqa: E402
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def until(cond: Any, what: str, timeout: float = 20.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_inline_callback_runs_in_the_read_loop_in_order_with_headers(nats_server: Any) -> None:
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        pub = await nats.connect(nats_server.url)
+        try:
+            assert inline_supported(nc)
+            got: list[tuple[str, bytes, Any, bool]] = []
+            plain: list[bytes] = []
+
+            def cb(m: Any) -> None:
+                got.append((m.subject, m.data, m.headers,
+                            asyncio.current_task() is nc._reading_task))
+
+            async def plain_cb(m: Any) -> None:
+                plain.append(m.data)
+
+            sub = await subscribe_inline(nc, "t.inline.*", cb)
+            await nc.subscribe("t.plain", cb=plain_cb)  # nats-py's own path, same client
+            await nc.flush()
+            for i in range(50):
+                await pub.publish(f"t.inline.{i}", b"%d" % i, headers={"K": str(i)})
+                await pub.publish("t.plain", b"p%d" % i)
+            await pub.flush()
+            await until(lambda: len(got) == 50 and len(plain) == 50, "messages")
+            assert [g[1] for g in got] == [b"%d" % i for i in range(50)]
+            assert [g[0] for g in got] == [f"t.inline.{i}" for i in range(50)]
+            assert all(g[2] == {"K": str(i)} for i, g in enumerate(got))
+            assert all(g[3] for g in got), "the callback ran outside nats-py's read loop"
+            assert plain == [b"p%d" % i for i in range(50)]
+
+            # no responders: a status message reaches the callback with its status header
+            await nc.publish("t.nobody", b"", reply="t.inline.status")
+            await nc.flush()
+
+            await sub.unsubscribe()
+            await nc.flush()
+            n = len(got)
+            await pub.publish("t.inline.x", b"late")
+            await pub.publish("t.plain", b"after")
+            await pub.flush()
+            await until(lambda: len(plain) == 51, "the plain subscription")
+            assert len(got) == n, "a callback after unsubscribe"
+        finally:
+            await nc.close()
+            await pub.close()
+
+    run(main())
+
+
+def test_without_the_internals_it_falls_back_to_nats_py_s_dispatch(nats_server: Any) -> None:
+    assert not inline_supported(object())
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            got: list[bool] = []
+
+            def cb(m: Any) -> None:
+                got.append(asyncio.current_task() is nc._reading_task)
+
+            await subscribe_inline(nc, "t.fb", cb, inline=False)
+            await nc.publish("t.fb", b"x")
+            await nc.flush()
+            await until(lambda: got, "the message")
+            assert got == [False]  # delivered by the subscription's own task
+        finally:
+            await nc.close()
+
+    run(main())
+
+
+async def _writer(url: str, **kw: Any) -> tuple[Any, Any, JsWriter]:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    cfg = BridgeConfig(nats=url, stream="INBOXT", prefix="inboxt")
+    await ensure_stream(js, cfg)
+    w = JsWriter(nc, js, cfg.stream, ack_timeout=5.0, **kw)
+    await w.start()
+    return nc, js, w
+
+
+def _batch(r: int, seq: int) -> E.KVEventBatch:
+    return E.KVEventBatch(0.0, [E.BlockStored([r * 1000 + seq], None, [1] * 16, 16, None)],
+                          None)
+
+
+async def _subject_seqs(js: Any, subject: str, last: int) -> list[int]:
+    """The batch seqs stored on ``subject``, run by run, in stream order."""
+    seqs: list[int] = []
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    while not seqs or seqs[-1] < last:
+        m = await sub.next_msg(timeout=10)
+        first = int(m.headers.get(H_FIRST_SEQ) or m.headers[H_SEQ])
+        seqs += range(first, int(m.headers[H_SEQ]) + 1)
+    await sub.unsubscribe()
+    return seqs
+
+
+def test_guarded_writer_acks_in_the_read_loop_across_lanes_with_one_in_flight(
+        nats_server: Any) -> None:
+    """Three lanes share max_inflight=1 and are fed at once: what waits goes as runs, acks send the next run from the read loop, and every batch lands once, in
+    order, with each lane's state the engine's."""
+
+    async def main() -> None:
+        nc, js, w = await _writer(nats_server.url, max_inflight=1, pack=8)
+        try:
+            lanes = [w.lane("e", r, f"inboxt.e.{r}") for r in range(3)]
+            for ln in lanes:
+                ln.expect = 0  # an empty subject
+            truth = [BlockCache() for _ in lanes]
+
+            async def feed(r: int) -> None:  # one task per lane (a lane's submits in order)
+                ln = lanes[r]
+                for seq in range(60):
+                    b = _batch(r, seq)
+                    truth[r].apply(b)
+                    await w.submit(ln.batch_entry(3, seq, b, E.encode_batch(b)))
+
+            await asyncio.gather(*(feed(r) for r in range(3)))
+            await until(lambda: all(ln.last == (3, 59) and not ln.pending and not ln.held
+                                    for ln in lanes), "every lane committed")
+            assert w.stats.failed == 0 and w.stats.refused == 0, w.stats
+            assert w.stats.runs > 0 and w.stats.sent < 180, w.stats  # waiting batches: runs
+            for ln, t in zip(lanes, truth):
+                assert ln.cache.as_dict() == t.as_dict()
+            for r in range(3):
+                assert await _subject_seqs(js, f"inboxt.e.{r}", 59) == list(range(60))
+        finally:
+            await w.close()
+            await nc.close()
+
+    run(main())
+
+
+def test_an_ack_sends_at_once_unless_nats_py_holds_bytes_ahead(nats_server: Any) -> None:
+    """From the read loop, the next message goes straight to the socket only when nothing
+    of nats-py's is queued ahead of it (else it could overtake them); then a task sends it
+    through nats-py's queue, behind them."""
+
+    async def main() -> None:
+        nc, js, w = await _writer(nats_server.url, pack=8)
+        try:
+            ln = w.lane("e", 0, "inboxt.e.0")
+            ln.expect = 0
+            seq = 0
+
+            def hold() -> None:
+                nonlocal seq
+                b = _batch(0, seq)
+                ln.held.append(ln.batch_entry(3, seq, b, E.encode_batch(b)))
+                seq += 1
+
+            hold()
+            await nc.flush()
+            assert not nc._pending_data_size
+            w._pump_now(ln)
+            assert len(ln.pending) == 1 and not w._tasks  # written from here, at once
+            await until(lambda: ln.last == (3, 0), "the first ack")
+
+            hold()
+            await nc.publish("inboxt.other", b"ahead")  # queued in nats-py, not yet flushed
+            assert nc._pending_data_size > 0
+            w._pump_now(ln)
+            assert not ln.pending and len(w._tasks) == 1  # left to a task
+            await until(lambda: ln.last == (3, 1), "the second ack")
+            assert await _subject_seqs(js, "inboxt.e.0", 1) == [0, 1]
+            assert w.stats.failed == 0, w.stats
+        finally:
+            await w.close()
+            await nc.close()
+
+    run(main())
