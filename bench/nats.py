@@ -136,7 +136,8 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
-                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(), "lat_steal": steal.percent()}
+                "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(max(got_l, 1)),
+                "lat_steal": steal.percent()}
         con.send(("quit",))
         if dcon is not None:
             out["pair_lat"] = recv(dcon, 150, "paired direct consumer")[2]

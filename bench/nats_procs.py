@@ -228,30 +228,37 @@ class Cpu:
     def __init__(self, pids: dict[str, int]) -> None:
         self.procs = {k: psutil.Process(p) for k, p in pids.items()}
         self.t0: dict[str, float] = {}
-        self.w0: dict[str, float] = {}
+        self.w0: dict[str, tuple[float, int]] = {}
         self.wall0 = 0.0
 
-    def _waits(self) -> dict[str, float]:
-        """Seconds each process's threads spent runnable but not running (the kernel's
-        run-queue wait, /proc/PID/task/*/schedstat): what a busy box adds to latency."""
+    def _sched(self) -> dict[str, tuple[float, int]]:
+        """Per process, over its threads (/proc/PID/task/*/schedstat): seconds spent runnable
+        but not running (the kernel's run-queue wait: what a busy box adds to latency), and
+        the times a thread was put on a CPU (each wakeup is one; a VM pays dearly for them)."""
         out = {}
         for k, p in self.procs.items():
-            total = 0.0
+            wait, slices = 0.0, 0
             for tid in os.listdir(f"/proc/{p.pid}/task") if os.path.isdir(
                     f"/proc/{p.pid}/task") else []:
                 try:
                     with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
-                        total += int(f.read().split()[1]) / 1e9
+                        fields = f.read().split()
+                    wait += int(fields[1]) / 1e9
+                    slices += int(fields[2])
                 except (OSError, IndexError, ValueError):
                     pass
-            out[k] = total
+            out[k] = (wait, slices)
         return out
 
-    def waited(self) -> str:
-        """Run-queue wait of each process per second of wall time since start()."""
-        now, wall = self._waits(), time.perf_counter() - self.wall0
-        return " ".join(f"{k} {(now[k] - self.w0.get(k, now[k])) / wall * 1e3:.0f}"
-                        for k in self.procs) + " ms/s"
+    def waited(self, n: int) -> str:
+        """Run-queue wait of each process per second of wall time since start(), and its
+        times on a CPU per batch (of ``n``)."""
+        now, wall = self._sched(), time.perf_counter() - self.wall0
+        w = " ".join(f"{k} {(now[k][0] - self.w0.get(k, now[k])[0]) / wall * 1e3:.0f}"
+                     for k in self.procs)
+        r = " ".join(f"{k} {(now[k][1] - self.w0.get(k, now[k])[1]) / max(n, 1):.1f}"
+                     for k in self.procs)
+        return f"{w} ms/s   on a CPU per batch {r}"
 
     def _now(self) -> dict[str, float]:
         out = {}
@@ -262,7 +269,7 @@ class Cpu:
 
     def start(self) -> None:
         self.t0 = self._now()
-        self.w0, self.wall0 = self._waits(), time.perf_counter()
+        self.w0, self.wall0 = self._sched(), time.perf_counter()
 
     def ceiling(self, n: int) -> float:
         """Batches/s all these processes could sustain on the machine's cores if they had
