@@ -127,6 +127,8 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
                 recv(eng, 60, "engine warm-up")
                 if all(recv(c, 60, "consumers warm-up")[1] == 100 for c in (con, dcon)):
                     break
+        if br is not None:
+            br.report()  # its lag window starts here (SIGUSR2)
         cpu.start()
         steal = Steal()
         for c in (con, dcon):
@@ -135,6 +137,8 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
         eng.send(("run", lat_n, 1000, pace))
         recv(eng, 120, "engine paced run")
         _, got_l, lat, _ = recv(con, 150, "consumer paced run")
+        if br is not None:
+            out["bridge_lag"] = br.report()["lag_window"]
         out |= {"lat": lat, "lat_got": got_l, "lat_cpu": cpu.per(max(got_l, 1)),
                 "lat_load": os.getloadavg()[0], "lat_wait": cpu.waited(max(got_l, 1)),
                 "lat_steal": steal.percent()}
@@ -146,10 +150,12 @@ def path_runs(kind: str, n: int, lat_n: int, tmp: Path, procs: list[Any], pack: 
             procs.append(rp)
             assert recv(raw, 60, "raw consumer") == "ready"
             steal = Steal()
+            br.report()  # type: ignore[union-attr]
             dcon.send(("count", lat_n, True))
             eng.send(("run", lat_n, 1000, pace))
             recv(eng, 120, "engine paced run (raw)")
             out["raw_lat"] = recv(raw, 150, "raw consumer paced run")
+            out["raw_bridge_lag"] = br.report()["lag_window"]  # type: ignore[union-attr]
             out["raw_pair_lat"] = recv(dcon, 150, "paired direct consumer (raw)")[2]
             out["raw_steal"] = steal.percent()
             dcon.send(("quit",))
@@ -337,6 +343,13 @@ def latency_rows(res: dict[str, Any], label: dict[str, str], lat_n: int, pace: s
                      f"({len(rl):,} read; steal {r['raw_steal']})"))
         rows.append((what, "  next run, the same engine read directly (paired)",
                      f"p50 {pct(rpair, 0.5):.2f} ms  p99 {pct(rpair, 0.99):.2f} ms"))
+        for run, key in (("same", "bridge_lag"), ("next", "raw_bridge_lag")):
+            lg = r.get(key)
+            if lg:
+                rows.append((what, f"  {run} run, the bridge's own lag: engine ts -> PubAck",
+                             f"p50 {lg['p50_ms']:.2f} ms  p99 {lg['p99_ms']:.2f} ms  "
+                             f"max {lg['max_ms']:.1f} ms  ({lg['batches']:,} batches; "
+                             "upper bounds within 19%)"))
         for name, got, base in (("bridge + JetStream", rl, rpair), ("end to end", lat, pair)):
             added = [got[q] - base[q] for q in got if q in base]
             rows.append((what, f"  added by NATS per batch (paired): {name}",

@@ -182,6 +182,27 @@ class BridgeProc:
                 return json.loads(line[len("kvwire bridge: stopped "):])
         raise AssertionError(f"no stop summary in the bridge's log: {self.log()}")
 
+    def report(self, timeout: float = 10.0) -> dict[str, Any]:
+        """SIGUSR2 to the running bridge; the stats it prints (``kvwire bridge: stats``),
+        with ``lag_window``: the lag of the batches it stored since the last report."""
+        import json
+
+        tag = "kvwire bridge: stats "
+        before = self.log_path.read_text(errors="replace").count(tag)
+        self.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines()
+                     if ln.startswith(tag)]
+            if len(lines) > before:
+                try:
+                    return json.loads(lines[-1][len(tag):])
+                except ValueError:
+                    pass  # the line is still being written
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no stats after SIGUSR2: {self.log()}")
+            time.sleep(0.02)
+
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode

@@ -5,6 +5,7 @@ nats-server."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -131,8 +132,8 @@ async def _writer(url: str, **kw: Any) -> tuple[Any, Any, JsWriter]:
 
 
 def _batch(r: int, seq: int) -> E.KVEventBatch:
-    return E.KVEventBatch(0.0, [E.BlockStored([r * 1000 + seq], None, [1] * 16, 16, None)],
-                          None)
+    return E.KVEventBatch(time.time(), [E.BlockStored([r * 1000 + seq], None, [1] * 16, 16,
+                                                      None)], None)
 
 
 async def _subject_seqs(js: Any, subject: str, last: int) -> list[int]:
@@ -174,6 +175,9 @@ def test_guarded_writer_acks_in_the_read_loop_across_lanes_with_one_in_flight(
             assert w.stats.runs > 0 and w.stats.sent < 180, w.stats  # waiting batches: runs
             for ln, t in zip(lanes, truth):
                 assert ln.cache.as_dict() == t.as_dict()
+            # every batch's lag (its ts -> the PubAck that covered it) was counted, once
+            assert w.lag.n == w.lag_window.n == 180 and w.lag.ahead == 0
+            assert 0 < w.lag.quantile(0.5) <= w.lag.quantile(0.99) <= w.lag.max < 60
             for r in range(3):
                 assert await _subject_seqs(js, f"inboxt.e.{r}", 59) == list(range(60))
         finally:

@@ -127,6 +127,11 @@ def test_redundant_packing_bridges_never_store_a_batch_twice(nats_server, tmp_pa
                     "consumer caught up")
         assert len(st["k/dp0"]["resets"]) == 1, st
         assert a.cache() == {"k/dp0": d.truth}
+        # SIGUSR2: stats now, with the lag of what was stored since the last report
+        r = b1.report()
+        assert r["lag_window"]["batches"] == r["lag"]["batches"] > 0, r
+        r2 = b1.report()  # the window restarted at the first report
+        assert r2["lag"]["batches"] == r["lag"]["batches"] + r2["lag_window"]["batches"], r2
         assert b1.stop() == 0 and b2.stop() == 0
     finally:
         if a is not None:
@@ -138,10 +143,13 @@ def test_redundant_packing_bridges_never_store_a_batch_twice(nats_server, tmp_pa
     lk = subject_log(nats_server.url, K)  # strict: a batch stored twice fails here
     assert lk.cache.as_dict() == d.truth and len(lk.markers) == 1
     assert lk.packs > 0 and lk.stored_twice == 0
-    w1, w2 = b1.summary()["writer"], b2.summary()["writer"]
+    s1, s2 = b1.summary(), b2.summary()
+    w1, w2 = s1["writer"], s2["writer"]
     # both wrote, and the guards did refuse: the two really raced on one subject
     assert w1["acked"] > 0 and w2["acked"] > 0, (w1, w2)
     assert w1["refused"] + w2["refused"] > 0, (w1, w2)
+    for lag in (s1["lag"], s2["lag"]):  # engine ts -> stored, per batch each bridge committed
+        assert lag["batches"] > 0 and 0 < lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"], lag
 
 
 @pytest.mark.parametrize("ref", [False, True], ids=["kvwire", "reference"])

@@ -120,6 +120,12 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+
+        def report() -> None:  # SIGUSR2: the stats now, and the lag since the last report
+            print(f"kvwire bridge: stats {json.dumps(bridge.report())}", file=sys.stderr,
+                  flush=True)
+
+        loop.add_signal_handler(signal.SIGUSR2, report)
         try:
             await bridge.start()
         except BridgeError as e:

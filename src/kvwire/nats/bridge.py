@@ -46,6 +46,7 @@ from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..wire.events import encode_batch
 from .bridge_config import BridgeConfig, BridgeError, ensure_stream
+from .lag import Lag
 from .leases import LeaseTable
 from .snapshots import open_bucket, rebuild_subject, snapshot_of, write_snapshot
 from .subjects import check_token, subject_for
@@ -507,7 +508,27 @@ class Bridge:
         if w is not None:
             out["writer"] = msgspec.to_builtins(w.stats)
             out["inflight"] = w.inflight
+            out["lag"] = w.lag.summary()
         return out
+
+    def report(self) -> dict[str, Any]:
+        """:meth:`summary` plus ``lag_window``: the lag of the batches stored since the last
+        report or stats log (then forgotten). ``kvwire bridge`` prints it on SIGUSR2."""
+        out = self.summary()
+        w = self.writer
+        if w is not None:
+            out["lag_window"] = w.lag_window.summary()
+            w.lag_window = Lag()
+        return out
+
+    def _take_lag(self) -> str:
+        """The lag line of the batches stored since the last stats log (then forgotten)."""
+        w = self.writer
+        if w is None:
+            return "lag n/a"
+        text = w.lag_window.text()
+        w.lag_window = Lag()
+        return text
 
     async def _log_loop(self) -> None:
         last, t0 = 0, time.monotonic()
@@ -521,9 +542,10 @@ class Bridge:
             log.warning(
                 "bridge: %d streams, %d batches (%.0f/s), %d marker sets, %d skipped, "
                 "acked %d (dup %d, runs %d, refused %d), inflight %d, recoveries %d, "
-                "snapshots %d%s",
+                "snapshots %d, %s%s",
                 s.streams, s.batches, rate, s.markers, s.skipped, ws.acked if ws else 0,
                 ws.duplicates if ws else 0, ws.runs if ws else 0, ws.refused if ws else 0,
                 w.inflight if w else 0, ws.recoveries if ws else 0, s.snapshots_written,
+                self._take_lag(),
                 f", last error: {s.last_error or (ws.last_error if ws else None)}"
                 if (s.last_error or (ws and ws.last_error)) else "")

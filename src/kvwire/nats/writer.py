@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from .inbox import subscribe_inline
+from .lag import Lag
 from .lane import (
     ACKED,
     FAILED,
@@ -109,6 +110,8 @@ class JsWriter(Resolver):
         self.max_payload = 1 << 20
         self._inflight: dict[str, Entry] = {}
         self._room = asyncio.Event()
+        self.lag = Lag()  # engine ts -> PubAck of every batch committed (kvwire.nats.lag)
+        self.lag_window = Lag()  # the same since the bridge's last stats log
         self._n = 0
         self._inbox = ""
         self._sub: Any = None
@@ -319,6 +322,13 @@ class JsWriter(Resolver):
 
     def _commit(self, e: Entry) -> None:
         lane = e.lane
+        if e.kind == "batch" or e.kind == "batches":
+            now = time.time()
+            for b in (e.effect,) if e.kind == "batch" else e.effect:
+                ts = b.ts
+                if type(ts) is float:
+                    self.lag.add(now - ts)
+                    self.lag_window.add(now - ts)
         apply_entry_effect(lane.cache, e.kind, e.effect)
         if e.kind == "snapshot":
             lane.exact = e.exact
