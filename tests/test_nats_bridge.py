@@ -6,6 +6,7 @@ must also keep the per-subject contract (tests/bridge_helpers.py: no gap, no dup
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import msgspec
@@ -76,6 +77,8 @@ def test_items_land_on_subjects_exactly(nats_server, tmp_path, engines):
     assert lk.batches[-1][0] == k.epoch and lk.batches[-1][1] >= dk.last_seq
     assert lr.batches[-1] == (0, dr.last_seq) and lr.batches[0] == (0, 0)  # reference: run 0
     assert "stopped" in b.log() and "bridge: 2 streams," in b.log()  # + the periodic line
+    assert re.search(r"lag p50 [0-9.]+ / p99 [0-9.]+ / max [0-9.]+ ms \([1-9][0-9]*\)",
+                     b.log()), b.log()  # some line saw batches stored
     # The object-store snapshot written on the clean exit covers the whole subject.
     snap = asyncio.run(_read_snapshot(nats_server.url, "k", 0))
     assert snap.js_seq == lk.last_js_seq and snap.epoch == k.epoch and snap.exact
