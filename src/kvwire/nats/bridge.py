@@ -46,7 +46,6 @@ from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..wire.events import encode_batch
 from .bridge_config import BridgeConfig, BridgeError, ensure_stream
-from .lag import Lag
 from .leases import LeaseTable
 from .snapshots import open_bucket, rebuild_subject, snapshot_of, write_snapshot
 from .subjects import check_token, subject_for
@@ -515,20 +514,9 @@ class Bridge:
         """:meth:`summary` plus ``lag_window``: the lag of the batches stored since the last
         report or stats log (then forgotten). ``kvwire bridge`` prints it on SIGUSR2."""
         out = self.summary()
-        w = self.writer
-        if w is not None:
-            out["lag_window"] = w.lag_window.summary()
-            w.lag_window = Lag()
+        if self.writer is not None:
+            out["lag_window"] = self.writer.take_lag_window().summary()
         return out
-
-    def _take_lag(self) -> str:
-        """The lag line of the batches stored since the last stats log (then forgotten)."""
-        w = self.writer
-        if w is None:
-            return "lag n/a"
-        text = w.lag_window.text()
-        w.lag_window = Lag()
-        return text
 
     async def _log_loop(self) -> None:
         last, t0 = 0, time.monotonic()
@@ -546,6 +534,6 @@ class Bridge:
                 s.streams, s.batches, rate, s.markers, s.skipped, ws.acked if ws else 0,
                 ws.duplicates if ws else 0, ws.runs if ws else 0, ws.refused if ws else 0,
                 w.inflight if w else 0, ws.recoveries if ws else 0, s.snapshots_written,
-                self._take_lag(),
+                w.take_lag_window().text() if w else "lag n/a",
                 f", last error: {s.last_error or (ws.last_error if ws else None)}"
                 if (s.last_error or (ws and ws.last_error)) else "")

@@ -110,8 +110,10 @@ class JsWriter(Resolver):
         self.max_payload = 1 << 20
         self._inflight: dict[str, Entry] = {}
         self._room = asyncio.Event()
-        self.lag = Lag()  # engine ts -> PubAck of every batch committed (kvwire.nats.lag)
-        self.lag_window = Lag()  # the same since the bridge's last stats log
+        # engine ts -> PubAck of each batch committed (kvwire.nats.lag): counted once, in the
+        # current window; a window taken (a stats log, a report) is merged into the rest
+        self.lag_window = Lag()
+        self._lag_taken = Lag()
         self._n = 0
         self._inbox = ""
         self._sub: Any = None
@@ -138,6 +140,21 @@ class JsWriter(Resolver):
         self._inbox_b = self._inbox.encode()
         self._sub = await subscribe_inline(self.nc, self._inbox + ".*", self._on_ack)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+
+    @property
+    def lag(self) -> Lag:
+        """The lag of every batch committed since start (a copy: the windows merged)."""
+        total = Lag()
+        total.merge(self._lag_taken)
+        total.merge(self.lag_window)
+        return total
+
+    def take_lag_window(self) -> Lag:
+        """The lag since the last call; the next window starts empty."""
+        w = self.lag_window
+        self._lag_taken.merge(w)
+        self.lag_window = Lag()
+        return w
 
     @property
     def inflight(self) -> int:
@@ -231,9 +248,15 @@ class JsWriter(Resolver):
         finally:
             lane.busy = False
 
+    def _blocked(self, lane: Lane) -> bool:
+        """A guarded lane that may not send now: a message in flight (or being sent),
+        recovering, nothing held, or closing."""
+        return bool(lane.busy or lane.pending or lane.recovering or not lane.held
+                    or self.closing)
+
     def _take(self, lane: Lane) -> Entry | None:
         """The lane's next guarded message, if it may send one now."""
-        if lane.busy or lane.pending or lane.recovering or not lane.held or self.closing:
+        if self._blocked(lane):
             return None
         if lane.expect is None:
             self._recover(lane, "the subject's last sequence is not known", logging.INFO)
@@ -251,7 +274,7 @@ class JsWriter(Resolver):
     def _pump_now(self, lane: Lane) -> None:
         """:meth:`_pump` from the read loop (an ack just came): sends at once when there is
         room and the socket can take it, else leaves it to a task (never waits here)."""
-        if lane.busy or lane.pending or lane.recovering or not lane.held or self.closing:
+        if self._blocked(lane):
             return
         if len(self._inflight) < self.max_inflight and self._can_write_now():
             e = self._take(lane)
@@ -323,12 +346,11 @@ class JsWriter(Resolver):
     def _commit(self, e: Entry) -> None:
         lane = e.lane
         if e.kind == "batch" or e.kind == "batches":
-            now = time.time()
+            now, add = time.time(), self.lag_window.add
             for b in (e.effect,) if e.kind == "batch" else e.effect:
                 ts = b.ts
                 if type(ts) is float:
-                    self.lag.add(now - ts)
-                    self.lag_window.add(now - ts)
+                    add(now - ts)
         apply_entry_effect(lane.cache, e.kind, e.effect)
         if e.kind == "snapshot":
             lane.exact = e.exact
