@@ -225,3 +225,70 @@ def test_an_ack_sends_at_once_unless_nats_py_holds_bytes_ahead(nats_server: Any)
             await nc.close()
 
     run(main())
+
+
+def test_what_is_submitted_together_leaves_as_one_run(nats_server: Any) -> None:
+    """``submit(pump=False)`` holds a burst until ``pump()`` (the bridge pumps after each
+    read of its engines), so five batches cost one message and one round trip instead of
+    the first batch's and then the rest's; a whole run (``pack``) goes without waiting,
+    and a lane held back past ``4 * max_inflight`` still moves (no deadlock)."""
+
+    async def main() -> None:
+        nc, js, w = await _writer(nats_server.url, max_inflight=2, pack=4)
+        try:
+            ln = w.lane("e", 0, "inboxt.e.0")
+            ln.expect = 0
+            truth = BlockCache()
+            seq = 0
+
+            async def submit(n: int, pump: bool = False) -> None:
+                nonlocal seq
+                for _ in range(n):
+                    b = _batch(0, seq)
+                    truth.apply(b)
+                    await w.submit(ln.batch_entry(3, seq, b, E.encode_batch(b)), pump=pump)
+                    seq += 1
+
+            await submit(3)
+            assert w.stats.sent == 0 and len(ln.held) == 3 and not ln.pending
+            await w.pump(ln)
+            await until(lambda: ln.last == (3, 2), "the burst's ack")
+            assert w.stats.sent == 1 and w.stats.runs == 1, w.stats  # one message, 3 batches
+
+            await submit(4)  # a whole run goes at once, without pump()
+            await until(lambda: ln.last == (3, 6), "the full run's ack")
+            assert w.stats.sent == 2 and w.stats.runs == 2 and not ln.held, w.stats
+
+            await submit(1, pump=True)  # the default: sent at once
+            await until(lambda: ln.last == (3, 7), "the single batch's ack")
+            assert w.stats.sent == 3, w.stats
+
+            await asyncio.wait_for(submit(40), 10)
+            await w.pump(ln)
+            await until(lambda: ln.last == (3, 47) and not ln.held and not ln.pending,
+                        "the long burst committed")
+            assert w.stats.failed == 0 and w.stats.refused == 0, w.stats
+            assert ln.cache.as_dict() == truth.as_dict()
+            assert await _subject_seqs(js, "inboxt.e.0", 47) == list(range(48))
+        finally:
+            await w.close()
+            await nc.close()
+
+        # a run longer than 4 * max_inflight: the held lane reaches the bound with nothing
+        # in flight, so submit must send on its own rather than wait for room forever
+        nc, js, w = await _writer(nats_server.url, max_inflight=1, pack=16)
+        try:
+            ln = w.lane("e", 1, "inboxt.e.1")
+            ln.expect = 0
+            for s in range(10):
+                b = _batch(1, s)
+                await asyncio.wait_for(
+                    w.submit(ln.batch_entry(3, s, b, E.encode_batch(b)), pump=False), 10)
+            await w.pump(ln)
+            await until(lambda: ln.last == (3, 9) and not ln.held, "the long run committed")
+            assert await _subject_seqs(js, "inboxt.e.1", 9) == list(range(10))
+        finally:
+            await w.close()
+            await nc.close()
+
+    run(main())

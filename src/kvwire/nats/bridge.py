@@ -293,6 +293,9 @@ class Bridge:
                 items = await sub.apoll_many(0.25, 1000)
                 for it in items:
                     await self._on_item(by_name[it.stream], it)
+                if items:  # what arrived together leaves together (JsWriter.submit)
+                    for f in by_name.values():
+                        await w.pump(f.lane)
                 now = time.monotonic()
                 for f in by_name.values():
                     if f.skip_cache is not None and now - f.skip_since > cfg.skip_timeout:
@@ -396,7 +399,7 @@ class Bridge:
         e = self._next_entry(f, b)
         if e is not None:
             assert self.writer is not None
-            await self.writer.submit(e)
+            await self.writer.submit(e, pump=False)  # _follow pumps after each read
 
     def _next_entry(self, f: _Follow, b: Batch) -> Entry | None:
         """The message entry of a batch that continues the subject (None: not written)."""

@@ -160,17 +160,25 @@ class JsWriter(Resolver):
     def inflight(self) -> int:
         return len(self._inflight)
 
-    async def submit(self, entry: Entry) -> None:
+    async def submit(self, entry: Entry, pump: bool = True) -> None:
         """Queue ``entry`` on its lane; waits while ``max_inflight`` are unacknowledged
         (guarded: while the lane holds ``4 * max_inflight``). A lane's submits must not
         overlap (await each, as the bridge does per stream): waiters are not queued in
-        order."""
+        order.
+
+        Guarded lanes, ``pump=False``: the entry waits until the lane holds a whole run or
+        :meth:`pump` is called, so that batches that arrived together leave together (the
+        bridge submits each read of its engines so, then pumps): a burst costs one round
+        trip instead of its first batch's and then the rest's."""
         lane = entry.lane
         if self.guarded:
-            while len(lane.held) >= 4 * self.max_inflight and not self.closing:
-                await asyncio.sleep(0.005)  # bounded: back-pressure upstream
+            if len(lane.held) >= 4 * self.max_inflight:
+                await self._pump(lane)  # a lane held back by pump=False must go on
+                while len(lane.held) >= 4 * self.max_inflight and not self.closing:
+                    await asyncio.sleep(0.005)  # bounded: back-pressure upstream
             lane.held.append(entry)
-            await self._pump(lane)
+            if pump or len(lane.held) >= self.pack:
+                await self._pump(lane)
             return
         while lane.recovering and len(lane.held) >= 4 * self.max_inflight and not self.closing:
             await asyncio.sleep(0.05)  # bounded while NATS is away: back-pressure upstream
@@ -235,6 +243,11 @@ class JsWriter(Resolver):
         nc.stats["out_msgs"] += 1
         nc.stats["out_bytes"] += len(cmd)
         return True
+
+    async def pump(self, lane: Lane) -> None:
+        """Send what ``submit(..., pump=False)`` left held, if the lane may send now."""
+        if self.guarded:
+            await self._pump(lane)
 
     async def _pump(self, lane: Lane) -> None:
         """Guarded lanes: send the next message if none is in flight (its guard: the
