@@ -292,3 +292,34 @@ def test_what_is_submitted_together_leaves_as_one_run(nats_server: Any) -> None:
             await nc.close()
 
     run(main())
+
+
+def test_held_entries_whose_pump_never_comes_are_sent_by_the_watch(nats_server: Any) -> None:
+    """A caller that held entries (``pump=False``) and then failed before ``pump()`` (a
+    follower cancelled or crashed mid-read) leaves them neither stuck nor lost: the writer's
+    watch sends them within a tick, and ``pump_soon`` sends them without waiting."""
+
+    async def main() -> None:
+        nc, js, w = await _writer(nats_server.url, pack=8)
+        try:
+            ln = w.lane("e", 0, "inboxt.e.0")
+            ln.expect = 0
+            for seq in range(3):
+                b = _batch(0, seq)
+                await w.submit(ln.batch_entry(3, seq, b, E.encode_batch(b)), pump=False)
+            assert w.stats.sent == 0 and len(ln.held) == 3
+            await until(lambda: ln.last == (3, 2) and not ln.held, "the watch's send", 5.0)
+            assert w.stats.late_pumps >= 1 and w.stats.sent == 1, w.stats
+
+            b = _batch(0, 3)
+            await w.submit(ln.batch_entry(3, 3, b, E.encode_batch(b)), pump=False)
+            w.pump_soon(ln)  # from a task: the caller does not wait
+            assert w.stats.sent == 1 and len(ln.held) == 1
+            await until(lambda: ln.last == (3, 3), "pump_soon's send")
+            assert await _subject_seqs(js, "inboxt.e.0", 3) == [0, 1, 2, 3]
+            assert w.stats.failed == 0, w.stats
+        finally:
+            await w.close()
+            await nc.close()
+
+    run(main())

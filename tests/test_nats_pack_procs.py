@@ -321,3 +321,70 @@ def test_clean_exit_snapshot_covers_a_lane_whose_periodic_write_was_cut(nats_ser
     finally:
         pub.shutdown(1.0)
     assert snap is not None and snap.seq == 29 and snap.js_seq == last_js, snap
+
+
+def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
+    """The bridge holds what it reads until the read is done (one run per read). A follower
+    that fails in the middle of a read (here made to raise on its 5th batch: an unexpected
+    error cannot be caused on demand for real) must not leave its first batches held: its
+    restart waits for the lane to be empty, so held-forever would stop the engine's subject.
+    They go on, the restarted follower resumes after them, every batch lands once."""
+    import kvwire.nats.bridge as B
+    from kvwire.publish.publisher import ZmqEventPublisher
+    from kvwire.router.service import EngineSpec
+    from kvwire.wire.events import BlockStored, KVEventBatch
+
+    pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/e", replay_endpoint=f"ipc://{tmp_path}/r",
+                            heartbeat_interval=None)
+    real = B.Bridge._on_item
+    calls = {"n": 0, "raised": 0}
+
+    async def flaky(self: Any, f: Any, it: Any) -> None:
+        if type(it).__name__ == "Batch":
+            calls["n"] += 1
+            if calls["n"] == 5 and not calls["raised"]:
+                calls["raised"] += 1
+                raise RuntimeError("fault injected mid-read")
+        await real(self, f, it)
+
+    def step(i: int) -> KVEventBatch:
+        return KVEventBatch(time.time(), [BlockStored([i + 1], i or None, [1] * 4, 4, None)])
+
+    async def main() -> dict[str, Any]:
+        bridge = B.Bridge([EngineSpec.parse(f"k=ipc://{tmp_path}/e,replay=ipc://{tmp_path}/r")],
+                          B.BridgeConfig(nats=nats_server.url, snapshot_interval=0,
+                                         log_interval=0))
+        B.Bridge._on_item = flaky  # type: ignore[method-assign]
+        try:
+            await bridge.start()
+            deadline = time.monotonic() + 20
+            while not bridge.writer.lanes:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, bridge.summary()
+                await asyncio.sleep(0.02)
+            for i in range(30):  # one burst: the follower reads it in one go
+                pub.publish(step(i))
+            lane = next(iter(bridge.writer.lanes.values()))  # type: ignore[union-attr]
+            deadline = time.monotonic() + 30
+            while lane.last is None or lane.last[1] < 29 or lane.held:
+                assert time.monotonic() < deadline, (lane.last, len(lane.held),
+                                                     bridge.summary())
+                await asyncio.sleep(0.02)
+            return {"restarts": bridge.stats.follower_restarts, "failed":
+                    bridge.writer.stats.failed}  # type: ignore[union-attr]
+        finally:
+            B.Bridge._on_item = real  # type: ignore[method-assign]
+            await bridge.close()
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        pub.shutdown(1.0)
+    assert calls["raised"] == 1 and got["restarts"] == 1 and got["failed"] == 0, (calls, got)
+    log = subject_log(nats_server.url, K)
+    assert [s for _, s in log.batches] == list(range(30)), log.batches
+    from kvwire.consume.cache import BlockCache
+
+    truth = BlockCache()
+    for i in range(30):
+        truth.apply(step(i))
+    assert log.exact and log.cache.as_dict() == truth.as_dict(), log

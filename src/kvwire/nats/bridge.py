@@ -308,6 +308,8 @@ class Bridge:
             raise
         finally:
             sub.close()
+            for f in by_name.values():  # stopped mid-read: what it held goes on
+                w.pump_soon(f.lane)
 
     async def _load(self, f: _Follow) -> None:
         """Where the subject stands: its state rebuilt from snapshot + messages."""

@@ -83,6 +83,7 @@ class WriterStats(msgspec.Struct):
     stray_acks: int = 0
     bytes: int = 0
     runs: int = 0  # messages carrying a run of >= 2 batches (guarded lanes)
+    late_pumps: int = 0  # held entries found idle by the watch (a pump() that never came)
     refused: int = 0  # messages a guard refused: the subject had moved on (another writer)
     superseded: int = 0  # batches found stored (or passed) by another writer: not re-sent
     last_error: str | None = None
@@ -249,6 +250,12 @@ class JsWriter(Resolver):
         if self.guarded:
             await self._pump(lane)
 
+    def pump_soon(self, lane: Lane) -> None:
+        """:meth:`pump` from a task of the writer's, for callers that cannot wait (a
+        ``finally`` of a cancelled follower: what it held must not wait for its next read)."""
+        if self.guarded and not self._blocked(lane):
+            self._spawn(self._pump(lane))
+
     async def _pump(self, lane: Lane) -> None:
         """Guarded lanes: send the next message if none is in flight (its guard: the
         subject's last seq; unknown, the lane first reads it)."""
@@ -411,11 +418,16 @@ class JsWriter(Resolver):
                 self._recover(lane, "disconnected")
 
     async def _watch(self) -> None:
-        """Ack time-outs: a lane whose oldest message waits too long recovers."""
+        """Ack time-outs: a lane whose oldest message waits too long recovers. And a
+        guarded lane left holding entries with nothing in flight (``pump()`` never came:
+        its caller failed mid-read) sends them: held is never stuck."""
         while not self.closing:
             await asyncio.sleep(min(0.25, self.ack_timeout / 4))
             now = time.monotonic()
             for lane in list(self.lanes.values()):
+                if self.guarded and not self._blocked(lane):
+                    self.stats.late_pumps += 1
+                    self._spawn(self._pump(lane))
                 if (not lane.recovering and lane.pending and lane.pending[0].state == PENDING
                         and now - lane.pending[0].sent_at > self.ack_timeout):
                     self.stats.timeouts += 1
