@@ -330,6 +330,8 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     restart waits for the lane to be empty, so held-forever would stop the engine's subject.
     They go on, the restarted follower resumes after them, every batch lands once."""
     import kvwire.nats.bridge as B
+    from kvwire.consume.cache import BlockCache
+    from kvwire.consume.items import Batch
     from kvwire.publish.publisher import ZmqEventPublisher
     from kvwire.router.service import EngineSpec
     from kvwire.wire.events import BlockStored, KVEventBatch
@@ -340,7 +342,7 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     calls = {"n": 0, "raised": 0}
 
     async def flaky(self: Any, f: Any, it: Any) -> None:
-        if type(it).__name__ == "Batch":
+        if type(it) is Batch:
             calls["n"] += 1
             if calls["n"] == 5 and not calls["raised"]:
                 calls["raised"] += 1
@@ -382,8 +384,6 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     assert calls["raised"] == 1 and got["restarts"] == 1 and got["failed"] == 0, (calls, got)
     log = subject_log(nats_server.url, K)
     assert [s for _, s in log.batches] == list(range(30)), log.batches
-    from kvwire.consume.cache import BlockCache
-
     truth = BlockCache()
     for i in range(30):
         truth.apply(step(i))

@@ -250,11 +250,14 @@ class JsWriter(Resolver):
         if self.guarded:
             await self._pump(lane)
 
-    def pump_soon(self, lane: Lane) -> None:
+    def pump_soon(self, lane: Lane) -> bool:
         """:meth:`pump` from a task of the writer's, for callers that cannot wait (a
-        ``finally`` of a cancelled follower: what it held must not wait for its next read)."""
+        ``finally`` of a cancelled follower: what it held must not wait for its next read).
+        True if the lane had something it may send now."""
         if self.guarded and not self._blocked(lane):
             self._spawn(self._pump(lane))
+            return True
+        return False
 
     async def _pump(self, lane: Lane) -> None:
         """Guarded lanes: send the next message if none is in flight (its guard: the
@@ -425,9 +428,8 @@ class JsWriter(Resolver):
             await asyncio.sleep(min(0.25, self.ack_timeout / 4))
             now = time.monotonic()
             for lane in list(self.lanes.values()):
-                if self.guarded and not self._blocked(lane):
+                if self.pump_soon(lane):
                     self.stats.late_pumps += 1
-                    self._spawn(self._pump(lane))
                 if (not lane.recovering and lane.pending and lane.pending[0].state == PENDING
                         and now - lane.pending[0].sent_at > self.ack_timeout):
                     self.stats.timeouts += 1
