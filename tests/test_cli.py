@@ -16,11 +16,11 @@ import time
 import pytest
 import zmq
 
-from kvwire import wire
 from kvwire.cli.main import RICH_HINT, build_parser
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.sim.demo import run_demo
+from kvwire.wire import protocol
 from kvwire.wire.events import (
     BlockRemoved,
     BlockStored,
@@ -338,7 +338,7 @@ def test_json_line_round_trips_to_the_same_batch() -> None:
     hashes = [bytes.fromhex(h["hex"]) if isinstance(h, dict) else h for h in ev["block_hashes"]]
     assert hashes == b.events[0].block_hashes
     assert decode_batch(encode_batch(b)) == b
-    assert wire.unpack_seq(wire.pack_seq(-1)) == -1
+    assert protocol.unpack_seq(protocol.pack_seq(-1)) == -1
 
 
 def test_listen_several_engines_json_bootstraps_from_snapshots(tmp_path) -> None:

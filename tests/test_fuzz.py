@@ -11,8 +11,8 @@ import time
 import msgspec
 import zmq
 
-from kvwire import wire
 from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire import protocol
 from kvwire.wire.events import BatchDecoder, DecodeError, KVEventBatch, encode_batch
 
 N_CASES = 100_000
@@ -31,14 +31,14 @@ def garbage_request(rng: random.Random) -> tuple[list[bytes], bool]:
     if kind == 3:  # top bit set: read unsigned, as the reference does, so past the end
         return [b"", (-rng.randrange(1, 1 << 40)).to_bytes(8, "big", signed=True)], True
     if kind == 4:  # bad control ops
-        return [b"", wire.MAGIC, rng.randbytes(rng.randrange(0, 12))], False
+        return [b"", protocol.MAGIC, rng.randbytes(rng.randrange(0, 12))], False
     if kind == 5:  # control op with wrong arity
-        return [b"", wire.MAGIC, b"INFO", rng.randbytes(3)], False
+        return [b"", protocol.MAGIC, b"INFO", rng.randbytes(3)], False
     if kind == 6:  # snapshot with a malformed chunk-size frame
-        return [b"", wire.MAGIC, b"SNAPSHOT", rng.randbytes(rng.choice([0, 1, 3, 5, 8]))], False
+        return [b"", protocol.MAGIC, b"SNAPSHOT", rng.randbytes(rng.choice([0, 1, 3, 5, 8]))], False
     if kind == 7:  # wrong magic
         return [b"", rng.randbytes(4), b"INFO"], False
-    return [b"", wire.pack_seq(rng.randrange(1 << 40, 1 << 50))], True  # past the end: valid
+    return [b"", protocol.pack_seq(rng.randrange(1 << 40, 1 << 50))], True  # past the end: valid
 
 
 def test_publisher_replay_socket_survives_1e5_garbage_requests(tmp_path) -> None:
@@ -86,14 +86,14 @@ def test_publisher_replay_socket_survives_1e5_garbage_requests(tmp_path) -> None
         # Still healthy: a real replay gets every batch and the end marker...
         while dealer.poll(100):
             dealer.recv_multipart()
-        dealer.send_multipart([b"", wire.pack_seq(0)])
+        dealer.send_multipart([b"", protocol.pack_seq(0)])
         seqs = []
         while True:
             assert dealer.poll(5000), "publisher stopped answering after the flood"
             f = dealer.recv_multipart()
-            if f[2] == wire.END_SEQ:
+            if f[2] == protocol.END_SEQ:
                 break
-            seqs.append(wire.unpack_seq(f[2]))
+            seqs.append(protocol.unpack_seq(f[2]))
         assert seqs == list(range(st.last_seq + 1))
         # ...and live publishing still reaches subscribers.
         pub.publish(KVEventBatch(time.time(), [], 0))

@@ -19,9 +19,9 @@ from typing import Any
 
 import zmq
 
-from kvwire import wire
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire import protocol
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -86,15 +86,15 @@ def ask_snapshot(ctx: zmq.Context, pub: ZmqEventPublisher) -> tuple[str, Any]:
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(pub.replay_endpoint)
-    d.send_multipart([b"", wire.MAGIC, wire.OP_SNAPSHOT])
+    d.send_multipart([b"", protocol.MAGIC, protocol.OP_SNAPSHOT])
     cache = BlockCache()
     try:
         while True:
             assert d.poll(int(TIMEOUT * 1000)), "no snapshot reply"
             f = d.recv_multipart()
-            if f[2] == wire.REPLY_ERR:
+            if f[2] == protocol.REPLY_ERR:
                 return "err", f[3].decode()
-            header = wire.decode_map(f[3])
+            header = protocol.decode_map(f[3])
             cache.apply(decode_batch(f[4]))
             if header["chunk"] == header["chunks"] - 1:
                 return "ok", cache

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire import wire
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.config import KVEventsConfig
 from kvwire.publish.publisher import EventPublisherFactory, NullEventPublisher, ZmqEventPublisher
+from kvwire.wire import protocol
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -117,7 +117,7 @@ def replayed(ctx: zmq.Context, pub: ZmqEventPublisher, start: int) -> dict[int, 
     while True:
         assert d.poll(int(TIMEOUT * 1000)), "replay never ended"
         f = d.recv_multipart()
-        if f[2] == wire.END_SEQ:
+        if f[2] == protocol.END_SEQ:
             d.close()
             return out
         out[int.from_bytes(f[2], "big")] = f[3]
@@ -127,15 +127,15 @@ def ask_snapshot(ctx: zmq.Context, pub: ZmqEventPublisher) -> tuple[str, Any]:
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(pub.replay_endpoint)
-    d.send_multipart([b"", wire.MAGIC, wire.OP_SNAPSHOT])
+    d.send_multipart([b"", protocol.MAGIC, protocol.OP_SNAPSHOT])
     cache = BlockCache()
     while True:
         assert d.poll(int(TIMEOUT * 1000)), "no snapshot reply"
         f = d.recv_multipart()
-        if f[2] == wire.REPLY_ERR:
+        if f[2] == protocol.REPLY_ERR:
             d.close()
             return "err", f[3].decode()
-        header = wire.decode_map(f[3])
+        header = protocol.decode_map(f[3])
         cache.apply(decode_batch(f[4]))
         if header["chunk"] == header["chunks"] - 1:
             d.close()

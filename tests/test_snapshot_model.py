@@ -11,10 +11,10 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire import wire
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.publisher import PublisherStats, ZmqEventPublisher
 from kvwire.publish.snapshot import SnapshotModel, follow_event
+from kvwire.wire import protocol
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -35,15 +35,15 @@ def ask_snapshot(ctx: zmq.Context, endpoint: str) -> tuple[str, object]:
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.connect(endpoint)
-    d.send_multipart([b"", wire.MAGIC, wire.OP_SNAPSHOT])
+    d.send_multipart([b"", protocol.MAGIC, protocol.OP_SNAPSHOT])
     cache = BlockCache()
     while True:
         assert d.poll(10_000), "no snapshot reply"
         f = d.recv_multipart()
-        if f[2] == wire.REPLY_ERR:
+        if f[2] == protocol.REPLY_ERR:
             d.close()
             return "err", f[3].decode()
-        header = wire.decode_map(f[3])
+        header = protocol.decode_map(f[3])
         cache.apply(decode_batch(f[4]))
         if header["chunk"] == header["chunks"] - 1:
             d.close()

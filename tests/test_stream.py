@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvwire import wire
 from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import (
     Batch,
@@ -39,6 +38,7 @@ from kvwire.consume.stream import (
     parse_live,
     parse_reply,
 )
+from kvwire.wire import protocol
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -134,28 +134,28 @@ class SimPublisher:
         """Replies to one request, as the DEALER would receive them."""
         body = frames[1:]
         if len(body) == 1:
-            start = wire.unpack_seq(body[0])
+            start = protocol.unpack_seq(body[0])
             out = []
             for seq, payload in self.ring:
                 if seq >= start:
                     if self.legacy_replay:
-                        out.append([b"", wire.pack_seq(seq), payload])
+                        out.append([b"", protocol.pack_seq(seq), payload])
                     else:
-                        out.append([b"", b"", wire.pack_seq(seq), payload])
-            out.append([b"", wire.END_SEQ, b""] if self.legacy_replay
-                       else [b"", b"", wire.END_SEQ, b""])
+                        out.append([b"", b"", protocol.pack_seq(seq), payload])
+            out.append([b"", protocol.END_SEQ, b""] if self.legacy_replay
+                       else [b"", b"", protocol.END_SEQ, b""])
             return out
         if not self.kvwire:
             return []  # reference publishers ignore what they do not understand
-        if body[1] == wire.OP_INFO:
-            return [wire.info_frames(self.info())]
+        if body[1] == protocol.OP_INFO:
+            return [protocol.info_frames(self.info())]
         if not self.snapshot:
-            return [wire.err_frames("snapshots are disabled")]
+            return [protocol.err_frames("snapshots are disabled")]
         chunk = int.from_bytes(body[2], "big") if len(body) == 3 else 4096
         blocks = [b.as_event() for b in self.truth.blocks()]
         parts = [blocks[i:i + chunk] for i in range(0, len(blocks), chunk)] or [[]]
         return [
-            wire.snap_frames(
+            protocol.snap_frames(
                 {"epoch": self.epoch, "seq": self.seq, "chunk": i, "chunks": len(parts),
                  "blocks": len(blocks)},
                 encode_batch(KVEventBatch(0.0, part, 0), "vllm"),
@@ -362,8 +362,8 @@ op = st.sampled_from(_KINDS).flatmap(lambda k: st.tuples(st.just(k), _ARGS[k]))
 ops_st = st.lists(op, min_size=10, max_size=120)
 
 GARBAGE_LIVE = [[b"x"], [b"", b"\x00" * 7, b"p"], [b"", b"\xff" * 8, b"p"]]
-GARBAGE_REPLY = [[b"x"], [b"", b"1234567", b"p"], [b"", wire.MAGIC, b"INFO", b"\xc1"],
-                 [b"", wire.MAGIC, b"NOPE", b""], [b"", b"a", b"b", b"c", b"d"]]
+GARBAGE_REPLY = [[b"x"], [b"", b"1234567", b"p"], [b"", protocol.MAGIC, b"INFO", b"\xc1"],
+                 [b"", protocol.MAGIC, b"NOPE", b""], [b"", b"a", b"b", b"c", b"d"]]
 
 
 def run_ops(sim: Sim, ops: list[tuple[str, float]], *, allow_dup: bool,
@@ -493,18 +493,18 @@ def test_parse_live_and_reply_layouts():
     for bad in ([b"t", b"p"], [b"t", b"1234", b"p"], [b"", b"\xff" * 8, b""]):
         with pytest.raises(FrameError):
             parse_live(bad)
-    assert parse_reply([b"", b"t", wire.pack_seq(3), b"p"]) == ReplayMessage(3, b"p")
-    assert parse_reply([b"", wire.pack_seq(3), b"p"]) == ReplayMessage(3, b"p")  # pre-0.26
-    assert parse_reply([b"", b"", wire.END_SEQ, b""]) == ReplayEnd()
-    assert parse_reply([b"", wire.END_SEQ, b""]) == ReplayEnd()
-    info = parse_reply(wire.info_frames({"epoch": 7, "seq": 3, "extra": 1}))
+    assert parse_reply([b"", b"t", protocol.pack_seq(3), b"p"]) == ReplayMessage(3, b"p")
+    assert parse_reply([b"", protocol.pack_seq(3), b"p"]) == ReplayMessage(3, b"p")  # pre-0.26
+    assert parse_reply([b"", b"", protocol.END_SEQ, b""]) == ReplayEnd()
+    assert parse_reply([b"", protocol.END_SEQ, b""]) == ReplayEnd()
+    info = parse_reply(protocol.info_frames({"epoch": 7, "seq": 3, "extra": 1}))
     assert isinstance(info, InfoReply) and info.epoch == 7 and info.seq == 3
-    chunk = parse_reply(wire.snap_frames({"epoch": 7, "seq": 3, "chunk": 0, "chunks": 1}, b"x"))
+    chunk = parse_reply(protocol.snap_frames({"epoch": 7, "seq": 3, "chunk": 0, "chunks": 1}, b"x"))
     assert isinstance(chunk, SnapshotChunk) and chunk.header.seq == 3
-    assert parse_reply(wire.err_frames("busy")) == ErrorReply("busy")
+    assert parse_reply(protocol.err_frames("busy")) == ErrorReply("busy")
     # a topic named like the magic still parses as replay (its seq frame is 8 bytes)
-    assert parse_reply([b"", wire.MAGIC, wire.pack_seq(1), b"p"]) == ReplayMessage(1, b"p")
-    for bad in GARBAGE_REPLY + [[], [b"", b"", wire.pack_seq(-5), b""]]:
+    assert parse_reply([b"", protocol.MAGIC, protocol.pack_seq(1), b"p"]) == ReplayMessage(1, b"p")
+    for bad in GARBAGE_REPLY + [[], [b"", b"", protocol.pack_seq(-5), b""]]:
         with pytest.raises(FrameError):
             parse_reply(bad)
 
@@ -515,7 +515,7 @@ def test_request_frames_match_the_extension_draft():
     assert SendSnapshot().frames() == [b"", b"KVW1", b"SNAPSHOT"]
     assert SendSnapshot(16).frames() == [b"", b"KVW1", b"SNAPSHOT", (16).to_bytes(4, "big")]
     for a in (SendInfo(), SendReplay(0), SendSnapshot(16)):
-        assert wire.parse_request(a.frames()).__class__ is not wire.BadRequest
+        assert protocol.parse_request(a.frames()).__class__ is not protocol.BadRequest
 
 
 def test_late_join_bootstraps_from_snapshot_then_replays_the_rest():
@@ -707,7 +707,7 @@ def test_snapshot_errors_retry_then_fall_back():
     sim.join()
     sim.reply(1)  # INFO
     sim.reply_q.clear()
-    sim.handle(sim.m.reply_frames(wire.err_frames("busy: too many snapshots"), sim.now))
+    sim.handle(sim.m.reply_frames(protocol.err_frames("busy: too many snapshots"), sim.now))
     assert sim.m.stats().error_replies == 1 and sim.m.phase == "snapshot"
     sim.tick(0.3)  # retry_delay passed
     assert isinstance(sim.actions[-1], SendSnapshot)
@@ -719,7 +719,7 @@ def test_snapshot_errors_retry_then_fall_back():
     sim2.join()
     sim2.reply(1)
     sim2.reply_q.clear()
-    sim2.handle(sim2.m.reply_frames(wire.err_frames("snapshots are disabled"), sim2.now))
+    sim2.handle(sim2.m.reply_frames(protocol.err_frames("snapshots are disabled"), sim2.now))
     assert sim2.actions[-1] == SendReplay(0)
 
 

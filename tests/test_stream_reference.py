@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_stream import App, SimPublisher
 
-from kvwire import wire
 from kvwire.consume.stream import (
     RecycleRequests,
     SendInfo,
@@ -36,6 +35,7 @@ from kvwire.consume.stream import (
     StreamConfig,
     StreamMachine,
 )
+from kvwire.wire import protocol
 
 CFG = StreamConfig(request_timeout=1.0, info_timeout=0.5, retry_delay=0.2)
 
@@ -68,7 +68,7 @@ class RefPublisher:
         if len(self.sim.ring) == self.sim.ring.maxlen:
             self.evicted_ever = True
         seq, payload = self.sim.publish()
-        return [b"", wire.pack_seq(seq), payload]
+        return [b"", protocol.pack_seq(seq), payload]
 
     def _reply(self, gen: int, frames: list[bytes]) -> None:
         if gen == self.gen and len(self.pipe) < self.pipe_cap:
@@ -85,12 +85,12 @@ class RefPublisher:
             gen, cursor = self.serving
             nxt = next(((s, p) for s, p in self.sim.ring if s >= cursor), None)
             if nxt is None:
-                self._reply(gen, [b"", b"", wire.END_SEQ, b""])
+                self._reply(gen, [b"", b"", protocol.END_SEQ, b""])
                 self.serving = None
                 if budget is not None:
                     return
                 continue
-            self._reply(gen, [b"", b"", wire.pack_seq(nxt[0]), nxt[1]])
+            self._reply(gen, [b"", b"", protocol.pack_seq(nxt[0]), nxt[1]])
             self.serving[1] = nxt[0] + 1
             n += 1
 
@@ -304,10 +304,10 @@ _PAYLOADS = [_PUB.publish()[1] for _ in range(8)]
 
 
 def _rep(seq: int) -> list[bytes]:
-    return [b"", b"", wire.pack_seq(seq), _PAYLOADS[seq]]
+    return [b"", b"", protocol.pack_seq(seq), _PAYLOADS[seq]]
 
 
-_END = [b"", b"", wire.END_SEQ, b""]
+_END = [b"", b"", protocol.END_SEQ, b""]
 
 
 def _at_gap() -> tuple[StreamMachine, App, list]:
@@ -325,7 +325,7 @@ def _at_gap() -> tuple[StreamMachine, App, list]:
     feed(m.tick(0.6))  # no INFO answer: reference, replay from 0
     for f in (_rep(0), _rep(1), _END):
         feed(m.reply_frames(f, 0.7))
-    feed(m.live_frames([b"", wire.pack_seq(5), _PAYLOADS[5]], 0.8))
+    feed(m.live_frames([b"", protocol.pack_seq(5), _PAYLOADS[5]], 0.8))
     assert sent[-1] == SendReplay(2) and app.next == 2
     return m, app, sent
 
@@ -371,7 +371,7 @@ def test_rebuild_answer_from_later_seq_counts_only_the_evicted():
     assert st_.lost == 1 and not app.exact and app.base == 2 and app.next == 6, st_
     assert app.resets[-1] == "seqs 2..2 lost and no snapshot available"
     # and no second rebuild check: the buffer is known not to start at 0 any more
-    _feed_into(m, app, sent, m.live_frames([b"", wire.pack_seq(7), _PAYLOADS[7]], t))
+    _feed_into(m, app, sent, m.live_frames([b"", protocol.pack_seq(7), _PAYLOADS[7]], t))
     assert sent[-1] == SendReplay(6)
     _feed_into(m, app, sent, m.reply_frames(_rep(7), t))
     assert m.stats().lost == 2 and sent[-1] == SendReplay(6)

@@ -30,10 +30,10 @@ import pytest
 import zmq
 from fault_helpers import Rebuild
 
-from kvwire import wire
 from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.wire import protocol
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,36 +114,36 @@ def garbage_reply(rng: random.Random) -> list[bytes]:
     if kind == 1:  # delimiter, then a wrong number of frames
         return [b""] + [rng.randbytes(rng.randrange(0, 12)) for _ in range(rng.choice([0, 4, 5]))]
     if kind == 2:  # unknown op
-        return [b"", wire.MAGIC, rng.randbytes(rng.randrange(0, 7)), b"x"]
+        return [b"", protocol.MAGIC, rng.randbytes(rng.randrange(0, 7)), b"x"]
     if kind == 3:  # INFO with a garbage / truncated / mistyped map
         m = _enc.encode(info)
         body = rng.choice([rng.randbytes(rng.randrange(0, 30)), m[: rng.randrange(len(m))],
                            _enc.encode({"epoch": "x"}), _enc.encode({"seq": 1}),
                            _enc.encode([1, 2]), _enc.encode({**info, "epoch": -1})])
-        return [b"", wire.MAGIC, wire.REPLY_INFO, body]
+        return [b"", protocol.MAGIC, protocol.REPLY_INFO, body]
     if kind == 4:  # SNAP with a garbage / truncated header
         h = _enc.encode({"epoch": 1, "seq": 3, "chunk": 0, "chunks": 1, "blocks": 0})
         body = rng.choice([rng.randbytes(rng.randrange(0, 30)), h[: rng.randrange(len(h))],
                            _enc.encode({"epoch": 1}), _enc.encode({"epoch": 1, "seq": "3",
                                                                    "chunk": 0, "chunks": 1})])
-        return [b"", wire.MAGIC, wire.REPLY_SNAP, body, rng.randbytes(8)]
+        return [b"", protocol.MAGIC, protocol.REPLY_SNAP, body, rng.randbytes(8)]
     if kind == 5:  # control replies with the wrong frame count
-        return [b"", wire.MAGIC, rng.choice([wire.REPLY_INFO, wire.REPLY_SNAP, wire.REPLY_ERR])]
+        return [b"", protocol.MAGIC, rng.choice([protocol.REPLY_INFO, protocol.REPLY_SNAP, protocol.REPLY_ERR])]
     if kind == 6:  # wrong magic
-        return [b"", rng.choice([b"KVW2", b"kvw1", b"", rng.randbytes(4)]), wire.REPLY_INFO,
+        return [b"", rng.choice([b"KVW2", b"kvw1", b"", rng.randbytes(4)]), protocol.REPLY_INFO,
                 _enc.encode(info)]
     if kind == 7:  # stray replay messages (both layouts) and end markers
         seq = rng.choice([0, 1, 1 << 40, -1, -2])
         return rng.choice([[b"", b"", _seq(seq), b"p"], [b"", _seq(seq), b"p"]])
     if kind == 8:  # an ERR nobody asked for
-        return [b"", wire.MAGIC, wire.REPLY_ERR, rng.randbytes(rng.randrange(0, 20))]
+        return [b"", protocol.MAGIC, protocol.REPLY_ERR, rng.randbytes(rng.randrange(0, 20))]
     if kind == 9:  # a well-formed INFO / SNAP nobody asked for
         if rng.random() < 0.5:
-            return wire.info_frames(info)
-        return wire.snap_frames({"epoch": 1, "seq": 3, "chunk": 0, "chunks": 1, "blocks": 0},
+            return protocol.info_frames(info)
+        return protocol.snap_frames({"epoch": 1, "seq": 3, "chunk": 0, "chunks": 1, "blocks": 0},
                                 _enc.encode([1.0, [], 0]))
     if kind == 10:  # 8-byte "op": read as a 3-frame replay message
-        return [b"", wire.MAGIC, rng.randbytes(8), b"p"]
+        return [b"", protocol.MAGIC, rng.randbytes(8), b"p"]
     return [b"", b"", rng.randbytes(rng.choice([0, 4, 7, 9]))[:9], b""]  # short seq frame
 
 
@@ -172,7 +172,7 @@ class Impostor:
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ident: bytes | None = None
 
-    def requests(self) -> list[wire.ReplayRequest | wire.ControlRequest | wire.BadRequest]:
+    def requests(self) -> list[protocol.ReplayRequest | protocol.ControlRequest | protocol.BadRequest]:
         out = []
         while True:
             try:
@@ -180,7 +180,7 @@ class Impostor:
             except zmq.Again:
                 return out
             self.ident = frames[0]
-            out.append(wire.parse_request(frames[1:]))
+            out.append(protocol.parse_request(frames[1:]))
 
     def reply(self, frames: list[bytes]) -> None:
         assert self.ident is not None
@@ -194,7 +194,7 @@ class Impostor:
 
 def _info(epoch: int, seq: int, oldest: int, snapshot: bool = False,
           hb: float | None = None) -> list[bytes]:
-    return wire.info_frames({"version": 1, "epoch": epoch, "seq": seq, "oldest": oldest,
+    return protocol.info_frames({"version": 1, "epoch": epoch, "seq": seq, "oldest": oldest,
                              "topic": "", "rank": 0, "heartbeat_interval": hb,
                              "snapshot": snapshot, "buffer_steps": 100_000, "dialect": "vllm"})
 
@@ -253,10 +253,10 @@ def _run(rng: random.Random, imp: Impostor, drv: Driver) -> None:
     # ---- bootstrap against a kvwire-looking impostor without snapshots
     def serve_boot() -> None:
         for req in imp.requests():
-            if type(req) is wire.ControlRequest and req.op == wire.OP_INFO:
+            if type(req) is protocol.ControlRequest and req.op == protocol.OP_INFO:
                 imp.reply(_info(epoch, -1, -1))
-            elif type(req) is wire.ReplayRequest:
-                imp.reply([b"", b"", wire.END_SEQ, b""])
+            elif type(req) is protocol.ReplayRequest:
+                imp.reply([b"", b"", protocol.END_SEQ, b""])
 
     drv.until(lambda: drv.stream().phase == "await_first", 10, "boot", serve_boot)
 
@@ -328,7 +328,7 @@ def _run(rng: random.Random, imp: Impostor, drv: Driver) -> None:
             chunks = rng.randrange(1, 3)
             blocks = [BlockStored([rng.randrange(1, 100)], None, [1, 2, 3, 4], 4, None, "GPU")]
             payload = rng.choice([_enc.encode(KVEventBatch(1.0, blocks, 0)), b"\xc1"])
-            return wire.snap_frames({"epoch": rng.choice([epoch, 7]),
+            return protocol.snap_frames({"epoch": rng.choice([epoch, 7]),
                                      "seq": rng.randrange(-1, seq + 10),
                                      "chunk": rng.randrange(-1, chunks + 1), "chunks": chunks,
                                      "blocks": 1}, payload)
@@ -336,9 +336,9 @@ def _run(rng: random.Random, imp: Impostor, drv: Driver) -> None:
             return [b"", b"", _seq(rng.randrange(0, seq + 20)),
                     rng.choice([good.payload(), garbage_payload(rng, good)])]
         if k == 3:
-            return [b"", b"", wire.END_SEQ, b""]
+            return [b"", b"", protocol.END_SEQ, b""]
         if k == 4:
-            return wire.err_frames(rng.choice(["busy: too many", "snapshots are disabled", ""]))
+            return protocol.err_frames(rng.choice(["busy: too many", "snapshots are disabled", ""]))
         return garbage_reply(rng)
 
     n_b = 0
@@ -370,16 +370,16 @@ def _run(rng: random.Random, imp: Impostor, drv: Driver) -> None:
 
     def serve_honest() -> None:
         for req in imp.requests():
-            if type(req) is wire.ReplayRequest:
+            if type(req) is protocol.ReplayRequest:
                 for s_, p, _ in ring:
                     if s_ >= req.start:
                         imp.reply([b"", b"", _seq(s_), p])
-                imp.reply([b"", b"", wire.END_SEQ, b""])
-            elif type(req) is wire.ControlRequest and req.op == wire.OP_INFO:
+                imp.reply([b"", b"", protocol.END_SEQ, b""])
+            elif type(req) is protocol.ControlRequest and req.op == protocol.OP_INFO:
                 last = ring[-1][0] if ring else base - 1
                 imp.reply(_info(epoch_c, last, base if ring else -1))
-            elif type(req) is wire.ControlRequest:
-                imp.reply(wire.err_frames("snapshots are disabled"))
+            elif type(req) is protocol.ControlRequest:
+                imp.reply(protocol.err_frames("snapshots are disabled"))
         if len(ring) < k_good:
             b = good.batch()
             s_ = base + len(ring)

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import pytest
 import zmq
 
-from kvwire import wire
 from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.wire import protocol
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -185,7 +185,7 @@ class RefPublisher:
                     body = [seq.to_bytes(8, "big"), payload]
                     self.router.send_multipart([ident, b""] + ([] if self.legacy else [self.topic])
                                                + body)
-            end = [wire.END_SEQ, b""]
+            end = [protocol.END_SEQ, b""]
             self.router.send_multipart([ident, b""] + ([] if self.legacy else [b""]) + end)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .. import wire
+from ..wire import protocol
 from ..wire.events import BlockStored, KVEventBatch
 
 __all__ = ["Action", "Batch", "Delivery", "Liveness", "Output", "RecycleRequests", "Reset",
@@ -19,7 +19,7 @@ class SendInfo(msgspec.Struct, frozen=True):
     """Ask the publisher for INFO (epoch, heartbeat interval, snapshot support)."""
 
     def frames(self) -> list[bytes]:
-        return [b"", wire.MAGIC, wire.OP_INFO]
+        return [b"", protocol.MAGIC, protocol.OP_INFO]
 
 
 class SendReplay(msgspec.Struct, frozen=True):
@@ -28,7 +28,7 @@ class SendReplay(msgspec.Struct, frozen=True):
     start: int
 
     def frames(self) -> list[bytes]:
-        return [b"", wire.pack_seq(self.start)]
+        return [b"", protocol.pack_seq(self.start)]
 
 
 class SendSnapshot(msgspec.Struct, frozen=True):
@@ -37,7 +37,7 @@ class SendSnapshot(msgspec.Struct, frozen=True):
     max_blocks: int | None = None
 
     def frames(self) -> list[bytes]:
-        f = [b"", wire.MAGIC, wire.OP_SNAPSHOT]
+        f = [b"", protocol.MAGIC, protocol.OP_SNAPSHOT]
         if self.max_blocks is not None:
             f.append(self.max_blocks.to_bytes(4, "big"))
         return f

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .. import wire
+from ..wire import protocol
 
 __all__ = ["ErrorReply", "FrameError", "InfoReply", "Reply", "ReplayEnd", "ReplayMessage",
            "SnapshotChunk", "SnapshotHeader", "parse_live", "parse_reply"]
@@ -87,16 +87,16 @@ def parse_reply(frames: list[bytes]) -> Reply:
         raise FrameError("reply lacks the empty delimiter frame")
     body = frames[1:]
     n = len(body)
-    if n >= 2 and body[0] == wire.MAGIC and len(body[1]) != 8:
+    if n >= 2 and body[0] == protocol.MAGIC and len(body[1]) != 8:
         op = body[1]
         try:
-            if op == wire.REPLY_INFO and n == 3:
+            if op == protocol.REPLY_INFO and n == 3:
                 return _info_dec.decode(body[2])
-            if op == wire.REPLY_SNAP and n == 4:
+            if op == protocol.REPLY_SNAP and n == 4:
                 return SnapshotChunk(_snap_dec.decode(body[2]), bytes(body[3]))
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise FrameError(f"bad {op[:8]!r} reply: {e}") from None
-        if op == wire.REPLY_ERR and n == 3:
+        if op == protocol.REPLY_ERR and n == 3:
             return ErrorReply(bytes(body[2]).decode("utf-8", "replace"))
         raise FrameError(f"unknown control reply {op[:16]!r} with {n} frames")
     if n == 3:  # topic, seq, payload

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import wire
+from ..wire import protocol
 
 __all__ = ["ReplayJob", "ReplayRing"]
 
@@ -84,7 +84,7 @@ class ReplayRing:
                 budget -= 1
             job.next = seq + 1
         if job.next > job.end:
-            return send_to(job.ident, [b"", b"", wire.END_SEQ, b""]) is not False
+            return send_to(job.ident, [b"", b"", protocol.END_SEQ, b""]) is not False
         return False
 
     def _encode_dropped(self, seq: int, batch: Any) -> bytes | None:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from .. import wire
 from ..consume.cache import chain_events
+from ..wire import protocol
 from ..wire.events import BlockStored, KVEventBatch
 from .replay import ReplayJob
 
@@ -73,33 +73,33 @@ class RequestServer:
     def handle(self, frames: list[bytes]) -> None:
         pub = self._pub
         ident = frames[0]
-        req = wire.parse_request(frames[1:])
+        req = protocol.parse_request(frames[1:])
         c = pub._c
-        if type(req) is wire.ReplayRequest:
+        if type(req) is protocol.ReplayRequest:
             c["replay_requests"] += 1
             if ident not in self._replays and len(self._replays) >= pub.MAX_REPLAY_JOBS:
                 c["busy_rejections"] += 1
-                self.send_to(ident, [b"", b"", wire.END_SEQ, b""])
+                self.send_to(ident, [b"", b"", protocol.END_SEQ, b""])
                 return
             last = pub._next_seq - 1
             self._replays[ident] = ReplayJob(ident, pub._ring.start_for(req.start, last), last)
-        elif type(req) is wire.ControlRequest:
-            if req.op == wire.OP_INFO:
+        elif type(req) is protocol.ControlRequest:
+            if req.op == protocol.OP_INFO:
                 c["info_requests"] += 1
-                self.send_to(ident, wire.info_frames(pub._info()))
+                self.send_to(ident, protocol.info_frames(pub._info()))
                 return
             c["snapshot_requests"] += 1
             model = pub._model
             if model is None:
-                self.send_to(ident, wire.err_frames("snapshots are disabled"))
+                self.send_to(ident, protocol.err_frames("snapshots are disabled"))
                 return
             why = model.unavailable()
             if why is not None:
                 c["snapshots_unavailable"] += 1
-                self.send_to(ident, wire.err_frames(why))
+                self.send_to(ident, protocol.err_frames(why))
             elif ident not in self._snapshots and len(self._snapshots) >= pub.MAX_SNAPSHOT_JOBS:
                 c["busy_rejections"] += 1
-                self.send_to(ident, wire.err_frames("busy: too many snapshots in flight"))
+                self.send_to(ident, protocol.err_frames("busy: too many snapshots in flight"))
             else:  # same thread as the model: exact as of its seq
                 self._snapshots[ident] = SnapshotJob(
                     ident, model.cache.raw_copy(), model.seq, req.chunk_blocks
@@ -152,7 +152,7 @@ class RequestServer:
             "chunks": snap.chunks,
             "blocks": len(snap.blocks),
         }
-        r = self.send_to(snap.ident, wire.snap_frames(header, payload))
+        r = self.send_to(snap.ident, protocol.snap_frames(header, payload))
         if r is None:
             return True
         if r is False:
