@@ -128,25 +128,6 @@ def echo_main(handle_in: Any, hq: Any, n: int) -> None:
     wq.close()
 
 
-def wake_reader(handle: Any, n: int, out: Any) -> None:
-    """Report, per message, CPU used while idle and wake latency (sender put its clock in it).
-
-    No liveness timer: only the writer's wake-up can end the sleep, so a lost or late
-    wake-up shows as a wait of seconds, not as a 100 ms timer tick that looks like noise.
-    """
-    q = MessageQueue.create_from_handle(handle, 0, liveness_interval=1e4)
-    q.wait_until_ready(timeout=30)
-    out.put("ready")
-    res = []
-    for _ in range(n):
-        c0, w0 = time.process_time(), time.monotonic()
-        sent_ns = q.dequeue(timeout=30)
-        now_ns = time.perf_counter_ns()
-        res.append((now_ns - sent_ns, time.process_time() - c0, time.monotonic() - w0))
-    out.put(res)
-    q.close()
-
-
 def stress_reader(handle: Any, rank: int, n: int | None, seed: int, out: Any) -> None:
     """Read 0..n-1 with random pauses; report the first mismatch. ``n=None``: read until
     the writer's None (a time-bounded run) and report (count, first mismatch)."""
