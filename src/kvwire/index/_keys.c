@@ -743,21 +743,495 @@ fail:
     return NULL;
 }
 
+/* KeyMap: one stream's engine block hash -> own key, per tier (PrefixIndex's h2k and its
+ * remembered removals), in one open-addressing table of 17 bytes a slot instead of a dict
+ * entry and two int objects (about 100 bytes): with 64 engines holding copies of the same
+ * prefixes, these maps are almost all of the index's memory. Linear probing, backward-shift
+ * deletion; the table grows by half when 7/8 full (so it is 58-88% full, any size: slots
+ * are not a power of two, the home slot is the mix's high bits scaled to the slot count).
+ * A slot is {hash, key} (two uint64) and a control byte: 0 when empty, else 0x80 |
+ * sign << 6 | 6 low bits of the hash's mix, so a probe past other entries mostly reads
+ * control bytes only, and -1 and 2**64 - 1 stay two hashes. Engine hashes that are not
+ * 64-bit ints (32-byte digests, bigger ints) live in a dict beside the table. Own keys (the
+ * values) are always uint64. Tables from 64 KiB on are mmap'ed and unmapped when they grow,
+ * so the heap keeps no holes of outgrown tables (which stayed resident). The pure-Python path
+ * uses a dict (same behaviour). */
+typedef struct {
+    PyObject_HEAD
+    uint8_t *ctrl;     /* slots control bytes, then (8-aligned) hk */
+    uint64_t *hk;      /* 2 * slots: hash, key */
+    size_t slots;      /* 0 with no table */
+    size_t used;
+    int mapped;        /* the table is an mmap of km_bytes(slots) */
+    PyObject *other;   /* dict for the other hashes, NULL until one comes */
+} KeyMapObject;
+
+static PyTypeObject KeyMapType;
+
+#define KM_MIN 8
+#define KM_MMAP_BYTES ((size_t)64 << 10)
+
+static inline uint64_t km_mix(uint64_t h, int neg)
+{
+    h ^= neg ? 0x6B76776972652D6EULL : 0;
+    h ^= h >> 33; h *= 0xFF51AFD7ED558CCDULL;
+    h ^= h >> 33; h *= 0xC4CEB9FE1A85EC53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+static inline uint8_t km_tag(uint64_t m, int neg) { return (uint8_t)(0x80 | (neg << 6) | (m & 0x3F)); }
+
+static inline size_t km_home(uint64_t m, size_t slots)
+{
+    return (size_t)(((unsigned __int128)m * slots) >> 64);
+}
+
+static inline size_t km_ctrl_bytes(size_t slots) { return (slots + 7) & ~(size_t)7; }
+static inline size_t km_bytes(size_t slots) { return km_ctrl_bytes(slots) + slots * 16; }
+
+/* An engine hash as a uint64 (+ sign): 0; not a 64-bit int: 1; error: -1. */
+static int km_hash(PyObject *h, uint64_t *out, int *neg)
+{
+    if (!PyLong_Check(h)) return 1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
+    if (!overflow) {
+        if (v == -1 && PyErr_Occurred()) return -1;
+        *out = (uint64_t)v;
+        *neg = v < 0;
+        return 0;
+    }
+    if (overflow < 0) return 1;
+    unsigned long long u = PyLong_AsUnsignedLongLong(h);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    *out = u;
+    *neg = 0;
+    return 0;
+}
+
+static int km_value(PyObject *v, uint64_t *out)
+{
+    unsigned long long u = PyLong_AsUnsignedLongLong(v);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "KeyMap values are own keys: ints in [0, 2**64)");
+        }
+        return -1;
+    }
+    *out = u;
+    return 0;
+}
+
+/* the slot of (h, neg), or -1 */
+static inline Py_ssize_t km_find(const KeyMapObject *M, uint64_t h, int neg)
+{
+    if (M->slots == 0) return -1;
+    uint64_t m = km_mix(h, neg);
+    uint8_t want = km_tag(m, neg);
+    size_t i = km_home(m, M->slots);
+    for (;;) {
+        uint8_t c = M->ctrl[i];
+        if (c == 0) return -1;
+        if (c == want && M->hk[2 * i] == h) return (Py_ssize_t)i;
+        if (++i == M->slots) i = 0;
+    }
+}
+
+static void km_free_table(uint8_t *ctrl, size_t slots, int mapped)
+{
+    if (ctrl == NULL) return;
+#ifdef __linux__
+    if (mapped) {
+        (void)PyTraceMalloc_Untrack(0, (uintptr_t)ctrl);
+        munmap(ctrl, km_bytes(slots));
+        return;
+    }
+#endif
+    (void)slots; (void)mapped;
+    PyMem_Free(ctrl);
+}
+
+static int km_resize(KeyMapObject *M, size_t slots)
+{
+    size_t bytes = km_bytes(slots);
+    uint8_t *ctrl = NULL;
+    int mapped = 0;
+#ifdef __linux__
+    if (bytes >= KM_MMAP_BYTES) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p != MAP_FAILED) {  /* zeroed by the kernel */
+            ctrl = p;
+            mapped = 1;
+            (void)PyTraceMalloc_Track(0, (uintptr_t)p, bytes);
+        }
+    }
+#endif
+    if (ctrl == NULL) ctrl = PyMem_Calloc(bytes, 1);
+    if (ctrl == NULL) { PyErr_NoMemory(); return -1; }
+    uint64_t *hk = (uint64_t *)(ctrl + km_ctrl_bytes(slots));
+    for (size_t j = 0; j < M->slots; j++) {
+        uint8_t c = M->ctrl[j];
+        if (c == 0) continue;
+        uint64_t h = M->hk[2 * j];
+        size_t i = km_home(km_mix(h, (c >> 6) & 1), slots);
+        while (ctrl[i] != 0) if (++i == slots) i = 0;
+        ctrl[i] = c;
+        hk[2 * i] = h;
+        hk[2 * i + 1] = M->hk[2 * j + 1];
+    }
+    km_free_table(M->ctrl, M->slots, M->mapped);
+    M->ctrl = ctrl;
+    M->hk = hk;
+    M->slots = slots;
+    M->mapped = mapped;
+    return 0;
+}
+
+/* insert (h, neg) -> k. replace: overwrite a key already there. 1 inserted, 0 there, -1 error */
+static int km_put(KeyMapObject *M, uint64_t h, int neg, uint64_t k, int replace)
+{
+    if ((M->used + 1) * 8 > M->slots * 7) {
+        Py_ssize_t at = km_find(M, h, neg);
+        if (at >= 0) {
+            if (replace) M->hk[2 * at + 1] = k;
+            return 0;
+        }
+        if (km_resize(M, M->slots < KM_MIN ? KM_MIN : M->slots + M->slots / 2) < 0) return -1;
+    }
+    uint64_t m = km_mix(h, neg);
+    uint8_t want = km_tag(m, neg);
+    size_t i = km_home(m, M->slots);
+    for (;;) {
+        uint8_t c = M->ctrl[i];
+        if (c == 0) {
+            M->ctrl[i] = want;
+            M->hk[2 * i] = h;
+            M->hk[2 * i + 1] = k;
+            M->used++;
+            return 1;
+        }
+        if (c == want && M->hk[2 * i] == h) {
+            if (replace) M->hk[2 * i + 1] = k;
+            return 0;
+        }
+        if (++i == M->slots) i = 0;
+    }
+}
+
+static void km_del_at(KeyMapObject *M, size_t i)
+{
+    M->used--;
+    size_t j = i;
+    for (;;) {  /* backward shift: move later entries of the cluster into the hole */
+        M->ctrl[i] = 0;
+        for (;;) {
+            if (++j == M->slots) j = 0;
+            uint8_t c = M->ctrl[j];
+            if (c == 0) return;
+            size_t home = km_home(km_mix(M->hk[2 * j], (c >> 6) & 1), M->slots);
+            /* entry j may fill the hole i if its home is not cyclically in (i, j] */
+            if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) break;
+        }
+        M->ctrl[i] = M->ctrl[j];
+        M->hk[2 * i] = M->hk[2 * j];
+        M->hk[2 * i + 1] = M->hk[2 * j + 1];
+        i = j;
+    }
+}
+
+static PyObject *KeyMap_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (PyTuple_GET_SIZE(args) || (kw && PyDict_GET_SIZE(kw))) {
+        PyErr_SetString(PyExc_TypeError, "KeyMap() takes no arguments");
+        return NULL;
+    }
+    return type->tp_alloc(type, 0);  /* zeroed: no table until the first insert */
+}
+
+static int KeyMap_traverse(KeyMapObject *M, visitproc visit, void *arg)
+{
+    (void)arg;
+    Py_VISIT(M->other);
+    return 0;
+}
+
+static int KeyMap_clear_refs(KeyMapObject *M)
+{
+    Py_CLEAR(M->other);
+    return 0;
+}
+
+static void KeyMap_dealloc(KeyMapObject *M)
+{
+    PyObject_GC_UnTrack(M);
+    Py_CLEAR(M->other);
+    km_free_table(M->ctrl, M->slots, M->mapped);
+    Py_TYPE(M)->tp_free((PyObject *)M);
+}
+
+/* the value of h as a new reference; NULL with no error when absent */
+static PyObject *km_get(KeyMapObject *M, PyObject *h)
+{
+    uint64_t x; int neg;
+    int r = km_hash(h, &x, &neg);
+    if (r < 0) return NULL;
+    if (r == 0) {
+        Py_ssize_t at = km_find(M, x, neg);
+        return at < 0 ? NULL : PyLong_FromUnsignedLongLong(M->hk[2 * at + 1]);
+    }
+    if (M->other == NULL) return NULL;
+    PyObject *v = PyDict_GetItemWithError(M->other, h);
+    Py_XINCREF(v);
+    return v;
+}
+
+/* set h -> v (replace: overwrite). 1 inserted, 0 already there, -1 error */
+static int km_set(KeyMapObject *M, PyObject *h, PyObject *v, int replace)
+{
+    uint64_t x, k; int neg;
+    if (km_value(v, &k) < 0) return -1;
+    int r = km_hash(h, &x, &neg);
+    if (r < 0) return -1;
+    if (r == 0) return km_put(M, x, neg, k, replace);
+    if (M->other == NULL && (M->other = PyDict_New()) == NULL) return -1;
+    Py_ssize_t before = PyDict_GET_SIZE(M->other);
+    if (replace) {
+        if (PyDict_SetItem(M->other, h, v) < 0) return -1;
+    } else if (PyDict_SetDefault(M->other, h, v) == NULL) {
+        return -1;
+    }
+    return PyDict_GET_SIZE(M->other) != before;
+}
+
+/* remove h: the old value (new reference), or NULL (no error set when absent) */
+static PyObject *km_pop(KeyMapObject *M, PyObject *h)
+{
+    uint64_t x; int neg;
+    int r = km_hash(h, &x, &neg);
+    if (r < 0) return NULL;
+    if (r == 0) {
+        Py_ssize_t at = km_find(M, x, neg);
+        if (at < 0) return NULL;
+        PyObject *v = PyLong_FromUnsignedLongLong(M->hk[2 * at + 1]);
+        if (v != NULL) km_del_at(M, (size_t)at);
+        return v;
+    }
+    if (M->other == NULL) return NULL;
+    PyObject *v = PyDict_GetItemWithError(M->other, h);
+    if (v == NULL) return NULL;
+    Py_INCREF(v);
+    if (PyDict_DelItem(M->other, h) < 0) { Py_DECREF(v); return NULL; }
+    return v;
+}
+
+static Py_ssize_t KeyMap_len(KeyMapObject *M)
+{
+    return (Py_ssize_t)M->used + (M->other ? PyDict_GET_SIZE(M->other) : 0);
+}
+
+static PyObject *KeyMap_subscript(KeyMapObject *M, PyObject *h)
+{
+    PyObject *v = km_get(M, h);
+    if (v == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, h);
+    return v;
+}
+
+static int KeyMap_ass_subscript(KeyMapObject *M, PyObject *h, PyObject *v)
+{
+    if (v != NULL) return km_set(M, h, v, 1) < 0 ? -1 : 0;
+    PyObject *old = km_pop(M, h);
+    if (old == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, h);
+        return -1;
+    }
+    Py_DECREF(old);
+    return 0;
+}
+
+static int KeyMap_contains(KeyMapObject *M, PyObject *h)
+{
+    PyObject *v = km_get(M, h);
+    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
+    Py_DECREF(v);
+    return 1;
+}
+
+static PyObject *KeyMap_get(KeyMapObject *M, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1 && nargs != 2) { PyErr_SetString(PyExc_TypeError, "get(hash, default=None)"); return NULL; }
+    PyObject *v = km_get(M, args[0]);
+    if (v != NULL || PyErr_Occurred()) return v;
+    v = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *KeyMap_pop(KeyMapObject *M, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1 && nargs != 2) { PyErr_SetString(PyExc_TypeError, "pop(hash[, default])"); return NULL; }
+    PyObject *v = km_pop(M, args[0]);
+    if (v != NULL || PyErr_Occurred()) return v;
+    if (nargs == 1) { PyErr_SetObject(PyExc_KeyError, args[0]); return NULL; }
+    Py_INCREF(args[1]);
+    return args[1];
+}
+
+static PyObject *KeyMap_setdefault(KeyMapObject *M, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "setdefault(hash, key)"); return NULL; }
+    PyObject *v = km_get(M, args[0]);
+    if (v != NULL || PyErr_Occurred()) return v;
+    if (km_set(M, args[0], args[1], 0) < 0) return NULL;
+    Py_INCREF(args[1]);
+    return args[1];
+}
+
+/* items (which: 0 keys, 1 values, 2 (hash, key) pairs) as a new list, table first */
+static PyObject *km_list(KeyMapObject *M, int which)
+{
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (size_t i = 0; i < M->slots; i++) {
+        uint8_t c = M->ctrl[i];
+        if (c == 0) continue;
+        PyObject *h = NULL, *k = NULL, *item;
+        if (which != 1) {
+            h = (c >> 6) & 1 ? PyLong_FromLongLong((long long)M->hk[2 * i])
+                             : PyLong_FromUnsignedLongLong(M->hk[2 * i]);
+            if (h == NULL) goto fail;
+        }
+        if (which != 0) {
+            k = PyLong_FromUnsignedLongLong(M->hk[2 * i + 1]);
+            if (k == NULL) { Py_XDECREF(h); goto fail; }
+        }
+        if (which == 2) {
+            item = PyTuple_Pack(2, h, k);
+            Py_DECREF(h); Py_DECREF(k);
+            if (item == NULL) goto fail;
+        } else {
+            item = which ? k : h;
+        }
+        int rc = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (rc < 0) goto fail;
+    }
+    if (M->other != NULL) {
+        PyObject *rest = which == 0 ? PyDict_Keys(M->other)
+                       : which == 1 ? PyDict_Values(M->other) : PyDict_Items(M->other);
+        if (rest == NULL) goto fail;
+        Py_ssize_t n = PyList_GET_SIZE(out);
+        int rc = PyList_SetSlice(out, n, n, rest);
+        Py_DECREF(rest);
+        if (rc < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *KeyMap_keys(KeyMapObject *M, PyObject *u) { (void)u; return km_list(M, 0); }
+static PyObject *KeyMap_values(KeyMapObject *M, PyObject *u) { (void)u; return km_list(M, 1); }
+static PyObject *KeyMap_items(KeyMapObject *M, PyObject *u) { (void)u; return km_list(M, 2); }
+
+static PyObject *KeyMap_iter(KeyMapObject *M)
+{
+    PyObject *keys = km_list(M, 0);
+    if (keys == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *KeyMap_clear(KeyMapObject *M, PyObject *u)
+{
+    (void)u;
+    km_free_table(M->ctrl, M->slots, M->mapped);
+    M->hk = NULL;
+    M->ctrl = NULL;
+    M->slots = 0;
+    M->used = 0;
+    M->mapped = 0;
+    Py_CLEAR(M->other);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyMap_sizeof(KeyMapObject *M, PyObject *u)
+{
+    (void)u;
+    return PyLong_FromSize_t(sizeof(KeyMapObject) + (M->slots ? km_bytes(M->slots) : 0));
+}
+
+static PyMethodDef KeyMap_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyMap_get, METH_FASTCALL, "get(hash, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))KeyMap_pop, METH_FASTCALL, "pop(hash[, default])"},
+    {"setdefault", (PyCFunction)(void (*)(void))KeyMap_setdefault, METH_FASTCALL,
+     "setdefault(hash, key) -> the key held for hash (key when it was new)"},
+    {"keys", (PyCFunction)KeyMap_keys, METH_NOARGS, "keys() -> list of the engine hashes"},
+    {"values", (PyCFunction)KeyMap_values, METH_NOARGS, "values() -> list of the own keys"},
+    {"items", (PyCFunction)KeyMap_items, METH_NOARGS, "items() -> list of (hash, key)"},
+    {"clear", (PyCFunction)KeyMap_clear, METH_NOARGS, "clear()"},
+    {"__sizeof__", (PyCFunction)KeyMap_sizeof, METH_NOARGS, "bytes held (table included)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods KeyMap_as_mapping = {
+    .mp_length = (lenfunc)KeyMap_len,
+    .mp_subscript = (binaryfunc)KeyMap_subscript,
+    .mp_ass_subscript = (objobjargproc)KeyMap_ass_subscript,
+};
+
+static PySequenceMethods KeyMap_as_seq = { .sq_contains = (objobjproc)KeyMap_contains };
+
+static PyTypeObject KeyMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.index._keys.KeyMap",
+    .tp_basicsize = sizeof(KeyMapObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "engine block hash -> own key (uint64), 17 bytes a slot; a dict's subset",
+    .tp_new = KeyMap_new,
+    .tp_dealloc = (destructor)KeyMap_dealloc,
+    .tp_traverse = (traverseproc)KeyMap_traverse,
+    .tp_clear = (inquiry)KeyMap_clear_refs,
+    .tp_methods = KeyMap_methods,
+    .tp_as_mapping = &KeyMap_as_mapping,
+    .tp_as_sequence = &KeyMap_as_seq,
+    .tp_iter = (getiterfunc)KeyMap_iter,
+};
+
 /* insert_new(d, hashes, keys) -> count
  *   d[hashes[i]] = keys[i] in order while hashes[i] is not in d yet (one probe each, by
  *   setdefault); stops at the first hash already there (or repeated) and returns how many
- *   it inserted, so the caller can undo them and take its careful path. */
+ *   it inserted, so the caller can undo them and take its careful path. d: a dict or a
+ *   KeyMap. */
 static PyObject *
 insert_new(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 3 || !PyDict_CheckExact(args[0]) || !PyList_CheckExact(args[1])
-        || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[1]) != PyList_GET_SIZE(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "insert_new(dict, list, list of the same length)");
+    if (nargs != 3 || !(PyDict_CheckExact(args[0]) || Py_IS_TYPE(args[0], &KeyMapType))
+        || !PyList_CheckExact(args[1]) || !PyList_CheckExact(args[2])
+        || PyList_GET_SIZE(args[1]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "insert_new(dict or KeyMap, list, list of the same length)");
         return NULL;
     }
     PyObject *d = args[0];
     Py_ssize_t n = PyList_GET_SIZE(args[1]), i = 0;
+    if (Py_IS_TYPE(d, &KeyMapType)) {
+        for (; i < n; i++) {
+            int r = km_set((KeyMapObject *)d, PyList_GET_ITEM(args[1], i),
+                           PyList_GET_ITEM(args[2], i), 0);
+            if (r < 0) return NULL;
+            if (r == 0) break;  /* there already: left as it was */
+        }
+        return PyLong_FromSsize_t(i);
+    }
     for (; i < n; i++) {
         Py_ssize_t before = PyDict_GET_SIZE(d);
         if (PyDict_SetDefault(d, PyList_GET_ITEM(args[1], i), PyList_GET_ITEM(args[2], i)) == NULL)
@@ -807,9 +1281,15 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__keys(void)
 {
-    if (PyType_Ready(&LanesType) < 0) return NULL;
+    if (PyType_Ready(&LanesType) < 0 || PyType_Ready(&KeyMapType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    Py_INCREF(&KeyMapType);
+    if (PyModule_AddObject(m, "KeyMap", (PyObject *)&KeyMapType) < 0) {
+        Py_DECREF(&KeyMapType);
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&LanesType);
     if (PyModule_AddObject(m, "Lanes", (PyObject *)&LanesType) < 0) {
         Py_DECREF(&LanesType);

@@ -19,8 +19,8 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "Lanes", "add_bits", "bits64", "block_keys", "chain_tokens",
-    "insert_new", "root_seed", "scan_tokens", "token_bytes",
+    "NATIVE", "ROOT_SEED", "KeyMap", "Lanes", "add_bits", "bits64", "block_keys",
+    "chain_tokens", "insert_new", "root_seed", "scan_tokens", "token_bytes",
 ]
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
@@ -125,11 +125,15 @@ insert_new = py_insert_new
 scan_tokens = None  # C only: PrefixIndex walks in Python without it
 Lanes = None  # C only: the scan's uint64 mirror of the masks' lanes 0/1
 bits64 = None  # C only: set bits of a 64-bit mask as a list
+#: A stream's engine hash -> own key map: the C table (17 bytes a slot, see _keys.c) or a
+#: dict (about 100 bytes an entry with its two ints); both behave alike for these keys.
+KeyMap: Any = dict
 if os.environ.get("KVWIRE_NO_NATIVE"):
     REASON = "KVWIRE_NO_NATIVE set"
 else:
     try:
         from ._keys import (  # type: ignore[no-redef]  # noqa: F811
+            KeyMap,
             Lanes,
             add_bits,
             bits64,

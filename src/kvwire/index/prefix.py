@@ -22,6 +22,7 @@ from typing import Any
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from . import keys as _k
 from .keys import Lanes, add_bits, chain_tokens, insert_new, root_seed
 from .state import (
     StreamIndexStats,
@@ -274,7 +275,7 @@ class PrefixIndex(PrefixWalk):
     def _add(self, st: _Stream, t: int, hs: list[BlockHash], keys: list[int]) -> None:
         d = st.h2k.get(t)
         if d is None:
-            d = st.h2k[t] = {}
+            d = st.h2k[t] = _k.KeyMap()
         W = self._W
         bit = st.bit
         nb = bit << W
@@ -398,7 +399,7 @@ class PrefixIndex(PrefixWalk):
                     mirror.discard(k)
         if len(ghosts) >= self.remember_removed:  # two generations: bounded, O(1) per removal
             st.old_ghosts = ghosts
-            st.ghosts = {}
+            st.ghosts = _k.KeyMap()
 
     def _clear(self, st: _Stream) -> None:
         """Drop every block of the stream (predictions stay: they are routing decisions)."""
@@ -420,8 +421,8 @@ class PrefixIndex(PrefixWalk):
                             lanes.discard(k)
         st.h2k = {}
         st.dups = {}
-        st.ghosts = {}
-        st.old_ghosts = {}
+        st.ghosts = _k.KeyMap()
+        st.old_ghosts = _k.KeyMap()
 
     def _lane_ones(self) -> int:
         """An int with bit 0 of every lane set: ``bit * this`` is the bit in every lane."""

@@ -10,6 +10,7 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 from ..wire.events import BlockHash
+from . import keys as _k
 from .keys import bits64, token_bytes
 
 __all__ = ["StreamIndexStats", "StreamMatch"]
@@ -85,10 +86,11 @@ class _Stream:
         self.bit = 1 << slot
         self.block_size: int | None = None
         self.sizes_seen: set[int] = set()
-        self.h2k: dict[int, dict[BlockHash, int]] = {}
+        # per tier, engine hash -> own key: a KeyMap (the C table, or a dict without C)
+        self.h2k: dict[int, Any] = {}
         self.dups: dict[int, dict[int, int]] = {}
-        self.ghosts: dict[BlockHash, int] = {}
-        self.old_ghosts: dict[BlockHash, int] = {}
+        self.ghosts: Any = _k.KeyMap()
+        self.old_ghosts: Any = _k.KeyMap()
         self.pred: dict[int, float] = {}
         self.events = self.batches = 0
         self.last_time: float | None = None
