@@ -1,18 +1,25 @@
 """``kvwire.nats.inbox``: subscriptions handled in nats-py's read loop, and the guarded
 writer that uses them for its PubAcks (with its direct socket writes), on a real
-nats-server."""
+nats-server; the version gate of nats-py's internals (kvwire.nats.client_internals), and
+the writer's tests again on nats-py's public API only (``nats_api``)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 nats = pytest.importorskip("nats")
 
+from nats_api import nats_api  # noqa: E402, F401 - a fixture
+
 from kvwire.consume.cache import BlockCache  # noqa: E402
+from kvwire.nats import client_internals as CI  # noqa: E402
 from kvwire.nats.bridge_config import BridgeConfig, ensure_stream  # noqa: E402
 from kvwire.nats.inbox import inline_supported, subscribe_inline  # noqa: E402
 from kvwire.nats.subjects import H_FIRST_SEQ, H_SEQ  # noqa: E402
@@ -99,9 +106,17 @@ def test_inline_callback_runs_in_the_read_loop_in_order_with_headers(nats_server
     run(main())
 
 
-def test_without_the_internals_it_falls_back_to_nats_py_s_dispatch(nats_server: Any) -> None:
-    assert not inline_supported(object())
+class _Bare:
+    """A client with nats-py's public API only (as a nats-py without those internals would
+    be): the real one's ``subscribe``, nothing private."""
 
+    def __init__(self, nc: Any) -> None:
+        self.subscribe = nc.subscribe
+
+
+@pytest.mark.parametrize("how", ["no internals", "forced public"])
+def test_without_the_internals_it_falls_back_to_nats_py_s_dispatch(
+        nats_server: Any, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     async def main() -> None:
         nc = await nats.connect(nats_server.url)
         try:
@@ -110,11 +125,56 @@ def test_without_the_internals_it_falls_back_to_nats_py_s_dispatch(nats_server: 
             def cb(m: Any) -> None:
                 got.append(asyncio.current_task() is nc._reading_task)
 
-            await subscribe_inline(nc, "t.fb", cb, inline=False)
+            if how == "no internals":
+                client: Any = _Bare(nc)
+            else:
+                monkeypatch.setenv(CI.FORCE_PUBLIC, "1")
+                client = nc
+            assert not inline_supported(client)
+            await subscribe_inline(client, "t.fb", cb)
             await nc.publish("t.fb", b"x")
             await nc.flush()
             await until(lambda: got, "the message")
             assert got == [False]  # delivered by the subscription's own task
+            assert nc._process_msg.__self__ is nc  # nats-py's reader left as it was
+        finally:
+            await nc.close()
+
+    run(main())
+
+
+def test_the_internals_are_gated_by_nats_py_s_version(
+        nats_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Only the tested nats-py versions (the pin in pyproject.toml) get the internals; any
+    other says so once, as a warning, and gets the public API. (Another nats-py cannot be
+    installed next to this one: the version string is patched, the client is real.)"""
+    assert CI.version_tested("2.16.0") and CI.version_tested("2.16.7")
+    for v in ("2.15.9", "2.17.0", "3.0.0", "2", "dev"):
+        assert not CI.version_tested(v), v
+    import nats.aio.client as client_mod
+
+    lo, hi = CI.TESTED
+    assert CI.version_tested(client_mod.__version__), (client_mod.__version__, CI.TESTED)
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml") as f:
+        pins = [ln for ln in f if '"nats-py' in ln]
+    assert pins and all(f"nats-py>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in ln for ln in pins), pins
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            monkeypatch.delenv(CI.FORCE_PUBLIC, raising=False)
+            assert CI.internals(nc) is not None
+            monkeypatch.setattr(client_mod, "__version__", "9.0.0")
+            monkeypatch.setattr(CI, "_warned", set())
+            with pytest.warns(RuntimeWarning, match="nats-py 9.0.0 is outside"):
+                assert CI.internals(nc) is None
+            assert "nats-py 9.0.0 is outside" in caplog.text
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert CI.internals(nc) is None  # said once
+            assert not inline_supported(nc)
+            w = JsWriter(nc, None, "X")
+            assert w.fast is None  # the writer's public-API path
         finally:
             await nc.close()
 
@@ -128,6 +188,8 @@ async def _writer(url: str, **kw: Any) -> tuple[Any, Any, JsWriter]:
     await ensure_stream(js, cfg)
     w = JsWriter(nc, js, cfg.stream, ack_timeout=5.0, **kw)
     await w.start()
+    public = os.environ.get(CI.FORCE_PUBLIC) == "1"
+    assert (w.fast is None) == public and inline_supported(nc) != public
     return nc, js, w
 
 
@@ -148,6 +210,7 @@ async def _subject_seqs(js: Any, subject: str, last: int) -> list[int]:
     return seqs
 
 
+@pytest.mark.usefixtures("nats_api")
 def test_guarded_writer_acks_in_the_read_loop_across_lanes_with_one_in_flight(
         nats_server: Any) -> None:
     """Three lanes share max_inflight=1 and are fed at once: what waits goes as runs, acks send the next run from the read loop, and every batch lands once, in
@@ -227,6 +290,7 @@ def test_an_ack_sends_at_once_unless_nats_py_holds_bytes_ahead(nats_server: Any)
     run(main())
 
 
+@pytest.mark.usefixtures("nats_api")
 def test_what_is_submitted_together_leaves_as_one_run(nats_server: Any) -> None:
     """``submit(pump=False)`` holds a burst until ``pump()`` (the bridge pumps after each
     read of its engines), so five batches cost one message and one round trip instead of
@@ -294,10 +358,11 @@ def test_what_is_submitted_together_leaves_as_one_run(nats_server: Any) -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("nats_api")
 def test_held_entries_whose_pump_never_comes_are_sent_by_the_watch(nats_server: Any) -> None:
     """A caller that held entries (``pump=False``) and then failed before ``pump()`` (a
     follower cancelled or crashed mid-read) leaves them neither stuck nor lost: the writer's
-    watch sends them within a tick, and ``pump_soon`` sends them without waiting."""
+    watch sends them within a tick (the one mechanism: a follower does nothing on exit)."""
 
     async def main() -> None:
         nc, js, w = await _writer(nats_server.url, pack=8)
@@ -309,14 +374,8 @@ def test_held_entries_whose_pump_never_comes_are_sent_by_the_watch(nats_server: 
                 await w.submit(ln.batch_entry(3, seq, b, E.encode_batch(b)), pump=False)
             assert w.stats.sent == 0 and len(ln.held) == 3
             await until(lambda: ln.last == (3, 2) and not ln.held, "the watch's send", 5.0)
-            assert w.stats.late_pumps >= 1 and w.stats.sent == 1, w.stats
-
-            b = _batch(0, 3)
-            await w.submit(ln.batch_entry(3, 3, b, E.encode_batch(b)), pump=False)
-            w.pump_soon(ln)  # from a task: the caller does not wait
-            assert w.stats.sent == 1 and len(ln.held) == 1
-            await until(lambda: ln.last == (3, 3), "pump_soon's send")
-            assert await _subject_seqs(js, "inboxt.e.0", 3) == [0, 1, 2, 3]
+            assert w.stats.late_pumps == 1 and w.stats.sent == 1, w.stats
+            assert await _subject_seqs(js, "inboxt.e.0", 2) == [0, 1, 2]
             assert w.stats.failed == 0, w.stats
         finally:
             await w.close()

@@ -10,11 +10,11 @@ from the read loop instead, with the same :class:`nats.aio.msg.Msg` nats-py woul
 The callback must not block or raise: it runs while nats-py reads the socket. It should
 only record the message and wake whoever acts on it.
 
-This uses nats-py internals (``Client._process_msg``, ``_process_headers``,
-``_build_message``), checked when installed: without them (another nats-py) the
-subscription falls back to nats-py's own task, with the same callback, and nothing else
-changes. Subscriptions keep their sid across reconnects (nats-py resubscribes them), so the
-routing by sid holds; a sid no longer in the client's table is left to nats-py.
+This needs nats-py internals (:mod:`kvwire.nats.client_internals`, which gates them by
+version): without them the subscription falls back to nats-py's own task, with the same
+callback, and nothing else changes. Subscriptions keep their sid across reconnects (nats-py
+resubscribes them), so the routing by sid holds; a sid no longer in the client's table is
+left to nats-py.
 """
 
 from __future__ import annotations
@@ -22,55 +22,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-_HOOKS = ("_process_msg", "_process_headers", "_build_message", "_subs", "stats")
+from .client_internals import internals
 
-
-class _Tap:
-    """Wraps one client's ``_process_msg``: messages for registered sids go to their
-    callback directly; all others to nats-py as before."""
-
-    def __init__(self, nc: Any) -> None:
-        self.nc = nc
-        self.orig = nc._process_msg
-        self.cbs: dict[int, tuple[Any, Callable[[Any], None]]] = {}
-        nc._process_msg = self.process
-
-    async def process(self, sid: int, subject: bytes, reply: bytes, data: bytes,
-                      headers: bytes | None) -> None:
-        got = self.cbs.get(sid)
-        nc = self.nc
-        if got is None or nc._subs.get(sid) is not got[0]:
-            if got is not None:
-                del self.cbs[sid]  # unsubscribed: nats-py's own rules apply
-            await self.orig(sid, subject, reply, data, headers)
-            return
-        st = nc.stats
-        st["in_msgs"] += 1
-        st["in_bytes"] += len(data)
-        hdr = await nc._process_headers(headers) if headers else None
-        got[1](nc._build_message(sid, subject, reply, data, hdr))
+__all__ = ["inline_supported", "subscribe_inline"]
 
 
 def inline_supported(nc: Any) -> bool:
-    """Whether this client has the internals :func:`subscribe_inline` relies on."""
-    return all(hasattr(nc, a) for a in _HOOKS)
+    """Whether :func:`subscribe_inline` runs callbacks in ``nc``'s read loop."""
+    return internals(nc) is not None
 
 
 async def subscribe_inline(nc: Any, subject: str, cb: Callable[[Any], None],
-                           inline: bool = True, **kwargs: Any) -> Any:
+                           **kwargs: Any) -> Any:
     """Subscribe ``subject`` with a synchronous ``cb(msg)`` run in the read loop; returns
     nats-py's ``Subscription`` (unsubscribe it as usual). Falls back to nats-py's own
-    dispatch (a task per subscription) when the client lacks the internals (see the module
-    docstring) or ``inline`` is false."""
+    dispatch (a task per subscription) when the client's internals may not be used."""
 
     async def fallback(msg: Any) -> None:
         cb(msg)
 
     sub = await nc.subscribe(subject, cb=fallback, **kwargs)
-    if inline and inline_supported(nc):
-        tap = getattr(nc, "_kvwire_tap", None)
-        if tap is None:
-            tap = _Tap(nc)
-            nc._kvwire_tap = tap
-        tap.cbs[sub._id] = (sub, cb)
+    got = internals(nc)
+    if got is not None:
+        got.tap().add(sub, cb)
     return sub

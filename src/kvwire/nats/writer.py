@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from .client_internals import internals
 from .inbox import subscribe_inline
 from .lag import Lag
 from .lane import (
@@ -120,10 +121,8 @@ class JsWriter(Resolver):
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
-        self._fast = all(hasattr(nc, a) for a in ("_send_command", "_flush_queue",
-                                                   "_flush_pending"))
-        self._direct = self._fast and all(hasattr(nc, a) for a in (
-            "_transport", "_pending_data_size", "stats"))
+        # nats-py's internals (kvwire.nats.client_internals), or None: its public API
+        self.fast = internals(nc)
         self._inbox_b = b""
         self.lanes: dict[str, Lane] = {}
         self.closing = False
@@ -200,10 +199,8 @@ class JsWriter(Resolver):
             return
         nc = self.nc
         try:
-            if self._fast and nc.is_connected:
-                await nc._send_command(cmd)
-                if nc._flush_queue is not None and nc._flush_queue.empty():
-                    await nc._flush_pending()
+            if self.fast is not None and nc.is_connected:
+                await self.fast.send(cmd)
             else:
                 await nc.publish(e.lane.subject, e.payload, reply=f"{self._inbox}.{e.token}",
                                  headers=e.send_headers())
@@ -239,25 +236,13 @@ class JsWriter(Resolver):
         flusher, which writes many messages per wakeup."""
         if not (self.guarded and self._can_write_now()):
             return False
-        nc = self.nc
-        nc._transport.write(cmd)
-        nc.stats["out_msgs"] += 1
-        nc.stats["out_bytes"] += len(cmd)
+        self.fast.write_now(cmd)  # type: ignore[union-attr]
         return True
 
     async def pump(self, lane: Lane) -> None:
         """Send what ``submit(..., pump=False)`` left held, if the lane may send now."""
         if self.guarded:
             await self._pump(lane)
-
-    def pump_soon(self, lane: Lane) -> bool:
-        """:meth:`pump` from a task of the writer's, for callers that cannot wait (a
-        ``finally`` of a cancelled follower: what it held must not wait for its next read).
-        True if the lane had something it may send now."""
-        if self.guarded and not self._blocked(lane):
-            self._spawn(self._pump(lane))
-            return True
-        return False
 
     async def _pump(self, lane: Lane) -> None:
         """Guarded lanes: send the next message if none is in flight (its guard: the
@@ -309,9 +294,7 @@ class JsWriter(Resolver):
         self._spawn(self._pump(lane))
 
     def _can_write_now(self) -> bool:
-        nc = self.nc
-        return (self._direct and nc.is_connected and not nc._pending_data_size
-                and nc._transport is not None)
+        return self.fast is not None and self.fast.can_write_now()
 
     def _on_ack_sync(self, subject: str, data: bytes, headers: dict[str, str] | None
                      ) -> Lane | None:
@@ -405,16 +388,14 @@ class JsWriter(Resolver):
         """The connection broke: what the server got is a prefix of what was sent on it.
 
         Keep it a prefix: nats-py would send the publishes still queued in its buffer after
-        the reconnect (ahead of anything a recovery decides), so they are dropped here (its
-        private ``_pending`` list; one bytes command per publish), and every lane with
-        messages in flight recovers (holding new ones) before anything else goes out."""
-        pending = getattr(self.nc, "_pending", None)
-        if isinstance(pending, list):
-            keep = [c for c in pending if not (
-                c[:5] == b"HPUB " and c[5:].split(b" ", 1)[0].decode() in self.lanes)]
-            if len(keep) != len(pending):
-                self.nc._pending = keep
-                self.nc._pending_data_size = sum(len(c) for c in keep)
+        the reconnect (ahead of anything a recovery decides), so they are dropped here
+        (with nats-py's internals; without, they go out first, and the recovery finds them
+        on the subject or re-sends them: Msg-Id dedupe or the guard keeps them once), and
+        every lane with messages in flight recovers (holding new ones) before anything else
+        goes out."""
+        if self.fast is not None:
+            self.fast.drop_queued(lambda c: c[:5] == b"HPUB " and c[5:].split(
+                b" ", 1)[0].decode() in self.lanes)
         for lane in self.lanes.values():
             lane.cut = True  # acks of what is in flight went with the connection
             if lane.pending or lane.held:
@@ -428,8 +409,9 @@ class JsWriter(Resolver):
             await asyncio.sleep(min(0.25, self.ack_timeout / 4))
             now = time.monotonic()
             for lane in list(self.lanes.values()):
-                if self.pump_soon(lane):
+                if self.guarded and not self._blocked(lane):
                     self.stats.late_pumps += 1
+                    self._spawn(self._pump(lane))
                 if (not lane.recovering and lane.pending and lane.pending[0].state == PENDING
                         and now - lane.pending[0].sent_at > self.ack_timeout):
                     self.stats.timeouts += 1

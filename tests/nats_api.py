@@ -1,0 +1,21 @@
+"""The ``nats_api`` fixture: a test run with nats-py's internals and again with its public
+API only (kvwire.nats.client_internals). Import it into a test module that uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvwire.nats.client_internals import FORCE_PUBLIC
+
+
+@pytest.fixture(params=["internals", "public"])
+def nats_api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``internals``, or ``public``: ``KVWIRE_NATS_PUBLIC_API=1`` (child processes inherit
+    it), the path a nats-py outside the tested versions takes."""
+    if request.param == "public":
+        monkeypatch.setenv(FORCE_PUBLIC, "1")
+    else:
+        monkeypatch.delenv(FORCE_PUBLIC, raising=False)
+    yield request.param
