@@ -306,10 +306,8 @@ class Bridge:
             self.stats.last_error = f"{spec.name}: {e!r}"
             log.exception("follower of %s failed", spec.name)
             raise
-        finally:
+        finally:  # (stopped mid-read: what it held goes on by the writer's watch)
             sub.close()
-            for f in by_name.values():  # stopped mid-read: what it held goes on
-                w.pump_soon(f.lane)
 
     async def _load(self, f: _Follow) -> None:
         """Where the subject stands: its state rebuilt from snapshot + messages."""

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..consume.items import Delivery
 from . import subjects as S
+from .client_internals import internals
 from .exact import BadMessage, Gap, Tracker
 from .inbox import subscribe_inline
 from .streams import NatsStats, NatsStreams
@@ -154,9 +155,9 @@ class NatsSource:
                     connect_timeout=2, disconnected_cb=disconnected,
                     reconnected_cb=reconnected, error_cb=error, name="kvwire-consumer")
                 self.js = self.nc.jetstream(timeout=5)
-                if callable(getattr(self.nc, "_parse_header_lines", None)):
-                    # (nats-py calls it as self._parse_header_lines: this connection only)
-                    self.nc._parse_header_lines = _header_lines
+                fast = internals(self.nc)
+                if fast is not None:
+                    fast.use_header_parser(_header_lines)
                 self.connected = True
                 return
             except Exception as e:  # server not up yet: keep trying, say why
