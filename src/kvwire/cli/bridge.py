@@ -12,12 +12,19 @@ import asyncio
 import faulthandler
 import gc
 import json
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 
-from .serve import _engine
+from .options import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_connect_timeout,
+    add_log_level,
+    configure_logging,
+    engine,
+)
 
 __all__ = ["add_arguments", "main", "register", "run"]
 
@@ -35,12 +42,21 @@ def _number(kind: type, *, allow_zero: bool = False):
     return conv
 
 
+def _nats_url(text: str) -> str:
+    from ..nats.connect import check_url
+
+    try:
+        return check_url(text, "--nats")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..nats.subjects import DEFAULT_PREFIX, DEFAULT_STREAM
 
-    p.add_argument("--nats", required=True, action="append", metavar="URL",
+    p.add_argument("--nats", required=True, action="append", metavar="URL", type=_nats_url,
                    help="NATS server URL, e.g. nats://10.0.0.9:4222 (repeat for a cluster)")
-    p.add_argument("--engine", action="append", type=_engine, required=True,
+    p.add_argument("--engine", action="append", type=engine, required=True,
                    metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
                    help="an engine's KV event endpoint (repeat per engine), as for serve")
     p.add_argument("--stream", default=DEFAULT_STREAM, help="JetStream stream name")
@@ -70,31 +86,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as one run of up to N batches (default 256; never waits to fill "
                         "one). 1: one message per batch, pipelined, deduplicated by "
                         "Nats-Msg-Id alone")
-    p.add_argument("--connect-timeout", type=_number(float), default=10.0, metavar="S",
-                   help="give up if the first connection takes longer (later: retried)")
+    add_connect_timeout(p, "NATS")
     p.add_argument("--log-interval", type=_number(float, allow_zero=True), default=10.0,
                    metavar="S", help="one-line stats every S seconds (0: none)")
-    p.add_argument("--log-level", default="warning")
+    add_log_level(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``bridge`` subcommand to ``kvwire``'s subparsers."""
     p = subparsers.add_parser("bridge", help="write engines' KV events to NATS JetStream",
-                              description=__doc__.splitlines()[0])
+                              description=__doc__.splitlines()[0], epilog=EPILOG)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
+EPILOG = """exit status: 0 stopped cleanly (SIGINT/SIGTERM); 1 no NATS connection within
+--connect-timeout, or the stream could not be set up; 2 a bad flag, --engine or config, or
+the nats extra missing (docs/operations.md)"""
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM; exit 0 after a clean close, 2 on bad config."""
+    """Run until SIGINT/SIGTERM; exit 0 after a clean close, 1 if NATS cannot be reached or
+    set up, 2 on bad config."""
     try:
         from ..nats.bridge import Bridge, BridgeConfig, BridgeError
     except ImportError as e:
         print(f"kvwire bridge: {e}; install with: pip install 'kvwire[nats]'", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return EXIT_USAGE
+    configure_logging(args, stamped=True)
     cfg = BridgeConfig(
         nats=args.nats, stream=args.stream, prefix=args.prefix, max_age=args.max_age,
         max_bytes=args.max_bytes, max_msgs_per_subject=args.max_msgs_per_subject,
@@ -106,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         bridge = Bridge(args.engine, cfg)
     except BridgeError as e:
         print(f"kvwire bridge: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     # SIGUSR1 prints every thread's stack to stderr: what a bridge that will not stop is doing
     # (only where stderr is a real file: not when called in-process with stderr captured)
@@ -131,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         except BridgeError as e:
             print(f"kvwire bridge: {e}", file=sys.stderr)
             await bridge.close(drain=0)
-            return 2
+            return EXIT_FAILURE
         # Startup's objects (modules, the nats and zmq machinery) go to the permanent
         # generation: a full collection then scans only what the run keeps (its pauses
         # were 25-40 ms after a busy minute, stalling every stream; ~1-13 ms frozen).
@@ -146,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             await bridge.close()
         print(f"kvwire bridge: stopped {json.dumps(bridge.summary())}", file=sys.stderr,
               flush=True)
-        return 0
+        return EXIT_OK
 
     try:  # uvloop when installed (kvwire[serve] brings it): ~20% less CPU per batch
         import uvloop

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+from .options import (
+    EXIT_FAILURE,
+    EXIT_MISSED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_connect_timeout,
+    configure_logging,
+)
 
 __all__ = ["main"]
 
@@ -105,17 +113,29 @@ def _cmd_listen(args: argparse.Namespace) -> int:
 
     try:
         specs = _streams(args)
+        for s in specs:
+            if hasattr(s, "open_link"):  # NATS: reach the server now, or say why not
+                _reach_nats(s.url, min(args.connect_timeout, args.duration or math.inf))
         sub = Subscriber(specs, config=StreamConfig(request_timeout=args.replay_timeout))
     except (ValueError, ImportError) as e:
         notice(str(e))
-        return 2
+        return EXIT_USAGE
+    except OSError as e:  # kvwire.nats.connect.NatsConnectError
+        notice(str(e))
+        return EXIT_FAILURE
     tallies = {s.name: StreamTally(s.name) for s in specs if not hasattr(s, "open_link")}
     exporter = None
     if args.metrics is not None:
         from ..metrics import register, start_exporter, subscriber_collector
 
         register(subscriber_collector(sub))
-        exporter = start_exporter(args.metrics, addr=args.metrics_addr)
+        try:
+            exporter = start_exporter(args.metrics, addr=args.metrics_addr)
+        except (OSError, OverflowError, UnicodeError) as e:  # in use, unresolvable address
+            sub.close()
+            notice(f"cannot serve metrics on {args.metrics_addr}:{args.metrics} (--metrics, "
+                   f"--metrics-addr): {e}")
+            return EXIT_FAILURE
         notice(f"metrics on http://{args.metrics_addr}:{exporter.server_address[1]}/metrics")
     out = sys.stdout
     view = args.view if args.view is not None else (out.isatty() and not args.json)
@@ -216,18 +236,33 @@ def _cmd_listen(args: argparse.Namespace) -> int:
     if status:
         return status
     if args.count is not None and batches < args.count:
-        return 1
-    return 0
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _reach_nats(url: str, timeout: float) -> None:
+    """Connect to the NATS server once (NatsConnectError, an OSError, if it does not answer
+    within ``timeout``): without this a consumer would retry in the background for ever."""
+    try:
+        import nats  # noqa: F401
+    except ImportError:
+        raise ImportError("NATS streams need nats-py: pip install 'kvwire[nats]'") from None
+    from ..nats.connect import reach
+
+    reach(url, timeout, name="kvwire-listen")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if not args.late_join:
-        from ..sim.fleet_demo import run_fleet_demo
+        from ..sim.fleet_demo import missed_targets, run_fleet_demo
 
-        run_fleet_demo(args.report, engines=args.engines,
-                       capacity=args.capacity if args.capacity is not None else 5000,
-                       seed=args.seed, limit=args.limit)
-        return 0
+        result = run_fleet_demo(args.report, engines=args.engines,
+                                capacity=args.capacity if args.capacity is not None else 5000,
+                                seed=args.seed, limit=args.limit)
+        missed = missed_targets(result)
+        for m in missed:
+            print(f"kvwire demo: target missed: {m}", file=sys.stderr)
+        return EXIT_MISSED if missed else EXIT_OK
     from ..sim.demo import run_demo
 
     s = run_demo(steps=args.steps, capacity=args.capacity if args.capacity is not None else 4096,
@@ -245,7 +280,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"  rebuilt by subscriber   {s.rebuilt_blocks} "
           f"({'exact match' if s.rebuilt_matches else 'MISMATCH'})")
     print(f"  wall time               {s.seconds:.1f} s")
-    return 0 if s.rebuilt_matches else 1
+    if not s.rebuilt_matches:
+        print("kvwire demo: target missed: the subscriber's rebuilt cache differs from the "
+              "engine's", file=sys.stderr)
+        return EXIT_MISSED
+    return EXIT_OK
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
@@ -267,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Follow publishers reliably: bootstrap from snapshots (kvwire publishers), "
         "fill gaps by replay, detect restarts. On a terminal: a live per-stream table; "
         "piped: one readable block per batch; --json: one JSON object per item.",
+        epilog="exit status: 0 done (--count reached, --duration over, stdout closed); 1 "
+        "fewer than --count batches, or no NATS connection within --connect-timeout (or "
+        "--duration), or --metrics cannot listen; 2 a bad flag or endpoint, or an extra "
+        "missing; 130/143 SIGINT/SIGTERM (docs/operations.md)",
     )
     ls.add_argument("endpoint", nargs="+",
                     help="live endpoint(s), e.g. tcp://10.0.0.5:5557 (binds only tcp://*:PORT), "
@@ -296,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
     ls.add_argument("--curve-secret", metavar="FILE", help="this client's CurveZMQ secret key")
     ls.add_argument("--curve-server-key", metavar="FILE", help="the publishers' public key")
+    add_connect_timeout(ls, "a nats:// endpoint")
     ls.set_defaults(func=_cmd_listen)
 
     ks = sub.add_parser("keys", help="generate a CurveZMQ key pair (NAME.key, NAME.key_secret)")
@@ -308,7 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Default: simulate Mooncake's synthetic trace on 8 engines that publish real "
         "KV events, route it with every policy, print the table and write a PNG report. "
         "--late-join: one engine and a subscriber that joins late, bootstraps from a snapshot "
-        "and must rebuild the engine's cache exactly.")
+        "and must rebuild the engine's cache exactly.",
+        epilog="exit status: 0 every target it prints was met; 3 a target missed (each named "
+        "on stderr: kvwire's hit ratio vs the oracle's and random's, its work max/mean; "
+        "--late-join: the rebuilt cache differs); 2 a bad flag")
     dm.add_argument("--engines", type=_integer(1), default=8, help="fleet size (fleet story)")
     dm.add_argument("--capacity", type=_integer(1), default=None,
                     help="engine cache size in blocks (default 5000; --late-join: 4096)")
@@ -334,12 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, set up logging (``serve`` and ``bridge`` redo it from their ``--log-level``),
+    run the subcommand; its exit status (docs/operations.md)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(name)s: %(levelname)s: %(message)s",
-    )
+    configure_logging(args)
     return args.func(args)
 
 

@@ -14,52 +14,55 @@ __all__ = ["discover", "nats_engines"]
 
 def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """The NatsStreams spec and the EngineSpecs (``--nats-engine NAME[:RANKS]``, else every
-    engine with a subject on the stream now). ValueError says what is wrong."""
+    engine with a subject on the stream now). The server is reached first either way, so a
+    wrong URL fails here: NatsConnectError (an OSError) if it does not answer within
+    ``--connect-timeout``; ValueError for anything wrong in the flags or the stream."""
+    from ..consume.engine_spec import EngineSpec
     from ..nats.consumer import NatsStreams
-    from ..nats.subjects import check_token
-    from ..router.service import EngineSpec
 
     if args.engine:
         raise ValueError("--engine and --nats exclude each other (with --nats the engines' "
                          "streams come from JetStream; name them with --nats-engine)")
     spec = NatsStreams(args.nats, stream=args.stream, subject=args.subject)
-    ranks: dict[str, int] = {}
     if args.nats_engine:
-        for text in args.nats_engine:
-            name, _, n = text.partition(":")
-            check_token(name, "--nats-engine name")
-            if n and (not n.isdigit() or not 1 <= int(n) <= 1024):
-                raise ValueError(f"--nats-engine {text!r}: RANKS must be 1..1024")
-            ranks[name] = int(n) if n else 1
-    else:
-        try:
-            found = discover(spec)
-        except Exception as e:
-            raise ValueError(f"cannot read stream {args.stream} at {args.nats}: {e}") from None
-        for engine, rank in found:
-            ranks[engine] = max(ranks.get(engine, 0), rank + 1)
-        if not ranks:
-            raise ValueError(f"no engine subjects on stream {args.stream} yet: start "
-                             "kvwire bridge first, or name them with --nats-engine NAME[:RANKS]")
-    engines = [EngineSpec(name, spec.url, ranks=n) for name, n in ranks.items()]
-    return spec, engines
+        names = [e.name for e in args.nats_engine]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"--nats-engine: {dup} given twice")
+        asyncio.run(_discover(spec, args.connect_timeout, read=False))
+        return spec, list(args.nats_engine)
+    found = asyncio.run(_discover(spec, args.connect_timeout, read=True))
+    ranks: dict[str, int] = {}
+    for engine, rank in found:
+        ranks[engine] = max(ranks.get(engine, 0), rank + 1)
+    if not ranks:
+        raise ValueError(f"no engine subjects on stream {args.stream} yet: start "
+                         "kvwire bridge first, or name them with --nats-engine NAME[:RANKS]")
+    return spec, [EngineSpec(name, None, ranks=n) for name, n in ranks.items()]
 
 
-async def _discover(url: str, stream: str, subject: str, prefix: str) -> list[tuple[str, int]]:
-    import nats
+async def _discover(spec: Any, timeout: float, read: bool) -> list[tuple[str, int]]:
+    from ..nats.connect import connect
 
-    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    nc = await connect(spec.url, timeout=timeout, name="kvwire-serve-discover")
     try:
-        info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+        if not read:
+            return []
+        try:
+            info = await nc.jetstream().stream_info(spec.stream, subjects_filter=spec.filter)
+        except Exception as e:  # noqa: BLE001 - no such stream, no JetStream: say which
+            raise ValueError(f"cannot read stream {spec.stream} at {spec.url}: "
+                             f"{type(e).__name__}: {e}") from None
     finally:
-        await nc.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 5)
     out = []
     for s in sorted((info.state.subjects or {}).keys()):
         with contextlib.suppress(ValueError):
-            out.append(parse_subject(prefix, s))
+            out.append(parse_subject(spec.prefix, s))
     return out
 
 
-def discover(spec: Any) -> list[tuple[str, int]]:
+def discover(spec: Any, timeout: float = 10.0) -> list[tuple[str, int]]:
     """``(engine, rank)`` of every subject the stream holds now (for ``kvwire serve``)."""
-    return asyncio.run(_discover(spec.url, spec.stream, spec.filter, spec.prefix))
+    return asyncio.run(_discover(spec, timeout, read=True))

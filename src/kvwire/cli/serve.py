@@ -14,17 +14,39 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from .options import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_connect_timeout,
+    add_log_level,
+    configure_logging,
+    engine,
+    port,
+)
+
 #: Allocations between young-generation collections in a serve process (CPython: 700).
 GC_THRESHOLD0 = int(os.environ.get("KVWIRE_GC_THRESHOLD0", "10000"))
 
 __all__ = ["main", "register", "run"]
 
+log = logging.getLogger("kvwire.serve")
 
-def _engine(text: str):
-    from ..router.service import EngineSpec
+
+def _nats_engine(text: str):
+    from ..consume.engine_spec import EngineSpec
 
     try:
-        return EngineSpec.parse(text)
+        return EngineSpec.parse_named(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _nats_url(text: str) -> str:
+    from ..nats.connect import check_url
+
+    try:
+        return check_url(text, "--nats")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -52,22 +74,24 @@ def _nonneg(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", action="append", type=_engine, default=[],
+    p.add_argument("--engine", action="append", type=engine, default=[],
                    metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
                    help="an engine's KV event endpoint (repeat per engine); ranks=N follows "
                         "DP ranks at port + rank")
-    p.add_argument("--nats", metavar="URL", default=None,
+    p.add_argument("--nats", metavar="URL", default=None, type=_nats_url,
                    help="feed the index from JetStream (kvwire bridge) instead: router "
                         "replicas share one ordered history")
     p.add_argument("--stream", default="KVWIRE", metavar="NAME",
                    help="--nats: the JetStream stream (default KVWIRE)")
     p.add_argument("--subject", default=None, metavar="FILTER",
                    help="--nats: subject filter (default kvwire.events.>)")
-    p.add_argument("--nats-engine", action="append", default=[], metavar="NAME[:RANKS]",
+    p.add_argument("--nats-engine", action="append", type=_nats_engine, default=[],
+                   metavar="NAME[:RANKS]",
                    help="--nats: an engine to route to (repeat; default: the engines on the "
                         "stream at start)")
+    add_connect_timeout(p, "--nats")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free one)")
     p.add_argument("--block-size", type=_positive(int), default=16,
                    help="tokens per reference block, the policy's unit (default 16)")
     p.add_argument("--prefill-weight", type=_nonneg, default=1.0)
@@ -91,13 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "output_tokens (default 50 = 20k prefill / 400 decode tokens/s)")
     p.add_argument("--dead-after", type=_positive(float), default=None,
                    help="silence (s) after which a stream is dead (default 3 heartbeats)")
-    p.add_argument("--log-level", default="warning")
+    add_log_level(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``kvwire``'s subparsers."""
     p = subparsers.add_parser("serve", help="route prompts to the engine holding their prefix",
-                              description=__doc__.splitlines()[0])
+                              description=__doc__.splitlines()[0], epilog=EPILOG)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -121,7 +145,8 @@ def tune_process() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the subscriber thread and uvicorn; blocks until interrupted."""
+    """Start the subscriber thread and uvicorn; blocks until interrupted. Exit statuses:
+    0 stopped, 1 cannot connect (--nats) or listen, 2 bad configuration or no extra."""
     try:
         import uvicorn
 
@@ -131,9 +156,8 @@ def run(args: argparse.Namespace) -> int:
         from ..router.service import RouterCore
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return EXIT_USAGE
+    level = configure_logging(args, stamped=True)
     try:
         nats = None
         engines = args.engine
@@ -141,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
             from .nats_engines import nats_engines
 
             nats, engines = nats_engines(args)
+        elif args.nats_engine:
+            raise ValueError("--nats-engine needs --nats URL")
         elif not engines:
             raise ValueError("give --engine NAME=ENDPOINT (repeat) or --nats URL")
         core = RouterCore(
@@ -152,10 +178,21 @@ def run(args: argparse.Namespace) -> int:
             decode_share=args.decode_share,
             stream_config=StreamConfig(dead_after=args.dead_after),
         )
-        core.start()
-    except (ValueError, RuntimeError, OSError, ImportError) as e:
+    except (ValueError, ImportError) as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except OSError as e:  # kvwire.nats.connect.NatsConnectError included
+        print(f"kvwire serve: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        core.start()
+    except ValueError as e:  # a stream the subscriber cannot open
+        print(f"kvwire serve: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RuntimeError, OSError) as e:
+        core.close()
+        print(f"kvwire serve: {e}", file=sys.stderr)
+        return EXIT_FAILURE
     # Bind here, not in uvicorn: `--port 0` then prints the port the OS gave, and a port in
     # use is one clear line instead of uvicorn's traceback.
     try:
@@ -163,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         core.close()
         print(f"kvwire serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_FAILURE
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
@@ -171,14 +208,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = fast_app(build_app(core))
         tune_process()
-        config = uvicorn.Config(app, log_level=args.log_level.lower(),
+        log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
+                 gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
+        config = uvicorn.Config(app, log_level=level,
                                 access_log=False, lifespan="off",
                                 proxy_headers=False)  # no X-Forwarded-* rewriting per request
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
         core.close()
-    return 0
+    return EXIT_OK
+
+
+EPILOG = """exit status: 0 stopped (SIGINT/SIGTERM); 1 cannot connect to --nats within
+--connect-timeout, or cannot listen on --host:--port; 2 a bad flag, --engine or stream, or
+the serve extra missing (docs/operations.md)"""
 
 
 def _bind(host: str, port: int) -> socket.socket:

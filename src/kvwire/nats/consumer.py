@@ -38,6 +38,7 @@ from typing import Any
 from ..consume.items import Delivery
 from . import subjects as S
 from .client_internals import internals
+from .connect import connect as connect_nats
 from .exact import BadMessage, Gap, Tracker
 from .inbox import subscribe_inline
 from .streams import NatsStats, NatsStreams
@@ -79,6 +80,9 @@ def _stream_seq(reply: str) -> int:
     t = reply.split(".")
     return int(t[5] if len(t) == 9 else t[7])
 
+
+#: How long one try at the first connection lasts (then: a log line, a look at stop, again).
+CONNECT_TRY = 3.0
 
 #: A pull request's lifetime: the server ends it with a 408 status after this long.
 _EXPIRES_NS = 1_000_000_000
@@ -135,8 +139,6 @@ class NatsSource:
                          last_error=self.last_error or self.tracker.last_error)
 
     async def _connect(self) -> None:
-        import nats
-
         async def disconnected() -> None:
             self.connected = False
 
@@ -150,18 +152,20 @@ class NatsSource:
 
         while not self._stop.is_set():
             try:
-                self.nc = await nats.connect(
-                    self.spec.url, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                    connect_timeout=2, disconnected_cb=disconnected,
-                    reconnected_cb=reconnected, error_cb=error, name="kvwire-consumer")
+                # (bounded: nats-py alone retries a first connect for ever, and never
+                # looks at the stop flag meanwhile)
+                self.nc = await connect_nats(
+                    self.spec.url, timeout=CONNECT_TRY, warn=False,
+                    disconnected_cb=disconnected, reconnected_cb=reconnected,
+                    error_cb=error, name="kvwire-consumer")
                 self.js = self.nc.jetstream(timeout=5)
                 fast = internals(self.nc)
                 if fast is not None:
                     fast.use_header_parser(_header_lines)
                 self.connected = True
                 return
-            except Exception as e:  # server not up yet: keep trying, say why
-                self.last_error = f"cannot connect to {self.spec.url}: {e}"
+            except Exception as e:  # server not up yet: keep trying, one line per try
+                self.last_error = str(e)
                 log.warning("%s", self.last_error)
                 await asyncio.sleep(0.5)
 

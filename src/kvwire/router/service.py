@@ -22,7 +22,6 @@ and gives up with :class:`RouteError` 503 after ``lock_timeout``.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -30,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..consume.engine_spec import EngineSpec
 from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
-from ..wire.endpoint import check_endpoint
 from ..wire.events import KVEventBatch
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 
@@ -40,7 +39,6 @@ __all__ = ["EngineSpec", "RouteError", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 #: Deliveries applied per lock hold, so a route never waits behind a long burst.
 APPLY_SLICE = 64
 #: Deliveries taken from the subscriber per wake-up.
@@ -59,55 +57,6 @@ class RouteError(ValueError):
         super().__init__(message)
         self.status = status
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """One engine to route to: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]``."""
-
-    name: str
-    endpoint: str
-    replay: str | None = None
-    ranks: int = 1
-    topic: str = ""
-
-    @classmethod
-    def parse(cls, text: str) -> EngineSpec:
-        """Parse a ``--engine`` value; ValueError says which part is wrong."""
-        name, sep, rest = text.partition("=")
-        if not sep:
-            raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,replay=...]")
-        if not _NAME.match(name):
-            raise ValueError(f"--engine {text!r}: engine name {name!r} must be 1-64 of "
-                             "letters, digits, '_', '.', ':', '-'")
-        parts = rest.split(",")
-        endpoint, opts = parts[0], parts[1:]
-        if not endpoint:
-            raise ValueError(f"--engine {text!r}: missing ENDPOINT after '{name}='")
-        check_endpoint(endpoint, f"--engine {name} endpoint")
-        kw: dict[str, Any] = {}
-        for opt in opts:
-            key, eq, val = opt.partition("=")
-            if not eq or key not in ("replay", "ranks", "topic"):
-                raise ValueError(f"--engine {text!r}: unknown option {opt!r} "
-                                 "(expected replay=ENDPOINT, ranks=N or topic=T)")
-            if key in kw:
-                raise ValueError(f"--engine {text!r}: {key} given twice")
-            if key == "replay":
-                check_endpoint(val, f"--engine {name} replay")
-                kw["replay"] = val
-            elif key == "ranks":
-                if not val.isdigit() or not 1 <= int(val) <= 1024:
-                    raise ValueError(f"--engine {text!r}: ranks={val!r} must be 1..1024")
-                kw["ranks"] = int(val)
-            else:
-                kw["topic"] = val
-        return cls(name, endpoint, **kw)
-
-    def streams(self) -> list[StreamSpec]:
-        """The subscriber specs of this engine's DP ranks, named ``NAME/dpR``."""
-        return StreamSpec.for_ranks(self.name, self.endpoint, self.ranks, self.topic,
-                                    self.replay)
 
 
 def _pieces(items: list) -> list[list]:
@@ -209,10 +158,11 @@ class RouterCore:
         self.targets: list[_Target] = []
         self.specs: list[StreamSpec] = []
         for e in self.engines:
-            for r, spec in enumerate(e.streams()):
-                label = e.name if e.ranks == 1 else spec.name
-                self.targets.append(_Target(spec.name, label, e.name, r))
-                self.specs.append(spec)
+            for r, stream in enumerate(e.stream_names()):
+                label = e.name if e.ranks == 1 else stream
+                self.targets.append(_Target(stream, label, e.name, r))
+            if nats is None:  # (with nats, the engines' streams come from JetStream)
+                self.specs += e.streams()
         self._by_label = {t.label: t for t in self.targets}
         self._pairs = [(t.stream, t.label) for t in self.targets]
         self.stream_config = stream_config

@@ -9,7 +9,38 @@ from pathlib import Path
 from .fleet import POLICIES, SimConfig, SimResult, run_sim
 from .trace import bundled_trace_path, load_trace
 
-__all__ = ["run_fleet_demo"]
+__all__ = ["TARGETS", "missed_targets", "run_fleet_demo"]
+
+#: What the fleet story promises for kvwire's policy: its hit ratio over the oracle's
+#: (at least), over random's (at least), and its work max/mean across engines (at most).
+TARGETS = {"oracle": 0.98, "random": 2.5, "work_max_over_mean": 1.10}
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b, where 0 / 0 is 1 (both equal) and x / 0 is infinite."""
+    if b:
+        return a / b
+    return 1.0 if not a else float("inf")
+
+
+def missed_targets(result: SimResult) -> list[str]:
+    """The targets :func:`run_fleet_demo` printed that ``result`` misses, each as one line
+    (empty: all met). ``kvwire demo`` exits non-zero on any, so ``make demo`` catches a
+    routing regression."""
+    kv, orc, rnd = (result.results[p] for p in ("kvwire", "oracle", "random"))
+    out = []
+    r = _ratio(kv.hit_ratio, orc.hit_ratio)
+    if r < TARGETS["oracle"]:
+        out.append(f"kvwire's hit ratio is {r:.3f}x the oracle's (target >= "
+                   f"{TARGETS['oracle']:g})")
+    r = _ratio(kv.hit_ratio, rnd.hit_ratio)
+    if r < TARGETS["random"]:
+        out.append(f"kvwire's hit ratio is {r:.3f}x random's (target >= "
+                   f"{TARGETS['random']:g})")
+    if kv.work_max_over_mean > TARGETS["work_max_over_mean"]:
+        out.append(f"kvwire's work max/mean is {kv.work_max_over_mean:.3f} (target <= "
+                   f"{TARGETS['work_max_over_mean']:.2f})")
+    return out
 
 
 def run_fleet_demo(out_png: str | Path | None = "report.png", engines: int = 8,

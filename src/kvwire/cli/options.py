@@ -1,0 +1,83 @@
+"""What every ``kvwire`` subcommand shares: exit statuses, logging, and flags with one meaning
+everywhere (``--log-level``, ``--connect-timeout``, ports, ``--engine``).
+
+Exit statuses (docs/operations.md): 0 done; 1 a runtime failure (cannot connect, cannot
+listen, fewer batches than ``--count``); 2 a bad command line or configuration, or a missing
+extra; 3 a demo ran and missed its targets; 130/143 SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+__all__ = [
+    "EXIT_FAILURE", "EXIT_MISSED", "EXIT_OK", "EXIT_USAGE", "LOG_LEVELS", "add_connect_timeout",
+    "add_log_level", "configure_logging", "engine", "port", "positive_seconds",
+]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # the command was right, the world was not: refused, timed out, port in use
+EXIT_USAGE = 2  # a bad flag, endpoint, engine or config (argparse exits 2 too), or no extra
+EXIT_MISSED = 3  # kvwire demo: ran, but missed a target it printed
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+CONNECT_TIMEOUT = 10.0
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: any free one)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
+    return v
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def engine(text: str):
+    """An argparse type: ``--engine NAME=ENDPOINT[,...]`` (:class:`EngineSpec`)."""
+    from ..consume.engine_spec import EngineSpec
+
+    try:
+        return EngineSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=None,
+                   help="kvwire's log level on stderr (default warning; kvwire -v: debug)")
+
+
+def add_connect_timeout(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--connect-timeout", type=positive_seconds, default=CONNECT_TIMEOUT,
+                   metavar="S",
+                   help=f"give up (exit 1) if the first connection to {what} takes longer "
+                        f"than S seconds, naming the last reason (default {CONNECT_TIMEOUT:g}; "
+                        "a connection lost later is retried)")
+
+
+def configure_logging(args: argparse.Namespace, *, stamped: bool = False) -> str:
+    """Set up logging from ``--log-level`` (or ``-v``), replacing any earlier set-up; the
+    level's name. ``stamped``: lines start with the time (long-running services)."""
+    level = getattr(args, "log_level", None) or (
+        "debug" if getattr(args, "verbose", False) else "warning")
+    fmt = ("%(asctime)s %(name)s %(levelname)s %(message)s" if stamped
+           else "%(name)s: %(levelname)s: %(message)s")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, force=True, format=fmt)
+    return level

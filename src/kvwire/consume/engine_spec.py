@@ -1,0 +1,105 @@
+"""Which engines to follow: :class:`EngineSpec` and its parsers, for every command that names
+engines (``serve --engine``, ``serve --nats-engine``, ``bridge --engine``).
+
+It lives on the consumer side because the router (:mod:`kvwire.router.service`) and the NATS
+bridge (:mod:`kvwire.nats.bridge`) both follow engines: neither imports the other for it.
+
+One name rule everywhere: 1-64 of letters, digits, ``_`` and ``-``. A name becomes a NATS
+subject token (``<prefix>.<engine>.<rank>``, where ``.`` separates tokens and ``*``/``>`` are
+wildcards) and a stream name ``NAME/dpR``, so ``.``, ``/``, ``:`` and spaces are refused by
+``serve`` too: a fleet named for ``serve`` can always be bridged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..wire.endpoint import check_endpoint
+from .subscriber import StreamSpec
+
+__all__ = ["ENGINE_NAME_RULE", "EngineSpec", "check_engine_name"]
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: What :func:`check_engine_name` accepts, as error messages say it.
+ENGINE_NAME_RULE = ("1-64 of letters, digits, '_' and '-' (it becomes a NATS subject token, "
+                    "where '.' separates tokens)")
+_MAX_RANKS = 1024
+
+
+def check_engine_name(name: str, where: str) -> str:
+    """``name`` if it follows the one engine-name rule, else ValueError naming ``where``."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{where}: engine name {name!r} must be {ENGINE_NAME_RULE}")
+    return name
+
+
+def _ranks(val: str, where: str) -> int:
+    if not val.isdigit() or not 1 <= int(val) <= _MAX_RANKS:
+        raise ValueError(f"{where}: ranks {val!r} must be 1..{_MAX_RANKS}")
+    return int(val)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]``.
+
+    ``endpoint`` is None for an engine whose streams come from JetStream (``serve --nats``):
+    it has a name and ranks, and no ZeroMQ endpoint to follow."""
+
+    name: str
+    endpoint: str | None
+    replay: str | None = None
+    ranks: int = 1
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> EngineSpec:
+        """Parse an ``--engine`` value; ValueError says which part is wrong."""
+        where = f"--engine {text!r}"
+        name, sep, rest = text.partition("=")
+        if not sep:
+            raise ValueError(f"{where}: expected NAME=ENDPOINT[,replay=...]")
+        check_engine_name(name, where)
+        parts = rest.split(",")
+        endpoint, opts = parts[0], parts[1:]
+        if not endpoint:
+            raise ValueError(f"{where}: missing ENDPOINT after '{name}='")
+        check_endpoint(endpoint, f"--engine {name} endpoint")
+        kw: dict[str, Any] = {}
+        for opt in opts:
+            key, eq, val = opt.partition("=")
+            if not eq or key not in ("replay", "ranks", "topic"):
+                raise ValueError(f"{where}: unknown option {opt!r} "
+                                 "(expected replay=ENDPOINT, ranks=N or topic=T)")
+            if key in kw:
+                raise ValueError(f"{where}: {key} given twice")
+            if key == "replay":
+                check_endpoint(val, f"--engine {name} replay")
+                kw["replay"] = val
+            elif key == "ranks":
+                kw["ranks"] = _ranks(val, where)
+            else:
+                kw["topic"] = val
+        return cls(name, endpoint, **kw)
+
+    @classmethod
+    def parse_named(cls, text: str, flag: str = "--nats-engine") -> EngineSpec:
+        """Parse ``NAME[:RANKS]`` (an engine whose streams come from JetStream)."""
+        where = f"{flag} {text!r}"
+        name, sep, n = text.partition(":")
+        check_engine_name(name, where)
+        return cls(name, None, ranks=_ranks(n, where) if sep else 1)
+
+    def stream_names(self) -> list[str]:
+        """The names of this engine's DP rank streams: ``NAME/dpR``."""
+        return [f"{self.name}/dp{r}" for r in range(self.ranks)]
+
+    def streams(self) -> list[StreamSpec]:
+        """The subscriber specs of this engine's DP ranks, named ``NAME/dpR``."""
+        if self.endpoint is None:
+            raise ValueError(f"engine {self.name!r} has no ZeroMQ endpoint (its streams come "
+                             "from JetStream)")
+        return StreamSpec.for_ranks(self.name, self.endpoint, self.ranks, self.topic,
+                                    self.replay)
