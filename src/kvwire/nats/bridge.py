@@ -46,6 +46,7 @@ from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..wire.events import encode_batch
 from .bridge_config import BridgeConfig, BridgeError, ensure_stream
+from .connect import connect as connect_nats
 from .leases import LeaseTable
 from .snapshots import open_bucket, rebuild_subject, snapshot_of, write_snapshot
 from .subjects import check_token, subject_for
@@ -120,7 +121,7 @@ class _Follow:
 
 
 class Bridge:
-    """Engines -> JetStream. ``engines``: :class:`kvwire.router.service.EngineSpec` values."""
+    """Engines -> JetStream. ``engines``: :class:`kvwire.consume.engine_spec.EngineSpec` values."""
 
     def __init__(self, engines: list[Any], config: BridgeConfig | None = None) -> None:
         self.config = cfg = config or BridgeConfig()
@@ -151,8 +152,6 @@ class Bridge:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        import nats
-
         cfg = self.config
 
         async def on_error(e: Exception) -> None:
@@ -167,16 +166,13 @@ class Bridge:
         async def on_reconnect() -> None:
             log.warning("reconnected to NATS")
 
-        try:  # (nats-py retries a first connect forever with max_reconnect_attempts=-1)
-            self.nc = await asyncio.wait_for(nats.connect(
-                servers=cfg.nats, name="kvwire-bridge", max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25, connect_timeout=2, error_cb=on_error,
-                disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                pending_size=64 << 20), cfg.connect_timeout)
-        except Exception as e:
-            why = f"no answer in {cfg.connect_timeout:g}s" if isinstance(
-                e, asyncio.TimeoutError) else repr(e)
-            raise BridgeError(f"cannot connect to NATS at {cfg.nats}: {why}") from None
+        try:  # the first connect gives up after connect_timeout, naming the last reason
+            self.nc = await connect_nats(
+                cfg.nats, timeout=cfg.connect_timeout, name="kvwire-bridge",
+                error_cb=on_error, disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect, pending_size=64 << 20)
+        except (OSError, ValueError) as e:  # NatsConnectError, a bad URL
+            raise BridgeError(str(e)) from None
         self.js = self.nc.jetstream(timeout=5)
         await ensure_stream(self.js, cfg)
         self.writer = JsWriter(self.nc, self.js, cfg.stream, max_inflight=cfg.max_inflight,
