@@ -62,7 +62,7 @@ def test_sigkilled_reader_makes_blocked_writer_raise_then_drop_and_continue() ->
     killed_at: list[float] = []
 
     def kill() -> None:
-        time.sleep(0.3)
+        wait_for(lambda: q.buffer.mv[L.OFF_WRITER_SLEEPING] == 1)  # blocked in enqueue(4)
         killed_at.append(time.monotonic())
         os.kill(victim.pid, signal.SIGKILL)
 
@@ -223,7 +223,7 @@ def test_shutdown_of_blocked_reader_from_another_thread_cancels_it() -> None:
 
     t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.05)
+    wait_for(lambda: w.buffer.mv[L.OFF_SLEEPERS] == 1)  # blocked: asleep on the futex
     r.shutdown()
     t.join(5)
     assert not t.is_alive()

@@ -6,6 +6,8 @@ import logging
 import os
 import pickle
 import stat
+import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -144,27 +146,51 @@ def test_timeouts_on_both_sides() -> None:
     r.close()
 
 
+def _after(cond, act) -> threading.Thread:
+    """Run ``act()`` in a thread once ``cond()`` holds (polled, 30 s at most)."""
+    def run() -> None:
+        end = time.monotonic() + 30
+        while not cond() and time.monotonic() < end:
+            time.sleep(0.002)
+        act()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_wait_log_names_the_readers_behind(caplog) -> None:
+    """A waiting side logs every warn_interval, naming whom it waits for. Each logged wait
+    ends when a thread sees the log and frees the ring (or publishes), not at a deadline:
+    with a 0.15 s deadline a stalled box could time out before its first 20 ms log."""
     w, rs = pair(3, max_chunks=2, warn_interval=0.02)
     for i in range(2):
         w.enqueue(i)
     for r in rs[:2]:
         r.dequeue(timeout=1)
+
+    def logged(what: str) -> bool:
+        return any(what in m for m in caplog.messages)
+
     with caplog.at_level(logging.WARNING, logger="kvwire.shm"):
-        with pytest.raises(TimeoutError):
-            w.enqueue(2, timeout=0.15)
+        t = _after(lambda: logged("behind"), lambda: rs[2].dequeue(timeout=5))
+        w.enqueue(2, timeout=30)  # waits for reader 2, which reads once the log is out
+        t.join(30)
     lines = [m for m in caplog.messages if "behind" in m]
     assert lines and all("[2]" in m for m in lines)
+    for r in rs[1:]:
+        assert [r.dequeue(timeout=1) for _ in range(2)] == [1, 2]
     caplog.clear()
     r = rs[0]
     r._warn_interval = 0.02
     with caplog.at_level(logging.WARNING, logger="kvwire.shm"):
-        r.dequeue(timeout=1)  # the message is there: no log
+        assert [r.dequeue(timeout=1) for _ in range(2)] == [1, 2]  # there: no log
         with pytest.raises(TimeoutError):
             r.dequeue(timeout=0.1, indefinite=True)
         assert not caplog.messages  # indefinite: silent
-        with pytest.raises(TimeoutError):
-            r.dequeue(timeout=0.1)
+        t = _after(lambda: logged("rank 0"), lambda: w.enqueue(3, timeout=5))
+        assert r.dequeue(timeout=30) == 3  # published once the reader logged its wait
+        t.join(30)
     assert any("rank 0" in m for m in caplog.messages)
     w.close()
     for r in rs:

@@ -19,15 +19,14 @@ from typing import Any
 from kvwire.shm import MessageQueue
 
 
-def wake_reader(handle: Any, n: int, conn: Any, spin_s: float | None = None) -> None:
+def wake_reader(handle: Any, n: int, conn: Any) -> None:
     """Report, per message, (wake latency ns, CPU s of the process, wall s) of its dequeue,
     then the thread count and the waiting thread's own CPU in the first (idle) one.
 
     No liveness timer: only the writer's wake-up can end the sleep, so a lost or late
     wake-up shows as a wait of seconds, not as a 100 ms timer tick that looks like noise.
-    ``spin_s``: the reader's busy-wait before sleeping (the test's control sets it long).
     """
-    q = MessageQueue.create_from_handle(handle, 0, liveness_interval=1e4, spin_s=spin_s)
+    q = MessageQueue.create_from_handle(handle, 0, liveness_interval=1e4)
     q.wait_until_ready(timeout=30)
     conn.send("ready")
     res = []
