@@ -18,6 +18,7 @@ from bridge_helpers import BridgeProc, subject_log, wait_subject_seq  # noqa: E4
 from fault_helpers import Engine  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 
 from kvwire.consume.cache import BlockCache  # noqa: E402
 from kvwire.consume.replies import InfoReply  # noqa: E402
@@ -114,8 +115,14 @@ async def _republish(url: str, subject: str) -> tuple[bool, int, int]:
         await nc.close()
 
 
+def _api_used(b: BridgeProc, api: str) -> None:
+    """The bridge process wrote through the nats-py path the test asked for (nats_api)."""
+    assert f'"nats_api": "{api}"' in b.log(), b.log()
+
+
 @PACKS
-def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, engines, pack):
+def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, engines, pack,
+                                                         nats_api):
     """Two bridges follow the same engines (redundant mode): every message exists once; and a
     message published again with its Msg-Id is dropped by the server."""
     k = Engine(3, workload="small")
@@ -143,6 +150,7 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
         b1.kill()
         if b2 is not None:
             b2.kill()
+    _api_used(b1, nats_api)
     lk, lr = subject_log(nats_server.url, K), subject_log(nats_server.url, R)
     assert lk.cache.as_dict() == dk.truth and lr.cache.as_dict() == dr.truth
     assert len(lk.markers) == len(lr.markers) == 1
@@ -152,7 +160,7 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
 
 @PACKS
 @pytest.mark.parametrize("ref", [False, True], ids=["kvwire", "reference"])
-def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref, pack):
+def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref, pack, nats_api):
     """SIGKILL the bridge mid-stream, restart it while the engine keeps publishing: it reads
     the subject's last (epoch, seq), gets seq + 1 on from the engine's replay buffer, and
     the subject has no batch missing and none twice (one marker set: the first join)."""
@@ -181,10 +189,11 @@ def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref, pack)
     assert len(log.markers) == 1, log.markers
     assert log.cache.as_dict() == d.truth
     assert '"resumed": 1,' in b2.log() and '"markers": 0,' in b2.log(), b2.log()
+    _api_used(b2, nats_api)
 
 
 @PACKS
-def test_nats_server_sigkill_restart(nats_server, tmp_path, engines, pack):
+def test_nats_server_sigkill_restart(nats_server, tmp_path, engines, pack, nats_api):
     """nats-server SIGKILLed mid-stream and restarted on its file store: what it had stored
     is all there, the bridge reconnects by itself and the subject ends exact."""
     e = Engine(6, workload="small")
@@ -208,6 +217,7 @@ def test_nats_server_sigkill_restart(nats_server, tmp_path, engines, pack):
     first = log.batches[0][1]
     assert set(range(first, 1501)) <= seqs  # everything stored before the kill survived
     assert "reconnected to NATS" in b.log()
+    _api_used(b, nats_api)
 
 
 @pytest.mark.parametrize("ref", [False, True], ids=["kvwire", "reference"])

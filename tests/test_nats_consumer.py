@@ -1,5 +1,6 @@
 """kvwire's JetStream consumers (kvwire.nats.consumer) against a real nats-server: the items
-equal what was written, gaps resync from the snapshot object, durable resume, bootstrap."""
+equal what was written, gaps resync from the snapshot object, durable resume, bootstrap.
+Every test runs twice: with nats-py's internals and on its public API only (``nats_api``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import pytest
 
 pytest.importorskip("nats")
 
+from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 from nats_writer import Rebuild, Writer  # noqa: E402
 
 from kvwire.consume.items import Batch, Reset, Snapshot  # noqa: E402
 from kvwire.consume.subscriber import Subscriber  # noqa: E402
 from kvwire.nats.consumer import NatsStreams  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("nats_api")
 
 
 def run(coro: Any) -> Any:
@@ -245,9 +249,14 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
         run(_write(url, last, w))
         p = spawn(outs[2])
         _wait(lambda: len(_lines(outs[2])) >= 100, what="the last 100 batches")
-        time.sleep(0.3)  # (not a timing assertion: extra items would only show up here)
+
+        async def sentinel(w: Writer) -> None:  # written last: delivered after any repeat
+            await w.batches("a", 0, 1)
+
+        run(_write(url, sentinel, w))
+        _wait(lambda: ("a/dp0", 1351) in seen(outs[2:]), what="the sentinel batch")
         assert sorted(seen(outs[2:])) == sorted(
-            [("a/dp0", s) for s in range(1301, 1351)] + [("b/dp0", s) for s in range(1301, 1351)])
+            [("a/dp0", s) for s in range(1301, 1352)] + [("b/dp0", s) for s in range(1301, 1351)])
     finally:
         p.kill()
         p.wait(10)

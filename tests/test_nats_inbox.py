@@ -16,7 +16,7 @@ import pytest
 
 nats = pytest.importorskip("nats")
 
-from nats_api import nats_api  # noqa: E402, F401 - a fixture
+from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 
 from kvwire.consume.cache import BlockCache  # noqa: E402
 from kvwire.nats import client_internals as CI  # noqa: E402

@@ -19,6 +19,7 @@ pytest.importorskip("nats")
 
 from bridge_helpers import BridgeProc, subject_log, wait_subject_seq  # noqa: E402
 from fault_helpers import Engine  # noqa: E402
+from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 from nats_e2e_helpers import NatsConsumer  # noqa: E402
 
 from kvwire.nats.snapshots import read_snapshot  # noqa: E402
@@ -104,7 +105,7 @@ def test_packed_bridge_sigkill_restart_exact(nats_server, tmp_path):
         assert snap.cache().as_dict() == d.truth
 
 
-def test_redundant_packing_bridges_never_store_a_batch_twice(nats_server, tmp_path):
+def test_redundant_packing_bridges_never_store_a_batch_twice(nats_server, tmp_path, nats_api):
     """Two redundant bridges with different --pack cut different runs of one engine. Their
     guards (Nats-Expected-Last-Subject-Sequence) refuse whatever the other already wrote:
     the subject holds every batch once, in order, no run overlapping another; a consumer
@@ -144,6 +145,7 @@ def test_redundant_packing_bridges_never_store_a_batch_twice(nats_server, tmp_pa
     assert lk.cache.as_dict() == d.truth and len(lk.markers) == 1
     assert lk.packs > 0 and lk.stored_twice == 0
     s1, s2 = b1.summary(), b2.summary()
+    assert s1["nats_api"] == s2["nats_api"] == nats_api, (s1, s2)
     w1, w2 = s1["writer"], s2["writer"]
     # both wrote, and the guards did refuse: the two really raced on one subject
     assert w1["acked"] > 0 and w2["acked"] > 0, (w1, w2)
@@ -323,12 +325,14 @@ def test_clean_exit_snapshot_covers_a_lane_whose_periodic_write_was_cut(nats_ser
     assert snap is not None and snap.seq == 29 and snap.js_seq == last_js, snap
 
 
+@pytest.mark.usefixtures("nats_api")
 def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     """The bridge holds what it reads until the read is done (one run per read). A follower
     that fails in the middle of a read (here made to raise on its 5th batch: an unexpected
     error cannot be caused on demand for real) must not leave its first batches held: its
     restart waits for the lane to be empty, so held-forever would stop the engine's subject.
-    They go on, the restarted follower resumes after them, every batch lands once."""
+    The writer's watch sends them (``late_pumps``: the one mechanism, the follower does
+    nothing on exit), the restarted follower resumes after them, every batch lands once."""
     import kvwire.nats.bridge as B
     from kvwire.consume.cache import BlockCache
     from kvwire.consume.items import Batch
@@ -371,8 +375,9 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
                 assert time.monotonic() < deadline, (lane.last, len(lane.held),
                                                      bridge.summary())
                 await asyncio.sleep(0.02)
-            return {"restarts": bridge.stats.follower_restarts, "failed":
-                    bridge.writer.stats.failed}  # type: ignore[union-attr]
+            ws = bridge.writer.stats  # type: ignore[union-attr]
+            return {"restarts": bridge.stats.follower_restarts, "failed": ws.failed,
+                    "late_pumps": ws.late_pumps}
         finally:
             B.Bridge._on_item = real  # type: ignore[method-assign]
             await bridge.close()
@@ -382,6 +387,7 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     finally:
         pub.shutdown(1.0)
     assert calls["raised"] == 1 and got["restarts"] == 1 and got["failed"] == 0, (calls, got)
+    assert got["late_pumps"] >= 1, got  # what the failed read held, sent by the watch
     log = subject_log(nats_server.url, K)
     assert [s for _, s in log.batches] == list(range(30)), log.batches
     truth = BlockCache()

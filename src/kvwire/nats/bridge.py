@@ -505,6 +505,7 @@ class Bridge:
         out = msgspec.to_builtins(self.stats)
         if w is not None:
             out["writer"] = msgspec.to_builtins(w.stats)
+            out["nats_api"] = "public" if w.fast is None else "internals"  # client_internals
             out["inflight"] = w.inflight
             out["lag"] = w.lag.summary()
         return out
