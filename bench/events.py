@@ -6,6 +6,12 @@ encodes each batch with msgspec and sends it, consumed by a strict msgspec decod
 
     .venv/bin/python bench/events.py            # full run (about a minute)
     .venv/bin/python bench/events.py --quick    # smaller counts
+    .venv/bin/python bench/events.py --vs-vllm  # CPU per batch beside vLLM's own publisher
+
+``--vs-vllm`` runs vLLM's installed ``ZmqEventPublisher`` (vllm.distributed.kv_events, fed
+vLLM's own event classes) and kvwire's, alternating, 3 runs each of 50,000 reference steps
+(``-n`` to change), with the strict msgspec consumer for both and room for every batch;
+it prints the medians of the publishing process's CPU per batch (all threads).
 
 Prints one table; every kvwire number sits next to its baseline.
 """
@@ -64,6 +70,34 @@ def baseline_step(i: int) -> Any:
         ],
         0,
     )
+
+
+def vllm_step(i: int) -> Any:
+    """The same step as vLLM's own event classes (its installed kv_events module)."""
+    from vllm.distributed import kv_events as V
+
+    b = reference_step(i)
+    s, r = b.events
+    return V.KVEventBatch(
+        ts=b.ts,
+        events=[
+            V.BlockStored(block_hashes=s.block_hashes, parent_block_hash=s.parent_block_hash,
+                          token_ids=s.token_ids, block_size=s.block_size, lora_id=s.lora_id,
+                          medium=s.medium, lora_name=None),
+            V.BlockRemoved(block_hashes=r.block_hashes, medium=r.medium),
+        ],
+        data_parallel_rank=0,
+    )
+
+
+def vllm_publisher(max_queue: int) -> Any:
+    """vLLM's own publisher as installed (tcp on loopback, like the others)."""
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    from vllm.distributed import kv_events as V
+
+    pub = V.ZmqEventPublisher(0, endpoint="tcp://*:0", topic=TOPIC, max_queue_size=max_queue)
+    pub.endpoint = pub._endpoint
+    return pub
 
 
 class BaselinePublisher:
@@ -233,6 +267,9 @@ def run_pair(
             max_queue_size=max_queue, buffer_steps=10_000,
         )
         make = reference_step
+    elif kind == "vllm":
+        pub = vllm_publisher(max_queue)
+        make = vllm_step
     else:
         pub = BaselinePublisher("tcp://127.0.0.1:0", maxsize=max_queue)
         make = baseline_step
@@ -243,7 +280,8 @@ def run_pair(
     ctx = mp.get_context("spawn")
     ready, out, first = ctx.Event(), ctx.Queue(), ctx.Value("q", 1 << 62)
     proc = ctx.Process(target=subscriber_main,
-                       args=(endpoint, consumer or kind, first, n, ready, out))
+                       args=(endpoint, consumer or ("baseline" if kind == "vllm" else kind),
+                             first, n, ready, out))
     proc.start()
     # Warm up until the subscriber receives (slow joiner), then measure.
     i = 0
@@ -284,8 +322,9 @@ def run_pair(
         dropped = st.dropped
         pub.shutdown(timeout=5)
     else:
+        q = pub.q if kind == "baseline" else pub._event_queue
         deadline = time.monotonic() + 60
-        while pub.q.qsize() and time.monotonic() < deadline:
+        while q.qsize() and time.monotonic() < deadline:
             time.sleep(0.0005)
         cpu, io = cpu_now() - c0, zmq_io_cpu() - z0
         dropped = 0
@@ -341,11 +380,43 @@ def run_full_queue(kind: str, n: int) -> dict[str, float]:
     return {"p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "max": max(lat) / 1000.0, "dropped": full}
 
 
+def vs_vllm(n: int) -> None:
+    """CPU per batch beside vLLM's installed publisher: 3 alternating runs, medians."""
+    import vllm
+
+    print(f"kvwire bench/events.py --vs-vllm  (n={n}, cores={os.cpu_count()}, vllm "
+          f"{vllm.__version__}, msgspec {msgspec.__version__}, pyzmq {zmq.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')})\n")
+    runs: dict[str, list[dict[str, float]]] = {"vllm": [], "kvwire": []}
+    for _ in range(3):
+        for kind in ("vllm", "kvwire"):
+            runs[kind].append(run_pair(kind, n, 200, max_queue=2 * n, consumer="baseline"))
+    keys = (("cpu_us_per_batch", "publisher CPU per batch, all threads (us)"),
+            ("cpu_caller_us", "  of which engine thread (us)"),
+            ("cpu_sender_us", "  of which sender thread (us)"),
+            ("cpu_zmq_io_us", "  of which ZeroMQ I/O thread (us)"))
+    w = max(len(label) for _, label in keys)
+    print(f"{'metric':<{w}}  {'vllm':>8}  {'kvwire':>8}  {'ratio':>7}   kvwire runs")
+    for key, label in keys:
+        v = statistics.median(r[key] for r in runs["vllm"])
+        k = statistics.median(r[key] for r in runs["kvwire"])
+        each = " ".join(f"{r[key]:.2f}" for r in runs["kvwire"])
+        print(f"{label:<{w}}  {v:>8.2f}  {k:>8.2f}  {k / v:>6.2f}x   {each}")
+    print(f"\nvllm runs: {' '.join(f'{r[keys[0][0]]:.2f}' for r in runs['vllm'])}; delivered "
+          f"vllm {[r['delivered'] for r in runs['vllm']]}, kvwire "
+          f"{[r['delivered'] for r in runs['kvwire']]} of {n}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--vs-vllm", action="store_true",
+                    help="only CPU per batch beside vLLM's installed publisher")
     ap.add_argument("-n", type=int, default=None, help="batches per e2e run")
     args = ap.parse_args()
+    if args.vs_vllm:
+        vs_vllm(args.n or 50_000)
+        return
     n = args.n or (30_000 if args.quick else 200_000)
     warm = 200
     print(f"kvwire bench/events.py  (n={n}, cores={os.cpu_count()}, python {sys.version.split()[0]}, "

@@ -125,21 +125,28 @@ class SnapshotModel:
 
     def apply(self, seq: int, batch: Any) -> None:
         """Apply batch ``seq``; any failure makes the model inexact, counted and logged."""
-        lost = self.lost_from
-        try:
-            if lost is None or seq < lost:
-                events = batch.events
-                bad = self.cache.apply_known(events)
-                if bad is not None:
-                    self._apply_foreign(events, bad)
-            else:
-                self._recover(seq, batch.events)
-        except _CannotFollow as e:
-            self._fail(seq, "model_unknown_events", str(e))
-        except Exception as e:  # half applied: never serve it as exact
-            self._fail(seq, "model_errors",
-                       f"batch seq {seq} could not be applied ({type(e).__name__}: {e})")
-        self.seq = seq
+        self.apply_many(((seq, batch),))
+
+    def apply_many(self, items: Any) -> None:
+        """Apply ``(seq, batch)`` pairs in seq order (the sender's chunk: one call for many
+        batches); each failure makes the model inexact, counted and logged."""
+        apply_known = self.cache.apply_known
+        for seq, batch in items:
+            lost = self.lost_from  # note_drop may set it from the engine's thread
+            try:
+                if lost is None or seq < lost:
+                    events = batch.events
+                    bad = apply_known(events)
+                    if bad is not None:
+                        self._apply_foreign(events, bad)
+                else:
+                    self._recover(seq, batch.events)
+            except _CannotFollow as e:
+                self._fail(seq, "model_unknown_events", str(e))
+            except Exception as e:  # half applied: never serve it as exact
+                self._fail(seq, "model_errors",
+                           f"batch seq {seq} could not be applied ({type(e).__name__}: {e})")
+            self.seq = seq
 
     def _apply_foreign(self, events: list[Any], first: Any) -> None:
         i = next(i for i, ev in enumerate(events) if ev is first)
