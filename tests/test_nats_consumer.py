@@ -72,6 +72,14 @@ def test_items_equal_what_was_written(nats_server: Any) -> None:
         range(1, 51))
     assert st["a/dp0"].stream.batches == 50 and st["b/dp1"].stream.epoch == 3
     assert nst.gaps == 0 and nst.bad_messages == 0 and nst.batches == 80
+    # what NATS streams cannot count is not applicable, never a measured zero
+    a = st["a/dp0"].stream
+    assert (a.lost, a.replays, a.replayed, a.restarts) == (None, None, None, None), a
+    from kvwire.cli.view import COLUMNS, StreamTally
+
+    row = dict(zip(COLUMNS, StreamTally("a/dp0").row(st["a/dp0"])))
+    assert (row["gaps/lost"], row["replays"], row["resyncs/restarts"]) == (
+        "0/n/a", "n/a", "0/n/a"), row
 
 
 def test_chunked_snapshot_marker_and_engine_restart_reach_every_consumer(

@@ -106,7 +106,7 @@ def _streams(args: argparse.Namespace) -> list:
 def _cmd_listen(args: argparse.Namespace) -> int:
     from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
     from ..consume.subscriber import Subscriber
-    from .view import COLUMNS, StreamTally, format_batch, record
+    from .view import COLUMNS, StreamTally, counter_text, format_batch, record
 
     def notice(msg: str) -> None:
         print(f"kvwire listen: {msg}", file=sys.stderr, flush=True)
@@ -220,9 +220,9 @@ def _cmd_listen(args: argparse.Namespace) -> int:
             for name, st in final.items():
                 s = st.stream
                 notice(
-                    f"{name}: {s.batches} batches, {s.gaps} gaps, {s.replayed} replayed, "
-                    f"{s.lost} lost, {s.snapshots} snapshots, {s.resyncs} resyncs, "
-                    f"{s.restarts} restarts, {s.bad_frames + s.bad_payloads} bad messages, "
+                    f"{name}: {s.batches} batches, {s.gaps} gaps, {counter_text(s.replayed)} replayed, "
+                    f"{counter_text(s.lost)} lost, {s.snapshots} snapshots, {s.resyncs} resyncs, "
+                    f"{counter_text(s.restarts)} restarts, {s.bad_frames + s.bad_payloads} bad messages, "
                     f"mode {s.mode}"
                 )
             for n in sub.nats_stats():

@@ -24,6 +24,11 @@ from ..wire.events import (
 __all__ = ["StreamTally", "format_batch", "record"]
 
 
+def counter_text(v: int | None) -> str:
+    """A counter, or ``n/a`` where it does not apply (None: e.g. replays of a NATS stream)."""
+    return "n/a" if v is None else str(v)
+
+
 def _short(h: object) -> str:
     if isinstance(h, bytes):
         return h[:6].hex() + ".."
@@ -131,7 +136,7 @@ class StreamTally:
             self.name, state, "-" if s.last_seq is None else str(s.last_seq),
             f"{s.epoch:016x}" if s.epoch is not None else "-",
             f"{self.rate(now):.0f}", str(self.stored), str(self.removed),
-            f"{s.gaps}/{s.lost}", f"{s.replays}", f"{s.resyncs}/{s.restarts}", age, hb,
+            f"{s.gaps}/{counter_text(s.lost)}", counter_text(s.replays), f"{s.resyncs}/{counter_text(s.restarts)}", age, hb,
         ]
 
 

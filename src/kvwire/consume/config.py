@@ -68,13 +68,13 @@ class StreamStats(msgspec.Struct, frozen=True):
     events: int
     duplicates: int
     gaps: int
-    lost: int
-    replays: int
-    replayed: int
+    lost: int | None  # None: not applicable (NATS streams: kvwire.nats.link)
+    replays: int | None
+    replayed: int | None
     snapshots: int
     resyncs: int
     resets: int
-    restarts: int
+    restarts: int | None
     buffer_overflows: int
     buffered: int
     timeouts: int

@@ -157,7 +157,10 @@ class NatsLink:
         return self.source.stats()
 
     def subscriber_stats(self) -> dict[str, Any]:
-        """Per engine stream, in the Subscriber's shape (phase ``live`` once started)."""
+        """Per engine stream, in the Subscriber's shape (phase ``live`` once started).
+        ``lost``, ``replays``, ``replayed`` and ``restarts`` are None (not applicable, shown
+        as ``n/a``): nothing is replayed from NATS, and what a gap lost or a reset marker
+        meant was counted by the bridge, not here (``gaps``, ``resyncs``, ``resets`` are)."""
         from ..consume.stream import StreamStats
         from ..consume.subscriber import SubscriberStats
 
@@ -168,9 +171,9 @@ class NatsLink:
                 stream=st.stream, phase="live" if st.seq is not None else "bootstrap",
                 mode="nats", epoch=st.epoch, last_seq=st.seq, exact=st.exact,
                 alive=self.source.connected, live_messages=c["batches"], batches=c["batches"],
-                events=c["events"], duplicates=c["duplicates"], gaps=c["gaps"], lost=0,
-                replays=0, replayed=0, snapshots=c["snapshots"], resyncs=c["resyncs"],
-                resets=c["resets"], restarts=0, buffer_overflows=0, buffered=0, timeouts=0,
+                events=c["events"], duplicates=c["duplicates"], gaps=c["gaps"], lost=None,
+                replays=None, replayed=None, snapshots=c["snapshots"], resyncs=c["resyncs"],
+                resets=c["resets"], restarts=None, buffer_overflows=0, buffered=0, timeouts=0,
                 error_replies=0, bad_frames=0, bad_payloads=c["bad_messages"], bad_events=0,
                 stray_replies=0, deaths=0, last_error=None)
             out[st.stream] = SubscriberStats(ss, 0, 0, 0)
