@@ -136,7 +136,8 @@ class StreamTally:
             self.name, state, "-" if s.last_seq is None else str(s.last_seq),
             f"{s.epoch:016x}" if s.epoch is not None else "-",
             f"{self.rate(now):.0f}", str(self.stored), str(self.removed),
-            f"{s.gaps}/{counter_text(s.lost)}", counter_text(s.replays), f"{s.resyncs}/{counter_text(s.restarts)}", age, hb,
+            f"{s.gaps}/{counter_text(s.lost)}", counter_text(s.replays),
+            f"{s.resyncs}/{counter_text(s.restarts)}", age, hb,
         ]
 
 
