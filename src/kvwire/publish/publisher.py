@@ -59,7 +59,7 @@ from .base import (
 )
 from .config import KVEventsConfig
 from .replay import ReplayRing
-from .requests import RequestServer
+from .requests import RequestLimits, RequestServer, StreamView
 from .snapshot import SnapshotModel
 
 __all__ = [
@@ -228,8 +228,18 @@ class ZmqEventPublisher(EventPublisher):
         self._model = SnapshotModel(self._lock, self._c) if snapshot else None
         self._requests: RequestServer | None = None
         if self._router is not None:
-            self._requests = RequestServer(self, self._router, self._router_send,
-                                           self._router_recv)
+            stream = StreamView(
+                ring=self._ring, model=self._model, counters=self._c, topic=self._topic_b,
+                epoch=self.epoch, rank=self._data_parallel_rank,
+                last_seq=lambda: self._next_seq - 1, done_seq=lambda: self._done_seq,
+                info=self._info,
+            )
+            limits = RequestLimits(
+                request_slice=self.REQUEST_SLICE, replay_slice=self.REPLAY_SLICE,
+                max_replay_jobs=self.MAX_REPLAY_JOBS, max_snapshot_jobs=self.MAX_SNAPSHOT_JOBS,
+                job_timeout=self.JOB_TIMEOUT,
+            )
+            self._requests = RequestServer(stream, limits, self._router_send, self._router_recv)
         self._sender_dead = False
         self._closing = False
         self._deadline = 0.0
