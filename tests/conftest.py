@@ -10,11 +10,17 @@ from typing import Any
 
 import pytest
 import zmq
+from hypothesis import settings
 
 from kvwire.publish.publisher import ZmqEventPublisher
 
 DATA = Path(__file__).resolve().parent / "data"
 VECTORS = DATA / "kv_events.json"
+
+# Hypothesis' default 200 ms per-example deadline measures the machine, not the property: on a
+# loaded 2-core CI box one slow example fails a correct test. Every property test runs without it.
+settings.register_profile("kvwire", deadline=None)
+settings.load_profile("kvwire")
 
 
 def _vectors() -> list[dict[str, Any]]:
