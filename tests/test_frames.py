@@ -138,6 +138,29 @@ def test_recv_many_stops_at_its_limit(pair, path) -> None:
     assert [int.from_bytes(m[1], "big") for m in seen] == list(range(10))
 
 
+def test_send_batch_sends_each_message_in_order(pair, path) -> None:
+    a, b = pair
+    tx, rx = FrameSender(a), FrameReceiver(b)
+    msgs = [(i.to_bytes(8, "big"), b"p%d" % i * i) for i in range(50)]
+    assert tx.send_batch(b"topic", msgs) == 50
+    assert tx.send_batch(b"topic", []) == 0
+    got: list[list[bytes]] = []
+    deadline = time.monotonic() + 10
+    while len(got) < 50 and time.monotonic() < deadline:
+        got += rx.recv_many(64) or ([] if b.poll(100) else [])
+    assert got == [[b"topic", s, p] for s, p in msgs]
+
+
+def test_send_batch_counts_refused_messages(tmp_path, path) -> None:
+    ctx = zmq.Context()
+    try:
+        lonely = ctx.socket(zmq.PAIR)  # no peer: every non-blocking send is refused
+        lonely.bind(f"ipc://{tmp_path}/none")
+        assert FrameSender(lonely).send_batch(b"t", [(b"1" * 8, b"x"), (b"2" * 8, b"y")]) == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_bad_frame_type_sends_nothing(pair, path) -> None:
     a, b = pair
     tx = FrameSender(a)

@@ -208,7 +208,7 @@ class ZmqEventPublisher(EventPublisher):
         self._lock = threading.Lock()  # seq, encode, ring, model, queue order
         # Sends from the background thread keep the GIL (see kvwire.frames): a busy engine
         # loop cannot turn each frame into a wait for the interpreter's switch interval.
-        self._live_send = FrameSender(self._pub).send_message
+        self._live_send = FrameSender(self._pub).send_batch
         # The replay socket likewise: a GIL release there would also cost a switch interval.
         self._router_send: Any = None
         self._router_recv: Any = None
@@ -533,11 +533,9 @@ class ZmqEventPublisher(EventPublisher):
                     ring[seq % n] = (seq, payload)
                 out.append((seq.to_bytes(8, "big"), payload))
             self._done_seq = chunk[-1][0]
-            for seq_b, payload in out:
-                if send(topic, seq_b, payload):
-                    sent += 1
-                else:
-                    failed += 1  # PUB drops rather than refuse; kept for safety
+            ok = send(topic, out)
+            sent += ok
+            failed += len(out) - ok  # PUB drops rather than refuse; kept for safety
             out.clear()
         if failed:
             self._c["dropped"] += failed

@@ -231,11 +231,61 @@ static PyObject *send_frames(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLong(0);
 }
 
+PyDoc_STRVAR(send_batch_doc,
+"send_batch(socket_address, flags, topic, messages) -> (sent, errno)\n"
+"Send [topic, seq, payload] for each (seq, payload) 2-tuple of bytes in the list messages,\n"
+"in order. A message refused with EAGAIN is skipped (not sent, nothing of it queued);\n"
+"any other error stops there with libzmq's errno (else 0). sent counts messages queued.");
+
+static PyObject *send_batch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    void *sock;
+    int flags;
+    if (!sock_flags("send_batch", args, n, 4, &sock, &flags))
+        return NULL;
+    PyObject *topic = args[2], *msgs = args[3];
+    if (!PyBytes_CheckExact(topic) || !PyList_CheckExact(msgs)) {
+        PyErr_SetString(PyExc_TypeError, "send_batch: topic must be bytes, messages a list");
+        return NULL;
+    }
+    const char *t = PyBytes_AS_STRING(topic);
+    size_t tn = (size_t)PyBytes_GET_SIZE(topic);
+    Py_ssize_t sent = 0;
+    int err = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(msgs); i++) {
+        PyObject *m = PyList_GET_ITEM(msgs, i);
+        if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2 ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(m, 0)) ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(m, 1))) {
+            PyErr_Format(PyExc_TypeError, "send_batch: message %zd is not (bytes, bytes)", i);
+            return NULL; /* checked before any of its frames goes out */
+        }
+        PyObject *seq = PyTuple_GET_ITEM(m, 0), *payload = PyTuple_GET_ITEM(m, 1);
+        if (z_send(sock, t, tn, flags | ZMQ_SNDMORE_) < 0) {
+            err = z_errno();
+            if (err == EAGAIN) {
+                err = 0;
+                continue; /* refused whole: the next one may go */
+            }
+            break;
+        }
+        if (z_send(sock, PyBytes_AS_STRING(seq), (size_t)PyBytes_GET_SIZE(seq),
+                   flags | ZMQ_SNDMORE_) < 0 ||
+            z_send(sock, PyBytes_AS_STRING(payload), (size_t)PyBytes_GET_SIZE(payload),
+                   flags) < 0) {
+            err = z_errno(); /* later parts are never refused; anything else is fatal */
+            break;
+        }
+        sent++;
+    }
+    return Py_BuildValue("(ni)", sent, err);
+}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, bind_doc},
     {"recv_multipart", (PyCFunction)(void (*)(void))recv_multipart, METH_FASTCALL, recv_doc},
     {"recv_many", (PyCFunction)(void (*)(void))recv_many, METH_FASTCALL, recv_many_doc},
     {"send_frames", (PyCFunction)(void (*)(void))send_frames, METH_FASTCALL, send_doc},
+    {"send_batch", (PyCFunction)(void (*)(void))send_batch, METH_FASTCALL, send_batch_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -106,9 +106,12 @@ def native_status() -> str:
 
 class FrameSender:
     """Send on one socket: ``send(frame, flags) -> bool`` per frame, or a whole message with
-    ``send_message(*frames) -> bool``. False means EAGAIN (nothing of it was queued)."""
+    ``send_message(*frames) -> bool``. False means EAGAIN (nothing of it was queued).
+    ``send_batch(topic, [(seq, payload), ...]) -> int``: the messages ``[topic, seq,
+    payload]`` in order, in one call; returns how many were queued (a refused one is
+    skipped whole, the rest still tried)."""
 
-    __slots__ = ("send", "send_message", "native")
+    __slots__ = ("send", "send_message", "send_batch", "native")
 
     def __init__(self, sock: zmq.Socket) -> None:
         fn = _zmq_send()
@@ -146,7 +149,18 @@ class FrameSender:
                     return False
                 raise zmq.ZMQError(err)
 
+            native_batch = mod.send_batch
+
+            def send_batch(topic: bytes, messages: list[tuple[bytes, bytes]]) -> int:
+                sent, err = native_batch(addr, _NOBLOCK, topic, messages)
+                if err:
+                    raise zmq.ZMQError(err)
+                return sent
+
         else:
+
+            def send_batch(topic: bytes, messages: list[tuple[bytes, bytes]]) -> int:
+                return sum(1 for seq, payload in messages if send_message(topic, seq, payload))
 
             def send_message(*frames: bytes) -> bool:
                 # Every frame checked before the first goes out: never half a message.
@@ -159,6 +173,7 @@ class FrameSender:
 
         self.send = send
         self.send_message = send_message
+        self.send_batch = send_batch
 
 
 _recv = zmq.backend.Socket.recv
