@@ -340,7 +340,7 @@ def test_block_stored_fields_and_output_blocks_cached() -> None:
     # 10 prompt + 6 computed outputs = 16 tokens: blocks 3 and 4 hold generated tokens.
     assert sum(len(e.block_hashes) for e in stored) == 4
     assert stored[-1].parent_block_hash == stored[-2].block_hashes[-1]
-    assert stored[-1].token_ids == r.tokens[12:16]
+    assert stored[-1].token_ids == r.tokens[12:16].tolist()
 
 
 def test_identity_covers_lora_and_salt() -> None:

@@ -37,7 +37,8 @@ from kvwire.sim.trace import (
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "sim.md"
 SMALL = ["--limit", "300", "--engines", "4", "--capacity", "400"]
 JSON_KEYS = {"hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
-             "events_published", "events_applied"}
+             "events_published", "events_applied", "prefix_reuse_ratio", "itl_p50_s",
+             "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_s", "preemptions"}
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
@@ -200,7 +201,8 @@ def small_run() -> dict:
 
 
 def test_json_shape(small_run: dict) -> None:
-    assert set(small_run) == {"requests", "engines", "capacity", "policies"}
+    assert set(small_run) == {"requests", "engines", "capacity", "engine_model", "policies"}
+    assert small_run["engine_model"] == "batched"
     assert small_run["requests"] == 300 and small_run["engines"] == 4
     assert small_run["capacity"] == 400
     assert list(small_run["policies"]) == list(POLICIES)
@@ -209,6 +211,8 @@ def test_json_shape(small_run: dict) -> None:
         assert 0.0 <= p["hit_ratio"] <= 1.0
         assert p["work_max_over_mean"] >= 1.0
         assert 0.0 <= p["ttft_p50_s"] <= p["ttft_p99_s"]
+        assert 0.0 < p["itl_p50_s"] <= p["itl_p99_s"] and p["e2e_p50_s"] <= p["e2e_p99_s"]
+        assert p["ttft_p50_s"] <= p["e2e_p50_s"] and p["output_tok_s"] > 0
         assert p["events_published"] > 0
 
 
@@ -272,10 +276,10 @@ def test_bad_arguments() -> None:
 
 def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     reqs = load_trace(bundled_trace_path(), limit=20)
-    run_sim(reqs, SimConfig(engines=2, capacity=100), ["round_robin"], progress=True)
+    run_sim(reqs, SimConfig(engines=2, capacity=400), ["round_robin"], progress=True)
     err = capsys.readouterr().err
     assert "round_robin" in err and "20/20" in err
-    run_sim(reqs, SimConfig(engines=2, capacity=100), ["random", "round_robin"],
+    run_sim(reqs, SimConfig(engines=2, capacity=400), ["random", "round_robin"],
             progress=True, workers=2)
     err = capsys.readouterr().err
     assert "2 policies" in err and "40/40" in err
@@ -311,3 +315,81 @@ def test_kvwire_routes_like_the_oracle() -> None:
     assert res["kvwire"]["hit_ratio"] >= 0.9 * res["oracle"]["hit_ratio"] > 0
     assert res["kvwire"]["hit_ratio"] >= 2.5 * res["random"]["hit_ratio"]
     assert res["kvwire"]["work_max_over_mean"] <= 1.10
+
+
+# ------------------------------------------------------------------ the engine models
+
+
+def test_fifo_engine_model_still_runs() -> None:
+    rc, out, err = _cli(["bundled", *SMALL, "--json", "--engine-model", "fifo",
+                         "--policies", "kvwire,random"])
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["engine_model"] == "fifo"
+    kv = res["policies"]["kvwire"]
+    assert kv["events_applied"] == kv["events_published"] and kv["preemptions"] == 0
+
+
+def test_batched_engine_flags_reach_the_model() -> None:
+    """Step-time and scheduler flags change the run: a slower prefill raises TTFT; a tiny
+    cache makes the engines preempt; the CPU tier publishes more events."""
+    base = ["bundled", "--limit", "120", "--engines", "2", "--capacity", "400", "--json",
+            "--policies", "round_robin"]
+
+    def run(*extra: str) -> dict:
+        rc, out, err = _cli([*base, *extra])
+        assert rc == 0, err
+        return json.loads(out)["policies"]["round_robin"]
+
+    a = run()
+    assert run("--step-prefill-token-us", "200")["ttft_p50_s"] > a["ttft_p50_s"]
+    assert run("--step-decode-seq-us", "2000")["itl_p50_s"] > a["itl_p50_s"]
+    assert run("--cpu-blocks", "50")["events_published"] > a["events_published"]
+    small = run("--capacity", "200", "--max-num-batched-tokens", "2048")
+    assert small["preemptions"] > 0
+    assert run("--max-num-seqs", "1")["ttft_p99_s"] > a["ttft_p99_s"]
+
+
+def test_batched_load_follows_what_was_routed() -> None:
+    """The routers' load is what they routed and the engines have not finished: after the
+    run every reservation is released, once per request."""
+    from kvwire.sim import fleet
+
+    reqs = load_trace(bundled_trace_path(), limit=80)
+    cfg = SimConfig(engines=2, capacity=400)
+    seen: list = []
+    orig = fleet._LeastLoad.release
+
+    def release(self, rid, req):  # noqa: ANN001
+        seen.append((rid, self.loads.holder(rid) is not None))
+        orig(self, rid, req)
+
+    fleet._LeastLoad.release = release
+    try:
+        fleet.simulate_policy(reqs, "least_load", cfg, progress=False)
+    finally:
+        fleet._LeastLoad.release = orig
+    assert sorted(r for r, _ in seen) == sorted(f"r{i}" for i in range(80))
+    assert all(held for _, held in seen)
+
+
+def test_prefix_reuse_matches_dynamo_mocker() -> None:
+    """Cross-check (issue 23): Dynamo's mocker and kvwire's batched model on the bundled
+    trace, round robin over 8 workers, the same block size and cache size: the prefix reuse
+    ratios agree within 10%. Runs where ai-dynamo-runtime installs; a loud skip elsewhere."""
+    from engine_helpers import import_or_skip
+
+    from kvwire.sim.fleet import simulate_policy
+
+    core = import_or_skip("dynamo._core", "ai-dynamo-runtime (ai-dynamo-runtime==1.6.1)")
+    path = bundled_trace_path()
+    mock = core.run_mocker_trace_replay(
+        [str(path)], extra_engine_args={"engine": {"block_size": 512, "num_gpu_blocks": 5000}},
+        num_workers=8, router_mode="round_robin", trace_block_size=512).summary
+    ours = simulate_policy(load_trace(path), "round_robin",
+                           SimConfig(engines=8, capacity=5000, block_tokens=512),
+                           progress=False)
+    theirs = mock["prefix_cache_reused_ratio"]
+    assert theirs > 0.1
+    assert abs(ours.prefix_reuse_ratio - theirs) <= 0.10 * theirs, (ours.prefix_reuse_ratio,
+                                                                     theirs)

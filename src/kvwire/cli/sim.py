@@ -57,6 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes running policies in parallel (default: one per CPU)")
     p.add_argument("--predict-ttl", type=_positive_float, default=None,
                    help="virtual seconds a routed prefix counts before events confirm it")
+    p.add_argument("--engine-model", choices=("batched", "fifo"), default="batched",
+                   help="batched: continuous batching + paged cache (kvwire.engine); fifo: "
+                        "one request at a time (docs/sim.md)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier (blocks)")
+    p.add_argument("--step-base-ms", type=_positive_float, default=5.0)
+    p.add_argument("--step-prefill-token-us", type=float, default=50.0)
+    p.add_argument("--step-decode-seq-us", type=float, default=30.0)
+    p.add_argument("--step-context-token-ns", type=float, default=0.0)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -92,7 +102,15 @@ def run(args: argparse.Namespace) -> int:
     if args.predict_ttl is not None:
         kw["predict_ttl"] = args.predict_ttl
     try:
+        from ..engine.timing import StepCost
+
+        kw["step_cost"] = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
+                                   args.step_decode_seq_us * 1e-6,
+                                   args.step_context_token_ns * 1e-9)
         cfg = SimConfig(engines=args.engines, capacity=args.capacity,
+                        engine_model=args.engine_model,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, cpu_blocks=args.cpu_blocks,
                         block_tokens=args.block_tokens, prefill_rate=args.prefill_rate,
                         decode_rate=args.decode_rate, seed=args.seed, **kw)
         result = run_sim(reqs, cfg, policies, workers=args.workers)

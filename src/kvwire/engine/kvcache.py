@@ -21,12 +21,17 @@ An optional CPU tier of ``cpu_blocks`` entries receives each evicted GPU block (
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from ..wire.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 __all__ = ["PagedPrefixCache"]
+
+
+def _ints(x: Sequence[int]) -> list[int]:
+    return x.tolist() if isinstance(x, array) else list(x)
 
 GPU, CPU = "GPU", "CPU"
 
@@ -120,7 +125,7 @@ class PagedPrefixCache:
             self.events.append(BlockRemoved([old], CPU))
         cpu[h] = None
         parent, tokens, lora = meta
-        self.events.append(BlockStored([h], parent, list(tokens), self.block_size, lora, CPU))
+        self.events.append(BlockStored([h], parent, _ints(tokens), self.block_size, lora, CPU))
 
     def cache_full(self, blocks: Sequence[int], hashes: Sequence[int], start: int, end: int,
                    tokens: Sequence[int], lora_id: int | None) -> None:
@@ -141,7 +146,7 @@ class PagedPrefixCache:
                 self._meta[b] = (hashes[i - 1] if i else None, (), lora_id)
         self.events.append(BlockStored(
             list(hashes[start:end]), hashes[start - 1] if start else None,
-            list(tokens[start * bs:end * bs]), bs, lora_id, GPU,
+            _ints(tokens[start * bs:end * bs]), bs, lora_id, GPU,
         ))
 
     def free_blocks(self, blocks: Sequence[int]) -> None:

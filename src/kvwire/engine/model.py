@@ -28,9 +28,12 @@ state single steps give (a test checks it), which is what lets a fleet replay lo
 from __future__ import annotations
 
 import math
+import operator
 from array import array
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
 
 from ..wire.events import Event
 from .kvcache import PagedPrefixCache
@@ -286,24 +289,21 @@ class EngineModel:
                 return None
             ctx += ntok
         cost = cfg.cost
-        ends = []
-        t = self.now
-        busy = self.busy_s
-        for j in range(k):
-            if t >= until:
-                break
-            dt = cost.step_time(0, n, ctx + j * n)
-            t = t + dt  # the same float operations as single steps: identical times
-            busy += dt
-            ends.append(t)
-        m = len(ends)
+        start = self.now
+        if cost.context_token_s:
+            dts = [cost.step_time(0, n, ctx + j * n) for j in range(k)]
+        else:
+            dts = list(repeat(cost.step_time(0, n, ctx), k))
+        # Left folds: the same float additions, in the same order, as single steps make.
+        times = list(accumulate(dts, initial=start))
+        m = bisect_left(times, until, 0, k)  # steps that start before ``until``
         if m == 0:
             return None
-        start = self.now
-        self.busy_s = busy
+        ends = times[1:m + 1]
+        self.busy_s = list(accumulate(dts[:m], initial=self.busy_s))[-1]
         self.steps += m
         self.now = ends[-1]
-        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        gaps = list(map(operator.sub, ends[1:], ends))
         itl = self.itl
         for r in running:
             itl.append(ends[0] - r.last_token_t)

@@ -34,7 +34,8 @@ def extend_hashes(hashes: list[int], tokens: Sequence[int], block_size: int,
     i = len(hashes)
     if i >= n:
         return hashes
-    raw = array("q", tokens[i * block_size:n * block_size]).tobytes()
+    part = tokens[i * block_size:n * block_size]
+    raw = (part if isinstance(part, array) and part.typecode == "q" else array("q", part)).tobytes()
     step = 8 * block_size
     rest = _extra(lora_id, None, False)
     parent = hashes[-1] if hashes else 0
@@ -69,7 +70,7 @@ class EngineRequest:
 
     status: str = WAITING
     arrival: float = 0.0
-    tokens: list[int] = field(default_factory=list)  # prompt + generated so far
+    tokens: array = field(default_factory=lambda: array("q"))  # prompt + generated so far
     hashes: list[int] = field(default_factory=list)  # of tokens' full blocks
     blocks: list[int] = field(default_factory=list)  # physical blocks held
     num_computed: int = 0  # tokens whose KV is computed (or taken from the cache)
@@ -83,7 +84,7 @@ class EngineRequest:
     first_token_t: float | None = None
     last_token_t: float = 0.0
     finish_t: float | None = None
-    _out: list[int] = field(default_factory=list, repr=False)
+    _out: array = field(default_factory=lambda: array("q"), repr=False)
 
     @property
     def prompt_len(self) -> int:
@@ -95,11 +96,10 @@ class EngineRequest:
 
     def _start(self, block_size: int, seed: int) -> None:
         if not self.tokens:
-            self.tokens = list(self.prompt)
+            self.tokens = array("q", self.prompt)
             extend_hashes(self.hashes, self.tokens, block_size, self.lora_id, self.cache_salt)
             raw = random.Random(f"{seed}/{self.rid}").randbytes(4 * self.max_tokens)
-            self._out = array("I", raw).tolist()
-            self._out = [t & 0x7FFF_FFFF for t in self._out]
+            self._out = array("q", array("I", raw))  # ids below 2**32
 
     def _append_output(self, n: int, block_size: int) -> None:
         k = self.num_output

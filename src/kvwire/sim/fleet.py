@@ -1,6 +1,8 @@
 """The fleet simulator: replay a trace against N engines under each routing policy.
 
-Virtual time advances through the trace. Each engine is a FIFO server (see docs/sim.md): a
+Two engine models (docs/sim.md). ``batched``, the default: each engine is the pure
+:class:`~kvwire.engine.EngineModel` (continuous batching, chunked prefill, paged prefix cache;
+the loop is in :mod:`.batched`). ``fifo``, described here: each engine is a FIFO server: a
 request arriving at ``t`` starts at ``max(t, engine free)``, holds the engine for its prefill
 (uncached prompt tokens / prefill rate) then its decode (output tokens / decode rate); its
 first token comes at the end of its prefill. When the prefill completes the engine commits the
@@ -22,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from typing import Any
 
 from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
+from ..engine.timing import StepCost
 from ..publish.publisher import ZmqEventPublisher
 from ..router.policy import Candidate, LoadTracker, RoutingPolicy, request_load
 from .engine import SimEngine, engine_keys
@@ -38,8 +42,10 @@ __all__ = ["POLICIES", "PolicyResult", "SimConfig", "SimError", "SimResult", "ru
            "simulate_policy"]
 
 _JSON_KEYS = ("hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
-              "events_published", "events_applied")
+              "events_published", "events_applied", "prefix_reuse_ratio", "itl_p50_s",
+              "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_s", "preemptions")
 POLICIES = ("kvwire", "oracle", "random", "round_robin", "least_load")
+ENGINE_MODELS = ("batched", "fifo")
 
 
 class SimError(RuntimeError):
@@ -53,6 +59,14 @@ class SimConfig:
     engines: int = 8
     capacity: int = 5000
     block_tokens: int = 512
+    #: "batched" (kvwire.engine's model) or "fifo" (one request at a time, below)
+    engine_model: str = "batched"
+    #: batched only: the scheduler's limits, a CPU tier, the step-time constants
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    cpu_blocks: int = 0
+    step_cost: StepCost = field(default_factory=StepCost)
+    #: fifo only: service rates
     prefill_rate: float = 20_000.0
     decode_rate: float = 400.0
     seed: int = 0
@@ -61,17 +75,26 @@ class SimConfig:
     prefill_weight: float = 1.0
     load_weight: float = 0.5
     #: Load of a routed request = uncached blocks + decode_share x expected output blocks
-    #: (expected = mean output of the requests completed so far).
-    #: None: prefill_rate / decode_rate, i.e. load is the request's work in block-prefills.
+    #: (expected = mean output of the requests completed so far). None: a decoded token's
+    #: cost over a prefilled token's (fifo: prefill_rate / decode_rate; batched: the step
+    #: cost's decode_seq_s / prefill_token_s), i.e. load is work in block-prefills.
     decode_share: float | None = None
     #: Predicted entries live this long (virtual s) unless events confirm them.
     predict_ttl: float = 30.0
     #: Wall seconds to wait for the subscriber to catch up before failing.
     sync_timeout: float = 30.0
 
+    def __post_init__(self) -> None:
+        if self.engine_model not in ENGINE_MODELS:
+            raise ValueError(f"unknown engine model {self.engine_model!r}; choose from "
+                             f"{', '.join(ENGINE_MODELS)}")
+
     def share(self) -> float:
         if self.decode_share is not None:
             return self.decode_share
+        if self.engine_model == "batched":
+            c = self.step_cost
+            return c.decode_seq_s / c.prefill_token_s if c.prefill_token_s > 0 else 0.0
         return self.prefill_rate / self.decode_rate
 
 
@@ -84,10 +107,22 @@ class PolicyResult:
     prompt_blocks: int = 0
     engine_work_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    itl_s: array = field(default_factory=lambda: array("d"))
     route_us: list[float] = field(default_factory=list)
     events_published: int = 0
     events_applied: int = 0
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    span_s: float = 0.0  # first arrival to last completion
+    preemptions: int = 0
     wall_s: float = 0.0
+
+    @property
+    def prefix_reuse_ratio(self) -> float:
+        """Prompt tokens found cached on admission / prompt tokens (the mocker's ratio)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -103,6 +138,8 @@ class PolicyResult:
         """The six §4 keys (deterministic for a seed), then wall-clock extras."""
         ttft = sorted(self.ttft_s)
         lat = sorted(self.route_us)
+        itl = sorted(self.itl_s)
+        e2e = sorted(self.e2e_s)
         return {
             "hit_ratio": round(self.hit_ratio, 6),
             "work_max_over_mean": round(self.work_max_over_mean, 6),
@@ -110,6 +147,13 @@ class PolicyResult:
             "ttft_p99_s": round(_pct(ttft, 0.99), 6),
             "events_published": self.events_published,
             "events_applied": self.events_applied,
+            "prefix_reuse_ratio": round(self.prefix_reuse_ratio, 6),
+            "itl_p50_s": round(_pct(itl, 0.50), 6),
+            "itl_p99_s": round(_pct(itl, 0.99), 6),
+            "e2e_p50_s": round(_pct(e2e, 0.50), 6),
+            "e2e_p99_s": round(_pct(e2e, 0.99), 6),
+            "output_tok_s": round(self.output_tokens / self.span_s, 3) if self.span_s else 0.0,
+            "preemptions": self.preemptions,
             "route_p50_us": round(_pct(lat, 0.50), 1),
             "route_p99_us": round(_pct(lat, 0.99), 1),
             "engine_work_s": [round(w, 3) for w in self.engine_work_s],
@@ -132,6 +176,7 @@ class SimResult:
             "requests": self.requests,
             "engines": self.config.engines,
             "capacity": self.config.capacity,
+            "engine_model": self.config.engine_model,
             "policies": {n: {k: v for k, v in r.summary().items() if k in _JSON_KEYS}
                          for n, r in self.results.items()},
         }
@@ -139,14 +184,16 @@ class SimResult:
     def table(self) -> str:
         """A plain-text table, one row per policy."""
         head = (f"{'policy':<12}{'hit_ratio':>10}{'max/mean':>10}{'ttft_p50':>10}"
-                f"{'ttft_p99':>10}{'events pub':>12}{'applied':>10}{'route p99':>11}")
+                f"{'ttft_p99':>10}{'itl_p50':>9}{'e2e_p99':>9}{'out tok/s':>10}"
+                f"{'events pub':>12}{'applied':>10}{'route p99':>11}")
         rows = [head]
         for n, r in self.results.items():
             s = r.summary()
             rows.append(
                 f"{n:<12}{s['hit_ratio']:>10.3f}{s['work_max_over_mean']:>10.3f}"
-                f"{s['ttft_p50_s']:>9.2f}s{s['ttft_p99_s']:>9.2f}s{s['events_published']:>12}"
-                f"{s['events_applied']:>10}{s['route_p99_us']:>9.0f}us"
+                f"{s['ttft_p50_s']:>9.2f}s{s['ttft_p99_s']:>9.2f}s"
+                f"{s['itl_p50_s'] * 1e3:>7.1f}ms{s['e2e_p99_s']:>8.2f}s{s['output_tok_s']:>10.0f}"
+                f"{s['events_published']:>12}{s['events_applied']:>10}{s['route_p99_us']:>9.0f}us"
             )
         return "\n".join(rows)
 
@@ -373,19 +420,29 @@ def simulate_policy(reqs: Sequence[Request], policy: str, cfg: SimConfig,
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     t_wall = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="kvwire-sim-")
-    engines: list[SimEngine] = []
+    engines: list[Any] = []
     router: _Router | None = None
     try:
+        if cfg.engine_model == "batched":
+            from .batched import BatchedEngine, engine_config, run_batched
+
+            ecfg = engine_config(cfg)
         for i in range(cfg.engines):
             pub = ZmqEventPublisher(
                 endpoint=f"ipc://{tmp}/e{i}", replay_endpoint=f"ipc://{tmp}/e{i}-replay",
                 heartbeat_interval=None,  # no heartbeat seqs: seqs count our batches exactly
             )
-            engines.append(SimEngine(f"engine{i}", cfg.capacity, cfg.block_tokens, pub))
+            if cfg.engine_model == "batched":
+                engines.append(BatchedEngine(f"engine{i}", ecfg, pub))
+            else:
+                engines.append(SimEngine(f"engine{i}", cfg.capacity, cfg.block_tokens, pub))
         router = _ROUTERS[policy](engines, cfg)
         bar = progress if isinstance(progress, _Progress) else _Progress(
             policy, len(reqs), progress)
-        res = _run(reqs, engines, router, cfg, bar)
+        if cfg.engine_model == "batched":
+            res = run_batched(reqs, engines, router, cfg, bar, PolicyResult(name=""))
+        else:
+            res = _run(reqs, engines, router, cfg, bar)
         res.name = policy
         router.sync(float("inf"))  # the last commits' events, so applied can match published
         res.events_published = sum(e.events for e in engines)
@@ -433,6 +490,8 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
         hit = engines[e].prefix_hits(keys)
         res.hit_blocks += hit
         res.prompt_blocks += len(keys)
+        res.cached_tokens += hit * bs
+        res.prompt_tokens += req.input_length
         prefill = (req.input_length - hit * bs) / pre
         decode = req.output_length / dec
         start = max(t, free[e])
@@ -440,6 +499,10 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
         free[e] = first + decode
         work[e] += prefill + decode
         res.ttft_s.append(first - t)
+        res.e2e_s.append(first + decode - t)
+        res.itl_s.extend([1.0 / dec] * max(0, req.output_length - 1))
+        res.output_tokens += req.output_length
+        res.span_s = max(res.span_s, first + decode - reqs[0].t)
         heapq.heappush(heap, (first, order, _COMMIT, (e, req, keys)))
         heapq.heappush(heap, (first + decode, order + 1, _RELEASE, (rid, req)))
         order += 2
