@@ -4,7 +4,8 @@ subject, in one of two modes.
 * ``pack=1``, pipelined: one message per batch, up to ``max_inflight`` unacknowledged at
   once (publishes go out as core NATS messages with a reply inbox; one wildcard
   subscription collects every PubAck). ``Nats-Msg-Id`` dedupe is what keeps a restarted or
-  redundant bridge from storing a batch twice.
+  redundant bridge from storing a batch twice. (Only with nats-py's internals, see
+  :meth:`JsWriter.on_disconnect`; without, ``pack=1`` lanes are guarded, one batch each.)
 * ``pack=N > 1``, guarded: one message in flight per subject, each carrying
   ``Nats-Expected-Last-Subject-Sequence`` = the subject's last stream sequence as this
   writer knows it. What arrives meanwhile waits, and the next message takes up to N
@@ -105,7 +106,13 @@ class JsWriter(Resolver):
         if not ack_timeout > 0:
             raise ValueError(f"ack_timeout must be > 0 seconds, got {ack_timeout!r}")
         self.pack = pack
-        self.guarded = pack > 1
+        # nats-py's internals (kvwire.nats.client_internals), or None: its public API
+        self.fast = internals(nc)
+        # Pipelined lanes stay a prefix of what was sent across a broken connection only by
+        # dropping what nats-py still buffers (on_disconnect: internals). Without, nats-py
+        # sends it after the reconnect, past what the dead server lost: every lane is then
+        # guarded (pack 1: one single-batch message in flight per subject).
+        self.guarded = pack > 1 or self.fast is None
         self.nc, self.js, self.stream = nc, js, stream
         self.max_inflight, self.ack_timeout = max_inflight, ack_timeout
         self.stats = WriterStats()
@@ -121,8 +128,6 @@ class JsWriter(Resolver):
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
-        # nats-py's internals (kvwire.nats.client_internals), or None: its public API
-        self.fast = internals(nc)
         self._inbox_b = b""
         self.lanes: dict[str, Lane] = {}
         self.closing = False
@@ -389,10 +394,9 @@ class JsWriter(Resolver):
 
         Keep it a prefix: nats-py would send the publishes still queued in its buffer after
         the reconnect (ahead of anything a recovery decides), so they are dropped here
-        (with nats-py's internals; without, they go out first, and the recovery finds them
-        on the subject or re-sends them: Msg-Id dedupe or the guard keeps them once), and
-        every lane with messages in flight recovers (holding new ones) before anything else
-        goes out."""
+        (with nats-py's internals; without, every lane is guarded, and the guard refuses
+        them if they land after the subject moved on), and every lane with messages in
+        flight recovers (holding new ones) before anything else goes out."""
         if self.fast is not None:
             self.fast.drop_queued(lambda c: c[:5] == b"HPUB " and c[5:].split(
                 b" ", 1)[0].decode() in self.lanes)
