@@ -16,9 +16,12 @@ This module is the contract between :mod:`kvwire.nats.bridge` (writer) and
   last (so ``Kvwire-Seq`` is always the last seq a message covers), ``Nats-Msg-Id`` is
   ``engine/rank/epoch/first-last``. Its body is a msgpack array of the batches, each in
   vLLM's wire format (the array header followed by the batch encodings). The id names the
-  whole run: a shorter run from another bridge never deduplicates a longer one away; runs
-  cut differently by two redundant bridges may both be stored, and readers drop seqs they
-  already have (a packed run may overlap what was delivered; only its new tail counts).
+  whole run, so Msg-Id dedupe cannot settle runs two redundant bridges cut differently: the
+  guard does (``Nats-Expected-Last-Subject-Sequence``, :mod:`kvwire.nats.writer`), and of
+  two packing bridges' runs only one is ever stored. A ``--pack 1`` bridge writes without
+  a guard: beside a packing one, a batch it sends after the other's run covered it is stored
+  again (tests/test_nats_redundant.py). Readers drop seqs they already have (only the new
+  tail of a message that overlaps what was delivered counts).
 * ``epoch`` is the publisher's epoch when it has one (kvwire publishers); reference publishers
   have none, so the bridge numbers their incarnations itself: ``0`` first, ``+1`` per reset,
   recovered after a bridge restart from the subject's last message.
