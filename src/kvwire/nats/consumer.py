@@ -49,7 +49,7 @@ log = logging.getLogger("kvwire.nats.consumer")
 
 #: An item for the application (or None: a message that produced none) and the stream
 #: sequence that may be acknowledged once the application is done with it.
-Entry = tuple[Delivery | None, int]
+Handout = tuple[Delivery | None, int]
 
 
 def _hdrs(msg: Any) -> dict[str, str]:
@@ -196,14 +196,14 @@ class NatsSource:
         self._direct = bool(getattr(info.config, "allow_direct", False))
         return sorted((info.state.subjects or {}).keys())
 
-    async def _bootstrap(self, put: Callable[[list[Entry]], Awaitable[None]]) -> int:
+    async def _bootstrap(self, put: Callable[[list[Handout]], Awaitable[None]]) -> int:
         """Fresh consumer: per subject read the snapshot; the sequence to start from.
 
         With direct gets (``allow_direct``) the consumer starts after the newest snapshot
         and each subject first catches up on its own messages since its snapshot (or its
         first message), so no other subject's history is read just to be skipped; without,
         it starts at the oldest point needed and skips what the snapshots cover."""
-        entries: list[Entry] = []
+        entries: list[Handout] = []
         starts: dict[str, int] = {}
         for subject in await self._subjects():
             try:
@@ -231,10 +231,10 @@ class NatsSource:
             await put(entries)
         return start
 
-    async def _catch_up(self, subject: str, first: int, last: int) -> list[Entry]:
+    async def _catch_up(self, subject: str, first: int, last: int) -> list[Handout]:
         """The subject's messages with stream sequence in [first, last] (direct get batches),
         through the tracker like consumed ones."""
-        out: list[Entry] = []
+        out: list[Handout] = []
         seq = first
         inbox = self.nc.new_inbox()
         got: list[Any] = []
@@ -330,7 +330,7 @@ class NatsSource:
         self.consumer = info.name
         self._want = 0
 
-    async def _setup(self, put: Callable[[list[Entry]], Awaitable[None]]) -> None:
+    async def _setup(self, put: Callable[[list[Handout]], Awaitable[None]]) -> None:
         from nats.js.errors import NotFoundError
 
         spec = self.spec
@@ -400,7 +400,7 @@ class NatsSource:
 
     # ------------------------------------------------------------------ main loop
 
-    async def run(self, put: Callable[[list[Entry]], Awaitable[None]],
+    async def run(self, put: Callable[[list[Handout]], Awaitable[None]],
                   room: Callable[[], bool], wait_room: Callable[[], Awaitable[None]]) -> None:
         """Consume until :meth:`stop`. ``room()`` says whether to ask for more now."""
         await self._connect()
@@ -452,8 +452,8 @@ class NatsSource:
             if entries:
                 await put(entries)
 
-    async def _process(self, msgs: list[Any]) -> list[Entry]:
-        out: list[Entry] = []
+    async def _process(self, msgs: list[Any]) -> list[Handout]:
+        out: list[Handout] = []
         tracker = self.tracker
         for m in msgs:
             if not m.reply:  # a status: the end of a request, or the consumer is gone

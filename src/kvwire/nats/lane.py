@@ -78,14 +78,13 @@ class Entry:
         """``Nats-Msg-Id`` (a batch's is made when asked: most are only ever sent)."""
         if self._mid is None:
             ln = self.lane
-            self._mid = f"{ln.engine}/{ln.rank}/{self.epoch}/{self.seq}"
+            self._mid = msg_id(ln.engine, ln.rank, self.epoch, self.seq)
         return self._mid
 
     def raw_headers(self) -> bytes:
         """The NATS/1.0 header block (values are one line: see :func:`_header_text`)."""
         if self.kind == "batch":
-            ln = self.lane
-            h = _BATCH_HDR % (self.epoch, self.seq, ln.id_b, self.epoch, self.seq)
+            h = _BATCH_HDR % (self.epoch, self.seq, self.msg_id.encode())
         elif self.kind == "batches":
             h = _RUN_HDR % (self.epoch, self.first, self.seq, self.msg_id.encode())
         else:
@@ -113,7 +112,7 @@ class Entry:
 
 
 _BATCH_HDR = (f"NATS/1.0\r\n{H_KIND}: batch\r\n{H_EPOCH}: %d\r\n{H_SEQ}: %d\r\n"
-              f"{H_MSG_ID}: %s/%d/%d\r\n\r\n").encode()
+              f"{H_MSG_ID}: %s\r\n\r\n").encode()
 _RUN_HDR = (f"NATS/1.0\r\n{H_KIND}: batches\r\n{H_EPOCH}: %d\r\n{H_FIRST_SEQ}: %d\r\n"
             f"{H_SEQ}: %d\r\n{H_MSG_ID}: %s\r\n\r\n").encode()
 
@@ -138,7 +137,6 @@ class Lane:
     def __init__(self, subject: str, engine: str, rank: int) -> None:
         self.subject, self.engine, self.rank = subject, engine, rank
         self.subject_b = subject.encode()
-        self.id_b = f"{engine}/{rank}".encode()  # a batch's Msg-Id: id_b/epoch/seq
         self.pending: deque[Entry] = deque()
         self.held: deque[Entry] = deque()
         self.recovering = False

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from ..consume.items import Delivery
-from .consumer import Entry, NatsSource, NatsStats, NatsStreams
+from .consumer import Handout, NatsSource, NatsStats, NatsStreams
 
 __all__ = ["NatsLink"]
 
@@ -32,7 +32,7 @@ class NatsLink:
 
         self.spec = spec
         self.source = NatsSource(spec)
-        self.entries: deque[Entry] = deque()
+        self.entries: deque[Handout] = deque()
         self.lock = threading.Lock()
         addr = f"inproc://kvwire-nats-{id(self):x}-{time.monotonic_ns()}"
         self.socket = ctx.socket(zmq.PAIR)
@@ -64,7 +64,7 @@ class NatsLink:
         src = self.source
         limit = self.spec.max_pending
 
-        async def put(entries: list[Entry]) -> None:
+        async def put(entries: list[Handout]) -> None:
             if not entries:
                 return
             with self.lock:

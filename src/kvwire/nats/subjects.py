@@ -103,22 +103,27 @@ def stream_name(engine: str, rank: int) -> str:
 
 
 def msg_id(engine: str, rank: int, epoch: int, seq: int, kind: str = "batch",
-           chunk: int | None = None) -> str:
-    """``Nats-Msg-Id``: equal for the same item however many bridges write it."""
+           chunk: int | None = None, first: int | None = None) -> str:
+    """``Nats-Msg-Id``: equal for the same item however many bridges write it. The one place
+    its format is made: ``engine/rank/epoch/`` then ``seq`` (a batch), ``first-seq`` (a
+    ``batches`` run), ``kind-seq[-chunk]`` (a marker)."""
     if kind == "batch":
-        return f"{engine}/{rank}/{epoch}/{seq}"
-    if kind not in KINDS or kind == "batches":
-        raise ValueError(f"kind must be one of {KINDS} (a run's id: run_msg_id), got {kind!r}")
-    tail = "" if chunk is None else f"-{chunk}"
-    return f"{engine}/{rank}/{epoch}/{kind}-{seq}{tail}"
+        tail = str(seq)
+    elif kind == "batches":
+        if first is None or seq <= first:
+            raise ValueError(f"a run covers at least two seqs, got {first}..{seq}")
+        tail = f"{first}-{seq}"
+    elif kind in KINDS:
+        tail = f"{kind}-{seq}" if chunk is None else f"{kind}-{seq}-{chunk}"
+    else:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return f"{engine}/{rank}/{epoch}/{tail}"
 
 
 def run_msg_id(engine: str, rank: int, epoch: int, first: int, last: int) -> str:
     """``Nats-Msg-Id`` of a ``batches`` message: the run ``first..last`` (a one-batch run is
     an ordinary ``batch`` message with :func:`msg_id`)."""
-    if last <= first:
-        raise ValueError(f"a run covers at least two seqs, got {first}..{last}")
-    return f"{engine}/{rank}/{epoch}/{first}-{last}"
+    return msg_id(engine, rank, epoch, last, "batches", first=first)
 
 
 def snapshot_object(engine: str, rank: int) -> str:
