@@ -4,6 +4,7 @@ of §6 on the bundled trace (8 engines x 5,000 blocks).
 
     .venv/bin/python bench/sim.py                   # 12,000 requests (bundled trace x4, cut)
     .venv/bin/python bench/sim.py --requests 3993   # the bundled trace once (the §6 run)
+    .venv/bin/python bench/sim.py --engine-model fifo   # the one-request-at-a-time model
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=5000)
+    ap.add_argument("--engine-model", choices=("batched", "fifo"), default="batched")
     args = ap.parse_args()
     base = load_trace(bundled_trace_path())
     reqs = repeat_trace(base, -(-args.requests // len(base)))[: args.requests]
-    cfg = SimConfig(engines=args.engines, capacity=args.capacity)
+    cfg = SimConfig(engines=args.engines, capacity=args.capacity, engine_model=args.engine_model)
     t0 = time.monotonic()
     res = run_sim(reqs, cfg, POLICIES, progress=None, workers=None)
     wall = time.monotonic() - t0
@@ -41,6 +43,7 @@ def main() -> None:
     print("|---|---:|---|")
     print(f"| hit ratio / oracle's | {kv.hit_ratio / orc.hit_ratio:.3f} | >= 0.98 |")
     print(f"| hit ratio / random's | {kv.hit_ratio / rnd.hit_ratio:.2f} | >= 2.5 |")
+    print(f"| prefix reuse (tokens) | {kv.prefix_reuse_ratio:.3f} | |")
     print(f"| work max/mean | {kv.work_max_over_mean:.3f} | <= 1.10 |")
 
 
