@@ -6,6 +6,10 @@ STAMP := $(VENV)/.kvwire-installed
 TORCH_STAMP := $(VENV)/.kvwire-torch
 BROWSER_STAMP := $(VENV)/.kvwire-browser
 ENGINES_STAMP := $(VENV)/.kvwire-engines
+DYNAMO_STAMP := $(VENV)/.kvwire-dynamo
+# NVIDIA Dynamo's runtime (radix tree, block hash, mocker; CPU-only wheel) for the peer tier:
+# tests/test_sim.py's mocker cross-check and bench/index.py's second baseline.
+DYNAMO_WHEEL := ai-dynamo-runtime==1.6.1
 # vLLM and SGLang for the engines tier (tests/test_engines_*.py), without their dependency
 # trees: only what importing their kv_events and shm_broadcast modules needs, pinned
 # (transformers and llguidance at versions both engines accept).
@@ -53,10 +57,18 @@ $(ENGINES_STAMP): $(STAMP) $(TORCH_STAMP)
 	  echo "kvwire: WARNING: the engines tier (tests/test_engines_*.py) will be SKIPPED;" >&2; \
 	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
 
+# Like torch: the stamp only on success, a loud warning and a retry next time otherwise.
+$(DYNAMO_STAMP): $(STAMP)
+	@if $(PY) -m pip install -q $(DYNAMO_WHEEL) && $(PY) -c "import dynamo._core"; then \
+	  touch $(DYNAMO_STAMP); else \
+	  echo "kvwire: WARNING: $(DYNAMO_WHEEL) could not be installed or imported (see above)." >&2; \
+	  echo "kvwire: WARNING: the Dynamo peer tests (mocker cross-check) will be SKIPPED;" >&2; \
+	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
+
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
-test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP)
+test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 

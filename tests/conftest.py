@@ -52,7 +52,9 @@ _MISSING = {"torch": "install torch (`make test` retries it) to run them",
             "chromium": "install chromium (`make test` retries it, as root) to run it",
             "vllm": "install vllm==0.33.0 (`make test` retries it: the ENGINES stamp) to run them",
             "sglang": "install sglang==0.5.23 (`make test` retries it: the ENGINES stamp) to "
-                      "run them"}
+                      "run them",
+            "dynamo": "install ai-dynamo-runtime==1.6.1 (`make test` retries it: the DYNAMO "
+                      "stamp) to run them"}
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:

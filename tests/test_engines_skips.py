@@ -17,6 +17,9 @@ def test_missing_engine_wheels_are_listed_loudly(tmp_path) -> None:
         "    import_or_skip('vllm_not_installed_kvwire.kv_events', 'vllm (vllm==0.33.0)')\n"
         "def test_s():\n"
         "    import_or_skip('sglang_not_installed_kvwire.kv', 'sglang (sglang==0.5.23)')\n"
+        "def test_d():\n"
+        "    import_or_skip('dynamo_not_installed_kvwire._core', "
+        "'ai-dynamo-runtime (ai-dynamo-runtime==1.6.1)')\n"
         "def test_ok():\n"
         "    pass\n"
     ))
@@ -24,6 +27,9 @@ def test_missing_engine_wheels_are_listed_loudly(tmp_path) -> None:
         assert f"1 test(s) SKIPPED because {what} is missing" in out, out
         assert f"SKIPPED test_suite.py::{test}: {what} ({what}==" in out, out
     assert "ENGINES stamp" in out
+    assert "1 test(s) SKIPPED because dynamo is missing" in out, out
+    assert "SKIPPED test_suite.py::test_d: ai-dynamo-runtime (" in out, out
+    assert "DYNAMO stamp" in out
 
 
 def test_switch_on_without_the_engine_logs_and_returns() -> None:
