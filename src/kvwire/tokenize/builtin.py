@@ -1,0 +1,145 @@
+"""A tokenizer that needs no files, so ``kvwire engine`` runs with no model directory.
+
+Deterministic across processes and machines (no hashing with a per-process seed, no
+vocabulary file) and exactly reversible. The text is split into pieces -- a word with the
+space before it, a run of punctuation, a run of other whitespace -- and each piece's UTF-8
+bytes are cut into 2-byte chunks from the piece's start (a last odd byte alone). So a word
+always gives the same ids wherever it stands, and two prompts sharing a prefix of words
+share a prefix of ids, which is what prefix caching and KV-aware routing look at.
+
+Ids: 0..15 special tokens (``<|endoftext|>``, ``<s>``, ``</s>``, ``<|im_start|>``,
+``<|im_end|>``, ...), 16..271 single bytes, 272..65807 byte pairs; vocab_size 65808.
+Special-token strings in the text are matched first and become their ids. About 2 bytes a
+token: English prose gives roughly twice the ids a BPE tokenizer would. The chat template
+is ChatML (system, user, assistant, tool turns; tools listed in the system turn as JSON),
+rendered in the same sandbox as a model's template."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from kvwire.tokenize.base import Tokenizer, TokenizerError
+from kvwire.tokenize.template import ChatTemplate
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<pad>", "<unk>",
+    "<tool_call>", "</tool_call>", "<think>", "</think>",
+)
+N_SPECIAL = 16
+BYTE_BASE = N_SPECIAL
+PAIR_BASE = BYTE_BASE + 256
+VOCAB_SIZE = PAIR_BASE + 65536
+
+# <think> etc. are ordinary text to a real ChatML model too (they are added tokens there
+# as well); the ones the template writes are the ones that matter.
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in sorted(SPECIAL_TOKENS, key=len,
+                                                                   reverse=True)))
+_PIECE_RE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
+_SPECIAL_ID = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+
+CHATML_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{% endif %}
+{{- 'You may call these tools; reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>:\\n' }}
+{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{% endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}
+{{- '<|im_start|>' + message.role + '\\n' }}
+{%- if message.content is string %}{{- message.content }}
+{%- elif message.content %}{% for part in message.content %}{% if part.type == 'text' %}{{- part.text }}{% endif %}{% endfor %}
+{%- endif %}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{{- '<tool_call>' + {'name': fn.name, 'arguments': fn.arguments} | tojson + '</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{% endif %}
+{%- endif %}
+"""
+
+
+class BuiltinTokenizer(Tokenizer):
+    """The no-files tokenizer (module docstring: the scheme and the id layout)."""
+
+    def __init__(self) -> None:
+        self.name = "builtin"
+        self.bos_token_id = _SPECIAL_ID["<s>"]
+        self.eos_token_id = _SPECIAL_ID["<|im_end|>"]
+        self.vocab_size = VOCAB_SIZE
+        self.special_tokens = SPECIAL_TOKENS
+        self.chat_template = ChatTemplate(CHATML_TEMPLATE, origin="builtin ChatML template",
+                                          variables={"bos_token": "<s>", "eos_token": "<|im_end|>"})
+        self._piece_cache: dict[str, tuple[int, ...]] = {}
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        ids = self._piece_cache.get(piece)
+        if ids is None:
+            b = piece.encode("utf-8")
+            out = [PAIR_BASE + (b[i] << 8 | b[i + 1]) for i in range(0, len(b) - 1, 2)]
+            if len(b) % 2:
+                out.append(BYTE_BASE + b[-1])
+            ids = tuple(out)
+            if len(self._piece_cache) < 1 << 16:  # words repeat; bound the memory
+                self._piece_cache[piece] = ids
+        return ids
+
+    def _encode_plain(self, text: str, out: list[int]) -> None:
+        for piece in _PIECE_RE.findall(text):
+            out.extend(self._encode_piece(piece))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens`` prepends ``<s>`` (as a Llama-style model
+        does)."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
+        out: list[int] = [self.bos_token_id] if add_special_tokens else []
+        pos = 0
+        for m in _SPECIAL_RE.finditer(text):
+            self._encode_plain(text[pos:m.start()], out)
+            out.append(_SPECIAL_ID[m.group()])
+            pos = m.end()
+        self._encode_plain(text[pos:], out)
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (``decode(encode(t)) == t`` for every str ``t`` with
+        ``skip_special_tokens=False``); an id outside the vocabulary -> TokenizerError."""
+        parts: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            if not isinstance(i, int) or not 0 <= i < VOCAB_SIZE:
+                raise TokenizerError(f"token id {i!r} is outside the builtin vocabulary "
+                                     f"[0, {VOCAB_SIZE})")
+            if i >= PAIR_BASE:
+                buf += (i - PAIR_BASE).to_bytes(2, "big")
+            elif i >= BYTE_BASE:
+                buf.append(i - BYTE_BASE)
+            else:
+                if not skip_special_tokens and i < len(SPECIAL_TOKENS):
+                    parts.append(buf.decode("utf-8", "replace"))
+                    buf.clear()
+                    parts.append(SPECIAL_TOKENS[i])
+        parts.append(buf.decode("utf-8", "replace"))
+        return "".join(parts)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """ChatML text of ``messages``."""
+        return self.chat_template.render(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         chat_template_kwargs=chat_template_kwargs)

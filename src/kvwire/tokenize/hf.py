@@ -1,0 +1,166 @@
+"""A model directory's tokenizer: ``tokenizer.json`` through the ``tokenizers`` package, its
+chat template through our jinja2 sandbox (template.py), with the same inputs transformers'
+``apply_chat_template`` gives it.
+
+Which template, as transformers picks it: ``chat_template.jinja`` (and
+``additional_chat_templates/*.jinja``) over ``tokenizer_config.json``'s ``chat_template``,
+which is a string or a list of ``{"name", "template"}``; of several, ``tool_use`` when tools
+are given and it exists, else ``default``. The template sees the named special tokens
+(``bos_token``, ``eos_token``, ``unk_token``, ``sep_token``, ``pad_token``, ``cls_token``,
+``mask_token``, and the names of a dict ``extra_special_tokens``) as strings, from
+tokenizer_config.json, else special_tokens_map.json; the caller's ``chat_template_kwargs``
+override them."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvwire.tokenize.base import Tokenizer, TokenizerError
+from kvwire.tokenize.template import ChatTemplate
+
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                        "cls_token", "mask_token")
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token as tokenizer_config writes it: a str or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: cannot read JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _templates(directory: Path, config: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """name -> (source, origin) of every chat template the directory has."""
+    out: dict[str, tuple[str, str]] = {}
+    jinja = directory / "chat_template.jinja"
+    extra_dir = directory / "additional_chat_templates"
+    if jinja.is_file() or extra_dir.is_dir():
+        if jinja.is_file():
+            out["default"] = (jinja.read_text(encoding="utf-8"), str(jinja))
+        if extra_dir.is_dir():
+            for f in sorted(extra_dir.glob("*.jinja")):
+                out[f.name.removesuffix(".jinja")] = (f.read_text(encoding="utf-8"), str(f))
+        return out
+    origin = str(directory / "tokenizer_config.json")
+    ct = config.get("chat_template")
+    if isinstance(ct, str):
+        out["default"] = (ct, origin)
+    elif isinstance(ct, list):
+        for item in ct:
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template"), str)):
+                raise TokenizerError(f"{origin}: chat_template list items must be "
+                                     "{\"name\": str, \"template\": str}")
+            out[item["name"]] = (item["template"], f"{origin} [{item['name']}]")
+    elif ct is not None:
+        raise TokenizerError(f"{origin}: chat_template must be a string or a list, "
+                             f"got {type(ct).__name__}")
+    return out
+
+
+class HFTokenizer(Tokenizer):
+    """``tokenizer.json`` + chat template of one model directory (module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        try:
+            from tokenizers import Tokenizer as _Fast
+        except ImportError as e:
+            raise TokenizerError(f"loading {directory} needs the `tokenizers` package "
+                                 f"(pip install tokenizers): {e}") from None
+        d = Path(directory)
+        self.directory = d
+        self.name = d.name or str(d)
+        tj = d / "tokenizer.json"
+        try:
+            self._tok = _Fast.from_file(str(tj))
+        except Exception as e:  # the Rust side raises a bare Exception on a bad file
+            raise TokenizerError(f"{tj}: not a loadable tokenizers file: {e}") from None
+        config = _read_json(d / "tokenizer_config.json") if (
+            d / "tokenizer_config.json").is_file() else {}
+        stmap = _read_json(d / "special_tokens_map.json") if (
+            d / "special_tokens_map.json").is_file() else {}
+        variables: dict[str, str] = {}
+        for key in NAMED_SPECIAL_TOKENS:
+            s = _token_str(config.get(key))
+            if s is None:
+                s = _token_str(stmap.get(key))
+            if s is not None:
+                variables[key] = s
+        extra = config.get("extra_special_tokens")
+        if isinstance(extra, dict):  # model-specific named tokens (image_token, ...)
+            for key, value in extra.items():
+                s = _token_str(value)
+                if s is not None:
+                    variables[key] = s
+        self.special_tokens = dict(variables)
+        self.bos_token_id = self._id(variables.get("bos_token"))
+        self.eos_token_id = self._id(variables.get("eos_token"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
+                           for name, (src, origin) in _templates(d, config).items()}
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def template_names(self) -> list[str]:
+        """Names of the chat templates this model has (``default``, ``tool_use``, ...)."""
+        return sorted(self._templates)
+
+    def chat_template(self, tools: list[dict[str, Any]] | None = None) -> ChatTemplate:
+        """The template transformers would pick for a chat with/without ``tools``."""
+        if not self._templates:
+            raise TokenizerError(f"{self.directory}: no chat template (neither "
+                                 "chat_template.jinja nor tokenizer_config.json's chat_template)")
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if len(self._templates) == 1:
+            return next(iter(self._templates.values()))
+        raise TokenizerError(f"{self.directory}: several chat templates "
+                             f"({', '.join(self.template_names)}) and none named default")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text`` (``add_special_tokens`` runs tokenizer.json's post-processor,
+        e.g. prepends BOS)."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``."""
+        try:
+            return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError) as e:
+            raise TokenizerError(f"cannot decode {list(ids)[:8]!r}...: {e}") from None
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text, as ``apply_chat_template(..., tokenize=False)`` gives it."""
+        return self.chat_template(tools).render(messages, tools=tools,
+                                                add_generation_prompt=add_generation_prompt,
+                                                chat_template_kwargs=chat_template_kwargs)

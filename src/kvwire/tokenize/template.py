@@ -1,0 +1,113 @@
+"""Chat templates rendered as transformers renders them, in a jinja2 sandbox.
+
+Same environment as ``apply_chat_template``: ``ImmutableSandboxedEnvironment`` with
+``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}``
+tag (rendered as its body), ``raise_exception``, ``strftime_now``, and a ``tojson`` filter
+that is plain ``json.dumps`` (no HTML escaping, ``ensure_ascii=False``, keys unsorted,
+``indent``/``separators`` passed through) -- jinja's own ``tojson`` escapes ``<>&'`` and
+sorts keys, which would change the prompt and so the token ids. Templates are compiled once
+per distinct source (an LRU cache), so a server pays only the render."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvwire.tokenize.base import TokenizerError
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks
+    in transformers); for a prompt only its body matters."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=64)
+def compile_template(source: str, origin: str = "<chat template>") -> jinja2.Template:
+    """The compiled template of ``source`` (cached); a syntax error -> TokenizerError
+    naming ``origin`` and the line."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{origin}: chat template does not compile: line {e.lineno}: "
+                             f"{e.message}") from None
+
+
+class ChatTemplate:
+    """One compiled chat template plus the variables its model's tokenizer_config gives
+    every render (``bos_token``, ``eos_token``, ...)."""
+
+    def __init__(self, source: str, *, origin: str = "<chat template>",
+                 variables: dict[str, Any] | None = None) -> None:
+        self.source = source
+        self.origin = origin
+        self.variables = dict(variables or {})
+        self._template = compile_template(source, origin)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text; a template's ``raise_exception`` or a runtime error ->
+        TokenizerError naming the template."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TokenizerError(f"messages must be a list of dicts, got {type(messages).__name__}"
+                                 + ("" if not isinstance(messages, list) else " with a non-dict item"))
+        if tools is not None and (not isinstance(tools, list)
+                                  or not all(isinstance(t, dict) for t in tools)):
+            raise TokenizerError("tools must be a list of JSON-schema dicts or None")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TokenizerError("chat_template_kwargs must be a dict or None, got "
+                                 f"{type(chat_template_kwargs).__name__}")
+        # The same order of precedence as transformers: the tokenizer's special tokens, then
+        # the caller's kwargs, with messages/tools/add_generation_prompt fixed.
+        ctx = {**self.variables, **(chat_template_kwargs or {})}
+        ctx.update(messages=messages, tools=tools, documents=ctx.get("documents"),
+                   add_generation_prompt=add_generation_prompt)
+        try:
+            return self._template.render(ctx)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self.origin}: chat template failed: {e}") from None
