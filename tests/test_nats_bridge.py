@@ -558,10 +558,11 @@ def test_dp_ranks_get_one_subject_each(nats_server, tmp_path, engines):
 
 def _lane_with(states: list[int]):
     """A lane with batches seq 0..n-1 (epoch 1) in flight, in the given ack states. (No I/O:
-    JsWriter's recovery decision is pure; the real recoveries are in the fault tests.)"""
-    from kvwire.nats.writer import JsWriter
+    the writer's recovery decision is its pure part's; the real recoveries are in the fault
+    tests.)"""
+    from kvwire.nats.writer_state import WriterState
 
-    w = JsWriter(object(), object(), "KVWIRE")
+    w = WriterState()
     lane = w.lane("e", 0, "kvwire.events.e.0")
     truth = BlockCache()
     for seq, state in enumerate(states):
@@ -578,14 +579,14 @@ def test_writer_recovery_decisions():
     message says was stored is kept, the rest is re-sent in order with the same Msg-Ids;
     a refused message before a stored one (a hole) becomes reset + snapshot markers."""
     w, lane, truth = _lane_with([1, 0, 0, 0, 0])  # acked, then four unanswered
-    w._resolve(lane, ("e/0/1/2", 102))
+    w.resolve(lane, ("e/0/1/2", 102))
     assert [e.seq for e in lane.held] == [3, 4] and lane.last == (1, 2)
     assert lane.last_js_seq == 102 and w.stats.resent == 2
     w, lane, _ = _lane_with([0, 0])
-    w._resolve(lane, None)  # nothing of them on the subject
+    w.resolve(lane, None)  # nothing of them on the subject
     assert [e.msg_id for e in lane.held] == ["e/0/1/0", "e/0/1/1"] and lane.last is None
     w, lane, truth = _lane_with([1, 2, 0, 0, 0])  # seq 1 refused, 3 stored after it
-    w._resolve(lane, ("e/0/1/3", 103))
+    w.resolve(lane, ("e/0/1/3", 103))
     kinds = [e.kind for e in lane.held]
     assert kinds[0] == "reset" and set(kinds[1:]) == {"snapshot"} and w.stats.holes == 1
     assert {(e.epoch, e.seq) for e in lane.held} == {(1, 4)}

@@ -1,7 +1,8 @@
 """The guarded writer's decisions (``kvwire bridge --pack N > 1``), the pure part: what a
 lane does when JetStream refused its message because another writer moved the subject on.
 
-``JsWriter._resolve_guarded`` gets the subject's last message and the lane's entries (the
+``WriterState.resolve_guarded`` (the writer's pure part, driven alone here: no NATS, no
+writer) gets the subject's last message and the lane's entries (the
 run in flight, the batches held) and must commit exactly what is on the subject already,
 hold exactly the rest, in order, and keep the lane's state (the source of its object-store
 snapshots) equal to the engine's state at the seq it commits up to. No NATS here: the
@@ -18,7 +19,8 @@ from test_nats_pack import engine
 from kvwire.consume.cache import BlockCache
 from kvwire.nats.lane import H_EXPECT
 from kvwire.nats.subjects import H_EPOCH, H_FIRST_SEQ, H_KIND, H_MSG_ID, H_SEQ, run_msg_id
-from kvwire.nats.writer import JsWriter, Lane, marker_entries
+from kvwire.nats.writer import Lane, marker_entries
+from kvwire.nats.writer_state import WriterState
 from kvwire.wire.events import encode_batch
 
 EPOCH = 7
@@ -28,9 +30,9 @@ N = 40
 BATCHES, _, STATES = engine(N)  # (the packed-runs tests' engine: 40 batches of one epoch)
 
 
-def lane_at(upto: int, pack: int = 8) -> tuple[JsWriter, Lane]:
+def lane_at(upto: int, pack: int = 8) -> tuple[WriterState, Lane]:
     """A guarded writer's lane that has committed batches 0..upto (its state: the engine's)."""
-    w = JsWriter(None, None, "KVWIRE", pack=pack)
+    w = WriterState(pack)
     ln = w.lane("e", 0, "kvwire.events.e.0")
     for i in range(upto + 1):
         ln.cache.apply(BATCHES[i])
@@ -44,11 +46,11 @@ def hold(ln: Lane, first: int, last: int, epoch: int = EPOCH) -> None:
         ln.held.append(ln.batch_entry(epoch, i, BATCHES[i], encode_batch(BATCHES[i])))
 
 
-def in_flight(w: JsWriter, ln: Lane) -> Any:
+def in_flight(w: WriterState, ln: Lane) -> Any:
     """Take the next message off ``held`` as the pump does, and mark it refused."""
     e = ln.next_message(w.pack, 1 << 20)
     e.token, e.expect = "1", ln.expect
-    w._inflight["1"] = e
+    w.inflight["1"] = e
     ln.pending.append(e)
     return e
 
@@ -104,11 +106,11 @@ def test_another_writers_overlapping_run_commits_what_it_covers_and_splits_ours(
     e = in_flight(w, ln)
     assert (e.first, e.seq) == (5, 12)
     hold(ln, 13, 14)
-    w._resolve_guarded(ln, last_msg("batches", 9, 555, first=3))
+    w.resolve_guarded(ln, last_msg("batches", 9, 555, first=3))
     assert held_seqs(ln) == [("batch", s) for s in range(10, 15)]
     assert ln.cache.as_dict() == STATES[9]
     assert ln.last == (EPOCH, 9) and ln.last_js_seq == 555 and ln.expect == 555
-    assert not ln.pending and not w._inflight
+    assert not ln.pending and not w.inflight
     assert w.stats.superseded == 5
     nxt = ln.next_message(w.pack, 1 << 20)
     assert (nxt.kind, nxt.first, nxt.seq) == ("batches", 10, 14)
@@ -121,7 +123,7 @@ def test_our_own_message_stored_before_the_refusal() -> None:
     hold(ln, 5, 9)
     e = in_flight(w, ln)
     hold(ln, 10, 11)
-    w._resolve_guarded(ln, (e.msg_id, 600, {}))
+    w.resolve_guarded(ln, (e.msg_id, 600, {}))
     assert held_seqs(ln) == [("batch", 10), ("batch", 11)]
     assert ln.cache.as_dict() == STATES[9] and ln.last_js_seq == 600 and ln.expect == 600
 
@@ -133,7 +135,7 @@ def test_a_marker_of_another_writer_covers_the_batches_up_to_its_seq() -> None:
     w, ln = lane_at(4)
     hold(ln, 5, 12)
     in_flight(w, ln)
-    w._resolve_guarded(ln, last_msg("snapshot", 8, 700, mid="e/0/7/8/snapshot/0"))
+    w.resolve_guarded(ln, last_msg("snapshot", 8, 700, mid="e/0/7/8/snapshot/0"))
     assert held_seqs(ln) == [("batch", s) for s in range(9, 13)]
     assert ln.cache.as_dict() == STATES[8]
     assert ln.last_js_seq is None and ln.expect == 700
@@ -143,7 +145,7 @@ def test_an_empty_subject_takes_everything_from_zero() -> None:
     w, ln = lane_at(4)
     hold(ln, 5, 9)
     in_flight(w, ln)
-    w._resolve_guarded(ln, None)
+    w.resolve_guarded(ln, None)
     assert held_seqs(ln) == [("batch", s) for s in range(5, 10)] and ln.expect == 0
     assert ln.cache.as_dict() == STATES[4]
 
@@ -153,7 +155,7 @@ def test_a_subject_behind_us_in_an_epoch_we_left_gets_ours_after_it() -> None:
     ln.epochs.add(3)
     hold(ln, 5, 9)
     in_flight(w, ln)
-    w._resolve_guarded(ln, last_msg("batch", 50, 800, epoch=3))
+    w.resolve_guarded(ln, last_msg("batch", 50, 800, epoch=3))
     assert held_seqs(ln) == [("batch", s) for s in range(5, 10)] and ln.expect == 800
     assert ln.cache.as_dict() == STATES[4]
 
@@ -164,7 +166,7 @@ def test_an_epoch_we_never_saw_resyncs_the_subject_from_our_whole_state() -> Non
     w, ln = lane_at(4)
     hold(ln, 5, 9)
     in_flight(w, ln)
-    w._resolve_guarded(ln, last_msg("batch", 3, 900, epoch=99))
+    w.resolve_guarded(ln, last_msg("batch", 3, 900, epoch=99))
     kinds = [e.kind for e in ln.held]
     assert kinds[0] == "reset" and set(kinds[1:]) == {"snapshot"}
     assert all((e.epoch, e.seq) == (EPOCH, 9) for e in ln.held)
@@ -193,18 +195,18 @@ def test_property_exact_partition(done: int, n: int, pack: int, other: int, othe
     first = max(0, other - other_first)
     lm = (last_msg("batches", other, 999, first=first) if as_run and first < other
           else last_msg("batch", other, 999, mid=f"other/{other}"))
-    w._resolve_guarded(ln, lm)
+    w.resolve_guarded(ln, lm)
     held = [e.seq for e in ln.held]
     assert held == list(range(max(other, done) + 1, last + 1))
     assert all(e.kind == "batch" for e in ln.held)
     upto = max(done, min(other, last))
     assert ln.cache.as_dict() == (STATES[upto] if upto >= 0 else {})
-    assert ln.expect == 999 and not ln.pending and not w._inflight
+    assert ln.expect == 999 and not ln.pending and not w.inflight
     # Batches our engine follower delivers only now, that the other writer already stored:
     # never sent (the pump skips them), the state follows them.
     more = min(N - 1, other + 3)
     hold(ln, last + 1, more)
-    w._skip_covered(ln)
+    w.skip_covered(ln)
     more = max(more, last)
     assert [e.seq for e in ln.held] == list(range(max(other, done) + 1, more + 1))
     upto = max(done, min(other, more))
@@ -220,7 +222,7 @@ def test_never_after_half_of_another_writers_marker_set() -> None:
     w, ln = lane_at(4)
     hold(ln, 5, 9)
     in_flight(w, ln)
-    w._resolve_guarded(ln, last_msg("reset", 30, 901, mid="e/0/7/30/reset"))
+    w.resolve_guarded(ln, last_msg("reset", 30, 901, mid="e/0/7/30/reset"))
     assert [e.kind for e in ln.held][0] == "reset" and ln.held[0].seq == 9
     assert ln.cache.as_dict() == STATES[9] and ln.expect == 901
 
@@ -233,7 +235,7 @@ def test_our_own_half_written_set_is_continued() -> None:
     hold(ln, 5, 6)
     e = in_flight(w, ln)
     assert e.kind == "reset"
-    w._resolve_guarded(ln, (e.msg_id, 902, {H_KIND: "reset", H_EPOCH: str(EPOCH),
+    w.resolve_guarded(ln, (e.msg_id, 902, {H_KIND: "reset", H_EPOCH: str(EPOCH),
                                             H_SEQ: "4", H_MSG_ID: e.msg_id}))
     assert [(x.kind, x.seq) for x in ln.held] == [("snapshot", 4), ("batch", 5), ("batch", 6)]
     assert ln.expect == 902
@@ -246,7 +248,7 @@ def test_a_batch_over_the_max_payload_resyncs_as_chunked_markers() -> None:
     hold(ln, 5, 6)
     ln.held[0].oversize = True  # (what _send found when it tried)
     in_flight(w, ln)
-    w._resolve_guarded(ln, (f"e/0/{EPOCH}/4", 104, {H_KIND: "batch", H_EPOCH: str(EPOCH),
+    w.resolve_guarded(ln, (f"e/0/{EPOCH}/4", 104, {H_KIND: "batch", H_EPOCH: str(EPOCH),
                                                      H_SEQ: "4", H_MSG_ID: f"e/0/{EPOCH}/4"}))
     kinds = [e.kind for e in ln.held]
     assert kinds[0] == "reset" and set(kinds[1:]) == {"snapshot"}
