@@ -115,3 +115,135 @@ def test_listen_nats_without_nats_py_says_how_to_get_it() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "pip install 'kvwire[nats]'" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------- a NATS that is not there
+
+KVWIRE = [__import__("sys").executable, "-m", "kvwire"]
+
+
+@pytest.fixture
+def refused_url() -> Any:
+    """A loopback port bound but not listening: every connect to it is refused, for real."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"nats://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def silent_url() -> Any:
+    """A loopback port that accepts connections and never says a word (no NATS INFO)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield f"nats://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _kvwire(*argv: str, timeout: float = 60) -> Any:
+    import subprocess
+
+    return subprocess.run([*KVWIRE, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--nats", "URL", "--port", "0", "--connect-timeout", "1"],
+    ["serve", "--nats", "URL", "--nats-engine", "a:2", "--port", "0", "--connect-timeout", "1"],
+    ["listen", "URL", "--count", "1", "--connect-timeout", "1"],
+    ["listen", "URL", "--duration", "1"],  # (the connect gives up when --duration is over)
+    ["bridge", "--nats", "URL", "--engine", "a=tcp://127.0.0.1:1", "--connect-timeout", "1"],
+], ids=["serve", "serve-nats-engine", "listen-count", "listen-duration", "bridge"])
+def test_a_refused_nats_is_one_line_and_exit_1(refused_url: str, argv: list[str]) -> None:
+    """Each command that connects to NATS gives up after its bound, says where and why in
+    one line (one warning before it, no tracebacks), and exits 1 (docs/operations.md)."""
+    t0 = time.monotonic()
+    r = _kvwire(*[refused_url if a == "URL" else a for a in argv])
+    took = time.monotonic() - t0
+    want = f"cannot connect to NATS at {refused_url}: connection refused (gave up after 1s)"
+    assert r.returncode == 1 and f"kvwire {argv[0]}: {want}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) <= 2, lines  # the first failed try's warning, then the error
+    assert took < 30, took
+
+
+def test_a_silent_nats_is_no_answer(silent_url: str) -> None:
+    """A server that accepts and never speaks is told apart from a refused one."""
+    r = _kvwire("bridge", "--nats", silent_url, "--engine", "a=tcp://127.0.0.1:1",
+                "--connect-timeout", "1")
+    assert r.returncode == 1, r.stderr
+    assert f"cannot connect to NATS at {silent_url}: no answer" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bridge_says_refused_at_once_and_a_signal_stops_the_wait(refused_url: str) -> None:
+    """The reason comes with the first failed try, not after the whole --connect-timeout;
+    SIGTERM while it still tries ends the command cleanly."""
+    import subprocess
+
+    p = subprocess.Popen([*KVWIRE, "bridge", "--nats", refused_url, "--engine",
+                          "a=tcp://127.0.0.1:1", "--connect-timeout", "120"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()  # the first failed try's line (the test's timeout bounds it)
+        assert f"cannot connect to NATS at {refused_url}: connection refused; retrying for up " \
+               "to 120s" in line, line
+        assert p.poll() is None  # still trying: said before its timeout
+        p.terminate()
+        assert p.wait(30) == 0
+        assert "stopped while starting" in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.parametrize(("level", "shown"), [(None, True), ("error", False)])
+def test_bridge_log_level_reaches_kvwire_loggers(refused_url: str, level: str | None,
+                                                  shown: bool) -> None:
+    """``--log-level`` under ``kvwire bridge`` sets kvwire's own loggers (logging used to be
+    set up by ``kvwire`` before the subcommand could ask)."""
+    extra = [] if level is None else ["--log-level", level]
+    r = _kvwire("bridge", "--nats", refused_url, "--engine", "a=tcp://127.0.0.1:1",
+                "--connect-timeout", "1", *extra)
+    assert r.returncode == 1, r.stderr
+    assert ("kvwire.nats WARNING cannot connect" in r.stderr) is shown, r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["bridge", "--nats", "http://127.0.0.1:4222", "--engine", "a=tcp://127.0.0.1:1"],
+    ["serve", "--nats", "http://127.0.0.1:4222"],
+])
+def test_a_nats_url_with_another_scheme_is_a_usage_error(argv: list[str]) -> None:
+    r = _kvwire(*argv)
+    assert r.returncode == 2, r.stderr
+    assert "argument --nats: --nats 'http://127.0.0.1:4222': scheme 'http' is not one of " \
+           "nats://, tls://, ws://, wss://" in r.stderr, r.stderr
+
+
+def test_a_consumer_that_cannot_connect_says_why_and_stops_when_asked(
+        refused_url: str, caplog: Any) -> None:
+    """The library side (a Subscriber on NatsStreams): the first connect is tried in bounded
+    rounds, one log line each naming the reason, and close() does not wait on nats-py's
+    endless first connect."""
+    import logging
+
+    from kvwire.consume.subscriber import Subscriber
+    from kvwire.nats.consumer import CONNECT_TRY, NatsStreams
+
+    want = (f"cannot connect to NATS at {refused_url}: connection refused (gave up after "
+            f"{CONNECT_TRY:g}s)")
+    caplog.set_level(logging.WARNING, logger="kvwire.nats.consumer")
+    sub = Subscriber([NatsStreams(refused_url)])
+    try:
+        _wait(lambda: any(r.getMessage() == want for r in caplog.records), timeout=30,
+              what="a round of tries to end with one line naming the reason")
+    finally:
+        t0 = time.monotonic()
+        sub.close()
+        took = time.monotonic() - t0
+    assert took < CONNECT_TRY + 2, took

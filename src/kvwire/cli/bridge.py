@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
 import gc
 import json
@@ -146,10 +147,27 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
 
         loop.add_signal_handler(signal.SIGUSR2, report)
+        # A signal while starting (e.g. still trying to connect) stops it there.
+        starting = asyncio.ensure_future(bridge.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                await starting
+            await bridge.close(drain=0)
+            print("kvwire bridge: stopped while starting", file=sys.stderr, flush=True)
+            return EXIT_OK
         try:
-            await bridge.start()
+            starting.result()
         except BridgeError as e:
             print(f"kvwire bridge: {e}", file=sys.stderr)
+            await bridge.close(drain=0)
+            return EXIT_FAILURE
+        except Exception as e:  # noqa: BLE001 - e.g. no JetStream on the server: one line
+            print(f"kvwire bridge: cannot set up the stream on {', '.join(cfg.nats)}: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
             await bridge.close(drain=0)
             return EXIT_FAILURE
         # Startup's objects (modules, the nats and zmq machinery) go to the permanent
