@@ -103,13 +103,14 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 EPILOG = """exit status: 0 stopped cleanly (SIGINT/SIGTERM); 1 no NATS connection within
---connect-timeout, or the stream could not be set up; 2 a bad flag, --engine or config, or
-the nats extra missing (docs/operations.md)"""
+--connect-timeout, or the server failed setting up the stream; 2 a bad flag, --engine or
+config (a stream that exists with other settings included), or the nats extra missing
+(docs/operations.md)"""
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM; exit 0 after a clean close, 1 if NATS cannot be reached or
-    set up, 2 on bad config."""
+    """Run until SIGINT/SIGTERM; exit 0 after a clean close, 1 if NATS cannot be reached,
+    2 on bad config (the stream's included)."""
     try:
         from ..nats.bridge import Bridge, BridgeConfig, BridgeError
     except ImportError as e:
@@ -161,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         try:
             starting.result()
-        except BridgeError as e:
+        except BridgeError as e:  # no connection (exit 1), or the stream's config (exit 2)
             print(f"kvwire bridge: {e}", file=sys.stderr)
             await bridge.close(drain=0)
-            return EXIT_FAILURE
+            return EXIT_FAILURE if isinstance(e.__cause__, OSError) else EXIT_USAGE
         except Exception as e:  # noqa: BLE001 - e.g. no JetStream on the server: one line
             print(f"kvwire bridge: cannot set up the stream on {', '.join(cfg.nats)}: "
                   f"{type(e).__name__}: {e}", file=sys.stderr)

@@ -171,8 +171,8 @@ class Bridge:
                 cfg.nats, timeout=cfg.connect_timeout, name="kvwire-bridge",
                 error_cb=on_error, disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect, pending_size=64 << 20)
-        except (OSError, ValueError) as e:  # NatsConnectError, a bad URL
-            raise BridgeError(str(e)) from None
+        except (OSError, ValueError) as e:  # NatsConnectError, a bad URL (the cause tells)
+            raise BridgeError(str(e)) from e
         self.js = self.nc.jetstream(timeout=5)
         await ensure_stream(self.js, cfg)
         self.writer = JsWriter(self.nc, self.js, cfg.stream, max_inflight=cfg.max_inflight,
