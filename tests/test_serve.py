@@ -355,20 +355,8 @@ def test_cli_serves_a_publisher_in_another_process(tmp_path) -> None:
 
 def _announced_url(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     """The http://host:port/ that `kvwire serve` prints on stderr once it listens."""
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
-        if not ready:
-            continue
-        line = proc.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        m = re.search(r"(http://\S+)", line)
-        if m:
-            return m.group(1)
-    raise AssertionError(f"no URL announced: {''.join(seen)!r}")
+    line = _stderr_line(proc, r"http://\S+", timeout)
+    return re.search(r"(http://\S+)", line).group(1)
 
 
 def test_cli_port_in_use_exits_1_naming_it(tmp_path) -> None:
