@@ -80,6 +80,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         try:
+            from tokenizers import AddedToken
             from tokenizers import Tokenizer as _Fast
         except ImportError as e:
             raise TokenizerError(f"loading {directory} needs the `tokenizers` package "
@@ -110,6 +111,12 @@ class HFTokenizer(Tokenizer):
                 if s is not None:
                     variables[key] = s
         self.special_tokens = dict(variables)
+        # transformers adds a named special token the vocabulary lacks (as a special added
+        # token at the end); so do we, or our ids would differ from apply_chat_template's.
+        missing = [t for t in dict.fromkeys(variables.values()) if self._tok.token_to_id(t) is None]
+        if missing:
+            self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                          for t in missing])
         self.bos_token_id = self._id(variables.get("bos_token"))
         self.eos_token_id = self._id(variables.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

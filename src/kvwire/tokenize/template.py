@@ -109,5 +109,9 @@ class ChatTemplate:
                    add_generation_prompt=add_generation_prompt)
         try:
             return self._template.render(ctx)
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"{self.origin}: chat template failed: {e}") from None
+        except TokenizerError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError,
+                IndexError) as e:  # raise_exception, the sandbox, or a message it can't take
+            raise TokenizerError(f"{self.origin}: chat template failed: "
+                                 f"{type(e).__name__}: {e}") from None
