@@ -107,9 +107,9 @@ def msg_id(engine: str, rank: int, epoch: int, seq: int, kind: str = "batch",
     """``Nats-Msg-Id``: equal for the same item however many bridges write it. The one place
     its format is made: ``engine/rank/epoch/`` then ``seq`` (a batch), ``first-seq`` (a
     ``batches`` run), ``kind-seq[-chunk]`` (a marker)."""
-    if kind == "batch":
-        tail = str(seq)
-    elif kind == "batches":
+    if kind == "batch":  # (first: one per batch sent, on the bridge's hot path)
+        return f"{engine}/{rank}/{epoch}/{seq}"
+    if kind == "batches":
         if first is None or seq <= first:
             raise ValueError(f"a run covers at least two seqs, got {first}..{seq}")
         tail = f"{first}-{seq}"

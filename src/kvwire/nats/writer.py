@@ -176,7 +176,7 @@ class JsWriter:
 
     async def _send(self, e: Entry) -> None:
         st = self.state
-        while not st.has_room():
+        while len(st.inflight) >= st.max_inflight:
             self._room.clear()
             try:
                 await asyncio.wait_for(self._room.wait(), 0.5)
@@ -261,7 +261,7 @@ class JsWriter:
         """Runs in nats-py's read loop (:func:`~kvwire.nats.inbox.subscribe_inline`)."""
         st = self.state
         lane, why, level = st.ack(msg.subject[len(self._inbox) + 1:], msg.data, msg.headers)
-        if st.has_room():
+        if len(st.inflight) < st.max_inflight:
             self._room.set()
         if lane is None:
             return
