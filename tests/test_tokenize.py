@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -199,6 +200,37 @@ def test_corpus_equals_transformers(template: str, transformers: Any, tokenizer_
     assert tok.encode(text, add_special_tokens=True) == ref.encode(text, add_special_tokens=True)
     assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_turn_cache_equals_whole_text_encode(tokenizer_json: Path, tiny_json: Path,
+                                             tmp_path: Path) -> None:
+    """encode() caches the pieces between added tokens; ids must equal one tokenizers
+    encode of the whole text, for random texts full of added tokens, cold and warm."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as _Fast
+    d = tmp_path / "q"
+    d.mkdir()
+    os.symlink(tokenizer_json, d / "tokenizer.json")
+    tok = load_tokenizer(d)
+    whole = _Fast.from_file(str(tokenizer_json))
+    rng = random.Random(5)
+    alphabet = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "<|endoftext|>",
+                "<|im_start", "|>", "<", "user", " hello", "\n", "\n\n", " ", "  ", "é", "́",
+                "東京", "🙂", "'s", "123", "x"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(300)]
+    for _ in range(2):  # cold, then from the cache
+        for t in texts:
+            assert tok.encode(t) == whole.encode(t, add_special_tokens=False).ids, repr(t)
+    assert tok._segments, "the turn cache was never used"
+    # An added token that strips the space before it: only a whole-text encode is exact.
+    d2 = tmp_path / "lstrip"
+    d2.mkdir()
+    t2 = _Fast.from_file(str(tiny_json))
+    t2.add_special_tokens([AddedToken("<E>", lstrip=True)])
+    t2.save(str(d2 / "tokenizer.json"))
+    tok2 = load_tokenizer(d2)
+    assert tok2.encode("x   <E> x") == t2.encode("x   <E> x", add_special_tokens=False).ids
+    assert not tok2._segments
 
 
 # Environment features no real template above exercises, each compared with transformers.

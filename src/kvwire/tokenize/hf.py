@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from kvwire.tokenize.base import Tokenizer, TokenizerError
 from kvwire.tokenize.template import ChatTemplate
 
+SEGMENT_CACHE_SIZE = 8192  # text pieces between added tokens (chat turns) kept encoded
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
 
@@ -120,8 +122,62 @@ class HFTokenizer(Tokenizer):
         self.bos_token_id = self._id(variables.get("bos_token"))
         self.eos_token_id = self._id(variables.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._splitter = self._added_token_splitter()
+        self._segments: dict[str, list[int]] = {}
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
+
+    def _added_token_splitter(self) -> re.Pattern[str] | None:
+        """A regex finding the added tokens where ``tokenizers`` finds them (leftmost, longest
+        first), or None when some added token strips spaces, must be a single word or is
+        matched after normalization: then only a whole-text encode is exact."""
+        added = self._tok.get_added_tokens_decoder()
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized
+                            for t in added.values()):
+            return None
+        self._added_ids = {t.content: i for i, t in added.items()}
+        return re.compile("|".join(re.escape(c) for c in sorted(self._added_ids, key=len,
+                                                                  reverse=True)))
+
+    def _encode_segments(self, text: str) -> list[int]:
+        """``tokenizers`` cuts the text at added tokens before it normalizes and
+        pre-tokenizes, so the pieces between them encode independently: encode each once and
+        keep it. In a chat the turns are those pieces, and each request repeats the history;
+        pieces not seen before are encoded in one batch."""
+        cache = self._segments
+        parts: list[int | str] = []
+        pos = 0
+        for m in self._splitter.finditer(text):  # type: ignore[union-attr]
+            if m.start() > pos:
+                parts.append(text[pos:m.start()])
+            parts.append(self._added_ids[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            parts.append(text[pos:])
+        misses = [p for p in dict.fromkeys(p for p in parts if isinstance(p, str))
+                  if p not in cache]
+        if misses:
+            if len(cache) + len(misses) > SEGMENT_CACHE_SIZE:  # drop the oldest half (dicts
+                # keep order; list() of a str-keyed dict runs no Python code: no interleaving)
+                for k in list(cache)[:SEGMENT_CACHE_SIZE // 2]:
+                    cache.pop(k, None)
+            encoded = self._tok.encode_batch(misses, add_special_tokens=False)
+            fresh = {seg: enc.ids for seg, enc in zip(misses, encoded)}
+            cache.update(fresh)
+        else:
+            fresh = {}
+        out: list[int] = []
+        for p in parts:
+            if isinstance(p, str):
+                ids = fresh.get(p)
+                if ids is None:
+                    ids = cache.get(p)
+                if ids is None:  # evicted by another thread since the lookup above
+                    ids = self._tok.encode(p, add_special_tokens=False).ids
+                out += ids
+            else:
+                out.append(p)
+        return out
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -150,7 +206,9 @@ class HFTokenizer(Tokenizer):
         e.g. prepends BOS)."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens or self._splitter is None:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode_segments(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``."""
