@@ -372,11 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
 
-    from . import bridge, serve, sim  # their own modules (light imports; work imported in run)
+    from . import bridge, engine, fleet, serve, sim  # own modules (light imports; work in run)
 
     sim.register(sub)
     serve.register(sub)
     bridge.register(sub)
+    engine.register(sub)
+    fleet.register(sub)
     return p
 
 

@@ -127,6 +127,20 @@ class EngineModel:
         req._start(self.cfg.block_size, self.cfg.seed)
         self.waiting.append(req)
 
+    def abort(self, req: EngineRequest) -> bool:
+        """Drop a waiting or running request (a client went away): its blocks are freed
+        now, as vLLM frees an aborted request's. False if it was not here."""
+        if req.status == WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status == RUNNING and req in self.running:
+            self.running.remove(req)
+            self.cache.free_blocks(req.blocks)
+            req.blocks = []
+        else:
+            return False
+        req.status = FINISHED
+        return True
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (``AllBlocksCleared`` in :meth:`take_events`); only when
         no request holds blocks, like vLLM; False otherwise."""

@@ -67,6 +67,8 @@ class EngineRequest:
     max_tokens: int
     lora_id: int | None = None
     cache_salt: str | None = None
+    #: the token ids to generate (at least ``max_tokens``); None: random ids from the seed
+    output: Sequence[int] | None = None
 
     status: str = WAITING
     arrival: float = 0.0
@@ -98,6 +100,12 @@ class EngineRequest:
         if not self.tokens:
             self.tokens = array("q", self.prompt)
             extend_hashes(self.hashes, self.tokens, block_size, self.lora_id, self.cache_salt)
+            if self.output is not None:
+                if len(self.output) < self.max_tokens:
+                    raise ValueError(f"request {self.rid!r}: output has {len(self.output)} "
+                                     f"tokens, fewer than max_tokens ({self.max_tokens})")
+                self._out = array("q", self.output[:self.max_tokens])
+                return
             raw = random.Random(f"{seed}/{self.rid}").randbytes(4 * self.max_tokens)
             self._out = array("q", array("I", raw))  # ids below 2**32
 

@@ -1,0 +1,166 @@
+"""``kvwire engine``: the engine model behind vLLM's OpenAI-compatible HTTP API, publishing
+real KV events (docs/engine.md).
+
+Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register` / :func:`run`;
+``python -m kvwire.cli.engine ...`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_log_level, configure_logging, port
+
+__all__ = ["add_arguments", "main", "options_from_args", "register", "run"]
+
+
+def _pos_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg(kind: type):
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
+        if not v >= 0 or v != v or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        return v
+    return conv
+
+
+def _pos_float(text: str) -> float:
+    v = _nonneg(float)(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..wire.events import DIALECTS
+
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free one)")
+    p.add_argument("--events", default="tcp://*:5557", metavar="ENDPOINT",
+                   help="KV events PUB endpoint; DP rank r binds port + r ('none': no events)")
+    p.add_argument("--replay", default=None, metavar="ENDPOINT",
+                   help="replay/INFO/SNAPSHOT endpoint (port + rank likewise; default none)")
+    p.add_argument("--topic", default="", help="KV events topic (default empty)")
+    p.add_argument("--dialect", choices=DIALECTS, default="vllm",
+                   help="bytes of which engine to publish (default vllm: vLLM 0.33)")
+    p.add_argument("--publisher", choices=("kvwire", "reference"), default="kvwire",
+                   help="kvwire: heartbeats and snapshots; reference: as vLLM's own (neither)")
+    p.add_argument("--model", default="kvwire-engine", metavar="NAME",
+                   help="served model name (default kvwire-engine)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a Hugging Face model directory with tokenizer.json (default: built-in)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME",
+                   help="a LoRA adapter name to serve (repeat); its blocks hash apart")
+    p.add_argument("--dp-size", type=_pos_int, default=1, metavar="N",
+                   help="data-parallel ranks (one engine model and publisher each)")
+    p.add_argument("--speed", type=_pos_float, default=1.0, metavar="X",
+                   help="run the model's clock X times faster than wall time (default 1)")
+    m = p.add_argument_group("model")
+    m.add_argument("--num-gpu-blocks", type=_pos_int, default=28_000)
+    m.add_argument("--block-size", type=_pos_int, default=16)
+    m.add_argument("--max-model-len", type=_pos_int, default=32768)
+    m.add_argument("--max-num-batched-tokens", type=_pos_int, default=8192)
+    m.add_argument("--max-num-seqs", type=_pos_int, default=256)
+    m.add_argument("--cpu-blocks", type=_nonneg(int), default=0, help="CPU offload tier")
+    m.add_argument("--step-base-ms", type=_pos_float, default=5.0)
+    m.add_argument("--step-prefill-token-us", type=_nonneg(float), default=50.0)
+    m.add_argument("--step-decode-seq-us", type=_nonneg(float), default=30.0)
+    m.add_argument("--step-context-token-ns", type=_nonneg(float), default=0.0)
+    m.add_argument("--seed", type=int, default=0)
+    add_log_level(p)
+
+
+def options_from_args(args: argparse.Namespace):
+    """The :class:`EngineOptions` the flags say (ValueError on a bad combination)."""
+    from ..engine import EngineConfig, StepCost
+    from ..engine.app import EngineOptions
+
+    cost = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
+                    args.step_decode_seq_us * 1e-6, args.step_context_token_ns * 1e-9)
+    cfg = EngineConfig(num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, cpu_blocks=args.cpu_blocks, cost=cost,
+                       seed=args.seed)
+    events = None if args.events.lower() in ("", "none") else args.events
+    return EngineOptions(model=args.model, loras=list(args.lora), config=cfg,
+                         max_model_len=args.max_model_len, dp_size=args.dp_size,
+                         speed=args.speed, events=events, replay=args.replay, topic=args.topic,
+                         dialect=args.dialect, publisher=args.publisher)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``engine`` subcommand to ``kvwire``'s subparsers."""
+    p = subparsers.add_parser(
+        "engine", help="the engine model behind vLLM's HTTP API, publishing KV events",
+        description=__doc__.splitlines()[0],
+        epilog="exit status: 0 stopped by SIGINT/SIGTERM; 1 cannot listen or bind; 2 a bad "
+        "flag or tokenizer")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+async def _serve(app, host: str, port_: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        bound = await app.start(host, port_)
+    except (OSError, ValueError) as e:
+        print(f"kvwire engine: cannot start: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    print(f"kvwire engine: serving http://{host}:{bound} model={app.opts.model} "
+          f"events={','.join(app.event_endpoints) or 'none'} "
+          f"replay={','.join(e or '-' for e in app.replay_endpoints) or 'none'}", flush=True)
+    await stop.wait()
+    await app.stop()
+    return EXIT_OK
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args)
+    try:
+        opts = options_from_args(args)
+        from ..tokenize import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer)
+        from ..engine.app import EngineApp
+
+        app = EngineApp(opts, tok)
+    except ValueError as e:  # TokenizerError too
+        print(f"kvwire engine: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+        runner = asyncio.run
+    return runner(_serve(app, args.host, args.port))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvwire engine", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

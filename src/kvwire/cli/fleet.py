@@ -1,0 +1,209 @@
+"""``kvwire fleet N``: N ``kvwire engine`` processes on consecutive ports, and the ``--engine``
+arguments a router needs to follow them; Ctrl-C or SIGTERM stops them all.
+
+Engine ``i`` serves HTTP at ``--base-port + i``, publishes KV events at ``base + 1000 +
+i * dp`` and answers replay at ``base + 2000 + i * dp`` (DP rank ``r`` adds ``r``). Other
+flags are passed to every engine unchanged. Children die with the fleet even if it is
+killed outright (Linux: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, port
+
+__all__ = ["engine_args", "main", "register", "run"]
+
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 10.0
+_RESERVED = ("--port", "--events", "--replay", "--host")
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def engine_args(i: int, base: int, host: str, dp: int) -> tuple[list[str], str]:
+    """Engine ``i``'s own flags and the router's ``--engine`` value for it."""
+    http, events, replay = base + i, base + 1000 + i * dp, base + 2000 + i * dp
+    # A concrete tcp host means "connect" to a publisher (the engines' rule): bind *.
+    flags = ["--host", host, "--port", str(http), "--events", f"tcp://*:{events}",
+             "--replay", f"tcp://*:{replay}"]
+    spec = (f"engine{i}=tcp://{host}:{events},replay=tcp://{host}:{replay}"
+            + (f",ranks={dp}" if dp > 1 else "") + f",url=http://{host}:{http}")
+    return flags, spec
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``fleet`` subcommand to ``kvwire``'s subparsers."""
+    p = subparsers.add_parser(
+        "fleet", help="start N kvwire engines and print the --engine arguments for a router",
+        description="Start N kvwire engines, print the --engine arguments a router needs, "
+        "stop them all on Ctrl-C or SIGTERM.",
+        epilog="Any other flag is a `kvwire engine` flag given to every engine. exit status: "
+        "0 stopped by SIGINT/SIGTERM; 1 an engine failed to start or died; 2 a bad flag")
+    _add(p)
+    p.set_defaults(func=run, _fleet_parser=p)
+    return p
+
+
+def _add(p: argparse.ArgumentParser) -> None:
+    p.add_argument("n", type=int, metavar="N", help="number of engines")
+    p.add_argument("--base-port", type=port, default=8000, metavar="P",
+                   help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i)")
+    p.add_argument("--host", default="127.0.0.1", help="address every engine binds")
+    p.add_argument("engine_flags", nargs=argparse.REMAINDER,
+                   help="flags for every engine (see kvwire engine --help)")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.n < 1:
+        return f"N must be >= 1, got {args.n}"
+    extra: list[str] = []
+    it = iter(a for a in args.engine_flags if a != "--")
+    for a in it:  # fleet's own flags given after N land here too
+        key, eq, val = a.partition("=")
+        if key in ("--base-port", "--host"):
+            val = val if eq else next(it, "")
+            if key == "--host":
+                args.host = val
+                continue
+            try:
+                args.base_port = port(val)
+            except argparse.ArgumentTypeError as e:
+                return f"--base-port: {e}"
+            continue
+        extra.append(a)
+    for a in extra:
+        if a.split("=", 1)[0] in _RESERVED:
+            return f"{a.split('=', 1)[0]} is set per engine by kvwire fleet (use --base-port)"
+    if args.base_port + 2000 + args.n * 64 > 65535:
+        return f"--base-port {args.base_port} leaves no room for {args.n} engines' ports"
+    from .engine import add_arguments
+
+    ep = argparse.ArgumentParser(prog="kvwire engine", add_help=False)
+    add_arguments(ep)
+    try:
+        ns, unknown = ep.parse_known_args(extra)
+    except SystemExit:
+        return "bad engine flags (see kvwire engine --help)"
+    if unknown:
+        return f"unknown engine flag(s): {' '.join(unknown)}"
+    args.engine_flags = extra
+    args.dp = ns.dp_size
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    err = _check(args)
+    if err:
+        print(f"kvwire fleet: {err}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    procs: list[subprocess.Popen] = []
+    stopping = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stopping.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        specs = []
+        for i in range(args.n):
+            flags, spec = engine_args(i, args.base_port, args.host, args.dp)
+            specs.append(spec)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvwire.cli.engine", *flags, *args.engine_flags],
+                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        if not _wait_ready(procs, stopping):
+            return EXIT_FAILURE if not stopping.is_set() else EXIT_OK
+        for spec in specs:
+            print(f"--engine {spec}", flush=True)
+        print(f"kvwire fleet: {args.n} engines up (pids {' '.join(str(p.pid) for p in procs)})"
+              "; Ctrl-C stops them", file=sys.stderr, flush=True)
+        while not stopping.wait(0.2):
+            dead = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                print(f"kvwire fleet: engine{dead[0][0]} exited with status {dead[0][1]}; "
+                      "stopping the others", file=sys.stderr, flush=True)
+                return EXIT_FAILURE
+        return EXIT_OK
+    finally:
+        _stop_all(procs)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _wait_ready(procs: list[subprocess.Popen], stopping: threading.Event) -> bool:
+    """Wait for every engine's ``serving`` line; False (and says why) if one fails."""
+    sel = selectors.DefaultSelector()
+    for i, p in enumerate(procs):
+        sel.register(p.stdout, selectors.EVENT_READ, i)
+    waiting = set(range(len(procs)))
+    deadline = time.monotonic() + READY_TIMEOUT
+    try:
+        while waiting and not stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                print(f"kvwire fleet: engine(s) {sorted(waiting)} not ready within "
+                      f"{READY_TIMEOUT:g} s", file=sys.stderr, flush=True)
+                return False
+            for key, _ in sel.select(min(left, 0.2)):
+                i = key.data
+                line = procs[i].stdout.readline()
+                if not line:
+                    print(f"kvwire fleet: engine{i} exited before serving (status "
+                          f"{procs[i].wait()})", file=sys.stderr, flush=True)
+                    return False
+                if line.startswith(b"kvwire engine: serving"):
+                    waiting.discard(i)
+                    sel.unregister(procs[i].stdout)
+                    threading.Thread(target=_drain, args=(procs[i].stdout,), daemon=True).start()
+        return not waiting
+    finally:
+        sel.close()
+
+
+def _drain(stream) -> None:
+    for line in stream:
+        sys.stderr.buffer.write(line)
+        sys.stderr.flush()
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every engine, wait, SIGKILL what is left: nothing keeps running."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvwire fleet", description=__doc__.splitlines()[0])
+    _add(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

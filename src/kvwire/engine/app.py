@@ -1,0 +1,392 @@
+"""``kvwire engine``'s application: vLLM's HTTP API in front of the engine model.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /metrics``, and kvwire's ``GET /kvwire/cache`` (every rank's cached block hashes, to
+check that the published events rebuild them). One :class:`EngineCore` and
+:class:`Runner` per DP rank, each publishing its KV events at ``port + rank``; a request
+goes to the rank with the least load (waiting x 4 + running, vLLM's DP balancing).
+
+A request's life: decode and check (ApiError -> vLLM's status and error object), tokenize,
+pick its output (:mod:`.textgen`), submit at the model's current time; the runner's step
+ends call the request's sink, which writes SSE chunks or, at the end, the whole response.
+A client that disconnects aborts its requests, which frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .core import EngineCore, Handle
+from .http import Conn, serve
+from .metrics import render
+from .model import EngineConfig
+from .openai import (
+    DONE,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Shape,
+    TokenizeRequest,
+    decode_request,
+    prompt_inputs,
+    usage,
+)
+from .request import EngineRequest
+from .runner import Runner
+from .textgen import Output, TextGen
+
+__all__ = ["EngineApp", "EngineOptions"]
+
+log = logging.getLogger("kvwire.engine")
+_enc = msgspec.json.Encoder().encode
+
+
+@dataclass
+class EngineOptions:
+    """Everything ``kvwire engine`` is told (see its ``--help``)."""
+
+    model: str = "kvwire-engine"
+    loras: list[str] = field(default_factory=list)
+    config: EngineConfig = field(default_factory=EngineConfig)
+    max_model_len: int = 32768
+    dp_size: int = 1
+    speed: float = 1.0
+    events: str | None = "tcp://*:5557"
+    replay: str | None = None
+    topic: str = ""
+    dialect: str = "vllm"
+    #: "kvwire" (heartbeats, snapshots) or "reference" (as vLLM's own publisher: neither)
+    publisher: str = "kvwire"
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.publisher not in ("kvwire", "reference"):
+            raise ValueError(f"publisher must be 'kvwire' or 'reference', got {self.publisher!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        names = [self.model, *self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model and LoRA names must differ: {names}")
+
+
+class _Job:
+    """One HTTP generation request: its connection, shape and choices (one per prompt)."""
+
+    __slots__ = ("app", "conn", "shape", "stream", "usage", "timing", "handles", "outputs",
+                 "left", "started", "rank", "finished")
+
+    def __init__(self, app: EngineApp, conn: Conn, shape: Shape, stream: bool,
+                 include_usage: bool, timing: bool) -> None:
+        self.app = app
+        self.conn = conn
+        self.shape = shape
+        self.stream = stream
+        self.usage = include_usage
+        self.timing = timing
+        self.handles: list[Handle] = []
+        self.outputs: list[Output] = []
+        self.left = 0
+        self.started: list[bool] = []
+        self.rank = 0
+        self.finished = False
+
+    def sink(self, h: Handle, new: int, finished: bool) -> None:
+        i = h.index
+        if self.stream:
+            out = self.outputs[i]
+            k = h.delivered
+            text = out.text(k - new, k)
+            conn, shape = self.conn, self.shape
+            first = not self.started[i]
+            if first:
+                self.started[i] = True
+                if self.shape.chat:
+                    conn.send(shape.chunk(i, "", first=True))
+            if finished:
+                conn.send(shape.final_chunk(i, text, h.finish_reason,
+                                            self._timing(h) if self.timing else None))
+            elif text:
+                conn.send(shape.chunk(i, text))
+        if finished:
+            self.left -= 1
+            if self.left == 0:
+                self._done()
+
+    def _timing(self, h: Handle) -> dict[str, Any]:
+        r = h.req
+        return {"rank": self.rank, "arrival": h.arrival, "first_token": r.first_token_t, "finish": r.finish_t,
+                "ttft": h.ttft, "cached_tokens": r.cached_tokens, "preemptions": r.preemptions}
+
+    def _usage(self) -> dict[str, Any]:
+        p = sum(len(h.req.prompt) for h in self.handles)
+        c = sum(h.req.num_output for h in self.handles)
+        cached = sum(max(h.req.cached_tokens, 0) for h in self.handles)
+        return usage(p, c, cached)
+
+    def _done(self) -> None:
+        self.finished = True
+        if self.stream:
+            if self.usage:
+                self.conn.send(self.shape.usage_chunk(self._usage()))
+            self.conn.end(DONE)
+        else:
+            choices = [(o.text(0, h.req.num_output), h.finish_reason)
+                       for o, h in zip(self.outputs, self.handles)]
+            extra = [self._timing(h) for h in self.handles] if self.timing else None
+            self.conn.respond(200, self.shape.full(choices, self._usage(), extra))
+
+    def abort(self) -> None:
+        """The client went away: drop every unfinished choice (frees its blocks)."""
+        if self.finished:
+            return
+        core = self.app.cores[self.rank]
+        for h in self.handles:
+            if core.abort(h):
+                self.app.aborted += 1
+
+
+class EngineApp:
+    """The engines (one per DP rank), their runners and publishers, and the HTTP routes."""
+
+    def __init__(self, opts: EngineOptions, tokenizer) -> None:
+        self.opts = opts
+        self.tok = tokenizer
+        self.textgen = TextGen(tokenizer)
+        cache_tokens = opts.config.num_gpu_blocks * opts.config.block_size
+        self.max_model_len = min(opts.max_model_len, cache_tokens)
+        self.vocab = int(getattr(tokenizer, "vocab_size", 1 << 31))
+        self.cores = [EngineCore(opts.config, self.max_model_len, rank)
+                      for rank in range(opts.dp_size)]
+        self.runners: list[Runner] = []
+        self.publishers: list[Any] = []
+        self.lora_ids = {name: i + 1 for i, name in enumerate(opts.loras)}
+        self.created = int(time.time())
+        self.errors: Counter[int] = Counter()
+        self.aborted = 0
+        self._ids = itertools.count()
+        self._turn = itertools.count()
+        self._prefix = os.urandom(4).hex()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self._routes = {
+            (b"POST", b"/v1/completions"): lambda c: self._generate(c, False),
+            (b"POST", b"/v1/chat/completions"): lambda c: self._generate(c, True),
+            (b"GET", b"/v1/models"): self._models,
+            (b"POST", b"/tokenize"): self._tokenize,
+            (b"POST", b"/detokenize"): self._detokenize,
+            (b"GET", b"/health"): lambda c: c.respond(200, b"", b"text/plain"),
+            (b"GET", b"/metrics"): self._metrics,
+            (b"GET", b"/kvwire/cache"): self._cache,
+        }
+        self._paths = {p for _, p in self._routes}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _publisher(self, rank: int):
+        from ..publish.publisher import ZmqEventPublisher
+
+        ref = self.opts.publisher == "reference"
+        return ZmqEventPublisher(
+            data_parallel_rank=rank, endpoint=self.opts.events,
+            replay_endpoint=self.opts.replay, topic=self.opts.topic, dialect=self.opts.dialect,
+            heartbeat_interval=None if ref else 1.0, snapshot=not ref)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+        """Bind the publishers and the HTTP port, start the clocks; the HTTP port."""
+        try:
+            if self.opts.events:
+                for rank in range(self.opts.dp_size):
+                    self.publishers.append(self._publisher(rank))
+            t0 = time.monotonic()
+            for rank, core in enumerate(self.cores):
+                pub = self.publishers[rank] if self.publishers else None
+                self.runners.append(Runner(core, self.opts.speed, pub, t0=t0))
+            self.server = await serve(self, host, port)
+        except BaseException:
+            for p in self.publishers:
+                p.shutdown(timeout=0)
+            raise
+        for r in self.runners:
+            r.start()
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    @property
+    def event_endpoints(self) -> list[str]:
+        return [p.endpoint for p in self.publishers]
+
+    @property
+    def replay_endpoints(self) -> list[str | None]:
+        return [p.replay_endpoint for p in self.publishers]
+
+    async def stop(self, timeout: float = 2.0) -> None:
+        """Stop serving, stop the clocks, flush the publishers."""
+        if self.server is not None:
+            self.server.close()
+        for r in self.runners:
+            await r.stop()
+        for p in self.publishers:
+            await asyncio.to_thread(p.shutdown, timeout)
+
+    # ------------------------------------------------------------------ routing
+
+    def __call__(self, conn: Conn) -> None:
+        route = self._routes.get((conn.method, conn.path))
+        try:
+            if route is None:
+                if conn.path in self._paths:
+                    raise ApiError(405, "Method Not Allowed", "Method Not Allowed")
+                raise ApiError(404, f"Not Found: {conn.path.decode(errors='replace')}",
+                               "NotFoundError")
+            route(conn)
+        except ApiError as e:
+            self.errors[e.status] += 1
+            log.debug("%s %s -> %d %s", conn.method, conn.path, e.status, e.message)
+            conn.respond(e.status, e.body())
+
+    def _lora(self, model: str | None) -> int | None:
+        if model is None or model == self.opts.model:
+            return None
+        lid = self.lora_ids.get(model)
+        if lid is None:
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: "
+                           f"{self.opts.model}.", "NotFoundError", "model")
+        return lid
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab):
+            bad = next(t for t in ids if t < 0 or t >= self.vocab)
+            raise ApiError(400, f"Token id {bad} is out of vocabulary", param=param)
+
+    def _pick(self) -> int:
+        n = len(self.cores)
+        if n == 1:
+            return 0
+        first = next(self._turn) % n  # ties go round the ranks
+        order = [(first + k) % n for k in range(n)]
+        return min(order, key=lambda i: (lambda w, r: w * 4 + r)(*self.cores[i].load))
+
+    def _generate(self, conn: Conn, chat: bool) -> None:
+        req = decode_request(conn.body, ChatRequest if chat else CompletionRequest)
+        lora = self._lora(req.model)
+        tok = self.tok
+        from ..tokenize import TokenizerError
+
+        prompts: list[list[int]] = []
+        try:
+            if chat:
+                prompts.append(tok.encode_chat(
+                    req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                    chat_template_kwargs=req.chat_template_kwargs))
+            else:
+                for p in prompt_inputs(req.prompt):
+                    if isinstance(p, str):
+                        prompts.append(tok.encode(p, add_special_tokens=req.add_special_tokens))
+                    else:
+                        self._check_ids(p, "prompt")
+                        prompts.append(p)
+        except TokenizerError as e:
+            raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
+        limit = self.max_model_len
+        for ids in prompts:
+            if not ids:
+                raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")
+            if len(ids) >= limit:
+                raise ApiError(400, f"This model's maximum context length is {limit} tokens. "
+                               f"However, your prompt contains {len(ids)} input tokens, which "
+                               "exceeds this limit even without any output tokens. Please "
+                               "reduce the length of the input prompt.", param="input_tokens")
+        n = next(self._ids)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._prefix}{n:x}"
+        shape = Shape(chat, rid, req.model or self.opts.model)
+        stream = bool(req.stream)
+        so = req.stream_options
+        job = _Job(self, conn, shape, stream, bool(so and so.include_usage), req.kvwire_timing)
+        rank = self._pick()
+        core, runner = self.cores[rank], self.runners[rank]
+        now = runner.now()
+        for i, ids in enumerate(prompts):
+            mt = limit - len(ids) if req.max_tokens is None else min(req.max_tokens,
+                                                                     limit - len(ids))
+            out = self.textgen.output(ids, mt, req.ignore_eos)
+            er = EngineRequest(f"{rid}-{i}", ids, len(out.ids), lora, req.cache_salt,
+                               output=out.ids)
+            h = Handle(er, now, job.sink, out.finish_reason, i)
+            job.handles.append(h)
+            job.outputs.append(out)
+            job.started.append(False)
+        job.left = len(job.handles)
+        job.rank = rank
+        for h in job.handles:
+            core.submit(h)
+        conn.on_close = job.abort
+        if stream:
+            conn.start_stream()
+        runner.wake()
+
+    def _models(self, conn: Conn) -> None:
+        def card(name: str, parent: str | None) -> dict[str, Any]:
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
+                    "root": name, "parent": parent, "max_model_len": self.max_model_len,
+                    "permission": [{"id": f"modelperm-{self._prefix}", "object":
+                                    "model_permission", "created": self.created,
+                                    "allow_create_engine": False, "allow_sampling": True,
+                                    "allow_logprobs": True, "allow_search_indices": False,
+                                    "allow_view": True, "allow_fine_tuning": False,
+                                    "organization": "*", "group": None, "is_blocking": False}]}
+
+        data = [card(self.opts.model, None)] + [card(n, self.opts.model) for n in self.opts.loras]
+        conn.respond(200, _enc({"object": "list", "data": data}))
+
+    def _tokenize(self, conn: Conn) -> None:
+        from ..tokenize import TokenizerError
+
+        req = decode_request(conn.body, TokenizeRequest)
+        self._lora(req.model)
+        try:
+            if req.messages is not None:
+                ids = self.tok.encode_chat(
+                    req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                    chat_template_kwargs=req.chat_template_kwargs)
+            elif req.prompt is not None:
+                add = True if req.add_special_tokens is None else req.add_special_tokens
+                ids = self.tok.encode(req.prompt, add_special_tokens=add)
+            else:
+                raise ApiError(400, "Either `prompt` or `messages` is required.", param="prompt")
+        except TokenizerError as e:
+            raise ApiError(400, str(e)) from None
+        strs = [self.tok.decode([t], skip_special_tokens=False) for t in ids] \
+            if req.return_token_strs else None
+        conn.respond(200, _enc({"count": len(ids), "max_model_len": self.max_model_len,
+                                "tokens": ids, "token_strs": strs}))
+
+    def _detokenize(self, conn: Conn) -> None:
+        req = decode_request(conn.body, DetokenizeRequest)
+        self._lora(req.model)
+        self._check_ids(req.tokens, "tokens")
+        conn.respond(200, _enc({"prompt": self.tok.decode(req.tokens)}))
+
+    def _metrics(self, conn: Conn) -> None:
+        engines = [({"model_name": self.opts.model, "engine": str(c.rank)}, c.stats, c.gauges)
+                   for c in self.cores]
+        extra = {"bad_requests": sum(self.errors.values()), "aborted_requests": self.aborted,
+                 "published_batches": sum(r.published for r in self.runners)}
+        conn.respond(200, render(engines, extra), b"text/plain; version=0.0.4; charset=utf-8")
+
+    def _cache(self, conn: Conn) -> None:
+        ranks = [c.cache_dump() for c in self.cores]
+        for d, p in zip(ranks, self.publishers):  # the last batch the dump includes
+            d["seq"] = p.stats().last_seq
+        conn.respond(200, _enc({"ranks": ranks}))

@@ -1,0 +1,155 @@
+"""The engine's Prometheus metrics under vLLM's names (pure: counters in, exposition text out).
+
+Names, types and histogram buckets are vLLM V1's, so dashboards and autoscalers written for
+vLLM read a ``kvwire engine`` unchanged. Labels are vLLM's ``model_name`` and ``engine``
+(the DP rank). Times are the model's seconds (equal to wall seconds at ``--speed 1``).
+
+Small hand-made counters rather than prometheus_client: an observation is one ``bisect``
+and two adds (the engine makes ~20 per request), and each engine owns its own set, so any
+number of engines can live in one process (tests, DP ranks).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
+
+__all__ = ["EngineStats", "Histogram", "render"]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_len`` (vLLM's build_1_2_5_buckets)."""
+    out: list[float] = []
+    e = 1
+    while True:
+        for m in (1, 2, 5):
+            v = m * e
+            if v > max_len:
+                return tuple(out)
+            out.append(v)
+        e *= 10
+
+
+class Histogram:
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: Iterable[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, b = self.counts, self.buckets
+        n = 0
+        s = 0.0
+        for v in values:
+            counts[bisect_left(b, v)] += 1
+            s += v
+            n += 1
+        self.sum += s
+        self.count += n
+
+
+class EngineStats:
+    """One engine's (one DP rank's) counters and histograms; the core updates them."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.request_success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        tok = _token_buckets(max_model_len)
+        self.req_prompt = Histogram(tok)
+        self.req_gen = Histogram(tok)
+        self.iteration_tokens = Histogram((1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                           8192, 16384))
+
+
+def _labels(d: dict[str, str]) -> str:
+    return ",".join(f'{k}="{v}"' for k, v in d.items())
+
+
+def render(engines: list[tuple[dict[str, str], EngineStats, Callable[[], tuple[int, int, float]]]],
+           extra: dict[str, int] | None = None) -> bytes:
+    """Prometheus text for every engine: (labels, stats, gauges() -> (running, waiting,
+    kv usage fraction)). ``extra``: kvwire's own counters (``kvwire_engine_*``)."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help: str) -> None:
+        lines.append(f"# HELP {name} {help}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    gauges = [(lab, g()) for lab, _, g in engines]
+    for i, (name, help) in enumerate((
+            ("vllm:num_requests_running", "Number of requests in model execution batches."),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."))):
+        family(name, "gauge", help)
+        for lab, vals in gauges:
+            lines.append(f"{name}{{{_labels(lab)}}} {vals[i]}")
+    counters = (
+        ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+        ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+        ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+         "preemptions"),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+         "tokens.", "prefix_cache_queries"),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+         "prefix_cache_hits"),
+    )
+    for name, help, attr in counters:
+        family(name, "counter", help)
+        for lab, st, _ in engines:
+            lines.append(f"{name}_total{{{_labels(lab)}}} {getattr(st, attr)}")
+    family("vllm:request_success", "counter", "Count of successfully processed requests.")
+    for lab, st, _ in engines:
+        for reason, v in st.request_success.items():
+            lines.append(f'vllm:request_success_total{{{_labels(lab)},finished_reason="{reason}"}}'
+                         f" {v}")
+    hists = (
+        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+         "ttft"),
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+         "itl"),
+        ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+         "e2e"),
+        ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "req_prompt"),
+        ("vllm:request_generation_tokens", "Number of generation tokens processed.", "req_gen"),
+        ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+         "iteration_tokens"),
+    )
+    for name, help, attr in hists:
+        family(name, "histogram", help)
+        for lab, st, _ in engines:
+            h: Histogram = getattr(st, attr)
+            base = _labels(lab)
+            acc = 0
+            for b, c in zip(h.buckets, h.counts):
+                acc += c
+                lines.append(f'{name}_bucket{{{base},le="{float(b)}"}} {acc}')
+            lines.append(f'{name}_bucket{{{base},le="+Inf"}} {h.count}')
+            lines.append(f"{name}_count{{{base}}} {h.count}")
+            lines.append(f"{name}_sum{{{base}}} {h.sum}")
+    for name, v in (extra or {}).items():
+        full = f"kvwire_engine_{name}_total"
+        family(full, "counter", f"kvwire engine: {name.replace('_', ' ')}.")
+        lines.append(f"{full} {v}")
+    return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,84 @@
+"""The clock: steps an :class:`~kvwire.engine.core.EngineCore` in real time (asyncio).
+
+Model time runs ``speed`` times faster than wall time from the runner's start. Each turn
+computes the next step, sleeps until its end in wall time, then hands out its tokens and
+publishes its KV events (one ``KVEventBatch`` per step that changed the cache, as vLLM
+does). When the CPU cannot keep up, steps run back to back and quiet decode stretches that
+are already due fold into one call; the loop yields to the event loop between turns so
+HTTP keeps being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ..wire.events import KVEventBatch
+from .core import EngineCore
+
+__all__ = ["Runner"]
+
+log = logging.getLogger("kvwire.engine")
+
+
+class Runner:
+    """Drives one core; ``publisher`` (or None) gets its KV event batches."""
+
+    def __init__(self, core: EngineCore, speed: float = 1.0, publisher=None,
+                 t0: float | None = None) -> None:
+        if not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        self.core = core
+        self.speed = speed
+        self.publisher = publisher
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.published = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.lag_s = 0.0  # how late step ends were handed out, summed (wall seconds)
+
+    def now(self) -> float:
+        """The model's time now."""
+        return (time.monotonic() - self.t0) * self.speed
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-runner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        core = self.core
+        t0, speed = self.t0, self.speed
+        mono = time.monotonic
+        pub = self.publisher
+        rank = core.rank
+        while True:
+            step = core.advance((mono() - t0) * speed)
+            if step is None:
+                self._wake.clear()
+                if core.idle:
+                    await self._wake.wait()
+                continue
+            delay = t0 + step.end / speed - mono()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                self.lag_s -= delay
+                await asyncio.sleep(0)
+            try:
+                core.deliver(step)
+            except Exception:  # a sink's bug must not stop the engine
+                log.exception("delivering a step's outputs failed")
+            if step.events and pub is not None:
+                pub.publish(KVEventBatch(time.time(), step.events, data_parallel_rank=rank))
+                self.published += 1
