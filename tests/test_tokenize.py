@@ -38,7 +38,7 @@ SEARCH = {"type": "function", "function": {
 
 def _call(name: str, args: dict[str, Any], i: int, content: str | None) -> dict[str, Any]:
     return {"role": "assistant", "content": content, "tool_calls": [{
-        "id": f"call_{i}", "type": "function",
+        "id": f"call{i}abcd", "type": "function",
         "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}]}
 
 
@@ -69,13 +69,13 @@ CORPUS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None, bool,
     ("tool_round_trip", [
         {"role": "user", "content": "Weather in Paris and Rome?"},
         _call("get_weather", {"city": "Paris"}, 0, ""),
-        {"role": "tool", "tool_call_id": "call_0", "content": "{\"temp\": 18}"},
-        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 24}"},
+        {"role": "tool", "tool_call_id": "call0abcd", "content": "{\"temp\": 18}"},
+        {"role": "tool", "tool_call_id": "call1abcd", "content": "{\"temp\": 24}"},
     ], [WEATHER], True, None),
     ("tool_round_trip_null_content", [
         {"role": "user", "content": "Weather in Oslo?"},
         _call("get_weather", {"city": "Oslo", "unit": "c"}, 0, None),
-        {"role": "tool", "tool_call_id": "call_0", "content": "{\"temp\": -3}"},
+        {"role": "tool", "tool_call_id": "call0abcd", "content": "{\"temp\": -3}"},
         {"role": "assistant", "content": "It is -3 C in Oslo."},
         {"role": "user", "content": "Thanks"},
     ], [WEATHER], True, None),
@@ -96,9 +96,10 @@ def _reference(transformers: Any, directory: Path) -> Any:
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     specials = {k: (v["content"] if isinstance(v, dict) else v) for k, v in config.items()
                 if k.endswith("_token") and isinstance(v, (str, dict))}
+    jinja = directory / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config["chat_template"]
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(directory / "tokenizer.json"), chat_template=config["chat_template"],
-        **specials)
+        tokenizer_file=str(directory / "tokenizer.json"), chat_template=template, **specials)
 
 
 def _ref_ids(ref: Any, messages: list[dict[str, Any]], tools: Any, agp: bool,
@@ -158,12 +159,12 @@ def _model_dir(root: Path, tokenizer_json: Path, template: str) -> Path:
         cfg = {"eos_token": "<|im_end|>", "chat_template": src.read_text(encoding="utf-8")}
         (d / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
     else:
-        (d / "tokenizer_config.json").write_bytes(
-            (DATA / template / "tokenizer_config.json").read_bytes())
+        for f in (DATA / template).iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
     return d
 
 
-@pytest.mark.parametrize("template", ["qwen3", "deepseek_v3", "llama3", "vllm_chatml"])
+@pytest.mark.parametrize("template", ["qwen3", "deepseek_v3", "mistral_v7", "vllm_chatml"])
 def test_corpus_equals_transformers(template: str, transformers: Any, tokenizer_json: Path,
                                     tmp_path: Path) -> None:
     """Qwen3's own directory against AutoTokenizer (its Qwen2Tokenizer class); the other

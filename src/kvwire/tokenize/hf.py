@@ -113,12 +113,14 @@ class HFTokenizer(Tokenizer):
                 if s is not None:
                     variables[key] = s
         self.special_tokens = dict(variables)
-        # transformers adds a named special token the vocabulary lacks (as a special added
-        # token at the end); so do we, or our ids would differ from apply_chat_template's.
-        missing = [t for t in dict.fromkeys(variables.values()) if self._tok.token_to_id(t) is None]
-        if missing:
+        # transformers makes every named special token an added token (matched whole in the
+        # text, never split by the model), appending those the vocabulary lacks; so do we, or
+        # a "<s>" that the BPE vocabulary also knows would encode differently.
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        new = [t for t in dict.fromkeys(variables.values()) if t not in added]
+        if new:
             self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                          for t in missing])
+                                          for t in new])
         self.bos_token_id = self._id(variables.get("bos_token"))
         self.eos_token_id = self._id(variables.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
