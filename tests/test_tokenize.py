@@ -332,6 +332,27 @@ def test_named_templates_and_jinja_file_precedence(tmp_path: Path, tiny_json: Pa
     assert load_tokenizer(d).render_chat([], tools=[WEATHER]) == "JE"
 
 
+def test_encode_chat_adds_no_special_tokens(tmp_path: Path, tiny_json: Path) -> None:
+    """The template writes BOS itself: encode_chat must not let the post-processor add a
+    second one; plain encode(add_special_tokens=True) does add it. chat_template_kwargs
+    override the config's special tokens, as in transformers."""
+    from tokenizers import Tokenizer as _Fast
+    from tokenizers.processors import TemplateProcessing
+    t = _Fast.from_file(str(tiny_json))
+    t.post_processor = TemplateProcessing(single="E $A", special_tokens=[("E", 2)])
+    d = tmp_path / "bos"
+    d.mkdir()
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "E", "chat_template": "{{ bos_token }} {% for m in messages %}{{ m.content }} {% endfor %}"}))
+    tok = load_tokenizer(d)
+    assert tok.bos_token_id == 2
+    msgs = [{"role": "user", "content": "x x"}]
+    assert tok.encode_chat(msgs) == [2, 1, 1]
+    assert tok.encode("x", add_special_tokens=True) == [2, 1]
+    assert tok.render_chat(msgs, chat_template_kwargs={"bos_token": "B"}) == "B x x "
+
+
 TEXTS = ["", "a", "Hello, world!", "  leading and trailing  \n\t", "naïve façade 東京 🙂 \x00\x7f",
          "<|im_start|>user\nhi<|im_end|>\n", "odd bytes: é", "x" * 1001, "<s></s><unk>"]
 
