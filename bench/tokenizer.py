@@ -12,24 +12,18 @@ kvwire ``encode_chat`` (and its two halves, ``render_chat`` and ``encode``), tra
 ``apply_chat_template(tokenize=True)`` when importable (a loud SKIPPED row when not), and
 the built-in tokenizer's ``encode_chat`` on the same chat.
 
-    .venv/bin/python bench/tokenize.py              # 2k tokens, 500 calls each
-    .venv/bin/python bench/tokenize.py --tokens 8000 --n 200
+    .venv/bin/python bench/tokenizer.py              # 2k tokens, 500 calls each
+    .venv/bin/python bench/tokenizer.py --tokens 8000 --n 200
 """
 
 from __future__ import annotations
-
-import sys
-
-# Run as a script, this file's folder is sys.path[0] and this file would shadow the standard
-# library's `tokenize` (which linecache, inspect and so jinja2 import): drop that entry first.
-if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
-    del sys.path[0]
 
 import argparse  # noqa: E402
 import lzma  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
