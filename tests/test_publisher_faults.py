@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 import uuid
@@ -32,12 +33,13 @@ from kvwire.wire.events import (
 )
 
 TIMEOUT = 15.0
-#: p99 of publish() while the sender is stalled. Measured ~2-4 us on the 2-core box (bench:
-#: 3.5 us); a synchronous sender pays the stall itself (50 ms here, see below). 5 ms leaves
-#: room for a loaded box without coming near what a synchronous sender gives.
-P99_BOUND_S = 0.005
 #: How long each gated batch holds whoever iterates its events.
 HOLD_S = 0.05
+#: p99 of publish() while the sender is stalled. Measured ~2-4 us on the 2-core box (bench:
+#: 3.5 us); a publish() that waits for the sender pays the stall itself (HOLD_S, in 10% of
+#: the calls). Half of it: far above a scheduler stall or a GIL switch interval (5 ms; the
+#: old 5 ms bound was exactly one), still clearly below what a waiting publish() gives.
+P99_BOUND_S = HOLD_S / 2
 
 
 class _Gated(list):
@@ -105,9 +107,9 @@ def ask_snapshot(ctx: zmq.Context, pub: ZmqEventPublisher) -> tuple[str, Any]:
 # --------------------------------------------------------------------------- §4 stalled sender
 
 
-def publish_p99(publish: Any, n: int = 400, every: int = 10) -> float:
-    """p99 of ``publish`` over ``n`` calls, every ``every``-th batch gated (bench-style
-    timing: perf_counter around each call, GC off)."""
+def publish_latencies(publish: Any, n: int = 400, every: int = 10) -> list[float]:
+    """Sorted seconds of ``n`` calls of ``publish``, every ``every``-th batch gated
+    (bench-style timing: perf_counter around each call, GC off)."""
     gate = threading.Event()
     batches = [
         KVEventBatch(float(i), _Gated(step(i), gate, HOLD_S) if i % every == 0 else step(i), 0)
@@ -123,14 +125,47 @@ def publish_p99(publish: Any, n: int = 400, every: int = 10) -> float:
     finally:
         gc.enable()
         gate.set()
-    return sorted(lat)[int(n * 0.99)]
+    return sorted(lat)
+
+
+def publish_p99(publish: Any, n: int = 400, every: int = 10) -> float:
+    """p99 of ``publish`` over ``n`` calls, every ``every``-th batch gated."""
+    return publish_latencies(publish, n, every)[int(n * 0.99)]
+
+
+def run_delay() -> float:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (the
+    scheduler's run_delay, /proc/self/task/*/schedstat): the canary for "the box stalled
+    us". Time spent blocked on a lock, a sleep or a gate is not counted."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except OSError:  # the thread has ended
+            pass
+    return total / 1e9
 
 
 def test_publish_p99_stays_low_while_the_sender_is_stalled(pubs, ctx) -> None:
-    pub = make(pubs, ctx)
-    p99 = publish_p99(pub.publish)
-    assert p99 < P99_BOUND_S, f"publish() p99 {p99 * 1e3:.3f} ms with a stalled sender"
-    wait_for(lambda: pub.stats().sent == 400, "all sent once the stall ends")
+    """Retried (up to 3 runs) only when the box demonstrably caused a failed run: this
+    process's threads waited for a CPU at least P99_BOUND_S for each call over the bound
+    beyond the 1% allowed. A publish() that waits for the stalled sender blocks (wants no
+    CPU), so it fails at once, and after the third run in any case."""
+    runs = []
+    for _ in range(3):
+        pub = make(pubs, ctx)
+        before = run_delay()
+        lat = publish_latencies(pub.publish)
+        stalled = run_delay() - before
+        p99 = lat[int(len(lat) * 0.99)]
+        over = sum(t >= P99_BOUND_S for t in lat) - (len(lat) - int(len(lat) * 0.99) - 1)
+        runs.append(f"p99 {p99 * 1e3:.3f} ms, {over} calls too many over the bound, "
+                    f"CPU wait {stalled * 1e3:.1f} ms")
+        wait_for(lambda p=pub: p.stats().sent == 400, "all sent once the stall ends")
+        if p99 < P99_BOUND_S or stalled < over * P99_BOUND_S:
+            break
+    assert p99 < P99_BOUND_S, f"publish() with a stalled sender, per run: {runs}"
 
 
 def test_a_synchronous_sender_fails_the_same_bound() -> None:
