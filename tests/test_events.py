@@ -20,6 +20,7 @@ from kvwire.wire.events import (
     DecodeError,
     EventError,
     KVEventBatch,
+    Rfc1527Fields,
     decode_batch,
     encode_batch,
 )
@@ -31,13 +32,18 @@ DIGEST = bytes(range(32))
 
 STORED_FIELDS = tuple(BlockStored.__struct_fields__)
 REMOVED_FIELDS = tuple(BlockRemoved.__struct_fields__)
+#: Only the rfc1527 dialect carries these (``event_type`` is always None: see KVCacheEvent).
+RFC_ONLY = ("rfc1527", "event_type")
+#: The engines' dialects; rfc1527 has its own tests (tests/test_rfc1527.py): it carries other
+#: fields, u64 hashes only, and milliseconds.
+ENGINE_DIALECTS = tuple(d for d in DIALECTS if d != "rfc1527")
 CORE_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
 
 #: Fields each dialect carries (spec section 2); every other field comes back as None.
 KEEP: dict[str, dict[type, tuple[str, ...]]] = {
     "vllm": {
-        BlockStored: tuple(f for f in STORED_FIELDS if f != "cache_salt"),
-        BlockRemoved: REMOVED_FIELDS,
+        BlockStored: tuple(f for f in STORED_FIELDS if f != "cache_salt" and f not in RFC_ONLY),
+        BlockRemoved: tuple(f for f in REMOVED_FIELDS if f not in RFC_ONLY),
     },
     "sglang": {
         BlockStored: (*CORE_STORED, "medium", "cache_salt", "session_id", "lora_name"),
@@ -62,7 +68,7 @@ def project(batch: KVEventBatch, dialect: str) -> KVEventBatch:
     out: list[Any] = []
     for ev in batch.events:
         if type(ev) is AllBlocksCleared:
-            out.append(ev)
+            out.append(AllBlocksCleared())
             continue
         keep = KEEP[dialect][type(ev)]
         fields = {f: (getattr(ev, f) if f in keep else None) for f in ev.__struct_fields__}
@@ -166,13 +172,14 @@ def test_vector_encodes_from_listed_values(kv_vector: dict[str, Any]) -> None:
 
 
 def test_vectors_cover_all_dialects(kv_vectors: list[dict[str, Any]]) -> None:
-    assert {v["dialect"] for v in kv_vectors} == set(DIALECTS)
+    assert {v["dialect"] for v in kv_vectors} == set(ENGINE_DIALECTS)
+    assert set(DIALECTS) == {*ENGINE_DIALECTS, "rfc1527"}  # its vectors: tests/test_rfc1527.py
 
 
 # --------------------------------------------------------------------------- hashes
 
 
-@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("dialect", ENGINE_DIALECTS)
 @pytest.mark.parametrize(
     "hashes",
     [[U64_MAX, 0, 2**63], [I64_MIN, -1, I64_MAX], [DIGEST, b"\xff" * 32]],
@@ -390,9 +397,13 @@ def test_block_stored_keywords_and_defaults() -> None:
     assert all(getattr(BlockRemoved([1]), f) is None for f in REMOVED_FIELDS[1:])
 
 
-@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("dialect", ENGINE_DIALECTS)
 def test_dialect_drops_documented_fields(dialect: str) -> None:
-    batch = KVEventBatch(9.0, [full_stored(), full_removed(), AllBlocksCleared()], 3)
+    """Also the rfc1527 fields of events that came from that dialect: no engine's bytes
+    carry them (vllm's direct-encoding path must notice them too)."""
+    rfc = Rfc1527Fields(event_id=5, timestamp=1.5, base_block_idx=2, object_key="k")
+    batch = KVEventBatch(9.0, [full_stored(rfc1527=rfc), full_removed(rfc1527=rfc),
+                               AllBlocksCleared(rfc1527=rfc)], 3)
     got = decode_batch(encode_batch(batch, dialect))
     assert got == project(batch, dialect)
     # and what is kept is really kept (project() is not vacuous)
@@ -402,7 +413,7 @@ def test_dialect_drops_documented_fields(dialect: str) -> None:
 
 def test_dialect_shapes_on_the_wire() -> None:
     batch = KVEventBatch(1.0, [BlockRemoved([1], None)], None)
-    raws = {d: _raw_batch.decode(encode_batch(batch, d))[1][0] for d in DIALECTS}
+    raws = {d: _raw_batch.decode(encode_batch(batch, d))[1][0] for d in ENGINE_DIALECTS}
     assert msgspec.msgpack.decode(raws["vllm"]) == {
         "type": "BlockRemoved", "block_hashes": [1], "medium": None}
     assert msgspec.msgpack.decode(raws["sglang"]) == {"type": "BlockRemoved", "block_hashes": [1]}
@@ -484,7 +495,7 @@ batches = st.builds(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batch=batches, dialect=st.sampled_from(DIALECTS))
+@given(batch=batches, dialect=st.sampled_from(ENGINE_DIALECTS))
 def test_property_roundtrip_per_dialect(batch: KVEventBatch, dialect: str) -> None:
     payload = encode_batch(batch, dialect)
     got = decode_batch(payload, on_error=lambda e: pytest.fail(str(e)))
@@ -496,7 +507,7 @@ def test_property_roundtrip_per_dialect(batch: KVEventBatch, dialect: str) -> No
 @settings(max_examples=150, deadline=None)
 @given(
     ts=st.floats(allow_nan=False),
-    items=st.lists(st.tuples(events, st.sampled_from(DIALECTS)), max_size=6),
+    items=st.lists(st.tuples(events, st.sampled_from(ENGINE_DIALECTS)), max_size=6),
 )
 def test_property_mixed_dialects_in_one_batch(ts: float, items: list[tuple[Any, str]]) -> None:
     raws = [_raw_batch.decode(encode_batch(KVEventBatch(0.0, [ev], None), d))[1][0]
@@ -548,7 +559,7 @@ def test_property_batch_shaped_garbage(ts: Any, evs: list[Any], rank: Any) -> No
 
 
 @settings(max_examples=200, deadline=None)
-@given(batch=batches, dialect=st.sampled_from(DIALECTS), data=st.data())
+@given(batch=batches, dialect=st.sampled_from(ENGINE_DIALECTS), data=st.data())
 def test_property_mutated_payloads(batch: KVEventBatch, dialect: str, data: st.DataObject) -> None:
     payload = bytearray(encode_batch(batch, dialect))
     i = data.draw(st.integers(0, len(payload) - 1))

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 COPIES = {
     REPO / "tests" / "data" / "kv_events.json": "vectors/kv_events.json",
+    REPO / "tests" / "data" / "rfc1527_mooncake.json": "vectors/rfc1527_mooncake.json",
     REPO / "src" / "kvwire" / "sim" / "data" / "synthetic_trace.jsonl": "traces/synthetic_trace.jsonl",
 }
 
@@ -20,6 +21,8 @@ COPIES = {
 def test_vendored_files_are_present_and_parse() -> None:
     vectors = json.loads((REPO / "tests" / "data" / "kv_events.json").read_text())["vectors"]
     assert {v["dialect"] for v in vectors} >= {"vllm", "sglang", "vllm-legacy", "vllm-legacy-v0"}
+    rfc = json.loads((REPO / "tests" / "data" / "rfc1527_mooncake.json").read_text())
+    assert len(rfc["messages"]) == 69 and "Mooncake" in rfc["source"]
     trace = resources.files("kvwire.sim") / "data" / "synthetic_trace.jsonl"
     lines = trace.read_text().splitlines()
     assert len(lines) == 3993

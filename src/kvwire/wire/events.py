@@ -30,6 +30,7 @@ __all__ = [
     "EventError",
     "KVCacheEvent",
     "KVEventBatch",
+    "Rfc1527Fields",
     "decode_batch",
     "decode_fast",
     "FAST_DECODE_ERRORS",
@@ -42,8 +43,8 @@ log = logging.getLogger("kvwire.events")
 #: An engine's opaque block id: unsigned or signed 64-bit int, or raw bytes (e.g. 32-byte digests).
 BlockHash = int | bytes
 
-Dialect = Literal["vllm", "sglang", "vllm-legacy", "vllm-legacy-v0"]
-DIALECTS: tuple[str, ...] = ("vllm", "sglang", "vllm-legacy", "vllm-legacy-v0")
+Dialect = Literal["vllm", "sglang", "vllm-legacy", "vllm-legacy-v0", "rfc1527"]
+DIALECTS: tuple[str, ...] = ("vllm", "sglang", "vllm-legacy", "vllm-legacy-v0", "rfc1527")
 
 
 class DecodeError(ValueError):
@@ -66,17 +67,54 @@ def _none() -> None:
 _ALWAYS = msgspec.field(default_factory=_none)
 
 
+class Rfc1527Fields(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """What an RFC #1527 (``rfc1527`` dialect) event carries beyond kvwire's common fields.
+
+    Set on events decoded from that dialect (None on the others); encoding in it writes
+    them back. ``timestamp`` is in seconds, like a batch's ``ts`` (the wire has integer
+    milliseconds). ``base_block_idx`` is the depth of the event's first block (its
+    ``block_hashes`` are then RFC sequence hashes: see :mod:`kvwire.wire.rfc1527`).
+    ``block_size``, ``lora_name`` and ``additional_salt`` are kept here only for a
+    ``BlockRemoved`` or ``AllBlocksCleared`` (a ``BlockStored`` has its own ``block_size``,
+    ``lora_name`` and ``cache_salt``), ``medium`` only for an ``AllBlocksCleared``.
+    ``object_key`` is Mooncake Store's key of the object.
+    """
+
+    event_id: int | None = None
+    timestamp: float | None = None
+    base_block_idx: int | None = None
+    model_name: str | None = None
+    tenant_id: str | None = None
+    backend_id: str | None = None
+    group_id: int | str | None = None
+    dp_rank: int | None = None
+    object_key: str | None = None
+    block_size: int | None = None
+    lora_name: str | None = None
+    additional_salt: str | None = None
+    medium: str | None = None
+
+
 class KVCacheEvent(
     msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, frozen=True, gc=False
 ):
-    """Base of all cache events; the msgpack map key ``type`` holds the class name."""
+    """Base of all cache events; the msgpack map key ``type`` holds the class name.
+
+    Every event ends with two fields no engine's map dialect writes: ``rfc1527`` (see
+    :class:`Rfc1527Fields`) and ``event_type``, which is always None. ``event_type`` is
+    declared so that the strict map decoder *refuses* an RFC #1527 event (it has that
+    key): otherwise Mooncake's legacy aliases (``type``, signed ``block_hashes``) would
+    pass for a vLLM ``BlockRemoved`` and one block would become two.
+    """
 
 
 class BlockStored(KVCacheEvent, frozen=True):
     """A chain of blocks was cached: ``block_hashes[i]`` is the child of ``block_hashes[i-1]``.
 
     ``token_ids`` holds the tokens of all blocks concatenated (``block_size`` per block).
-    Fields past ``medium`` are carried by only some engines and default to None.
+    Fields past ``medium`` are carried by only some engines and default to None. An
+    ``rfc1527`` event without tokens has ``token_ids == []`` and, when its stream's block
+    size is only known from registration, ``block_size == 0`` (nil on that wire).
     """
 
     block_hashes: list[BlockHash]
@@ -95,6 +133,8 @@ class BlockStored(KVCacheEvent, frozen=True):
     session_id: str | None = None
     lookahead_token_ids: list[Any] | None = None
     cache_salt: str | None = None
+    rfc1527: Rfc1527Fields | None = None
+    event_type: None = None
 
 
 class BlockRemoved(KVCacheEvent, frozen=True):
@@ -105,10 +145,15 @@ class BlockRemoved(KVCacheEvent, frozen=True):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+    rfc1527: Rfc1527Fields | None = None
+    event_type: None = None
 
 
 class AllBlocksCleared(KVCacheEvent, frozen=True):
     """The engine reset its whole prefix cache."""
+
+    rfc1527: Rfc1527Fields | None = None
+    event_type: None = None
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
@@ -280,10 +325,20 @@ def _is_array(raw: bytes) -> bool:
     return 0x90 <= b <= 0x9F or b in (0xDC, 0xDD)
 
 
-def _decode_event(raw: bytes) -> Event:
+#: The msgpack key ``event_type`` (fixstr): only rfc1527 events have it.
+_RFC_KEY = b"\xaaevent_type"
+
+
+def _decode_event(raw: bytes) -> tuple[Event, bool]:
+    """The event, and whether it is an rfc1527 one (also True when it fails as one)."""
     if _is_array(raw):
-        return _from_legacy(_legacy_event.decode(raw))
-    return _map_event.decode(raw)
+        return _from_legacy(_legacy_event.decode(raw)), False
+    try:
+        return _map_event.decode(raw), False
+    except _ERRORS:
+        if _RFC_KEY not in raw:
+            raise
+    return _rfc.decode_event(raw), True
 
 
 def _explain_not_batch(payload: bytes) -> str:
@@ -334,24 +389,39 @@ class BatchDecoder:
         return batch
 
     def _decode_slow(self, payload: bytes) -> KVEventBatch:
-        try:
-            lb = _legacy_batch.decode(payload)
-            return KVEventBatch(lb.ts, [_from_legacy(e) for e in lb.events], lb.rank)
-        except _ERRORS:
-            pass
+        # The strict map decoder refuses every rfc1527 event (see KVCacheEvent), so a
+        # batch of them lands here; one that mixes dialects or holds a bad event is
+        # taken apart below.
+        if _RFC_KEY in payload:
+            try:
+                return _rfc.decode_batch(payload)
+            except _ERRORS:
+                pass
+        else:
+            try:
+                lb = _legacy_batch.decode(payload)
+                return KVEventBatch(lb.ts, [_from_legacy(e) for e in lb.events], lb.rank)
+            except _ERRORS:
+                pass
         try:
             rb = _raw_batch.decode(payload)
         except _ERRORS:
             self.bad_payloads += 1
             raise DecodeError(_explain_not_batch(payload)) from None
         events: list[Event] = []
+        ms = False  # a batch holding an rfc1527 event has its ts in milliseconds
         for i, raw in enumerate(rb.events):
             raw_b = bytes(raw)
             try:
-                events.append(_decode_event(raw_b))
+                ev, rfc = _decode_event(raw_b)
+                events.append(ev)
+                ms = ms or rfc
             except _ERRORS as e:
+                if _RFC_KEY in raw_b and not _is_array(raw_b):
+                    ms = True
+                    e = f"rfc1527: {e}"
                 self._bad_event(EventError(i, f"event {i}: {e}", raw_b))
-        return KVEventBatch(rb.ts, events, rb.rank)
+        return KVEventBatch(rb.ts / 1000 if ms else rb.ts, events, rb.rank)
 
     def _bad_event(self, err: EventError) -> None:
         self.bad_events += 1
@@ -416,7 +486,7 @@ _SHAPES: dict[str, _Shape] = {
 
 def check_dialect(dialect: str) -> str:
     """Return ``dialect`` if kvwire can encode it, else raise ValueError naming the choices."""
-    if dialect not in _SHAPES:
+    if dialect not in DIALECTS:
         raise ValueError(f"unknown dialect {dialect!r}; expected one of {', '.join(DIALECTS)}")
     return dialect
 
@@ -427,28 +497,40 @@ def encode_batch(batch: EventBatch, dialect: str = "vllm") -> bytes:
     Fields a dialect cannot carry are dropped: ``vllm`` drops ``cache_salt``; ``sglang``
     keeps only its own fields (``medium``, ``cache_salt``, ``session_id``, ``lora_name``
     beyond the core five); ``vllm-legacy`` keeps the core five plus ``medium``;
-    ``vllm-legacy-v0`` keeps only the core five.
+    ``vllm-legacy-v0`` keeps only the core five. ``rfc1527`` writes Mooncake Store's
+    layout (see :func:`kvwire.wire.rfc1527.encode_batch`); no other dialect writes
+    ``rfc1527`` fields.
     """
     if dialect == "vllm":
         # The public structs are laid out as vLLM's: encode them directly unless an
-        # SGLang-only field would leak into the bytes.
+        # SGLang-only or rfc1527 field would leak into the bytes.
         for e in batch.events:
             t = type(e)
             if t is BlockStored:
-                if e.cache_salt is not None:
+                if e.cache_salt is not None or e.rfc1527 is not None:
                     break
-            elif t is not BlockRemoved and t is not AllBlocksCleared:
+            elif t is BlockRemoved or t is AllBlocksCleared:
+                if e.rfc1527 is not None:
+                    break
+            else:
                 break  # not one of ours: the converting path raises TypeError
         else:
             return _encoder.encode(batch)
     try:
         convert = _SHAPES[dialect].convert
     except KeyError:
+        if dialect == "rfc1527":
+            return _rfc.encode_batch(batch)
         check_dialect(dialect)
         raise
     return _encoder.encode(
         (batch.ts, [convert(e) for e in batch.events], batch.data_parallel_rank)
     )
+
+
+# Last: the rfc1527 module builds on the public types above (a module reference, so that
+# importing either module first works).
+from . import rfc1527 as _rfc  # noqa: E402
 
 
 def _jsonable(obj: Any) -> Any:
