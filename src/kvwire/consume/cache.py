@@ -61,7 +61,7 @@ class CachedBlock(tuple):
             ev.extra_keys is None and ev.lookahead_token_ids is None and ev.group_idx is None
             and ev.kv_cache_spec_kind is None and ev.kv_cache_spec_sliding_window is None
             and ev.locality is None and ev.ownership is None and ev.session_id is None
-            and ev.cache_salt is None
+            and ev.cache_salt is None and ev.rfc1527 is None
         ):  # the common case, positional: several times cheaper than keywords
             return BlockStored(
                 [ev.block_hashes[i]], self.parent, self.token_ids, ev.block_size, ev.lora_id,
@@ -84,6 +84,7 @@ class CachedBlock(tuple):
             session_id=ev.session_id,
             lookahead_token_ids=_nth(ev.lookahead_token_ids, i, n),
             cache_salt=ev.cache_salt,
+            rfc1527=_rfc_from(ev.rfc1527, i),
         )
 
     def record(self) -> tuple[Any, ...]:
@@ -161,7 +162,15 @@ def _sub_chain(ev: BlockStored, start: int, end: int) -> BlockStored:
         token_ids=ev.token_ids[start * bs : end * bs],
         extra_keys=_slice(ev.extra_keys, start, end, n),
         lookahead_token_ids=_slice(ev.lookahead_token_ids, start, end, n),
+        rfc1527=_rfc_from(ev.rfc1527, start),
     )
+
+
+def _rfc_from(rfc: Any, k: int) -> Any:
+    """An event's rfc1527 fields for its blocks from the ``k``-th on: their depth moves."""
+    if rfc is None or not k or rfc.base_block_idx is None:
+        return rfc
+    return msgspec.structs.replace(rfc, base_block_idx=rfc.base_block_idx + k)
 
 
 def _slice(per_block: list[Any] | None, start: int, end: int, n: int) -> list[Any] | None:
