@@ -653,15 +653,17 @@ def no_gc() -> Iterator[None]:
 
 def test_publish_never_blocks_or_raises_without_subscriber(make_pub) -> None:
     pub = make_pub(replay_endpoint="tcp://*:0")
-    worst = 0.0
+    lat: list[float] = []
     t0 = time.perf_counter()
     with no_gc():
         for i in range(20_000):
             t = time.perf_counter()
             pub.publish(mk(i))
-            worst = max(worst, time.perf_counter() - t)
+            lat.append(time.perf_counter() - t)
     total = time.perf_counter() - t0
-    assert worst < 0.25 and total < 10.0, (worst, total)
+    lat.sort()
+    # p99, not the worst call: one stall of a busy box can hold any single call for 0.75 s
+    assert p99(lat) < 0.25 and total < 10.0, (p99(lat), lat[-5:], total)
     wait_sent(pub, 20_000)
     assert pub.stats().published == 20_000
 
@@ -674,14 +676,26 @@ def test_publish_never_blocks_with_stalled_subscriber(make_pub, ctx) -> None:
     primes = Feed(pub)
     primes.prime(sub)  # subscribed; from now on it never reads
     big = KVEventBatch(0.0, [BlockStored([1], None, list(range(5000)), 5000, None)], 0)
-    worst = 0.0
-    with no_gc():
-        for _ in range(3000):  # ~30 MB: far beyond hwm + socket buffers
-            t = time.perf_counter()
-            pub.publish(big)
-            worst = max(worst, time.perf_counter() - t)
-    assert worst < 0.25, worst
-    wait_for(lambda: pub.stats().queue_depth == 0, "queue drained")
+    lat: list[float] = []
+
+    def publish_all() -> None:
+        with no_gc():
+            for _ in range(3000):  # ~30 MB: far beyond hwm + socket buffers
+                t = time.perf_counter()
+                pub.publish(big)
+                lat.append(time.perf_counter() - t)
+
+    engine = threading.Thread(target=publish_all, daemon=True)
+    engine.start()
+    engine.join(TIMEOUT)  # a publish() that waits for the subscriber would never return
+    assert len(lat) == 3000, f"publish() blocked after {len(lat)} calls"
+    # p99, not the worst call: a stall of this busy box can hold any one call (750 ms seen),
+    # while a publish() that waits for the stalled subscriber is slow from the moment its
+    # buffers fill, which is almost every call
+    assert p99(sorted(lat)) < 0.25, sorted(lat)[-40:]
+    # Handled, not just dequeued: the sender pops a chunk before it sends it and counts a
+    # turn's sends at the end of the turn, so an empty queue does not mean counted yet.
+    wait_for(lambda: (s := pub.stats()).sent + s.dropped == s.published, "all handled")
     s = pub.stats()
     # A PUB socket drops silently at the high-water mark (send never reports EAGAIN), so
     # these drops are invisible to stats(); subscribers see them as seq gaps.
@@ -699,7 +713,8 @@ def test_tiny_queue_flood_drops_consume_seqs_and_stay_replayable(make_pub, ctx) 
         feed.publish()
         depth = max(depth, pub.stats().queue_depth)
     assert depth <= 2  # memory bounded by max_queue_size
-    wait_for(lambda: pub.stats().queue_depth == 0, "queue drained")
+    # handled, not just dequeued (see test_publish_never_blocks_with_stalled_subscriber)
+    wait_for(lambda: (s := pub.stats()).sent + s.dropped == n, "all handled")
     s = pub.stats()
     assert s.dropped > 0, s
     assert s.published == n and s.last_seq == n - 1
