@@ -100,6 +100,29 @@ def test_vectors_decode_to_their_listed_values() -> None:
                 assert type(got) is BlockRemoved
 
 
+def test_vectors_reencode_in_other_dialects_without_rfc1527_fields() -> None:
+    """Republished as vLLM (or another engine's) bytes, Mooncake's events carry what that
+    dialect can (u64 hashes, upper-case tier) and nothing of the RFC envelope."""
+    strip = msgspec.structs.replace
+    for p in payloads():
+        b = decode_batch(p)
+        plain = strip(b, events=[strip(e, rfc1527=None) for e in b.events])
+        for dialect in ("vllm", "sglang", "vllm-legacy"):
+            out = encode_batch(b, dialect)
+            assert out == encode_batch(plain, dialect) and b"rfc1527" not in out
+            assert decode_batch(out) == decode_batch(encode_batch(plain, dialect))
+
+
+def test_a_batch_of_rfc1527_events_decodes_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not event by event (twice slower): the per-event path is only for mixed or bad ones."""
+    def per_event(raw: bytes) -> Any:
+        raise AssertionError("decoded event by event")
+
+    monkeypatch.setattr(rfc1527, "decode_event", per_event)
+    for p in payloads():
+        assert len(decode_batch(p, on_error=lambda e: pytest.fail(e.message)).events) >= 1
+
+
 def test_non_numeric_object_keys_give_no_hashes_but_still_decode() -> None:
     evs = [ev for p in payloads() for ev in decode_batch(p).events]
     keyless = [ev for ev in evs if not ev.block_hashes]
