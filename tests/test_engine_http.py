@@ -222,6 +222,37 @@ def test_metrics_have_vllm_names(engine):
     assert m["vllm:kv_cache_usage_perc" + lab] == 0  # idle: cached blocks are free ones
 
 
+def test_prefix_cache_counters_move_on_admission_not_first_token():
+    """vLLM's scheduler counts prefix_cache_queries/hits when it looks a request up on
+    admission (reported when that step ends), not at its first token: a chunked prefill
+    shows them after its first chunk, long before its first token (TTFT count)."""
+    cfg = EngineConfig(num_gpu_blocks=2000, block_size=16, max_num_batched_tokens=512,
+                       cost=StepCost(base_s=1e-3, prefill_token_s=1e-3))
+    e = EngineThread(_opts(config=cfg, loras=[]))
+    lab = '{model_name="m",engine="0"}'
+    q, h, n = (f"vllm:{k}{lab}" for k in ("prefix_cache_queries_total",
+                                          "prefix_cache_hits_total",
+                                          "time_to_first_token_seconds_count"))
+    try:
+        head = list(range(1, 161))  # 10 blocks, cached by a short first request
+        r = httpx.post(e.url + "/v1/completions", json={"prompt": head, "max_tokens": 1},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200
+        m0 = e.metrics()
+        assert (m0[q], m0[h], m0[n]) == (160, 0, 1)
+        # 160 cached + 2,000 new tokens: four ~0.5 s chunks before the first token
+        body = {"prompt": head + list(range(500, 2500)), "max_tokens": 1, "stream": True}
+        with httpx.stream("POST", e.url + "/v1/completions", json=body, timeout=TIMEOUT):
+            seen: list[dict[str, float]] = []
+            _until(lambda: seen.append(e.metrics()) or seen[-1][q] > m0[q], "the admission")
+            m1 = seen[-1]  # one scrape: the counters and the TTFT count together
+            assert m1[q] - m0[q] == 2160 and m1[h] - m0[h] == 160
+            assert m1[n] == m0[n], "counted only when the first token came"
+            assert e.app.cores[0].model.running[0].num_output == 0  # still prefilling
+    finally:
+        e.close()
+
+
 def test_tokenize_detokenize(engine):
     r = httpx.post(engine.url + "/tokenize", json={"model": "m", "prompt": "hello world"}).json()
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 4096

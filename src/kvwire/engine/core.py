@@ -13,13 +13,14 @@ when the CPU lags behind wall time. A request's own TTFT is measured from its tr
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..wire.events import Event
 from .metrics import EngineStats
-from .model import EngineConfig, EngineModel
+from .model import EngineConfig, EngineModel, StepResult
 from .request import FINISHED, EngineRequest
 
 __all__ = ["EngineCore", "Handle", "Step"]
@@ -48,12 +49,19 @@ class Handle:
 
 @dataclass(slots=True)
 class Step:
-    """One :meth:`EngineCore.advance`: when it ends (model time), its KV events, and the
-    handles with new tokens (finished ones included)."""
+    """One :meth:`EngineCore.advance`: when it ends (model time), its KV events, the
+    handles with new tokens (finished ones included), and what its stats record when it
+    is handed out."""
 
     end: float
     events: list[Event]
     outputs: list[Handle]
+    res: StepResult
+    firsts: list[Handle]
+    finished: list[Handle]
+    itl: Sequence[float]
+    #: the scheduler's prefix-cache counters after this step's admissions
+    prefix: tuple[int, int, int]
 
 
 class EngineCore:
@@ -109,34 +117,42 @@ class EngineCore:
         if m.idle:
             return None
         res = m.step(pend[0].arrival if pend else now)
-        st = self.stats
         handles = self.handles
         outputs = [h for r in m.running
                    if r.num_output > (h := handles[r.rid]).delivered]
+        firsts = [handles[r.rid] for r in res.first_tokens]
+        finished = [handles.pop(r.rid) for r in res.finished]
+        outputs += finished
+        itl: Sequence[float] = m.itl
+        if itl:
+            m.itl = array("d")
+        else:
+            itl = ()
+        return Step(res.end, res.events, outputs, res, firsts, finished, itl,
+                    (m.prefix_queries, m.prefix_hits, m.preemptions))
+
+    def deliver(self, step: Step) -> None:
+        """Record the step's stats and hand each output its new tokens (skipping requests
+        aborted meanwhile). Called at the step's end in wall time: like vLLM, whose
+        scheduler stats (prefix-cache queries and hits counted at admission, preemptions)
+        and request stats reach /metrics when a step's outputs are processed, so nothing
+        shows in /metrics before the step that did it has ended."""
+        st = self.stats
+        res = step.res
         st.iteration_tokens.observe(res.tokens)
-        for r in res.first_tokens:
-            h = handles[r.rid]
-            st.ttft.observe(r.first_token_t - h.arrival)
-            st.prefix_cache_queries += len(r.prompt)
-            st.prefix_cache_hits += r.cached_tokens
-        for r in res.finished:
-            h = handles.pop(r.rid)
-            outputs.append(h)
+        for h in step.firsts:
+            st.ttft.observe(h.req.first_token_t - h.arrival)
+        for h in step.finished:
+            r = h.req
             st.e2e.observe(r.finish_t - h.arrival)
             st.prompt_tokens += len(r.prompt)
             st.generation_tokens += r.num_output
             st.req_prompt.observe(len(r.prompt))
             st.req_gen.observe(r.num_output)
             st.request_success[h.finish_reason] += 1
-        if m.itl:
-            st.itl.observe_many(m.itl)
-            del m.itl[:]
-        st.preemptions = m.preemptions
-        return Step(res.end, res.events, outputs)
-
-    @staticmethod
-    def deliver(step: Step) -> None:
-        """Hand each output its new tokens (skipping requests aborted meanwhile)."""
+        if step.itl:
+            st.itl.observe_many(step.itl)
+        st.prefix_cache_queries, st.prefix_cache_hits, st.preemptions = step.prefix
         for h in step.outputs:
             if h.aborted:
                 continue

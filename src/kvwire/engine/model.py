@@ -15,6 +15,9 @@ Scheduling, per step, as vLLM V1 does it with chunked prefill:
   ``max_num_seqs`` allow: each looks up its longest cached prefix (never its last token,
   which must be computed to sample), takes those blocks and allocates the rest of the
   chunk; the tokens found are its ``cached_tokens`` (counted at its first admission);
+  every lookup of a never-preempted request adds to :attr:`EngineModel.prefix_queries` and
+  ``prefix_hits``, as vLLM's scheduler counts ``prefix_cache_queries``/``_hits`` (per
+  lookup, even one whose blocks cannot be had yet; preempted requests' lookups apart);
 * blocks are cached as soon as a scheduled chunk fills them (``BlockStored``), and
   allocating a free cached block evicts it (``BlockRemoved``).
 
@@ -95,6 +98,9 @@ class EngineModel:
         self.busy_s = 0.0
         self.steps = 0
         self.preemptions = 0
+        #: tokens looked up in / found in the prefix cache on admission (vLLM's counters)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         #: every inter-token gap (seconds) of every request, in the order produced
         self.itl = array("d")
 
@@ -199,6 +205,9 @@ class EngineModel:
             req = waiting[0]
             hit = cache.longest_hit(req.hashes[:(len(req.tokens) - 1) // bs])
             computed = len(hit) * bs
+            if not req.preemptions:
+                self.prefix_queries += len(req.tokens)
+                self.prefix_hits += computed
             n = min(len(req.tokens) - computed, budget)
             need = -(-(computed + n) // bs) - len(hit)
             ref = cache.ref
