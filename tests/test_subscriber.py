@@ -287,16 +287,19 @@ def test_reference_restart_is_a_reset(closer):
 
 
 def test_dead_endpoint_never_hangs():
-    """Nothing behind the endpoints: bounded waits, an explicit death, no exception."""
-    cfg = StreamConfig(request_timeout=0.3, info_timeout=0.2, dead_after=0.5)
+    """Nothing behind the endpoints: bounded waits, an explicit death, no exception.
+
+    The request and INFO timeouts (2 s) are far above the poll's bound (1.5 s), so a poll
+    that waited on either fails it, while a box stall of a second does not."""
+    cfg = StreamConfig(request_timeout=2.0, info_timeout=2.0, dead_after=0.5)
     with Subscriber([StreamSpec("gone", "tcp://127.0.0.1:9", "", "tcp://127.0.0.1:9")],
                     config=cfg) as sub:
         t0 = time.monotonic()
         assert sub.poll(0.05) is None
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 1.5
         app = App()
-        pump(sub, app, lambda: app.liveness.get("gone") == [False], timeout=5)
-        assert sub.stats()["gone"].stream.mode == "reference"
+        pump(sub, app, lambda: app.liveness.get("gone") == [False]
+             and sub.stats()["gone"].stream.mode == "reference", timeout=15)
 
 
 def test_live_only_stream_without_replay_endpoint(closer):
