@@ -379,6 +379,102 @@ def test_events_rebuild_the_cache_exactly(dialect, publisher):
         e.close()
 
 
+def _rebuild(records: list[dict[str, Any]], stream: str, upto: int) -> Counter:
+    """The GPU blocks ``kvwire listen --json`` says one stream holds after seq ``upto``
+    (reset: clear; snapshot: replace; batch: apply), as a multiset of hashes."""
+    held: Counter = Counter()
+    last = None
+    for rec in records:
+        if rec["stream"] != stream or rec["kind"] == "liveness":
+            continue
+        if rec["kind"] == "reset":
+            held.clear()
+            continue
+        if rec["seq"] > upto:
+            break
+        last = rec["seq"]
+        if rec["kind"] == "snapshot":
+            held.clear()
+        for ev in rec["blocks"] if rec["kind"] == "snapshot" else rec["events"]:
+            if ev["type"] == "AllBlocksCleared":
+                held.clear()
+            elif ev.get("medium") in (None, "GPU"):
+                held.update({"BlockStored": ev["block_hashes"]}.get(ev["type"], []))
+                held.subtract({"BlockRemoved": ev["block_hashes"]}.get(ev["type"], []))
+    assert last == upto, f"{stream}: listen's records end at seq {last}, not {upto}"
+    return +held
+
+
+def test_kvwire_listen_json_rebuilds_the_cache_dumps_of_a_loaded_engine():
+    """Issue 23's target as stated: the real ``kvwire listen ... --replay ... --json`` (a
+    subprocess) follows both DP ranks of an engine whose small cache evicts under load; the
+    cache rebuilt from its JSON lines alone equals every ``GET /kvwire/cache`` dump at the
+    dump's seq, exactly (multisets), for dumps taken mid-load (between two steps) and after."""
+    import subprocess
+    import sys
+
+    cfg = EngineConfig(num_gpu_blocks=60, block_size=16, cost=StepCost(base_s=1e-3))
+    e = EngineThread(_opts(config=cfg, speed=50.0, dp_size=2, loras=[], replay="tcp://*:0"))
+    replays = [ep.replace(ep.split("//")[1].rsplit(":", 1)[0], "127.0.0.1", 1)
+               for ep in e.app.replay_endpoints]
+    cmd = [sys.executable, "-m", "kvwire", "listen", *e.events, "--json"]
+    for rp in replays:
+        cmd += ["--replay", rp]
+    listen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    records: list[dict[str, Any]] = []
+    reader = threading.Thread(target=lambda: [records.append(json.loads(ln))
+                                              for ln in listen.stdout], daemon=True)
+    reader.start()
+    client = httpx.Client(base_url=e.url, timeout=TIMEOUT)
+    try:
+        # both streams bootstrapped (reset, snapshot of the idle engine) before the load
+        _until(lambda: {r["stream"] for r in list(records) if r["kind"] == "snapshot"}
+               == set(e.events), "kvwire listen's snapshots")
+        dumps: list[tuple[bool, list[dict[str, Any]]]] = []  # (taken under load, ranks)
+
+        async def load() -> None:
+            async with httpx.AsyncClient(base_url=e.url, timeout=TIMEOUT) as ac:
+                async def one(i: int) -> None:
+                    prompt = [i % 7 + 1] * 48 + list(range(i, i + 40))  # shared prefixes
+                    r = await ac.post("/v1/completions", json={"prompt": prompt,
+                                                               "max_tokens": 20,
+                                                               "ignore_eos": True})
+                    assert r.status_code == 200
+
+                await asyncio.gather(*(one(i) for i in range(80)))
+
+        t = threading.Thread(target=lambda: asyncio.run(load()))
+        t.start()
+        while t.is_alive():
+            dumps.append((True, client.get("/kvwire/cache").json()["ranks"]))
+        t.join()
+        dumps.append((False, client.get("/kvwire/cache").json()["ranks"]))
+        last = dumps[-1][1]
+        _until(lambda: all(any(r["stream"] == ep and r.get("seq", -1) >= last[k]["seq"]
+                               for r in list(records)) for k, ep in enumerate(e.events)),
+               "listen to reach the last dump's seqs")
+        listen.terminate()
+        listen.wait(TIMEOUT)
+        reader.join(TIMEOUT)
+        loaded = 0
+        for under_load, ranks in dumps:
+            for k, ep in enumerate(e.events):
+                d = ranks[k]
+                assert _rebuild(records, ep, d["seq"]) == Counter(d["blocks"]), (under_load, d)
+                loaded += under_load and d["running"] > 0 and bool(d["blocks"])
+        assert loaded >= 2, "no dump was taken while requests ran"
+        assert all(last[k]["blocks"] for k in range(2))
+        assert sum(c.model.cache.evictions for c in e.app.cores) > 0  # removals were carried
+        summary = listen.stderr.read()
+        assert summary.count(", 0 lost,") == 2, summary
+    finally:
+        if listen.poll() is None:
+            listen.kill()
+            listen.wait(TIMEOUT)
+        client.close()
+        e.close()
+
+
 def test_timing_fields_are_the_models(engine):
     r = httpx.post(engine.url + "/v1/completions",
                    json={"prompt": "t" * 50, "max_tokens": 3, "kvwire_timing": True,

@@ -386,7 +386,17 @@ class EngineApp:
         conn.respond(200, render(engines, extra), b"text/plain; version=0.0.4; charset=utf-8")
 
     def _cache(self, conn: Conn) -> None:
-        ranks = [c.cache_dump() for c in self.cores]
-        for d, p in zip(ranks, self.publishers):  # the last batch the dump includes
-            d["seq"] = p.stats().last_seq
-        conn.respond(200, _enc({"ranks": ranks}))
+        """Each rank's dump taken between its steps (:meth:`Runner.at_quiet`), with the
+        seq of the last batch its publisher took: exact at that seq, under load too."""
+        ranks: list[dict[str, Any] | None] = [None] * len(self.cores)
+
+        def take(rank: int) -> None:
+            d = self.cores[rank].cache_dump()
+            if self.publishers:  # the last batch the dump includes (a heartbeat's at worst)
+                d["seq"] = self.publishers[rank].stats().last_seq
+            ranks[rank] = d
+            if all(r is not None for r in ranks):
+                conn.respond(200, _enc({"ranks": ranks}))
+
+        for rank, runner in enumerate(self.runners):
+            runner.at_quiet(lambda r=rank: take(r))

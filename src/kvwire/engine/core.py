@@ -163,8 +163,11 @@ class EngineCore:
             h.sink(h, new, r.status == FINISHED)
 
     def cache_dump(self) -> dict[str, object]:
-        """Every cached block: hash -> parent hash and token count (GPU tier), for checking
-        that the published events rebuild the cache exactly."""
+        """Every cached GPU block's hash, once per physical block holding it, and how many
+        requests are running and waiting, for checking that the published events rebuild
+        the cache exactly."""
         c = self.model.cache
-        return {"rank": self.rank, "block_size": c.block_size,
+        running, waiting = len(self.model.running), len(self.model.waiting) + len(self.pending)
+        return {"rank": self.rank, "block_size": c.block_size, "running": running,
+                "waiting": waiting,
                 "blocks": sorted(h for h, holders in c.cached.items() for _ in holders)}

@@ -6,6 +6,10 @@ publishes its KV events (one ``KVEventBatch`` per step that changed the cache, a
 does). When the CPU cannot keep up, steps run back to back and quiet decode stretches that
 are already due fold into one call; the loop yields to the event loop between turns so
 HTTP keeps being served.
+
+:meth:`at_quiet` runs a callback between steps: after the last computed step's batch was
+published and before the next is computed, the one moment the model's cache is exactly
+what the published batches say (``GET /kvwire/cache`` dumps it there).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from ..wire.events import KVEventBatch
 from .core import EngineCore
@@ -37,6 +42,8 @@ class Runner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.lag_s = 0.0  # how late step ends were handed out, summed (wall seconds)
+        self._inflight = False  # a step computed, its outputs and batch not yet out
+        self._quiet: list[Callable[[], None]] = []
 
     def now(self) -> float:
         """The model's time now."""
@@ -44,6 +51,23 @@ class Runner:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def at_quiet(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` now if no step is in flight, else right after the in-flight step's
+        batch is published (before the next step is computed)."""
+        if self._inflight:
+            self._quiet.append(fn)
+        else:
+            fn()
+
+    def _run_quiet(self) -> None:
+        self._inflight = False
+        waiters, self._quiet = self._quiet, []
+        for fn in waiters:
+            try:
+                fn()
+            except Exception:
+                log.exception("a between-steps callback failed")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-runner")
@@ -55,6 +79,7 @@ class Runner:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._quiet.clear()  # not exact any more: the in-flight step was never published
 
     async def _run(self) -> None:
         core = self.core
@@ -69,6 +94,7 @@ class Runner:
                 if core.idle:
                     await self._wake.wait()
                 continue
+            self._inflight = True
             delay = t0 + step.end / speed - mono()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -82,3 +108,4 @@ class Runner:
             if step.events and pub is not None:
                 pub.publish(KVEventBatch(time.time(), step.events, data_parallel_rank=rank))
                 self.published += 1
+            self._run_quiet()
