@@ -389,18 +389,17 @@ class BatchDecoder:
         return batch
 
     def _decode_slow(self, payload: bytes) -> KVEventBatch:
+        try:
+            lb = _legacy_batch.decode(payload)
+            return KVEventBatch(lb.ts, [_from_legacy(e) for e in lb.events], lb.rank)
+        except _ERRORS:
+            pass
         # The strict map decoder refuses every rfc1527 event (see KVCacheEvent), so a
         # batch of them lands here; one that mixes dialects or holds a bad event is
         # taken apart below.
         if _RFC_KEY in payload:
             try:
                 return _rfc.decode_batch(payload)
-            except _ERRORS:
-                pass
-        else:
-            try:
-                lb = _legacy_batch.decode(payload)
-                return KVEventBatch(lb.ts, [_from_legacy(e) for e in lb.events], lb.rank)
             except _ERRORS:
                 pass
         try:
