@@ -10,8 +10,15 @@ thread, the publisher's included) per request and per streamed token.
 client's TTFT (send -> first text chunk) vs the model's own (its ``kvwire`` timing field);
 prints the median error against the target 2 ms + 5 % of the model's TTFT.
 
+``--rebuild``: the engine with a small cache (``--num-gpu-blocks 400``, so it evicts) under
+streamed load with shared prefixes; the real ``kvwire listen ... --replay ... --json``
+follows its events as a subprocess, ``GET /kvwire/cache`` is dumped every few ms during the
+load and once after it; the cache rebuilt from listen's JSON lines alone must equal every
+dump at the dump's seq, exactly (multisets of block hashes).
+
     .venv/bin/python bench/engine.py                # throughput
     .venv/bin/python bench/engine.py --fidelity     # TTFT fidelity at 100 requests/s
+    .venv/bin/python bench/engine.py --rebuild      # events rebuild the cache exactly
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 
 import psutil
 
@@ -39,7 +48,8 @@ def start_engine(port: int, speed: float, cpu: int | None, extra: list[str]) -> 
 
     p = subprocess.Popen([sys.executable, "-m", "kvwire.cli.engine", "--port", str(port),
                           "--speed", str(speed), "--events", f"tcp://*:{port + 1000}",
-                          "--log-level", "error", *extra],
+                          "--replay", f"tcp://*:{port + 2000}", "--log-level", "error",
+                          *extra],
                          stdout=subprocess.PIPE, preexec_fn=pin)
     line = p.stdout.readline().decode()
     if "serving" not in line:
@@ -163,9 +173,112 @@ async def fidelity(port: int, rate: float, duration: float, n_prompt: int) -> di
             "target_ms": target * 1e3, "met": med_err <= target}
 
 
+def rebuild_check(records: list[dict], stream: str, dumps: list[dict]) -> tuple[int, int]:
+    """Apply listen's records of one stream in order (reset: clear; snapshot: replace;
+    batch: apply GPU events) and compare with each dump at its seq: (checked, mismatched)."""
+    want = sorted(dumps, key=lambda d: d["seq"])
+    held: Counter = Counter()
+    i = checked = bad = 0
+    for rec in records:
+        if rec["stream"] != stream or rec["kind"] == "liveness":
+            continue
+        if rec["kind"] == "reset":
+            held.clear()
+            continue
+        if rec["kind"] == "snapshot":
+            held.clear()
+        for ev in rec["blocks"] if rec["kind"] == "snapshot" else rec["events"]:
+            if ev["type"] == "AllBlocksCleared":
+                held.clear()
+            elif ev.get("medium") in (None, "GPU"):
+                if ev["type"] == "BlockStored":
+                    held.update(ev["block_hashes"])
+                elif ev["type"] == "BlockRemoved":
+                    held.subtract(ev["block_hashes"])
+        while i < len(want) and want[i]["seq"] <= rec["seq"]:
+            checked += 1
+            bad += want[i]["seq"] != rec["seq"] or +held != Counter(want[i]["blocks"])
+            i += 1
+    return checked, bad + len(want) - i
+
+
+async def rebuild(port: int, conns: int, duration: float, n_prompt: int,
+                  events: str, replay: str) -> dict:
+    import httpx
+
+    listen = subprocess.Popen([sys.executable, "-m", "kvwire", "listen", events, "--replay",
+                               replay, "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    records: list[dict] = []
+    reader = threading.Thread(target=lambda: [records.append(json.loads(ln))
+                                              for ln in listen.stdout], daemon=True)
+    reader.start()
+    try:
+        t_end = time.monotonic() + 30
+        while not any(r["kind"] == "snapshot" for r in list(records)):  # bootstrapped
+            if time.monotonic() > t_end:
+                raise SystemExit("kvwire listen never bootstrapped")
+            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        prefixes = [[random.Random(g).randrange(1, 30000) for _ in range(n_prompt // 2)]
+                    for g in range(16)]
+        count = [0]
+        stop = [False]
+
+        async def worker(k: int) -> None:
+            _, c = await loop.create_connection(Conn, "127.0.0.1", port)
+            i = k
+            while not stop[0]:
+                rnd = random.Random(i)
+                ids = prefixes[i % 16] + [rnd.randrange(1, 30000) for _ in range(n_prompt // 2)]
+                await c.request(json.dumps({"prompt": ids, "max_tokens": 16, "stream": True,
+                                            "ignore_eos": True}).encode())
+                count[0] += 1
+                i += conns
+
+        dumps: list[tuple[bool, dict]] = []
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as ac:
+            tasks = [loop.create_task(worker(k)) for k in range(conns)]
+            t_end = time.monotonic() + duration
+            while time.monotonic() < t_end:
+                dumps.append((True, (await ac.get("/kvwire/cache")).json()["ranks"][0]))
+                await asyncio.sleep(0.01)
+            stop[0] = True
+            await asyncio.gather(*tasks)
+            dumps.append((False, (await ac.get("/kvwire/cache")).json()["ranks"][0]))
+            metrics = (await ac.get("/metrics")).text
+        last = dumps[-1][1]["seq"]
+        t_end = time.monotonic() + 30
+        while not any(r.get("seq", -1) >= last for r in list(records)):
+            if time.monotonic() > t_end:
+                raise SystemExit(f"kvwire listen never reached seq {last}")
+            await asyncio.sleep(0.05)
+    finally:
+        listen.terminate()
+        listen.wait(10)
+    reader.join(10)
+    stream = events
+    checked, bad = rebuild_check(records, stream, [d for _, d in dumps])
+    batches = [r for r in records if r["kind"] == "batch"]
+    evs = [ev for r in batches for ev in r["events"]]
+    loaded = sum(1 for under, d in dumps if under and d["running"])
+    return {"requests": count[0], "dumps": checked, "dumps_under_load": loaded,
+            "mismatched": bad, "batches": len(batches),
+            "blocks_stored": sum(len(ev["block_hashes"]) for ev in evs
+                                 if ev["type"] == "BlockStored"),
+            "blocks_removed": sum(len(ev["block_hashes"]) for ev in evs
+                                  if ev["type"] == "BlockRemoved"),
+            "final_blocks": len(dumps[-1][1]["blocks"]),
+            "listen": listen.stderr.read().strip().removeprefix("kvwire listen: "),
+            "met": bad == 0 and checked == len(dumps) and loaded > 0,
+            "published_batches": int(float(re.search(
+                r"^kvwire_engine_published_batches_total (\S+)$", metrics, re.M).group(1)))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fidelity", action="store_true")
+    ap.add_argument("--rebuild", action="store_true")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("--speed", type=float, default=None,
                     help="default: 1000 (throughput), 1 (fidelity)")
@@ -181,7 +294,8 @@ def main() -> int:
     a = ap.parse_args()
     speed = a.speed if a.speed is not None else (1.0 if a.fidelity else 1000.0)
     flags = a.engine_flags if a.engine_flags is not None else (
-        "--step-prefill-token-us 5" if a.fidelity else "")
+        "--step-prefill-token-us 5" if a.fidelity else
+        "--num-gpu-blocks 400" if a.rebuild else "")
     p = start_engine(a.port, speed, a.engine_cpu, flags.split())
     try:
         if a.client_cpu is not None:
@@ -193,6 +307,10 @@ def main() -> int:
             run = asyncio.run
         if a.fidelity:
             res = run(fidelity(a.port, a.rate, a.duration, a.prompt_tokens))
+        elif a.rebuild:
+            res = run(rebuild(a.port, a.conns, a.duration, a.prompt_tokens,
+                              f"tcp://127.0.0.1:{a.port + 1000}",
+                              f"tcp://127.0.0.1:{a.port + 2000}"))
         else:
             res = run(throughput(a.port, a.conns, a.duration, a.prompt_tokens, p.pid))
         res["speed"] = speed
