@@ -13,8 +13,15 @@ Match: an 8k-token prompt (512 blocks) against that index, p50/p99 over many pro
 tail; ``all-64`` = the worst case, a prompt every one of the 64 engines holds in full (the
 walk never stops early); ``miss`` = a prompt nobody holds.
 
-Baseline measured in the same run: a naive index (dict of sets of stream names keyed by
-Python ``hash()`` of (parent key, token tuple), dict (stream, engine hash) -> key).
+Baselines measured in the same run: a naive index (dict of sets of stream names keyed by
+Python ``hash()`` of (parent key, token tuple), dict (stream, engine hash) -> key), and NVIDIA
+Dynamo's radix tree (``ai-dynamo-runtime``, through its Python binding ``dynamo._core``) when
+it is importable (a loud SKIPPED row when not): the same events as Dynamo's JSON ``stored``
+events (its per-block ``tokens_hash`` from ``compute_block_hash_for_seq``, computed untimed:
+the engine side's work), the same prompts hashed and matched by ``find_matches`` (timed).
+
+Memory per indexed block: the RSS delta of ingesting the whole workload into each index
+(each measured around its own ingest, the event garbage's high-water mark reached before).
 
     .venv/bin/python bench/index.py            # 1M blocks, about 1-2 minutes
     .venv/bin/python bench/index.py --quick    # 200k blocks
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import sys
@@ -40,6 +48,15 @@ from kvwire.consume.stream import Batch  # noqa: E402
 from kvwire.index import PrefixIndex  # noqa: E402
 from kvwire.index.keys import NATIVE, REASON  # noqa: E402
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+
+try:  # NVIDIA Dynamo's radix tree, the second baseline (pip install ai-dynamo-runtime==1.6.1)
+    from dynamo._core import RadixTree as DynamoTree  # type: ignore[import-not-found]
+    from dynamo._core import compute_block_hash_for_seq  # type: ignore[import-not-found]
+
+    DYNAMO_MISSING = ""
+except Exception as e:  # noqa: BLE001 - any import failure means: skip it, loudly
+    DynamoTree = compute_block_hash_for_seq = None
+    DYNAMO_MISSING = f"{type(e).__name__}: {e}"
 
 BS = 16
 FAMILY_BLOCKS = 512
@@ -145,23 +162,80 @@ class NaiveIndex:
         return out
 
 
-def ingest(w: Workload, idx) -> tuple[float, float, int]:
-    """CPU seconds (this thread) and wall seconds spent in apply() for the whole workload,
-    and blocks applied. CPU time is what "one core" means on a box shared with other work."""
+class DynamoIndex:
+    """NVIDIA Dynamo's RadixTree (its Python binding): one node per prefix block with the set
+    of workers holding it, fed JSON ``stored`` events keyed by the engine's block hashes."""
+
+    def __init__(self) -> None:
+        self.tree = DynamoTree()
+        self.workers: dict[str, int] = {}
+        self.event_id = 0
+
+    def prepare(self, item: Batch) -> list:
+        """A delivery as Dynamo events (untimed: the engine computes ``tokens_hash``)."""
+        wid = self.workers.setdefault(item.stream, len(self.workers))
+        out = []
+        for ev in item.batch.events:
+            if type(ev) is not BlockStored:
+                raise TypeError("the index workload only stores")
+            local = compute_block_hash_for_seq(ev.token_ids, ev.block_size)
+            self.event_id += 1
+            out.append((wid, json.dumps({"event_id": self.event_id, "data": {"stored": {
+                "parent_hash": ev.parent_block_hash,
+                "blocks": [{"block_hash": h, "tokens_hash": t}
+                           for h, t in zip(ev.block_hashes, local)]}}}).encode()))
+        return out
+
+    def apply(self, prepared: list) -> None:
+        apply = self.tree.apply_event
+        for wid, payload in prepared:
+            apply(wid, payload)
+
+    def match(self, toks: list[int]) -> dict:
+        return self.tree.find_matches(compute_block_hash_for_seq(toks, BS)).scores
+
+
+def ingest(w: Workload, idx, prepare=None) -> tuple[float, float, int]:
+    """CPU seconds (this process: Dynamo's binding applies on a thread of its own while the
+    caller waits) and wall seconds spent in apply() for the whole workload, and blocks
+    applied. CPU time is what "one core" means on a box shared with other work.
+    ``prepare`` turns a delivery into what ``idx.apply`` takes, untimed."""
     cpu = wall = 0.0
     n = 0
     gc.disable()  # the subscriber's items are untracked; keep collector pauses out of the loop
     try:
         for chunk in w.batches():
-            c, t = time.thread_time(), time.perf_counter()
-            for item in chunk:
+            items = chunk if prepare is None else [prepare(item) for item in chunk]
+            c, t = time.process_time(), time.perf_counter()
+            for item in items:
                 idx.apply(item)
-            cpu += time.thread_time() - c
+            cpu += time.process_time() - c
             wall += time.perf_counter() - t
             n += sum(len(e.block_hashes) for b in chunk for e in b.batch.events)
+            del items
     finally:
         gc.enable()
     return cpu, wall, n
+
+
+def rss() -> int | None:
+    """This process's resident set in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def measured_ingest(w: Workload, idx, prepare=None) -> tuple[float, float, int, float | None]:
+    """``ingest`` plus the RSS it added per block (every index is kept alive, so each delta
+    is that index's own memory; None off Linux)."""
+    gc.collect()
+    r0 = rss()
+    cpu, wall, n = ingest(w, idx, prepare)
+    gc.collect()
+    r1 = rss()
+    return cpu, wall, n, None if r0 is None or r1 is None else (r1 - r0) / n
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -170,13 +244,13 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def time_match(fn, prompts: list[list[int]]) -> str:
-    """p50/p99 in us of CPU time (this thread) and of wall time."""
+    """p50/p99 in us of CPU time (this process, all its threads) and of wall time."""
     cs, ws = [], []
     for p in prompts:
-        c, t = time.thread_time_ns(), time.perf_counter_ns()
+        c, t = time.process_time_ns(), time.perf_counter_ns()
         fn(p)
         ws.append((time.perf_counter_ns() - t) / 1000)
-        cs.append((time.thread_time_ns() - c) / 1000)
+        cs.append((time.process_time_ns() - c) / 1000)
     return (f"cpu p50 {pct(cs, 50):.0f} / p99 {pct(cs, 99):.0f} us; "
             f"wall p50 {pct(ws, 50):.0f} / p99 {pct(ws, 99):.0f} us")
 
@@ -233,7 +307,7 @@ def churn_rows(steps: int) -> list[tuple[str, str, str]]:
              f"({2 * steps / el / 1e6:.2f} M events/s)")]
 
 
-def bytes_per_block() -> float:
+def bytes_per_distinct_block() -> float:
     idx = PrefixIndex()
     evs = [BlockStored([(i * 7919 + 1) << 20], None, list(range(i, i + BS)), BS, None, None,
                        None) for i in range(50_000)]
@@ -267,16 +341,32 @@ def main() -> None:
 
     rows.append(("calibration (this core, now)", "", calibration()))
     rows.append(("host jitter: a fixed ~50 us loop, timed alike", "", jitter()))
+    for _ in w.batches():  # the event garbage's high-water mark, before any RSS is read
+        break
+    mem: list[tuple[str, str, str]] = []
+
+    def ingested(name: str, cpu: float, wall: float, n: int, per: float | None) -> None:
+        what = f"ingest {n:,} blocks (32-block events, {ENGINES} streams)"
+        rows.append(("" if name != "kvwire" else what, name,
+                     f"{n / cpu / 1e6:.2f} M blocks/s of CPU ({n / wall / 1e6:.2f} M/s wall)"
+                     + (" (apply_event only)" if name == "dynamo" else "")))
+        what = "memory per indexed block (RSS delta of the ingest)"
+        mem.append(("" if mem else what, name, "?" if per is None else f"{per:.0f} B"))
+
     idx = PrefixIndex()
-    cpu, wall, n = ingest(w, idx)
-    rows.append((f"ingest {n:,} blocks (32-block events, {ENGINES} streams)", "kvwire",
-                 f"{n / cpu / 1e6:.2f} M blocks/s of CPU ({n / wall / 1e6:.2f} M/s wall)"))
-    naive = None
+    cpu, wall, n, per = measured_ingest(w, idx)
+    ingested("kvwire", cpu, wall, n, per)
+    naive = dyn = None
     if not a.no_baseline:
         naive = NaiveIndex()
-        cpu, wall, nn = ingest(w, naive)
-        rows.append(("", "naive",
-                     f"{nn / cpu / 1e6:.2f} M blocks/s of CPU ({nn / wall / 1e6:.2f} M/s wall)"))
+        ingested("naive", *measured_ingest(w, naive))
+        if DynamoTree is None:
+            print(f"bench/index.py: Dynamo baseline SKIPPED: ai-dynamo-runtime not importable "
+                  f"({DYNAMO_MISSING}); pip install ai-dynamo-runtime==1.6.1", file=sys.stderr)
+            rows.append(("", "dynamo", f"SKIPPED: not importable ({DYNAMO_MISSING})"))
+        else:
+            dyn = DynamoIndex()
+            ingested("dynamo", *measured_ingest(w, dyn, dyn.prepare))
     streams = sorted(idx.streams())
     for kind in ("typical", "all-64", "miss"):
         if kind == "all-64":  # every engine caches one more family, in full
@@ -288,6 +378,8 @@ def main() -> None:
                 idx.apply(item)
                 if naive is not None:
                     naive.apply(item)
+                if dyn is not None:
+                    dyn.apply(dyn.prepare(item))
             prompts = [extra[: (FAMILY_BLOCKS - 1) * BS] + w.prompt("miss")[:BS]
                        for _ in range(nprompts)]
         else:
@@ -296,8 +388,11 @@ def main() -> None:
         if naive is not None:
             rows.append(("", "naive", time_match(lambda p: naive.match(p, streams),
                                                  prompts[: nprompts // 4])))
-    rows.append(("memory per indexed block (tracemalloc)", "kvwire",
-                 f"{bytes_per_block():.0f} B (+ the engine hash object the index keeps)"))
+        if dyn is not None:
+            rows.append(("", "dynamo", time_match(dyn.match, prompts)))
+    rows += mem
+    rows.append(("memory per distinct block, 1 stream (tracemalloc)", "kvwire",
+                 f"{bytes_per_distinct_block():.0f} B"))
     if a.churn:
         rows += churn_rows(1_000_000)
 
