@@ -72,7 +72,7 @@ test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP) $(DYNAMO_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
 	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows" >&2
 	$(PY) bench/events.py
