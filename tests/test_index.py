@@ -212,7 +212,7 @@ class IndexMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.clock = Clock()
         self.idx = PrefixIndex(predict_ttl=TTL, clock=self.clock)
-        self.idx._max_stops = 2  # short prompts: make match leave the C scan for Python too
+        self.idx._h.max_stops = 2  # short prompts: make match leave the C scan for Python too
         self.m = Model()
         self.seq = 0
 
@@ -340,11 +340,11 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def mirror_agrees(self) -> None:
         """The C scan's mirror of lanes 0/1 holds exactly the dict's keys and lanes."""
-        lanes = getattr(getattr(self, "idx", None), "_lanes", None)
+        lanes = getattr(getattr(getattr(self, "idx", None), "_h", None), "lanes", None)
         if lanes is None:
             return
         full = (1 << 64) - 1
-        kd = self.idx._keys
+        kd = self.idx._h.keys
         assert len(lanes) == sum(1 for v in kd.values() if v & full)
         for k, v in kd.items():
             want = (v & full, (v >> 64) & full) if v & full else None

@@ -1,15 +1,13 @@
 """PrefixIndex: which stream (engine x DP rank) holds which prefix, fed by live events.
 
-Layout, chosen so that ``match`` does one dict lookup and two integer ops per prompt block:
+The part that takes the deliveries; it holds the pure part, :class:`~.walk.PrefixWalk`
+(own key -> slot masks by tier, predictions, slots, ``match``'s walk), and keeps beside it:
 
-* ``_keys: dict[own key, int]`` packs bit masks over *stream slots* (one slot per stream,
-  ``W`` slots per lane). Lane 0 = the stream holds the key in any tier; lane 1 = it holds
-  it, but not in the best tier (so a GPU-only fleet never leaves the fast path); lane
-  ``2 + t`` = it holds it in tier ``t``.
 * per stream and tier, ``engine hash -> own key`` (the engine's hashes are only ids: this
-  is how ``BlockRemoved`` finds the key), plus a rarely used duplicate count for two engine
-  hashes that map to one own key.
-* predictions: ``_pred: dict[own key, slot mask]`` with a TTL queue.
+  is how ``BlockRemoved`` finds the key), in a ``KeyMap`` (the C table, 17 bytes a slot;
+  a dict without C), plus a rarely used duplicate count for two engine hashes that map to
+  one own key, and the recently removed hashes;
+* the clock and the predictions' TTL queue.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import Any
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from . import keys as _k
-from .keys import Lanes, add_bits, chain_tokens, insert_new, root_seed
+from .keys import add_bits, chain_tokens, insert_new, root_seed
 from .state import (
     StreamIndexStats,
     StreamMatch,
@@ -49,11 +47,9 @@ DEFAULT_TIER_ALIASES: dict[str, str] = {
 #: Recently removed engine hashes remembered per stream (GHOSTS to 2x GHOSTS), so that a token-less store on an
 #: offload tier right after the GPU eviction still finds its key.
 GHOSTS = 65_536
-#: Blocks off the C scan's fast path before the rest of a prompt is walked in Python.
-_MAX_STOPS = 32
 
 
-class PrefixIndex(PrefixWalk):
+class PrefixIndex:
     """Prefix index over many streams, fed by :mod:`kvwire.consume` deliveries.
 
     Not thread-safe: one writer (the subscriber loop) and readers on the same thread, or a
@@ -68,10 +64,10 @@ class PrefixIndex(PrefixWalk):
         clock: Callable[[], float] = time.monotonic,
         remember_removed: int = GHOSTS,
     ) -> None:
-        self.tier_credits = dict(DEFAULT_TIER_CREDITS if tier_credits is None else tier_credits)
-        if not self.tier_credits:
+        credits = dict(DEFAULT_TIER_CREDITS if tier_credits is None else tier_credits)
+        if not credits:
             raise ValueError("tier_credits must name at least one tier")
-        for name, c in self.tier_credits.items():
+        for name, c in credits.items():
             if not isinstance(c, int | float) or c < 0:
                 raise ValueError(f"tier credit for {name!r} must be a number >= 0, got {c!r}")
         self.tier_aliases = dict(DEFAULT_TIER_ALIASES if tier_aliases is None else tier_aliases)
@@ -81,61 +77,57 @@ class PrefixIndex(PrefixWalk):
         self.clock = clock
         #: engine hashes of removed blocks remembered per stream (between this and twice it)
         self.remember_removed = max(0, int(remember_removed))
-        self._W = 64
-        self._keys: dict[int, int] = {}
-        # C mirror of lanes 0/1 of ``_keys`` for the scan (while W == 64); None without C
-        self._lanes: Any = Lanes() if Lanes is not None else None
-        self._pred: dict[int, int] = {}
+        # the pure part: own key -> slot masks, predictions, slots, and match's walk
+        self._h = PrefixWalk(credits)
         # (expiry, stream, keys): keys as an array, which the cyclic GC never walks (a list
         # per routed request, held for the TTL, made every full collection of a busy router
         # visit millions of ints)
         self._pred_queue: deque[tuple[float, _Stream, array[int]]] = deque()
-        # tiers: configured ones first, best credit first (index 0 is the best tier)
-        self._tiers: list[str] = sorted(self.tier_credits, key=lambda t: -self.tier_credits[t])
-        self._tier_idx: dict[str, int] = {t: i for i, t in enumerate(self._tiers)}
         self._medium_cache: dict[str | None, int] = {}
-        self._streams: dict[str, _Stream] = {}
-        self._by_slot: dict[int, _Stream] = {}
         self._free: list[int] = []
         self._next_slot = 0
-        self._by_bs: dict[int, int] = {}  # block size -> slot mask of streams using it
-        self._bs_requests: dict[int, int] = {}  # block size -> match calls with >= 1 block
         #: Items ``apply`` could not use (wrong type), counted; see ``last_error``.
         self.bad_items = 0
         self.last_error = ""
-        self._max_stops = _MAX_STOPS
-        self._last = 0  # the last key a walk looked at (where a second chunk continues)
-        # match's answer templates (see _misses): rebuilt when _shape moves on, i.e. when
-        # streams, block sizes or tiers change
-        self._shape = 0
-        self._tpl_shape = -1
-        self._tpl: dict[Any, dict[str, StreamMatch]] = {}
-        self._counts: dict[int, tuple[int, ...]] = {}
-        self._names: tuple[str, ...] = ()
-        self._zeros: tuple[int, ...] = ()
+
+    @property
+    def tier_credits(self) -> dict[str, float]:
+        """Credit of one matched block per tier (may be retuned live: match reads it)."""
+        return self._h.tier_credits
+
+    @tier_credits.setter
+    def tier_credits(self, credits: dict[str, float]) -> None:
+        self._h.tier_credits = credits
+
+    def match(self, token_ids: list[int], lora_name: str | None = None,
+              salt: Any = None) -> dict[str, StreamMatch]:
+        """Leading prompt blocks each known stream holds, by best tier (see StreamMatch)."""
+        if self._pred_queue:
+            self._expire(self.clock())
+        return self._h.match(token_ids, lora_name, salt)
 
     # ------------------------------------------------------------------ streams and tiers
 
     def _stream(self, name: str) -> _Stream:
-        st = self._streams.get(name)
+        st = self._h.streams.get(name)
         if st is None:
             if self._free:
                 slot = self._free.pop()
             else:
                 slot = self._next_slot
                 self._next_slot += 1
-                if slot >= self._W:
+                if slot >= self._h.W:
                     self._grow()
-            st = self._streams[name] = _Stream(name, slot)
-            self._by_slot[slot] = st
-            self._shape += 1
+            st = self._h.streams[name] = _Stream(name, slot)
+            self._h.by_slot[slot] = st
+            self._h.shape += 1
         return st
 
     def _grow(self) -> None:
         """Double the slots per lane and repack every key's masks (rare: every 64 streams)."""
-        old, new = self._W, self._W * 2
+        old, new = self._h.W, self._h.W * 2
         full = (1 << old) - 1
-        lanes = 2 + len(self._tiers)
+        lanes = 2 + len(self._h.tiers)
 
         def repack(v: int) -> int:
             out = 0
@@ -143,20 +135,20 @@ class PrefixIndex(PrefixWalk):
                 out |= ((v >> (lane * old)) & full) << (lane * new)
             return out
 
-        self._keys = {k: repack(v) for k, v in self._keys.items()}
-        self._W = new
-        self._lanes = None  # the mirror holds 64 slots per lane: the scan reads the dict now
+        self._h.keys = {k: repack(v) for k, v in self._h.keys.items()}
+        self._h.W = new
+        self._h.lanes = None  # the mirror holds 64 slots per lane: the scan reads the dict now
 
     def _tier(self, medium: str | None) -> int:
         t = self._medium_cache.get(medium)
         if t is None:
             name = "GPU" if medium is None else self.tier_aliases.get(medium, medium)
-            t = self._tier_idx.get(name)
+            t = self._h.tier_idx.get(name)
             if t is None:  # a tier nobody configured: indexed, credit 0, worst rank
-                t = self._tier_idx[name] = len(self._tiers)
-                self._tiers.append(name)
+                t = self._h.tier_idx[name] = len(self._h.tiers)
+                self._h.tiers.append(name)
                 self.tier_credits.setdefault(name, 0.0)
-                self._shape += 1
+                self._h.shape += 1
             self._medium_cache[medium] = t
         return t
 
@@ -164,11 +156,11 @@ class PrefixIndex(PrefixWalk):
         if st.block_size == bs:
             return
         if st.block_size is not None:
-            self._by_bs[st.block_size] &= ~st.bit
+            self._h.by_bs[st.block_size] &= ~st.bit
         st.block_size = bs
-        self._by_bs[bs] = self._by_bs.get(bs, 0) | st.bit
-        self._shape += 1
-        st.req_base = self._bs_requests.get(bs, 0)
+        self._h.by_bs[bs] = self._h.by_bs.get(bs, 0) | st.bit
+        self._h.shape += 1
+        st.req_base = self._h.bs_requests.get(bs, 0)
 
     # ------------------------------------------------------------------ ingest
 
@@ -276,13 +268,13 @@ class PrefixIndex(PrefixWalk):
         d = st.h2k.get(t)
         if d is None:
             d = st.h2k[t] = _k.KeyMap()
-        W = self._W
+        W = self._h.W
         bit = st.bit
         nb = bit << W
         tb = bit << ((2 + t) * W)
-        kd = self._keys
+        kd = self._h.keys
         kget = kd.get
-        lanes = self._lanes
+        lanes = self._h.lanes
         pred = st.pred
         dget = d.get
         if t == 0 and not pred:
@@ -354,13 +346,13 @@ class PrefixIndex(PrefixWalk):
         if d is None:
             st.unknown_removes += len(hs)
             return
-        W = self._W
+        W = self._h.W
         bit = st.bit
         tb = bit << ((2 + t) * W)
         nb = bit << W
-        lanes = 2 + len(self._tiers)
-        kd = self._keys
-        mirror = self._lanes
+        lanes = 2 + len(self._h.tiers)
+        kd = self._h.keys
+        mirror = self._h.lanes
         dups = st.dups.get(t)
         ghosts = st.ghosts
         pop = d.pop
@@ -404,8 +396,8 @@ class PrefixIndex(PrefixWalk):
     def _clear(self, st: _Stream) -> None:
         """Drop every block of the stream (predictions stay: they are routing decisions)."""
         mask = ~(st.bit * self._lane_ones())
-        kd = self._keys
-        lanes = self._lanes
+        kd = self._h.keys
+        lanes = self._h.lanes
         for d in st.h2k.values():
             for k in d.values():
                 v = kd.get(k)
@@ -426,12 +418,12 @@ class PrefixIndex(PrefixWalk):
 
     def _lane_ones(self) -> int:
         """An int with bit 0 of every lane set: ``bit * this`` is the bit in every lane."""
-        W = self._W
-        return sum(1 << (lane * W) for lane in range(2 + len(self._tiers)))
+        W = self._h.W
+        return sum(1 << (lane * W) for lane in range(2 + len(self._h.tiers)))
 
     def remove_stream(self, stream: str) -> None:
         """Forget a stream entirely (blocks, predictions, counters); its slot is reused."""
-        st = self._streams.pop(stream, None)
+        st = self._h.streams.pop(stream, None)
         if st is None:
             return
         self._clear(st)
@@ -439,12 +431,12 @@ class PrefixIndex(PrefixWalk):
             self._clear_pred_bit(k, st.bit)
         st.pred = {}
         if st.block_size is not None:
-            self._by_bs[st.block_size] &= ~st.bit
-            if not self._by_bs[st.block_size]:
-                del self._by_bs[st.block_size]
-        del self._by_slot[st.slot]
+            self._h.by_bs[st.block_size] &= ~st.bit
+            if not self._h.by_bs[st.block_size]:
+                del self._h.by_bs[st.block_size]
+        del self._h.by_slot[st.slot]
         self._free.append(st.slot)
-        self._shape += 1
+        self._h.shape += 1
 
     # ------------------------------------------------------------------ predictions
 
@@ -469,7 +461,7 @@ class PrefixIndex(PrefixWalk):
         now = self.clock()
         self._expire(now)
         exp = now + self.predict_ttl
-        pred = self._pred
+        pred = self._h.pred
         bit = st.bit
         sp = st.pred
         for k in keys:
@@ -483,18 +475,18 @@ class PrefixIndex(PrefixWalk):
         self._clear_pred_bit(k, st.bit)
 
     def _clear_pred_bit(self, k: int, bit: int) -> None:
-        v = self._pred.get(k, 0) & ~bit
+        v = self._h.pred.get(k, 0) & ~bit
         if v:
-            self._pred[k] = v
+            self._h.pred[k] = v
         else:
-            self._pred.pop(k, None)
+            self._h.pred.pop(k, None)
 
     def _expire(self, now: float) -> None:
         q = self._pred_queue
         while q and q[0][0] <= now:
             _, st, keys = q.popleft()
             sp = st.pred
-            if self._streams.get(st.name) is not st:
+            if self._h.streams.get(st.name) is not st:
                 continue  # removed stream: its predictions went with it
             for k in keys:
                 e = sp.get(k)
@@ -506,14 +498,14 @@ class PrefixIndex(PrefixWalk):
 
     def streams(self) -> dict[str, StreamIndexStats]:
         """Per-stream state and diagnostics (see :class:`StreamIndexStats`)."""
-        return {name: self._stats(st) for name, st in self._streams.items()}
+        return {name: self._stats(st) for name, st in self._h.streams.items()}
 
     def _stats(self, st: _Stream) -> StreamIndexStats:
-        tiers = dict.fromkeys(self._tiers, 0)
+        tiers = dict.fromkeys(self._h.tiers, 0)
         for t, d in st.h2k.items():
-            tiers[self._tiers[t]] = len(d)
+            tiers[self._h.tiers[t]] = len(d)
         requests = (
-            self._bs_requests.get(st.block_size, 0) - st.req_base
+            self._h.bs_requests.get(st.block_size, 0) - st.req_base
             if st.block_size is not None else 0
         )
         blocks = sum(tiers.values())

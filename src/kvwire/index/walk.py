@@ -1,8 +1,16 @@
-"""PrefixIndex's read side: ``match`` walks a prompt's chained keys through the masks.
+"""The index's pure part: which stream slots hold which own key in which tier (bit masks),
+the predictions, the slots' streams and block sizes, and ``match``'s walk over them.
 
-A base class of :class:`~kvwire.index.prefix.PrefixIndex` (which owns the state: ``_keys``,
-``_lanes``, ``_pred``, the streams and the answer templates); kept apart because the walk is
-the latency-critical half and the ingest the other."""
+:class:`~kvwire.index.prefix.PrefixIndex` holds one (composition): it decodes deliveries,
+maps engine hashes to own keys, keeps the clock and the predictions' TTL queue, and writes
+the masks here; this part reads no event and no clock. Kept apart because the walk is the
+latency-critical half and the ingest the other.
+
+Layout, chosen so that ``match`` does one dict lookup and two integer ops per prompt block:
+``keys: dict[own key, int]`` packs bit masks over *stream slots* (one slot per stream, ``W``
+slots per lane). Lane 0 = the stream holds the key in any tier; lane 1 = it holds it, but
+not in the best tier (so a GPU-only fleet never leaves the fast path); lane ``2 + t`` = it
+holds it in tier ``t``. ``pred: dict[own key, slot mask]`` are the predictions."""
 
 from __future__ import annotations
 
@@ -10,57 +18,59 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import keys as _k
-from .state import StreamMatch, _as_scannable, _bits, _lazy_keys
+from .keys import Lanes
+from .state import StreamMatch, _as_scannable, _bits, _lazy_keys, _Stream
 
 #: Prompt lengths whose no-match answers are kept as templates (then the cache starts over).
 _TEMPLATES = 256
 #: Matched lengths whose best-tier-only counts tuples are kept (then the cache starts over).
 _COUNTS_CACHE = 65_536
+#: Blocks off the C scan's fast path before the rest of a prompt is walked in Python.
+_MAX_STOPS = 32
 
 
 class PrefixWalk:
-    """``match`` and its walk (state and ingest live in PrefixIndex)."""
+    """Own key -> slot masks, predictions, slots, and ``match`` (no events, no clock)."""
 
-    # state PrefixIndex.__init__ sets up
-    _keys: dict[int, int]
-    _lanes: Any
-    _pred: dict[int, int]
-    _pred_queue: Any
-    _W: int
-    _tiers: list[str]
-    tier_credits: dict[str, float]
-    _streams: dict[str, Any]
-    _by_slot: dict[int, Any]
-    _by_bs: dict[int, int]
-    _bs_requests: dict[int, int]
-    _max_stops: int
-    _last: int
-    _shape: int
-    _tpl_shape: int
-    _tpl: dict[Any, dict[str, StreamMatch]]
-    _counts: dict[int, tuple[int, ...]]
-    _names: tuple[str, ...]
-    _zeros: tuple[int, ...]
-    clock: Any
-
-    def _expire(self, now: float) -> None:  # PrefixIndex's
-        raise NotImplementedError
+    def __init__(self, tier_credits: dict[str, float]) -> None:
+        self.tier_credits = tier_credits
+        self.W = 64
+        self.keys: dict[int, int] = {}
+        # C mirror of lanes 0/1 of ``keys`` for the scan (while W == 64); None without C
+        self.lanes: Any = Lanes() if Lanes is not None else None
+        self.pred: dict[int, int] = {}
+        # tiers: configured ones first, best credit first (index 0 is the best tier)
+        self.tiers: list[str] = sorted(tier_credits, key=lambda t: -tier_credits[t])
+        self.tier_idx: dict[str, int] = {t: i for i, t in enumerate(self.tiers)}
+        self.streams: dict[str, _Stream] = {}
+        self.by_slot: dict[int, _Stream] = {}
+        self.by_bs: dict[int, int] = {}  # block size -> slot mask of streams using it
+        self.bs_requests: dict[int, int] = {}  # block size -> match calls with >= 1 block
+        self.max_stops = _MAX_STOPS
+        self.last = 0  # the last key a walk looked at (where a second chunk continues)
+        # match's answer templates (see _misses): rebuilt when shape moves on, i.e. when
+        # streams, block sizes or tiers change
+        self.shape = 0
+        self.tpl_shape = -1
+        self.tpl: dict[Any, dict[str, StreamMatch]] = {}
+        self.counts: dict[int, tuple[int, ...]] = {}
+        self.names: tuple[str, ...] = ()
+        self.zeros: tuple[int, ...] = ()
 
     def match(self, token_ids: list[int], lora_name: str | None = None,
               salt: Any = None) -> dict[str, StreamMatch]:
-        """Leading prompt blocks each known stream holds, by best tier (see StreamMatch)."""
-        if self._pred_queue:
-            self._expire(self.clock())
+        """Leading prompt blocks each known stream holds, by best tier (see StreamMatch);
+        predictions as they are now (PrefixIndex.match expires them first)."""
         seed = _k.root_seed(lora_name, salt)
         ntok = len(token_ids)
         found: dict[int, int] = {}  # slot -> matched blocks (ints only: nothing for the GC)
         detail: dict[int, tuple[int, dict[int, int] | None]] = {}
         scannable = type(token_ids) is list or type(token_ids) is tuple
-        for bs, group in self._by_bs.items():
+        for bs, group in self.by_bs.items():
             n = ntok // bs
             if n == 0 or not group:
                 continue
-            self._bs_requests[bs] = self._bs_requests.get(bs, 0) + 1
+            self.bs_requests[bs] = self.bs_requests.get(bs, 0) + 1
             slow: list[tuple[int, int, int, int]] = []
             if _k.NATIVE:
                 if not scannable:
@@ -77,13 +87,13 @@ class PrefixWalk:
         out = self._misses(ntok)
         if not found:
             return out
-        names = self._names
+        names = self.names
         tc = self.tier_credits  # read each time: callers may retune credits live
         credits = [tc[t] for t in names]
         c0 = credits[0]
-        zeros = self._zeros
-        counts_of = self._counts
-        by_slot = self._by_slot
+        zeros = self.zeros
+        counts_of = self.counts
+        by_slot = self.by_slot
         for s, matched in found.items():
             st = by_slot[s]
             d = detail.get(s)
@@ -118,22 +128,22 @@ class PrefixWalk:
         """A fresh dict of every stream's no-match answer for a prompt of ``ntok`` tokens:
         a copy of a cached template (``match`` then overwrites only the streams that
         matched), so a fleet of streams costs one dict copy, not a Python loop per stream."""
-        if self._shape != self._tpl_shape:  # streams, block sizes or tiers changed
-            self._tpl.clear()
-            self._counts.clear()
-            self._tpl_shape = self._shape
-            self._names = tuple(self._tiers)
-            self._zeros = (0,) * len(self._names)
-        key = ntok if len(self._by_bs) <= 1 else tuple(ntok // bs for bs in self._by_bs)
-        tpl = self._tpl.get(key)
+        if self.shape != self.tpl_shape:  # streams, block sizes or tiers changed
+            self.tpl.clear()
+            self.counts.clear()
+            self.tpl_shape = self.shape
+            self.names = tuple(self.tiers)
+            self.zeros = (0,) * len(self.names)
+        key = ntok if len(self.by_bs) <= 1 else tuple(ntok // bs for bs in self.by_bs)
+        tpl = self.tpl.get(key)
         if tpl is None:
-            if len(self._tpl) >= _TEMPLATES:
-                self._tpl.clear()
-            names, zeros = self._names, self._zeros
-            tpl = self._tpl[key] = {
+            if len(self.tpl) >= _TEMPLATES:
+                self.tpl.clear()
+            names, zeros = self.names, self.zeros
+            tpl = self.tpl[key] = {
                 name: StreamMatch(name, ntok // st.block_size if st.block_size else 0, 0, 0,
                                   0.0, zeros, names)
-                for name, st in self._streams.items()
+                for name, st in self.streams.items()
             }
         return tpl.copy()
 
@@ -144,17 +154,17 @@ class PrefixWalk:
         ``alive`` holds them in the best tier, and stops at the first block where something
         changes; that block goes through ``_walk``, then the scan goes on. A prompt whose
         blocks keep changing (offload tiers, predictions) is walked in Python after a while."""
-        kd = self._keys
-        pred = self._pred
-        W = self._W
+        kd = self.keys
+        pred = self.pred
+        W = self.W
         i, k, stops = 0, seed, 0
         while alive and i < n:
-            j, k = _k.scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred, self._lanes)
+            j, k = _k.scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred, self.lanes)
             if j >= n:
                 return alive, n
             alive, i = self._walk((k,), alive, j, found, slow)
             stops += 1
-            if stops >= self._max_stops and alive and i < n:
+            if stops >= self.max_stops and alive and i < n:
                 return self._walk(_k.chain_tokens(token_ids, bs, n, k, i), alive, i, found, slow)
         return alive, i
 
@@ -164,10 +174,10 @@ class PrefixWalk:
         """Follow the prompt's keys from block ``i`` while any stream in ``alive`` still
         matches; a stream that stops matching gets its matched length in ``found``. Blocks
         not all in the best tier (or predicted) go to ``slow``, run-length coded."""
-        kget = self._keys.get
-        pred = self._pred
+        kget = self.keys.get
+        pred = self.pred
         pget = pred.get
-        W = self._W
+        W = self.W
         not_best = alive << W  # lane 1 of the streams still matching
         k = 0
         for k in keys:
@@ -193,16 +203,16 @@ class PrefixWalk:
                 else:
                     slow.append((v, p, alive, 1))
             i += 1
-        self._last = k
+        self.last = k
         return alive, i
 
     def _attribute(self, slow: list[tuple[int, int, int, int]], found: dict[int, int],
                    detail: dict[int, tuple[int, dict[int, int] | None]]) -> None:
         """Tier attribution of the blocks not all in the best tier, run by run, into
         ``detail``: slot -> (predicted blocks, {tier: blocks} outside the best tier)."""
-        W = self._W
+        W = self.W
         full = (1 << W) - 1
-        lanes = 2 + len(self._tiers)
+        lanes = 2 + len(self.tiers)
         extra: dict[int, dict[int, int]] = {}
         predicted: dict[int, int] = {}
         for v, p, alv, run in slow:
