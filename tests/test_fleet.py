@@ -1,6 +1,8 @@
 """``kvwire fleet N`` as real processes: it prints a router's ``--engine`` arguments, every
-engine answers on its URL and publishes on its endpoint, and SIGTERM, SIGINT or even a
-SIGKILL of the fleet leaves no engine running."""
+engine answers on its URL and publishes on its endpoint; SIGTERM or SIGINT of the fleet, or
+a terminal's Ctrl-C (SIGINT to the whole process group), leaves no engine running by the
+time the fleet's own exit is reaped, and even a SIGKILL of the fleet leaves none for long;
+bad engine flags get one line and exit 2; an engine that cannot start stops the others."""
 
 from __future__ import annotations
 
@@ -43,6 +45,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
 def _until(cond, what: str, timeout: float = TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -55,7 +73,8 @@ def _start(n: int, *extra: str):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvwire", "fleet", str(n), "--base-port", str(base),
          "--speed", "20", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        start_new_session=True)  # its own process group, as a shell gives a job
     sel = selectors.DefaultSelector()  # raw reads: a buffered readline would hide lines
     bufs = {proc.stdout.fileno(): b"", proc.stderr.fileno(): b""}
     for fd in bufs:
@@ -76,11 +95,17 @@ def _start(n: int, *extra: str):
                 if m:
                     pids = [int(p) for p in m.group(1).split()]
     sel.close()
+    proc.stderr_head = bufs[proc.stderr.fileno()]  # read so far, not yet a whole line
     return proc, specs, pids
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "Ctrl-C", "SIGKILL"])
 def test_fleet_serves_and_stops_everything(how):
+    """Ctrl-C is SIGINT to the fleet's whole process group (engines included), as a
+    terminal sends it. The fleet stops its engines itself and exits only once they are
+    gone, relaying each one's ``stopped`` line (printed after its events were flushed);
+    engines that died of the parent-death signal alone would outlive the fleet's reaping
+    and could not print to it. After a SIGKILL only the parent-death signal is left."""
     proc, specs, pids = _start(2)
     try:
         assert len(specs) == 2 and len(pids) == 2
@@ -103,11 +128,21 @@ def test_fleet_serves_and_stops_everything(how):
                 finally:
                     s.close()
         assert all(_alive(p) for p in pids)
-        proc.send_signal(getattr(signal, how))
+        if how == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(getattr(signal, how))
         if how != "SIGKILL":
-            assert proc.wait(TIMEOUT) in (0, -signal.SIGINT)
+            assert proc.wait(TIMEOUT) == 0
+            assert [p for p in pids if _alive(p)] == [], "engines outlived the fleet"
+            assert _group(proc.pid) == []  # nothing of the job left at all
+            err = (proc.stderr_head + proc.stderr.read()).decode()
+            sig = "SIG(INT|TERM)" if how == "Ctrl-C" else "SIGTERM"
+            assert len(re.findall(rf"kvwire engine: stopped \({sig}\), events flushed", err)) \
+                == 2, err
         # every engine is gone (after SIGKILL: through PR_SET_PDEATHSIG)
         _until(lambda: not any(_alive(p) for p in pids), "the engines to exit")
+        _until(lambda: not _group(proc.pid), "the fleet's process group to empty")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -117,10 +152,40 @@ def test_fleet_serves_and_stops_everything(how):
                 os.kill(p, signal.SIGKILL)
 
 
-def test_fleet_refuses_bad_flags():
-    r = subprocess.run([sys.executable, "-m", "kvwire", "fleet", "2", "--port", "9"],
+@pytest.mark.parametrize("flags,says", [
+    (["--port", "9"], "--port is set per engine"),
+    (["--no-such-flag"], "unknown engine flag(s): --no-such-flag"),
+    (["--speed", "-1"], "argument --speed: must be a finite number >= 0"),
+    (["--dp-size", "x"], "argument --dp-size: not an integer"),
+    (["--tokenizer", "/nonexistent/tok"], "/nonexistent/tok"),
+    (["--lora", "kvwire-engine"], "model and LoRA names must differ"),
+])
+def test_fleet_refuses_bad_flags_in_one_line(flags, says):
+    """Checked before any engine starts: exit 2 and one line, not N engines' errors."""
+    r = subprocess.run([sys.executable, "-m", "kvwire", "fleet", "2", *flags],
                        capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 2 and "--port is set per engine" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kvwire", "fleet", "2", "--no-such-flag"],
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert r.returncode == 2 and "--no-such-flag" in r.stderr
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert r.stderr.startswith("kvwire fleet: ") and r.stderr.count("\n") == 1, r.stderr
+    assert r.stdout == ""
+
+
+def test_fleet_stops_started_engines_when_one_cannot_start():
+    """engine1's HTTP port is taken: it exits before serving; the fleet says so, exits 1,
+    and stops engine0 (already started) before it exits."""
+    base = _free_base(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvwire", "fleet", "2", "--base-port", str(base)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT)
+            assert proc.returncode == 1, err
+            assert "kvwire fleet: engine1 exited before serving (status 1)" in err.decode()
+            assert b"--engine" not in out
+            assert _group(proc.pid) == [], "an engine outlived the fleet"
+        finally:
+            for p in _group(proc.pid):
+                os.kill(p, signal.SIGKILL)

@@ -119,8 +119,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 async def _serve(app, host: str, port_: int) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    got: list[signal.Signals] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
     try:
         bound = await app.start(host, port_)
     except (OSError, ValueError) as e:
@@ -131,7 +132,19 @@ async def _serve(app, host: str, port_: int) -> int:
           f"replay={','.join(e or '-' for e in app.replay_endpoints) or 'none'}", flush=True)
     await stop.wait()
     await app.stop()
+    _say(f"kvwire engine: stopped ({got[0].name}), events flushed")
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    """A last line on stdout, which a parent (kvwire fleet) relays; if that parent is gone
+    (its pipe is broken) the line is dropped quietly rather than raising at exit."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, ValueError):
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,8 +3,11 @@ arguments a router needs to follow them; Ctrl-C or SIGTERM stops them all.
 
 Engine ``i`` serves HTTP at ``--base-port + i``, publishes KV events at ``base + 1000 +
 i * dp`` and answers replay at ``base + 2000 + i * dp`` (DP rank ``r`` adds ``r``). Other
-flags are passed to every engine unchanged. Children die with the fleet even if it is
-killed outright (Linux: PR_SET_PDEATHSIG).
+flags are passed to every engine unchanged, after the fleet has checked them (a bad one:
+one line, exit 2, nothing started). On Ctrl-C or SIGTERM the fleet stops every engine
+itself (SIGTERM, SIGKILL after ``STOP_TIMEOUT``), relays each one's ``stopped`` line and
+exits only when all are gone; if it is killed outright, the children still die with it
+(Linux: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -69,6 +72,17 @@ def _add(p: argparse.ArgumentParser) -> None:
                    help="flags for every engine (see kvwire engine --help)")
 
 
+class _FlagError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises argparse's message instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise _FlagError(message)
+
+
 def _check(args: argparse.Namespace) -> str | None:
     if args.n < 1:
         return f"N must be >= 1, got {args.n}"
@@ -92,16 +106,23 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"{a.split('=', 1)[0]} is set per engine by kvwire fleet (use --base-port)"
     if args.base_port + 2000 + args.n * 64 > 65535:
         return f"--base-port {args.base_port} leaves no room for {args.n} engines' ports"
-    from .engine import add_arguments
+    from .engine import add_arguments, options_from_args
 
-    ep = argparse.ArgumentParser(prog="kvwire engine", add_help=False)
+    ep = _Parser(prog="kvwire engine", add_help=False)
     add_arguments(ep)
     try:
         ns, unknown = ep.parse_known_args(extra)
-    except SystemExit:
-        return "bad engine flags (see kvwire engine --help)"
+    except _FlagError as e:
+        return f"bad engine flag: {e} (see kvwire engine --help)"
     if unknown:
-        return f"unknown engine flag(s): {' '.join(unknown)}"
+        return f"unknown engine flag(s): {' '.join(unknown)} (see kvwire engine --help)"
+    try:  # what every engine would refuse at its start, refused once here
+        options_from_args(ns)
+        from ..tokenize import load_tokenizer
+
+        load_tokenizer(ns.tokenizer)
+    except (ValueError, OSError) as e:  # TokenizerError is a ValueError
+        return f"bad engine flags: {e}"
     args.engine_flags = extra
     args.dp = ns.dp_size
     return None
@@ -113,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwire fleet: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     procs: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -127,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvwire.cli.engine", *flags, *args.engine_flags],
                 stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
-        if not _wait_ready(procs, stopping):
+        if not _wait_ready(procs, stopping, relays):
             return EXIT_FAILURE if not stopping.is_set() else EXIT_OK
         for spec in specs:
             print(f"--engine {spec}", flush=True)
@@ -141,12 +163,13 @@ def run(args: argparse.Namespace) -> int:
                 return EXIT_FAILURE
         return EXIT_OK
     finally:
-        _stop_all(procs)
+        _stop_all(procs, relays)
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _wait_ready(procs: list[subprocess.Popen], stopping: threading.Event) -> bool:
+def _wait_ready(procs: list[subprocess.Popen], stopping: threading.Event,
+                relays: list[threading.Thread]) -> bool:
     """Wait for every engine's ``serving`` line; False (and says why) if one fails."""
     sel = selectors.DefaultSelector()
     for i, p in enumerate(procs):
@@ -170,7 +193,9 @@ def _wait_ready(procs: list[subprocess.Popen], stopping: threading.Event) -> boo
                 if line.startswith(b"kvwire engine: serving"):
                     waiting.discard(i)
                     sel.unregister(procs[i].stdout)
-                    threading.Thread(target=_drain, args=(procs[i].stdout,), daemon=True).start()
+                    t = threading.Thread(target=_drain, args=(procs[i].stdout,), daemon=True)
+                    t.start()
+                    relays.append(t)
         return not waiting
     finally:
         sel.close()
@@ -182,8 +207,9 @@ def _drain(stream) -> None:
         sys.stderr.flush()
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every engine, wait, SIGKILL what is left: nothing keeps running."""
+def _stop_all(procs: list[subprocess.Popen], relays: list[threading.Thread]) -> None:
+    """SIGTERM every engine, wait, SIGKILL what is left: nothing keeps running when the
+    fleet exits. Their last lines (``kvwire engine: stopped ...``) are relayed first."""
     for p in procs:
         if p.poll() is None:
             try:
@@ -197,6 +223,8 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for t in relays:  # the engines are gone: their pipes end
+        t.join(1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
