@@ -63,6 +63,12 @@ def _positive(kind: type):
     return conv
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 0")
+    return int(text)
+
+
 def _nonneg(text: str) -> float:
     try:
         v = float(text)
@@ -75,9 +81,26 @@ def _nonneg(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", type=engine, default=[],
-                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
+                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]",
                    help="an engine's KV event endpoint (repeat per engine); ranks=N follows "
-                        "DP ranks at port + rank")
+                        "DP ranks at port + rank; url=http://HOST:PORT proxies /v1 requests "
+                        "to it")
+    p.add_argument("--policy", choices=("kvwire", "round_robin", "least_load", "random"),
+                   default="kvwire", help="routing policy (default kvwire; the others are "
+                                          "cache-blind baselines)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR|engine|builtin",
+                   help="how the proxy tokenizes: a model directory with tokenizer.json, "
+                        "'engine' (an engine's /tokenize) or 'builtin' (kvwire engine's "
+                        "default); none: routed by load only")
+    p.add_argument("--retries", type=_count, default=2,
+                   help="proxy: other engines tried after a failure before the first byte")
+    p.add_argument("--cooloff", type=_positive(float), default=5.0,
+                   help="proxy: seconds a failed engine stays down before probes may bring "
+                        "it back")
+    p.add_argument("--probe-interval", type=_positive(float), default=1.0,
+                   help="proxy: seconds between engine /health probes")
+    p.add_argument("--first-byte-timeout", type=_positive(float), default=60.0,
+                   help="proxy: seconds to wait for an engine's answer to begin")
     p.add_argument("--nats", metavar="URL", default=None, type=_nats_url,
                    help="feed the index from JetStream (kvwire bridge) instead: router "
                         "replicas share one ordered history")
@@ -152,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
 
         from ..consume.stream import StreamConfig
         from ..router.app import build_app, fast_app
-        from ..router.policy import RoutingPolicy
+        from ..router.policy import make_policy
+        from ..router.proxy import Proxy, ProxyConfig
         from ..router.service import RouterCore
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
@@ -171,13 +195,22 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give --engine NAME=ENDPOINT (repeat) or --nats URL")
         core = RouterCore(
             engines, nats=nats,
-            policy=RoutingPolicy(args.prefill_weight, args.load_weight, args.temperature,
-                                 args.seed),
+            policy=make_policy(args.policy, args.prefill_weight, args.load_weight,
+                               args.temperature, args.seed),
             block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
             predict_ttl=args.predict_ttl, decode_load=args.decode_load,
             decode_share=args.decode_share,
             stream_config=StreamConfig(dead_after=args.dead_after),
         )
+        proxy = None
+        if any(e.url for e in engines):
+            proxy = Proxy(core, _tokenizer(args.tokenizer),
+                          tokenize_with_engine=args.tokenizer == "engine",
+                          config=ProxyConfig(retries=args.retries, cooloff=args.cooloff,
+                                             probe_interval=args.probe_interval,
+                                             first_byte_timeout=args.first_byte_timeout))
+        elif args.tokenizer is not None:
+            raise ValueError("--tokenizer needs an --engine with url=")
     except (ValueError, ImportError) as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -193,12 +226,16 @@ def run(args: argparse.Namespace) -> int:
         core.close()
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_FAILURE
+    if proxy is not None:
+        proxy.start()  # (it logged already if it routes by load only: no --tokenizer)
     # Bind here, not in uvicorn: `--port 0` then prints the port the OS gave, and a port in
     # use is one clear line instead of uvicorn's traceback.
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
         core.close()
+        if proxy is not None:
+            proxy.close()
         print(f"kvwire serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return EXIT_FAILURE
     host, port = sock.getsockname()[:2]
@@ -206,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
           file=sys.stderr, flush=True)
     try:
-        app = fast_app(build_app(core))
+        app = fast_app(build_app(core, proxy))
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
@@ -216,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
+        if proxy is not None:
+            proxy.close()
         core.close()
     return EXIT_OK
 
@@ -223,6 +262,16 @@ def run(args: argparse.Namespace) -> int:
 EPILOG = """exit status: 0 stopped (SIGINT/SIGTERM); 1 cannot connect to --nats within
 --connect-timeout, or cannot listen on --host:--port; 2 a bad flag, --engine or stream, or
 the serve extra missing (docs/operations.md)"""
+
+
+def _tokenizer(spec: str | None):
+    """``--tokenizer``: None (load only), 'engine' (asked per request), 'builtin', or a
+    model directory (loaded now: a bad one is exit 2)."""
+    if spec is None or spec == "engine":
+        return None
+    from ..tokenize import load_tokenizer
+
+    return load_tokenizer(None if spec == "builtin" else spec)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -35,6 +35,22 @@ def check_engine_name(name: str, where: str) -> str:
     return name
 
 
+def check_url(val: str, where: str) -> str:
+    """An engine's HTTP base ``http://HOST:PORT`` (no path, query or credentials), without
+    a trailing slash; ValueError naming ``where`` otherwise."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(val)
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"{where}: url {val!r}: {e}") from None
+    if (u.scheme != "http" or not u.hostname or port is None or u.path not in ("", "/")
+            or u.query or u.fragment or u.username or u.password):
+        raise ValueError(f"{where}: url {val!r} must be http://HOST:PORT")
+    return val.rstrip("/")
+
+
 def _ranks(val: str, where: str) -> int:
     if not val.isdigit() or not 1 <= int(val) <= _MAX_RANKS:
         raise ValueError(f"{where}: ranks {val!r} must be 1..{_MAX_RANKS}")
@@ -43,16 +59,19 @@ def _ranks(val: str, where: str) -> int:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]``.
+    """One engine: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]``.
 
     ``endpoint`` is None for an engine whose streams come from JetStream (``serve --nats``):
-    it has a name and ranks, and no ZeroMQ endpoint to follow."""
+    it has a name and ranks, and no ZeroMQ endpoint to follow. ``url`` is the engine's
+    OpenAI-compatible HTTP base (``http://HOST:PORT``): only engines with one get proxied
+    requests (``serve``'s ``/v1/*``); the others serve the decision API only."""
 
     name: str
     endpoint: str | None
     replay: str | None = None
     ranks: int = 1
     topic: str = ""
+    url: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
@@ -70,9 +89,9 @@ class EngineSpec:
         kw: dict[str, Any] = {}
         for opt in opts:
             key, eq, val = opt.partition("=")
-            if not eq or key not in ("replay", "ranks", "topic"):
+            if not eq or key not in ("replay", "ranks", "topic", "url"):
                 raise ValueError(f"{where}: unknown option {opt!r} "
-                                 "(expected replay=ENDPOINT, ranks=N or topic=T)")
+                                 "(expected replay=ENDPOINT, ranks=N, topic=T or url=URL)")
             if key in kw:
                 raise ValueError(f"{where}: {key} given twice")
             if key == "replay":
@@ -80,6 +99,8 @@ class EngineSpec:
                 kw["replay"] = val
             elif key == "ranks":
                 kw["ranks"] = _ranks(val, where)
+            elif key == "url":
+                kw["url"] = check_url(val, where)
             else:
                 kw["topic"] = val
         return cls(name, endpoint, **kw)

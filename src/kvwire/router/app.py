@@ -129,12 +129,15 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(_enc.encode(obj), status_code=status, media_type="application/json")
 
 
-def build_app(core: RouterCore) -> FastAPI:
-    """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops)."""
+def build_app(core: RouterCore, proxy: Any = None) -> FastAPI:
+    """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops);
+    with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), ``fast_app`` also serves
+    ``/v1`` and ``/health`` needs an engine live on both HTTP and events."""
     app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = _Metrics(core)
     core.on_route = metrics.on_route
     app.state.core = core
+    app.state.proxy = proxy
     app.state.metrics = metrics
 
     def bad(status: int, message: str, reason: str) -> Response:
@@ -182,11 +185,18 @@ def build_app(core: RouterCore) -> FastAPI:
 
     @app.get("/engines")
     async def engines() -> Response:
-        return _json(core.engines_status())
+        out = core.engines_status()
+        if proxy is not None:
+            for name, st in proxy.status().items():
+                if name in out:
+                    out[name]["http"] = st
+        return _json(out)
 
     @app.get("/health")
     async def health() -> Response:
         ok, why = core.healthy()
+        if proxy is not None and ok:
+            ok, why = proxy.healthy()
         return _json({"ok": ok, "detail": why}, 200 if ok else 503)
 
     @app.get("/metrics")
@@ -214,9 +224,13 @@ def fast_app(app: FastAPI) -> Any:
     metrics: _Metrics = app.state.metrics
     latency = {b"/route": metrics.latency.labels("route"),
                b"/score": metrics.latency.labels("score")}
+    proxy = app.state.proxy
 
     async def asgi(scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("raw_path") or scope.get("path", "").encode()
+        if proxy is not None and scope["type"] == "http" and proxy.handles(path):
+            await proxy(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] != "POST" or path not in _FAST:
             await app(scope, receive, send)
             return
@@ -284,7 +298,8 @@ def _decode_route(body: bytes) -> Any:
 
 
 def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
-                    timeout: float = 10.0) -> tuple[Any, threading.Thread, int]:
+                    timeout: float = 10.0, proxy: Any = None
+                    ) -> tuple[Any, threading.Thread, int]:
     """Run the app with uvicorn in a daemon thread (tests, docs, embedding).
 
     Returns ``(server, thread, port)``; stop with ``server.should_exit = True;
@@ -295,7 +310,7 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(fast_app(build_app(core)), log_level="warning", access_log=False,
+    config = uvicorn.Config(fast_app(build_app(core, proxy)), log_level="warning", access_log=False,
                             lifespan="off", proxy_headers=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},

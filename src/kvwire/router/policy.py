@@ -23,13 +23,18 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
+    "POLICIES",
     "Candidate",
     "Decision",
+    "LeastLoadPolicy",
     "LoadTracker",
+    "RandomPolicy",
+    "RoundRobinPolicy",
     "RoutingPolicy",
+    "make_policy",
     "request_load",
 ]
 
@@ -126,6 +131,69 @@ class RoutingPolicy:
         return self._rng.choices(pool, weights=weights, k=1)[0].name
 
 
+class _Baseline:
+    """A cache-blind baseline (``serve --policy``): the same ``choose`` interface, so one
+    process can be its own baseline. Dead candidates are a last resort, as in RoutingPolicy."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, prompt_blocks: int, candidates: Sequence[Candidate]) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates to route to")
+        pool = [c for c in candidates if c.alive] or list(candidates)
+        return Decision(name=self._pick(pool).name,
+                        cost={c.name: float(c.load) for c in candidates},
+                        overlap={c.name: float(c.credit) for c in candidates})
+
+    def _pick(self, pool: list[Candidate]) -> Candidate:
+        raise NotImplementedError
+
+
+class RoundRobinPolicy(_Baseline):
+    """Each request to the next candidate in turn."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self._turn = 0
+
+    def _pick(self, pool: list[Candidate]) -> Candidate:
+        self._turn += 1
+        return pool[self._turn % len(pool)]
+
+
+class LeastLoadPolicy(_Baseline):
+    """The candidate with the least reserved load (ties: seeded random)."""
+
+    def _pick(self, pool: list[Candidate]) -> Candidate:
+        least = min(c.load for c in pool)
+        tied = [c for c in pool if c.load <= least + _TIE_EPS]
+        return tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+
+
+class RandomPolicy(_Baseline):
+    """A uniformly random candidate."""
+
+    def _pick(self, pool: list[Candidate]) -> Candidate:
+        return pool[self._rng.randrange(len(pool))]
+
+
+#: ``serve --policy`` names.
+POLICIES = ("kvwire", "round_robin", "least_load", "random")
+
+
+def make_policy(name: str, prefill_weight: float = 1.0, load_weight: float = 0.5,
+                temperature: float = 0.0, seed: int | None = None) -> Any:
+    """The policy ``serve --policy NAME`` uses; ValueError for an unknown name."""
+    if name == "kvwire":
+        return RoutingPolicy(prefill_weight, load_weight, temperature, seed)
+    cls = {"round_robin": RoundRobinPolicy, "least_load": LeastLoadPolicy,
+           "random": RandomPolicy}.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r} (expected one of {', '.join(POLICIES)})")
+    return cls(seed)
+
+
 class LoadTracker:
     """Load reserved per engine by routed requests, until released or expired.
 
@@ -173,6 +241,23 @@ class LoadTracker:
         self._drop(request_id)
         self.released += 1
         return True
+
+    def reduce(self, request_id: str, amount: float) -> float:
+        """Lower a live reservation by up to ``amount`` (a proxied request's prefill share,
+        dropped at its first token); returns what was taken off (0.0 if the id is gone)."""
+        entry = self._by_id.get(request_id)
+        if entry is None or not amount > 0:
+            return 0.0
+        name, held, deadline = entry
+        take = min(float(amount), held)
+        self._by_id[request_id] = (name, held - take, deadline)
+        self._load[name] = max(self._load[name] - take, 0.0)
+        return take
+
+    def amount(self, request_id: str) -> float | None:
+        """A live reservation's current amount, or None."""
+        entry = self._by_id.get(request_id)
+        return entry[1] if entry else None
 
     def expire(self, now: float | None = None) -> int:
         """Drop reservations whose deadline has passed; returns how many."""

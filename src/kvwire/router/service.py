@@ -35,7 +35,7 @@ from ..consume.subscriber import StreamSpec, Subscriber
 from ..wire.events import KVEventBatch
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 
-__all__ = ["EngineSpec", "RouteError", "RouterCore"]
+__all__ = ["EngineSpec", "RouteError", "Routed", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
 
@@ -98,6 +98,19 @@ def _chunks(events: list) -> list[list]:
         chunks[-1].append(e)
         n += k
     return chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A proxied request's route: where it goes and the load it reserved (``prefill`` is
+    the part dropped at its first token)."""
+
+    request_id: str
+    engine: str
+    rank: int
+    label: str
+    prefill: float
+    overlap: float
 
 
 @dataclass
@@ -316,6 +329,74 @@ class RouterCore:
         out["overlap"] = blocks
         out["cost"] = d.cost
         return out
+
+    def route_proxy(self, token_ids: Sequence[int], lora_name: str | None,
+                    salt: str | None, usable: Callable[[str], bool],
+                    up: Callable[[str], bool]) -> Routed:
+        """Route a proxied request among the engines ``usable(engine)`` allows (HTTP url,
+        breaker closed, not already tried); ``up(engine)``: its HTTP health, which with the
+        event stream makes a candidate alive. Empty ``token_ids`` (no tokenizer): by load
+        only. Reserves like ``route``; RouteError 503 when no engine is usable."""
+        if len(token_ids) > self.max_tokens:
+            raise RouteError(413, f"the prompt has {len(token_ids)} tokens, more than the "
+                             f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
+        pairs = [t for t in self.targets if usable(t.engine)]
+        if not pairs:
+            raise RouteError(503, "no engine is available (all down or already tried)",
+                             "no_engine")
+        prompt_blocks = len(token_ids) // self.block_size
+        if not self.lock.acquire(timeout=self.lock_timeout):
+            raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
+        try:
+            now = self.clock()
+            matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
+                       if prompt_blocks else {})
+            self.loads.expire(now)
+            load, alive = self.loads.load, self.alive
+            cands = []
+            for t in pairs:
+                m = matches.get(t.stream)
+                credit = 0.0
+                if m is not None and m.credit and m.prompt_blocks:
+                    credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+                cands.append(Candidate(t.label, credit, load(t.label),
+                                       alive.get(t.stream, False) and up(t.engine)))
+            d = self.policy.choose(prompt_blocks, cands)
+            target = self._by_label[d.name]
+            rid = uuid.uuid4().hex
+            expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
+            prefill = max(prompt_blocks - d.overlap[d.name], 0.0)
+            amount = request_load(prompt_blocks, d.overlap[d.name], expect,
+                                  self.decode_share) + self.decode_load
+            self.loads.reserve(rid, d.name, amount, now)
+            m = matches.get(target.stream)
+            if prompt_blocks and (m is None or m.prompt_blocks == 0
+                                  or m.blocks < m.prompt_blocks):
+                self.index.predict(target.stream, token_ids, lora_name=lora_name, salt=salt)
+            self.counts["routes"] += 1
+        finally:
+            self.lock.release()
+        if self.on_route is not None:
+            self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
+        return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
+
+    def first_token(self, request_id: str, prefill: float) -> float:
+        """Drop a proxied request's prefill share from its reservation (its first token
+        came: the prompt is computed); returns what was dropped."""
+        with self.lock:
+            return self.loads.reduce(request_id, prefill)
+
+    def finish(self, request_id: str, output_tokens: int | None) -> bool:
+        """Release a proxied request's reservation (ended, failed or abandoned); False if
+        it was already gone (expired). Never raises: the proxy calls it from finally."""
+        with self.lock:
+            ok = self.loads.release(request_id)
+            if ok and output_tokens is not None:
+                self._out_sum += output_tokens
+                self._out_n += 1
+        if ok:
+            self.counts["releases"] += 1
+        return ok
 
     def release(self, request_id: str, output_tokens: int | None = None) -> dict[str, Any]:
         """Release a routed request's load; 404 RouteError if the id is unknown or expired.

@@ -1,0 +1,520 @@
+"""``kvwire serve``'s OpenAI-compatible proxy: ``POST /v1/completions``,
+``POST /v1/chat/completions`` and ``GET /v1/models`` in front of the engines given with
+``url=``. The I/O layer only: decisions (breakers, retries, the load lifecycle) live in
+:mod:`.proxy_state`, routing in :class:`~kvwire.router.service.RouterCore`.
+
+Per request: decode the few fields routing needs (the body is forwarded unchanged),
+tokenize (``--tokenizer``), route, send to the engine over a keep-alive pool, and pass the
+answer back chunk by chunk as it arrives. Streams add no per-chunk work beyond forwarding
+the bytes and looking for ``completion_tokens``. A client that goes away cancels the upstream
+request, which closes its connection: the engine aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+
+from ..consume.engine_spec import EngineSpec
+from .proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
+from .service import RouteError, RouterCore
+
+__all__ = ["Proxy", "ProxyConfig", "openai_error"]
+
+log = logging.getLogger("kvwire.router.proxy")
+
+_enc = msgspec.json.Encoder()
+#: Hop-by-hop and framing headers not forwarded (either way).
+_HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive",
+                  b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-authorization",
+                  b"proxy-connection", b"expect"))
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
+
+
+def openai_error(status: int, message: str, type_: str = "BadRequestError",
+                 param: str | None = None) -> bytes:
+    """OpenAI's (and vLLM's) error object."""
+    return _enc.encode({"error": {"message": message, "type": type_, "param": param,
+                                  "code": status}})
+
+
+class _Body(msgspec.Struct):
+    """The fields of a generation request the proxy reads (others are ignored here and
+    forwarded untouched)."""
+
+    model: str | None = None
+    prompt: str | list[Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+
+
+_body_dec = msgspec.json.Decoder(_Body)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status, self.param, self.type = status, param, type_
+
+
+@dataclass
+class ProxyConfig:
+    """``serve``'s proxy flags."""
+
+    retries: int = 2
+    cooloff: float = 5.0
+    probe_interval: float = 1.0
+    connect_timeout: float = 2.0
+    first_byte_timeout: float = 60.0
+    stall_timeout: float = 300.0
+    max_body: int = 32 << 20
+
+
+class _Link:
+    """One proxied engine: its URL, breaker, last probe and models."""
+
+    def __init__(self, spec: EngineSpec, cooloff: float) -> None:
+        assert spec.url is not None
+        self.name = spec.name
+        self.url = spec.url
+        self.ranks = spec.ranks
+        self.breaker = Breaker(cooloff)
+        self.http_up = False
+        self.models: list[dict[str, Any]] = []
+        self.model_ids: frozenset[str] = frozenset()
+
+
+class Proxy:
+    """The ``/v1`` ASGI handler and the engines' health prober (a daemon thread)."""
+
+    def __init__(self, core: RouterCore, tokenizer: Any = None, *,
+                 tokenize_with_engine: bool = False,
+                 config: ProxyConfig | None = None) -> None:
+        self.core = core
+        self.tok = tokenizer
+        self.tokenize_with_engine = tokenize_with_engine
+        self.cfg = config or ProxyConfig()
+        self.links = {e.name: _Link(e, self.cfg.cooloff) for e in core.engines if e.url}
+        if not self.links:
+            raise ValueError("no engine has url=: nothing to proxy to")
+        self._names = list(self.links)
+        self.mode = "engine" if tokenize_with_engine else ("local" if tokenizer else "none")
+        if self.mode == "none":
+            log.warning("no --tokenizer: proxied requests are routed by load only (no "
+                        "prefix overlap is computed)")
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()  # breakers: the prober thread and the event loop
+        self._client: httpx.AsyncClient | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._probed = threading.Event()
+
+    # ------------------------------------------------------------------ health probes
+
+    def start(self) -> None:
+        """Start probing the engines' ``/health`` (and reading their ``/v1/models``)."""
+        self._thread = threading.Thread(target=self._probe_loop, name="kvwire-router-probe",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _probe_loop(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(max(self.cfg.probe_interval, 0.5)),
+                          limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            n = 0
+            while not self._stop.is_set():
+                for link in self.links.values():
+                    self._probe(client, link, refresh=n % 10 == 0)
+                self._probed.set()
+                n += 1
+                self._stop.wait(self.cfg.probe_interval)
+
+    def _probe(self, client: httpx.Client, link: _Link, refresh: bool) -> None:
+        try:
+            ok = client.get(link.url + "/health").status_code == 200
+            if ok and (refresh or not link.models):
+                data = client.get(link.url + "/v1/models").json()["data"]
+                link.models = [m for m in data if isinstance(m, dict) and "id" in m]
+                link.model_ids = frozenset(m["id"] for m in link.models)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            ok = False
+        now = time.monotonic()
+        with self._lock:
+            was = link.breaker.up and link.http_up
+            link.http_up = ok
+            link.breaker.probe(ok, now)
+            if was != (link.breaker.up and ok):
+                log.warning("engine %s is %s", link.name, "up" if ok else "down")
+        if not ok:
+            self.counts["probe_failures"] += 1
+
+    def wait_probed(self, timeout: float) -> bool:
+        """Block until every engine has been probed once (tests, start-up)."""
+        return self._probed.wait(timeout)
+
+    def healthy(self) -> tuple[bool, str]:
+        """Live on both: HTTP health (breaker closed) and at least one live event stream."""
+        alive = self.core.alive
+        live = [n for n, link in self.links.items() if link.http_up and link.breaker.up
+                and any(alive.get(s) for s in _streams(self.core, n))]
+        if not live:
+            return False, "no engine is live on both its HTTP /health and its event stream"
+        return True, f"{len(live)}/{len(self.links)} engines live"
+
+    def status(self) -> dict[str, Any]:
+        return {n: {"url": link.url, "http_up": link.http_up, "breaker_up": link.breaker.up,
+                    "breaker_opened": link.breaker.opened, "failures": link.breaker.failures}
+                for n, link in self.links.items()} | {"counts": dict(self.counts)}
+
+    # ------------------------------------------------------------------ ASGI
+
+    @staticmethod
+    def handles(path: bytes) -> bool:
+        return path in _PATHS or path == b"/v1/models"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("raw_path") or scope["path"].encode()
+        method = scope["method"]
+        if path == b"/v1/models":
+            if method != "GET":
+                await _answer(send, 405, openai_error(405, "Method Not Allowed",
+                                                      "MethodNotAllowed"))
+                return
+            await _answer(send, 200, self._models())
+            return
+        if method != "POST":
+            await _answer(send, 405, openai_error(405, "Method Not Allowed",
+                                                  "MethodNotAllowed"))
+            return
+        try:
+            body = await self._read(receive)
+        except BadRequest as e:
+            self.counts["bad_requests"] += 1
+            await _answer(send, e.status, openai_error(e.status, str(e), e.type, e.param))
+            return
+        if body is None:
+            return  # the client left before sending its body
+        done: list[bool] = [False]  # set once the last byte is handed to the server
+        work = asyncio.ensure_future(self._serve(scope, body, _PATHS[path], send, done))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and done[0]:
+                await work  # the server reports the finished response as a disconnect
+        finally:
+            if not work.done():  # the client went away: abandon (closes the upstream)
+                self.counts["client_disconnects"] += 1
+                work.cancel()
+                try:
+                    await work
+                except (asyncio.CancelledError, Exception):
+                    pass
+            gone.cancel()
+        if not work.cancelled() and work.exception() is not None:
+            raise work.exception()  # type: ignore[misc]
+
+    async def _read(self, receive: Any) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.cfg.max_body:
+                raise BadRequest(413, f"request body over {self.cfg.max_body} bytes",
+                                 "body")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _models(self) -> bytes:
+        seen: dict[str, dict[str, Any]] = {}
+        for link in self.links.values():
+            for m in link.models:
+                seen.setdefault(m["id"], m)
+        return _enc.encode({"object": "list", "data": list(seen.values())})
+
+    # ------------------------------------------------------------------ one request
+
+    def _check(self, body: bytes, chat: bool) -> _Body:
+        try:
+            req = _body_dec.decode(body)
+        except msgspec.ValidationError as e:
+            msg = str(e)
+            param = msg.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in msg else None
+            raise BadRequest(400, f"invalid request body: {msg}", param) from None
+        except msgspec.DecodeError as e:
+            raise BadRequest(400, f"malformed JSON body: {e}", "body") from None
+        if chat and req.messages is None:
+            raise BadRequest(400, "`messages` is required", "messages")
+        if not chat and req.prompt is None:
+            raise BadRequest(400, "`prompt` is required", "prompt")
+        if req.model is not None:
+            known = self._known_models()
+            if known and req.model not in known:
+                raise BadRequest(404, f"The model `{req.model}` does not exist.", "model",
+                                 "NotFoundError")
+        return req
+
+    def _known_models(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for link in self.links.values():
+            for m in link.models:
+                out.setdefault(m["id"], m.get("parent"))
+        return out
+
+    async def _tokens(self, req: _Body, chat: bool) -> Sequence[int]:
+        """The prompt's token ids as the engine will compute them ([] when unknown: the
+        request is routed by load only)."""
+        prompt = req.prompt
+        if not chat:
+            if isinstance(prompt, list):
+                if not prompt:
+                    raise BadRequest(400, "`prompt` is empty", "prompt")
+                first = prompt[0]
+                if isinstance(first, int) and not isinstance(first, bool):
+                    if not all(type(t) is int and t >= 0 for t in prompt):
+                        raise BadRequest(400, "`prompt` token ids must be integers >= 0",
+                                         "prompt")
+                    return prompt  # token ids: no tokenizing
+                if isinstance(first, list):
+                    if not all(type(t) is int and t >= 0 for t in first):
+                        raise BadRequest(400, "`prompt` token ids must be integers >= 0",
+                                         "prompt")
+                    return first
+                if not isinstance(first, str):
+                    raise BadRequest(400, "`prompt` must be a string, token ids, or a list "
+                                     "of either", "prompt")
+                prompt = first
+        if self.mode == "none":
+            return ()
+        if self.mode == "engine":
+            return await self._engine_tokens(req, chat, prompt)
+        from ..tokenize import TokenizerError
+
+        try:
+            if chat:
+                return self.tok.encode_chat(
+                    req.messages, tools=req.tools,
+                    add_generation_prompt=req.add_generation_prompt,
+                    chat_template_kwargs=req.chat_template_kwargs)
+            return self.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
+        except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
+            raise BadRequest(400, f"cannot tokenize the request: {e}",
+                             "messages" if chat else "prompt") from None
+
+    async def _engine_tokens(self, req: _Body, chat: bool, prompt: Any) -> Sequence[int]:
+        q: dict[str, Any] = {"model": req.model}
+        if chat:
+            q.update(messages=req.messages, tools=req.tools,
+                     add_generation_prompt=req.add_generation_prompt,
+                     chat_template_kwargs=req.chat_template_kwargs)
+        else:
+            q.update(prompt=prompt, add_special_tokens=req.add_special_tokens)
+        for link in self.links.values():
+            if not (link.http_up and link.breaker.up):
+                continue
+            try:
+                r = await self._http().post(link.url + "/tokenize", content=_enc.encode(q),
+                                            headers={"content-type": "application/json"},
+                                            timeout=self.cfg.connect_timeout)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                toks = msgspec.json.decode(r.content).get("tokens")
+                if isinstance(toks, list):
+                    return toks
+            break  # the engine refused it: it will refuse the request too, with reasons
+        self.counts["tokenize_failures"] += 1
+        return ()
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:  # made in the serving loop, on first use
+            cfg = self.cfg
+            transport = httpx.AsyncHTTPTransport(
+                retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512,
+                                    keepalive_expiry=30.0))
+            self._client = httpx.AsyncClient(
+                transport=transport,
+                timeout=httpx.Timeout(connect=cfg.connect_timeout, read=cfg.stall_timeout,
+                                      write=cfg.stall_timeout, pool=cfg.first_byte_timeout))
+        return self._client
+
+    async def _serve(self, scope: dict, body: bytes, chat: bool, send: Any,
+                     done: list[bool]) -> None:
+        try:
+            req = self._check(body, chat)
+            tokens = await self._tokens(req, chat)
+        except BadRequest as e:
+            self.counts["bad_requests"] += 1
+            done[0] = True
+            await _answer(send, e.status, openai_error(e.status, str(e), e.type, e.param))
+            return
+        known = self._known_models()
+        lora = req.model if req.model is not None and known.get(req.model) else None
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
+        path = scope.get("raw_path") or scope["path"].encode()
+        stream = bool(req.stream)
+        tried: set[str] = set()
+        last: tuple[int, bytes] | None = None
+        for attempt in range(self.cfg.retries + 1):
+            with self._lock:
+                ok = {n for n, lk in self.links.items() if lk.breaker.up and n not in tried
+                      and (req.model is None or not lk.model_ids or req.model in lk.model_ids)}
+            try:
+                routed = self.core.route_proxy(tokens, lora, req.cache_salt, ok.__contains__,
+                                               self._up)
+            except RouteError as e:
+                if last is None:
+                    last = (e.status, openai_error(e.status, str(e), "ServiceUnavailable"))
+                break
+            tried.add(routed.engine)
+            outcome, sent, last = await self._attempt(routed, path, headers, body, stream,
+                                                      send, done)
+            if marks_down(outcome):
+                self.counts["upstream_failures"] += 1
+                with self._lock:
+                    self.links[routed.engine].breaker.failure(time.monotonic())
+            if not should_retry(outcome, attempt, self.cfg.retries, sent):
+                if sent:
+                    return
+                break
+            self.counts["retries"] += 1
+        status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
+        done[0] = True
+        await _answer(send, status, payload)
+
+    def _up(self, engine: str) -> bool:
+        link = self.links[engine]
+        return link.http_up and link.breaker.up
+
+    async def _attempt(self, routed: Any, path: bytes, headers: list, body: bytes,
+                       stream: bool, send: Any, done: list[bool]
+                       ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
+        """One try at one engine: (outcome, whether the client got bytes, the error to
+        answer with if nothing was sent). The reservation ends here, on every path."""
+        link = self.links[routed.engine]
+        lc = Lifecycle(routed.request_id, routed.prefill)
+        out_tokens: int | None = None
+        hdrs = list(headers)
+        if link.ranks > 1:
+            hdrs.append((b"x-data-parallel-rank", str(routed.rank).encode()))
+        client = self._http()
+        resp = None
+        self.counts["attempts"] += 1
+        try:
+            request = client.build_request("POST", link.url + path.decode(), content=body,
+                                           headers=hdrs)
+            try:
+                resp = await asyncio.wait_for(client.send(request, stream=True),
+                                              self.cfg.first_byte_timeout)
+            except (TimeoutError, httpx.TimeoutException) as e:
+                return Outcome.TIMEOUT, False, (504, openai_error(
+                    504, f"engine {link.name} did not answer in time: {e!r}", "Timeout"))
+            except httpx.HTTPError as e:
+                return Outcome.REFUSED, False, (502, openai_error(
+                    502, f"engine {link.name} unreachable: {e!r}", "BadGateway"))
+            rid = [(b"x-kvwire-engine", link.name.encode()),
+                   (b"x-kvwire-rank", str(routed.rank).encode())]
+            ctype = resp.headers.get("content-type", "application/json").encode()
+            if stream and resp.status_code == 200:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", ctype),
+                                        (b"cache-control", b"no-cache"), *rid]})
+                out_tokens = await self._pump(resp, lc, send, link.name, done)
+                return Outcome.OK, True, None
+            try:
+                payload = await asyncio.wait_for(resp.aread(), self.cfg.first_byte_timeout)
+            except (TimeoutError, httpx.HTTPError) as e:
+                return Outcome.TIMEOUT, False, (504, openai_error(
+                    504, f"engine {link.name} did not finish its answer: {e!r}", "Timeout"))
+            if resp.status_code >= 500:
+                return Outcome.SERVER_ERROR, False, (resp.status_code, payload)
+            self._first(lc)
+            m = _COMPLETION_TOKENS.search(payload)
+            out_tokens = int(m.group(1)) if m else None
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": [(b"content-type", ctype),
+                                    (b"content-length", str(len(payload)).encode()), *rid]})
+            done[0] = True
+            await send({"type": "http.response.body", "body": payload})
+            return Outcome.OK, True, None
+        finally:
+            if lc.end():  # first: nothing below may skip it (a cancel lands in awaits)
+                self.core.finish(routed.request_id, out_tokens)
+            if resp is not None:
+                await resp.aclose()
+
+    def _first(self, lc: Lifecycle) -> None:
+        drop = lc.first_token()
+        if drop:
+            self.core.first_token(lc.request_id, drop)
+
+    async def _pump(self, resp: httpx.Response, lc: Lifecycle, send: Any,
+                    name: str, done: list[bool]) -> int | None:
+        """Forward a stream's bytes as they come; the first drops the prefill share. An
+        engine failing mid-stream becomes an SSE error event and a clean end."""
+        events = 0
+        usage: int | None = None
+        first = True
+        try:
+            async for chunk in resp.aiter_raw():
+                if first:
+                    self._first(lc)
+                    first = False
+                events += chunk.count(b"data: {")
+                if b"completion_tokens" in chunk:
+                    m = _COMPLETION_TOKENS.search(chunk)
+                    if m:
+                        usage = int(m.group(1))
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            self.counts["broken_streams"] += 1
+            err = openai_error(502, f"engine {name} failed mid-stream: {e!r}", "BadGateway")
+            await send({"type": "http.response.body",
+                        "body": b"data: " + err + b"\n\ndata: [DONE]\n\n", "more_body": True})
+        done[0] = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return usage if usage is not None else events
+
+
+def _streams(core: RouterCore, engine: str) -> list[str]:
+    return [t.stream for t in core.targets if t.engine == engine]
+
+
+async def _disconnected(receive: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _answer(send: Any, status: int, payload: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,441 @@
+"""``kvwire serve``'s OpenAI proxy over real HTTP and ZeroMQ on loopback: in-thread
+``kvwire engine``s (the same EngineApp the CLI runs) behind a RouterCore + Proxy served by
+uvicorn, and at the end real ``kvwire engine`` and ``kvwire serve`` processes (SIGKILL and
+restart). The one stand-in: a tiny HTTP server that answers 500 or records headers, for the
+engine faults and the header check a kvwire engine cannot be made to show."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvwire.consume.engine_spec import EngineSpec
+from kvwire.consume.stream import StreamConfig
+from kvwire.engine import EngineConfig, StepCost
+from kvwire.router.app import serve_in_thread
+from kvwire.router.policy import RoundRobinPolicy, RoutingPolicy
+from kvwire.router.proxy import Proxy, ProxyConfig
+from kvwire.router.service import RouterCore
+from kvwire.tokenize import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_engine_http import EngineThread, _opts  # noqa: E402
+
+TIMEOUT = 20.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _engine(**kw: Any) -> EngineThread:
+    return EngineThread(_opts(**kw))
+
+
+class Stack:
+    """Engines + RouterCore + Proxy + uvicorn, all in this process, on loopback."""
+
+    def __init__(self, engines: list[Any], urls: list[str] | None = None,
+                 tokenizer: Any = "builtin", policy: Any = None, **cfg: Any) -> None:
+        self.engines = engines
+        urls = urls or [e.url for e in engines]
+        specs = [EngineSpec(f"e{i}", e.events[0], url=u)
+                 for i, (e, u) in enumerate(zip(engines, urls))]
+        self.core = RouterCore(specs, policy=policy or RoutingPolicy(load_weight=0.5, seed=1),
+                               stream_config=StreamConfig(dead_after=1.0))
+        self.core.start()
+        cfg.setdefault("probe_interval", 0.1)
+        cfg.setdefault("cooloff", 0.3)
+        tok = load_tokenizer(None) if tokenizer == "builtin" else tokenizer
+        self.proxy = Proxy(self.core, tok, tokenize_with_engine=tokenizer == "engine",
+                           config=ProxyConfig(**cfg))
+        self.proxy.start()
+        self.server, self.thread, port = serve_in_thread(self.core, proxy=self.proxy)
+        self.url = f"http://127.0.0.1:{port}"
+        assert self.proxy.wait_probed(TIMEOUT)
+        wait_for(lambda: all(self.core.alive.values()), "every event stream alive")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(TIMEOUT)
+        self.proxy.close()
+        self.core.close()
+
+    def loads(self) -> dict[str, float]:
+        with self.core.lock:
+            return self.core.loads.loads()
+
+
+@pytest.fixture
+def make_stack() -> Iterator[Callable[..., Stack]]:
+    made: list[Stack] = []
+    engines: list[Any] = []
+
+    def make(n: int = 2, engine_kw: dict | None = None, **kw: Any) -> Stack:
+        es = [_engine(**(engine_kw or {})) for _ in range(n)]
+        engines.extend(es)
+        s = Stack(es, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+    for e in engines:
+        if e.thread.is_alive():
+            e.close()
+
+
+def _chat(prefix: str, suffix: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 4,
+            "messages": [{"role": "system", "content": prefix},
+                         {"role": "user", "content": suffix}], **kw}
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+def test_requests_follow_the_cache(make_stack: Callable[..., Stack]) -> None:
+    """Each conversation's later turns go to the engine that holds its prefix, and hit it."""
+    s = make_stack(3)
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        homes: dict[int, str] = {}
+        for k in range(6):
+            prefix = f"conversation {k}: " + "context words " * 120
+            for turn in range(3):
+                r = c.post("/v1/chat/completions", json=_chat(prefix, f"question {turn}"))
+                assert r.status_code == 200, r.text
+                eng = r.headers["x-kvwire-engine"]
+                homes.setdefault(k, eng)
+                assert eng == homes[k], f"conversation {k} turn {turn} left its engine"
+                if turn:
+                    u = r.json()["usage"]
+                    cached = u["prompt_tokens_details"]["cached_tokens"]
+                    assert cached >= u["prompt_tokens"] // 2, u
+        assert len(set(homes.values())) >= 2  # and they spread over the engines
+    wait_for(lambda: s.loads() == {}, "every reservation released")
+
+
+def test_lora_and_salt_route_apart(make_stack: Callable[..., Stack]) -> None:
+    """A model naming a LoRA adapter (an engine's /v1/models parent) routes with that
+    lora_name; cache_salt is the salt; the base model routes with neither. (A spy on the
+    real route_proxy call records its arguments.)"""
+    s = make_stack(2)
+    seen: list[tuple[Any, Any]] = []
+    real = s.core.route_proxy
+
+    def spy(tokens: Any, lora: Any, salt: Any, *a: Any) -> Any:
+        seen.append((lora, salt))
+        return real(tokens, lora, salt, *a)
+
+    s.core.route_proxy = spy  # type: ignore[method-assign]
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        for model, salt in (("ad1", None), ("m", "s1"), ("m", None), (None, None)):
+            body: dict[str, Any] = {"prompt": "lora prompt " * 20, "max_tokens": 2}
+            if model:
+                body["model"] = model
+            if salt:
+                body["cache_salt"] = salt
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+    assert seen == [("ad1", None), (None, "s1"), (None, None), (None, None)]
+
+
+def test_policy_baseline_spreads_blindly(make_stack: Callable[..., Stack]) -> None:
+    """--policy round_robin ignores the cache: the same prompt alternates engines."""
+    s = make_stack(2, policy=RoundRobinPolicy())
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        got = [c.post("/v1/chat/completions", json=_chat("same " * 100, "q")
+                      ).headers["x-kvwire-engine"] for _ in range(4)]
+    assert got[0] != got[1] and got[0] == got[2]
+
+
+def test_without_tokenizer_routes_by_load(make_stack: Callable[..., Stack],
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """No tokenizer: the proxy still serves, by load, and said so at start."""
+    with caplog.at_level("WARNING", logger="kvwire.router.proxy"):
+        s = make_stack(2, tokenizer=None)
+    assert sum("routed by load only" in r.message for r in caplog.records) == 1
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json=_chat("x " * 50, "y"))
+        assert r.status_code == 200
+    assert s.core.counts["routes"] == 1
+
+
+def test_tokenizer_engine_mode_equals_local(make_stack: Callable[..., Stack]) -> None:
+    """--tokenizer engine asks an engine's /tokenize: the same ids as the local tokenizer
+    (so the same route); a prompt of token ids is used as it is."""
+    s = make_stack(1, tokenizer="engine")
+    tok = load_tokenizer(None)
+    body = _chat("tok " * 40, "hello", tools=None)
+
+    async def ids(b: dict[str, Any], chat: bool) -> Any:
+        from kvwire.router.proxy import _body_dec
+
+        return await s.proxy._tokens(_body_dec.decode(json.dumps(b).encode()), chat)
+
+    async def all_three() -> list[Any]:
+        try:
+            return [list(await ids(body, True)), list(await ids({"prompt": "abc def"}, False)),
+                    list(await ids({"prompt": [5, 6, 7]}, False))]
+        finally:
+            await s.proxy._http().aclose()
+            s.proxy._client = None
+
+    chat, text, given = asyncio.run(all_three())
+    assert chat == tok.encode_chat(body["messages"])
+    assert text == tok.encode("abc def", add_special_tokens=True)
+    assert given == [5, 6, 7]
+    assert s.proxy.counts["tokenize_failures"] == 0
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+def test_streaming_is_chunked(make_stack: Callable[..., Stack]) -> None:
+    """The first chunk reaches the client while the engine is still generating."""
+    s = make_stack(1, engine_kw={"speed": 1.0})
+    body = {"model": "m", "prompt": "stream " * 50, "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["x-kvwire-engine"] == "e0"
+        chunks = r.iter_raw()
+        first = next(chunks)
+        assert first.startswith(b"data: {")
+        running = s.engines[0].metrics()
+        assert running['vllm:num_requests_running{model_name="m",engine="0"}'] == 1.0
+        rest = b"".join(chunks)
+    assert rest.endswith(b"data: [DONE]\n\n")
+    wait_for(lambda: s.loads() == {}, "load released")
+
+
+def test_first_token_drops_the_prefill_share(make_stack: Callable[..., Stack]) -> None:
+    """Load follows the request: prompt blocks + decode until the first token, decode only
+    after it, nothing once it ends."""
+    slow = EngineConfig(num_gpu_blocks=2000, block_size=16,
+                        cost=StepCost(base_s=2e-3, prefill_token_s=4e-4))  # ~0.4 s prefill
+    s = make_stack(1, engine_kw={"speed": 1.0, "config": slow})
+    body = {"model": "m", "prompt": list(range(1, 1025)), "max_tokens": 50,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        before = s.loads()["e0"]
+        assert before == 1024 / 16 + 1.0  # 64 uncached blocks + decode_load
+        chunks = r.iter_raw()
+        next(chunks)
+        assert s.loads()["e0"] == 1.0
+        for _ in chunks:
+            pass
+    wait_for(lambda: s.loads() == {}, "load released")
+
+
+def test_client_disconnect_aborts_upstream_and_releases(
+        make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(1, engine_kw={"speed": 1.0})
+    body = {"model": "m", "prompt": "bye " * 50, "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    aborted = 'kvwire_engine_aborted_requests_total'
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        next(r.iter_raw())
+        assert s.loads()
+    # the stream was closed after one chunk
+    wait_for(lambda: s.engines[0].metrics().get(aborted, 0) >= 1, "the engine aborted")
+    wait_for(lambda: s.loads() == {}, "load released")
+    assert s.proxy.counts["client_disconnects"] == 1
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+class _Stub:
+    """A loopback HTTP server standing in for an engine fault (500s) and recording the
+    headers it was sent."""
+
+    def __init__(self, status: int = 500) -> None:
+        stub = self
+        self.hits = 0
+        self.headers: list[dict[str, str]] = []
+
+        class H(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                n = int(self.headers.get("content-length", 0))
+                self.rfile.read(n)
+                stub.headers.append({k.lower(): v for k, v in self.headers.items()})
+                code = 200 if self.path in ("/health", "/v1/models") else status
+                if self.path != "/health":
+                    stub.hits += self.path.startswith("/v1/c")
+                body = (b'{"object":"list","data":[{"id":"m","parent":null}]}'
+                        if self.path == "/v1/models" else
+                        b'{"error":{"message":"engine broke","type":"InternalServerError",'
+                        b'"param":null,"code":%d}}' % code)
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_5xx_is_retried_on_the_next_engine_and_breaks_the_circuit(
+        make_stack: Callable[..., Stack]) -> None:
+    stub = _Stub(500)
+    try:
+        s = make_stack(2, urls=None, policy=RoundRobinPolicy(), cooloff=60.0)
+        s.proxy.links["e1"].url = stub.url  # e1's events are real; its HTTP answers 500
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+            for _ in range(6):
+                r = c.post("/v1/completions", json={"model": "m", "prompt": "p " * 20,
+                                                    "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvwire-engine"] == "e0"
+        assert stub.hits == 1  # tried once, then down for the cool-off
+        assert s.proxy.counts["retries"] == 1
+        assert s.proxy.links["e1"].breaker.opened == 1
+        assert s.loads() == {}
+    finally:
+        stub.close()
+
+
+def test_5xx_passes_through_when_retries_are_used_up(
+        make_stack: Callable[..., Stack]) -> None:
+    stub = _Stub(503)
+    try:
+        s = make_stack(1, retries=0)
+        s.proxy.links["e0"].url = stub.url
+        r = httpx.post(s.url + "/v1/completions",
+                       json={"model": "m", "prompt": "p", "max_tokens": 2},
+                       headers={"authorization": "Bearer sk-test", "x-request-id": "abc-1"},
+                       timeout=TIMEOUT)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "engine broke"
+        sent = [h for h in stub.headers if "x-request-id" in h][0]
+        assert sent["authorization"] == "Bearer sk-test" and sent["x-request-id"] == "abc-1"
+        assert s.loads() == {}
+    finally:
+        stub.close()
+
+
+def test_hung_engine_times_out_is_retried_and_marked_down(
+        make_stack: Callable[..., Stack]) -> None:
+    """An engine that hangs between probes (its loop stopped, connections left open): no
+    first byte in time, so its request goes to the next-best engine and it is marked down.
+    (Refused connections: the SIGKILL test with processes.)"""
+    s = make_stack(2, probe_interval=3600.0, cooloff=3600.0, first_byte_timeout=0.5)
+    body = _chat("dying " * 100, "q")
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        home = c.post("/v1/chat/completions", json=body).headers["x-kvwire-engine"]
+        other = "e1" if home == "e0" else "e0"
+        s.engines[int(home[1])].close()  # connection refused from now on
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvwire-engine"] == other
+    assert s.proxy.counts["retries"] == 1
+    assert not s.proxy.links[home].breaker.up
+    assert s.loads() == {}
+
+
+def test_health_needs_http_and_events(make_stack: Callable[..., Stack]) -> None:
+    """/health is 200 only while an engine is live on both its /health and its events."""
+    stub_port_dead = "http://127.0.0.1:9"  # nothing listens on the discard port
+    s = make_stack(1)
+    wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, "healthy")
+    s.proxy.links["e0"].url = stub_port_dead  # events still live, HTTP gone
+    wait_for(lambda: httpx.get(s.url + "/health").status_code == 503, "unhealthy")
+    assert not s.proxy.links["e0"].http_up
+
+
+def test_bad_input_gets_openai_errors(make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(1, max_body=1 << 16)
+    cases = [
+        ("/v1/completions", b"{not json", 400, "body"),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/chat/completions", json.dumps({"model": "m"}).encode(), 400, "messages"),
+        ("/v1/completions", json.dumps({"model": "m"}).encode(), 400, "prompt"),
+        ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+        ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400,
+         "stream"),
+        ("/v1/completions", json.dumps({"prompt": [1, "a"]}).encode(), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": {}}).encode(), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": "x" * 70000}).encode(), 413, "body"),
+        ("/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode(), 404,
+         "model"),
+        # the engine's own refusal passes through with its status
+        ("/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 0}
+                                       ).encode(), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": 3}]}).encode(), 400,
+         "messages"),
+    ]
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        for path, body, status, param in cases:
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == status, (body[:60], r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+            assert err["param"] == param, (body[:60], err)
+        assert c.get("/v1/completions").status_code == 405
+    assert s.loads() == {}
+
+
+def test_models_are_the_union(make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(2)
+    s.proxy.links["e1"].models = [{"id": "other", "object": "model", "parent": None}]
+    ids = {m["id"]: m["parent"] for m in httpx.get(s.url + "/v1/models").json()["data"]}
+    assert ids == {"m": None, "ad1": "m", "ad2": "m", "other": None}
+
+
+def test_openai_client_works_unchanged(make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(2)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-x", max_retries=0)
+    assert {m.id for m in client.models.list()} == {"m", "ad1", "ad2"}
+    out = client.chat.completions.create(model="m", max_tokens=5,
+                                         messages=[{"role": "user", "content": "hello"}])
+    assert out.choices[0].message.content and out.usage.completion_tokens == 5
+    text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="ad1", max_tokens=5, stream=True,
+        messages=[{"role": "user", "content": "hello"}]) if ch.choices)
+    assert text
+    comp = client.completions.create(model="m", prompt="once upon", max_tokens=3)
+    assert comp.usage.completion_tokens == 3
+    parts = list(client.completions.create(model="m", prompt="once upon", max_tokens=3,
+                                           stream=True))
+    assert "".join(p.choices[0].text for p in parts if p.choices)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-nope", prompt="x", max_tokens=1)
+    assert s.loads() == {}
