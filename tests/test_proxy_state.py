@@ -7,13 +7,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvwire.router.policy import Candidate as C
 from kvwire.router.policy import (
     LeastLoadPolicy,
     LoadTracker,
     RoundRobinPolicy,
     make_policy,
 )
-from kvwire.router.policy import Candidate as C
 from kvwire.router.proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
 
 
