@@ -19,6 +19,8 @@ dump at the dump's seq, exactly (multisets of block hashes).
     .venv/bin/python bench/engine.py                # throughput
     .venv/bin/python bench/engine.py --fidelity     # TTFT fidelity at 100 requests/s
     .venv/bin/python bench/engine.py --rebuild      # events rebuild the cache exactly
+
+``--quick``: 3 s instead of 10 (any mode).
 """
 
 from __future__ import annotations
@@ -279,6 +281,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fidelity", action="store_true")
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="3 s runs instead of --duration")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("--speed", type=float, default=None,
                     help="default: 1000 (throughput), 1 (fidelity)")
@@ -292,6 +295,8 @@ def main() -> int:
                     help="extra kvwire engine flags (fidelity default: --step-prefill-token-us 5, "
                     "so 100 requests/s of 1k tokens load the model ~60%%, not past saturation)")
     a = ap.parse_args()
+    if a.quick:
+        a.duration = 3.0
     speed = a.speed if a.speed is not None else (1.0 if a.fidelity else 1000.0)
     flags = a.engine_flags if a.engine_flags is not None else (
         "--step-prefill-token-us 5" if a.fidelity else
