@@ -72,16 +72,19 @@ test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
-bench: $(STAMP) $(DYNAMO_STAMP)
+bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
 	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows" >&2
 	$(PY) bench/events.py
+	$(PY) bench/events.py --vs-vllm
 	$(PY) bench/subscriber.py
 	$(PY) bench/shm.py
 	$(PY) bench/index.py
 	$(PY) bench/route.py
 	$(PY) bench/sim.py
 	$(PY) bench/nats.py
+	$(PY) bench/engine.py
+	$(PY) bench/tokenizer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
