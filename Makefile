@@ -7,6 +7,9 @@ TORCH_STAMP := $(VENV)/.kvwire-torch
 BROWSER_STAMP := $(VENV)/.kvwire-browser
 ENGINES_STAMP := $(VENV)/.kvwire-engines
 DYNAMO_STAMP := $(VENV)/.kvwire-dynamo
+ROUTERS_STAMP := $(VENV)/.kvwire-routers
+# SGLang's router (Rust, cache_aware policy): bench/proxy.py's baseline proxy.
+ROUTER_WHEELS := sglang-router==0.3.2
 # NVIDIA Dynamo's runtime (radix tree, block hash, mocker; CPU-only wheel) for the peer tier:
 # tests/test_sim.py's mocker cross-check and bench/index.py's second baseline.
 DYNAMO_WHEEL := ai-dynamo-runtime==1.6.1
@@ -65,6 +68,14 @@ $(DYNAMO_STAMP): $(STAMP)
 	  echo "kvwire: WARNING: the Dynamo peer tests (mocker cross-check) will be SKIPPED;" >&2; \
 	  echo "kvwire: WARNING: the next 'make test' retries the install." >&2; fi
 
+# Like torch: the stamp only on success, a loud warning and a retry next time otherwise.
+$(ROUTERS_STAMP): $(STAMP)
+	@if $(PY) -m pip install -q $(ROUTER_WHEELS) && $(PY) -c "import sglang_router.launch_router"; then \
+	  touch $(ROUTERS_STAMP); else \
+	  echo "kvwire: WARNING: $(ROUTER_WHEELS) could not be installed or imported (see above)." >&2; \
+	  echo "kvwire: WARNING: bench/proxy.py's sglang-router rows will be SKIPPED;" >&2; \
+	  echo "kvwire: WARNING: the next 'make bench' retries the install." >&2; fi
+
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
@@ -72,7 +83,7 @@ test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
-bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
+bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
 	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows" >&2
 	$(PY) bench/events.py
@@ -85,6 +96,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(PY) bench/nats.py
 	$(PY) bench/engine.py
 	$(PY) bench/tokenizer.py
+	$(PY) bench/proxy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
