@@ -81,7 +81,11 @@ def test_block_keys_chain_and_seed():
     with pytest.raises(ValueError, match="block_size"):
         block_keys(toks, 0)
     with pytest.raises(ValueError, match="64-bit"):
+        block_keys([2**64] * 16, 16, scheme="kvwire")
+    with pytest.raises(ValueError, match="bit integer"):  # the standard scheme: u32 tokens
         block_keys([2**64] * 16, 16)
+    with pytest.raises(ValueError, match="32-bit"):
+        block_keys([2**32] * 16, 16)
 
 
 @pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")

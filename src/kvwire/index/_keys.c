@@ -4,6 +4,10 @@
  *   keys of blocks start..n-1 of the token-id sequence `tokens`: key[i] =
  *   XXH3_64bits_withSeed(int64 native bytes of block i, seed = key[i-1]), key[start-1] = seed
  *   (so a walk can hash a first few blocks, and the rest only if it gets that far).
+ * chain_tokens(tokens, block_size, n, prev, start=0, fold=None) with an int `fold`: the
+ *   standard scheme (RFC #1527 sequence hashes, docs/index.md): tokens as little-endian u32,
+ *   local = XXH3(block, fold), key = local when `prev` is None (no block before), else
+ *   XXH3(le64(prev) || le64(local), fold), then prev = key.
  *   Exactly what the pure-Python path computes (array('q') bytes + xxhash's xxh3_64), but
  *   reading the ints straight from the list: no intermediate bytes object, no slices.
  *
@@ -26,6 +30,10 @@ unsigned long long XXH3_64bits_withSeed(const void *input, size_t length,
 
 #define STACK_TOKENS 1024
 #define LOOKAHEAD 8
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the standard scheme hashes the host's uint32/uint64 bytes as little-endian"
+#endif
 
 /* One token id as int64: 0 or -1 with the error set. Token ids below 2**30 are one digit in
  * CPython < 3.12: read it directly (the conversion was a third of the walk's time). */
@@ -55,16 +63,124 @@ tok_value(PyObject *o, int64_t *out)
     return 0;
 }
 
+/* The standard scheme's next key from `bs` u32 tokens (see the header). */
+static inline uint64_t
+std_next(int has_prev, uint64_t prev, const uint32_t *blk, Py_ssize_t bs, uint64_t fold)
+{
+    uint64_t local = XXH3_64bits_withSeed(blk, (size_t)bs * 4, fold);
+    if (!has_prev) return local;
+    uint64_t pair[2] = {prev, local};
+    return XXH3_64bits_withSeed(pair, 16, fold);
+}
+
+static inline int
+tok_u32(int64_t v, uint32_t *out)
+{
+    if (v < 0 || v > (int64_t)0xFFFFFFFF) {
+        PyErr_SetString(PyExc_ValueError,
+                        "token ids must fit in an unsigned 32-bit integer (standard scheme)");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* Block i's tokens as u32 into out32, from list/tuple items or an int64 buffer. */
+static inline int
+fill_u32(PyObject **items, const int64_t *flat, Py_ssize_t i, Py_ssize_t bs, uint32_t *out32)
+{
+    int64_t v;
+    for (Py_ssize_t j = 0; j < bs; j++) {
+        if (items != NULL) {
+            if (tok_value(items[i * bs + j], &v) < 0) return -1;
+        } else {
+            v = flat[i * bs + j];
+        }
+        if (tok_u32(v, &out32[j]) < 0) return -1;
+    }
+    return 0;
+}
+
+/* chain_tokens in the standard scheme (fold given). */
+static PyObject *
+chain_std(PyObject *src, Py_ssize_t bs, Py_ssize_t n, PyObject *prev, Py_ssize_t start,
+          uint64_t fold)
+{
+    int has_prev = prev != Py_None;
+    uint64_t k = 0;
+    if (has_prev) {
+        k = PyLong_AsUnsignedLongLong(prev);
+        if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer view;
+    int have_view = 0;
+    const int64_t *flat = NULL;
+    PyObject **items = NULL;
+    PyObject *seq = NULL;
+    Py_ssize_t len;
+    if (!PyList_CheckExact(src) && !PyTuple_CheckExact(src) && PyObject_CheckBuffer(src)
+        && PyObject_GetBuffer(src, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+        const char *f = view.format ? view.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (view.itemsize == 8 && view.ndim == 1 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
+            have_view = 1;
+            flat = (const int64_t *)view.buf;
+            len = view.len / 8;
+        } else {
+            PyBuffer_Release(&view);
+        }
+    } else {
+        PyErr_Clear();
+    }
+    if (!have_view) {
+        seq = PySequence_Fast(src, "token ids must be a sequence of integers");
+        if (seq == NULL) {
+            PyErr_SetString(PyExc_ValueError, "token ids must be a sequence of integers");
+            return NULL;
+        }
+        items = PySequence_Fast_ITEMS(seq);
+        len = PySequence_Fast_GET_SIZE(seq);
+    }
+    PyObject *out = NULL;
+    uint32_t stack32[STACK_TOKENS];
+    uint32_t *b32 = stack32;
+    if (n > len / bs) {
+        PyErr_SetString(PyExc_ValueError, "fewer token ids than n blocks of block_size");
+        goto end;
+    }
+    if (bs > STACK_TOKENS && (b32 = PyMem_Malloc((size_t)bs * 4)) == NULL) {
+        b32 = stack32;
+        PyErr_NoMemory();
+        goto end;
+    }
+    out = PyList_New(n > start ? n - start : 0);
+    if (out == NULL) goto end;
+    for (Py_ssize_t i = start; i < n; i++) {
+        if (fill_u32(items, flat, i, bs, b32) < 0) { Py_CLEAR(out); goto end; }
+        k = std_next(has_prev, k, b32, bs, fold);
+        has_prev = 1;
+        PyObject *key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) { Py_CLEAR(out); goto end; }
+        PyList_SET_ITEM(out, i - start, key);
+    }
+end:
+    if (b32 != stack32) PyMem_Free(b32);
+    if (have_view) PyBuffer_Release(&view);
+    Py_XDECREF(seq);
+    return out;
+}
+
 static PyObject *
 chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4 && nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "chain_tokens(tokens, block_size, n, seed, start=0)");
+    if (nargs < 4 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chain_tokens(tokens, block_size, n, seed, start=0, fold=None)");
         return NULL;
     }
     Py_ssize_t start = 0;
-    if (nargs == 5) {
+    if (nargs >= 5) {
         start = PyLong_AsSsize_t(args[4]);
         if (start == -1 && PyErr_Occurred()) return NULL;
     }
@@ -72,12 +188,17 @@ chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (bs == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t n = PyLong_AsSsize_t(args[2]);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
-    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     if (bs <= 0 || n < 0 || start < 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
         return NULL;
     }
+    if (nargs == 6 && args[5] != Py_None) {
+        unsigned long long fold = PyLong_AsUnsignedLongLong(args[5]);
+        if (fold == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        return chain_std(args[0], bs, n, args[3], start, fold);
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     PyObject *src = args[0];
     if (!PyList_CheckExact(src) && !PyTuple_CheckExact(src) && PyObject_CheckBuffer(src)) {
         /* an int64 buffer (array('q'), numpy int64): hash its memory directly */
@@ -420,13 +541,15 @@ static PyTypeObject LanesType = {
  *   look each key up in `masks`, while the block is held by every stream in `alive`, by none
  *   of them outside the best tier (`v & not_best == 0`) and not in `pred`. Returns the first
  *   block that is not so (and its key), or (n, key of block n-1) / (n, seed) at the end.
- *   Only list/tuple tokens or an int64 buffer. */
+ *   Only list/tuple tokens or an int64 buffer. A tenth argument is the Lanes mirror (or
+ *   None); an eleventh, `fold`, selects the standard scheme (`seed` is then the previous
+ *   block's key, or None before the first block; see chain_std). */
 static PyObject *
 scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if ((nargs != 9 && nargs != 10) || !PyDict_CheckExact(args[5]) || !PyDict_CheckExact(args[8])
-        || (nargs == 10 && args[9] != Py_None && !PyObject_TypeCheck(args[9], &LanesType))) {
+    if (nargs < 9 || nargs > 11 || !PyDict_CheckExact(args[5]) || !PyDict_CheckExact(args[8])
+        || (nargs >= 10 && args[9] != Py_None && !PyObject_TypeCheck(args[9], &LanesType))) {
         PyErr_SetString(PyExc_TypeError,
                         "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred)");
         return NULL;
@@ -437,10 +560,20 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (n == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t start = PyLong_AsSsize_t(args[3]);
     if (start == -1 && PyErr_Occurred()) return NULL;
-    unsigned long long k = PyLong_AsUnsignedLongLong(args[4]);
-    if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int std = nargs == 11 && args[10] != Py_None;
+    uint64_t fold = 0;
+    if (std) {
+        fold = PyLong_AsUnsignedLongLong(args[10]);
+        if (fold == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    int has_prev = !(std && args[4] == Py_None);
+    unsigned long long k = 0;
+    if (has_prev) {
+        k = PyLong_AsUnsignedLongLong(args[4]);
+        if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
     PyObject *masks = args[5], *alive = args[6], *not_best = args[7], *pred = args[8];
-    LanesObject *lanes = (nargs == 10 && args[9] != Py_None) ? (LanesObject *)args[9] : NULL;
+    LanesObject *lanes = (nargs >= 10 && args[9] != Py_None) ? (LanesObject *)args[9] : NULL;
     if (bs <= 0 || n < 0 || start < 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
         return NULL;
@@ -481,6 +614,16 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return PyErr_NoMemory();
         }
     }
+    /* the standard scheme's u32 block (it reuses the int64 buffer's memory: 2x the room) */
+    uint32_t *b32 = (uint32_t *)buf;
+    if (std && items == NULL && bs > 2 * STACK_TOKENS) {
+        buf = PyMem_Malloc((size_t)bs * sizeof(int64_t));
+        if (buf == NULL) {
+            if (have_view) PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+        b32 = (uint32_t *)buf;
+    }
     int check_pred = PyDict_GET_SIZE(pred) > 0;
     /* fast lanes: alive fits in 64 bits and not_best == alive << W (how _scan calls it) */
     uint64_t alive64 = 0;
@@ -516,6 +659,21 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             uint64_t kk = k;
             for (Py_ssize_t j = 0; j < g; j++) {
                 const void *data;
+                if (std) {
+                    if (fill_u32(items, flat, i + j, bs, b32) < 0) {
+                        if (j == 0) goto done;
+                        PyErr_Clear();
+                        g = j;
+                        break;
+                    }
+                    kk = std_next(has_prev, kk, b32, bs, fold);
+                    has_prev = 1;
+                    ks[j] = kk;
+#ifdef __GNUC__
+                    __builtin_prefetch(&lanes->tab[lanes_home(lanes, kk)]);
+#endif
+                    continue;
+                }
                 if (items != NULL) {
                     PyObject **blk = items + (i + j) * bs;
                     Py_ssize_t q = 0;
@@ -553,16 +711,22 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     for (; i < n; i++) {
         const void *data;
-        if (items != NULL) {
-            PyObject **blk = items + i * bs;
-            for (Py_ssize_t j = 0; j < bs; j++) {
-                if (tok_value(blk[j], &buf[j]) < 0) goto done;
-            }
-            data = buf;
+        if (std) {
+            if (fill_u32(items, flat, i, bs, b32) < 0) goto done;
+            k = std_next(has_prev, k, b32, bs, fold);
+            has_prev = 1;
         } else {
-            data = flat + i * bs;
+            if (items != NULL) {
+                PyObject **blk = items + i * bs;
+                for (Py_ssize_t j = 0; j < bs; j++) {
+                    if (tok_value(blk[j], &buf[j]) < 0) goto done;
+                }
+                data = buf;
+            } else {
+                data = flat + i * bs;
+            }
+            k = XXH3_64bits_withSeed(data, (size_t)bs * sizeof(int64_t), k);
         }
-        k = XXH3_64bits_withSeed(data, (size_t)bs * sizeof(int64_t), k);
         Py_XDECREF(key);
         key = PyLong_FromUnsignedLongLong(k);
         if (key == NULL) goto done;
@@ -597,6 +761,10 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (nz) break;
     }
 stopped:
+    if (key == NULL && !has_prev) {  /* standard scheme, nothing hashed */
+        result = Py_BuildValue("(nO)", i, Py_None);
+        goto done;
+    }
     if (key == NULL) {  /* nothing hashed (start >= n), or the mirror's walk */
         key = PyLong_FromUnsignedLongLong(k);
         if (key == NULL) goto done;
@@ -1266,11 +1434,12 @@ static PyMethodDef methods[] = {
      "insert_new(d, hashes, keys) -> how many were new and inserted, in order"},
     {"bits64", (PyCFunction)bits64, METH_O, "bits64(mask) -> indices of set bits, lowest first"},
     {"scan_tokens", (PyCFunction)(void (*)(void))scan_tokens, METH_FASTCALL,
-     "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred) -> (i, key)"},
+     "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred, lanes=None, "
+     "fold=None) -> (i, key)"},
     {"add_bits", (PyCFunction)(void (*)(void))add_bits, METH_FASTCALL,
      "add_bits(masks, keys, setb, keep, tb) -> keys already holding tb"},
     {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,
-     "chain_tokens(tokens, block_size, n, seed, start=0) -> chained xxh3 block keys"},
+     "chain_tokens(tokens, block_size, n, seed, start=0, fold=None) -> chained block keys"},
     {NULL, NULL, 0, NULL},
 };
 

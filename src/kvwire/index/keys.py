@@ -1,27 +1,42 @@
 """Own block keys: chained 64-bit xxh3 digests of each full block's token ids.
 
 Engine block hashes cannot be recomputed by a consumer (SHA-256 of pickles, signed
-truncations, 32-byte digests, per-engine seeds), so the index never compares them with
-anything: it hashes token ids itself, the same way for events and for requests. The key of
-block ``i`` is ``xxh3_64(int64 bytes of its tokens, seed=key[i-1])``; the first block's seed
-mixes the LoRA name and the cache salt / extra keys, so two adapters or two tenants with the
-same tokens never share a key. A partial last block has no key (engines cache full blocks).
+truncations, 32-byte digests, per-engine seeds), so the index hashes token ids itself, the
+same way for events and for requests. Two schemes (docs/index.md, "Key schemes"):
+
+* ``"standard"`` (the default): the RFC #1527 sequence hash as Dynamo computes it (tokens as
+  little-endian u32, ``local = xxh3_64(block, S)``, ``key[0] = local[0]``, ``key[i] =
+  xxh3_64(le64(key[i-1]) || le64(local[i]), S)``) with ``S`` =
+  :func:`kvwire.wire.rfc1527.standard_seed` of the LoRA name and the cache salt (as the
+  cache namespace): a publisher that announces blocks only by standard hashes is matched
+  by the same prompt. Token ids must fit in u32.
+* ``"kvwire"`` (the earlier one): ``key[i] = xxh3_64(int64 bytes of block i, seed=key[i-1])``,
+  the first block's seed mixing the LoRA name and the cache salt / extra keys.
+
+Either way two adapters or two tenants with the same tokens never share a key, and a
+partial last block has no key (engines cache full blocks).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
 from xxhash import xxh3_64_intdigest
 
+from ..wire.rfc1527 import standard_seed
+
 __all__ = [
-    "NATIVE", "ROOT_SEED", "KeyMap", "Lanes", "add_bits", "bits64", "block_keys",
-    "chain_tokens", "insert_new", "root_seed", "scan_tokens", "token_bytes",
+    "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "add_bits", "bits64", "block_keys",
+    "chain_start", "chain_tokens", "insert_new", "root_seed", "scan_tokens", "standard_fold",
+    "token_bytes",
 ]
+
+#: The key schemes, the default first.
+SCHEMES = ("standard", "kvwire")
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
 ROOT_SEED = 0
@@ -50,6 +65,51 @@ def root_seed(lora_name: str | None = None, salt: Any = None) -> int:
     return xxh3_64_intdigest(parts)
 
 
+def standard_fold(lora_name: str | None = None, salt: Any = None) -> int:
+    """The standard scheme's seed ``S``: the LoRA name as Dynamo's ``lora_name``, the cache
+    salt as its ``cache_namespace`` (a string as is; bytes as they are; extra keys or other
+    values by their canonical encoding, as in the kvwire scheme)."""
+    if salt is not None and not isinstance(salt, str | bytes):
+        salt = bytes(salt) if isinstance(salt, bytearray | memoryview) else _salt_bytes(salt)
+    return standard_seed(lora_name, salt)
+
+
+def chain_start(scheme: str, lora_name: str | None = None,
+                salt: Any = None) -> tuple[int | None, int | None]:
+    """``(seed, fold)`` to start a prompt's chain with: ``chain_tokens(toks, bs, n, seed, 0,
+    fold)``. kvwire: ``(root_seed, None)``; standard: ``(None, S)`` (no block before)."""
+    if scheme == "standard":
+        return None, standard_fold(lora_name, salt)
+    if scheme == "kvwire":
+        return root_seed(lora_name, salt), None
+    raise ValueError(f"key_scheme must be one of {SCHEMES}, got {scheme!r}")
+
+
+def _std_u32(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error:
+        raise ValueError(
+            "token ids must fit in an unsigned 32-bit integer (standard scheme)") from None
+
+
+def py_chain_std(token_ids: Sequence[int], block_size: int, n: int, prev: int | None,
+                 fold: int, start: int = 0) -> Iterable[int]:
+    """The standard scheme's keys of blocks ``start..n-1``, one at a time (``prev``: the key
+    of block ``start - 1``, None when there is none)."""
+    step = block_size * 4
+    mv = memoryview(_std_u32(list(token_ids[start * block_size : n * block_size])))
+    k = prev
+    pack = _QQ.pack
+    for off in range(0, (n - start) * step if n > start else 0, step):
+        local = xxh3_64_intdigest(mv[off : off + step], fold)
+        k = local if k is None else xxh3_64_intdigest(pack(k, local), fold)
+        yield k
+
+
+_QQ = struct.Struct("<QQ")
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as native int64 bytes, converted once for the whole sequence (an int64
     buffer such as ``array('q')`` or a numpy int64 array is copied as is)."""
@@ -69,14 +129,18 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
         raise ValueError("token ids must be a sequence of integers") from None
 
 
-def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int,
-                    start: int = 0) -> list[int]:
+def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int | None,
+                    start: int = 0, fold: int | None = None) -> list[int]:
     """Keys of blocks ``start..n-1`` of ``token_ids``, chained from ``seed`` (the key of block
-    ``start - 1``, or the root seed); the pure-Python twin of the C ``chain_tokens``."""
+    ``start - 1``, or the root seed); the pure-Python twin of the C ``chain_tokens``. With
+    ``fold``: the standard scheme (``seed`` None: no block before)."""
     if block_size <= 0 or n < 0 or start < 0:
         raise ValueError("block_size must be positive, n and start >= 0")
     if n > len(token_ids) // block_size:
         raise ValueError("fewer token ids than n blocks of block_size")
+    if fold is not None:
+        return list(py_chain_std(token_ids, block_size, n, seed, fold, start))
+    assert seed is not None
     step = block_size * 8
     mv = memoryview(token_bytes(token_ids[start * block_size : n * block_size]))
     out: list[int] = []
@@ -148,14 +212,16 @@ else:
 
 
 def block_keys(
-    token_ids: Sequence[int], block_size: int, lora_name: str | None = None, salt: Any = None
+    token_ids: Sequence[int], block_size: int, lora_name: str | None = None, salt: Any = None,
+    scheme: str = "standard",
 ) -> list[int]:
     """Chained own keys of every full ``block_size``-token block of ``token_ids``.
 
     ``salt`` is the cache salt (a string) or extra keys (any msgpack-able value) of the
-    request; the same value must be given for the events' blocks to match.
+    request; the same value must be given for the events' blocks to match. ``scheme``:
+    ``"standard"`` (RFC #1527 sequence hashes) or ``"kvwire"``.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size!r}")
-    return chain_tokens(token_ids, block_size, len(token_ids) // block_size,
-                        root_seed(lora_name, salt))
+    seed, fold = chain_start(scheme, lora_name, salt)
+    return chain_tokens(token_ids, block_size, len(token_ids) // block_size, seed, 0, fold)

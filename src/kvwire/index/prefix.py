@@ -20,8 +20,9 @@ from typing import Any
 
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
+from ..wire.rfc1527 import STANDARD_SEED
 from . import keys as _k
-from .keys import add_bits, chain_tokens, insert_new, root_seed
+from .keys import add_bits, chain_start, chain_tokens, insert_new, root_seed, standard_fold
 from .state import (
     StreamIndexStats,
     StreamMatch,
@@ -63,6 +64,7 @@ class PrefixIndex:
         predict_ttl: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         remember_removed: int = GHOSTS,
+        key_scheme: str = "standard",
     ) -> None:
         credits = dict(DEFAULT_TIER_CREDITS if tier_credits is None else tier_credits)
         if not credits:
@@ -78,7 +80,14 @@ class PrefixIndex:
         #: engine hashes of removed blocks remembered per stream (between this and twice it)
         self.remember_removed = max(0, int(remember_removed))
         # the pure part: own key -> slot masks, predictions, slots, and match's walk
-        self._h = PrefixWalk(credits)
+        self._h = PrefixWalk(credits, key_scheme)
+        #: "standard" (RFC #1527 sequence hashes, the default) or "kvwire" (docs/index.md)
+        self.key_scheme = key_scheme
+        self._std = key_scheme == "standard"
+        # standard scheme: own key -> its seed S where S is not the plain 1337 (a LoRA or a
+        # salt), so that a continuation event, which may not repeat the salt, chains on with
+        # its parent's S; dropped with the key
+        self._folds: dict[int, int] = {}
         # (expiry, stream, keys): keys as an array, which the cyclic GC never walks (a list
         # per routed request, held for the TTL, made every full collection of a busy router
         # visit millions of ints)
@@ -219,21 +228,33 @@ class PrefixIndex:
         toks = ev.token_ids
         parent = ev.parent_block_hash
         if toks and isinstance(bs, int) and bs > 0 and len(toks) == n * bs:
+            fold = None
+            lora = ev.lora_name
+            if lora is None and ev.lora_id is not None:
+                lora = str(ev.lora_id)
             if parent is None:
                 salt = ev.cache_salt
                 if salt is None and ev.extra_keys:
                     salt = _salt_from_extra(ev.extra_keys[0], ev.lora_name)
-                lora = ev.lora_name
-                if lora is None and ev.lora_id is not None:
-                    lora = str(ev.lora_id)
-                seed = root_seed(lora, salt)
+                if self._std:
+                    seed = None
+                    fold = STANDARD_SEED if lora is None and salt is None else (
+                        standard_fold(lora, salt))
+                else:
+                    seed = root_seed(lora, salt)
             else:
                 seed = st.lookup(parent)
                 if seed is None:
                     st.orphans += 1
                     seed = _synthetic(parent, 0)
+                if self._std:  # the parent's S, else this event's
+                    fold = self._folds.get(seed) if self._folds else None
+                    if fold is None:
+                        salt = ev.cache_salt
+                        fold = STANDARD_SEED if lora is None and salt is None else (
+                            standard_fold(lora, salt))
             try:
-                keys = chain_tokens(toks, bs, n, seed)
+                keys = chain_tokens(toks, bs, n, seed, 0, fold)
             except ValueError as e:
                 st.bad += 1
                 st.last_bad = f"BlockStored token ids: {e}"
@@ -242,6 +263,17 @@ class PrefixIndex:
                 st.sizes_seen.add(bs)
                 self._learn_block_size(st, bs)
             st.token_blocks += n
+            if fold is not None and fold != STANDARD_SEED:
+                self._folds.update(dict.fromkeys(keys, fold))
+        elif not toks and self._std and ev.rfc1527 is not None:
+            # RFC #1527 blocks announced by their standard sequence hashes only: under the
+            # standard scheme those ARE the own keys (block k at depth base_block_idx + k,
+            # chained on parent_block_hash), so a prompt hashed here matches them directly
+            st.no_tokens += n
+            keys = hs if type(hs) is list else list(hs)
+            if isinstance(bs, int) and bs > 0 and st.block_size != bs:
+                st.sizes_seen.add(bs)
+                self._learn_block_size(st, bs)
         elif not toks:
             st.no_tokens += n
             keys = []
@@ -389,6 +421,8 @@ class PrefixIndex:
                 del kd[k]
                 if mirror is not None:
                     mirror.discard(k)
+                if self._folds:
+                    self._folds.pop(k, None)
         if len(ghosts) >= self.remember_removed:  # two generations: bounded, O(1) per removal
             st.old_ghosts = ghosts
             st.ghosts = _k.KeyMap()
@@ -411,6 +445,8 @@ class PrefixIndex:
                         del kd[k]
                         if lanes is not None:
                             lanes.discard(k)
+                        if self._folds:
+                            self._folds.pop(k, None)
         st.h2k = {}
         st.dups = {}
         st.ghosts = _k.KeyMap()
@@ -457,7 +493,8 @@ class PrefixIndex:
         n = len(token_ids) // bs
         if n == 0:
             return 0
-        keys = chain_tokens(token_ids, bs, n, root_seed(lora_name, salt))
+        seed, fold = chain_start(self.key_scheme, lora_name, salt)
+        keys = chain_tokens(token_ids, bs, n, seed, 0, fold)
         now = self.clock()
         self._expire(now)
         exp = now + self.predict_ttl

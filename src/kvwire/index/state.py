@@ -11,7 +11,7 @@ from xxhash import xxh3_64_intdigest
 
 from ..wire.events import BlockHash
 from . import keys as _k
-from .keys import bits64, token_bytes
+from .keys import bits64, py_chain_std, token_bytes
 
 __all__ = ["StreamIndexStats", "StreamMatch"]
 
@@ -146,8 +146,14 @@ def _as_scannable(token_ids: Any) -> Any:
     return token_ids
 
 
-def _lazy_keys(token_ids: list[int], bs: int, n: int, seed: int) -> Iterable[int]:
-    """Pure-Python keys one block at a time, so a walk that stops early hashes no further."""
+def _lazy_keys(token_ids: list[int], bs: int, n: int, seed: int | None,
+               fold: int | None = None) -> Iterable[int]:
+    """Pure-Python keys one block at a time, so a walk that stops early hashes no further
+    (``fold``: the standard scheme, see keys.py)."""
+    if fold is not None:
+        yield from py_chain_std(token_ids, bs, n, seed, fold)
+        return
+    assert seed is not None
     mv = memoryview(token_bytes(token_ids[: n * bs]))
     step = bs * 8
     k = seed

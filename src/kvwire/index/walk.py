@@ -32,7 +32,9 @@ _MAX_STOPS = 32
 class PrefixWalk:
     """Own key -> slot masks, predictions, slots, and ``match`` (no events, no clock)."""
 
-    def __init__(self, tier_credits: dict[str, float]) -> None:
+    def __init__(self, tier_credits: dict[str, float], key_scheme: str = "standard") -> None:
+        _k.chain_start(key_scheme)  # checks the name
+        self.key_scheme = key_scheme
         self.tier_credits = tier_credits
         self.W = 64
         self.keys: dict[int, int] = {}
@@ -61,7 +63,7 @@ class PrefixWalk:
               salt: Any = None) -> dict[str, StreamMatch]:
         """Leading prompt blocks each known stream holds, by best tier (see StreamMatch);
         predictions as they are now (PrefixIndex.match expires them first)."""
-        seed = _k.root_seed(lora_name, salt)
+        seed, fold = _k.chain_start(self.key_scheme, lora_name, salt)
         ntok = len(token_ids)
         found: dict[int, int] = {}  # slot -> matched blocks (ints only: nothing for the GC)
         detail: dict[int, tuple[int, dict[int, int] | None]] = {}
@@ -76,10 +78,10 @@ class PrefixWalk:
                 if not scannable:
                     token_ids = _as_scannable(token_ids)
                     scannable = True
-                alive, i = self._scan(token_ids, bs, n, seed, group, found, slow)
+                alive, i = self._scan(token_ids, bs, n, seed, fold, group, found, slow)
             else:
-                alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed), group, 0, found,
-                                      slow)
+                alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed, fold), group, 0,
+                                      found, slow)
             for s in _bits(alive):
                 found[s] = i
             if slow:
@@ -147,7 +149,8 @@ class PrefixWalk:
             }
         return tpl.copy()
 
-    def _scan(self, token_ids: Any, bs: int, n: int, seed: int, alive: int,
+    def _scan(self, token_ids: Any, bs: int, n: int, seed: int | None, fold: int | None,
+              alive: int,
               found: dict[int, int],
               slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
         """The C walk: ``scan_tokens`` hashes and looks up blocks while every stream in
@@ -159,13 +162,15 @@ class PrefixWalk:
         W = self.W
         i, k, stops = 0, seed, 0
         while alive and i < n:
-            j, k = _k.scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred, self.lanes)
+            j, k = _k.scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred,
+                                  self.lanes, fold)
             if j >= n:
                 return alive, n
             alive, i = self._walk((k,), alive, j, found, slow)
             stops += 1
             if stops >= self.max_stops and alive and i < n:
-                return self._walk(_k.chain_tokens(token_ids, bs, n, k, i), alive, i, found, slow)
+                return self._walk(_k.chain_tokens(token_ids, bs, n, k, i, fold), alive, i, found,
+                                  slow)
         return alive, i
 
     def _walk(self, keys: Iterable[int], alive: int, i: int,

@@ -36,7 +36,7 @@ from xxhash import xxh3_64_intdigest
 from . import events as _ev
 
 __all__ = ["STANDARD_SEED", "decode_batch", "decode_event", "encode_batch",
-           "standard_block_hashes", "standard_local_hashes"]
+           "standard_block_hashes", "standard_local_hashes", "standard_seed"]
 
 U64 = (1 << 64) - 1
 _I64_MAX = (1 << 63) - 1
@@ -333,6 +333,24 @@ def encode_batch(batch: _ev.EventBatch) -> bytes:
 #: The seed Dynamo uses for the standard block hash (before folding in a LoRA name or a
 #: cache namespace, which the RFC leaves to the deployment).
 STANDARD_SEED = 1337
+
+
+def standard_seed(lora_name: str | None = None,
+                  cache_namespace: str | bytes | None = None) -> int:
+    """The seed ``S`` of the standard block hash for a LoRA name and a cache namespace, as
+    Dynamo folds them (found by experiment against ``dynamo._core.compute_block_hash_for_seq``
+    of ai-dynamo-runtime 1.6.1, tests/test_index_standard.py checks it for any values):
+    ``S = 1337 + XXH3_64(utf8(lora_name), seed 0) + XXH3_64(utf8(cache_namespace), seed 1)``
+    modulo 2**64, where a missing or empty name adds nothing. A bytes namespace is hashed
+    as it is (what the UTF-8 string of the same bytes gives)."""
+    s = STANDARD_SEED
+    if lora_name:
+        s += xxh3_64_intdigest(lora_name.encode("utf-8", "surrogatepass"))
+    if cache_namespace:
+        if isinstance(cache_namespace, str):
+            cache_namespace = cache_namespace.encode("utf-8", "surrogatepass")
+        s += xxh3_64_intdigest(cache_namespace, 1)
+    return s & U64
 
 
 def standard_local_hashes(
