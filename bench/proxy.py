@@ -630,11 +630,6 @@ def run_condition(a: argparse.Namespace, condition: str) -> dict:
     finally:
         for p in reversed(procs):
             _kill(p)
-    for f in os.listdir(where):
-        if f.endswith(".log") and os.path.getsize(os.path.join(where, f)):
-            with open(os.path.join(where, f), "rb") as fh:
-                tail = fh.read()[-300:].decode(errors="replace")
-            print(f"  [{condition}] {f} (last bytes): {tail!r}")
     shutil.rmtree(where, ignore_errors=True)
     return res
 
@@ -781,7 +776,8 @@ def main() -> None:
             json.dump(res, f)
         return
     print(f"bench/proxy.py {' '.join(argv)} at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-          f" on {os.cpu_count()} CPUs", flush=True)
+          f" on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other work on the"
+          " box skews every row alike only roughly: rerun and compare ratios)", flush=True)
     results = {}
     if a.condition in ("default", "both"):
         results["default"] = run_condition(a, "default")
@@ -792,6 +788,7 @@ def main() -> None:
             child = argv[:i] + argv[i + 2:]
         results["quickack"] = run_in_netns(a, child)
     report(results, a)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
