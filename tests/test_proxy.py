@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -197,8 +200,10 @@ def test_tokenizer_engine_mode_equals_local(make_stack: Callable[..., Stack]) ->
             return [list(await ids(body, True)), list(await ids({"prompt": "abc def"}, False)),
                     list(await ids({"prompt": [5, 6, 7]}, False))]
         finally:
-            await s.proxy._http().aclose()
-            s.proxy._client = None
+            for link in s.proxy.links.values():  # its connections belong to this loop
+                if link.pool is not None:
+                    link.pool.close()
+                    link.pool = None
 
     chat, text, given = asyncio.run(all_three())
     assert chat == tok.encode_chat(body["messages"])
@@ -257,9 +262,12 @@ def test_client_disconnect_aborts_upstream_and_releases(
     aborted = 'kvwire_engine_aborted_requests_total'
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
             c.stream("POST", "/v1/completions", json=body) as r:
-        next(r.iter_raw())
-        assert s.loads()
-    # the stream was closed after one chunk
+        chunks = r.iter_raw()  # (held: a dropped generator closes the response)
+        first = next(chunks)
+        assert r.status_code == 200, first
+        assert s.loads() == {"e0": 1.0}  # decoding
+        assert s.proxy.counts["client_disconnects"] == 0
+        r.close()  # the client leaves mid-stream
     wait_for(lambda: s.engines[0].metrics().get(aborted, 0) >= 1, "the engine aborted")
     wait_for(lambda: s.loads() == {}, "load released")
     assert s.proxy.counts["client_disconnects"] == 1
@@ -314,7 +322,7 @@ def test_5xx_is_retried_on_the_next_engine_and_breaks_the_circuit(
     stub = _Stub(500)
     try:
         s = make_stack(2, urls=None, policy=RoundRobinPolicy(), cooloff=60.0)
-        s.proxy.links["e1"].url = stub.url  # e1's events are real; its HTTP answers 500
+        s.proxy.links["e1"].set_url(stub.url)  # e1's events are real; its HTTP answers 500
         with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
             for _ in range(6):
                 r = c.post("/v1/completions", json={"model": "m", "prompt": "p " * 20,
@@ -334,7 +342,7 @@ def test_5xx_passes_through_when_retries_are_used_up(
     stub = _Stub(503)
     try:
         s = make_stack(1, retries=0)
-        s.proxy.links["e0"].url = stub.url
+        s.proxy.links["e0"].set_url(stub.url)
         r = httpx.post(s.url + "/v1/completions",
                        json={"model": "m", "prompt": "p", "max_tokens": 2},
                        headers={"authorization": "Bearer sk-test", "x-request-id": "abc-1"},
@@ -373,7 +381,7 @@ def test_health_needs_http_and_events(make_stack: Callable[..., Stack]) -> None:
     stub_port_dead = "http://127.0.0.1:9"  # nothing listens on the discard port
     s = make_stack(1)
     wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, "healthy")
-    s.proxy.links["e0"].url = stub_port_dead  # events still live, HTTP gone
+    s.proxy.links["e0"].set_url(stub_port_dead)  # events still live, HTTP gone
     wait_for(lambda: httpx.get(s.url + "/health").status_code == 503, "unhealthy")
     assert not s.proxy.links["e0"].http_up
 
@@ -436,3 +444,149 @@ def test_openai_client_works_unchanged(make_stack: Callable[..., Stack]) -> None
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-nope", prompt="x", max_tokens=1)
     assert s.loads() == {}
+
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+class EngineProc:
+    """A real ``kvwire engine`` process on fixed loopback ports (so it can be restarted on
+    the same ones)."""
+
+    def __init__(self, *flags: str) -> None:
+        from engine_helpers import free_ports
+
+        self.port, self.ev = free_ports(2)
+        self.flags = flags
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.events = f"tcp://127.0.0.1:{self.ev}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(ROOT / ".venv/bin/kvwire"), "engine", "--port", str(self.port), "--events",
+             f"tcp://*:{self.ev}", "--model", "m", "--lora", "ad1", *self.flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_ready(self) -> None:
+        def up() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, "engine exited"
+            try:
+                return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(up, f"engine on {self.port}", 30.0)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(TIMEOUT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def engine_procs() -> Iterator[Callable[..., list[EngineProc]]]:
+    made: list[EngineProc] = []
+
+    def make(n: int, *flags: str) -> list[EngineProc]:
+        es = [EngineProc(*flags) for _ in range(n)]
+        made.extend(es)
+        for e in es:
+            e.wait_ready()
+        return es
+
+    yield make
+    for e in made:
+        e.stop()
+
+
+class _Proc:
+    """Stands in for EngineThread in a Stack: a process's URL and event endpoint."""
+
+    def __init__(self, e: EngineProc) -> None:
+        self.url, self.events = e.url, [e.events]
+
+
+async def _lean_request(port: int, conn: list, body: bytes, drop: bool) -> int:
+    """One HTTP/1.1 request on a kept-alive connection (a lean client: the load generator
+    must not be the bottleneck); ``drop`` closes the connection after the first chunk."""
+    if conn[0] is None:
+        conn[0] = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = conn[0]
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json"
+                 b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    m = re.search(rb"content-length: *(\d+)", head, re.I)
+    if m:
+        await reader.readexactly(int(m.group(1)))
+        return status
+    while True:  # chunked
+        size = int((await reader.readline()).strip(), 16)
+        if size == 0:
+            await reader.readline()
+            return status
+        await reader.readexactly(size + 2)
+        if drop:
+            writer.close()
+            conn[0] = None
+            return status
+
+
+def test_no_reservation_outlives_its_request(engine_procs: Callable[..., list[EngineProc]]
+                                             ) -> None:
+    """10,000 requests, with streams, client disconnects mid-stream, engine 500s (retried),
+    engine 400s and bad bodies mixed in: every engine's load ends at 0."""
+    stub = _Stub(500)
+    procs = engine_procs(2, "--speed", "10")
+    s = Stack([_Proc(p) for p in procs] + [_Proc(procs[0])],
+              urls=[procs[0].url, procs[1].url, stub.url], probe_interval=0.05, cooloff=0.05)
+    try:
+        port = int(s.url.rsplit(":", 1)[1])
+        statuses: dict[int, int] = {}
+        kinds = ["ok"] * 6 + ["stream", "disconnect", "engine_400", "bad"]
+        n = 10_000
+
+        def body(i: int) -> tuple[bytes, bool]:
+            kind = kinds[i % len(kinds)]
+            if kind == "bad":
+                return b'{"prompt": [', False
+            b: dict[str, Any] = {"model": "m", "prompt": f"{i % 50} " * 40, "max_tokens": 2}
+            if kind == "engine_400":
+                b["max_tokens"] = 0
+            if kind == "stream":
+                b["stream"] = True
+            if kind == "disconnect":
+                b.update(stream=True, max_tokens=1000, ignore_eos=True)
+            return json.dumps(b).encode(), kind == "disconnect"
+
+        async def worker(k: int) -> None:
+            conn: list = [None]
+            for i in range(k, n, 32):
+                data, drop = body(i)
+                st = await _lean_request(port, conn, data, drop)
+                statuses[st] = statuses.get(st, 0) + 1
+            if conn[0] is not None:
+                conn[0][1].close()
+
+        async def run() -> None:
+            await asyncio.gather(*(worker(k) for k in range(32)))
+
+        asyncio.run(run())
+        assert statuses == {200: 8000, 400: 2000}, statuses
+        assert stub.hits > 0 and s.proxy.counts["retries"] > 0  # errors were mixed in
+        assert s.proxy.counts["client_disconnects"] > 0
+        wait_for(lambda: s.loads() == {}, "every engine's load back to 0")
+        assert len(s.core.loads) == 0 and s.core.loads.expired == 0
+    finally:
+        s.close()
+        stub.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import threading
 import time
 from collections import Counter
@@ -29,6 +28,7 @@ import msgspec
 from ..consume.engine_spec import EngineSpec
 from .proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
 from .service import RouteError, RouterCore
+from .upstream import Pool, Response, UpstreamError
 
 __all__ = ["Proxy", "ProxyConfig", "openai_error"]
 
@@ -94,12 +94,22 @@ class _Link:
     def __init__(self, spec: EngineSpec, cooloff: float) -> None:
         assert spec.url is not None
         self.name = spec.name
-        self.url = spec.url
         self.ranks = spec.ranks
         self.breaker = Breaker(cooloff)
+        self.pool: Pool | None = None  # made in the serving loop, on first use
+        self.set_url(spec.url)
         self.http_up = False
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
+
+    def set_url(self, url: str) -> None:
+        """Point at ``url`` (``http://HOST:PORT``); new connections go there."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        self.url = url
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.pool = None
 
 
 class Proxy:
@@ -122,7 +132,6 @@ class Proxy:
                         "prefix overlap is computed)")
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # breakers: the prober thread and the event loop
-        self._client: httpx.AsyncClient | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._probed = threading.Event()
@@ -338,31 +347,27 @@ class Proxy:
             if not (link.http_up and link.breaker.up):
                 continue
             try:
-                r = await self._http().post(link.url + "/tokenize", content=_enc.encode(q),
-                                            headers={"content-type": "application/json"},
-                                            timeout=self.cfg.connect_timeout)
-            except httpx.HTTPError:
+                r = await asyncio.wait_for(self._pool(link).request(
+                    b"POST", b"/tokenize", [(b"content-type", b"application/json")],
+                    _enc.encode(q)), self.cfg.connect_timeout)
+                payload = await asyncio.wait_for(r.read(), self.cfg.connect_timeout)
+            except (UpstreamError, TimeoutError):
                 continue
-            if r.status_code == 200:
-                toks = msgspec.json.decode(r.content).get("tokens")
+            if r.status == 200:
+                try:
+                    toks = msgspec.json.decode(payload).get("tokens")
+                except (msgspec.DecodeError, AttributeError):
+                    toks = None
                 if isinstance(toks, list):
                     return toks
             break  # the engine refused it: it will refuse the request too, with reasons
         self.counts["tokenize_failures"] += 1
         return ()
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:  # made in the serving loop, on first use
-            cfg = self.cfg
-            transport = httpx.AsyncHTTPTransport(
-                retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-                limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512,
-                                    keepalive_expiry=30.0))
-            self._client = httpx.AsyncClient(
-                transport=transport,
-                timeout=httpx.Timeout(connect=cfg.connect_timeout, read=cfg.stall_timeout,
-                                      write=cfg.stall_timeout, pool=cfg.first_byte_timeout))
-        return self._client
+    def _pool(self, link: _Link) -> Pool:
+        if link.pool is None:
+            link.pool = Pool(link.host, link.port, self.cfg.connect_timeout)
+        return link.pool
 
     async def _serve(self, scope: dict, body: bytes, chat: bool, send: Any,
                      done: list[bool]) -> None:
@@ -423,41 +428,40 @@ class Proxy:
         hdrs = list(headers)
         if link.ranks > 1:
             hdrs.append((b"x-data-parallel-rank", str(routed.rank).encode()))
-        client = self._http()
-        resp = None
+        resp: Response | None = None
         self.counts["attempts"] += 1
         try:
-            request = client.build_request("POST", link.url + path.decode(), content=body,
-                                           headers=hdrs)
             try:
-                resp = await asyncio.wait_for(client.send(request, stream=True),
-                                              self.cfg.first_byte_timeout)
-            except (TimeoutError, httpx.TimeoutException) as e:
+                resp = await asyncio.wait_for(
+                    self._pool(link).request(b"POST", path, hdrs, body),
+                    self.cfg.first_byte_timeout)
+            except TimeoutError:
                 return Outcome.TIMEOUT, False, (504, openai_error(
-                    504, f"engine {link.name} did not answer in time: {e!r}", "Timeout"))
-            except httpx.HTTPError as e:
+                    504, f"engine {link.name} did not answer in "
+                    f"{self.cfg.first_byte_timeout:g} s", "Timeout"))
+            except UpstreamError as e:
                 return Outcome.REFUSED, False, (502, openai_error(
-                    502, f"engine {link.name} unreachable: {e!r}", "BadGateway"))
+                    502, f"engine {link.name} unreachable: {e}", "BadGateway"))
             rid = [(b"x-kvwire-engine", link.name.encode()),
                    (b"x-kvwire-rank", str(routed.rank).encode())]
-            ctype = resp.headers.get("content-type", "application/json").encode()
-            if stream and resp.status_code == 200:
+            ctype = resp.headers.get(b"content-type", b"application/json")
+            if stream and resp.status == 200:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", ctype),
                                         (b"cache-control", b"no-cache"), *rid]})
                 out_tokens = await self._pump(resp, lc, send, link.name, done)
                 return Outcome.OK, True, None
             try:
-                payload = await asyncio.wait_for(resp.aread(), self.cfg.first_byte_timeout)
-            except (TimeoutError, httpx.HTTPError) as e:
+                payload = await asyncio.wait_for(resp.read(), self.cfg.first_byte_timeout)
+            except (TimeoutError, UpstreamError) as e:
                 return Outcome.TIMEOUT, False, (504, openai_error(
                     504, f"engine {link.name} did not finish its answer: {e!r}", "Timeout"))
-            if resp.status_code >= 500:
-                return Outcome.SERVER_ERROR, False, (resp.status_code, payload)
+            if resp.status >= 500:
+                return Outcome.SERVER_ERROR, False, (resp.status, payload)
             self._first(lc)
             m = _COMPLETION_TOKENS.search(payload)
             out_tokens = int(m.group(1)) if m else None
-            await send({"type": "http.response.start", "status": resp.status_code,
+            await send({"type": "http.response.start", "status": resp.status,
                         "headers": [(b"content-type", ctype),
                                     (b"content-length", str(len(payload)).encode()), *rid]})
             done[0] = True
@@ -467,14 +471,14 @@ class Proxy:
             if lc.end():  # first: nothing below may skip it (a cancel lands in awaits)
                 self.core.finish(routed.request_id, out_tokens)
             if resp is not None:
-                await resp.aclose()
+                resp.close()  # unfinished: the connection closes and the engine aborts
 
     def _first(self, lc: Lifecycle) -> None:
         drop = lc.first_token()
         if drop:
             self.core.first_token(lc.request_id, drop)
 
-    async def _pump(self, resp: httpx.Response, lc: Lifecycle, send: Any,
+    async def _pump(self, resp: Response, lc: Lifecycle, send: Any,
                     name: str, done: list[bool]) -> int | None:
         """Forward a stream's bytes as they come; the first drops the prefill share. An
         engine failing mid-stream becomes an SSE error event and a clean end."""
@@ -482,7 +486,7 @@ class Proxy:
         usage: int | None = None
         first = True
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.iter_chunks():
                 if first:
                     self._first(lc)
                     first = False
@@ -492,7 +496,7 @@ class Proxy:
                     if m:
                         usage = int(m.group(1))
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             self.counts["broken_streams"] += 1
             err = openai_error(502, f"engine {name} failed mid-stream: {e!r}", "BadGateway")
             await send({"type": "http.response.body",
