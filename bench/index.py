@@ -26,6 +26,10 @@ Memory per indexed block: the RSS delta of ingesting the whole workload into eac
     .venv/bin/python bench/index.py            # 1M blocks, about 1-2 minutes
     .venv/bin/python bench/index.py --quick    # 200k blocks
     .venv/bin/python bench/index.py --churn    # also 10^6 store/remove churn steps
+    .venv/bin/python bench/index.py --key-scheme kvwire   # the earlier key scheme
+
+Keys: the index's default scheme, the standard block hash (RFC #1527 sequence hashes, u32
+tokens), or ``--key-scheme kvwire`` (int64 tokens, one xxh3 per block); docs/index.md.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ from kvwire.consume.stream import Batch  # noqa: E402
 from kvwire.index import PrefixIndex  # noqa: E402
 from kvwire.index.keys import NATIVE, REASON  # noqa: E402
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+
+#: The index's key scheme (--key-scheme).
+KEY_SCHEME = "standard"
 
 try:  # NVIDIA Dynamo's radix tree, the second baseline (pip install ai-dynamo-runtime==1.6.1)
     from dynamo._core import RadixTree as DynamoTree  # type: ignore[import-not-found]
@@ -283,7 +290,7 @@ def churn_rows(steps: int) -> list[tuple[str, str, str]]:
     # removed hashes are remembered in two generations of `remember_removed`: sampled at a
     # period that is not a multiple of it, that sawtooth would look like slow growth, so it
     # is kept small here (the flatness being shown is the index's own)
-    idx = PrefixIndex(remember_removed=1000)
+    idx = PrefixIndex(remember_removed=1000, key_scheme=KEY_SCHEME)
     nb = 100_000
 
     def ev(i: int) -> BlockStored:
@@ -308,7 +315,7 @@ def churn_rows(steps: int) -> list[tuple[str, str, str]]:
 
 
 def bytes_per_distinct_block() -> float:
-    idx = PrefixIndex()
+    idx = PrefixIndex(key_scheme=KEY_SCHEME)
     evs = [BlockStored([(i * 7919 + 1) << 20], None, list(range(i, i + BS)), BS, None, None,
                        None) for i in range(50_000)]
     gc.collect()
@@ -328,7 +335,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2000)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--churn-only", action="store_true", help="only the 10^6-step churn row")
+    ap.add_argument("--key-scheme", choices=("standard", "kvwire"), default="standard",
+                    help="the index's key scheme (default: standard)")
     a = ap.parse_args()
+    global KEY_SCHEME
+    KEY_SCHEME = a.key_scheme
     steal = Steal()
     blocks = 200_000 if a.quick else a.blocks
     nprompts = 300 if a.quick else a.prompts
@@ -353,7 +364,7 @@ def main() -> None:
         what = "memory per indexed block (RSS delta of the ingest)"
         mem.append(("" if mem else what, name, "?" if per is None else f"{per:.0f} B"))
 
-    idx = PrefixIndex()
+    idx = PrefixIndex(key_scheme=KEY_SCHEME)
     cpu, wall, n, per = measured_ingest(w, idx)
     ingested("kvwire", cpu, wall, n, per)
     naive = dyn = None
@@ -399,7 +410,7 @@ def main() -> None:
     w0 = max(len(r[0]) for r in rows)
     keys = "C keys" if NATIVE else f"pure-Python keys: {REASON}"
     print(f"kvwire index bench ({os.cpu_count()} cpus, {len(streams)} streams, "
-          f"{idx_blocks(idx):,} blocks indexed, {keys}; {steal})")
+          f"{idx_blocks(idx):,} blocks indexed, {keys}, key scheme {KEY_SCHEME}; {steal})")
     print(f"{'measurement':<{w0}}  {'index':<7}  result")
     for r in rows:
         print(f"{r[0]:<{w0}}  {r[1]:<7}  {r[2]}")
