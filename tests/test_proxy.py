@@ -590,3 +590,123 @@ def test_no_reservation_outlives_its_request(engine_procs: Callable[..., list[En
     finally:
         s.close()
         stub.close()
+
+
+@pytest.fixture
+def serve_proc() -> Iterator[Callable[..., tuple[subprocess.Popen, str]]]:
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen, str]:
+        from test_serve import _stderr_line
+
+        p = subprocess.Popen([str(ROOT / ".venv/bin/kvwire"), "serve", "--port", "0", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        p.said = []  # type: ignore[attr-defined]
+        while True:
+            line = _stderr_line(p, ".")
+            p.said.append(line)  # type: ignore[attr-defined]
+            m = re.search(r"(http://\S+)/", line)
+            if m and "streams;" in line:
+                return p, m.group(1)
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(TIMEOUT)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(TIMEOUT)
+        if p.stderr:
+            p.stderr.close()
+
+
+def _engine_args(procs: list[EngineProc]) -> list[str]:
+    out = []
+    for i, p in enumerate(procs):
+        out += ["--engine", f"e{i}={p.events},url={p.url}"]
+    return out
+
+
+def test_sigkilled_engine_gets_no_traffic_and_a_restarted_one_is_used_again(
+        engine_procs: Callable[..., list[EngineProc]],
+        serve_proc: Callable[..., tuple[subprocess.Popen, str]]) -> None:
+    """Real processes: `kvwire serve` in front of two `kvwire engine`s. A SIGKILLed engine's
+    in-flight stream ends with an SSE error event and [DONE]; later requests all go to the
+    other one (refused connections are retried, then the breaker keeps it out); once
+    restarted on the same ports it is probed back and used again."""
+    procs = engine_procs(2, "--speed", "1")
+    _, url = serve_proc(*_engine_args(procs), "--tokenizer", "builtin", "--cooloff", "0.5",
+                        "--probe-interval", "0.1", "--dead-after", "1")
+    c = httpx.Client(base_url=url, timeout=TIMEOUT)
+    try:
+        wait_for(lambda: c.get("/health").status_code == 200, "router healthy")
+        long = {"model": "m", "prompt": "in flight " * 30, "max_tokens": 3000,
+                "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=long) as r:
+            chunks = r.iter_raw()
+            assert next(chunks).startswith(b"data: {")
+            victim = r.headers["x-kvwire-engine"]
+            procs[int(victim[1])].kill()
+            rest = b"".join(chunks)
+        assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
+        other = "e1" if victim == "e0" else "e0"
+        for k in range(12):
+            r2 = c.post("/v1/chat/completions", json=_chat(f"after {k} " * 30, "q"))
+            assert r2.status_code == 200, r2.text
+            assert r2.headers["x-kvwire-engine"] == other
+        procs[int(victim[1])].start()
+        procs[int(victim[1])].wait_ready()
+
+        def used_again() -> bool:
+            got = {c.post("/v1/chat/completions", json=_chat(f"back {time.monotonic()} " * 30,
+                                                             "q")).headers["x-kvwire-engine"]
+                   for _ in range(4)}
+            return victim in got
+        wait_for(used_again, "the restarted engine used again")
+        assert c.get("/health").status_code == 200
+    finally:
+        c.close()
+
+
+def test_serve_cli_flags(engine_procs: Callable[..., list[EngineProc]],
+                         serve_proc: Callable[..., tuple[subprocess.Popen, str]],
+                         tmp_path: Path) -> None:
+    """`kvwire serve` proxies with --policy and --tokenizer DIR; bad values are exit 2 with
+    one line; without a tokenizer it says once that it routes by load only."""
+    from kvwire.cli.serve import main
+
+    procs = engine_procs(1)
+    args = ["--port", "0", *_engine_args(procs)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--policy", "fastest"])
+    assert exit_.value.code == 2
+    assert main([*args, "--tokenizer", "/nonexistent"]) == 2
+    import lzma
+    import shutil
+
+    qwen = tmp_path / "qwen3"
+    qwen.mkdir()
+    src = ROOT / "tests/data/tokenize/qwen3"
+    shutil.copy(src / "tokenizer_config.json", qwen)
+    (qwen / "tokenizer.json").write_bytes(lzma.decompress((src / "tokenizer.json.xz"
+                                                           ).read_bytes()))
+    p, url = serve_proc(*_engine_args(procs), "--policy", "least_load", "--tokenizer",
+                        str(qwen))
+    r = httpx.post(url + "/v1/chat/completions", json=_chat("sys", "hi"), timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["x-kvwire-engine"] == "e0", r.text
+    assert not any("load only" in line for line in p.said)  # type: ignore[attr-defined]
+    p2, _ = serve_proc(*_engine_args(procs))
+    said = [line for line in p2.said if "load only" in line]  # type: ignore[attr-defined]
+    assert len(said) == 1 and "no --tokenizer" in said[0], p2.said  # type: ignore[attr-defined]
+
+
+def test_engine_url_option() -> None:
+    e = EngineSpec.parse("e0=tcp://127.0.0.1:5557,url=http://127.0.0.1:8000/,ranks=2")
+    assert e.url == "http://127.0.0.1:8000" and e.ranks == 2
+    assert EngineSpec.parse("e0=tcp://127.0.0.1:5557").url is None
+    for bad in ("ftp://x:1", "http://x", "http://x:1/v1", "http://u:p@x:1", "http://x:99999"):
+        with pytest.raises(ValueError, match="url"):
+            EngineSpec.parse(f"e0=tcp://127.0.0.1:5557,url={bad}")
