@@ -710,3 +710,48 @@ def test_engine_url_option() -> None:
     for bad in ("ftp://x:1", "http://x", "http://x:1/v1", "http://u:p@x:1", "http://x:99999"):
         with pytest.raises(ValueError, match="url"):
             EngineSpec.parse(f"e0=tcp://127.0.0.1:5557,url={bad}")
+
+
+def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
+    """The proxy's --tokenizer DIR ids (body decoded as the proxy decodes it) equal
+    transformers' apply_chat_template(add_generation_prompt=...) for the corpus of
+    tests/test_tokenize.py on Qwen3's real tokenizer.json and template."""
+    import lzma
+    import shutil
+
+    from engine_helpers import import_or_skip
+    from test_tokenize import CORPUS, _ref_ids
+
+    from kvwire.router.proxy import _body_dec
+
+    transformers = import_or_skip("transformers", "transformers")
+    d = tmp_path / "qwen3"
+    d.mkdir()
+    src = ROOT / "tests/data/tokenize/qwen3"
+    shutil.copy(src / "tokenizer_config.json", d)
+    (d / "tokenizer.json").write_bytes(lzma.decompress((src / "tokenizer.json.xz"
+                                                        ).read_bytes()))
+    ref = transformers.AutoTokenizer.from_pretrained(str(d))
+    core = RouterCore([EngineSpec("e0", "tcp://127.0.0.1:9", url="http://127.0.0.1:9")])
+    proxy = Proxy(core, load_tokenizer(d))
+    checked = 0
+
+    async def ids(body: dict[str, Any], chat: bool) -> list[int]:
+        return list(await proxy._tokens(_body_dec.decode(json.dumps(body).encode()), chat))
+
+    for _name, messages, tools, agp, kwargs in CORPUS:
+        try:
+            want = _ref_ids(ref, messages, tools, agp, kwargs)
+        except Exception:
+            continue  # transformers cannot render it (test_tokenize checks kvwire raises)
+        body: dict[str, Any] = {"model": "m", "messages": messages,
+                                "add_generation_prompt": agp}
+        if tools:
+            body["tools"] = tools
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        assert asyncio.run(ids(body, True)) == want, _name
+        checked += 1
+    assert checked >= 8
+    text = "Hello <|im_start|>wörld 🙂"
+    assert asyncio.run(ids({"prompt": text}, False)) == ref.encode(text)
