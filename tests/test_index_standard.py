@@ -6,8 +6,10 @@ by a prompt that kvwire hashes itself."""
 
 from __future__ import annotations
 
+import json
 import time
 from array import array
+from pathlib import Path
 
 import pytest
 from engine_helpers import import_or_skip
@@ -211,3 +213,25 @@ def test_salt_and_lora_fold_through_continuation_events() -> None:
     # removing everything drops the remembered seeds with the keys
     idx.apply(_batch("v", BlockRemoved([1, 2, 3, 4, 5, 6], None), seq=1))
     assert idx._folds == {} and idx._h.keys == {}
+
+
+def test_mooncake_vectors_store_and_remove_by_their_hashes() -> None:
+    """Mooncake Store's own messages (tests/data/rfc1527_mooncake.json: puts, removes and
+    lease evictions, no token ids): the index holds exactly the hashes stored and not yet
+    removed, each under itself as the key."""
+    data = Path(__file__).parent / "data" / "rfc1527_mooncake.json"
+    held: set[int] = set()
+    idx = PrefixIndex()
+    for m in json.loads(data.read_text())["messages"]:
+        b = rfc1527.decode_batch(bytes.fromhex(m["frames_hex"][2]))
+        for ev in b.events:
+            assert ev.rfc1527 is not None
+            if isinstance(ev, BlockStored):
+                assert not ev.token_ids
+                held.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                held.difference_update(ev.block_hashes)
+        idx.apply(Batch("mooncake", m["seq"], b))
+    assert held and set(idx._h.keys) == held
+    s = idx.streams()["mooncake"]
+    assert s.blocks == len(held) and s.unplaced_blocks == 0 and s.unknown_removes == 0
