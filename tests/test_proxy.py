@@ -63,7 +63,7 @@ class Stack:
         specs = [EngineSpec(f"e{i}", e.events[0], url=u)
                  for i, (e, u) in enumerate(zip(engines, urls))]
         self.core = RouterCore(specs, policy=policy or RoutingPolicy(load_weight=0.5, seed=1),
-                               stream_config=StreamConfig(dead_after=1.0))
+                               stream_config=StreamConfig())
         self.core.start()
         cfg.setdefault("probe_interval", 0.1)
         cfg.setdefault("cooloff", 0.3)
@@ -382,8 +382,10 @@ def test_health_needs_http_and_events(make_stack: Callable[..., Stack]) -> None:
     s = make_stack(1)
     wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, "healthy")
     s.proxy.links["e0"].set_url(stub_port_dead)  # events still live, HTTP gone
-    wait_for(lambda: httpx.get(s.url + "/health").status_code == 503, "unhealthy")
-    assert not s.proxy.links["e0"].http_up
+    wait_for(lambda: not s.proxy.links["e0"].http_up, "the probe failing")
+    r = httpx.get(s.url + "/health")
+    assert s.core.alive["e0/dp0"]  # the event stream is live all along
+    assert r.status_code == 503 and "HTTP /health" in r.json()["detail"], r.text
 
 
 def test_bad_input_gets_openai_errors(make_stack: Callable[..., Stack]) -> None:
