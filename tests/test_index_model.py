@@ -24,7 +24,14 @@ from kvwire.consume.stream import Batch, Liveness, Reset
 from kvwire.index import PrefixIndex
 from kvwire.index import keys as keys_mod
 from kvwire.index import prefix as prefix_mod
-from kvwire.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvwire.wire import rfc1527
+from kvwire.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Rfc1527Fields,
+)
 
 NATIVE = pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
 
@@ -137,16 +144,23 @@ def ehash(engine: int, f: int, i: int) -> int | bytes:
     return h.to_bytes(8, "little") if engine % 5 == 4 else h - 2**63 * (engine % 2)
 
 
+def is_rfc1527(engine: int, scheme: str) -> bool:
+    """Under the standard key scheme every third engine is a Mooncake-like rfc1527 publisher:
+    token-less stores whose hashes are the standard sequence hashes (the index's keys)."""
+    return scheme == "standard" and engine % 3 == 2
+
+
 class ManyEngines(RuleBasedStateMachine):
     """Model: per engine, {engine hash: (family, block)}; an engine holds block i of f only
     with its parent (engines store chains in order and evict leaves first, as vLLM does)."""
 
     impl = "native"
+    scheme = "standard"
 
     @initialize(pad=st.sampled_from([0, 0, 61]))
     def setup(self, pad) -> None:
         self._patch()
-        self.idx = PrefixIndex()
+        self.idx = PrefixIndex(key_scheme=self.scheme)
         # `pad` idle engines first: the active ones then sit in slots 61..66, on both sides
         # of the first 64-slot lane (the masks are repacked, the C mirror dropped)
         for e in range(pad):
@@ -181,10 +195,18 @@ class ManyEngines(RuleBasedStateMachine):
         count = min(count, n - start)
         if start and (f, start - 1) not in mine.values():
             start = 0  # the parent is not held: store from the root
-        hs = [ehash(e, f, i) for i in range(start, start + count)]
-        toks = FAMILIES[f][start * BS : (start + count) * BS]
-        parent = ehash(e, f, start - 1) if start else None
-        self._apply(e, BlockStored(hs, parent, toks, BS, None, None, None))
+        if is_rfc1527(e, self.scheme):  # announced by standard hashes only, no tokens
+            seq = rfc1527.standard_block_hashes(FAMILIES[f], BS)
+            hs = seq[start : start + count]
+            ev = BlockStored(hs, seq[start - 1] if start else None, [], BS, None, None,
+                             rfc1527=Rfc1527Fields(base_block_idx=start))
+            self._apply(e, *rfc1527.decode_batch(
+                rfc1527.encode_batch(KVEventBatch(0.0, [ev]))).events)
+        else:
+            hs = [ehash(e, f, i) for i in range(start, start + count)]
+            toks = FAMILIES[f][start * BS : (start + count) * BS]
+            parent = ehash(e, f, start - 1) if start else None
+            self._apply(e, BlockStored(hs, parent, toks, BS, None, None, None))
         for i, h in enumerate(hs):
             mine[h] = (f, start + i)
 
@@ -196,7 +218,8 @@ class ManyEngines(RuleBasedStateMachine):
         leaves = sorted(h for h, (f, i) in mine.items() if (f, i + 1) not in mine.values())
         h = data.draw(st.sampled_from(leaves))
         del mine[h]
-        self._apply(e, BlockRemoved([h], None))
+        rf = Rfc1527Fields() if is_rfc1527(e, self.scheme) else None
+        self._apply(e, BlockRemoved([h], None, rfc1527=rf))
 
     @rule(e=st.integers(0, ENGINES - 1), how=st.sampled_from(["cleared", "reset", "forget"]))
     def clear(self, e, how) -> None:
@@ -239,12 +262,18 @@ class ManyEnginesPython(ManyEngines):
     impl = "python"
 
 
+class ManyEnginesKvwireScheme(ManyEngines):
+    scheme = "kvwire"
+
+
 _MANY = settings(max_examples=150, stateful_step_count=40, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])
 ManyEngines.TestCase.settings = _MANY
 ManyEnginesPython.TestCase.settings = _MANY
+ManyEnginesKvwireScheme.TestCase.settings = _MANY
 TestManyEnginesNative = NATIVE(ManyEngines.TestCase)
 TestManyEnginesPython = ManyEnginesPython.TestCase
+TestManyEnginesKvwireScheme = NATIVE(ManyEnginesKvwireScheme.TestCase)
 
 
 # --------------------------------------------------------------------------- memory
