@@ -280,9 +280,10 @@ class _Stub:
     """A loopback HTTP server standing in for an engine fault (500s) and recording the
     headers it was sent."""
 
-    def __init__(self, status: int = 500) -> None:
+    def __init__(self, status: int = 500, hang: bool = False) -> None:
         stub = self
         self.hits = 0
+        self.release = threading.Event()
         self.headers: list[dict[str, str]] = []
 
         class H(BaseHTTPRequestHandler):
@@ -293,6 +294,16 @@ class _Stub:
                 code = 200 if self.path in ("/health", "/v1/models") else status
                 if self.path != "/health":
                     stub.hits += self.path.startswith("/v1/c")
+                if hang and self.path.startswith("/v1/c"):  # one event, then silence
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream")
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
+                    event = b'data: {"choices": [{"text": "x"}]}\n\n'
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+                    stub.release.wait(TIMEOUT)
+                    return
                 body = (b'{"object":"list","data":[{"id":"m","parent":null}]}'
                         if self.path == "/v1/models" else
                         b'{"error":{"message":"engine broke","type":"InternalServerError",'
@@ -313,6 +324,7 @@ class _Stub:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -352,6 +364,25 @@ def test_5xx_passes_through_when_retries_are_used_up(
         sent = [h for h in stub.headers if "x-request-id" in h][0]
         assert sent["authorization"] == "Bearer sk-test" and sent["x-request-id"] == "abc-1"
         assert s.loads() == {}
+    finally:
+        stub.close()
+
+
+def test_stalled_stream_ends_with_an_error_event(make_stack: Callable[..., Stack]) -> None:
+    """An engine that goes silent mid-stream: after the stall timeout the client gets an SSE
+    error event and [DONE], and the load is released."""
+    stub = _Stub(hang=True)
+    try:
+        s = make_stack(1, stall_timeout=0.5)
+        s.proxy.links["e0"].set_url(stub.url)
+        t0 = time.monotonic()
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, c.stream(
+                "POST", "/v1/completions", json={"prompt": "p", "stream": True}) as r:
+            body = r.read()
+        assert 0.5 <= time.monotonic() - t0 < TIMEOUT
+        assert body.startswith(b'data: {"choices"'), body
+        assert b"sent nothing for 0.5 s" in body and body.endswith(b"data: [DONE]\n\n")
+        assert s.loads() == {} and s.proxy.counts["broken_streams"] == 1
     finally:
         stub.close()
 

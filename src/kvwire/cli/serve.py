@@ -101,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proxy: seconds between engine /health probes")
     p.add_argument("--first-byte-timeout", type=_positive(float), default=60.0,
                    help="proxy: seconds to wait for an engine's answer to begin")
+    p.add_argument("--stall-timeout", type=_positive(float), default=300.0,
+                   help="proxy: seconds a started stream may stay silent before it is ended "
+                        "with an error event")
     p.add_argument("--nats", metavar="URL", default=None, type=_nats_url,
                    help="feed the index from JetStream (kvwire bridge) instead: router "
                         "replicas share one ordered history")
@@ -208,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                           tokenize_with_engine=args.tokenizer == "engine",
                           config=ProxyConfig(retries=args.retries, cooloff=args.cooloff,
                                              probe_interval=args.probe_interval,
-                                             first_byte_timeout=args.first_byte_timeout))
+                                             first_byte_timeout=args.first_byte_timeout,
+                                             stall_timeout=args.stall_timeout))
         elif args.tokenizer is not None:
             raise ValueError("--tokenizer needs an --engine with url=")
     except (ValueError, ImportError) as e:

@@ -485,20 +485,27 @@ class Proxy:
         events = 0
         usage: int | None = None
         first = True
+        loop = asyncio.get_running_loop()
+        stall = self.cfg.stall_timeout
         try:
-            async for chunk in resp.iter_chunks():
-                if first:
-                    self._first(lc)
-                    first = False
-                events += chunk.count(b"data: {")
-                if b"completion_tokens" in chunk:
-                    m = _COMPLETION_TOKENS.search(chunk)
-                    if m:
-                        usage = int(m.group(1))
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError as e:
+            async with asyncio.timeout(stall) as quiet:  # an engine silent this long: broken
+                async for chunk in resp.iter_chunks():
+                    quiet.reschedule(loop.time() + stall)
+                    if first:
+                        self._first(lc)
+                        first = False
+                    events += chunk.count(b"data: {")
+                    if b"completion_tokens" in chunk:
+                        m = _COMPLETION_TOKENS.search(chunk)
+                        if m:
+                            usage = int(m.group(1))
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+        except (UpstreamError, TimeoutError) as e:
             self.counts["broken_streams"] += 1
-            err = openai_error(502, f"engine {name} failed mid-stream: {e!r}", "BadGateway")
+            why = (f"engine {name} sent nothing for {stall:g} s" if isinstance(e, TimeoutError)
+                   else f"engine {name} failed mid-stream: {e}")
+            err = openai_error(502, why, "BadGateway")
             await send({"type": "http.response.body",
                         "body": b"data: " + err + b"\n\ndata: [DONE]\n\n", "more_body": True})
         done[0] = True
