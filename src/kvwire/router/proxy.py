@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,7 +351,7 @@ class Proxy:
                     b"POST", b"/tokenize", [(b"content-type", b"application/json")],
                     _enc.encode(q)), self.cfg.connect_timeout)
                 payload = await asyncio.wait_for(r.read(), self.cfg.connect_timeout)
-            except (UpstreamError, TimeoutError):
+            except (UpstreamError, asyncio.TimeoutError):
                 continue
             if r.status == 200:
                 try:
@@ -435,7 +435,7 @@ class Proxy:
                 resp = await asyncio.wait_for(
                     self._pool(link).request(b"POST", path, hdrs, body),
                     self.cfg.first_byte_timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 return Outcome.TIMEOUT, False, (504, openai_error(
                     504, f"engine {link.name} did not answer in "
                     f"{self.cfg.first_byte_timeout:g} s", "Timeout"))
@@ -453,7 +453,7 @@ class Proxy:
                 return Outcome.OK, True, None
             try:
                 payload = await asyncio.wait_for(resp.read(), self.cfg.first_byte_timeout)
-            except (TimeoutError, UpstreamError) as e:
+            except (asyncio.TimeoutError, UpstreamError) as e:
                 return Outcome.TIMEOUT, False, (504, openai_error(
                     504, f"engine {link.name} did not finish its answer: {e!r}", "Timeout"))
             if resp.status >= 500:
@@ -485,32 +485,47 @@ class Proxy:
         events = 0
         usage: int | None = None
         first = True
-        loop = asyncio.get_running_loop()
         stall = self.cfg.stall_timeout
         try:
-            async with asyncio.timeout(stall) as quiet:  # an engine silent this long: broken
-                async for chunk in resp.iter_chunks():
-                    quiet.reschedule(loop.time() + stall)
-                    if first:
-                        self._first(lc)
-                        first = False
-                    events += chunk.count(b"data: {")
-                    if b"completion_tokens" in chunk:
-                        m = _COMPLETION_TOKENS.search(chunk)
-                        if m:
-                            usage = int(m.group(1))
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-        except (UpstreamError, TimeoutError) as e:
+            async for chunk in _quiet_limited(resp.iter_chunks(), stall):
+                if first:
+                    self._first(lc)
+                    first = False
+                events += chunk.count(b"data: {")
+                if b"completion_tokens" in chunk:
+                    m = _COMPLETION_TOKENS.search(chunk)
+                    if m:
+                        usage = int(m.group(1))
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (UpstreamError, asyncio.TimeoutError) as e:
             self.counts["broken_streams"] += 1
-            why = (f"engine {name} sent nothing for {stall:g} s" if isinstance(e, TimeoutError)
-                   else f"engine {name} failed mid-stream: {e}")
+            why = (f"engine {name} failed mid-stream: {e}" if isinstance(e, UpstreamError)
+                   else f"engine {name} sent nothing for {stall:g} s")
             err = openai_error(502, why, "BadGateway")
             await send({"type": "http.response.body",
                         "body": b"data: " + err + b"\n\ndata: [DONE]\n\n", "more_body": True})
         done[0] = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return usage if usage is not None else events
+
+
+async def _quiet_limited(chunks: AsyncIterator[bytes], limit: float
+                         ) -> AsyncIterator[bytes]:
+    """``chunks``, raising asyncio.TimeoutError when the next one takes over ``limit`` s.
+    Only the wait for a chunk is timed, never the caller's work between chunks (a slow
+    client). Python 3.11+: a timer per chunk; 3.10: wait_for (a task) per chunk."""
+    it = chunks.__aiter__()
+    timeout = getattr(asyncio, "timeout", None)
+    while True:
+        try:
+            if timeout is not None:
+                async with timeout(limit):
+                    chunk = await it.__anext__()
+            else:
+                chunk = await asyncio.wait_for(it.__anext__(), limit)
+        except StopAsyncIteration:
+            return
+        yield chunk
 
 
 def _streams(core: RouterCore, engine: str) -> list[str]:

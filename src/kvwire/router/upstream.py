@@ -106,7 +106,7 @@ class Pool:
         try:
             return await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
                                           self.connect_timeout)
-        except (OSError, TimeoutError) as e:
+        except (OSError, asyncio.TimeoutError) as e:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {e!r}") from None
 
     async def request(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]],
