@@ -128,7 +128,7 @@ def _announce(prompt: list[int], bs: int, start: int, count: int, seed: int = 13
     """An rfc1527 BlockStored of blocks start..start+count-1 by standard hashes only."""
     seq = rfc1527.standard_block_hashes(prompt, bs, seed)
     return BlockStored(seq[start : start + count], seq[start - 1] if start else None, [],
-                       bs if with_bs else 0, None, "cpu",
+                       bs if with_bs else 0, None, "CPU",
                        rfc1527=Rfc1527Fields(base_block_idx=start))
 
 
@@ -147,11 +147,11 @@ def test_rfc1527_blocks_without_tokens_match_a_prompt() -> None:
     assert idx.match(other)["mooncake"].blocks == 1
     # removals by the same hashes
     seq = rfc1527.standard_block_hashes(prompt, bs)
-    rm = BlockRemoved(seq[5:7], "cpu", rfc1527=Rfc1527Fields(base_block_idx=5))
+    rm = BlockRemoved(seq[5:7], "CPU", rfc1527=Rfc1527Fields(base_block_idx=5))
     idx.apply(_batch("mooncake", *_wire(rm), seq=1))
     assert idx.match(prompt)["mooncake"].blocks == 5
     # an event with no hashes indexes nothing
-    empty = BlockStored([], None, [], bs, None, "cpu", rfc1527=Rfc1527Fields(base_block_idx=0))
+    empty = BlockStored([], None, [], bs, None, "CPU", rfc1527=Rfc1527Fields(base_block_idx=0))
     idx.apply(_batch("mooncake", *_wire(empty), seq=2))
     assert idx.streams()["mooncake"].blocks == 5
 
@@ -177,7 +177,9 @@ def test_rfc1527_without_block_size_learns_it_from_prediction() -> None:
     idx = PrefixIndex(predict_ttl=0.0)
     idx.apply(_batch("m", *_wire(_announce(prompt, bs, 0, 3, with_bs=False))))
     assert idx.match(prompt)["m"].blocks == 0
+    assert "without a block size" in (idx.streams()["m"].suspect or "")
     idx.predict("m", prompt, block_size=bs)  # ttl 0: sets the block size only
+    assert idx.streams()["m"].suspect is None
     assert idx.match(prompt)["m"].blocks == 3
 
 
@@ -235,3 +237,44 @@ def test_mooncake_vectors_store_and_remove_by_their_hashes() -> None:
     assert held and set(idx._h.keys) == held
     s = idx.streams()["mooncake"]
     assert s.blocks == len(held) and s.unplaced_blocks == 0 and s.unknown_removes == 0
+
+
+def test_real_rfc1527_publisher_subscriber_feed() -> None:
+    """Token-less rfc1527 batches over ZeroMQ (publisher -> subscriber -> index): prompts
+    hashed by kvwire match the blocks announced by standard hashes only."""
+    from kvwire.consume.subscriber import StreamSpec, Subscriber
+    from kvwire.publish.publisher import ZmqEventPublisher
+    from kvwire.wire.events import EventBatch
+
+    pub = ZmqEventPublisher(endpoint="tcp://*:0", replay_endpoint="tcp://*:0",
+                            dialect="rfc1527", heartbeat_interval=0.2)
+    port = pub.endpoint.rsplit(":", 1)[1]
+    rport = pub.replay_endpoint.rsplit(":", 1)[1]
+    spec = StreamSpec("mooncake/dp0", f"tcp://127.0.0.1:{port}", "", f"tcp://127.0.0.1:{rport}")
+    sub = Subscriber([spec])
+    idx = PrefixIndex()
+    bs = 16
+    a = list(range(1000, 1000 + 8 * bs))
+    b = a[: 4 * bs] + list(range(5000, 5000 + 4 * bs))
+    seq_a = rfc1527.standard_block_hashes(a, bs)
+    try:
+        pub.publish(EventBatch(time.time(), [_announce(a, bs, 0, 8)]))
+        pub.publish(EventBatch(time.time(), [_announce(b, bs, 4, 4)]))  # parent: a's 4th
+        pub.publish(EventBatch(time.time(), [BlockRemoved(
+            seq_a[6:], "CPU", rfc1527=Rfc1527Fields(base_block_idx=6))]))
+        deadline = time.monotonic() + 20.0
+        want, got = {"a": 6, "b": 8}, {}
+        while time.monotonic() < deadline and got != want:
+            idx.apply_many(sub.poll_many(0.1))
+            m = idx.match(a)
+            if spec.name in m:
+                got = {"a": m[spec.name].blocks, "b": idx.match(b)[spec.name].blocks}
+        assert got == want
+        stats = idx.streams()[spec.name]
+        assert stats.block_size == bs and stats.blocks == 10 and stats.unknown_removes == 0
+        # (the batches, or the publisher's snapshot of its 10 blocks when joining late)
+        assert stats.stores_without_tokens >= 10 and stats.unplaced_blocks == 0
+        assert stats.tiers["CPU"] == 10 and stats.suspect is None
+    finally:
+        sub.close()
+        pub.shutdown()

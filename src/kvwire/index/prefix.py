@@ -270,6 +270,7 @@ class PrefixIndex:
             # standard scheme those ARE the own keys (block k at depth base_block_idx + k,
             # chained on parent_block_hash), so a prompt hashed here matches them directly
             st.no_tokens += n
+            st.std_blocks += n
             keys = hs if type(hs) is list else list(hs)
             if isinstance(bs, int) and bs > 0 and st.block_size != bs:
                 st.sizes_seen.add(bs)

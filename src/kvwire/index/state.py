@@ -77,7 +77,7 @@ class _Stream:
         "pred",
         "events", "batches", "last_time", "alive", "resets", "snapshots", "clears",
         "no_tokens", "unplaced", "orphans", "unknown_removes", "bad", "last_bad",
-        "req_base", "matched", "token_blocks",
+        "req_base", "matched", "token_blocks", "std_blocks",
     )
 
     def __init__(self, name: str, slot: int) -> None:
@@ -101,6 +101,7 @@ class _Stream:
         self.req_base = 0
         self.matched = 0
         self.token_blocks = 0
+        self.std_blocks = 0  # token-less rfc1527 blocks keyed by their standard hashes
 
     def lookup(self, h: BlockHash) -> int | None:
         for d in self.h2k.values():
@@ -178,11 +179,15 @@ def _salt_from_extra(first: Any, lora_name: str | None) -> Any:
 
 def suspect(st: _Stream, requests: int) -> str | None:
     """Why a stream is useless or partly so, in a sentence (None when nothing is wrong)."""
-    if st.no_tokens and not st.token_blocks and st.events:
+    if st.no_tokens and not st.token_blocks and not st.std_blocks and st.events:
         return (f"{st.no_tokens} blocks stored without token ids and none with: the index "
                 "cannot compute keys for this stream, so it never matches")
-    if st.token_blocks and requests >= SUSPECT_AFTER and st.matched == 0:
-        return (f"{st.token_blocks} blocks stored but 0 of {requests} requests matched any: "
+    if st.std_blocks and st.block_size is None:
+        return (f"{st.std_blocks} blocks stored by standard hashes without a block size: "
+                "the stream is not matched until one is known (predict(..., block_size=))")
+    keyed = st.token_blocks + st.std_blocks
+    if keyed and requests >= SUSPECT_AFTER and st.matched == 0:
+        return (f"{keyed} blocks stored but 0 of {requests} requests matched any: "
                 f"block size {st.block_size} (sizes seen {sorted(st.sizes_seen)}), LoRA "
                 "name or cache salt may disagree between the engine and the requests")
     if len(st.sizes_seen) > 1:
