@@ -290,7 +290,8 @@ class _Stub:
             def _answer(self) -> None:
                 n = int(self.headers.get("content-length", 0))
                 self.rfile.read(n)
-                stub.headers.append({k.lower(): v for k, v in self.headers.items()})
+                stub.headers.append({k.lower(): v for k, v in self.headers.items()}
+                                    | {":path": self.path})
                 code = 200 if self.path in ("/health", "/v1/models") else status
                 if self.path != "/health":
                     stub.hits += self.path.startswith("/v1/c")
@@ -347,6 +348,38 @@ def test_5xx_is_retried_on_the_next_engine_and_breaks_the_circuit(
         assert s.loads() == {}
     finally:
         stub.close()
+
+
+def test_dp_rank_goes_in_vllms_header(make_stack: Callable[..., Stack]) -> None:
+    """An engine with ranks=2: the chosen rank reaches the engine as X-data-parallel-rank
+    (vLLM's header) and the client as x-kvwire-rank. (The recording stub answers.)"""
+    stub = _Stub(200)
+    eng = _engine(dp_size=2)
+    try:
+        core = RouterCore([EngineSpec("e0", eng.events[0], ranks=2, url=stub.url)],
+                          policy=RoutingPolicy(seed=3))
+        core.start()
+        proxy = Proxy(core, load_tokenizer(None), config=ProxyConfig(probe_interval=0.1))
+        proxy.start()
+        server, thread, port = serve_in_thread(core, proxy=proxy)
+        try:
+            seen = set()
+            for i in range(12):
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=TIMEOUT,
+                               json={"prompt": f"rank {i} " * 20})
+                rank = r.headers["x-kvwire-rank"]
+                sent = [h for h in stub.headers if h[":path"] == "/v1/completions"][-1]
+                assert sent["x-data-parallel-rank"] == rank
+                seen.add(rank)
+            assert seen == {"0", "1"}
+        finally:
+            server.should_exit = True
+            thread.join(TIMEOUT)
+            proxy.close()
+            core.close()
+    finally:
+        stub.close()
+        eng.close()
 
 
 def test_5xx_passes_through_when_retries_are_used_up(
