@@ -38,8 +38,9 @@ def import_or_skip(module: str, wheel: str) -> Any:
     try:
         return importlib.import_module(module)
     except Exception as e:  # ImportError, or a dependency of the engine missing/broken
+        stamp = "DYNAMO" if "dynamo" in wheel else "ENGINES"
         pytest.skip(f"{wheel} is missing or unimportable ({type(e).__name__}: {e}); "
-                    "`make test` installs it (the ENGINES stamp)")
+                    f"`make test` installs it (the {stamp} stamp)")
 
 
 def sub_socket(ctx: zmq.Context, endpoint: str, bind: bool = False) -> zmq.Socket:

@@ -29,6 +29,7 @@ def test_missing_engine_wheels_are_listed_loudly(tmp_path) -> None:
     assert "ENGINES stamp" in out
     assert "1 test(s) SKIPPED because dynamo is missing" in out, out
     assert "SKIPPED test_suite.py::test_d: ai-dynamo-runtime (" in out, out
+    assert "(the DYNAMO stamp)" in out, out
     assert "DYNAMO stamp" in out
 
 
