@@ -442,17 +442,21 @@ def overhead_client(port: int, bodies: list[bytes], rate: float, out: str) -> No
         pass
 
     async def main() -> dict:
-        idle: list = []
+        idle: list = []  # (reader, writer, last used); servers close idle ones (uvicorn
+        # after 5 s), so a connection idle for over 2 s is closed here and not reused
 
         async def conn():
-            if idle:
-                return idle.pop()
+            while idle:
+                r, w, used = idle.pop()
+                if time.perf_counter() - used < 2.0:
+                    return r, w
+                w.close()
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return r, w
 
         for _ in range(8):
-            idle.append(await conn())
+            idle.append((*await conn(), time.perf_counter()))
         ttfts: list[float] = []
         late: list[float] = []
         errors: list[str] = []
@@ -462,7 +466,7 @@ def overhead_client(port: int, bodies: list[bytes], rate: float, out: str) -> No
             try:
                 ttft, _ = await _one(c, b, port)
                 ttfts.append(ttft)
-                idle.append(c)
+                idle.append((*c, time.perf_counter()))
             except Exception as e:  # noqa: BLE001 - counted and reported
                 errors.append(repr(e))
                 c[1].close()
@@ -478,7 +482,7 @@ def overhead_client(port: int, bodies: list[bytes], rate: float, out: str) -> No
             tasks.append(asyncio.ensure_future(fire(b)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-        for _, w in idle:
+        for _, w, _ in idle:
             w.close()
         return {"ttft": ttfts, "errors": errors[:3], "n_err": len(errors),
                 "late_p99": _pct(late, 99), "rate": len(ttfts) / wall}
@@ -592,7 +596,7 @@ def run_condition(a: argparse.Namespace, condition: str) -> dict:
         print(f"[{condition}] engines and routers up: "
               f"{sorted(f'{k}/{r}' for k, r in ports)}", flush=True)
         bodies = {(k, s): chat_bodies(512, s, MODEL[k]) for k in a.engines for s in (False, True)}
-        for rnd in range(a.repeat):
+        for rnd in range(0 if a.only_overhead else a.repeat):
             for kind in a.engines:
                 for stream in (False, True):
                     for conns in a.conns:
@@ -758,6 +762,7 @@ def main() -> None:
                    help="comma list of trivial,kvwire-engine")
     p.add_argument("--condition", choices=("default", "quickack", "both"), default="both")
     p.add_argument("--no-overhead", dest="overhead", action="store_false")
+    p.add_argument("--only-overhead", action="store_true", help="the overhead row alone")
     p.add_argument("--rate", type=float, default=500.0, help="overhead row: requests/s")
     p.add_argument("--overhead-seconds", type=float, default=10.0)
     p.add_argument("--netns-child", metavar="OUT", help=argparse.SUPPRESS)
