@@ -119,12 +119,28 @@ def _chat(prefix: str, suffix: str, **kw: Any) -> dict[str, Any]:
 def test_requests_follow_the_cache(make_stack: Callable[..., Stack]) -> None:
     """Each conversation's later turns go to the engine that holds its prefix, and hit it."""
     s = make_stack(3)
+    tok = load_tokenizer(None)  # what the stack's proxy tokenizes with
+
+    def held_by_home(body: dict[str, Any], home: str) -> bool:
+        """The router's index credits ``home`` with most of the prompt: its events (or the
+        prediction of the turn before) have landed. On a loaded box ingest can lag a turn."""
+        ids = tok.encode_chat(body["messages"])
+        with s.core.lock:
+            matches = s.core.index.match(ids)
+        credit = {name: m.credit for name, m in matches.items()}
+        best = max(credit, key=credit.get, default=None)
+        return best is not None and best.split("/")[0] == home
+
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
         homes: dict[int, str] = {}
         for k in range(6):
             prefix = f"conversation {k}: " + "context words " * 120
             for turn in range(3):
-                r = c.post("/v1/chat/completions", json=_chat(prefix, f"question {turn}"))
+                body = _chat(prefix, f"question {turn}")
+                if turn:
+                    wait_for(lambda b=body, h=homes[k]: held_by_home(b, h),
+                             f"conversation {k}'s prefix in the index")
+                r = c.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 eng = r.headers["x-kvwire-engine"]
                 homes.setdefault(k, eng)
