@@ -448,9 +448,27 @@ def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
     """End to end with the real pieces: a kvwire engine process -> ``kvwire bridge`` (a real
     process) -> JetStream -> two consumers (ephemeral and durable), live the whole time. The
     engine restarts (new epoch): both get a Reset with the new epoch, and both end exactly
-    at the new engine's cache."""
-    from bridge_helpers import BridgeProc
+    at the new engine's cache.
+
+    A kvwire engine keeps publishing after a run: an empty heartbeat batch (a new seq) every
+    0.2 s of silence. So a consumer's end is "at or past the run's last seq, in its epoch",
+    never "at it" (one ``poll_many`` can hand out the run's last batch and heartbeats after
+    it together, and a consumer waited on second holds seconds of heartbeats by then); what
+    follows the run's last seq must be empty batches, which keeps the cache check exact.
+    The waits for a heartbeat on the subject make that tail present every time."""
+    from bridge_helpers import BridgeProc, wait_subject_seq
     from fault_helpers import Engine
+
+    subject = "kvwire.events.k.0"
+
+    def reached(rb: Rebuild, epoch: int, seq: int) -> bool:
+        at = rb.last.get("k/dp0")
+        return at is not None and at[0] == epoch and at[1] >= seq
+
+    def tail_is_heartbeats(rb: Rebuild, epoch: int, seq: int) -> None:
+        late = [i for i in rb.items if type(i) is Batch and i.stream == "k/dp0"
+                and i.epoch == epoch and i.seq > seq]
+        assert late and all(not i.batch.events for i in late), late[:3]
 
     e = Engine(7, workload="small")
     made = [e]
@@ -462,18 +480,26 @@ def test_real_bridge_engine_restart_reaches_every_consumer_as_reset(
         b.wait_started()
         e.run(1500, 3000)
         d = e.wait_done(120)
+        wait_subject_seq(nats_server.url, subject, d.last_seq + 1, 60, procs=[b],
+                         epoch=e.epoch)  # a heartbeat after the run is on the subject
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e.epoch, d.last_seq), 120,
-                    lambda: f"{d.last_seq} of epoch {e.epoch}; bridge log: {b.log()[-1500:]}")
+            consume(sub, rb, lambda rb=rb: reached(rb, e.epoch, d.last_seq + 1), 120,
+                    lambda: f"seq >= {d.last_seq + 1} of epoch {e.epoch}; "
+                            f"bridge log: {b.log()[-1500:]}")
+            tail_is_heartbeats(rb, e.epoch, d.last_seq)
         e.kill()
         e2 = Engine(8, port=e.port, rport=e.rport, workload="small")
         made.append(e2)
         e2.run(1000, 3000)
         d2 = e2.wait_done(120)
         assert e2.epoch != e.epoch
+        wait_subject_seq(nats_server.url, subject, d2.last_seq + 1, 60, procs=[b],
+                         epoch=e2.epoch)
         for sub, rb in zip(subs, rbs, strict=True):
-            consume(sub, rb, lambda rb=rb: rb.last.get("k/dp0") == (e2.epoch, d2.last_seq), 120,
-                    lambda: f"{d2.last_seq} of epoch {e2.epoch}; bridge log: {b.log()[-1500:]}")
+            consume(sub, rb, lambda rb=rb: reached(rb, e2.epoch, d2.last_seq + 1), 120,
+                    lambda: f"seq >= {d2.last_seq + 1} of epoch {e2.epoch}; "
+                            f"bridge log: {b.log()[-1500:]}")
+            tail_is_heartbeats(rb, e2.epoch, d2.last_seq)
             resets = [i for i in rb.items if type(i) is Reset]
             assert [r.epoch for r in resets] == [e.epoch, e2.epoch], resets
             assert rb.caches["k/dp0"].as_dict() == d2.truth
