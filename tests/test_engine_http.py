@@ -485,3 +485,24 @@ def test_timing_fields_are_the_models(engine):
     assert re.fullmatch(r"cmpl-[0-9a-f]+", r["id"])
     assert msgspec.json.decode(httpx.post(engine.url + "/v1/completions",
                                           json={"prompt": "t", "max_tokens": 1}).content)["usage"]
+
+
+def test_lora_blocks_are_published_with_the_adapters_name():
+    """A request for a LoRA adapter stores blocks with ``lora_id`` and ``lora_name`` (as vLLM
+    0.33 publishes them): routers key adapters by the name clients send as ``model``."""
+    e = EngineThread(_opts())
+    sub = _follow(e.events[0])
+    try:
+        seen: list[BlockStored] = []
+        deadline = time.monotonic() + TIMEOUT
+        while not any(ev.lora_name == "ad2" for ev in seen):  # slow joiner: ask until heard
+            assert time.monotonic() < deadline, f"no ad2 block heard: {seen[-3:]}"
+            body = {"model": "ad2", "prompt": list(range(100, 164)), "max_tokens": 1}
+            assert httpx.post(e.url + "/v1/completions", json=body).status_code == 200
+            while sub.poll(100):
+                seen += [ev for ev in decode_batch(sub.recv_multipart()[-1]).events
+                         if isinstance(ev, BlockStored)]
+        assert {(ev.lora_id, ev.lora_name) for ev in seen} == {(2, "ad2")}
+    finally:
+        sub.close()
+        e.close()

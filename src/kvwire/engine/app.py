@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -167,8 +167,8 @@ class EngineApp:
         cache_tokens = opts.config.num_gpu_blocks * opts.config.block_size
         self.max_model_len = min(opts.max_model_len, cache_tokens)
         self.vocab = int(getattr(tokenizer, "vocab_size", 1 << 31))
-        self.cores = [EngineCore(opts.config, self.max_model_len, rank)
-                      for rank in range(opts.dp_size)]
+        cfg = replace(opts.config, lora_names=tuple(opts.loras))
+        self.cores = [EngineCore(cfg, self.max_model_len, rank) for rank in range(opts.dp_size)]
         self.runners: list[Runner] = []
         self.publishers: list[Any] = []
         self.lora_ids = {name: i + 1 for i, name in enumerate(opts.loras)}

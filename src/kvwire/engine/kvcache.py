@@ -40,7 +40,8 @@ class PagedPrefixCache:
     """The block pool: reference counts, the free (eviction) queue, the hash -> blocks map,
     and the events its changes produce (taken by :meth:`take_events`)."""
 
-    def __init__(self, num_blocks: int, block_size: int, cpu_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, cpu_blocks: int = 0,
+                 lora_names: Sequence[str] = ()) -> None:
         if num_blocks < 1 or block_size < 1 or cpu_blocks < 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be "
                              f">= 1, cpu_blocks ({cpu_blocks}) >= 0")
@@ -56,6 +57,7 @@ class PagedPrefixCache:
         self.cpu: OrderedDict[int, None] = OrderedDict()
         self.events: list[Event] = []
         self.evictions = 0
+        self._lora_names = {i + 1: name for i, name in enumerate(lora_names)}
 
     # ------------------------------------------------------------------ reading
 
@@ -125,7 +127,8 @@ class PagedPrefixCache:
             self.events.append(BlockRemoved([old], CPU))
         cpu[h] = None
         parent, tokens, lora = meta
-        self.events.append(BlockStored([h], parent, _ints(tokens), self.block_size, lora, CPU))
+        self.events.append(BlockStored([h], parent, _ints(tokens), self.block_size, lora, CPU,
+                                       self._lora_names.get(lora)))
 
     def cache_full(self, blocks: Sequence[int], hashes: Sequence[int], start: int, end: int,
                    tokens: Sequence[int], lora_id: int | None) -> None:
@@ -146,7 +149,7 @@ class PagedPrefixCache:
                 self._meta[b] = (hashes[i - 1] if i else None, (), lora_id)
         self.events.append(BlockStored(
             list(hashes[start:end]), hashes[start - 1] if start else None,
-            _ints(tokens[start * bs:end * bs]), bs, lora_id, GPU,
+            _ints(tokens[start * bs:end * bs]), bs, lora_id, GPU, self._lora_names.get(lora_id),
         ))
 
     def free_blocks(self, blocks: Sequence[int]) -> None:

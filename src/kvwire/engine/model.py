@@ -60,6 +60,9 @@ class EngineConfig:
     seed: int = 0
     #: run quiet decode-only stretches in one call (same results, much faster)
     fast_forward: bool = True
+    #: the LoRA adapters' names: lora_id ``i`` (from 1) is ``lora_names[i - 1]``, published
+    #: as ``lora_name`` beside ``lora_id`` as vLLM does (routers key adapters by name)
+    lora_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -91,7 +94,8 @@ class EngineModel:
 
     def __init__(self, cfg: EngineConfig | None = None) -> None:
         self.cfg = cfg = cfg if cfg is not None else EngineConfig()
-        self.cache = PagedPrefixCache(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks)
+        self.cache = PagedPrefixCache(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks,
+                                      cfg.lora_names)
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.now = 0.0
