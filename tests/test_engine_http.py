@@ -506,3 +506,23 @@ def test_lora_blocks_are_published_with_the_adapters_name():
     finally:
         sub.close()
         e.close()
+
+
+def test_dp_rank_header_picks_the_rank():
+    """vLLM's ``X-data-parallel-rank`` (a router's choice) is honoured; a rank the engine
+    does not have is a 400 naming the header, and the engine keeps serving."""
+    e = EngineThread(_opts(dp_size=2))
+    try:
+        body = {"prompt": "r" * 40, "max_tokens": 1, "kvwire_timing": True}
+        for want in (1, 1, 0, 1):
+            r = httpx.post(e.url + "/v1/completions", json=body,
+                           headers={"X-data-parallel-rank": str(want)})
+            assert r.status_code == 200 and r.json()["kvwire"][0]["rank"] == want, r.text
+        for bad in ("2", "-1", "one"):
+            r = httpx.post(e.url + "/v1/completions", json=body,
+                           headers={"X-data-parallel-rank": bad})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "X-data-parallel-rank"
+        assert httpx.post(e.url + "/v1/completions", json=body).status_code == 200
+    finally:
+        e.close()

@@ -278,6 +278,18 @@ class EngineApp:
         order = [(first + k) % n for k in range(n)]
         return min(order, key=lambda i: (lambda w, r: w * 4 + r)(*self.cores[i].load))
 
+    def _header_rank(self, value: bytes) -> int:
+        """The DP rank a router chose (``X-data-parallel-rank``), as vLLM honours it."""
+        try:
+            rank = int(value)
+        except ValueError:
+            rank = -1
+        if not 0 <= rank < len(self.cores):
+            raise ApiError(400, f"X-data-parallel-rank {value.decode(errors='replace')!r} is "
+                           f"not a rank of this engine (0..{len(self.cores) - 1})",
+                           param="X-data-parallel-rank")
+        return rank
+
     def _generate(self, conn: Conn, chat: bool) -> None:
         req = decode_request(conn.body, ChatRequest if chat else CompletionRequest)
         lora = self._lora(req.model)
@@ -314,7 +326,7 @@ class EngineApp:
         stream = bool(req.stream)
         so = req.stream_options
         job = _Job(self, conn, shape, stream, bool(so and so.include_usage), req.kvwire_timing)
-        rank = self._pick()
+        rank = self._pick() if conn.dp_rank is None else self._header_rank(conn.dp_rank)
         core, runner = self.cores[rank], self.runners[rank]
         now = runner.now()
         for i, ids in enumerate(prompts):

@@ -32,11 +32,13 @@ class Conn:
     """One request on a connection: method, path, body; the ways to answer it."""
 
     __slots__ = ("proto", "method", "path", "body", "keep_alive", "on_close", "done",
-                 "streaming")
+                 "streaming", "dp_rank")
 
     def __init__(self, proto: HttpProtocol, method: bytes, path: bytes, body: bytes,
-                 keep_alive: bool) -> None:
+                 keep_alive: bool, dp_rank: bytes | None = None) -> None:
         self.proto = proto
+        #: vLLM's ``X-data-parallel-rank`` header as sent (a router's choice of DP rank)
+        self.dp_rank = dp_rank
         self.method = method
         self.path = path
         self.body = body
@@ -91,7 +93,8 @@ class Conn:
 class HttpProtocol(asyncio.Protocol):
     """One connection: parse requests, hand each to ``app(conn)`` in order."""
 
-    __slots__ = ("app", "transport", "parser", "_url", "_body", "_queue", "_current")
+    __slots__ = ("app", "transport", "parser", "_url", "_body", "_dp_rank", "_queue",
+                 "_current")
 
     def __init__(self, app: Callable[[Conn], None]) -> None:
         self.app = app
@@ -142,6 +145,11 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._body = []
+        self._dp_rank = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 20 and name.lower() == b"x-data-parallel-rank":
+            self._dp_rank = value
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -154,7 +162,8 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         p = self.parser
         path = self._url.split(b"?", 1)[0]
-        conn = Conn(self, p.get_method(), path, b"".join(self._body), p.should_keep_alive())
+        conn = Conn(self, p.get_method(), path, b"".join(self._body), p.should_keep_alive(),
+                    self._dp_rank)
         if self._current is None:
             self._run(conn)
         else:
