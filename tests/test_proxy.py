@@ -359,8 +359,83 @@ def test_5xx_is_retried_on_the_next_engine_and_breaks_the_circuit(
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvwire-engine"] == "e0"
         assert stub.hits == 1  # tried once, then down for the cool-off
-        assert s.proxy.counts["retries"] == 1
+        assert s.proxy.retries_total() == 1
         assert s.proxy.links["e1"].breaker.opened == 1
+        assert s.loads() == {}
+    finally:
+        stub.close()
+
+
+def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics as {(sample name, labels): value}, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return {(smp.name, frozenset(smp.labels.items())): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_metrics_count_requests_retries_and_latencies(
+        make_stack: Callable[..., Stack]) -> None:
+    """/metrics after real requests (streamed and not, one retried off a 500 stub, one
+    bad): requests by engine and status, retries by engine and reason, the overhead,
+    tokenize, TTFT and end-to-end histograms' counts, and in-flight back to 0 (1 while a
+    stream is open). /engines shows the same counters."""
+    stub = _Stub(500)
+    try:
+        s = make_stack(2, engine_kw={"speed": 1.0}, policy=RoundRobinPolicy(), cooloff=60.0)
+        s.proxy.links["e1"].set_url(stub.url)  # e1's events are real; its HTTP answers 500
+
+        def m(name: str, **labels: str) -> float:
+            return _scrape(s.url).get((name, frozenset(labels.items())), 0.0)
+
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+            for body in ({"model": "m", "prompt": "metrics " * 20, "max_tokens": 2},
+                         {"model": "m", "prompt": list(range(1, 40)), "max_tokens": 2},
+                         _chat("metrics chat " * 20, "q")):
+                r = c.post("/v1/chat/completions" if "messages" in body else
+                           "/v1/completions", json=body)
+                assert r.status_code == 200 and r.headers["x-kvwire-engine"] == "e0", r.text
+            assert stub.hits == 1  # one of them was retried off e1
+            for body in ({"model": "m", "prompt": "streamed " * 20, "max_tokens": 200,
+                          "ignore_eos": True, "stream": True},
+                         _chat("streamed chat " * 20, "q", stream=True, max_tokens=200,
+                               ignore_eos=True)):
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                with c.stream("POST", path, json=body) as r:
+                    chunks = r.iter_raw()
+                    assert next(chunks).startswith(b"data: {") and r.status_code == 200
+                    assert m("kvwire_proxy_in_flight", engine="e0") == 1.0  # mid-stream
+                    rest = b"".join(chunks)
+                assert rest.endswith(b"data: [DONE]\n\n")
+            r = c.post("/v1/completions", content=b"{not json",
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 400
+        wait_for(lambda: m("kvwire_proxy_in_flight", engine="e0") == 0.0,
+                 "the last request's accounting done")
+        got = _scrape(s.url)
+
+        def g(name: str, **labels: str) -> float:
+            return got.get((name, frozenset(labels.items())), 0.0)
+
+        assert g("kvwire_proxy_requests_total", engine="e0", status="200") == 5
+        assert g("kvwire_proxy_requests_total", engine="none", status="400") == 1
+        assert sum(v for (n, _), v in got.items() if n == "kvwire_proxy_requests_total") == 6
+        assert g("kvwire_proxy_retries_total", engine="e1", reason="server_error") == 1
+        assert g("kvwire_proxy_in_flight", engine="e1") == 0.0
+        assert ("kvwire_proxy_in_flight", frozenset({("engine", "e1")})) in got
+        assert g("kvwire_proxy_overhead_seconds_count") == 5  # first attempts only
+        assert 0 < g("kvwire_proxy_overhead_seconds_sum") < g("kvwire_proxy_e2e_seconds_sum",
+                                                               engine="e0")
+        assert ("kvwire_proxy_overhead_seconds_bucket", frozenset({("le", "0.0001")})) in got
+        assert g("kvwire_proxy_tokenize_seconds_count") == 4  # not the token-id prompt
+        assert g("kvwire_proxy_ttft_seconds_count", engine="e0") == 2  # the streams
+        assert g("kvwire_proxy_e2e_seconds_count", engine="e0") == 5
+        assert g("kvwire_proxy_ttft_seconds_count", engine="e1") == 0
+        http = {n: e["http"] for n, e in httpx.get(s.url + "/engines").json().items()}
+        assert http["e0"]["requests"] == {"200": 5} and http["e0"]["in_flight"] == 0
+        assert http["e1"]["retries"] == {"server_error": 1} and http["e1"]["requests"] == {}
+        assert s.proxy.status()["counts"]["retries"] == 1
         assert s.loads() == {}
     finally:
         stub.close()
@@ -410,6 +485,7 @@ def test_5xx_passes_through_when_retries_are_used_up(
                        timeout=TIMEOUT)
         assert r.status_code == 503
         assert r.json()["error"]["message"] == "engine broke"
+        assert s.proxy.requests == {("e0", 503): 1}  # /metrics: the engine's own status
         sent = [h for h in stub.headers if "x-request-id" in h][0]
         assert sent["authorization"] == "Bearer sk-test" and sent["x-request-id"] == "abc-1"
         assert s.loads() == {}
@@ -451,7 +527,7 @@ def test_hung_engine_times_out_is_retried_and_marked_down(
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             assert r.headers["x-kvwire-engine"] == other
-    assert s.proxy.counts["retries"] == 1
+    assert s.proxy.retries_total() == 1
     assert not s.proxy.links[home].breaker.up
     assert s.loads() == {}
 
@@ -665,7 +741,7 @@ def test_no_reservation_outlives_its_request(engine_procs: Callable[..., list[En
 
         asyncio.run(run())
         assert statuses == {200: 8000, 400: 2000}, statuses
-        assert stub.hits > 0 and s.proxy.counts["retries"] > 0  # errors were mixed in
+        assert stub.hits > 0 and s.proxy.retries_total() > 0  # errors were mixed in
         assert s.proxy.counts["client_disconnects"] > 0
         wait_for(lambda: s.loads() == {}, "every engine's load back to 0")
         assert len(s.core.loads) == 0 and s.core.loads.expired == 0

@@ -61,7 +61,7 @@ _enc = msgspec.json.Encoder()
 class _Metrics:
     """The service's own registry: nothing leaks into (or from) the process default one."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, proxy: Any = None) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.latency = Histogram(
             "kvwire_router_route_seconds", "Time to answer /route and /score (index match + "
@@ -76,6 +76,8 @@ class _Metrics:
         self.bad = Counter("kvwire_router_bad_requests_total",
                            "Requests answered 4xx, by reason", ["reason"], registry=r)
         r.register(_CoreCollector(core))
+        if proxy is not None:
+            r.register(proxy.metrics)  # kvwire_proxy_*
 
     def on_route(self, label: str, credit: float, prompt_blocks: float) -> None:
         self.routed.labels(label).inc()
@@ -85,7 +87,7 @@ class _Metrics:
 class _CoreCollector:
     """Index and stream figures read at scrape time (free on the routing path)."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, proxy: Any = None) -> None:
         self.core = core
 
     def describe(self) -> list:
@@ -134,7 +136,7 @@ def build_app(core: RouterCore, proxy: Any = None) -> FastAPI:
     with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), ``fast_app`` also serves
     ``/v1`` and ``/health`` needs an engine live on both HTTP and events."""
     app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = _Metrics(core)
+    metrics = _Metrics(core, proxy)
     core.on_route = metrics.on_route
     app.state.core = core
     app.state.proxy = proxy

@@ -24,13 +24,15 @@ from typing import Any
 
 import httpx
 import msgspec
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..consume.engine_spec import EngineSpec
 from .proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
 from .service import RouteError, RouterCore
 from .upstream import Pool, Response, UpstreamError
 
-__all__ = ["Proxy", "ProxyConfig", "openai_error"]
+__all__ = ["Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 
 log = logging.getLogger("kvwire.router.proxy")
 
@@ -88,6 +90,58 @@ class ProxyConfig:
     max_body: int = 32 << 20
 
 
+_FAST_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
+_SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0, 300.0)
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus figures (``kvwire serve``'s /metrics registers this). The
+    histograms are observed on the request path (one observe each per request); the
+    counts and in-flight gauges are the proxy's own counters, read at scrape time."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.overhead = Histogram(
+            "kvwire_proxy_overhead_seconds", "The proxy's own time per request: arrival to "
+            "the request written to the engine (first attempt), seconds", registry=None,
+            buckets=_FAST_BUCKETS)
+        self.tokenize = Histogram(
+            "kvwire_proxy_tokenize_seconds", "Time to tokenize a prompt (local tokenizer or "
+            "an engine's /tokenize), seconds", registry=None, buckets=_FAST_BUCKETS)
+        self.ttft = Histogram(
+            "kvwire_proxy_ttft_seconds", "Arrival to the first chunk of a streamed answer "
+            "forwarded, per answering engine, seconds", ["engine"], registry=None,
+            buckets=_SLOW_BUCKETS)
+        self.e2e = Histogram(
+            "kvwire_proxy_e2e_seconds", "Arrival to the last byte of an engine's answer "
+            "forwarded, per answering engine, seconds", ["engine"], registry=None,
+            buckets=_SLOW_BUCKETS)
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        p = self.proxy
+        reqs = CounterMetricFamily("kvwire_proxy_requests", "Generation requests answered, "
+                                   "by the engine that answered (none: the proxy itself) "
+                                   "and HTTP status", labels=["engine", "status"])
+        for (engine, status), n in sorted(p.requests.items()):
+            reqs.add_metric([engine, str(status)], n)
+        retries = CounterMetricFamily("kvwire_proxy_retries", "Attempts retried on another "
+                                      "engine, by the failed engine and why",
+                                      labels=["engine", "reason"])
+        for (engine, reason), n in sorted(p.retried.items()):
+            retries.add_metric([engine, reason], n)
+        inflight = GaugeMetricFamily("kvwire_proxy_in_flight", "Requests being sent to or "
+                                     "answered by each engine now", labels=["engine"])
+        for engine, n in p.in_flight.items():
+            inflight.add_metric([engine], n)
+        yield from (reqs, retries, inflight)
+        for h in (self.overhead, self.tokenize, self.ttft, self.e2e):
+            yield from h.collect()
+
+
 class _Link:
     """One proxied engine: its URL, breaker, last probe and models."""
 
@@ -96,6 +150,8 @@ class _Link:
         self.name = spec.name
         self.ranks = spec.ranks
         self.breaker = Breaker(cooloff)
+        self.ttft: Any = None  # this engine's histogram children (set by the Proxy)
+        self.e2e: Any = None
         self.pool: Pool | None = None  # made in the serving loop, on first use
         self.set_url(spec.url)
         self.http_up = False
@@ -131,6 +187,15 @@ class Proxy:
             log.warning("no --tokenizer: proxied requests are routed by load only (no "
                         "prefix overlap is computed)")
         self.counts: Counter[str] = Counter()
+        #: (engine or "none", HTTP status) of each answered generation request
+        self.requests: Counter[tuple[str, int]] = Counter()
+        #: (failed engine, Outcome value) of each retry
+        self.retried: Counter[tuple[str, str]] = Counter()
+        self.in_flight: dict[str, int] = dict.fromkeys(self.links, 0)
+        self.metrics = ProxyMetrics(self)
+        for name, link in self.links.items():
+            link.ttft = self.metrics.ttft.labels(name)
+            link.e2e = self.metrics.e2e.labels(name)
         self._lock = threading.Lock()  # breakers: the prober thread and the event loop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -193,9 +258,18 @@ class Proxy:
         return True, f"{len(live)}/{len(self.links)} engines live"
 
     def status(self) -> dict[str, Any]:
-        return {n: {"url": link.url, "http_up": link.http_up, "breaker_up": link.breaker.up,
-                    "breaker_opened": link.breaker.opened, "failures": link.breaker.failures}
-                for n, link in self.links.items()} | {"counts": dict(self.counts)}
+        """``GET /engines``'s ``http`` entries (the same counters /metrics reads)."""
+        out: dict[str, Any] = {
+            n: {"url": link.url, "http_up": link.http_up, "breaker_up": link.breaker.up,
+                "breaker_opened": link.breaker.opened, "failures": link.breaker.failures,
+                "in_flight": self.in_flight[n],
+                "requests": {str(st): c for (e, st), c in self.requests.items() if e == n},
+                "retries": {why: c for (e, why), c in self.retried.items() if e == n}}
+            for n, link in self.links.items()}
+        return out | {"counts": dict(self.counts, retries=self.retries_total())}
+
+    def retries_total(self) -> int:
+        return sum(self.retried.values())
 
     # ------------------------------------------------------------------ ASGI
 
@@ -217,16 +291,18 @@ class Proxy:
             await _answer(send, 405, openai_error(405, "Method Not Allowed",
                                                   "MethodNotAllowed"))
             return
+        t0 = time.perf_counter()
         try:
             body = await self._read(receive)
         except BadRequest as e:
             self.counts["bad_requests"] += 1
+            self.requests["none", e.status] += 1
             await _answer(send, e.status, openai_error(e.status, str(e), e.type, e.param))
             return
         if body is None:
             return  # the client left before sending its body
         done: list[bool] = [False]  # set once the last byte is handed to the server
-        work = asyncio.ensure_future(self._serve(scope, body, _PATHS[path], send, done))
+        work = asyncio.ensure_future(self._serve(scope, body, _PATHS[path], send, done, t0))
         gone = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -320,20 +396,26 @@ class Proxy:
                 prompt = first
         if self.mode == "none":
             return ()
+        t0 = time.perf_counter()
         if self.mode == "engine":
-            return await self._engine_tokens(req, chat, prompt)
+            toks = await self._engine_tokens(req, chat, prompt)
+            self.metrics.tokenize.observe(time.perf_counter() - t0)
+            return toks
         from ..tokenize import TokenizerError
 
         try:
             if chat:
-                return self.tok.encode_chat(
+                toks = self.tok.encode_chat(
                     req.messages, tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs)
-            return self.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
+            else:
+                toks = self.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
         except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise BadRequest(400, f"cannot tokenize the request: {e}",
                              "messages" if chat else "prompt") from None
+        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        return toks
 
     async def _engine_tokens(self, req: _Body, chat: bool, prompt: Any) -> Sequence[int]:
         q: dict[str, Any] = {"model": req.model}
@@ -370,12 +452,13 @@ class Proxy:
         return link.pool
 
     async def _serve(self, scope: dict, body: bytes, chat: bool, send: Any,
-                     done: list[bool]) -> None:
+                     done: list[bool], t0: float) -> None:
         try:
             req = self._check(body, chat)
             tokens = await self._tokens(req, chat)
         except BadRequest as e:
             self.counts["bad_requests"] += 1
+            self.requests["none", e.status] += 1
             done[0] = True
             await _answer(send, e.status, openai_error(e.status, str(e), e.type, e.param))
             return
@@ -386,6 +469,7 @@ class Proxy:
         stream = bool(req.stream)
         tried: set[str] = set()
         last: tuple[int, bytes] | None = None
+        last_engine = "none"
         for attempt in range(self.cfg.retries + 1):
             with self._lock:
                 ok = {n for n, lk in self.links.items() if lk.breaker.up and n not in tried
@@ -399,7 +483,8 @@ class Proxy:
                 break
             tried.add(routed.engine)
             outcome, sent, last = await self._attempt(routed, path, headers, body, stream,
-                                                      send, done)
+                                                      send, done, t0, attempt == 0)
+            last_engine = routed.engine
             if marks_down(outcome):
                 self.counts["upstream_failures"] += 1
                 with self._lock:
@@ -408,8 +493,9 @@ class Proxy:
                 if sent:
                     return
                 break
-            self.counts["retries"] += 1
+            self.retried[routed.engine, outcome.value] += 1
         status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
+        self.requests[last_engine, status] += 1
         done[0] = True
         await _answer(send, status, payload)
 
@@ -418,11 +504,13 @@ class Proxy:
         return link.http_up and link.breaker.up
 
     async def _attempt(self, routed: Any, path: bytes, headers: list, body: bytes,
-                       stream: bool, send: Any, done: list[bool]
+                       stream: bool, send: Any, done: list[bool], t0: float, first: bool
                        ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
         """One try at one engine: (outcome, whether the client got bytes, the error to
-        answer with if nothing was sent). The reservation ends here, on every path."""
+        answer with if nothing was sent). The reservation ends here, on every path.
+        ``t0``: the request's arrival; ``first``: this is its first attempt."""
         link = self.links[routed.engine]
+        name = link.name
         lc = Lifecycle(routed.request_id, routed.prefill)
         out_tokens: int | None = None
         hdrs = list(headers)
@@ -430,10 +518,12 @@ class Proxy:
             hdrs.append((b"x-data-parallel-rank", str(routed.rank).encode()))
         resp: Response | None = None
         self.counts["attempts"] += 1
+        self.in_flight[name] += 1
+        sent_at: list[float] = []
         try:
             try:
                 resp = await asyncio.wait_for(
-                    self._pool(link).request(b"POST", path, hdrs, body),
+                    self._pool(link).request(b"POST", path, hdrs, body, sent_at),
                     self.cfg.first_byte_timeout)
             except asyncio.TimeoutError:
                 return Outcome.TIMEOUT, False, (504, openai_error(
@@ -449,7 +539,9 @@ class Proxy:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", ctype),
                                         (b"cache-control", b"no-cache"), *rid]})
-                out_tokens = await self._pump(resp, lc, send, link.name, done)
+                self.requests[name, 200] += 1
+                out_tokens = await self._pump(resp, lc, send, link, done, t0)
+                link.e2e.observe(time.perf_counter() - t0)
                 return Outcome.OK, True, None
             try:
                 payload = await asyncio.wait_for(resp.read(), self.cfg.first_byte_timeout)
@@ -464,12 +556,17 @@ class Proxy:
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": [(b"content-type", ctype),
                                     (b"content-length", str(len(payload)).encode()), *rid]})
+            self.requests[name, resp.status] += 1
             done[0] = True
             await send({"type": "http.response.body", "body": payload})
+            link.e2e.observe(time.perf_counter() - t0)
             return Outcome.OK, True, None
         finally:
             if lc.end():  # first: nothing below may skip it (a cancel lands in awaits)
                 self.core.finish(routed.request_id, out_tokens)
+            self.in_flight[name] -= 1
+            if first and sent_at:
+                self.metrics.overhead.observe(sent_at[0] - t0)
             if resp is not None:
                 resp.close()  # unfinished: the connection closes and the engine aborts
 
@@ -479,7 +576,7 @@ class Proxy:
             self.core.first_token(lc.request_id, drop)
 
     async def _pump(self, resp: Response, lc: Lifecycle, send: Any,
-                    name: str, done: list[bool]) -> int | None:
+                    link: _Link, done: list[bool], t0: float) -> int | None:
         """Forward a stream's bytes as they come; the first drops the prefill share. An
         engine failing mid-stream becomes an SSE error event and a clean end."""
         events = 0
@@ -491,6 +588,7 @@ class Proxy:
                 if first:
                     self._first(lc)
                     first = False
+                    link.ttft.observe(time.perf_counter() - t0)
                 events += chunk.count(b"data: {")
                 if b"completion_tokens" in chunk:
                     m = _COMPLETION_TOKENS.search(chunk)
@@ -499,6 +597,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamError, asyncio.TimeoutError) as e:
             self.counts["broken_streams"] += 1
+            name = link.name
             why = (f"engine {name} failed mid-stream: {e}" if isinstance(e, UpstreamError)
                    else f"engine {name} sent nothing for {stall:g} s")
             err = openai_error(502, why, "BadGateway")

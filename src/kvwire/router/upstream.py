@@ -11,6 +11,7 @@ response; one abandoned mid-body is closed, which is how an engine learns the cl
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -110,9 +111,10 @@ class Pool:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {e!r}") from None
 
     async def request(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]],
-                      body: bytes) -> Response:
+                      body: bytes, sent: list[float] | None = None) -> Response:
         """Send a request and read the status line and headers. A kept-alive connection
-        the engine closed meanwhile is replaced by a fresh one, once."""
+        the engine closed meanwhile is replaced by a fresh one, once. ``sent`` gets the
+        ``time.perf_counter()`` of each time the request is written."""
         head = b"".join([method, b" ", path, b" HTTP/1.1\r\n", self._hostline,
                          *[k + b": " + v + b"\r\n" for k, v in headers],
                          b"content-length: %d\r\n\r\n" % len(body)])
@@ -122,18 +124,20 @@ class Pool:
                 conn[1].close()
                 continue
             try:
-                return await self._exchange(conn, head, body)
+                return await self._exchange(conn, head, body, sent=sent)
             except _Stale:
                 continue
-        return await self._exchange(await self._connect(), head, body, fresh=True)
+        return await self._exchange(await self._connect(), head, body, True, sent)
 
     async def _exchange(self, conn: tuple, head: bytes, body: bytes,
-                        fresh: bool = False) -> Response:
+                        fresh: bool = False, sent: list[float] | None = None) -> Response:
         reader, writer = conn
         try:
             writer.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 writer.write(body)
+            if sent is not None:
+                sent.append(time.perf_counter())
             raw = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as e:
             writer.close()
