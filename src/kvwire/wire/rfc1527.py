@@ -46,45 +46,6 @@ _I64_MAX = (1 << 63) - 1
 # win over the legacy aliases (``block_hashes``, ``parent_block_hash``; ``type`` is ignored).
 
 
-class _Stored(msgspec.Struct, tag="stored", tag_field="event_type"):
-    event_id: int | None = None
-    timestamp: int | float | None = None
-    model_name: str | None = None
-    block_size: int | None = None
-    additional_salt: str | None = None
-    lora_name: str | None = None
-    tenant_id: str | None = None
-    backend_id: str | None = None
-    group_id: int | str | None = None
-    medium: str | None = None
-    dp_rank: int | None = None
-    object_key: str | None = None
-    seq_hashes: list[int] | None = None
-    block_hashes: list[int] | None = None
-    base_block_idx: int | None = None
-    parent_hash: int | None = None
-    token_ids: list[int] | None = None
-    parent_block_hash: int | None = None
-
-
-class _Removed(msgspec.Struct, tag="removed", tag_field="event_type"):
-    event_id: int | None = None
-    timestamp: int | float | None = None
-    model_name: str | None = None
-    block_size: int | None = None
-    additional_salt: str | None = None
-    lora_name: str | None = None
-    tenant_id: str | None = None
-    backend_id: str | None = None
-    group_id: int | str | None = None
-    medium: str | None = None
-    dp_rank: int | None = None
-    object_key: str | None = None
-    seq_hashes: list[int] | None = None
-    block_hashes: list[int] | None = None
-    base_block_idx: int | None = None
-
-
 class _Cleared(msgspec.Struct, tag="cleared", tag_field="event_type"):
     event_id: int | None = None
     timestamp: int | float | None = None
@@ -97,6 +58,23 @@ class _Cleared(msgspec.Struct, tag="cleared", tag_field="event_type"):
     group_id: int | str | None = None
     medium: str | None = None
     dp_rank: int | None = None
+
+
+# Each kind extends the one before it: msgspec keeps a base's fields first, in order. The
+# decoder tells them apart by ``type(e) is``, never ``isinstance``.
+
+
+class _Removed(_Cleared, tag="removed", tag_field="event_type"):
+    object_key: str | None = None
+    seq_hashes: list[int] | None = None
+    block_hashes: list[int] | None = None
+    base_block_idx: int | None = None
+
+
+class _Stored(_Removed, tag="stored", tag_field="event_type"):
+    parent_hash: int | None = None
+    token_ids: list[int] | None = None
+    parent_block_hash: int | None = None
 
 
 _Event = _Stored | _Removed | _Cleared
@@ -183,49 +161,6 @@ def decode_event(raw: bytes) -> _ev.Event:
 # Mooncake Store's layout: every key written, nil or not, in this order.
 
 
-class _StoredOut(msgspec.Struct):
-    event_id: int | None
-    timestamp: int
-    event_type: str
-    type: str
-    model_name: str | None
-    block_size: int | None
-    additional_salt: str | None
-    lora_name: str | None
-    tenant_id: str | None
-    backend_id: str | None
-    group_id: int | str | None
-    medium: str | None
-    dp_rank: int | None
-    object_key: str | None
-    seq_hashes: list[int]
-    block_hashes: list[int]
-    base_block_idx: int | None
-    parent_hash: int | None
-    token_ids: list[int] | None
-    parent_block_hash: int | None
-
-
-class _RemovedOut(msgspec.Struct):
-    event_id: int | None
-    timestamp: int
-    event_type: str
-    type: str
-    model_name: str | None
-    block_size: int | None
-    additional_salt: str | None
-    lora_name: str | None
-    tenant_id: str | None
-    backend_id: str | None
-    group_id: int | str | None
-    medium: str | None
-    dp_rank: int | None
-    object_key: str | None
-    seq_hashes: list[int]
-    block_hashes: list[int]
-    base_block_idx: int | None
-
-
 class _ClearedOut(msgspec.Struct):
     event_id: int | None
     timestamp: int
@@ -240,6 +175,22 @@ class _ClearedOut(msgspec.Struct):
     group_id: int | str | None
     medium: str | None
     dp_rank: int | None
+
+
+# As on the decoding side, each kind appends its keys to the one before it.
+
+
+class _RemovedOut(_ClearedOut):
+    object_key: str | None
+    seq_hashes: list[int]
+    block_hashes: list[int]
+    base_block_idx: int | None
+
+
+class _StoredOut(_RemovedOut):
+    parent_hash: int | None
+    token_ids: list[int] | None
+    parent_block_hash: int | None
 
 
 _encoder = msgspec.msgpack.Encoder()
