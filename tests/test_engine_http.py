@@ -303,6 +303,26 @@ def _apply(held: Counter, payload: bytes) -> None:
             held.clear()
 
 
+def _load_in_thread(url: str, n: int) -> threading.Thread:
+    """A started thread that sends ``n`` concurrent 20-token completions of prompts with
+    shared prefixes (a small cache evicts under them), each asserted to answer 200."""
+
+    async def load() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as ac:
+            async def one(i: int) -> None:
+                prompt = [i % 7 + 1] * 48 + list(range(i, i + 40))  # shared prefixes
+                r = await ac.post("/v1/completions", json={"prompt": prompt,
+                                                           "max_tokens": 20,
+                                                           "ignore_eos": True})
+                assert r.status_code == 200
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+
+    t = threading.Thread(target=lambda: asyncio.run(load()))
+    t.start()
+    return t
+
+
 @pytest.mark.parametrize("dialect,publisher", [("vllm", "reference"), ("sglang", "kvwire")])
 def test_events_rebuild_the_cache_exactly(dialect, publisher):
     """A small cache under load evicts; the published stream, applied in order from a dump's
@@ -342,19 +362,7 @@ def test_events_rebuild_the_cache_exactly(dialect, publisher):
             drain(50)
         base = client.get("/kvwire/cache").json()["ranks"]  # idle engine: exact at its seq
 
-        async def load() -> None:
-            async with httpx.AsyncClient(base_url=e.url, timeout=TIMEOUT) as ac:
-                async def one(i: int) -> None:
-                    prompt = [i % 7 + 1] * 48 + list(range(i, i + 40))  # shared prefixes
-                    r = await ac.post("/v1/completions", json={"prompt": prompt,
-                                                               "max_tokens": 20,
-                                                               "ignore_eos": True})
-                    assert r.status_code == 200
-
-                await asyncio.gather(*(one(i) for i in range(60)))
-
-        t = threading.Thread(target=lambda: asyncio.run(load()))
-        t.start()
+        t = _load_in_thread(e.url, 60)
         while t.is_alive():
             drain(20)
         t.join()
@@ -432,19 +440,7 @@ def test_kvwire_listen_json_rebuilds_the_cache_dumps_of_a_loaded_engine():
                == set(e.events), "kvwire listen's snapshots")
         dumps: list[tuple[bool, list[dict[str, Any]]]] = []  # (taken under load, ranks)
 
-        async def load() -> None:
-            async with httpx.AsyncClient(base_url=e.url, timeout=TIMEOUT) as ac:
-                async def one(i: int) -> None:
-                    prompt = [i % 7 + 1] * 48 + list(range(i, i + 40))  # shared prefixes
-                    r = await ac.post("/v1/completions", json={"prompt": prompt,
-                                                               "max_tokens": 20,
-                                                               "ignore_eos": True})
-                    assert r.status_code == 200
-
-                await asyncio.gather(*(one(i) for i in range(80)))
-
-        t = threading.Thread(target=lambda: asyncio.run(load()))
-        t.start()
+        t = _load_in_thread(e.url, 80)
         while t.is_alive():
             dumps.append((True, client.get("/kvwire/cache").json()["ranks"]))
         t.join()
