@@ -15,6 +15,7 @@ import time
 
 import pytest
 import zmq
+from cli_helpers import KVWIRE, listen_while_publishing, start_listen
 
 from kvwire.cli.main import RICH_HINT, build_parser
 from kvwire.consume.cache import BlockCache
@@ -28,8 +29,6 @@ from kvwire.wire.events import (
     decode_batch,
     encode_batch,
 )
-
-KVWIRE = [sys.executable, "-m", "kvwire"]
 
 
 def batch(i: int) -> KVEventBatch:
@@ -103,14 +102,6 @@ class ReferencePublisher:
         self.stop.set()
         self.thread.join(2)
         self.ctx.destroy(linger=0)
-
-
-def start_listen(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [*KVWIRE, "listen", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
-    )
 
 
 def wait_connected(pub_send, proc: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -253,19 +244,9 @@ def test_listen_reports_unfillable_gap_and_restart() -> None:
 def test_listen_human_output_against_kvwire_publisher() -> None:
     pub = ZmqEventPublisher(endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="t",
                             heartbeat_interval=None)
-    proc = start_listen(pub.endpoint, "--replay", pub.replay_endpoint, "--topic", "t",
-                        "--count", "3", "--no-view", "--name", "engine0")
-    try:
-        deadline = time.monotonic() + 60
-        i = 0
-        while proc.poll() is None and time.monotonic() < deadline:
-            pub.publish(batch(i))
-            i += 1
-            time.sleep(0.05)
-        out, err = proc.communicate(timeout=10)
-    finally:
-        proc.kill()
-        pub.shutdown(timeout=1)
+    proc, out, err = listen_while_publishing(
+        pub, batch, pub.endpoint, "--replay", pub.replay_endpoint, "--topic", "t",
+        "--count", "3", "--no-view", "--name", "engine0")
     assert proc.returncode == 0, err
     assert out.count("engine0  seq ") == 3
     assert "BlockStored   2 blocks" in out and "BlockRemoved  1 blocks" in out

@@ -4,15 +4,13 @@ aliases, milliseconds, the strict path's refusal, property round trips, a real s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from cli_helpers import listen_while_publishing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -438,22 +436,8 @@ def test_kvwire_listen_shows_an_rfc1527_stream() -> None:
 
     pub = ZmqEventPublisher(endpoint="tcp://*:0", dialect="rfc1527",
                             heartbeat_interval=None)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvwire", "listen", loopback(pub.endpoint), "--count", "2", "--json",
-         "--replay-timeout", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        i = 0
-        while proc.poll() is None and time.monotonic() < deadline:
-            pub.publish(_step(i))
-            i += 1
-            time.sleep(0.05)
-        out, err = proc.communicate(timeout=10)
-    finally:
-        proc.kill()
-        pub.shutdown(timeout=1)
+    proc, out, err = listen_while_publishing(
+        pub, _step, loopback(pub.endpoint), "--count", "2", "--json", "--replay-timeout", "0.2")
     assert proc.returncode == 0, err
     recs = [json.loads(line) for line in out.splitlines()]
     batches = [r for r in recs if r["kind"] == "batch"]
