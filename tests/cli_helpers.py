@@ -4,6 +4,7 @@ tests/test_rfc1527.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,11 +14,18 @@ from typing import Any
 KVWIRE = [sys.executable, "-m", "kvwire"]
 
 
+def sigint_default() -> None:
+    """For ``preexec_fn``: the child takes SIGINT as a terminal's Ctrl-C. A suite started in
+    the background by a shell without job control inherits SIGINT *ignored*, and Python keeps
+    an inherited SIG_IGN, so a child would never see the SIGINT a test sends it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_listen(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [*KVWIRE, "listen", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
+        env=env, preexec_fn=sigint_default,
     )
 
 

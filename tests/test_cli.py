@@ -15,7 +15,7 @@ import time
 
 import pytest
 import zmq
-from cli_helpers import KVWIRE, listen_while_publishing, start_listen
+from cli_helpers import KVWIRE, listen_while_publishing, sigint_default, start_listen
 
 from kvwire.cli.main import RICH_HINT, build_parser
 from kvwire.consume.cache import BlockCache
@@ -418,7 +418,8 @@ def _run_on_a_terminal(argv: list[str], env: dict[str, str], drive) -> tuple[int
 
     ``drive(proc, shown)`` runs meanwhile; ``shown()`` is what the terminal got so far."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
+                            preexec_fn=sigint_default)
     os.close(slave)
     chunks: list[bytes] = []
 
