@@ -259,22 +259,27 @@ def probe(model: str) -> bytes:
                        "max_tokens": 4}).encode()
 
 
-def start_sglang(port: int, engine_url: str, model: str, log: str) -> subprocess.Popen:
-    cmd = [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", engine_url, "--policy", "cache_aware",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-           "--log-level", "warn", "--worker-startup-check-interval", "1"]
+def _start_router(cmd: list[str], port: int, model: str, log: str,
+                  what: str) -> subprocess.Popen:
+    """Start a router, wait until it answers a chat request; on failure kill it and show the
+    tail of its log."""
     p = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", probe(model), 60, p,
-                   "sglang-router")
+        _wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", probe(model), 60, p, what)
     except RuntimeError:
         _kill(p)
         with open(log, "rb") as f:
             sys.stderr.write(f.read()[-2000:].decode(errors="replace"))
         raise
-
     return p
+
+
+def start_sglang(port: int, engine_url: str, model: str, log: str) -> subprocess.Popen:
+    cmd = [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", engine_url, "--policy", "cache_aware",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--log-level", "warn", "--worker-startup-check-interval", "1"]
+    return _start_router(cmd, port, model, log, "sglang-router")
 
 
 def start_kvwire_serve(port: int, engine_url: str, ev: int, rp: int | None, model: str,
@@ -283,17 +288,7 @@ def start_kvwire_serve(port: int, engine_url: str, ev: int, rp: int | None, mode
     cmd = [PY, "-m", "kvwire", "serve", "--engine", f"{spec},url={engine_url}",
            "--tokenizer", "builtin", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "error"]
-    p = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", probe(model), 60, p,
-                   "kvwire serve")
-    except RuntimeError:
-        _kill(p)
-        with open(log, "rb") as f:
-            sys.stderr.write(f.read()[-2000:].decode(errors="replace"))
-        raise
-
-    return p
+    return _start_router(cmd, port, model, log, "kvwire serve")
 
 
 def kvwire_proxy_missing() -> str | None:
