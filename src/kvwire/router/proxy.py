@@ -42,6 +42,8 @@ _HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive",
                   b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-authorization",
                   b"proxy-connection", b"expect"))
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*(\d+)')
 _PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
 
 
@@ -137,7 +139,16 @@ class ProxyMetrics:
                                      "answered by each engine now", labels=["engine"])
         for engine, n in p.in_flight.items():
             inflight.add_metric([engine], n)
-        yield from (reqs, retries, inflight)
+        prompt = CounterMetricFamily("kvwire_proxy_prompt_tokens", "Prompt tokens of the "
+                                     "answers that reported usage, per answering engine",
+                                     labels=["engine"])
+        cached = CounterMetricFamily("kvwire_proxy_cached_tokens", "Of those, the tokens the "
+                                     "engine found in its prefix cache (usage.prompt_tokens_"
+                                     "details.cached_tokens)", labels=["engine"])
+        for engine in p.in_flight:
+            prompt.add_metric([engine], p.prompt_tokens[engine])
+            cached.add_metric([engine], p.cached_tokens[engine])
+        yield from (reqs, retries, inflight, prompt, cached)
         for h in (self.overhead, self.tokenize, self.ttft, self.e2e):
             yield from h.collect()
 
@@ -192,6 +203,9 @@ class Proxy:
         #: (failed engine, Outcome value) of each retry
         self.retried: Counter[tuple[str, str]] = Counter()
         self.in_flight: dict[str, int] = dict.fromkeys(self.links, 0)
+        #: prompt and cached tokens of the answers that carried a ``usage`` object
+        self.prompt_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
+        self.cached_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self.metrics = ProxyMetrics(self)
         for name, link in self.links.items():
             link.ttft = self.metrics.ttft.labels(name)
@@ -553,6 +567,8 @@ class Proxy:
             self._first(lc)
             m = _COMPLETION_TOKENS.search(payload)
             out_tokens = int(m.group(1)) if m else None
+            if m:
+                self._count_usage(name, payload, payload.rfind(b'"usage"'))
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": [(b"content-type", ctype),
                                     (b"content-length", str(len(payload)).encode()), *rid]})
@@ -581,6 +597,7 @@ class Proxy:
         engine failing mid-stream becomes an SSE error event and a clean end."""
         events = 0
         usage: int | None = None
+        last_usage = b""
         first = True
         stall = self.cfg.stall_timeout
         try:
@@ -594,6 +611,7 @@ class Proxy:
                     m = _COMPLETION_TOKENS.search(chunk)
                     if m:
                         usage = int(m.group(1))
+                        last_usage = chunk  # cumulative: only the last one is counted
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamError, asyncio.TimeoutError) as e:
             self.counts["broken_streams"] += 1
@@ -605,7 +623,22 @@ class Proxy:
                         "body": b"data: " + err + b"\n\ndata: [DONE]\n\n", "more_body": True})
         done[0] = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if last_usage:
+            self._count_usage(link.name, last_usage, last_usage.rfind(b'"usage"'))
         return usage if usage is not None else events
+
+    def _count_usage(self, name: str, payload: bytes, at: int) -> None:
+        """Add an answer's ``usage`` (found at ``at``) to the engine's prompt and cached
+        token counts; an answer without ``prompt_tokens_details`` counts 0 cached."""
+        if at < 0:
+            return
+        p = _PROMPT_TOKENS.search(payload, at)
+        if p is None:
+            return
+        self.prompt_tokens[name] += int(p.group(1))
+        c = _CACHED_TOKENS.search(payload, at)
+        if c is not None:
+            self.cached_tokens[name] += int(c.group(1))
 
 
 async def _quiet_limited(chunks: AsyncIterator[bytes], limit: float
