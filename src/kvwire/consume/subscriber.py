@@ -10,12 +10,17 @@ sockets and the passing of time into machine inputs. Two thin fronts drive the s
 
 Every wait is bounded (by the caller's timeout and by the machines' own deadlines), so a
 dead publisher is reported through :class:`~kvwire.consume.stream.Liveness`, never by hanging.
-A Subscriber is not thread-safe: use it from one thread (or one event loop).
+A Subscriber is not thread-safe: use it from one thread (or one event loop). The one
+exception is :meth:`Subscriber.add` / :meth:`Subscriber.remove` (streams that come and go at
+run time): any thread may call them; they queue the change and wake the polling thread, which
+applies it (the sockets stay that thread's alone).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import queue
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -130,27 +135,71 @@ class _Core:
         self.started = False
         self.links: list = []  # NATS sources (kvwire.nats.consumer.NatsLink)
         self.popped = 0  # items handed to the application so far (NATS acks follow it)
+        self.config = config
         try:
             for spec in specs:
-                check_endpoint(spec.endpoint, f"{spec.name}.endpoint")
-                if spec.replay_endpoint is not None:
-                    check_endpoint(spec.replay_endpoint, f"{spec.name}.replay_endpoint")
-                st = _Stream(spec, StreamMachine(
-                    spec.name, has_replay=spec.replay_endpoint is not None, config=config,
-                    resume_after=spec.resume))
-                self.streams.append(st)
-                sub = ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.RCVHWM, rcvhwm)
-                sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-                st.sub = sub
-                self.by_socket[sub] = (st, True, FrameReceiver(sub))
-                _attach(sub, spec.endpoint, spec.curve)
-                if spec.replay_endpoint is not None:
-                    self._open_dealer(st)
+                self._open(spec)
         except BaseException:
             self.close()
             raise
+
+    def _open(self, spec: StreamSpec) -> _Stream:
+        """The stream's machine and sockets (its live SUB, and a DEALER with replay)."""
+        check_endpoint(spec.endpoint, f"{spec.name}.endpoint")
+        if spec.replay_endpoint is not None:
+            check_endpoint(spec.replay_endpoint, f"{spec.name}.replay_endpoint")
+        st = _Stream(spec, StreamMachine(
+            spec.name, has_replay=spec.replay_endpoint is not None, config=self.config,
+            resume_after=spec.resume))
+        self.streams.append(st)
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        st.sub = sub
+        self.by_socket[sub] = (st, True, FrameReceiver(sub))
+        self.generation += 1
+        _attach(sub, spec.endpoint, spec.curve)
+        if spec.replay_endpoint is not None:
+            self._open_dealer(st)
+        return st
+
+    def add(self, spec: StreamSpec, now: float) -> None:
+        """Follow one more stream from now on (started at once if the core is)."""
+        if any(st.spec.name == spec.name for st in self.streams):
+            raise ValueError(f"stream name {spec.name!r} is already followed")
+        try:
+            st = self._open(spec)
+        except BaseException:
+            self._drop(spec.name)
+            raise
+        if self.started:
+            self._apply(st, st.machine.start(now))
+
+    def remove(self, name: str) -> bool:
+        """Stop following a stream: its sockets closed, its undelivered items dropped (so
+        nothing of it is handed out after this); False if no such stream."""
+        if not self._drop(name):
+            return False
+        if any(getattr(d, "stream", None) == name for d in self.ready):
+            self.ready = deque(d for d in self.ready if getattr(d, "stream", None) != name)
+        return True
+
+    def _drop(self, name: str) -> bool:
+        for st in self.streams:
+            if st.spec.name == name:
+                break
+        else:
+            return False
+        self.streams.remove(st)
+        for sock in (st.sub, st.dealer):
+            if sock is not None:
+                self.by_socket.pop(sock, None)
+                if not sock.closed:
+                    sock.close(linger=0)
+        st.sub = st.dealer = None
+        self.generation += 1
+        return True
 
     def _open_dealer(self, st: _Stream) -> None:
         d = self.ctx.socket(zmq.DEALER)
@@ -300,6 +349,70 @@ class Subscriber:
         self._gen = -1
         self._agen = -1
         self._closed = False
+        # run-time stream changes from any thread: queued, then a byte on the pipe wakes
+        # the sync poller (the asyncio front picks them up within _MAX_WAIT)
+        self._changes: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        #: run-time changes that failed (duplicate name, bad endpoint), and the last reason
+        self.change_errors = 0
+        self.last_change_error = ""
+
+    # ------------------------------------------------------------------ run-time streams
+
+    def add(self, spec: StreamSpec) -> None:
+        """Follow ``spec`` too, from the next poll on (thread-safe). Its endpoints are
+        checked here (``EndpointError``); a name already followed is refused when applied
+        (counted in ``change_errors``)."""
+        check_endpoint(spec.endpoint, f"{spec.name}.endpoint")
+        if spec.replay_endpoint is not None:
+            check_endpoint(spec.replay_endpoint, f"{spec.name}.replay_endpoint")
+        self._change(("add", spec))
+
+    def remove(self, name: str, then: Callable[[str], None] | None = None) -> None:
+        """Stop following stream ``name`` (thread-safe): from the next poll on, nothing of
+        it is handed out (items already queued for it are dropped). ``then(name)`` is called
+        by the polling thread just after (e.g. to drop the stream's state: every item of it
+        handed out before was taken, none comes after)."""
+        self._change(("remove", (name, then)))
+
+    def _change(self, op: tuple) -> None:
+        if self._closed:
+            raise RuntimeError("Subscriber is closed")
+        self._changes.put(op)
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # pipe full (already woken) or closing
+            pass
+
+    def _apply_changes(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        core = self._core
+        while True:
+            try:
+                op, arg = self._changes.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if op == "add":
+                    core.add(arg, time.monotonic())
+                else:
+                    name, then = arg
+                    core.remove(name)
+                    if then is not None:
+                        then(name)
+            except Exception as e:  # reported, never raised into the polling loop
+                self.change_errors += 1
+                self.last_change_error = f"{op} {getattr(arg, 'name', arg)!r}: {e}"
+
+    def names(self) -> list[str]:
+        """Names of the ZeroMQ streams followed now."""
+        return [st.spec.name for st in self._core.streams]
 
     # ------------------------------------------------------------------ shared
 
@@ -311,6 +424,8 @@ class Subscriber:
         core = self._core
         if self._closed:
             raise RuntimeError("Subscriber is closed")
+        if not self._changes.empty():
+            self._apply_changes()
         core.start(time.monotonic())
         for link in core.links:  # what was handed out before this call is done: ack it
             link.done(core.popped)
@@ -330,6 +445,7 @@ class Subscriber:
             p = zmq.Poller()
             for s in self._core.sockets():
                 p.register(s, zmq.POLLIN)
+            p.register(self._wake_r, zmq.POLLIN)  # add()/remove() from another thread
             self._poller, self._gen = p, self._core.generation
         return self._poller
 
@@ -344,6 +460,8 @@ class Subscriber:
             if polled and time.monotonic() >= deadline:
                 return None
             events = self._sync_poller().poll(poll_ms(self._wait_for(deadline)))
+            if events and events[-1][0] == self._wake_r:  # registered last: reported last
+                self._apply_changes()  # (also drains the pipe, so the next poll waits)
             self._core.handle(events)
             # Time-outs are judged after reading what arrived: after a stall of this
             # process, replies already waiting must count, not time out unread.
@@ -449,6 +567,11 @@ class Subscriber:
         self._closed = True
         self._core.close()
         self._poller = self._apoller = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if self._own_ctx:
             self._ctx.term()
 

@@ -532,6 +532,29 @@ class PrefixIndex:
                     del sp[k]
                     self._clear_pred_bit(k, st.bit)
 
+    # ------------------------------------------------------------------ per-medium answers
+
+    def tier_prefixes(self, keys: Iterable[int], streams: Iterable[str]
+                      ) -> dict[str, tuple[int, dict[str, int]]]:
+        """Per known stream of ``streams``: leading ``keys`` (own keys, e.g. a prompt's
+        :func:`~kvwire.index.block_keys` at that stream's block size) it holds in any tier,
+        and ``{tier: leading keys held in that tier alone}`` (no predictions)."""
+        names = self._h.tiers
+        return {s: (n, dict(zip(names, per)))
+                for s, (n, per) in self._h.tier_prefixes(keys, streams).items()}
+
+    def block_size_of(self, stream: str) -> int | None:
+        """The block size the stream's events use (None: unknown stream or none seen)."""
+        st = self._h.streams.get(stream)
+        return None if st is None else st.block_size
+
+    def held_keys(self, stream: str) -> dict[str, list[int]]:
+        """``{tier: own keys}`` the stream holds (for a dump; empty for an unknown one)."""
+        st = self._h.streams.get(stream)
+        if st is None:
+            return {}
+        return {self._h.tiers[t]: sorted(set(d.values())) for t, d in st.h2k.items() if len(d)}
+
     # ------------------------------------------------------------------ diagnostics
 
     def streams(self) -> dict[str, StreamIndexStats]:

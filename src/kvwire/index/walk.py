@@ -236,3 +236,45 @@ class PrefixWalk:
             if s in extra or s in predicted:
                 # runs count blocks walked while the stream was alive, all within `matched`
                 detail[s] = (predicted.get(s, 0), extra.get(s))
+
+    def tier_prefixes(self, keys: Iterable[int], names: Iterable[str]
+                      ) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Per stream of ``names`` (unknown ones left out): how many leading ``keys`` it
+        holds in any tier, and in each tier alone (``tiers`` order); predictions are not
+        counted. The indexer API's answer (per medium, not per best tier as ``match``)."""
+        slots = [st for st in (self.streams.get(n) for n in names) if st is not None]
+        if not slots:
+            return {}
+        W = self.W
+        full = (1 << W) - 1
+        nt = len(self.tiers)
+        mask = 0
+        for st in slots:
+            mask |= st.bit
+        alive = [mask] * (nt + 1)  # [any, tier 0, tier 1, ...]: streams still matching
+        ends: list[dict[int, int]] = [{} for _ in range(nt + 1)]
+        kget = self.keys.get
+        i = 0
+        for k in keys:
+            v = kget(k, 0)
+            if not v & mask:  # nobody of ours holds it: every prefix ends here
+                break
+            for lane in range(nt + 1):
+                a = alive[lane]
+                if not a:
+                    continue
+                held = v & a if lane == 0 else (v >> ((lane + 1) * W)) & full & a
+                if held != a:
+                    for s in _bits(a ^ held):
+                        ends[lane][s] = i
+                    alive[lane] = held
+            i += 1
+            if not any(alive):
+                break
+        out = {}
+        for st in slots:
+            b = st.slot
+            got = [ends[lane].get(b, i) for lane in range(nt + 1)]
+            out[st.name] = (got[0], tuple(got[1:]))
+        return out
+

@@ -141,8 +141,6 @@ class RouterCore:
         index: Any = None,
         nats: Any = None,
     ) -> None:
-        if not engines:
-            raise ValueError("at least one engine is needed")
         names = [e.name for e in engines]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -177,6 +175,7 @@ class RouterCore:
             if nats is None:  # (with nats, the engines' streams come from JetStream)
                 self.specs += e.streams()
         self._by_label = {t.label: t for t in self.targets}
+        self._by_stream = {t.stream for t in self.targets}
         self._pairs = [(t.stream, t.label) for t in self.targets]
         self.stream_config = stream_config
         self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
@@ -193,6 +192,10 @@ class RouterCore:
         self._started = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # run-time streams (the indexer API's registrations): not routing targets
+        self._sub: Subscriber | None = None
+        self._sub_lock = threading.Lock()  # orders add/remove against the thread's start
+        self.extra: set[str] = set()
 
     # ------------------------------------------------------------------ subscriber thread
 
@@ -214,8 +217,10 @@ class RouterCore:
 
     def _run(self) -> None:
         try:
-            sub = Subscriber([self.nats] if self.nats is not None else self.specs,
-                             config=self.stream_config)
+            with self._sub_lock:
+                sub = self._sub = Subscriber(
+                    [self.nats] if self.nats is not None else self.specs,
+                    config=self.stream_config)
         except BaseException as e:  # bad endpoint etc.: reported by start()
             self._error = e
             self._started.set()
@@ -241,6 +246,44 @@ class RouterCore:
             self.alive = dict.fromkeys(self.alive, False)
         finally:
             sub.close()
+
+    # ------------------------------------------------------------------ run-time streams
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        """Follow one more ZeroMQ stream (any thread; not a routing target: its blocks are
+        answered by the indexer API). Raises ValueError for a name already followed or a
+        bad endpoint."""
+        with self._sub_lock:
+            if spec.name in self.extra or spec.name in self.alive:
+                raise ValueError(f"stream {spec.name!r} is already followed")
+            if self._sub is None:
+                self.specs.append(spec)  # not started yet: it starts with the rest
+            else:
+                self._sub.add(spec)
+            self.extra.add(spec.name)
+
+    def remove_stream(self, name: str) -> bool:
+        """Stop following a stream added by :meth:`add_stream` and drop its blocks from the
+        index (done in the subscriber thread as the subscriber lets go of it: every item of
+        it handed out before is applied, none comes after); False if it was not followed."""
+        with self._sub_lock:
+            if name not in self.extra:
+                return False
+            self.extra.discard(name)
+            if self._sub is None:
+                self.specs = [s for s in self.specs if s.name != name]
+                self._forget(name)
+            else:
+                self._sub.remove(name, then=self._forget)
+        return True
+
+    def _forget(self, name: str) -> None:
+        with self.lock:
+            self.index.remove_stream(name)
+            self.last_item.pop(name, None)
+            self.resets.pop(name, None)
+            if name not in self._by_stream:
+                self.alive.pop(name, None)
 
     def _apply(self, items: list) -> None:
         now = self.clock()
@@ -281,6 +324,9 @@ class RouterCore:
         """Choose an engine for the prompt; with ``reserve`` (``/route``) its load is
         reserved under the returned ``request_id`` and its prefix predicted on the engine."""
         self.check_tokens(token_ids)
+        if not self.targets:
+            raise RouteError(503, "no engine to route to: this kvwire serve has no --engine "
+                             "(it answers the indexer API only)", "no_engine")
         prompt_blocks = len(token_ids) // self.block_size
         if not self.lock.acquire(timeout=self.lock_timeout):
             raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")

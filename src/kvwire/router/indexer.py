@@ -1,0 +1,309 @@
+"""The RFC #1403 KV indexer API (Mooncake's Conductor, Dynamo's standalone indexer), with no
+web framework: :class:`Indexer` owns the registrations and answers
+
+    ``Indexer.handle(method: str, path: str, body: bytes) -> tuple[int, bytes]``
+
+(HTTP status, JSON body), for ``POST /register``, ``/unregister``, ``/query``,
+``/query_by_hash``, ``GET /dump``, ``/registrations``, ``/health``. ``path`` may carry a query
+string (``?shape=mooncake|dynamo``). ``handle`` is thread-safe and never raises: bad input is
+a 4xx naming what was wrong, counted in :attr:`Indexer.counts`. ``kvwire serve`` mounts it
+beside ``/route`` (one index); ``kvwire index`` serves it alone.
+
+Streams come from a :class:`~kvwire.router.service.RouterCore` (its subscriber thread owns the
+sockets and is the index's only writer; ``add_stream`` / ``remove_stream`` hand registrations
+to it). Both peers' spellings are accepted; which shape answers is chosen per request (see
+:func:`~kvwire.router.indexer_api.pick_shape`, docs/indexer-api.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..consume.subscriber import StreamSpec
+from ..index import block_keys
+from ..index.keys import standard_fold
+from .indexer_api import (
+    MEDIA,
+    BadRequest,
+    QueryBody,
+    QueryByHashBody,
+    RegisterBody,
+    Registration,
+    RegistrationFile,
+    Scope,
+    UnregisterBody,
+    decode,
+    empty_answer,
+    pick_shape,
+    seq_from_local,
+    shape_answer,
+)
+from .service import RouterCore
+
+__all__ = ["Indexer"]
+
+log = logging.getLogger("kvwire.indexer")
+_enc = msgspec.json.Encoder()
+
+
+def _json(status: int, obj: Any) -> tuple[int, bytes]:
+    return status, _enc.encode(obj)
+
+
+class Indexer:
+    """Registrations + the RFC #1403 answers over ``core``'s index (see module doc).
+
+    ``registrations``: a JSON file rewritten atomically on every change and read here, so a
+    restarted indexer follows the same streams (their blocks come back from each engine's
+    replay / snapshot). ``max_tokens`` bounds a query."""
+
+    def __init__(self, core: RouterCore, registrations: str | Path | None = None,
+                 max_tokens: int = 1 << 20) -> None:
+        self.core = core
+        self.max_tokens = max_tokens
+        self.file = None if registrations is None else RegistrationFile(Path(registrations))
+        self._lock = threading.Lock()  # registry changes (and the file) one at a time
+        self.regs: dict[tuple[str, str, int], Registration] = {}
+        #: request and error counters (``kvwire_indexer_*`` in /metrics)
+        self.counts: dict[str, int] = {}
+        #: streams whose events use another block size than registered (warned once each)
+        self.size_mismatch: dict[str, tuple[int, int]] = {}
+        self._owns_core = False
+        if self.file is not None:
+            for reg in self.file.load():
+                self._follow(reg)
+                self.regs[reg.key] = reg
+
+    @classmethod
+    def standalone(cls, registrations: str | Path | None = None, **core_kw: Any) -> Indexer:
+        """An indexer with its own started RouterCore (no routing engines); ``close()``
+        stops it."""
+        core = RouterCore([], **core_kw)
+        core.start()
+        try:
+            ix = cls(core, registrations)
+        except BaseException:
+            core.close()
+            raise
+        ix._owns_core = True
+        return ix
+
+    def close(self) -> None:
+        """Stop the core if this indexer made it (``standalone``)."""
+        if self._owns_core:
+            self.core.close()
+
+    # ------------------------------------------------------------------ HTTP face
+
+    def handle(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """Answer one request: ``(status, JSON bytes)``; never raises."""
+        path, _, qs = path.partition("?")
+        route = _ROUTES.get(path)
+        if route is None:
+            return self._bad(404, f"no such endpoint: {method} {path} (the indexer API has "
+                             f"{', '.join(sorted(_ROUTES))})", "not_found")
+        want, fn = route
+        if method != want:
+            return self._bad(405, f"{path} takes {want}, not {method}", "method")
+        self._count(path.strip("/"))
+        try:
+            return fn(self, body, qs)
+        except BadRequest as e:
+            return self._bad(e.status, str(e), e.reason)
+        except Exception as e:  # a bug must not take the service down: 500, logged
+            log.exception("indexer %s failed", path)
+            return self._bad(500, f"internal error answering {path}: {e}", "internal")
+
+    def _bad(self, status: int, message: str, reason: str) -> tuple[int, bytes]:
+        self._count("bad_" + reason)
+        return _json(status, {"error": message, "reason": reason})
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    # ------------------------------------------------------------------ registry
+
+    def _register(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        req = decode(body, RegisterBody)
+        reg = req.registration()
+        shape = pick_shape(req.dynamo_spelling(), qs)
+        with self._lock:
+            old = self.regs.get(reg.key)
+            if old != reg:
+                if old is not None:
+                    self.core.remove_stream(old.stream)
+                try:
+                    self._follow(reg)
+                except ValueError as e:
+                    if old is not None:  # put the old one back: nothing changed
+                        self._follow(old)
+                    raise BadRequest(422, f"cannot follow {reg.endpoint!r}: {e}",
+                                     "bad_endpoint") from None
+                self.regs[reg.key] = reg
+                self._save()
+        replaced = old is not None and old != reg
+        if shape == "dynamo":
+            return _json(201, {"status": "ok"})
+        return _json(200, {"status": "registered successfully",
+                           "instance_id": str(reg.instance_id), "replaced": replaced})
+
+    def _follow(self, reg: Registration) -> None:
+        self.core.add_stream(StreamSpec(reg.stream, reg.endpoint, reg.topic,
+                                        reg.replay_endpoint))
+
+    def _unregister(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        req = decode(body, UnregisterBody)
+        shape = pick_shape(req.dynamo_spelling(), qs)
+        tenant, inst = req.tenant(), str(req.instance_id)
+        with self._lock:
+            gone = [k for k in self.regs
+                    if k[0] == tenant and k[1] == inst
+                    and (req.dp_rank is None or k[2] == req.dp_rank)]
+            for k in gone:
+                self.core.remove_stream(self.regs.pop(k).stream)
+                self.size_mismatch.pop(Registration.stream_name(*k), None)
+            if gone:
+                self._save()
+        if not gone:
+            rank = "" if req.dp_rank is None else f" dp_rank {req.dp_rank}"
+            raise BadRequest(404, f"instance {inst!r}{rank} of tenant {tenant!r} is not "
+                             "registered", "unknown_instance")
+        if shape == "dynamo":
+            return _json(200, {"status": "ok"})
+        return _json(200, {"status": "unregistered successfully",
+                           "removed_instances": [f"{i}|{t}|{r}" for t, i, r in gone]})
+
+    def _save(self) -> None:
+        if self.file is not None:
+            self.file.save(list(self.regs.values()))
+
+    def _registrations(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        return _json(200, [msgspec.to_builtins(r) for r in self.regs.values()])
+
+    def _health(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        alive = self.core.alive
+        regs = list(self.regs.values())
+        live = sum(1 for r in regs if alive.get(r.stream))
+        return _json(200, {"ok": True, "registered": len(regs), "live": live})
+
+    # ------------------------------------------------------------------ queries
+
+    def _query(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        req = decode(body, QueryBody)
+        if len(req.token_ids) > self.max_tokens:
+            raise BadRequest(413, f"token_ids has {len(req.token_ids)} tokens, more than the "
+                             f"limit of {self.max_tokens}", "oversized_tokens")
+        scope = req.scope()
+        shape = pick_shape(req.dynamo_spelling(), qs)
+        toks = req.token_ids
+
+        def keys_for(bs: int, salt: str | None) -> Sequence[int]:
+            return block_keys(toks, bs, scope.lora_name, salt, self.core.index.key_scheme)
+
+        return _json(200, shape_answer(shape, scope, self._answer(scope, keys_for, None)))
+
+    def _query_by_hash(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        req = decode(body, QueryByHashBody)
+        if getattr(self.core.index, "key_scheme", "standard") != "standard":
+            raise BadRequest(409, "this index keys blocks by the 'kvwire' scheme: sequence "
+                             "hashes cannot be matched (run with the standard key scheme)",
+                             "key_scheme")
+        scope = req.scope()
+        shape = pick_shape(req.dynamo_spelling(), qs)
+        seq, local = req.hashes()
+        if len(seq) + len(local) > self.max_tokens:
+            raise BadRequest(413, "more hashes than the token limit", "oversized_tokens")
+
+        def keys_for(bs: int, salt: str | None) -> Sequence[int]:
+            if seq:  # already chained: the salt / LoRA are in them
+                return seq
+            return seq_from_local(local, standard_fold(scope.lora_name, salt))
+
+        return _json(200, shape_answer(shape, scope,
+                                       self._answer(scope, keys_for, req.block_size)))
+
+    def _answer(self, scope: Scope, keys_for: Any, hash_bs: int | None
+                ) -> dict[str, dict[str, Any]]:
+        """``{instance: {"longest_matched", "GPU", "CPU", "DISK", "DP": {rank: n}}}`` in
+        tokens, for every registration in scope (unmatched ones with zeros)."""
+        regs = [r for r in self.regs.values() if scope.covers(r)]
+        if not regs:
+            self._count("empty_scope")
+            return empty_answer(scope)
+        index = self.core.index
+        out: dict[str, dict[str, Any]] = {}
+        with self.core.lock:
+            groups: dict[tuple[int, str | None], list[Registration]] = {}
+            for r in regs:
+                bs = index.block_size_of(r.stream) or r.block_size
+                if bs and r.block_size and bs != r.block_size:
+                    self._mismatch(r, bs)
+                if not bs or (hash_bs is not None and bs != hash_bs):
+                    if hash_bs is not None and bs:
+                        self._count("hash_block_size_mismatch")
+                    groups.setdefault((0, None), []).append(r)
+                    continue
+                # an instance registered with a salt holds its blocks unsalted: the query's
+                # cache_salt chose the instance; one without is asked for salted blocks
+                salt = None if r.salt is not None else scope.cache_salt
+                groups.setdefault((bs, salt), []).append(r)
+            for (bs, salt), group in groups.items():
+                held = {}
+                if bs:
+                    held = index.tier_prefixes(keys_for(bs, salt), [r.stream for r in group])
+                for r in group:
+                    n, tiers = held.get(r.stream, (0, {}))
+                    row = out.setdefault(str(r.instance_id), {
+                        "longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {},
+                        "_gpu_dp": {}})
+                    row["longest_matched"] = max(row["longest_matched"], n * bs)
+                    for m in MEDIA:
+                        row[m] = max(row[m], tiers.get(m, 0) * bs)
+                    row["DP"][str(r.dp_rank)] = n * bs
+                    row["_gpu_dp"][str(r.dp_rank)] = tiers.get("GPU", 0) * bs
+        return out
+
+    def _mismatch(self, r: Registration, bs: int) -> None:
+        if self.size_mismatch.get(r.stream) != (r.block_size, bs):
+            self.size_mismatch[r.stream] = (r.block_size, bs)  # type: ignore[assignment]
+            self._count("block_size_mismatch")
+            log.warning("instance %s registered with block_size %s publishes %s-token "
+                        "blocks: answered in its events' block size", r.stream,
+                        r.block_size, bs)
+
+    # ------------------------------------------------------------------ dump
+
+    def _dump(self, body: bytes, qs: str) -> tuple[int, bytes]:
+        """Registrations and, per registered stream, the own keys (standard sequence
+        hashes) it holds per medium: what a late replica needs to answer at once."""
+        index = self.core.index
+        streams = {}
+        with self.core.lock:
+            for r in self.regs.values():
+                streams[r.stream] = {
+                    "tenant_id": r.tenant, "instance_id": r.instance_id,
+                    "dp_rank": r.dp_rank, "model_name": r.model,
+                    "block_size": index.block_size_of(r.stream) or r.block_size,
+                    "blocks": index.held_keys(r.stream),
+                }
+        return _json(200, {"key_scheme": getattr(index, "key_scheme", "standard"),
+                           "registrations": [msgspec.to_builtins(r)
+                                             for r in self.regs.values()],
+                           "streams": streams})
+
+
+_ROUTES: dict[str, tuple[str, Any]] = {
+    "/register": ("POST", Indexer._register),
+    "/unregister": ("POST", Indexer._unregister),
+    "/query": ("POST", Indexer._query),
+    "/query_by_hash": ("POST", Indexer._query_by_hash),
+    "/dump": ("GET", Indexer._dump),
+    "/registrations": ("GET", Indexer._registrations),
+    "/indexer/health": ("GET", Indexer._health),
+}
