@@ -254,7 +254,7 @@ class RouterCore:
         answered by the indexer API). Raises ValueError for a name already followed or a
         bad endpoint."""
         with self._sub_lock:
-            if spec.name in self.extra or spec.name in self.alive:
+            if spec.name in self.extra or spec.name in self._by_stream:
                 raise ValueError(f"stream {spec.name!r} is already followed")
             if self._sub is None:
                 self.specs.append(spec)  # not started yet: it starts with the rest
