@@ -139,6 +139,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-share", type=_nonneg, default=50.0,
                    help="load per expected output block, learned from /release's "
                         "output_tokens (default 50 = 20k prefill / 400 decode tokens/s)")
+    p.add_argument("--registrations", metavar="FILE", default=None,
+                   help="indexer API: keep /register'd streams in FILE (rewritten atomically "
+                        "on each change, read at start: a restart follows the same streams); "
+                        "with it, --engine is optional (docs/indexer-api.md)")
     p.add_argument("--dead-after", type=_positive(float), default=None,
                    help="silence (s) after which a stream is dead (default 3 heartbeats)")
     add_log_level(p)
@@ -178,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
         from ..consume.stream import StreamConfig
         from ..router.app import build_app, fast_app
+        from ..router.indexer import Indexer
         from ..router.policy import make_policy
         from ..router.proxy import Proxy, ProxyConfig
         from ..router.service import RouterCore
@@ -194,8 +199,9 @@ def run(args: argparse.Namespace) -> int:
             nats, engines = nats_engines(args)
         elif args.nats_engine:
             raise ValueError("--nats-engine needs --nats URL")
-        elif not engines:
-            raise ValueError("give --engine NAME=ENDPOINT (repeat) or --nats URL")
+        elif not engines and args.registrations is None:
+            raise ValueError("give --engine NAME=ENDPOINT (repeat), --nats URL or "
+                             "--registrations FILE (the indexer API alone)")
         core = RouterCore(
             engines, nats=nats,
             policy=make_policy(args.policy, args.prefill_weight, args.load_weight,
@@ -230,6 +236,12 @@ def run(args: argparse.Namespace) -> int:
         core.close()
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_FAILURE
+    try:
+        indexer = Indexer(core, args.registrations, max_tokens=args.max_tokens)
+    except (ValueError, OSError) as e:  # a registrations file that cannot be read
+        core.close()
+        print(f"kvwire serve: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if proxy is not None:
         proxy.start()  # (it logged already if it routes by load only: no --tokenizer)
     # Bind here, not in uvicorn: `--port 0` then prints the port the OS gave, and a port in
@@ -247,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
           file=sys.stderr, flush=True)
     try:
-        app = fast_app(build_app(core, proxy))
+        app = fast_app(build_app(core, proxy, indexer))
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .indexer import INDEXER_PATHS, Indexer
 from .service import RouteError, RouterCore
 from .status_page import STATUS_HTML
 from .tokens import parse_route_body
@@ -127,11 +128,33 @@ class _CoreCollector:
         yield from (applied, blocks, resets, alive, load, reqs, expired)
 
 
+class _IndexerCollector:
+    """The indexer API's counters (requests, 4xx by reason, scope misses, block-size
+    mismatches) as ``kvwire_indexer_events_total{what}``, and its registrations."""
+
+    def __init__(self, indexer: Indexer) -> None:
+        self.indexer = indexer
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        c = CounterMetricFamily("kvwire_indexer_events", "Indexer API requests and problems, "
+                                "by what (query, bad_<reason>, empty_scope, ...)",
+                                labels=["what"])
+        for k, v in list(self.indexer.counts.items()):
+            c.add_metric([k], v)
+        g = GaugeMetricFamily("kvwire_indexer_registrations", "Streams registered")
+        g.add_metric([], len(self.indexer.regs))
+        yield from (c, g)
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(_enc.encode(obj), status_code=status, media_type="application/json")
 
 
-def build_app(core: RouterCore, proxy: Any = None) -> FastAPI:
+def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = None
+              ) -> FastAPI:
     """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops);
     with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), ``fast_app`` also serves
     ``/v1`` and ``/health`` needs an engine live on both HTTP and events."""
@@ -141,6 +164,10 @@ def build_app(core: RouterCore, proxy: Any = None) -> FastAPI:
     app.state.core = core
     app.state.proxy = proxy
     app.state.metrics = metrics
+    # the RFC #1403 indexer API over the same index (fast_app answers its paths)
+    app.state.indexer = indexer = (indexer if indexer is not None
+                                   else Indexer(core, max_tokens=core.max_tokens))
+    metrics.registry.register(_IndexerCollector(indexer))
 
     def bad(status: int, message: str, reason: str) -> Response:
         metrics.bad.labels(reason).inc()
@@ -224,12 +251,16 @@ def fast_app(app: FastAPI) -> Any:
     Same answers and errors as the FastAPI routes (which stay registered for the rest)."""
     core: RouterCore = app.state.core
     metrics: _Metrics = app.state.metrics
+    indexer: Indexer = app.state.indexer
     latency = {b"/route": metrics.latency.labels("route"),
                b"/score": metrics.latency.labels("score")}
     proxy = app.state.proxy
 
     async def asgi(scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("raw_path") or scope.get("path", "").encode()
+        if path in INDEXER_PATHS and scope["type"] == "http":
+            await _indexer_answer(indexer, scope, receive, send, path)
+            return
         if proxy is not None and scope["type"] == "http" and proxy.handles(path):
             await proxy(scope, receive, send)
             return
@@ -269,6 +300,25 @@ def fast_app(app: FastAPI) -> Any:
 
 
 _FAST = frozenset((b"/route", b"/score", b"/release"))
+
+
+async def _indexer_answer(indexer: Indexer, scope: dict, receive: Any, send: Any,
+                          path: bytes) -> None:
+    """An indexer API request, answered by ``Indexer.handle`` (kvwire.router.indexer)."""
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return  # client went away
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    qs = scope.get("query_string") or b""
+    target = path.decode() + ("?" + qs.decode("latin-1") if qs else "")
+    status, payload = indexer.handle(scope["method"], target, b"".join(chunks))
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _decode_body(body: bytes, dec: msgspec.json.Decoder) -> Any:
