@@ -263,10 +263,15 @@ def run(args: argparse.Namespace) -> int:
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
-        config = uvicorn.Config(app, log_level=level,
-                                access_log=False, lifespan="off",
-                                proxy_headers=False)  # no X-Forwarded-* rewriting per request
-        uvicorn.Server(config).run(sockets=[sock])
+        if proxy is not None:  # /v1 on the lean server (router/front.py), the rest bridged
+            from ..router.front import Server
+
+            Server(app, proxy).run(sockets=[sock])
+        else:
+            config = uvicorn.Config(app, log_level=level,
+                                    access_log=False, lifespan="off",
+                                    proxy_headers=False)  # no X-Forwarded-* rewriting
+            uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
         if proxy is not None:

@@ -246,7 +246,8 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 def fast_app(app: FastAPI) -> Any:
     """An ASGI app answering ``POST /route``, ``/score`` and ``/release`` directly (the hot
     path: no routing table, no Request/Response objects; several times less overhead per
-    request than going through FastAPI) and passing everything else to ``app``.
+    request than going through FastAPI) and passing everything else to ``app``. (The
+    proxy's ``/v1`` paths are served by :class:`~kvwire.router.front.Server`, not here.)
 
     Same answers and errors as the FastAPI routes (which stay registered for the rest)."""
     core: RouterCore = app.state.core
@@ -254,15 +255,11 @@ def fast_app(app: FastAPI) -> Any:
     indexer: Indexer = app.state.indexer
     latency = {b"/route": metrics.latency.labels("route"),
                b"/score": metrics.latency.labels("score")}
-    proxy = app.state.proxy
 
     async def asgi(scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("raw_path") or scope.get("path", "").encode()
         if path in INDEXER_PATHS and scope["type"] == "http":
             await _indexer_answer(indexer, scope, receive, send, path)
-            return
-        if proxy is not None and scope["type"] == "http" and proxy.handles(path):
-            await proxy(scope, receive, send)
             return
         if scope["type"] != "http" or scope["method"] != "POST" or path not in _FAST:
             await app(scope, receive, send)
@@ -352,7 +349,8 @@ def _decode_route(body: bytes) -> Any:
 def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 10.0, proxy: Any = None
                     ) -> tuple[Any, threading.Thread, int]:
-    """Run the app with uvicorn in a daemon thread (tests, docs, embedding).
+    """Run the app with uvicorn (with ``proxy``: :class:`~kvwire.router.front.Server`) in
+    a daemon thread (tests, docs, embedding).
 
     Returns ``(server, thread, port)``; stop with ``server.should_exit = True;
     thread.join()``. ``port=0`` picks a free port (the socket is bound here first)."""
@@ -362,9 +360,14 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(fast_app(build_app(core, proxy)), log_level="warning", access_log=False,
-                            lifespan="off", proxy_headers=False)
-    server = uvicorn.Server(config)
+    if proxy is not None:  # the proxy's hot paths on the lean server, the rest bridged
+        from .front import Server
+
+        server: Any = Server(fast_app(build_app(core, proxy)), proxy)
+    else:
+        config = uvicorn.Config(fast_app(build_app(core, proxy)), log_level="warning",
+                                access_log=False, lifespan="off", proxy_headers=False)
+        server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="kvwire-router-http", daemon=True)
     thread.start()

@@ -4,10 +4,10 @@
 :mod:`.proxy_state`, routing in :class:`~kvwire.router.service.RouterCore`.
 
 Per request: decode the few fields routing needs (the body is forwarded unchanged),
-tokenize (``--tokenizer``), route, send to the engine over a keep-alive pool, and pass the
-answer back chunk by chunk as it arrives. Streams add no per-chunk work beyond forwarding
-the bytes and looking for ``completion_tokens``. A client that goes away cancels the upstream
-request, which closes its connection: the engine aborts it.
+tokenize (``--tokenizer``), route, then :mod:`.forward` sends it to the engine over a
+keep-alive pool and passes the answer back chunk by chunk as it arrives, on the lean
+server of :mod:`.front`. A client that goes away cancels the upstream request, which
+closes its connection: the engine aborts it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,30 +28,18 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..consume.engine_spec import EngineSpec
-from .proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
-from .service import RouteError, RouterCore
-from .upstream import Pool, Response, UpstreamError
+from .forward import PATHS, BadRequest, handle, openai_error
+from .proxy_state import Breaker, Lifecycle
+from .service import RouterCore
+from .upstream import Pool, UpstreamError
 
-__all__ = ["Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
+__all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 
 log = logging.getLogger("kvwire.router.proxy")
 
 _enc = msgspec.json.Encoder()
-#: Hop-by-hop and framing headers not forwarded (either way).
-_HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive",
-                  b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-authorization",
-                  b"proxy-connection", b"expect"))
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*(\d+)')
-_PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
-
-
-def openai_error(status: int, message: str, type_: str = "BadRequestError",
-                 param: str | None = None) -> bytes:
-    """OpenAI's (and vLLM's) error object."""
-    return _enc.encode({"error": {"message": message, "type": type_, "param": param,
-                                  "code": status}})
 
 
 class _Body(msgspec.Struct):
@@ -70,13 +58,6 @@ class _Body(msgspec.Struct):
 
 
 _body_dec = msgspec.json.Decoder(_Body)
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.param, self.type = status, param, type_
 
 
 @dataclass
@@ -159,6 +140,7 @@ class _Link:
     def __init__(self, spec: EngineSpec, cooloff: float) -> None:
         assert spec.url is not None
         self.name = spec.name
+        self.name_b = spec.name.encode()
         self.ranks = spec.ranks
         self.breaker = Breaker(cooloff)
         self.ttft: Any = None  # this engine's histogram children (set by the Proxy)
@@ -285,69 +267,22 @@ class Proxy:
     def retries_total(self) -> int:
         return sum(self.retried.values())
 
-    # ------------------------------------------------------------------ ASGI
+    # ------------------------------------------------------------------ serving
 
     @staticmethod
     def handles(path: bytes) -> bool:
-        return path in _PATHS or path == b"/v1/models"
+        return path in PATHS or path == b"/v1/models"
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("raw_path") or scope["path"].encode()
-        method = scope["method"]
-        if path == b"/v1/models":
-            if method != "GET":
-                await _answer(send, 405, openai_error(405, "Method Not Allowed",
-                                                      "MethodNotAllowed"))
-                return
-            await _answer(send, 200, self._models())
-            return
-        if method != "POST":
-            await _answer(send, 405, openai_error(405, "Method Not Allowed",
-                                                  "MethodNotAllowed"))
-            return
-        t0 = time.perf_counter()
-        try:
-            body = await self._read(receive)
-        except BadRequest as e:
-            self.counts["bad_requests"] += 1
-            self.requests["none", e.status] += 1
-            await _answer(send, e.status, openai_error(e.status, str(e), e.type, e.param))
-            return
-        if body is None:
-            return  # the client left before sending its body
-        done: list[bool] = [False]  # set once the last byte is handed to the server
-        work = asyncio.ensure_future(self._serve(scope, body, _PATHS[path], send, done, t0))
-        gone = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done() and done[0]:
-                await work  # the server reports the finished response as a disconnect
-        finally:
-            if not work.done():  # the client went away: abandon (closes the upstream)
-                self.counts["client_disconnects"] += 1
-                work.cancel()
-                try:
-                    await work
-                except (asyncio.CancelledError, Exception):
-                    pass
-            gone.cancel()
-        if not work.cancelled() and work.exception() is not None:
-            raise work.exception()  # type: ignore[misc]
+    def handle(self, req: Any) -> None:
+        """Answer a :class:`~kvwire.router.front.Request` for a path :meth:`handles`."""
+        handle(self, req)
 
-    async def _read(self, receive: Any) -> bytes | None:
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return None
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.cfg.max_body:
-                raise BadRequest(413, f"request body over {self.cfg.max_body} bytes",
-                                 "body")
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    def close_pools(self) -> None:
+        """Close the idle engine connections (the serving loop is ending)."""
+        for link in self.links.values():
+            if link.pool is not None:
+                link.pool.close()
+                link.pool = None
 
     def _models(self) -> bytes:
         seen: dict[str, dict[str, Any]] = {}
@@ -465,167 +400,14 @@ class Proxy:
             link.pool = Pool(link.host, link.port, self.cfg.connect_timeout)
         return link.pool
 
-    async def _serve(self, scope: dict, body: bytes, chat: bool, send: Any,
-                     done: list[bool], t0: float) -> None:
-        try:
-            req = self._check(body, chat)
-            tokens = await self._tokens(req, chat)
-        except BadRequest as e:
-            self.counts["bad_requests"] += 1
-            self.requests["none", e.status] += 1
-            done[0] = True
-            await _answer(send, e.status, openai_error(e.status, str(e), e.type, e.param))
-            return
-        known = self._known_models()
-        lora = req.model if req.model is not None and known.get(req.model) else None
-        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP]
-        path = scope.get("raw_path") or scope["path"].encode()
-        stream = bool(req.stream)
-        tried: set[str] = set()
-        last: tuple[int, bytes] | None = None
-        last_engine = "none"
-        for attempt in range(self.cfg.retries + 1):
-            with self._lock:
-                ok = {n for n, lk in self.links.items() if lk.breaker.up and n not in tried
-                      and (req.model is None or not lk.model_ids or req.model in lk.model_ids)}
-            try:
-                routed = self.core.route_proxy(tokens, lora, req.cache_salt, ok.__contains__,
-                                               self._up)
-            except RouteError as e:
-                if last is None:
-                    last = (e.status, openai_error(e.status, str(e), "ServiceUnavailable"))
-                break
-            tried.add(routed.engine)
-            outcome, sent, last = await self._attempt(routed, path, headers, body, stream,
-                                                      send, done, t0, attempt == 0)
-            last_engine = routed.engine
-            if marks_down(outcome):
-                self.counts["upstream_failures"] += 1
-                with self._lock:
-                    self.links[routed.engine].breaker.failure(time.monotonic())
-            if not should_retry(outcome, attempt, self.cfg.retries, sent):
-                if sent:
-                    return
-                break
-            self.retried[routed.engine, outcome.value] += 1
-        status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
-        self.requests[last_engine, status] += 1
-        done[0] = True
-        await _answer(send, status, payload)
-
     def _up(self, engine: str) -> bool:
         link = self.links[engine]
         return link.http_up and link.breaker.up
-
-    async def _attempt(self, routed: Any, path: bytes, headers: list, body: bytes,
-                       stream: bool, send: Any, done: list[bool], t0: float, first: bool
-                       ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
-        """One try at one engine: (outcome, whether the client got bytes, the error to
-        answer with if nothing was sent). The reservation ends here, on every path.
-        ``t0``: the request's arrival; ``first``: this is its first attempt."""
-        link = self.links[routed.engine]
-        name = link.name
-        lc = Lifecycle(routed.request_id, routed.prefill)
-        out_tokens: int | None = None
-        hdrs = list(headers)
-        if link.ranks > 1:
-            hdrs.append((b"x-data-parallel-rank", str(routed.rank).encode()))
-        resp: Response | None = None
-        self.counts["attempts"] += 1
-        self.in_flight[name] += 1
-        sent_at: list[float] = []
-        try:
-            try:
-                resp = await asyncio.wait_for(
-                    self._pool(link).request(b"POST", path, hdrs, body, sent_at),
-                    self.cfg.first_byte_timeout)
-            except asyncio.TimeoutError:
-                return Outcome.TIMEOUT, False, (504, openai_error(
-                    504, f"engine {link.name} did not answer in "
-                    f"{self.cfg.first_byte_timeout:g} s", "Timeout"))
-            except UpstreamError as e:
-                return Outcome.REFUSED, False, (502, openai_error(
-                    502, f"engine {link.name} unreachable: {e}", "BadGateway"))
-            rid = [(b"x-kvwire-engine", link.name.encode()),
-                   (b"x-kvwire-rank", str(routed.rank).encode())]
-            ctype = resp.headers.get(b"content-type", b"application/json")
-            if stream and resp.status == 200:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", ctype),
-                                        (b"cache-control", b"no-cache"), *rid]})
-                self.requests[name, 200] += 1
-                out_tokens = await self._pump(resp, lc, send, link, done, t0)
-                link.e2e.observe(time.perf_counter() - t0)
-                return Outcome.OK, True, None
-            try:
-                payload = await asyncio.wait_for(resp.read(), self.cfg.first_byte_timeout)
-            except (asyncio.TimeoutError, UpstreamError) as e:
-                return Outcome.TIMEOUT, False, (504, openai_error(
-                    504, f"engine {link.name} did not finish its answer: {e!r}", "Timeout"))
-            if resp.status >= 500:
-                return Outcome.SERVER_ERROR, False, (resp.status, payload)
-            self._first(lc)
-            m = _COMPLETION_TOKENS.search(payload)
-            out_tokens = int(m.group(1)) if m else None
-            if m:
-                self._count_usage(name, payload, payload.rfind(b'"usage"'))
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": [(b"content-type", ctype),
-                                    (b"content-length", str(len(payload)).encode()), *rid]})
-            self.requests[name, resp.status] += 1
-            done[0] = True
-            await send({"type": "http.response.body", "body": payload})
-            link.e2e.observe(time.perf_counter() - t0)
-            return Outcome.OK, True, None
-        finally:
-            if lc.end():  # first: nothing below may skip it (a cancel lands in awaits)
-                self.core.finish(routed.request_id, out_tokens)
-            self.in_flight[name] -= 1
-            if first and sent_at:
-                self.metrics.overhead.observe(sent_at[0] - t0)
-            if resp is not None:
-                resp.close()  # unfinished: the connection closes and the engine aborts
 
     def _first(self, lc: Lifecycle) -> None:
         drop = lc.first_token()
         if drop:
             self.core.first_token(lc.request_id, drop)
-
-    async def _pump(self, resp: Response, lc: Lifecycle, send: Any,
-                    link: _Link, done: list[bool], t0: float) -> int | None:
-        """Forward a stream's bytes as they come; the first drops the prefill share. An
-        engine failing mid-stream becomes an SSE error event and a clean end."""
-        events = 0
-        usage: int | None = None
-        last_usage = b""
-        first = True
-        stall = self.cfg.stall_timeout
-        try:
-            async for chunk in _quiet_limited(resp.iter_chunks(), stall):
-                if first:
-                    self._first(lc)
-                    first = False
-                    link.ttft.observe(time.perf_counter() - t0)
-                events += chunk.count(b"data: {")
-                if b"completion_tokens" in chunk:
-                    m = _COMPLETION_TOKENS.search(chunk)
-                    if m:
-                        usage = int(m.group(1))
-                        last_usage = chunk  # cumulative: only the last one is counted
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (UpstreamError, asyncio.TimeoutError) as e:
-            self.counts["broken_streams"] += 1
-            name = link.name
-            why = (f"engine {name} failed mid-stream: {e}" if isinstance(e, UpstreamError)
-                   else f"engine {name} sent nothing for {stall:g} s")
-            err = openai_error(502, why, "BadGateway")
-            await send({"type": "http.response.body",
-                        "body": b"data: " + err + b"\n\ndata: [DONE]\n\n", "more_body": True})
-        done[0] = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if last_usage:
-            self._count_usage(link.name, last_usage, last_usage.rfind(b'"usage"'))
-        return usage if usage is not None else events
 
     def _count_usage(self, name: str, payload: bytes, at: int) -> None:
         """Add an answer's ``usage`` (found at ``at``) to the engine's prompt and cached
@@ -641,38 +423,5 @@ class Proxy:
             self.cached_tokens[name] += int(c.group(1))
 
 
-async def _quiet_limited(chunks: AsyncIterator[bytes], limit: float
-                         ) -> AsyncIterator[bytes]:
-    """``chunks``, raising asyncio.TimeoutError when the next one takes over ``limit`` s.
-    Only the wait for a chunk is timed, never the caller's work between chunks (a slow
-    client). Python 3.11+: a timer per chunk; 3.10: wait_for (a task) per chunk."""
-    it = chunks.__aiter__()
-    timeout = getattr(asyncio, "timeout", None)
-    while True:
-        try:
-            if timeout is not None:
-                async with timeout(limit):
-                    chunk = await it.__anext__()
-            else:
-                chunk = await asyncio.wait_for(it.__anext__(), limit)
-        except StopAsyncIteration:
-            return
-        yield chunk
-
-
 def _streams(core: RouterCore, engine: str) -> list[str]:
     return [t.stream for t in core.targets if t.engine == engine]
-
-
-async def _disconnected(receive: Any) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-async def _answer(send: Any, status: int, payload: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})

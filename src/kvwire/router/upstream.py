@@ -1,85 +1,237 @@
 """A lean asyncio HTTP/1.1 client for the proxy's upstream requests: one keep-alive pool
-per engine, O(1) per request. (httpx's pool walks and polls every idle connection on each
-request: 5 ms of CPU per proxied request at 32 connections.)
+per engine, O(1) per request, an ``asyncio.Protocol`` per connection (httptools parses).
 
-asyncio sets TCP_NODELAY on its TCP transports. A response's body is read as the engine
-writes it: ``content-length`` bodies whole, ``chunked`` ones chunk by chunk (one SSE event
-per chunk from vLLM-like servers). A connection goes back to its pool only after a complete
-response; one abandoned mid-body is closed, which is how an engine learns the client left.
+Why not streams: a streamed answer's chunks must cost microseconds each. Here the body is
+pushed as it arrives, either collected (:meth:`Response.read`) or handed to a *sink*
+(:meth:`Response.relay`) once per ``data_received`` with every chunk that read held: no
+task, future or timer per chunk, and chunks that arrive together leave together.
+
+asyncio sets TCP_NODELAY on its TCP transports. A connection goes back to its pool only
+after a complete response; one abandoned mid-answer is closed, which is how an engine
+learns the client left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import Any, Protocol
 
-__all__ = ["Pool", "Response", "UpstreamError"]
+import httptools
+
+__all__ = ["Pool", "Response", "Sink", "UpstreamError"]
 
 
 class UpstreamError(OSError):
     """The engine could not be reached, or broke the HTTP exchange."""
 
 
+class _Stale(Exception):
+    """A pooled connection the engine had closed before answering a byte: try another."""
+
+
+class Sink(Protocol):
+    """Where :meth:`Response.relay` pushes a body."""
+
+    def on_chunks(self, chunks: list[bytes]) -> None: ...
+    def on_end(self) -> None: ...
+    def on_error(self, error: UpstreamError) -> None: ...
+
+
 class Response:
-    """An engine's answer: ``status``, lower-cased ``headers``, and the body to read."""
+    """An engine's answer: ``status``, lower-cased ``headers``, then its body, read whole
+    or relayed. ``last_read`` is the loop time of the last bytes received (stall timers)."""
 
-    __slots__ = ("_conn", "_left", "_pool", "chunked", "done", "headers", "keep", "status")
+    __slots__ = ("_conn", "_parts", "_done_fut", "_sink", "done", "headers", "status",
+                 "keep")
 
-    def __init__(self, pool: Pool, conn: tuple, status: int, headers: dict[bytes, bytes]
-                 ) -> None:
-        self._pool = pool
-        self._conn = conn
+    def __init__(self, conn: _Conn, status: int, headers: dict[bytes, bytes],
+                 keep: bool) -> None:
+        self._conn: _Conn | None = conn
         self.status = status
         self.headers = headers
-        self.chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        n = headers.get(b"content-length")
-        self._left = int(n) if n is not None and not self.chunked else None
-        self.keep = headers.get(b"connection", b"").lower() != b"close"
+        self.keep = keep
         self.done = False
+        self._parts: list[bytes] = []
+        self._done_fut: asyncio.Future | None = None
+        self._sink: Sink | None = None
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunked: each chunk's data)."""
-        reader = self._conn[0]
-        try:
-            if self.chunked:
-                while True:
-                    line = await reader.readline()
-                    if not line.endswith(b"\n"):
-                        raise UpstreamError("engine closed the connection mid-body")
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                    if size == 0:
-                        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                            pass  # trailers
-                        break
-                    data = await reader.readexactly(size + 2)
-                    yield data[:-2]
-            elif self._left is not None:
-                if self._left:
-                    yield await reader.readexactly(self._left)
-            else:  # read to EOF
-                self.keep = False
-                while chunk := await reader.read(65536):
-                    yield chunk
-        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-            self.close()
-            raise UpstreamError(f"engine broke its answer: {e!r}") from None
+    @property
+    def last_read(self) -> float:
+        c = self._conn
+        return c.last_read if c is not None else 0.0
+
+    # called by the connection
+    def _body(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def _flush(self) -> None:
+        """End of one ``data_received``: hand what it held to the sink."""
+        if self._sink is not None and self._parts:
+            parts, self._parts = self._parts, []
+            self._sink.on_chunks(parts)
+
+    def _complete(self) -> None:
         self.done = True
-        self.close()
+        self._flush()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.response = None
+            conn.release(self.keep)
+        if self._sink is not None:
+            self._sink.on_end()
+        elif self._done_fut is not None and not self._done_fut.done():
+            self._done_fut.set_result(None)
 
+    def _fail(self, error: UpstreamError) -> None:
+        self._conn = None
+        if self._sink is not None:
+            self._sink.on_error(error)
+        elif self._done_fut is not None and not self._done_fut.done():
+            self._done_fut.set_exception(error)
+
+    # the caller's side
     async def read(self) -> bytes:
-        return b"".join([c async for c in self.iter_chunks()])
+        """The whole body (raises UpstreamError if the engine breaks it off)."""
+        if not self.done:
+            if self._conn is None:
+                raise UpstreamError("engine broke its answer")
+            self._done_fut = asyncio.get_running_loop().create_future()
+            try:
+                await self._done_fut
+            finally:
+                self._done_fut = None
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def relay(self, sink: Sink) -> None:
+        """Push the body to ``sink`` from now on (what arrived already goes at once)."""
+        self._sink = sink
+        self._flush()
+        if self.done:
+            sink.on_end()
+        elif self._conn is None:
+            sink.on_error(UpstreamError("engine closed the connection mid-body"))
+
+    def pause(self) -> None:
+        """Stop reading from the engine (the client is slow): TCP pushes back to it."""
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.resume_reading()
 
     def close(self) -> None:
-        """Back to the pool when complete, else closed (the engine aborts the request)."""
+        """Unfinished: the connection closes and the engine aborts the request."""
         conn, self._conn = self._conn, None
-        if conn is None:
+        self._sink = None
+        if conn is not None and not self.done:
+            conn.response = None
+            conn.close()
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine: one request at a time."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.loop = asyncio.get_running_loop()
+        self.last_read = 0.0
+        self.head: asyncio.Future | None = None  # resolves to the Response
+        self.response: Response | None = None
+        self.got_bytes = False
+        self._headers: dict[bytes, bytes] = {}
+
+    # asyncio
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.last_read = self.loop.time()
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._broken(UpstreamError(f"malformed answer from the engine: {e}"))
             return
-        if self.done and self.keep:
-            self._pool.put(conn)
+        r = self.response
+        if r is not None:
+            r._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.pool.forget(self)
+        r = self.response
+        if r is not None and b"content-length" not in r.headers and \
+                b"chunked" not in r.headers.get(b"transfer-encoding", b"").lower():
+            r.keep = False  # a body framed by the end of the connection: complete
+            r._complete()
+            return
+        if self.head is not None or self.response is not None:
+            self._broken(UpstreamError("engine closed the connection" +
+                                       (" mid-body" if self.response else " before answering")))
+
+    def _broken(self, err: UpstreamError) -> None:
+        head, self.head = self.head, None
+        r, self.response = self.response, None
+        if self.transport is not None:
+            self.transport.close()
+        if head is not None and not head.done():
+            head.set_exception(err if self.got_bytes else _Stale())
+        if r is not None:
+            r._fail(err)
+
+    # httptools
+    def on_message_begin(self) -> None:
+        self._headers = {}
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        p = self.parser
+        r = Response(self, p.get_status_code(), self._headers, p.should_keep_alive())
+        self.response = r
+        head, self.head = self.head, None
+        if head is not None and not head.done():
+            head.set_result(r)
+
+    def on_body(self, data: bytes) -> None:
+        r = self.response
+        if r is not None:
+            r._body(data)
+
+    def on_message_complete(self) -> None:
+        r = self.response
+        if r is not None:
+            r._complete()
+
+    # the pool's side
+    def send(self, data: bytes) -> asyncio.Future:
+        self.got_bytes = False
+        self.head = self.loop.create_future()
+        self.transport.write(data)  # type: ignore[union-attr]
+        return self.head
+
+    def release(self, keep: bool) -> None:
+        if keep and self.transport is not None and not self.transport.is_closing():
+            self.pool.put(self)
         else:
-            conn[1].close()
+            self.close()
+
+    def close(self) -> None:
+        self.head = None
+        if self.transport is not None:
+            self.transport.close()
+        self.pool.forget(self)
+
+    @property
+    def usable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
 
 
 class Pool:
@@ -90,81 +242,59 @@ class Pool:
         self.host, self.port = host, port
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
-        self._idle: deque[tuple] = deque()
+        self._idle: deque[_Conn] = deque()
         self._hostline = f"host: {host}:{port}\r\n".encode()
 
-    def put(self, conn: tuple) -> None:
-        if len(self._idle) < self.max_idle and not conn[0].at_eof():
+    def put(self, conn: _Conn) -> None:
+        if len(self._idle) < self.max_idle:
             self._idle.append(conn)
         else:
-            conn[1].close()
+            conn.close()
+
+    def forget(self, conn: _Conn) -> None:
+        # O(n) but only on a closed connection (rare); the deque is usually short
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
 
     def close(self) -> None:
         while self._idle:
-            self._idle.pop()[1].close()
+            self._idle.pop().close()
 
-    async def _connect(self) -> tuple:
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
-                                          self.connect_timeout)
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(self), self.host, self.port),
+                self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {e!r}") from None
+        return conn
 
     async def request(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]],
-                      body: bytes, sent: list[float] | None = None) -> Response:
-        """Send a request and read the status line and headers. A kept-alive connection
-        the engine closed meanwhile is replaced by a fresh one, once. ``sent`` gets the
-        ``time.perf_counter()`` of each time the request is written."""
-        head = b"".join([method, b" ", path, b" HTTP/1.1\r\n", self._hostline,
+                      body: bytes, sent: list[float] | None = None,
+                      clock: Callable[[], float] | None = None) -> Response:
+        """Send a request and wait for the status line and headers. A kept-alive
+        connection the engine closed meanwhile is replaced by a fresh one. ``sent`` gets
+        ``clock()`` each time the request is written. Cancelled: the connection closes."""
+        data = b"".join([method, b" ", path, b" HTTP/1.1\r\n", self._hostline,
                          *[k + b": " + v + b"\r\n" for k, v in headers],
-                         b"content-length: %d\r\n\r\n" % len(body)])
-        while self._idle:
-            conn = self._idle.pop()
-            if conn[0].at_eof() or conn[1].is_closing():
-                conn[1].close()
+                         b"content-length: %d\r\n\r\n" % len(body), body])
+        while True:
+            fresh = not self._idle
+            conn = await self._connect() if fresh else self._idle.pop()
+            if not conn.usable:
                 continue
+            head = conn.send(data)
+            if sent is not None and clock is not None:
+                sent.append(clock())
             try:
-                return await self._exchange(conn, head, body, sent=sent)
+                return await head
             except _Stale:
-                continue
-        return await self._exchange(await self._connect(), head, body, True, sent)
-
-    async def _exchange(self, conn: tuple, head: bytes, body: bytes,
-                        fresh: bool = False, sent: list[float] | None = None) -> Response:
-        reader, writer = conn
-        try:
-            writer.write(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                writer.write(body)
-            if sent is not None:
-                sent.append(time.perf_counter())
-            raw = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as e:
-            writer.close()
-            if not fresh and not e.partial:
-                raise _Stale from None
-            raise UpstreamError("engine closed the connection before answering") from None
-        except (OSError, asyncio.LimitOverrunError) as e:
-            writer.close()
-            if not fresh and isinstance(e, ConnectionResetError):
-                raise _Stale from None
-            raise UpstreamError(f"engine broke the exchange: {e!r}") from None
-        except BaseException:  # cancelled (the client left): the request is abandoned
-            writer.close()
-            raise
-        try:
-            lines = raw.split(b"\r\n")
-            status = int(lines[0].split(b" ", 2)[1])
-            headers: dict[bytes, bytes] = {}
-            for line in lines[1:]:
-                if line:
-                    k, _, v = line.partition(b":")
-                    headers[k.strip().lower()] = v.strip()
-        except (ValueError, IndexError):
-            writer.close()
-            raise UpstreamError(f"malformed response head: {raw[:80]!r}") from None
-        return Response(self, conn, status, headers)
-
-
-class _Stale(Exception):
-    """A pooled connection the engine had closed: try another."""
+                if fresh:
+                    raise UpstreamError("engine closed the connection before answering"
+                                        ) from None
+            except BaseException:  # cancelled (the client left): the request is abandoned
+                conn.close()
+                raise

@@ -1,0 +1,294 @@
+"""One proxied generation request, end to end: check, tokenize and route (through the
+:class:`~kvwire.router.proxy.Proxy`), send to the chosen engine, retry on the next-best
+one before the client got a byte, and pass the answer back on the client's
+:class:`~kvwire.router.front.Request`.
+
+The hot path costs one task per request and nothing per streamed chunk beyond the bytes:
+the engine's connection pushes each read's chunks to a :class:`_Relay`, which writes them
+to the client in one socket write (chunks that arrived together leave together), pauses
+the engine's connection while the client's buffer is full, and arms one timer for the
+stall timeout (re-armed only when it fires). A client that goes away cancels the request's
+task, whose ``finally`` releases the load and closes the engine's connection (the engine
+aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .proxy_state import Lifecycle, Outcome, marks_down, should_retry
+from .service import RouteError
+from .upstream import Response, UpstreamError
+
+if TYPE_CHECKING:
+    from .front import Request
+    from .proxy import Proxy, _Link
+
+__all__ = ["BadRequest", "handle", "openai_error"]
+
+_enc = msgspec.json.Encoder()
+#: Hop-by-hop and framing headers not forwarded (either way).
+HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive",
+                 b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-authorization",
+                 b"proxy-connection", b"expect"))
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
+_NO_CACHE = (b"cache-control", b"no-cache")
+
+
+def openai_error(status: int, message: str, type_: str = "BadRequestError",
+                 param: str | None = None) -> bytes:
+    """OpenAI's (and vLLM's) error object."""
+    return _enc.encode({"error": {"message": message, "type": type_, "param": param,
+                                  "code": status}})
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status, self.param, self.type = status, param, type_
+
+
+if hasattr(asyncio, "timeout"):  # 3.11+: a timer handle, no task
+    async def _within(aw: Any, limit: float) -> Any:
+        async with asyncio.timeout(limit):
+            return await aw
+else:  # pragma: no cover - 3.10
+    async def _within(aw: Any, limit: float) -> Any:
+        return await asyncio.wait_for(aw, limit)
+
+
+def handle(proxy: Proxy, req: Request) -> None:
+    """Answer ``req`` (a path :meth:`Proxy.handles`); called from the server's protocol."""
+    path, method = req.path, req.method
+    if path == b"/v1/models":
+        if method != b"GET":
+            req.respond(405, openai_error(405, "Method Not Allowed", "MethodNotAllowed"))
+        else:
+            req.respond(200, proxy._models())
+        return
+    if method != b"POST":
+        req.respond(405, openai_error(405, "Method Not Allowed", "MethodNotAllowed"))
+        return
+    if req.too_large:
+        _bad(proxy, req, BadRequest(413, f"request body over {proxy.cfg.max_body} bytes",
+                                    "body"))
+        return
+    task = asyncio.get_running_loop().create_task(_serve(proxy, req, PATHS[path]))
+
+    def gone() -> None:  # the client left before the answer ended: abandon it
+        proxy.counts["client_disconnects"] += 1
+        task.cancel()
+
+    req.on_close = gone
+
+
+def _bad(proxy: Proxy, req: Request, e: BadRequest) -> None:
+    proxy.counts["bad_requests"] += 1
+    proxy.requests["none", e.status] += 1
+    req.respond(e.status, openai_error(e.status, str(e), e.type, e.param))
+
+
+async def _serve(proxy: Proxy, req: Request, chat: bool) -> None:
+    try:
+        body = proxy._check(req.body, chat)
+        tokens = await proxy._tokens(body, chat)
+    except BadRequest as e:
+        _bad(proxy, req, e)
+        return
+    known = proxy._known_models()
+    model = body.model
+    lora = model if model is not None and known.get(model) else None
+    headers = [h for h in req.headers if h[0] not in HOP]
+    stream = bool(body.stream)
+    tried: set[str] = set()
+    last: tuple[int, bytes] | None = None
+    last_engine = "none"
+    cfg = proxy.cfg
+    for attempt in range(cfg.retries + 1):
+        with proxy._lock:
+            ok = {n for n, lk in proxy.links.items() if lk.breaker.up and n not in tried
+                  and (model is None or not lk.model_ids or model in lk.model_ids)}
+        try:
+            routed = proxy.core.route_proxy(tokens, lora, body.cache_salt, ok.__contains__,
+                                            proxy._up)
+        except RouteError as e:
+            if last is None:
+                last = (e.status, openai_error(e.status, str(e), "ServiceUnavailable"))
+            break
+        tried.add(routed.engine)
+        outcome, sent, last = await _attempt(proxy, req, routed, headers, stream,
+                                             attempt == 0)
+        last_engine = routed.engine
+        if marks_down(outcome):
+            proxy.counts["upstream_failures"] += 1
+            with proxy._lock:
+                proxy.links[routed.engine].breaker.failure(time.monotonic())
+        if not should_retry(outcome, attempt, cfg.retries, sent):
+            if sent:
+                return
+            break
+        proxy.retried[routed.engine, outcome.value] += 1
+    status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
+    proxy.requests[last_engine, status] += 1
+    req.respond(status, payload)
+
+
+async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, stream: bool,
+                   first: bool) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
+    """One try at one engine: (outcome, whether the client got bytes, the error to answer
+    with if nothing was sent). The reservation ends here, on every path (a cancel lands
+    in an await, and ``finally`` runs)."""
+    link = proxy.links[routed.engine]
+    name = link.name
+    cfg = proxy.cfg
+    lc = Lifecycle(routed.request_id, routed.prefill)
+    out_tokens: int | None = None
+    if link.ranks > 1:
+        headers = [*headers, (b"x-data-parallel-rank", str(routed.rank).encode())]
+    resp: Response | None = None
+    proxy.counts["attempts"] += 1
+    proxy.in_flight[name] += 1
+    sent_at: list[float] = []
+    try:
+        try:
+            resp = await _within(proxy._pool(link).request(
+                b"POST", req.path, headers, req.body, sent_at, time.perf_counter),
+                cfg.first_byte_timeout)
+        except asyncio.TimeoutError:
+            return Outcome.TIMEOUT, False, (504, openai_error(
+                504, f"engine {name} did not answer in {cfg.first_byte_timeout:g} s",
+                "Timeout"))
+        except UpstreamError as e:
+            return Outcome.REFUSED, False, (502, openai_error(
+                502, f"engine {name} unreachable: {e}", "BadGateway"))
+        rid = [(b"x-kvwire-engine", link.name_b), (b"x-kvwire-rank", b"%d" % routed.rank)]
+        ctype = resp.headers.get(b"content-type", b"application/json")
+        if stream and resp.status == 200:
+            req.start(200, [(b"content-type", ctype), _NO_CACHE, *rid])
+            proxy.requests[name, 200] += 1
+            relay = _Relay(proxy, req, resp, lc, link)
+            try:
+                await relay.finished
+            finally:
+                relay.stop()
+            out_tokens = relay.usage if relay.usage is not None else relay.events
+            if relay.last_usage:
+                proxy._count_usage(name, relay.last_usage,
+                                   relay.last_usage.rfind(b'"usage"'))
+            link.e2e.observe(time.perf_counter() - req.t0)
+            return Outcome.OK, True, None
+        try:
+            payload = await _within(resp.read(), cfg.first_byte_timeout)
+        except (asyncio.TimeoutError, UpstreamError) as e:
+            return Outcome.TIMEOUT, False, (504, openai_error(
+                504, f"engine {name} did not finish its answer: {e!r}", "Timeout"))
+        if resp.status >= 500:
+            return Outcome.SERVER_ERROR, False, (resp.status, payload)
+        proxy._first(lc)
+        m = COMPLETION_TOKENS.search(payload)
+        out_tokens = int(m.group(1)) if m else None
+        if m:
+            proxy._count_usage(name, payload, payload.rfind(b'"usage"'))
+        proxy.requests[name, resp.status] += 1
+        req.respond(resp.status, payload, rid, ctype)
+        link.e2e.observe(time.perf_counter() - req.t0)
+        return Outcome.OK, True, None
+    finally:
+        if lc.end():  # first: nothing below may skip it
+            proxy.core.finish(routed.request_id, out_tokens)
+        proxy.in_flight[name] -= 1
+        if first and sent_at:
+            proxy.metrics.overhead.observe(sent_at[0] - req.t0)
+        if resp is not None:
+            resp.close()  # unfinished: the connection closes and the engine aborts
+
+
+class _Relay:
+    """A started stream: the engine's chunks to the client as they come (a
+    :class:`~kvwire.router.upstream.Sink`). The first drops the prefill share; an engine
+    failing or going silent mid-stream becomes an SSE error event and a clean end."""
+
+    __slots__ = ("proxy", "req", "resp", "lc", "link", "finished", "events", "usage",
+                 "last_usage", "first", "paused", "timer", "loop", "since")
+
+    def __init__(self, proxy: Proxy, req: Request, resp: Response, lc: Lifecycle,
+                 link: _Link) -> None:
+        self.proxy, self.req, self.resp, self.lc, self.link = proxy, req, resp, lc, link
+        self.loop = loop = asyncio.get_running_loop()
+        self.finished: asyncio.Future = loop.create_future()
+        self.events = 0
+        self.usage: int | None = None
+        self.last_usage = b""
+        self.first = True
+        self.paused = False
+        self.since = loop.time()
+        self.timer: asyncio.TimerHandle | None = loop.call_later(
+            proxy.cfg.stall_timeout, self._stall_check)
+        req.on_pause = self._pause
+        req.on_resume = self._resume
+        resp.relay(self)
+
+    def on_chunks(self, chunks: list[bytes]) -> None:
+        if self.first:
+            self.first = False
+            self.proxy._first(self.lc)
+            self.link.ttft.observe(time.perf_counter() - self.req.t0)
+        for c in chunks:
+            self.events += c.count(b"data: {")
+            if b"completion_tokens" in c:
+                m = COMPLETION_TOKENS.search(c)
+                if m:
+                    self.usage = int(m.group(1))
+                    self.last_usage = c  # cumulative: only the last one is counted
+        self.req.write(chunks)
+
+    def on_end(self) -> None:
+        self.req.end()
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+    def on_error(self, error: UpstreamError | None, why: str | None = None) -> None:
+        if self.finished.done():
+            return
+        self.proxy.counts["broken_streams"] += 1
+        name = self.link.name
+        msg = why or f"engine {name} failed mid-stream: {error}"
+        err = openai_error(502, msg, "BadGateway")
+        self.req.end(b"data: " + err + b"\n\ndata: [DONE]\n\n")
+        self.finished.set_result(None)
+
+    def _stall_check(self) -> None:
+        stall = self.proxy.cfg.stall_timeout
+        now = self.loop.time()
+        if self.paused:
+            self.since = now
+        idle = now - max(self.resp.last_read, self.since)
+        if self.paused or idle < stall:  # a slow client is not a silent engine
+            self.timer = self.loop.call_later(stall if self.paused else stall - idle,
+                                              self._stall_check)
+            return
+        self.timer = None
+        self.resp.close()
+        self.on_error(None, f"engine {self.link.name} sent nothing for {stall:g} s")
+
+    def _pause(self) -> None:
+        self.paused = True
+        self.resp.pause()
+
+    def _resume(self) -> None:
+        self.paused = False
+        self.since = self.loop.time()
+        self.resp.resume()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.resp._sink = None
