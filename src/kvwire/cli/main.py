@@ -372,12 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
 
-    from . import bridge, engine, fleet, serve, sim  # own modules (light imports; work in run)
+    from . import bridge, engine, fleet, index, serve, sim  # own modules (light imports)
 
     sim.register(sub)
     serve.register(sub)
     bridge.register(sub)
     engine.register(sub)
+    index.register(sub)
     fleet.register(sub)
     return p
 

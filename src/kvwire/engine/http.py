@@ -32,11 +32,13 @@ class Conn:
     """One request on a connection: method, path, body; the ways to answer it."""
 
     __slots__ = ("proto", "method", "path", "body", "keep_alive", "on_close", "done",
-                 "streaming", "dp_rank")
+                 "streaming", "dp_rank", "query")
 
     def __init__(self, proto: HttpProtocol, method: bytes, path: bytes, body: bytes,
-                 keep_alive: bool, dp_rank: bytes | None = None) -> None:
+                 keep_alive: bool, dp_rank: bytes | None = None, query: bytes = b"") -> None:
         self.proto = proto
+        #: the URL's query string, without the ``?`` (empty when there is none)
+        self.query = query
         #: vLLM's ``X-data-parallel-rank`` header as sent (a router's choice of DP rank)
         self.dp_rank = dp_rank
         self.method = method
@@ -161,9 +163,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         p = self.parser
-        path = self._url.split(b"?", 1)[0]
+        path, _, query = self._url.partition(b"?")
         conn = Conn(self, p.get_method(), path, b"".join(self._body), p.should_keep_alive(),
-                    self._dp_rank)
+                    self._dp_rank, query)
         if self._current is None:
             self._run(conn)
         else:

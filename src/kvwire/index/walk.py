@@ -237,6 +237,14 @@ class PrefixWalk:
                 # runs count blocks walked while the stream was alive, all within `matched`
                 detail[s] = (predicted.get(s, 0), extra.get(s))
 
+    def _lanes_sig(self, alive: list[int]) -> int:
+        """``alive`` ([any, tier 0, ...] stream masks) as bits of an entry of ``keys``."""
+        W = self.W
+        sig = alive[0]
+        for lane in range(1, len(alive)):
+            sig |= alive[lane] << ((lane + 1) * W)
+        return sig
+
     def tier_prefixes(self, keys: Iterable[int], names: Iterable[str]
                       ) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Per stream of ``names`` (unknown ones left out): how many leading ``keys`` it
@@ -254,9 +262,15 @@ class PrefixWalk:
         alive = [mask] * (nt + 1)  # [any, tier 0, tier 1, ...]: streams still matching
         ends: list[dict[int, int]] = [{} for _ in range(nt + 1)]
         kget = self.keys.get
+        # every alive stream in every lane it is alive in: a key holding all of them (the
+        # usual case, a shared prefix) changes nothing, so it costs one lookup and one AND
+        sig = self._lanes_sig(alive)
         i = 0
         for k in keys:
             v = kget(k, 0)
+            if v & sig == sig:
+                i += 1
+                continue
             if not v & mask:  # nobody of ours holds it: every prefix ends here
                 break
             for lane in range(nt + 1):
@@ -271,6 +285,7 @@ class PrefixWalk:
             i += 1
             if not any(alive):
                 break
+            sig = self._lanes_sig(alive)
         out = {}
         for st in slots:
             b = st.slot

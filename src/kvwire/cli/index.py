@@ -1,0 +1,104 @@
+"""``kvwire index``: only the RFC #1403 indexer API (``/register``, ``/unregister``,
+``/query``, ``/query_by_hash``, ``/dump``), on the lean HTTP server, on one core or several
+(``--workers``; docs/design.md says how the workers keep one index).
+
+Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register` / :func:`run`;
+``python -m kvwire.cli.index ...`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_log_level, configure_logging, port
+
+__all__ = ["add_arguments", "main", "make_handle", "register", "run"]
+
+
+def _workers(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= v <= 64:
+        raise argparse.ArgumentTypeError(f"must be in 1..64, got {v}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8090,
+                   help="HTTP port (default 8090, as Dynamo's indexer; 0: any free one)")
+    p.add_argument("--workers", type=_workers, default=1,
+                   help="processes serving the port, each with a full replica of the index "
+                        "that follows every registered stream itself (default 1; "
+                        "docs/design.md)")
+    p.add_argument("--registrations", metavar="FILE", default=None,
+                   help="keep the registrations in FILE, so a restart follows the same streams")
+    add_log_level(p)
+
+
+def make_handle(options: dict[str, Any], worker: int = 0) -> Any:
+    """One replica: a fresh :class:`kvwire.router.indexer.Indexer` and its ``handle``
+    (module level so that a spawned worker can build its own from ``options``)."""
+    from ..router.indexer import Indexer
+    from ..router.indexer_fast import fast_handle
+
+    ix = Indexer.standalone(options.get("registrations"))
+    if worker:  # every worker reads the file; worker 0 alone writes it (one writer, and
+        ix.file = None  # every worker applies the same registrations in the same order)
+    return fast_handle(ix)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``index`` subcommand to ``kvwire``'s subparsers."""
+    p = subparsers.add_parser(
+        "index", help="the RFC #1403 KV indexer API alone (Dynamo's indexer, Mooncake's "
+        "Conductor)", description=__doc__.splitlines()[0],
+        epilog="exit status: 0 stopped by SIGINT/SIGTERM; 1 cannot listen, or a worker died; "
+        "2 a bad flag")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args, stamped=True)
+    from ..router import indexer_http as ih
+
+    options = {"registrations": args.registrations}
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    try:
+        if args.workers == 1:  # no sequencer, no second process: the leanest path
+            handle = make_handle(options)
+            sock = ih.listen_socket(args.host, args.port, reuse_port=False)
+            say(f"kvwire index: http://{args.host}:{sock.getsockname()[1]} "
+                f"(1 worker, {ih.describe_loop()}, pid {os.getpid()})")
+            ih.serve_forever(handle, sock)
+            return EXIT_OK
+        status = ih.run_workers(
+            functools.partial(make_handle, options), args.host, args.port, args.workers,
+            on_ready=lambda p: say(f"kvwire index: http://{args.host}:{p} ({args.workers} "
+                                   f"workers, {ih.describe_loop()}, pid {os.getpid()})"))
+        return EXIT_OK if status == 0 else EXIT_FAILURE
+    except OSError as e:
+        say(f"kvwire index: cannot listen on {args.host}:{args.port}: {e}")
+        return EXIT_FAILURE
+    except ValueError as e:
+        say(f"kvwire index: {e}")
+        return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvwire index", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The lean HTTP face of the RFC #1403 indexer (``kvwire index``), on one core or several.
+
+The indexer's logic is a pure ``handle(method, path, body) -> (status, body)``
+(:mod:`kvwire.router.indexer`); this module only carries requests to it, as fast as Python
+allows: httptools parses, an asyncio Protocol answers in its own callback (no task, no
+framework object per request: :mod:`kvwire.engine.http`'s server, reused), on uvloop when it
+is installed. One process so served costs about 25-30 us of CPU per 2,048-token ``/query``
+(docs/benchmarks.md), most of it the event loop and the answer's JSON, not the index.
+
+**Several workers, one index (docs/design.md).** ``--workers N`` runs N processes that accept
+on one port (``SO_REUSEPORT``: the kernel spreads connections over them). Each holds an exact
+replica of the index: it follows every registered stream itself, and the per-stream state
+machine makes replicas equal at each applied sequence number. What must not diverge is the
+set of registrations, so ``/register`` and ``/unregister`` go through the parent, which is
+the sequencer: it sends each one to every worker in one total order (the same on every
+worker), and the worker that received it answers only when all workers have applied it. So a
+client that got its ``/register`` answer finds the stream registered on whatever worker its
+next connection lands on; reads (``/query``, ``/dump``) never leave their worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+from ..engine.http import Conn, HttpProtocol
+
+__all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "Sequencer", "WorkerLink", "listen_socket",
+           "run_workers", "serve_forever"]
+
+log = logging.getLogger("kvwire.router.indexer_http")
+
+#: ``handle(method, path, body) -> (status, JSON body)``: the indexer's whole HTTP contract.
+Handle = Callable[[str, str, bytes], tuple[int, bytes]]
+#: Requests that change the set of followed streams: sequenced through the parent.
+CONTROL_PATHS = frozenset((b"/register", b"/unregister"))
+#: How long a worker waits for all replicas to apply a control request before it answers 503.
+CONTROL_TIMEOUT = 10.0
+_METHODS: dict[bytes, str] = {}
+_PATHS: dict[bytes, str] = {}
+
+
+def _text(cache: dict[bytes, str], raw: bytes) -> str:
+    s = cache.get(raw)
+    if s is None:
+        s = raw.decode("latin-1")
+        if len(cache) < 256:  # method and path names are few; a scan of random paths is not
+            cache[raw] = s
+    return s
+
+
+class IndexHttp:
+    """The per-request app: ``handle`` answers at once; control requests go through
+    ``link`` (a :class:`WorkerLink`) when there are several workers."""
+
+    __slots__ = ("handle", "link", "requests")
+
+    def __init__(self, handle: Handle, link: WorkerLink | None = None) -> None:
+        self.handle = handle
+        self.link = link
+        self.requests = 0
+
+    def __call__(self, conn: Conn) -> None:
+        self.requests += 1
+        if self.link is not None and conn.path in CONTROL_PATHS and conn.method == b"POST":
+            self.link.submit(conn)
+            return
+        path = _text(_PATHS, conn.path) if not conn.query else (
+            conn.path + b"?" + conn.query).decode("latin-1")
+        status, body = self.handle(_text(_METHODS, conn.method), path, conn.body)
+        conn.respond(status, body)
+
+
+def _error(status: int, message: str) -> bytes:
+    return b'{"error":"%s"}' % message.replace('"', "'").encode()
+
+
+class WorkerLink:
+    """A worker's end of the control pipe: submits control requests to the parent, applies
+    every control request the parent sends (its own included) in the parent's order, and
+    answers its own when the parent says every worker has applied it."""
+
+    def __init__(self, conn: Connection, handle: Handle, worker: int) -> None:
+        self.conn = conn
+        self.handle = handle
+        self.worker = worker
+        self._next = 0
+        self._waiting: dict[int, tuple[Conn, tuple[int, bytes] | None, float]] = {}
+        self.applied = 0
+        self.timeouts = 0
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_reader(self.conn.fileno(), self._readable)
+
+    def submit(self, conn: Conn) -> None:
+        self._next += 1
+        op = self._next
+        self._waiting[op] = (conn, None, time.monotonic() + CONTROL_TIMEOUT)
+        path = conn.path + b"?" + conn.query if conn.query else conn.path
+        self.conn.send(("submit", op, conn.method.decode(), path.decode("latin-1"), conn.body))
+        asyncio.get_running_loop().call_later(CONTROL_TIMEOUT, self._expire, op)
+
+    def _expire(self, op: int) -> None:
+        w = self._waiting.pop(op, None)
+        if w is not None:
+            self.timeouts += 1
+            w[0].respond(503, _error(503, "not every indexer worker applied this request "
+                                          f"within {CONTROL_TIMEOUT:g} s; it may still apply"))
+
+    def _readable(self) -> None:
+        while self.conn.poll():
+            try:
+                msg = self.conn.recv()
+            except EOFError:  # the parent is gone: so is the service
+                log.error("indexer worker %d: the parent closed the control pipe", self.worker)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            kind = msg[0]
+            if kind == "apply":
+                _, origin, op, method, path, body = msg
+                result = self.handle(method, path, body)
+                self.applied += 1
+                if origin == self.worker and op in self._waiting:
+                    c, _, dl = self._waiting[op]
+                    self._waiting[op] = (c, result, dl)
+                self.conn.send(("applied", origin, op))
+            elif kind == "done":
+                _, op = msg
+                w = self._waiting.pop(op, None)
+                if w is not None and w[1] is not None:
+                    w[0].respond(*w[1])
+
+
+class Sequencer:
+    """The parent's part: one total order of control requests over all workers. Pure
+    bookkeeping over the pipes (``step`` does one message), so it can be tested alone."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = conns
+        self._acks: dict[tuple[int, int], int] = {}
+        self.sequenced = 0
+
+    def step(self, w: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            _, op, method, path, body = msg
+            self._acks[(w, op)] = len(self.conns)
+            self.sequenced += 1
+            for c in self.conns:
+                c.send(("apply", w, op, method, path, body))
+        elif kind == "applied":
+            _, origin, op = msg
+            key = (origin, op)
+            left = self._acks.get(key)
+            if left is None:
+                return
+            if left > 1:
+                self._acks[key] = left - 1
+            else:
+                del self._acks[key]
+                self.conns[origin].send(("done", op))
+
+
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A TCP socket bound to host:port (``SO_REUSEPORT`` so several workers share it)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, port))
+    return s
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # optional (kvwire[fast]); the stdlib loop answers the same, slower
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection | None = None,
+                  worker: int = 0, ready: Callable[[], None] | None = None) -> None:
+    """Serve ``handle`` on the bound ``sock`` until SIGINT/SIGTERM (one worker's life)."""
+    loop = _event_loop()
+    asyncio.set_event_loop(loop)
+    link = WorkerLink(link_conn, handle, worker) if link_conn is not None else None
+    app = IndexHttp(handle, link)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def main() -> None:
+        sock.listen(1024)
+        sock.setblocking(False)
+        server = await loop.create_server(lambda: HttpProtocol(app), sock=sock)
+        if link is not None:
+            link.attach(loop)
+        if ready is not None:
+            ready()
+        await stop.wait()
+        server.close()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def _worker_main(factory: Callable[[int], Handle], host: str, port: int, conn: Connection,
+                 worker: int, level: int) -> None:
+    logging.basicConfig(level=level, format=f"%(asctime)s w{worker} %(name)s %(message)s")
+    handle = factory(worker)
+    sock = listen_socket(host, port, reuse_port=True)
+    serve_forever(handle, sock, link_conn=conn, worker=worker,
+                  ready=lambda: conn.send(("ready", worker)))
+    closer = getattr(handle, "close", None) or getattr(getattr(handle, "__self__", None),
+                                                       "close", None)
+    if callable(closer):
+        closer()
+
+
+def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers: int, *,
+                on_ready: Callable[[int], None] | None = None,
+                start_timeout: float = 60.0) -> int:
+    """Run ``workers`` processes serving ``factory()``'s handle on one port, with this
+    process as their control sequencer; returns when one of them exits (then stops the
+    rest) or on SIGINT/SIGTERM. ``factory(worker)`` must be picklable (a module-level
+    callable or a ``functools.partial`` of one): each worker builds its own replica. Returns
+    an exit status."""
+    reserve = listen_socket(host, port, reuse_port=True)  # fixes the port; never listens
+    port = reserve.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(workers)]
+    level = logging.getLogger().getEffectiveLevel()
+    procs = [ctx.Process(target=_worker_main, name=f"kvwire-index-w{i}", daemon=True,
+                         args=(factory, host, port, pipes[i][1], i, level))
+             for i in range(workers)]
+    stopping = []
+    prev = {s: signal.signal(s, lambda *_: stopping.append(1))
+            for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        for p in procs:
+            p.start()
+        for _, child in pipes:
+            child.close()
+        conns = [parent for parent, _ in pipes]
+        seq = Sequencer(conns)
+        ready: set[int] = set()
+        deadline = time.monotonic() + start_timeout
+        while not stopping:
+            readable = wait([*conns, *(p.sentinel for p in procs)], timeout=0.5)
+            dead = [p for p in procs if p.exitcode is not None]
+            if dead:
+                log.error("indexer worker %s exited (%s): stopping the others",
+                          dead[0].name, dead[0].exitcode)
+                status = 1
+                break
+            for r in readable:
+                if not isinstance(r, Connection):
+                    continue
+                w = conns.index(r)
+                try:
+                    msg = r.recv()
+                except EOFError:
+                    continue
+                if msg[0] == "ready":
+                    ready.add(w)
+                    if len(ready) == workers and on_ready is not None:
+                        on_ready(port)
+                else:
+                    seq.step(w, msg)
+            if len(ready) < workers and time.monotonic() > deadline:
+                log.error("indexer workers did not start within %g s", start_timeout)
+                status = 1
+                break
+    finally:
+        for p in procs:
+            if p.exitcode is None and p.pid is not None:
+                os.kill(p.pid, signal.SIGTERM)
+        for p in procs:
+            p.join(5)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        for s, h in prev.items():
+            signal.signal(s, h)
+        reserve.close()
+    return status
+
+
+def describe_loop() -> str:
+    """``uvloop`` or ``asyncio``: which event loop the workers run (for the startup line)."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
