@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from .indexer_api import (
 )
 from .service import RouterCore
 
-__all__ = ["Indexer"]
+__all__ = ["INDEXER_PATHS", "Indexer"]
 
 log = logging.getLogger("kvwire.indexer")
 _enc = msgspec.json.Encoder()
@@ -238,7 +239,7 @@ class Indexer:
             return empty_answer(scope)
         index = self.core.index
         out: dict[str, dict[str, Any]] = {}
-        with self.core.lock:
+        with self._index_lock():
             groups: dict[tuple[int, str | None], list[Registration]] = {}
             for r in regs:
                 bs = index.block_size_of(r.stream) or r.block_size
@@ -269,6 +270,18 @@ class Indexer:
                     row["_gpu_dp"][str(r.dp_rank)] = tiers.get("GPU", 0) * bs
         return out
 
+    @contextmanager
+    def _index_lock(self) -> Iterator[None]:
+        """The index, or 503 after the core's ``lock_timeout`` (a large snapshot being
+        applied): a caller is never kept waiting unbounded."""
+        lock = self.core.lock
+        if not lock.acquire(timeout=self.core.lock_timeout):
+            raise BadRequest(503, "index busy (applying a large snapshot); retry", "busy")
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _mismatch(self, r: Registration, bs: int) -> None:
         if self.size_mismatch.get(r.stream) != (r.block_size, bs):
             self.size_mismatch[r.stream] = (r.block_size, bs)  # type: ignore[assignment]
@@ -284,7 +297,7 @@ class Indexer:
         hashes) it holds per medium: what a late replica needs to answer at once."""
         index = self.core.index
         streams = {}
-        with self.core.lock:
+        with self._index_lock():
             for r in self.regs.values():
                 streams[r.stream] = {
                     "tenant_id": r.tenant, "instance_id": r.instance_id,
@@ -307,3 +320,5 @@ _ROUTES: dict[str, tuple[str, Any]] = {
     "/registrations": ("GET", Indexer._registrations),
     "/indexer/health": ("GET", Indexer._health),
 }
+#: The paths ``handle`` answers (bytes, as ASGI servers give them).
+INDEXER_PATHS = frozenset(p.encode() for p in _ROUTES)
