@@ -1,0 +1,182 @@
+"""``kvwire index``: the lean HTTP face of the indexer API, and its workers' one index.
+
+* the C-parsed ``/query`` (router/indexer_fast.py) answers byte for byte as
+  ``Indexer.handle`` does, for any body (hypothesis), bad ones included;
+* ``kvwire index --workers 2`` (real processes, a real publisher): a ``/register`` answered
+  on one connection is seen by every later connection, whichever worker takes it (40 fresh
+  connections: both workers, but with probability 2^-39); likewise ``/unregister``; the query
+  string reaches the indexer (``?shape=``); pipelined keep-alive requests are answered in
+  order; a worker that dies takes the service down (exit 1), never half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from engine_helpers import TIMEOUT
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.router.indexer import Indexer
+from kvwire.router.indexer_fast import fast_handle
+from kvwire.wire.events import BlockStored, KVEventBatch
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 16
+PROMPT = list(range(1000, 1000 + 6 * BS))
+
+
+def _wait(cond, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def indexed():
+    """An in-process Indexer following one real publisher that holds PROMPT (GPU) under
+    instance "e1", tenant "t"."""
+    where = tempfile.mkdtemp(prefix="kvw-ih-")
+    pub = ZmqEventPublisher(endpoint=f"ipc://{where}/l", replay_endpoint=f"ipc://{where}/r",
+                            heartbeat_interval=0.2)
+    ix = Indexer.standalone()
+    try:
+        st_, out = ix.handle("POST", "/register", json.dumps({
+            "endpoint": f"ipc://{where}/l", "replay_endpoint": f"ipc://{where}/r",
+            "type": "vLLM", "modelname": "m", "tenant_id": "t", "instance_id": "e1",
+            "block_size": BS, "dp_rank": 0}).encode())
+        assert st_ == 200, out
+        pub.publish(KVEventBatch(time.time(), [BlockStored(
+            list(range(1, 7)), None, PROMPT, BS, None, "GPU")], 0))
+        q = json.dumps({"token_ids": PROMPT, "model": "m", "block_size": BS,
+                        "tenant_id": "t"}).encode()
+        _wait(lambda: b'"longest_matched":96' in ix.handle("POST", "/query", q)[1],
+              "the publisher's blocks in the index")
+        yield ix
+    finally:
+        pub.shutdown(timeout=1)
+        ix.close()
+
+
+_TOKENS = st.one_of(
+    st.lists(st.sampled_from(PROMPT[:40]) | st.integers(0, 2**32 - 1), max_size=120),
+    st.just(PROMPT), st.just(PROMPT[:50]),
+    st.lists(st.integers(-3, 2**33), max_size=5))  # out of range: the strict path names it
+_FIELDS = st.dictionaries(
+    st.sampled_from(["model", "model_name", "tenant_id", "instance_id", "lora_name",
+                     "cache_salt", "salt", "block_size", "extra"]),
+    st.sampled_from(["m", "t", "e1", 16, 0, None, "x", 3.5, [1]]), max_size=5)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=_TOKENS, fields=_FIELDS, first=st.booleans(), spaces=st.booleans(),
+       dup=st.booleans(), junk=st.sampled_from(["", "]", "}", ",", "x"]))
+def test_fast_query_answers_as_the_indexer(indexed, tokens, fields, first, spaces, dup,
+                                           junk) -> None:
+    """Same status and bytes as ``Indexer.handle`` for any /query body: token ids first (the
+    C path) or not, given twice, other fields valid, wrong or missing, malformed tails."""
+    fields = {"model": "m", "tenant_id": "t", **fields}  # in scope unless overridden
+    body = {"token_ids": tokens, **fields} if first else {**fields, "token_ids": tokens}
+    raw = json.dumps(body, separators=(", ", ": ") if spaces else (",", ":")).encode()
+    if dup:  # a second token_ids member: the strict decode keeps the last one
+        raw = raw[:-1] + b',"token_ids":[1000,1001]}'
+    raw += junk.encode()
+    assert fast_handle(indexed)("POST", "/query", raw) == indexed.handle("POST", "/query", raw)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """One request on a fresh connection (urllib does not reuse them)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def workers():
+    kv = subprocess.Popen(
+        [sys.executable, "-m", "kvwire.cli.index", "--port", "0", "--workers", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    try:
+        line = kv.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+) \(2 workers", line)
+        assert m, f"kvwire index did not start: {line}"
+        yield kv, int(m.group(1))
+    finally:
+        if kv.poll() is None:
+            kv.send_signal(signal.SIGTERM)
+            kv.wait(10)
+
+
+def test_registrations_reach_every_worker_before_the_answer(workers) -> None:
+    kv, port = workers
+    where = tempfile.mkdtemp(prefix="kvw-iw-")
+    pub = ZmqEventPublisher(endpoint=f"ipc://{where}/l", replay_endpoint=f"ipc://{where}/r",
+                            heartbeat_interval=0.2)
+    try:
+        reg = {"instance_id": 7, "endpoint": f"ipc://{where}/l",
+               "replay_endpoint": f"ipc://{where}/r", "model_name": "m", "block_size": BS}
+        assert _call(port, "POST", "/register", reg)[0] == 201
+        for _ in range(40):  # fresh connections: both workers, each must know it already
+            st_, regs = _call(port, "GET", "/registrations")
+            assert st_ == 200 and [str(r["instance_id"]) for r in regs] == ["7"], regs
+        pub.publish(KVEventBatch(time.time(), [BlockStored(
+            list(range(1, 7)), None, PROMPT, BS, None, "GPU")], 0))
+        q = {"token_ids": PROMPT, "model": "m", "block_size": BS}
+        _wait(lambda: all(_call(port, "POST", "/query", q)[1] == {
+            "default": {"7": {"longest_matched": 96, "GPU": 96, "CPU": 0, "DISK": 0,
+                              "DP": {"0": 96}}}} for _ in range(10)),
+              "every worker to hold the publisher's blocks")
+        # the query string reaches the indexer: Dynamo's shape for a Mooncake-spelled body
+        st_, dyn = _call(port, "POST", "/query?shape=dynamo", q)
+        assert st_ == 200 and dyn["instances"]["7"]["longest_matched"] == 96, dyn
+        # pipelined keep-alive requests on one connection: answered in order
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            one = json.dumps(q).encode()
+            s.sendall((b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                       % (len(one), one)) + b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n"
+                      + b"GET /registrations HTTP/1.1\r\nhost: x\r\n\r\n")
+            got = b""
+            while got.count(b"HTTP/1.1 ") < 3 or not got.endswith(b"]"):
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+        assert re.findall(rb"HTTP/1.1 (\d+)", got) == [b"200", b"404", b"200"], got
+        assert _call(port, "POST", "/unregister", {"instance_id": 7, "model_name": "m"})[0] \
+            == 200
+        for _ in range(40):
+            assert _call(port, "GET", "/registrations") == (200, [])
+            assert _call(port, "POST", "/query", q) == (200, {"default": {}})
+    finally:
+        pub.shutdown(timeout=1)
+
+
+def test_a_dead_worker_stops_the_service(workers) -> None:
+    kv, port = workers
+    kids = subprocess.run(["pgrep", "-P", str(kv.pid), "-f", "spawn_main"],
+                          capture_output=True, text=True).stdout.split()
+    assert len(kids) == 2, kids
+    os.kill(int(kids[0]), signal.SIGKILL)
+    assert kv.wait(TIMEOUT) == 1
+    assert "exited" in kv.stderr.read()
