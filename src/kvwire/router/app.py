@@ -8,6 +8,7 @@ Every bad request is answered 4xx with ``{"error": ..., "reason": ...}`` and cou
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .indexer import INDEXER_PATHS, Indexer
 from .service import RouteError, RouterCore
+from .status_feed import StatusFeed
 from .status_page import STATUS_HTML
 from .tokens import parse_route_body
 
@@ -160,7 +162,15 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
     ``/v1`` and ``/health`` needs an engine live on both HTTP and events."""
     app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = _Metrics(core, proxy)
-    core.on_route = metrics.on_route
+    feed = StatusFeed(core, proxy)  # the status page's charts, sampled once a second
+
+    def on_route(label: str, credit: float, prompt_blocks: float) -> None:
+        metrics.on_route(label, credit, prompt_blocks)
+        feed.on_route(label, credit, prompt_blocks)
+
+    core.on_route = on_route
+    feed.start()
+    app.state.status_feed = feed
     app.state.core = core
     app.state.proxy = proxy
     app.state.metrics = metrics
@@ -232,6 +242,19 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
     async def metrics_page() -> Response:
         return Response(generate_latest(metrics.registry),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/status.json")
+    async def status_json(seconds: str = "300") -> Response:
+        """The status page's charts: per engine, one point a second for ``seconds``."""
+        try:
+            window = float(seconds)
+        except ValueError:
+            window = math.nan
+        if not 1 <= window <= feed.series.capacity * feed.interval:
+            return bad(400, f"seconds must be a number from 1 to "
+                       f"{feed.series.capacity * feed.interval:g}, got {seconds[:40]!r}",
+                       "bad_seconds")
+        return _json(feed.window(window))
 
     @app.get("/")
     async def status_page() -> HTMLResponse:
