@@ -64,7 +64,7 @@ class Request:
 
     __slots__ = ("proto", "method", "path", "query", "headers", "body", "keep_alive",
                  "too_large", "t0", "on_close", "on_pause", "on_resume", "done",
-                 "started")
+                 "started", "_head")
 
     def __init__(self, proto: HttpProtocol, method: bytes, path: bytes, query: bytes,
                  headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool,
@@ -83,6 +83,7 @@ class Request:
         self.on_resume: Callable[[], None] | None = None
         self.done = False
         self.started = False
+        self._head = b""  # a started answer's head not yet written (see start)
 
     @property
     def closed(self) -> bool:
@@ -106,15 +107,25 @@ class Request:
                 b"" if self.method == b"HEAD" else body)))
         self._finish()
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """The head of a chunked answer (``headers`` as given)."""
+    def start(self, status: int, headers: list[tuple[bytes, bytes]],
+              hold: bool = False) -> None:
+        """The head of a chunked answer (``headers`` as given). ``hold``: keep it to go
+        out with the first chunk, in one socket write (the caller calls :meth:`flush`
+        if that chunk is late)."""
         self.started = True
+        self._head = b"".join((_status_line(status),
+                               *[k + b": " + v + b"\r\n" for k, v in headers],
+                               b"transfer-encoding: chunked\r\n", self._conn_header(),
+                               b"\r\n"))
+        if not hold:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write a held head now."""
+        head, self._head = self._head, b""
         t = self.proto.transport
-        if t is not None:
-            t.write(b"".join((_status_line(status),
-                              *[k + b": " + v + b"\r\n" for k, v in headers],
-                              b"transfer-encoding: chunked\r\n", self._conn_header(),
-                              b"\r\n")))
+        if head and t is not None:
+            t.write(head)
 
     def write(self, chunks: list[bytes]) -> None:
         """Chunks of a started answer: one socket write for all of them."""
@@ -123,17 +134,22 @@ class Request:
             return
         if len(chunks) == 1:
             c = chunks[0]
-            if c:
-                t.write(b"%x\r\n%s\r\n" % (len(c), c))
+            data = b"%x\r\n%s\r\n" % (len(c), c) if c else b""
         else:
-            t.write(b"".join([b"%x\r\n%s\r\n" % (len(c), c) for c in chunks if c]))
+            data = b"".join([b"%x\r\n%s\r\n" % (len(c), c) for c in chunks if c])
+        if self._head:
+            data, self._head = self._head + data, b""
+        if data:
+            t.write(data)
 
     def end(self, chunk: bytes = b"") -> None:
         if self.done:
             return
         t = self.proto.transport
         if t is not None:
-            t.write((b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunk else b"") + b"0\r\n\r\n")
+            t.write(b"".join((self._head, b"%x\r\n%s\r\n" % (len(chunk), chunk)
+                              if chunk else b"", b"0\r\n\r\n")))
+        self._head = b""
         self._finish()
 
     def abort(self) -> None:

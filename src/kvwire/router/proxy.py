@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import threading
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +26,8 @@ from typing import Any
 
 import httpx
 import msgspec
-from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from ..consume.engine_spec import EngineSpec
 from .forward import PATHS, BadRequest, handle, openai_error
@@ -78,6 +80,49 @@ _SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
                  120.0, 300.0)
 
 
+class CheapHistogram:
+    """A Prometheus histogram observed in ~0.3 us (a bisect and two adds; prometheus_client's
+    takes ~1.7 us with its lock): observed on the event loop only, summed at scrape time.
+    With ``label``, :meth:`labels` gives one child per value."""
+
+    __slots__ = ("name", "doc", "label", "bounds", "counts", "sum", "children")
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float],
+                 label: str | None = None) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self.bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.children: dict[str, CheapHistogram] = {}
+
+    def labels(self, value: str) -> CheapHistogram:
+        child = self.children.get(value)
+        if child is None:
+            child = self.children[value] = CheapHistogram(self.name, self.doc, self.bounds[:-1])
+        return child
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def _buckets(self) -> list[tuple[str, float]]:
+        out, n = [], 0
+        for b, c in zip(self.bounds, list(self.counts)):
+            n += c
+            out.append((floatToGoString(b), n))
+        return out
+
+    def collect(self) -> Any:
+        fam = HistogramMetricFamily(self.name, self.doc,
+                                    labels=[self.label] if self.label else None)
+        if self.label:
+            for value, child in list(self.children.items()):
+                fam.add_metric([value], child._buckets(), child.sum)
+        else:
+            fam.add_metric([], self._buckets(), self.sum)
+        yield fam
+
+
 class ProxyMetrics:
     """The proxy's Prometheus figures (``kvwire serve``'s /metrics registers this). The
     histograms are observed on the request path (one observe each per request); the
@@ -85,21 +130,18 @@ class ProxyMetrics:
 
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
-        self.overhead = Histogram(
+        self.overhead = CheapHistogram(
             "kvwire_proxy_overhead_seconds", "The proxy's own time per request: arrival to "
-            "the request written to the engine (first attempt), seconds", registry=None,
-            buckets=_FAST_BUCKETS)
-        self.tokenize = Histogram(
+            "the request written to the engine (first attempt), seconds", _FAST_BUCKETS)
+        self.tokenize = CheapHistogram(
             "kvwire_proxy_tokenize_seconds", "Time to tokenize a prompt (local tokenizer or "
-            "an engine's /tokenize), seconds", registry=None, buckets=_FAST_BUCKETS)
-        self.ttft = Histogram(
+            "an engine's /tokenize), seconds", _FAST_BUCKETS)
+        self.ttft = CheapHistogram(
             "kvwire_proxy_ttft_seconds", "Arrival to the first chunk of a streamed answer "
-            "forwarded, per answering engine, seconds", ["engine"], registry=None,
-            buckets=_SLOW_BUCKETS)
-        self.e2e = Histogram(
+            "forwarded, per answering engine, seconds", _SLOW_BUCKETS, "engine")
+        self.e2e = CheapHistogram(
             "kvwire_proxy_e2e_seconds", "Arrival to the last byte of an engine's answer "
-            "forwarded, per answering engine, seconds", ["engine"], registry=None,
-            buckets=_SLOW_BUCKETS)
+            "forwarded, per answering engine, seconds", _SLOW_BUCKETS, "engine")
 
     def describe(self) -> list:
         return []
@@ -188,6 +230,8 @@ class Proxy:
         #: prompt and cached tokens of the answers that carried a ``usage`` object
         self.prompt_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self.cached_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
+        self._known: dict[str, str | None] = {}
+        self._known_from: list[list] = []
         self.metrics = ProxyMetrics(self)
         for name, link in self.links.items():
             link.ttft = self.metrics.ttft.labels(name)
@@ -314,10 +358,17 @@ class Proxy:
         return req
 
     def _known_models(self) -> dict[str, str | None]:
+        """Model id -> parent (LoRA adapters) over the engines; rebuilt only when a probe
+        replaced an engine's list (compared by identity: each probe assigns a new one)."""
+        lists = [link.models for link in self.links.values()]
+        seen = self._known_from
+        if len(seen) == len(lists) and all(a is b for a, b in zip(seen, lists)):
+            return self._known
         out: dict[str, str | None] = {}
-        for link in self.links.values():
-            for m in link.models:
+        for models in lists:
+            for m in models:
                 out.setdefault(m["id"], m.get("parent"))
+        self._known, self._known_from = out, lists
         return out
 
     async def _tokens(self, req: _Body, chat: bool) -> Sequence[int]:

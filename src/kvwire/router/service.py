@@ -21,6 +21,7 @@ and gives up with :class:`RouteError` 503 after ``lock_timeout``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -49,6 +50,8 @@ INGEST_NAP = 0.005
 #: Snapshot blocks applied per lock hold (a restart's snapshot can hold a million blocks).
 SNAPSHOT_SLICE = 2048
 
+
+_PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
 
 class RouteError(ValueError):
     """A request the router cannot serve; ``status`` is the HTTP status to answer with."""
@@ -409,7 +412,7 @@ class RouterCore:
                                        alive.get(t.stream, False) and up(t.engine)))
             d = self.policy.choose(prompt_blocks, cands)
             target = self._by_label[d.name]
-            rid = uuid.uuid4().hex
+            rid = f"p{next(_PROXY_IDS)}"  # internal (never shown): no urandom per request
             expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
             prefill = max(prompt_blocks - d.overlap[d.name], 0.0)
             amount = request_load(prompt_blocks, d.overlap[d.name], expect,

@@ -31,6 +31,7 @@ N_SPECIAL = 16
 BYTE_BASE = N_SPECIAL
 PAIR_BASE = BYTE_BASE + 256
 VOCAB_SIZE = PAIR_BASE + 65536
+SEGMENT_CACHE_SIZE = 1024  # text between special tokens (chat turns) kept encoded: ~25 MB at most
 
 # <think> etc. are ordinary text to a real ChatML model too (they are added tokens there
 # as well); the ones the template writes are the ones that matter.
@@ -79,6 +80,7 @@ class BuiltinTokenizer(Tokenizer):
         self.chat_template = ChatTemplate(CHATML_TEMPLATE, origin="builtin ChatML template",
                                           variables={"bos_token": "<s>", "eos_token": "<|im_end|>"})
         self._piece_cache: dict[str, tuple[int, ...]] = {}
+        self._segments: dict[str, tuple[int, ...]] = {}
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         ids = self._piece_cache.get(piece)
@@ -104,11 +106,27 @@ class BuiltinTokenizer(Tokenizer):
         out: list[int] = [self.bos_token_id] if add_special_tokens else []
         pos = 0
         for m in _SPECIAL_RE.finditer(text):
-            self._encode_plain(text[pos:m.start()], out)
+            self._encode_segment(text[pos:m.start()], out)
             out.append(_SPECIAL_ID[m.group()])
             pos = m.end()
-        self._encode_plain(text[pos:], out)
+        self._encode_segment(text[pos:], out)
         return out
+
+    def _encode_segment(self, seg: str, out: list[int]) -> None:
+        """The text between special tokens encodes on its own (a chat turn): kept encoded,
+        as :class:`~kvwire.tokenize.hf.HFTokenizer` does, since each request of a
+        conversation repeats its history and a fleet's requests share system prompts."""
+        ids = self._segments.get(seg)
+        if ids is None:
+            buf: list[int] = []
+            self._encode_plain(seg, buf)
+            ids = tuple(buf)
+            cache = self._segments
+            if len(cache) >= SEGMENT_CACHE_SIZE:  # drop the oldest half (dicts keep order)
+                for k in list(cache)[:SEGMENT_CACHE_SIZE // 2]:
+                    cache.pop(k, None)
+            cache[seg] = ids
+        out.extend(ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (``decode(encode(t)) == t`` for every str ``t`` with
