@@ -217,7 +217,8 @@ def test_dynamo_spelling_register_and_reregister(svc: Service) -> None:
                    "instance 100 scored")
     assert out == {"100": {"0": 32}}
     r = svc.http.post("/register", json={"instance_id": 100, "model_name": "m",
-                                         "endpoint": p2.endpoint, "block_size": BS})
+                                         "endpoint": p2.endpoint, "block_size": BS,
+                                         "replay_endpoint": p2.replay_endpoint})
     assert r.status_code == 201
     wait_for(lambda: not svc.query(model_name="m", token_ids=toks)["scores"],
              "the old stream's blocks dropped")

@@ -178,3 +178,11 @@ def test_answers_match_a_brute_force_model(regs: list[dict], queries: list[dict]
             continue
         assert status == 200, out
         assert out == _model_answer(regs, q), (body, out)
+
+
+def test_a_file_that_cannot_be_written_changes_nothing(tmp_path) -> None:
+    ix = Indexer(RouterCore([]), tmp_path / "no-such-dir" / "regs.json")
+    status, out = call(ix, "POST", "/register", {"endpoint": "ipc:///tmp/kvwire-nowhere",
+                                                 "modelname": "m", "instance_id": "a"})
+    assert status == 507 and "could not be written" in out["error"], out
+    assert ix.regs == {} and ix.core.specs == [] and ix.counts["bad_file"] == 1

@@ -29,6 +29,7 @@ import msgspec
 from ..consume.subscriber import StreamSpec
 from ..index import block_keys
 from ..index.keys import standard_fold
+from ..wire.endpoint import check_endpoint
 from .indexer_api import (
     MEDIA,
     BadRequest,
@@ -134,20 +135,21 @@ class Indexer:
         req = decode(body, RegisterBody)
         reg = req.registration()
         shape = pick_shape(req.dynamo_spelling(), qs)
+        for field, ep in (("endpoint", reg.endpoint), ("replay_endpoint", reg.replay_endpoint)):
+            if ep is not None:
+                try:
+                    check_endpoint(ep, field)
+                except ValueError as e:
+                    raise BadRequest(422, str(e), "bad_endpoint") from None
         with self._lock:
             old = self.regs.get(reg.key)
             if old != reg:
+                # the file first: if it cannot be written, nothing has changed
+                self._save({**self.regs, reg.key: reg})
                 if old is not None:
                     self.core.remove_stream(old.stream)
-                try:
-                    self._follow(reg)
-                except ValueError as e:
-                    if old is not None:  # put the old one back: nothing changed
-                        self._follow(old)
-                    raise BadRequest(422, f"cannot follow {reg.endpoint!r}: {e}",
-                                     "bad_endpoint") from None
+                self._follow(reg)
                 self.regs[reg.key] = reg
-                self._save()
         replaced = old is not None and old != reg
         if shape == "dynamo":
             return _json(201, {"status": "ok"})
@@ -166,11 +168,11 @@ class Indexer:
             gone = [k for k in self.regs
                     if k[0] == tenant and k[1] == inst
                     and (req.dp_rank is None or k[2] == req.dp_rank)]
+            if gone:
+                self._save({k: r for k, r in self.regs.items() if k not in gone})
             for k in gone:
                 self.core.remove_stream(self.regs.pop(k).stream)
                 self.size_mismatch.pop(Registration.stream_name(*k), None)
-            if gone:
-                self._save()
         if not gone:
             rank = "" if req.dp_rank is None else f" dp_rank {req.dp_rank}"
             raise BadRequest(404, f"instance {inst!r}{rank} of tenant {tenant!r} is not "
@@ -180,9 +182,14 @@ class Indexer:
         return _json(200, {"status": "unregistered successfully",
                            "removed_instances": [f"{i}|{t}|{r}" for t, i, r in gone]})
 
-    def _save(self) -> None:
-        if self.file is not None:
-            self.file.save(list(self.regs.values()))
+    def _save(self, regs: dict[tuple[str, str, int], Registration]) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.save(list(regs.values()))
+        except OSError as e:
+            raise BadRequest(507, f"registrations file {self.file.path} could not be "
+                             f"written ({e}): nothing changed", "file") from None
 
     def _registrations(self, body: bytes, qs: str) -> tuple[int, bytes]:
         return _json(200, [msgspec.to_builtins(r) for r in self.regs.values()])
