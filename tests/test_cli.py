@@ -268,9 +268,9 @@ def test_demo_runs_and_rebuilds_the_cache_exactly() -> None:
     assert "exact match" in r.stdout
 
 
-def test_demo_tells_the_fleet_story_by_default(tmp_path) -> None:
+def test_demo_sim_tells_the_simulated_fleet_story(tmp_path) -> None:
     png = tmp_path / "fleet.png"
-    r = subprocess.run([*KVWIRE, "demo", "--engines", "3", "--capacity", "300", "--limit", "150",
+    r = subprocess.run([*KVWIRE, "demo", "--sim", "--engines", "3", "--capacity", "300", "--limit", "150",
                         "--report", str(png)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     for policy in ("kvwire", "oracle", "random", "round_robin", "least_load"):
@@ -288,8 +288,8 @@ def test_demo_and_sim_without_matplotlib_say_so(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(blocker)}
     png = tmp_path / "x.png"
     # (a fleet where kvwire meets its targets, as in the test above: exit 0)
-    r = subprocess.run([*KVWIRE, "demo", "--engines", "3", "--capacity", "300", "--limit",
-                        "150", "--report", str(png)], capture_output=True, text=True,
+    r = subprocess.run([*KVWIRE, "demo", "--sim", "--engines", "3", "--capacity", "300",
+                        "--limit", "150", "--report", str(png)], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "pip install 'kvwire[sim]'" in r.stdout and "Traceback" not in r.stderr
@@ -536,8 +536,8 @@ def test_every_subcommand_is_reachable_from_kvwire() -> None:
 def test_demo_exits_3_when_a_printed_target_is_missed() -> None:
     """2 engines on 20 requests share nothing: kvwire cannot beat random by 2.5x. The demo
     says which targets it missed and exits 3, so `make demo` catches a routing regression."""
-    r = subprocess.run([*KVWIRE, "demo", "--engines", "2", "--limit", "20", "--report",
-                        os.devnull], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*KVWIRE, "demo", "--sim", "--engines", "2", "--limit", "20",
+                        "--report", os.devnull], capture_output=True, text=True, timeout=120)
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert "kvwire demo: target missed: kvwire's hit ratio is 1.000x random's (target >= 2.5)" \
         in r.stderr, r.stderr

@@ -253,10 +253,18 @@ def _reach_nats(url: str, timeout: float) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if not args.late_join and not args.sim:  # the fleet story over real HTTP
+        from .http_demo import HttpDemoConfig, run
+
+        d = HttpDemoConfig()
+        cfg = HttpDemoConfig(engines=args.engines or d.engines, start=args.start,
+                             limit=args.limit or d.limit, speed=args.speed,
+                             num_gpu_blocks=args.capacity or d.num_gpu_blocks)
+        return run(args.report, cfg, lambda m: print(m, file=sys.stderr, flush=True))
     if not args.late_join:
         from ..sim.fleet_demo import missed_targets, run_fleet_demo
 
-        result = run_fleet_demo(args.report, engines=args.engines,
+        result = run_fleet_demo(args.report, engines=args.engines or 8,
                                 capacity=args.capacity if args.capacity is not None else 5000,
                                 seed=args.seed, limit=args.limit)
         missed = missed_targets(result)
@@ -348,21 +356,34 @@ def build_parser() -> argparse.ArgumentParser:
     ks.set_defaults(func=_cmd_keys)
 
     dm = sub.add_parser(
-        "demo", help="the fleet story: route the bundled trace by cache, every policy",
-        description="Default: simulate Mooncake's synthetic trace on 8 engines that publish real "
-        "KV events, route it with every policy, print the table and write a PNG report. "
-        "--late-join: one engine and a subscriber that joins late, bootstraps from a snapshot "
-        "and must rebuild the engine's cache exactly.",
+        "demo", help="the fleet story: a trace routed by cache over real HTTP, vs round robin",
+        description="Default: start two `kvwire fleet`s of engines, each behind a `kvwire serve` "
+        "proxy (--policy kvwire and round_robin), replay a slice of Mooncake's bundled trace to "
+        "both over HTTP at its arrival times, print client-measured TTFT and the engines' "
+        "cached tokens, write a PNG report (docs/sim.md). --sim: the simulated fleet story "
+        "(every policy, virtual time). --late-join: one engine and a subscriber that joins "
+        "late, bootstraps from a snapshot and must rebuild the engine's cache exactly.",
         epilog="exit status: 0 every target it prints was met; 3 a target missed (each named "
-        "on stderr: kvwire's hit ratio vs the oracle's and random's, its work max/mean; "
-        "--late-join: the rebuilt cache differs); 2 a bad flag")
-    dm.add_argument("--engines", type=_integer(1), default=8, help="fleet size (fleet story)")
+        "on stderr: default, kvwire's cached tokens and TTFT p99 vs round robin's, its work "
+        "max/mean, no failed request; --sim: kvwire's hit ratio vs the oracle's and random's, "
+        "its work max/mean; --late-join: the rebuilt cache differs); 1 a process of the demo "
+        "failed to start; 2 a bad flag")
+    dm.add_argument("--engines", type=_integer(1), default=None,
+                    help="engines per fleet (default 4; --sim: 8)")
     dm.add_argument("--capacity", type=_integer(1), default=None,
-                    help="engine cache size in blocks (default 5000; --late-join: 4096)")
+                    help="engine cache size in blocks (default 28000 of 16 tokens; --sim: 5000 "
+                    "of 512; --late-join: 4096)")
     dm.add_argument("--report", default="report.png", metavar="FILE.png",
                     help="where the fleet story's PNG goes")
+    dm.add_argument("--start", type=_integer(0), default=3000, metavar="N",
+                    help="the trace request the HTTP replay starts at (default 3000: the "
+                    "trace's first requests share almost no prefixes)")
     dm.add_argument("--limit", type=_integer(1), default=None, metavar="N",
-                    help="only the trace's first N requests (fleet story)")
+                    help="replay N requests (default 300; --sim: the whole trace)")
+    dm.add_argument("--speed", type=_number(0, strict=True), default=5.0, metavar="X",
+                    help="engines and trace run X times faster than real time (default 5)")
+    dm.add_argument("--sim", action="store_true",
+                    help="the simulated fleet story (every policy, virtual time) instead")
     dm.add_argument("--late-join", action="store_true",
                     help="the single-engine late-joiner check instead of the fleet story")
     dm.add_argument("--steps", type=_integer(1), default=3000,
