@@ -159,9 +159,10 @@ def test_register_query_per_medium_and_rank_then_unregister(svc: Service) -> Non
                    "DP": {"0": 32, "1": 64}}
     # Dynamo's shape, chosen by its spelling (model_name); scores: GPU tokens per rank
     dyn = svc.query(model_name="m", token_ids=toks, tenant_id="t")
+    # (as Dynamo's indexer: cpu = GPU or CPU, disk = any medium, dp = GPU per rank)
     assert dyn == {"scores": {"node": {"0": 32, "1": 16}}, "frequencies": [],
                    "instances": {"node": {"longest_matched": 64, "gpu": 32, "dp":
-                                          {"0": 32, "1": 64}, "cpu": 64, "disk": 0}}}
+                                          {"0": 32, "1": 16}, "cpu": 64, "disk": 64}}}
     # ... or by ?shape=
     assert "scores" in svc.query("/query?shape=dynamo", model="m", token_ids=toks,
                                  tenant_id="t")

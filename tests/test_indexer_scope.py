@@ -137,14 +137,34 @@ def _model_answer(regs: list[dict], q: dict) -> dict:
                 per[medium] = max(per[medium], min(blocks, full))
         anyn = max(per.values())
         row = rows.setdefault(r["instance"], {"longest_matched": 0, "GPU": 0, "CPU": 0,
-                                              "DISK": 0, "DP": {}})
+                                              "DISK": 0, "DP": {}, "cum": [0, 0, 0],
+                                              "gpu_dp": {}})
         row["longest_matched"] = max(row["longest_matched"], anyn * bs)
         for m, n in per.items():
             row[m] = max(row[m], n * bs)
+        for t in range(3):  # chains start at block 0: a union of media is their max
+            row["cum"][t] = max(row["cum"][t], max(list(per.values())[: t + 1]) * bs)
         row["DP"][str(r["dp"])] = anyn * bs
+        row["gpu_dp"][str(r["dp"])] = per["GPU"] * bs
     if not rows and q["instance"] is not None:
-        rows[q["instance"]] = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {}}
-    return {q["tenant"]: rows}
+        rows[q["instance"]] = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {},
+                               "cum": [0, 0, 0], "gpu_dp": {}}
+    return rows
+
+
+def _mooncake(rows: dict, q: dict) -> dict:
+    return {q["tenant"]: {i: {k: v for k, v in row.items() if k not in ("cum", "gpu_dp")}
+                          for i, row in rows.items()}}
+
+
+def _dynamo(rows: dict) -> dict:
+    live = {i: row for i, row in rows.items() if row["longest_matched"]}
+    return {"scores": {i: {r: n for r, n in row["gpu_dp"].items() if n}
+                       for i, row in live.items() if any(row["gpu_dp"].values())},
+            "frequencies": [],
+            "instances": {i: {"longest_matched": row["longest_matched"], "gpu": row["GPU"],
+                              "dp": row["gpu_dp"], "cpu": row["cum"][1],
+                              "disk": row["cum"][2]} for i, row in live.items()}}
 
 
 @settings(max_examples=150, deadline=None)
@@ -177,7 +197,10 @@ def test_answers_match_a_brute_force_model(regs: list[dict], queries: list[dict]
             assert status == 422
             continue
         assert status == 200, out
-        assert out == _model_answer(regs, q), (body, out)
+        rows = _model_answer(regs, q)
+        assert out == _mooncake(rows, q), (body, out)
+        status, out = call(ix, "POST", "/query?shape=dynamo", body)
+        assert out == _dynamo(rows), (body, out)
 
 
 def test_a_file_that_cannot_be_written_changes_nothing(tmp_path) -> None:

@@ -246,10 +246,11 @@ class PrefixWalk:
         return sig
 
     def tier_prefixes(self, keys: Iterable[int], names: Iterable[str]
-                      ) -> dict[str, tuple[int, tuple[int, ...]]]:
+                      ) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
         """Per stream of ``names`` (unknown ones left out): how many leading ``keys`` it
-        holds in any tier, and in each tier alone (``tiers`` order); predictions are not
-        counted. The indexer API's answer (per medium, not per best tier as ``match``)."""
+        holds in any tier, in each tier alone, and in each tier or a better one (``tiers``
+        order, best first); predictions are not counted. The indexer API's answers
+        (Mooncake's per medium, Dynamo's cumulative), not ``match``'s best-tier split."""
         slots = [st for st in (self.streams.get(n) for n in names) if st is not None]
         if not slots:
             return {}
@@ -259,37 +260,37 @@ class PrefixWalk:
         mask = 0
         for st in slots:
             mask |= st.bit
-        alive = [mask] * (nt + 1)  # [any, tier 0, tier 1, ...]: streams still matching
-        ends: list[dict[int, int]] = [{} for _ in range(nt + 1)]
+        # lanes: [any, tier 0 .. tier nt-1, tiers 0..1, tiers 0..2, ...]: streams still on
+        nl = 2 * nt
+        alive = [mask] * nl
+        ends: list[dict[int, int]] = [{} for _ in range(nl)]
         kget = self.keys.get
-        # every alive stream in every lane it is alive in: a key holding all of them (the
-        # usual case, a shared prefix) changes nothing, so it costs one lookup and one AND
-        sig = self._lanes_sig(alive)
         i = 0
         for k in keys:
             v = kget(k, 0)
-            if v & sig == sig:
-                i += 1
-                continue
             if not v & mask:  # nobody of ours holds it: every prefix ends here
                 break
-            for lane in range(nt + 1):
+            held = [v & mask]
+            held += [(v >> ((t + 2) * W)) & full for t in range(nt)]
+            cum = held[1]
+            for t in range(1, nt):
+                cum |= held[1 + t]
+                held.append(cum)
+            for lane in range(nl):
                 a = alive[lane]
-                if not a:
-                    continue
-                held = v & a if lane == 0 else (v >> ((lane + 1) * W)) & full & a
-                if held != a:
-                    for s in _bits(a ^ held):
-                        ends[lane][s] = i
-                    alive[lane] = held
+                if a:
+                    h = held[lane] & a
+                    if h != a:
+                        for s in _bits(a ^ h):
+                            ends[lane][s] = i
+                        alive[lane] = h
             i += 1
             if not any(alive):
                 break
-            sig = self._lanes_sig(alive)
         out = {}
         for st in slots:
             b = st.slot
-            got = [ends[lane].get(b, i) for lane in range(nt + 1)]
-            out[st.name] = (got[0], tuple(got[1:]))
+            got = [ends[lane].get(b, i) for lane in range(nl)]
+            alone = tuple(got[1 : nt + 1])
+            out[st.name] = (got[0], alone, alone[:1] + tuple(got[nt + 1 :]))
         return out
-

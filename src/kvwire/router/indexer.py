@@ -42,6 +42,7 @@ from .indexer_api import (
     UnregisterBody,
     decode,
     empty_answer,
+    new_row,
     pick_shape,
     seq_from_local,
     shape_answer,
@@ -266,15 +267,15 @@ class Indexer:
                 if bs:
                     held = index.tier_prefixes(keys_for(bs, salt), [r.stream for r in group])
                 for r in group:
-                    n, tiers = held.get(r.stream, (0, {}))
-                    row = out.setdefault(str(r.instance_id), {
-                        "longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {},
-                        "_gpu_dp": {}})
+                    n, alone, cum = held.get(r.stream, (0, {}, {}))
+                    row = out.setdefault(str(r.instance_id), new_row())
                     row["longest_matched"] = max(row["longest_matched"], n * bs)
+                    c = row["_cumulative"]
                     for m in MEDIA:
-                        row[m] = max(row[m], tiers.get(m, 0) * bs)
+                        row[m] = max(row[m], alone.get(m, 0) * bs)
+                        c[m] = max(c[m], cum.get(m, 0) * bs)
                     row["DP"][str(r.dp_rank)] = n * bs
-                    row["_gpu_dp"][str(r.dp_rank)] = tiers.get("GPU", 0) * bs
+                    row["_gpu_dp"][str(r.dp_rank)] = alone.get("GPU", 0) * bs
         return out
 
     @contextmanager

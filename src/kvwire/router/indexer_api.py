@@ -21,7 +21,8 @@ from xxhash import xxh3_64_intdigest
 
 __all__ = [
     "MEDIA", "BadRequest", "QueryBody", "QueryByHashBody", "RegisterBody", "Registration",
-    "RegistrationFile", "Scope", "UnregisterBody", "decode", "empty_answer", "pick_shape",
+    "RegistrationFile", "Scope", "UnregisterBody", "decode", "empty_answer", "new_row",
+    "pick_shape",
     "seq_from_local", "shape_answer",
 ]
 
@@ -271,30 +272,39 @@ def pick_shape(dynamo_spelling: bool, qs: str) -> str:
     return "dynamo" if dynamo_spelling else "mooncake"
 
 
+def new_row() -> dict[str, Any]:
+    """One instance's answer, all zeros: ``longest_matched``, each medium alone, ``DP`` (any
+    medium per rank), and for Dynamo's shape ``_cumulative`` (each medium or a better one)
+    and ``_gpu_dp`` (GPU per rank)."""
+    return {"longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {},
+            "_cumulative": dict.fromkeys(MEDIA, 0), "_gpu_dp": {}}
+
+
 def empty_answer(scope: Scope) -> dict[str, dict[str, Any]]:
     """An instance asked by id but not registered is answered with zeros, not an error."""
-    if scope.instance is None:
-        return {}
-    return {scope.instance: {"longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {}}}
+    return {} if scope.instance is None else {scope.instance: new_row()}
 
 
 def shape_answer(shape: str, scope: Scope, rows: dict[str, dict[str, Any]]) -> Any:
-    """Mooncake: ``{tenant: {instance: {longest_matched, GPU, CPU, DISK, DP}}}`` (every
-    instance in scope, zeros included). Dynamo: ``{"scores": {instance: {dp: GPU tokens}},
-    "frequencies": [], "instances": {instance: {longest_matched, gpu, cpu, disk, dp}}}``
-    (instances that match nothing left out, as Dynamo does)."""
+    """Mooncake: ``{tenant: {instance: {longest_matched, GPU, CPU, DISK, DP}}}``, each
+    medium alone, ``DP`` any medium per rank (every instance in scope, zeros included).
+    Dynamo, as its indexer answers: ``{"scores": {instance: {dp: GPU tokens}},
+    "frequencies": [], "instances": {instance: {longest_matched, gpu, cpu, disk, dp}}}`` with
+    ``cpu`` = GPU or CPU, ``disk`` = any of the three, ``dp`` = GPU per rank (instances that
+    match nothing left out)."""
     if shape == "mooncake":
-        for row in rows.values():
-            row.pop("_gpu_dp", None)
-        return {scope.tenant: rows}
+        return {scope.tenant: {name: {k: v for k, v in row.items() if k[0] != "_"}
+                               for name, row in rows.items()}}
     scores: dict[str, dict[str, int]] = {}
     inst: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         if not row["longest_matched"]:
             continue
+        cum, gpu_dp = row["_cumulative"], row["_gpu_dp"]
         inst[name] = {"longest_matched": row["longest_matched"], "gpu": row["GPU"],
-                      "dp": row["DP"], "cpu": row["CPU"], "disk": row["DISK"]}
-        scores[name] = {r: n for r, n in row.get("_gpu_dp", {}).items() if n}
+                      "dp": gpu_dp, "cpu": cum["CPU"], "disk": cum["DISK"]}
+        if any(gpu_dp.values()):
+            scores[name] = {r: n for r, n in gpu_dp.items() if n}
     return {"scores": scores, "frequencies": [], "instances": inst}
 
 
