@@ -209,3 +209,22 @@ def test_a_file_that_cannot_be_written_changes_nothing(tmp_path) -> None:
                                                  "modelname": "m", "instance_id": "a"})
     assert status == 507 and "could not be written" in out["error"], out
     assert ix.regs == {} and ix.core.specs == [] and ix.counts["bad_file"] == 1
+
+
+def test_medium_prefixes_alone_and_cumulative() -> None:
+    """Blocks 0-3 of one chain on GPU, CPU, CPU, DISK: each medium alone holds a short
+    prefix, "this medium or a better one" a longer one (Dynamo's cpu / disk)."""
+    from kvwire.index import PrefixIndex, block_keys
+
+    idx = PrefixIndex()
+    toks = BASE[:64]
+    keys = block_keys(toks, 16)
+    events = [BlockStored([100 + i], None if i == 0 else 99 + i, toks[16 * i : 16 * i + 16],
+                          16, None, medium)
+              for i, medium in enumerate(["GPU", "CPU", "CPU", "DISK"])]
+    idx.apply(Batch("s", 0, KVEventBatch(0.0, events, 0)))
+    n, alone, cum = idx.tier_prefixes(keys, ["s", "unknown"], cumulative=True)["s"]
+    assert (n, alone, cum) == (4, {"GPU": 1, "CPU": 0, "DISK": 0},
+                               {"GPU": 1, "CPU": 3, "DISK": 4})
+    assert idx.tier_prefixes(keys, ["s"])["s"] == (4, {"GPU": 1, "CPU": 0, "DISK": 0})
+    assert idx.tier_prefixes(keys, ["unknown"]) == {}

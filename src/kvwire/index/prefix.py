@@ -534,15 +534,19 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ per-medium answers
 
-    def tier_prefixes(self, keys: Iterable[int], streams: Iterable[str]
-                      ) -> dict[str, tuple[int, dict[str, int], dict[str, int]]]:
-        """Per known stream of ``streams``: leading ``keys`` (own keys, e.g. a prompt's
-        :func:`~kvwire.index.block_keys` at that stream's block size) it holds in any tier,
-        ``{tier: leading keys held in that tier alone}`` and ``{tier: ... in that tier or a
-        better one}`` (no predictions)."""
+    def tier_prefixes(self, keys: Iterable[int], streams: Iterable[str],
+                      cumulative: bool = False) -> dict[str, tuple]:
+        """Per known stream of ``streams``: ``(n, alone)``: leading ``keys`` (own keys, e.g.
+        a prompt's :func:`~kvwire.index.block_keys` at that stream's block size) it holds
+        in any tier, and ``{tier: leading keys held in that tier alone}``; with
+        ``cumulative``, ``(n, alone, cum)``, ``cum`` = ``{tier: ... in that tier or a
+        better one}``. No predictions."""
         names = self._h.tiers
-        return {s: (n, dict(zip(names, alone)), dict(zip(names, cum)))
-                for s, (n, alone, cum) in self._h.tier_prefixes(keys, streams).items()}
+        out = self._h.tier_prefixes(keys, streams, cumulative)
+        if cumulative:
+            return {s: (n, dict(zip(names, alone)), dict(zip(names, cum)))
+                    for s, (n, alone, cum) in out.items()}
+        return {s: (n, dict(zip(names, alone))) for s, (n, alone) in out.items()}
 
     def block_size_of(self, stream: str) -> int | None:
         """The block size the stream's events use (None: unknown stream or none seen)."""

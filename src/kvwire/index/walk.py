@@ -245,12 +245,13 @@ class PrefixWalk:
             sig |= alive[lane] << ((lane + 1) * W)
         return sig
 
-    def tier_prefixes(self, keys: Iterable[int], names: Iterable[str]
-                      ) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
-        """Per stream of ``names`` (unknown ones left out): how many leading ``keys`` it
-        holds in any tier, in each tier alone, and in each tier or a better one (``tiers``
-        order, best first); predictions are not counted. The indexer API's answers
-        (Mooncake's per medium, Dynamo's cumulative), not ``match``'s best-tier split."""
+    def tier_prefixes(self, keys: Iterable[int], names: Iterable[str],
+                      cumulative: bool = False) -> dict[str, tuple]:
+        """Per stream of ``names`` (unknown ones left out): ``(n, alone)``: how many leading
+        ``keys`` it holds in any tier, and in each tier alone (``tiers`` order, best first);
+        with ``cumulative``, ``(n, alone, cum)``: also in each tier or a better one.
+        Predictions are not counted. The indexer API's answers (Mooncake's per medium,
+        Dynamo's cumulative), not ``match``'s best-tier split."""
         slots = [st for st in (self.streams.get(n) for n in names) if st is not None]
         if not slots:
             return {}
@@ -260,22 +261,31 @@ class PrefixWalk:
         mask = 0
         for st in slots:
             mask |= st.bit
-        # lanes: [any, tier 0 .. tier nt-1, tiers 0..1, tiers 0..2, ...]: streams still on
-        nl = 2 * nt
+        # lanes: [any, tier 0 .. tier nt-1] (+ [tiers 0..1, tiers 0..2, ...]): streams on
+        nl = 2 * nt if cumulative else nt + 1
         alive = [mask] * nl
         ends: list[dict[int, int]] = [{} for _ in range(nl)]
         kget = self.keys.get
+        # every alive stream in every lane it is alive in: a key holding all of them (the
+        # usual case, a shared prefix) changes nothing, so it costs one lookup and one AND.
+        # (A cumulative lane is kept by a key held in the best tier, so while its streams
+        # are those of the best tier's lane, the signature covers it too.)
+        sig = self._lanes_sig(alive[: nt + 1])
         i = 0
         for k in keys:
             v = kget(k, 0)
+            if sig and v & sig == sig:
+                i += 1
+                continue
             if not v & mask:  # nobody of ours holds it: every prefix ends here
                 break
             held = [v & mask]
             held += [(v >> ((t + 2) * W)) & full for t in range(nt)]
-            cum = held[1]
-            for t in range(1, nt):
-                cum |= held[1 + t]
-                held.append(cum)
+            if cumulative:
+                cum = held[1]
+                for t in range(1, nt):
+                    cum |= held[1 + t]
+                    held.append(cum)
             for lane in range(nl):
                 a = alive[lane]
                 if a:
@@ -287,10 +297,14 @@ class PrefixWalk:
             i += 1
             if not any(alive):
                 break
-        out = {}
+            sig = self._lanes_sig(alive[: nt + 1])
+            if cumulative and any(alive[lane] != alive[1] for lane in range(nt + 1, nl)):
+                sig = 0  # a stream on in a cumulative lane only: every key is looked at
+        out: dict[str, tuple] = {}
         for st in slots:
             b = st.slot
             got = [ends[lane].get(b, i) for lane in range(nl)]
             alone = tuple(got[1 : nt + 1])
-            out[st.name] = (got[0], alone, alone[:1] + tuple(got[nt + 1 :]))
+            out[st.name] = ((got[0], alone, alone[:1] + tuple(got[nt + 1 :])) if cumulative
+                            else (got[0], alone))
         return out

@@ -31,7 +31,6 @@ from ..index import block_keys
 from ..index.keys import standard_fold
 from ..wire.endpoint import check_endpoint
 from .indexer_api import (
-    MEDIA,
     BadRequest,
     QueryBody,
     QueryByHashBody,
@@ -40,6 +39,7 @@ from .indexer_api import (
     RegistrationFile,
     Scope,
     UnregisterBody,
+    add_rank,
     decode,
     empty_answer,
     new_row,
@@ -265,17 +265,12 @@ class Indexer:
             for (bs, salt), group in groups.items():
                 held = {}
                 if bs:
-                    held = index.tier_prefixes(keys_for(bs, salt), [r.stream for r in group])
+                    held = index.tier_prefixes(keys_for(bs, salt), [r.stream for r in group],
+                                               cumulative=True)
                 for r in group:
                     n, alone, cum = held.get(r.stream, (0, {}, {}))
-                    row = out.setdefault(str(r.instance_id), new_row())
-                    row["longest_matched"] = max(row["longest_matched"], n * bs)
-                    c = row["_cumulative"]
-                    for m in MEDIA:
-                        row[m] = max(row[m], alone.get(m, 0) * bs)
-                        c[m] = max(c[m], cum.get(m, 0) * bs)
-                    row["DP"][str(r.dp_rank)] = n * bs
-                    row["_gpu_dp"][str(r.dp_rank)] = alone.get("GPU", 0) * bs
+                    add_rank(out.setdefault(str(r.instance_id), new_row()), r.dp_rank, bs, n,
+                             alone, cum)
         return out
 
     @contextmanager

@@ -20,7 +20,7 @@ import msgspec
 from xxhash import xxh3_64_intdigest
 
 __all__ = [
-    "MEDIA", "BadRequest", "QueryBody", "QueryByHashBody", "RegisterBody", "Registration",
+    "MEDIA", "BadRequest", "add_rank", "QueryBody", "QueryByHashBody", "RegisterBody", "Registration",
     "RegistrationFile", "Scope", "UnregisterBody", "decode", "empty_answer", "new_row",
     "pick_shape",
     "seq_from_local", "shape_answer",
@@ -280,6 +280,20 @@ def new_row() -> dict[str, Any]:
             "_cumulative": dict.fromkeys(MEDIA, 0), "_gpu_dp": {}}
 
 
+def add_rank(row: dict[str, Any], rank: int, bs: int, n: int, alone: dict[str, int],
+             cum: dict[str, int]) -> None:
+    """Fold one DP rank's prefixes (in blocks of ``bs`` tokens: ``n`` on any medium,
+    ``alone`` / ``cum`` as ``PrefixIndex.tier_prefixes(..., cumulative=True)``) into an
+    instance's :func:`new_row`, in tokens."""
+    row["longest_matched"] = max(row["longest_matched"], n * bs)
+    c = row["_cumulative"]
+    for m in MEDIA:
+        row[m] = max(row[m], alone.get(m, 0) * bs)
+        c[m] = max(c[m], cum.get(m, 0) * bs)
+    row["DP"][str(rank)] = n * bs
+    row["_gpu_dp"][str(rank)] = alone.get("GPU", 0) * bs
+
+
 def empty_answer(scope: Scope) -> dict[str, dict[str, Any]]:
     """An instance asked by id but not registered is answered with zeros, not an error."""
     return {} if scope.instance is None else {scope.instance: new_row()}
@@ -300,7 +314,9 @@ def shape_answer(shape: str, scope: Scope, rows: dict[str, dict[str, Any]]) -> A
     for name, row in rows.items():
         if not row["longest_matched"]:
             continue
-        cum, gpu_dp = row["_cumulative"], row["_gpu_dp"]
+        gpu_dp = row["_gpu_dp"]
+        # (rows built without add_rank: each medium alone, the best the row can say)
+        cum = row.get("_cumulative") or {m: row[m] for m in MEDIA}
         inst[name] = {"longest_matched": row["longest_matched"], "gpu": row["GPU"],
                       "dp": gpu_dp, "cpu": cum["CPU"], "disk": cum["DISK"]}
         if any(gpu_dp.values()):
