@@ -45,50 +45,66 @@ def _wait(cond, what: str) -> None:
         time.sleep(0.02)
 
 
+#: the fixture's publishers: (instance, dp_rank, registered extra fields, blocks held, medium)
+_FLEET = [("e1", 0, {}, 6, "GPU"), ("e1", 1, {}, 3, "CPU"), ("e2", 0, {"additionalsalt": "x"}, 2,
+          "GPU"), ("e3", 0, {"block_size": 2 * BS}, 4, "GPU")]  # e3: registered size differs
+
+
 @pytest.fixture(scope="module")
 def indexed():
-    """An in-process Indexer following one real publisher that holds PROMPT (GPU) under
-    instance "e1", tenant "t"."""
+    """An in-process Indexer following real publishers (_FLEET) of model "m", tenant "t",
+    each holding a prefix of PROMPT: two DP ranks of one instance on different media, an
+    instance registered with a salt, one registered with another block size than it uses."""
     where = tempfile.mkdtemp(prefix="kvw-ih-")
-    pub = ZmqEventPublisher(endpoint=f"ipc://{where}/l", replay_endpoint=f"ipc://{where}/r",
-                            heartbeat_interval=0.2)
+    pubs = []
     ix = Indexer.standalone()
     try:
-        st_, out = ix.handle("POST", "/register", json.dumps({
-            "endpoint": f"ipc://{where}/l", "replay_endpoint": f"ipc://{where}/r",
-            "type": "vLLM", "modelname": "m", "tenant_id": "t", "instance_id": "e1",
-            "block_size": BS, "dp_rank": 0}).encode())
-        assert st_ == 200, out
-        pub.publish(KVEventBatch(time.time(), [BlockStored(
-            list(range(1, 7)), None, PROMPT, BS, None, "GPU")], 0))
-        q = json.dumps({"token_ids": PROMPT, "model": "m", "block_size": BS,
-                        "tenant_id": "t"}).encode()
-        _wait(lambda: b'"longest_matched":96' in ix.handle("POST", "/query", q)[1],
-              "the publisher's blocks in the index")
+        for i, (inst, rank, extra, n, medium) in enumerate(_FLEET):
+            live, replay = f"ipc://{where}/{i}.l", f"ipc://{where}/{i}.r"
+            pubs.append(ZmqEventPublisher(endpoint=live, replay_endpoint=replay,
+                                          heartbeat_interval=0.2))
+            st_, out = ix.handle("POST", "/register", json.dumps({
+                "endpoint": live, "replay_endpoint": replay, "type": "vLLM", "modelname": "m",
+                "tenant_id": "t", "instance_id": inst, "block_size": BS, "dp_rank": rank,
+                **extra}).encode())
+            assert st_ == 200, out
+            pubs[-1].publish(KVEventBatch(time.time(), [BlockStored(
+                list(range(1, n + 1)), None, PROMPT[:n * BS], BS, None, medium)], 0))
+        for inst, rank, extra, n, _medium in _FLEET:
+            q = json.dumps({"token_ids": PROMPT, "model": "m", "tenant_id": "t",
+                            "instance_id": inst, **({"cache_salt": "x"} if extra.get(
+                                "additionalsalt") else {})}).encode()
+            _wait(lambda q=q, n=n, rank=rank: (b'"%d":%d' % (rank, n * BS))
+                  in ix.handle("POST", "/query", q)[1], f"{inst} rank {rank}'s blocks")
         yield ix
     finally:
-        pub.shutdown(timeout=1)
+        for p in pubs:
+            p.shutdown(timeout=1)
         ix.close()
 
 
 _TOKENS = st.one_of(
     st.lists(st.sampled_from(PROMPT[:40]) | st.integers(0, 2**32 - 1), max_size=120),
-    st.just(PROMPT), st.just(PROMPT[:50]),
+    st.just(PROMPT), st.just(PROMPT[:50]), st.just(PROMPT), st.just(PROMPT + [5] * 40),
     st.lists(st.integers(-3, 2**33), max_size=5))  # out of range: the strict path names it
 _FIELDS = st.dictionaries(
     st.sampled_from(["model", "model_name", "tenant_id", "instance_id", "lora_name",
                      "cache_salt", "salt", "block_size", "extra"]),
-    st.sampled_from(["m", "t", "e1", 16, 0, None, "x", 3.5, [1]]), max_size=5)
+    st.sampled_from(["m", "t", "e1", "e2", "e3", 16, 0, None, "x", 3.5, [1]]), max_size=2)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tokens=_TOKENS, fields=_FIELDS, first=st.booleans(), spaces=st.booleans(),
-       dup=st.booleans(), junk=st.sampled_from(["", "]", "}", ",", "x"]))
+       dup=st.sampled_from([False, False, False, True]),
+       junk=st.one_of(st.just(""), st.sampled_from(["]", "}", ",", "x"])),
+       inst=st.sampled_from([None, "e1", "e2", "e3"]), salt=st.sampled_from([None, "x"]))
 def test_fast_query_answers_as_the_indexer(indexed, tokens, fields, first, spaces, dup,
-                                           junk) -> None:
+                                           junk, inst, salt) -> None:
     """Same status and bytes as ``Indexer.handle`` for any /query body: token ids first (the
     C path) or not, given twice, other fields valid, wrong or missing, malformed tails."""
-    fields = {"model": "m", "tenant_id": "t", **fields}  # in scope unless overridden
+    base = {"model": "m", "tenant_id": "t", "instance_id": inst, "cache_salt": salt}
+    fields = {**{k: v for k, v in base.items() if v is not None}, **fields}  # in scope
+    # unless overridden
     body = {"token_ids": tokens, **fields} if first else {**fields, "token_ids": tokens}
     raw = json.dumps(body, separators=(", ", ": ") if spaces else (",", ":")).encode()
     if dup:  # a second token_ids member: the strict decode keeps the last one
