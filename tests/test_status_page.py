@@ -174,18 +174,32 @@ def _chat(k: int, **kw: Any) -> dict[str, Any]:
                          {"role": "user", "content": "q"}], **kw}
 
 
-def _streamed(c: httpx.Client, body: dict[str, Any]) -> bytes:
+def _streamed(c: httpx.Client, body: dict[str, Any]) -> tuple[str, bytes]:
     with c.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
-        return b"".join(r.iter_raw())
+        return r.headers["x-kvwire-engine"], b"".join(r.iter_raw())
+
+
+def _usage(answer: bytes) -> tuple[int, int]:
+    """(prompt, cached) tokens of an answer's usage object (the last SSE event with one)."""
+    import json
+
+    for part in reversed(answer.split(b"data: ")):
+        part = part.strip()
+        if part.startswith(b"{") and b'"usage"' in part:
+            u = json.loads(part)["usage"]
+            return u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+    raise AssertionError(f"no usage in {answer[-300:]!r}")
 
 
 @pytest.fixture(scope="module")
-def proxied() -> Iterator[tuple[str, list[str]]]:
-    """Two `kvwire engine` processes behind a `kvwire serve` process (round robin, so each
-    engine sees every prompt twice: the second time it is cached) that has answered
-    streamed (with usage) and whole requests; yields (url, engine names) once the
-    sampler has a point of every chart for every engine."""
+def proxied() -> Iterator[tuple[str, list[str], dict[str, list[int]]]]:
+    """Two `kvwire engine` processes behind a `kvwire serve` process that has answered
+    streamed (with usage) and whole requests (round robin alternates: each prompt's
+    streamed requests go to one engine and its whole ones to the other, four times each,
+    so from the second on they find it cached); yields (url, engine names, the [prompt,
+    cached] tokens the client read in each engine's answers) once the sampler has a point
+    of every chart for every engine."""
     engines = [EngineProc("--speed", "5") for _ in range(2)]
     serve = None
     try:
@@ -197,16 +211,21 @@ def proxied() -> Iterator[tuple[str, list[str]]]:
         serve = Serve(*args, "--tokenizer", "builtin", "--policy", "round_robin",
                       "--probe-interval", "0.2")
         names = ["e0", "e1"]
+        usage = {n: [0, 0] for n in names}
         with httpx.Client(base_url=serve.url, timeout=TIMEOUT) as c:
             wait_for(lambda: all(e["ranks"][0]["alive"] and e["http"]["http_up"]
                                  for e in c.get("/engines").json().values()),
                      "both engines live on events and HTTP")
             for k in range(3):
-                for _ in range(4):  # round robin: twice on each engine
-                    usage = _streamed(c, _chat(k, stream=True,
-                                               stream_options={"include_usage": True}))
-                    assert b'"cached_tokens"' in usage
-                    assert c.post("/v1/chat/completions", json=_chat(k)).status_code == 200
+                for _ in range(4):
+                    name, answer = _streamed(c, _chat(k, stream=True,
+                                                      stream_options={"include_usage": True}))
+                    r = c.post("/v1/chat/completions", json=_chat(k))
+                    assert r.status_code == 200
+                    for n, a in ((name, answer), (r.headers["x-kvwire-engine"], r.content)):
+                        got = _usage(a)
+                        usage[n][0] += got[0]
+                        usage[n][1] += got[1]
             # a stream open across a sampling tick on each engine: in-flight is seen as 1
             held = set()
             for _ in names:
@@ -228,7 +247,7 @@ def proxied() -> Iterator[tuple[str, list[str]]]:
             wait_for(charted, "every chart of every engine has data")
             wait_for(lambda: all(_status(c)["engines"][n]["in_flight"][-1] == 0.0
                                  for n in names), "the held streams' end sampled")
-        yield serve.url, names
+        yield serve.url, names, usage
     finally:
         if serve is not None:
             serve.stop()
@@ -242,12 +261,13 @@ def _status(c: httpx.Client, seconds: int = 300) -> dict[str, Any]:
     return r.json()
 
 
-def test_status_json_over_real_serve_and_engines(proxied: tuple[str, list[str]]) -> None:
-    """The sampler's points agree with the proxy's own counters on /metrics: answers per
-    engine, and the cached-token counts the engines reported."""
+def test_status_json_over_real_serve_and_engines(proxied: tuple) -> None:
+    """The proxy counts the prompt and cached tokens the engines reported in their answers
+    (streamed and whole), exactly; the sampler's points agree with the proxy's counters on
+    /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    url, names = proxied
+    url, names, usage = proxied
     with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
         st = _status(c)
         text = c.get("/metrics").text
@@ -269,6 +289,7 @@ def test_status_json_over_real_serve_and_engines(proxied: tuple[str, list[str]])
         assert got["kvwire_proxy_requests_total", n] == 13
         prompt = got["kvwire_proxy_prompt_tokens_total", n]
         cached = got["kvwire_proxy_cached_tokens_total", n]
+        assert [prompt, cached] == usage[n]  # what the client read, the held streams aside
         assert 0 < cached < prompt  # the second sight of each prompt hit the cache
         ratios = [v for v in e["cached_ratio"] if v is not None]
         assert ratios and all(0 <= v <= 1 for v in ratios) and max(ratios) > 0
@@ -352,10 +373,10 @@ def _points(card: str, series: str) -> int:
     return int(m.group(1))
 
 
-def test_charts_in_headless_chromium(proxied: tuple[str, list[str]], tmp_path: Path) -> None:
+def test_charts_in_headless_chromium(proxied: tuple, tmp_path: Path) -> None:
     """The page, loaded in a real chromium after real requests, draws the four charts of
     every engine with data, and still the stream table."""
-    url, names = proxied
+    url, names, _ = proxied
     dom = _browse(url.rsplit(":", 1)[1], tmp_path)
     for n in names:
         card = _card(dom, n)
