@@ -158,7 +158,7 @@ class StatusSeries:
         for name, ring in self.rings.items():
             pts = [e for e in ring if e[0] > start]
             cols: dict[str, Any] = {"t": [round(now - t, 3) for t, _, _ in pts],
-                                    "dt": [round(dt, 4) for _, dt, _ in pts]}
+                                    "dt": [round(dt, 6) for _, dt, _ in pts]}
             for i, key in enumerate(SERIES):
                 cols[key] = [None if p[i] is None else round(p[i], 6) for _, _, p in pts]
             out[name] = cols
