@@ -59,15 +59,6 @@ class BadRequest(Exception):
         self.status, self.param, self.type = status, param, type_
 
 
-if hasattr(asyncio, "timeout"):  # 3.11+: a timer handle, no task
-    async def _within(aw: Any, limit: float) -> Any:
-        async with asyncio.timeout(limit):
-            return await aw
-else:  # pragma: no cover - 3.10
-    async def _within(aw: Any, limit: float) -> Any:
-        return await asyncio.wait_for(aw, limit)
-
-
 def handle(proxy: Proxy, req: Request) -> None:
     """Answer ``req`` (a path :meth:`Proxy.handles`); called from the server's protocol."""
     path, method = req.path, req.method
@@ -162,8 +153,8 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
     sent_at: list[float] = []
     try:
         try:
-            resp = await _within(proxy._pool(link).request(
-                b"POST", req.path, headers, req.body, sent_at, time.perf_counter),
+            resp = await proxy._pool(link).request(
+                b"POST", req.path, headers, req.body, sent_at, time.perf_counter,
                 cfg.first_byte_timeout)
         except asyncio.TimeoutError:
             return Outcome.TIMEOUT, False, (504, openai_error(
@@ -182,14 +173,9 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
                 await relay.finished
             finally:
                 relay.stop()
-            out_tokens = relay.usage if relay.usage is not None else relay.events
-            if relay.last_usage:
-                proxy._count_usage(name, relay.last_usage,
-                                   relay.last_usage.rfind(b'"usage"'))
-            link.e2e.observe(time.perf_counter() - req.t0)
             return Outcome.OK, True, None
         try:
-            payload = await _within(resp.read(), cfg.first_byte_timeout)
+            payload = await resp.read(cfg.first_byte_timeout)
         except (asyncio.TimeoutError, UpstreamError) as e:
             return Outcome.TIMEOUT, False, (504, openai_error(
                 504, f"engine {name} did not finish its answer: {e!r}", "Timeout"))
@@ -201,17 +187,25 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
         if m:
             proxy._count_usage(name, payload, payload.rfind(b'"usage"'))
         proxy.requests[name, resp.status] += 1
-        req.respond(resp.status, payload, rid, ctype)
         link.e2e.observe(time.perf_counter() - req.t0)
+        _settle(proxy, lc, name, out_tokens)  # before the client can see the answer
+        req.respond(resp.status, payload, rid, ctype)
         return Outcome.OK, True, None
     finally:
-        if lc.end():  # first: nothing below may skip it
-            proxy.core.finish(routed.request_id, out_tokens)
-        proxy.in_flight[name] -= 1
+        _settle(proxy, lc, name, out_tokens)  # first: nothing below may skip it
         if first and sent_at:
             proxy.metrics.overhead.observe(sent_at[0] - req.t0)
         if resp is not None:
             resp.close()  # unfinished: the connection closes and the engine aborts
+
+
+def _settle(proxy: Proxy, lc: Lifecycle, name: str, out_tokens: int | None) -> None:
+    """Release the reservation and the in-flight count, once (``Lifecycle.end``): before
+    the last byte goes to the client where possible, so a client that saw its answer
+    end never sees the load still held."""
+    if lc.end():
+        proxy.core.finish(lc.request_id, out_tokens)
+        proxy.in_flight[name] -= 1
 
 
 class _Relay:
@@ -259,10 +253,20 @@ class _Relay:
                     self.last_usage = c  # cumulative: only the last one is counted
         self.req.write(chunks)
 
+    def _settle(self) -> None:
+        name = self.link.name
+        if self.last_usage:
+            self.proxy._count_usage(name, self.last_usage, self.last_usage.rfind(b'"usage"'))
+        self.link.e2e.observe(time.perf_counter() - self.req.t0)
+        _settle(self.proxy, self.lc, name,
+                self.usage if self.usage is not None else self.events)
+
     def on_end(self) -> None:
+        if self.finished.done():
+            return
+        self._settle()
         self.req.end()
-        if not self.finished.done():
-            self.finished.set_result(None)
+        self.finished.set_result(None)
 
     def on_error(self, error: UpstreamError | None, why: str | None = None) -> None:
         if self.finished.done():
@@ -271,6 +275,7 @@ class _Relay:
         name = self.link.name
         msg = why or f"engine {name} failed mid-stream: {error}"
         err = openai_error(502, msg, "BadGateway")
+        self._settle()
         self.req.end(b"data: " + err + b"\n\ndata: [DONE]\n\n")
         self.finished.set_result(None)
 

@@ -14,6 +14,7 @@ learns the client left.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -29,6 +30,12 @@ class UpstreamError(OSError):
 
 class _Stale(Exception):
     """A pooled connection the engine had closed before answering a byte: try another."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    """A timeout as one timer handle on the awaited future (no task, no context manager)."""
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
 
 
 class Sink(Protocol):
@@ -92,16 +99,21 @@ class Response:
             self._done_fut.set_exception(error)
 
     # the caller's side
-    async def read(self) -> bytes:
-        """The whole body (raises UpstreamError if the engine breaks it off)."""
+    async def read(self, timeout: float | None = None) -> bytes:
+        """The whole body (raises UpstreamError if the engine breaks it off,
+        asyncio.TimeoutError if it takes over ``timeout`` s)."""
         if not self.done:
             if self._conn is None:
                 raise UpstreamError("engine broke its answer")
-            self._done_fut = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._done_fut = fut = loop.create_future()
+            timer = loop.call_later(timeout, _expire, fut) if timeout is not None else None
             try:
-                await self._done_fut
+                await fut
             finally:
                 self._done_fut = None
+                if timer is not None:
+                    timer.cancel()
         parts, self._parts = self._parts, []
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -149,6 +161,9 @@ class _Conn(asyncio.Protocol):
     # asyncio
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (uvloop: already)
 
     def data_received(self, data: bytes) -> None:
         self.last_read = self.loop.time()
@@ -274,10 +289,12 @@ class Pool:
 
     async def request(self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes, sent: list[float] | None = None,
-                      clock: Callable[[], float] | None = None) -> Response:
+                      clock: Callable[[], float] | None = None,
+                      timeout: float | None = None) -> Response:
         """Send a request and wait for the status line and headers. A kept-alive
         connection the engine closed meanwhile is replaced by a fresh one. ``sent`` gets
-        ``clock()`` each time the request is written. Cancelled: the connection closes."""
+        ``clock()`` each time the request is written. No head within ``timeout`` s of
+        writing: asyncio.TimeoutError. Cancelled or timed out: the connection closes."""
         data = b"".join([method, b" ", path, b" HTTP/1.1\r\n", self._hostline,
                          *[k + b": " + v + b"\r\n" for k, v in headers],
                          b"content-length: %d\r\n\r\n" % len(body), body])
@@ -289,12 +306,17 @@ class Pool:
             head = conn.send(data)
             if sent is not None and clock is not None:
                 sent.append(clock())
+            timer = (conn.loop.call_later(timeout, _expire, head) if timeout is not None
+                     else None)
             try:
                 return await head
             except _Stale:
                 if fresh:
                     raise UpstreamError("engine closed the connection before answering"
                                         ) from None
-            except BaseException:  # cancelled (the client left): the request is abandoned
+            except BaseException:  # cancelled (the client left) or timed out: abandoned
                 conn.close()
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
