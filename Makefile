@@ -85,7 +85,7 @@ test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 
 bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
-	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows" >&2
+	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows, bench/indexer.py skips" >&2
 	$(PY) bench/events.py
 	$(PY) bench/events.py --vs-vllm
 	$(PY) bench/subscriber.py
@@ -97,6 +97,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/tokenizer.py
 	$(PY) bench/proxy.py
+	$(PY) bench/indexer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -280,15 +280,16 @@ def main() -> int:
     a = p.parse_args()
     if a.quick:
         a.reps, a.seconds = 1, 3.0
-    if shutil.which("wrk") is None:
-        print("bench/indexer.py: wrk is needed (apt-get install -y wrk)", file=sys.stderr)
-        return 1
+    if shutil.which("wrk") is None:  # loud, and the rest of `make bench` still runs
+        print("bench/indexer.py: SKIPPED: wrk is needed (apt-get install -y wrk)",
+              file=sys.stderr)
+        return 0
     try:
         import dynamo._core  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        print(f"bench/indexer.py: ai-dynamo-runtime==1.6.1 is needed ({e}); "
+        print(f"bench/indexer.py: SKIPPED: ai-dynamo-runtime==1.6.1 is needed ({e}); "
               "`make bench` installs it", file=sys.stderr)
-        return 1
+        return 0
     steal = Steal()
     t_start = time.time()
     where = tempfile.mkdtemp(prefix="kvwire-bench-indexer-")
