@@ -512,6 +512,93 @@ def test_stalled_stream_ends_with_an_error_event(make_stack: Callable[..., Stack
         stub.close()
 
 
+class _Firehose:
+    """An engine that streams a huge answer as fast as its socket takes it, counting the
+    bytes the kernel accepted: what a proxy without backpressure would read into memory."""
+
+    CHUNK = b"data: " + b"x" * 65530 + b"\n\n"
+    TOTAL = 256 << 20
+
+    def __init__(self) -> None:
+        fh = self
+        self.sent = 0
+        self.aborted = threading.Event()
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                if not self.path.startswith("/v1/c"):
+                    body = (b'{"object":"list","data":[{"id":"m","parent":null}]}'
+                            if self.path == "/v1/models" else b"")
+                    self.send_response(200)
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                frame = b"%x\r\n%s\r\n" % (len(fh.CHUNK), fh.CHUNK)
+                try:
+                    while fh.sent < fh.TOTAL:
+                        self.wfile.write(frame)  # blocks while the proxy does not read
+                        fh.sent += len(frame)
+                except OSError:
+                    fh.aborted.set()
+                self.close_connection = True
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_slow_client_pushes_back_on_the_engine(make_stack: Callable[..., Stack]) -> None:
+    """A client that stops reading a stream: the proxy stops reading the engine (its
+    connection paused while the client's socket buffer is full), so what the engine could
+    send stays bounded by the socket buffers instead of piling up in the proxy's memory;
+    the client leaving then aborts the engine's answer and releases the load."""
+    fh = _Firehose()
+    try:
+        s = make_stack(1)
+        s.proxy.links["e0"].set_url(fh.url)
+        port = int(s.url.rsplit(":", 1)[1])
+        import socket
+
+        c = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        body = json.dumps({"prompt": "p", "stream": True}).encode()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                  b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        assert c.recv(1 << 16).startswith(b"HTTP/1.1 200")  # then it reads no more
+        last, still = -1, 0
+        while still < 20:  # the engine's progress holds still for 1 s
+            time.sleep(0.05)
+            still = still + 1 if fh.sent == last else 0
+            last = fh.sent
+            assert fh.sent < fh.TOTAL, "the proxy read the whole answer into memory"
+        assert fh.sent < 64 << 20, fh.sent
+        assert s.loads() != {}  # still streaming
+        c.close()
+        assert fh.aborted.wait(TIMEOUT), "the engine's answer was not aborted"
+        wait_for(lambda: s.loads() == {}, "load released")
+        assert s.proxy.counts["client_disconnects"] == 1
+    finally:
+        fh.close()
+
+
 def test_hung_engine_times_out_is_retried_and_marked_down(
         make_stack: Callable[..., Stack]) -> None:
     """An engine that hangs between probes (its loop stopped, connections left open): no
