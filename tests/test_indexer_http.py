@@ -128,21 +128,32 @@ def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[
         return e.code, json.loads(e.read())
 
 
-@pytest.fixture
-def workers():
+def _start(*flags: str) -> tuple[subprocess.Popen, int]:
     kv = subprocess.Popen(
-        [sys.executable, "-m", "kvwire.cli.index", "--port", "0", "--workers", "2"],
+        [sys.executable, "-m", "kvwire.cli.index", "--port", "0", "--workers", "2", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    line = kv.stderr.readline()
+    m = re.search(r"http://127\.0\.0\.1:(\d+) \(2 workers", line)
+    if not m:
+        kv.kill()
+        raise AssertionError(f"kvwire index did not start: {line}{kv.stderr.read()}")
+    return kv, int(m.group(1))
+
+
+def _stop(kv: subprocess.Popen) -> None:
+    if kv.poll() is None:
+        kv.send_signal(signal.SIGTERM)
+        assert kv.wait(TIMEOUT) == 0
+
+
+@pytest.fixture
+def workers():
+    kv, port = _start()
     try:
-        line = kv.stderr.readline()
-        m = re.search(r"http://127\.0\.0\.1:(\d+) \(2 workers", line)
-        assert m, f"kvwire index did not start: {line}"
-        yield kv, int(m.group(1))
+        yield kv, port
     finally:
-        if kv.poll() is None:
-            kv.send_signal(signal.SIGTERM)
-            kv.wait(10)
+        _stop(kv)
 
 
 def test_registrations_reach_every_worker_before_the_answer(workers) -> None:
@@ -196,3 +207,24 @@ def test_a_dead_worker_stops_the_service(workers) -> None:
     os.kill(int(kids[0]), signal.SIGKILL)
     assert kv.wait(TIMEOUT) == 1
     assert "exited" in kv.stderr.read()
+
+
+def test_registrations_file_with_workers(tmp_path) -> None:
+    """Worker 0 writes the file, every worker reads it: after a restart, every connection
+    finds the registration again (the stream is followed again by each worker)."""
+    regs = tmp_path / "regs.json"
+    reg = {"instance_id": 9, "endpoint": "ipc:///tmp/kvw-nowhere.live", "model_name": "m",
+           "block_size": BS}
+    kv, port = _start("--registrations", str(regs))
+    try:
+        assert _call(port, "POST", "/register", reg)[0] == 201
+    finally:
+        _stop(kv)
+    assert [r["instance_id"] for r in json.loads(regs.read_text())["registrations"]] == [9]
+    kv, port = _start("--registrations", str(regs))
+    try:
+        for _ in range(20):
+            st_, got = _call(port, "GET", "/registrations")
+            assert st_ == 200 and [str(r["instance_id"]) for r in got] == ["9"], got
+    finally:
+        _stop(kv)
