@@ -193,7 +193,7 @@ class Indexer:
                              f"written ({e}): nothing changed", "file") from None
 
     def _registrations(self, body: bytes, qs: str) -> tuple[int, bytes]:
-        return _json(200, [msgspec.to_builtins(r) for r in self.regs.values()])
+        return _json(200, [msgspec.to_builtins(r) for r in list(self.regs.values())])
 
     def _health(self, body: bytes, qs: str) -> tuple[int, bytes]:
         alive = self.core.alive
@@ -241,7 +241,9 @@ class Indexer:
                 ) -> dict[str, dict[str, Any]]:
         """``{instance: {"longest_matched", "GPU", "CPU", "DISK", "DP": {rank: n}}}`` in
         tokens, for every registration in scope (unmatched ones with zeros)."""
-        regs = [r for r in self.regs.values() if scope.covers(r)]
+        # (a copy: list() of a dict is one step under the GIL, so a /register on another
+        # thread cannot change the dict under this loop)
+        regs = [r for r in list(self.regs.values()) if scope.covers(r)]
         if not regs:
             self._count("empty_scope")
             return empty_answer(scope)
@@ -301,7 +303,8 @@ class Indexer:
         index = self.core.index
         streams = {}
         with self._index_lock():
-            for r in self.regs.values():
+            regs = list(self.regs.values())
+            for r in regs:
                 streams[r.stream] = {
                     "tenant_id": r.tenant, "instance_id": r.instance_id,
                     "dp_rank": r.dp_rank, "model_name": r.model,
@@ -310,7 +313,7 @@ class Indexer:
                 }
         return _json(200, {"key_scheme": getattr(index, "key_scheme", "standard"),
                            "registrations": [msgspec.to_builtins(r)
-                                             for r in self.regs.values()],
+                                             for r in regs],
                            "streams": streams})
 
 
