@@ -121,9 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive(int), default=16,
                    help="tokens per reference block, the policy's unit (default 16)")
     p.add_argument("--prefill-weight", type=_nonneg, default=1.0)
-    p.add_argument("--load-weight", type=_nonneg, default=0.5,
-                   help="weight of reserved load (default 0.5: the simulator's best balance "
-                        "of hits and spread, docs/sim.md)")
+    p.add_argument("--load-weight", type=_nonneg, default=1.0,
+                   help="weight of reserved load past the slack (default 1.0; before issue "
+                        "24: 0.5 with --balance-slack 0; docs/router.md)")
+    p.add_argument("--balance-slack", type=_nonneg, default=131_072.0, metavar="TOKENS",
+                   help="load (in tokens of work) an engine may hold beyond the least-loaded "
+                        "one's at no cost: cache first until then (default 131072; 0: every "
+                        "block of load counts, the old cost)")
     p.add_argument("--temperature", type=_nonneg, default=0.0,
                    help="> 0: sample engines by softmax(-cost/T) instead of the minimum")
     p.add_argument("--seed", type=int, default=None, help="seed of tie-breaks and sampling")
@@ -205,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         core = RouterCore(
             engines, nats=nats,
             policy=make_policy(args.policy, args.prefill_weight, args.load_weight,
-                               args.temperature, args.seed),
+                               args.temperature, args.seed,
+                               args.balance_slack / args.block_size),
             block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
             predict_ttl=args.predict_ttl, decode_load=args.decode_load,
             decode_share=args.decode_share,

@@ -30,7 +30,7 @@ def _positive_float(s: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``sim`` flags (shared by ``kvwire sim`` and :func:`main`)."""
-    from ..sim.fleet import POLICIES
+    from ..sim.fleet import ALL_POLICIES, POLICIES
 
     p.add_argument("trace", metavar="TRACE", nargs="?", default="bundled",
                    help="Mooncake JSONL trace (default: 'bundled', the packaged synthetic trace)")
@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks each engine's prefix cache holds")
     p.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per block")
     p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated subset of {','.join(POLICIES)}")
+                   help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: "
+                        f"{','.join(POLICIES)}; sglang: SGLang router's cache_aware)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--report", metavar="FILE.png", help="write a PNG report (matplotlib)")
     p.add_argument("--seed", type=int, default=0)
@@ -53,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use only the first N requests of the trace")
     p.add_argument("--load-weight", type=float, default=None,
                    help="kvwire/oracle RoutingPolicy load_weight (default: the sim's tuned one)")
+    p.add_argument("--balance-slack", type=float, default=None, metavar="TOKENS",
+                   help="kvwire/oracle: load (tokens of work) past the least-loaded engine's "
+                        "that costs nothing (default 131072; 0 with --load-weight 0.5: the "
+                        "cost before issue 24)")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes running policies in parallel (default: one per CPU)")
     p.add_argument("--predict-ttl", type=_positive_float, default=None,
@@ -80,14 +85,14 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Load the trace, simulate every requested policy, print the table or JSON."""
-    from ..sim.fleet import POLICIES, SimConfig, SimError, run_sim
+    from ..sim.fleet import ALL_POLICIES, SimConfig, SimError, run_sim
     from ..sim.trace import TraceError, bundled_trace_path, load_trace, repeat_trace
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in ALL_POLICIES]
     if bad or not policies:
         print(f"kvwire sim: unknown policy {', '.join(bad) or '(none given)'}; "
-              f"choose from {', '.join(POLICIES)}", file=sys.stderr)
+              f"choose from {', '.join(ALL_POLICIES)}", file=sys.stderr)
         return 2
     path = bundled_trace_path() if args.trace == "bundled" else args.trace
     try:
@@ -99,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     kw = {}
     if args.load_weight is not None:
         kw["load_weight"] = args.load_weight
+    if args.balance_slack is not None:
+        if not args.balance_slack >= 0:
+            print("kvwire sim: --balance-slack must be >= 0", file=sys.stderr)
+            return 2
+        kw["balance_slack_tokens"] = args.balance_slack
     if args.predict_ttl is not None:
         kw["predict_ttl"] = args.predict_ttl
     try:

@@ -2,7 +2,14 @@
 
 Cost of sending a prompt to an engine (lower is better)::
 
-    cost = prefill_weight * max(prompt_blocks - credit, 0) + load_weight * load
+    cost = prefill_weight * max(prompt_blocks - credit, 0) + load_weight * excess
+    excess = max(load - least_load - balance_slack, 0)    (balance_slack > 0)
+    excess = load                                          (balance_slack == 0: the old cost)
+
+With ``balance_slack > 0`` (the default of ``kvwire serve`` and the simulator) an engine's
+queue costs nothing until it exceeds the least-loaded live engine's by the slack: cache first
+while queues are close, balance once one pulls ahead, so a prefix stays with its owner unless
+the owner's queue is that much longer (docs/router.md has the measurements).
 
 ``credit`` is the engine's cached prefix in block units (sum of tier credit x matched blocks,
 i.e. ``PrefixIndex.match(...)[stream].credit``), so the first term is the prefill work the
@@ -81,20 +88,29 @@ class RoutingPolicy:
     ``temperature > 0``)."""
 
     def __init__(self, prefill_weight: float = 1.0, load_weight: float = 1.0,
-                 temperature: float = 0.0, seed: int | None = None) -> None:
+                 temperature: float = 0.0, seed: int | None = None,
+                 balance_slack: float = 0.0) -> None:
         for label, v in (("prefill_weight", prefill_weight), ("load_weight", load_weight),
-                         ("temperature", temperature)):
+                         ("temperature", temperature), ("balance_slack", balance_slack)):
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{label} must be a finite number >= 0, got {v!r}")
         self.prefill_weight = float(prefill_weight)
         self.load_weight = float(load_weight)
         self.temperature = float(temperature)
+        self.balance_slack = float(balance_slack)
         self._rng = random.Random(seed)
 
-    def cost(self, prompt_blocks: int, c: Candidate) -> float:
-        """The cost of sending a ``prompt_blocks`` prompt to candidate ``c``."""
+    def cost(self, prompt_blocks: int, c: Candidate, least_load: float = 0.0) -> float:
+        """The cost of sending a ``prompt_blocks`` prompt to candidate ``c`` (``least_load``:
+        the least load among the live candidates, used with ``balance_slack``)."""
         return (self.prefill_weight * max(prompt_blocks - c.credit, 0.0)
-                + self.load_weight * c.load)
+                + self.load_weight * self._excess(c.load, least_load))
+
+    def _excess(self, load: float, least: float) -> float:
+        if self.balance_slack <= 0:
+            return load
+        over = load - least - self.balance_slack
+        return over if over > 0 else 0.0
 
     def choose(self, prompt_blocks: int, candidates: Sequence[Candidate]) -> Decision:
         """Pick one candidate; raises ValueError if there are none."""
@@ -103,11 +119,16 @@ class RoutingPolicy:
         pw, lw = self.prefill_weight, self.load_weight
         costs: dict[str, float] = {}
         overlap: dict[str, float] = {}
+        pool = [c for c in candidates if c.alive] or list(candidates)
+        slack = self.balance_slack
+        least = min([c.load for c in pool]) if slack > 0 else 0.0
         for name, credit, load, _ in candidates:  # the cost formula, inlined (hot path)
             uncached = prompt_blocks - credit
+            if slack > 0:
+                load = load - least - slack
+                load = load if load > 0 else 0.0
             costs[name] = (pw * uncached if uncached > 0 else 0.0) + lw * load
             overlap[name] = float(credit)
-        pool = [c for c in candidates if c.alive] or list(candidates)
         if self.temperature > 0 and len(pool) > 1:
             name = self._sample(pool, costs)
         else:
@@ -183,10 +204,11 @@ POLICIES = ("kvwire", "round_robin", "least_load", "random")
 
 
 def make_policy(name: str, prefill_weight: float = 1.0, load_weight: float = 0.5,
-                temperature: float = 0.0, seed: int | None = None) -> Any:
+                temperature: float = 0.0, seed: int | None = None,
+                balance_slack: float = 0.0) -> Any:
     """The policy ``serve --policy NAME`` uses; ValueError for an unknown name."""
     if name == "kvwire":
-        return RoutingPolicy(prefill_weight, load_weight, temperature, seed)
+        return RoutingPolicy(prefill_weight, load_weight, temperature, seed, balance_slack)
     cls = {"round_robin": RoundRobinPolicy, "least_load": LeastLoadPolicy,
            "random": RandomPolicy}.get(name)
     if cls is None:

@@ -85,6 +85,8 @@ def run_batched(reqs: Sequence[Request], engines: list[BatchedEngine], router: _
     def deliver(eng: BatchedEngine, r: StepResult) -> None:
         if r.events:
             eng.publish(r.events, r.end)
+        for q in r.first_tokens:
+            router.first_token(q.rid)
         for q in r.finished:
             router.release(q.rid, trace_of.pop(q.rid))
 

@@ -19,24 +19,32 @@ from __future__ import annotations
 import heapq
 import multiprocessing
 import os
-import random
 import shutil
 import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..consume.stream import Batch, Reset, Snapshot
-from ..consume.subscriber import StreamSpec, Subscriber
 from ..engine.timing import StepCost
 from ..publish.publisher import ZmqEventPublisher
-from ..router.policy import Candidate, LoadTracker, RoutingPolicy, request_load
+from ..router.cache_aware import CacheAwareParams
+from ..router.policy import RoutingPolicy
 from .engine import SimEngine, engine_keys
-from .trace import Request, prompt_array
+from .routers import (  # noqa: F401 - re-exported: tests patch fleet._LeastLoad
+    _ROUTERS,
+    SimError,
+    _Kvwire,
+    _LeastLoad,
+    _Oracle,
+    _Random,
+    _RoundRobin,
+    _Router,
+)
+from .trace import Request
 
 __all__ = ["POLICIES", "PolicyResult", "SimConfig", "SimError", "SimResult", "run_sim",
            "simulate_policy"]
@@ -45,11 +53,9 @@ _JSON_KEYS = ("hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
               "events_published", "events_applied", "prefix_reuse_ratio", "itl_p50_s",
               "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_s", "preemptions")
 POLICIES = ("kvwire", "oracle", "random", "round_robin", "least_load")
+#: Every policy ``run_sim`` knows; the ones past POLICIES are run when asked for.
+ALL_POLICIES = (*POLICIES, "sglang")
 ENGINE_MODELS = ("batched", "fifo")
-
-
-class SimError(RuntimeError):
-    """The simulation could not proceed (e.g. the subscriber never caught up)."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,13 @@ class SimConfig:
     prefill_rate: float = 20_000.0
     decode_rate: float = 400.0
     seed: int = 0
-    #: RoutingPolicy weights used by ``kvwire`` and ``oracle`` (same cost for both). 0.5 on
-    #: load: best hit ratio and balance on the bundled trace (docs/sim.md has the sweep).
+    #: RoutingPolicy weights used by ``kvwire`` and ``oracle`` (same cost for both): a
+    #: queue counts, block for block, once it exceeds the least-loaded engine's by
+    #: ``balance_slack_tokens`` (docs/router.md has the comparison). The weights before
+    #: issue 24: ``load_weight=0.5, balance_slack_tokens=0``.
     prefill_weight: float = 1.0
-    load_weight: float = 0.5
+    load_weight: float = 1.0
+    balance_slack_tokens: int = 131_072
     #: Load of a routed request = uncached blocks + decode_share x expected output blocks
     #: (expected = mean output of the requests completed so far). None: a decoded token's
     #: cost over a prefilled token's (fifo: prefill_rate / decode_rate; batched: the step
@@ -81,6 +90,8 @@ class SimConfig:
     decode_share: float | None = None
     #: Predicted entries live this long (virtual s) unless events confirm them.
     predict_ttl: float = 30.0
+    #: The ``sglang`` policy's parameters (SGLang router 0.3.2's defaults).
+    cache_aware: CacheAwareParams = field(default_factory=CacheAwareParams)
     #: Wall seconds to wait for the subscriber to catch up before failing.
     sync_timeout: float = 30.0
 
@@ -88,6 +99,11 @@ class SimConfig:
         if self.engine_model not in ENGINE_MODELS:
             raise ValueError(f"unknown engine model {self.engine_model!r}; choose from "
                              f"{', '.join(ENGINE_MODELS)}")
+
+    def routing_policy(self) -> RoutingPolicy:
+        """The RoutingPolicy of the ``kvwire`` and ``oracle`` routers (slack in blocks)."""
+        return RoutingPolicy(self.prefill_weight, self.load_weight, seed=self.seed,
+                             balance_slack=self.balance_slack_tokens / self.block_tokens)
 
     def share(self) -> float:
         if self.decode_share is not None:
@@ -205,182 +221,6 @@ def _pct(sorted_vals: Sequence[float], q: float) -> float:
     return float(sorted_vals[i])
 
 
-# --------------------------------------------------------------------------- routers
-
-
-class _Router:
-    """Base: chooses an engine index for a request at virtual time ``now``."""
-
-    events_applied = 0
-
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
-        self.engines = engines
-        self.cfg = cfg
-        self.rng = random.Random(cfg.seed)
-        self.loads = LoadTracker(expiry_s=1e12, clock=lambda: 0.0)
-
-    def sync(self, now: float) -> None:
-        """Make everything published up to ``now`` visible (only the kvwire router waits)."""
-
-    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        raise NotImplementedError
-
-    # A router does not know a request's output length: it expects the mean output of the
-    # requests that have completed so far (learned online, no peeking at the trace).
-    _out_sum = 0
-    _out_n = 0
-
-    def reserve(self, rid: str, e: int, prompt_blocks: int, credit: float, req: Request,
-                now: float) -> None:
-        expect = self._out_sum / self._out_n if self._out_n else 0.0
-        amount = request_load(prompt_blocks, credit, expect / self.cfg.block_tokens,
-                              self.cfg.share())
-        self.loads.reserve(rid, self.engines[e].name, amount, now)
-
-    def release(self, rid: str, req: Request) -> None:
-        self._out_sum += req.output_length
-        self._out_n += 1
-        self.loads.release(rid)
-
-    def close(self) -> None:
-        pass
-
-
-class _Random(_Router):
-    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        return self.rng.randrange(len(self.engines))
-
-
-class _RoundRobin(_Router):
-    n = 0
-
-    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        e = self.n % len(self.engines)
-        self.n += 1
-        return e
-
-
-class _LeastLoad(_Router):
-    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        loads = [self.loads.load(e.name) for e in self.engines]
-        low = min(loads)
-        tied = [i for i, v in enumerate(loads) if v <= low + 1e-9]
-        e = tied[self.rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
-        self.reserve(rid, e, len(keys), 0.0, req, now)
-        return e
-
-
-class _Oracle(_Router):
-    """The same cost as kvwire, with each engine's cache read directly (no events)."""
-
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
-        super().__init__(engines, cfg)
-        self.policy = RoutingPolicy(cfg.prefill_weight, cfg.load_weight, seed=cfg.seed)
-        self.index = {e.name: i for i, e in enumerate(engines)}
-
-    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        cands = [Candidate(e.name, float(e.prefix_hits(keys)), self.loads.load(e.name))
-                 for e in self.engines]
-        d = self.policy.choose(len(keys), cands)
-        e = self.index[d.name]
-        self.reserve(rid, e, len(keys), d.overlap[d.name], req, now)
-        return e
-
-
-class _Kvwire(_Router):
-    """Sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy."""
-
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
-        super().__init__(engines, cfg)
-        from ..index import PrefixIndex  # helper E's package; imported when used
-
-        self.now = 0.0
-        self.idx = PrefixIndex(predict_ttl=cfg.predict_ttl, clock=lambda: self.now)
-        self.policy = RoutingPolicy(cfg.prefill_weight, cfg.load_weight, seed=cfg.seed)
-        specs = [StreamSpec(e.name, e.publisher.endpoint, "", e.publisher.replay_endpoint)
-                 for e in engines if e.publisher is not None]
-        if len(specs) != len(engines):
-            raise SimError("the kvwire policy needs every engine to publish")
-        self.sub = Subscriber(specs)
-        self.applied = {e.name: -1 for e in engines}
-        self.alive = {e.name: True for e in engines}
-        self._dirty = True  # items applied since alive was read from the index
-        self.index = {e.name: i for i, e in enumerate(engines)}
-        self._wait_live()
-
-    def _wait_live(self) -> None:
-        """Every stream bootstrapped (its first Snapshot) before the first request."""
-        deadline = time.monotonic() + self.cfg.sync_timeout
-        seen: set[str] = set()
-        while len(seen) < len(self.engines):
-            if time.monotonic() > deadline:
-                missing = sorted(set(self.applied) - seen)
-                raise SimError(f"subscriber did not bootstrap streams {missing} within "
-                               f"{self.cfg.sync_timeout}s")
-            for item in self.sub.poll_many(0.05):
-                self._apply(item)
-                if isinstance(item, Snapshot):
-                    seen.add(item.stream)
-
-    def _apply(self, item: Any) -> None:
-        self.idx.apply(item)
-        self._dirty = True
-        if isinstance(item, Batch):
-            self.applied[item.stream] = item.seq
-            self.events_applied += len(item.batch.events)
-        elif isinstance(item, Snapshot):
-            self.applied[item.stream] = item.seq
-        elif isinstance(item, Reset):
-            self.applied[item.stream] = -1
-
-    def sync(self, now: float) -> None:
-        self.now = now
-        behind = [e for e in self.engines if self.applied[e.name] < e.batches - 1]
-        if not behind:
-            return
-        deadline = time.monotonic() + self.cfg.sync_timeout
-        while behind:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SimError(
-                    "subscriber did not deliver every published batch within "
-                    f"{self.cfg.sync_timeout}s: " + ", ".join(
-                        f"{e.name} applied seq {self.applied[e.name]} of {e.batches - 1}"
-                        for e in behind)
-                )
-            for item in self.sub.poll_many(min(left, 0.25), max_items=10_000):
-                self._apply(item)
-            behind = [e for e in behind if self.applied[e.name] < e.batches - 1]
-
-    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        self.now = now
-        tokens = prompt_array(req, len(keys) * self.cfg.block_tokens)
-        m = self.idx.match(tokens)
-        if self._dirty:  # liveness only changes when the subscriber delivers something
-            streams = self.idx.streams()
-            self.alive = {n: streams[n].alive if n in streams else True for n in self.alive}
-            self._dirty = False
-        cands = []
-        for e in self.engines:
-            sm = m.get(e.name)
-            cands.append(Candidate(e.name, sm.credit if sm is not None else 0.0,
-                                   self.loads.load(e.name), self.alive[e.name]))
-        d = self.policy.choose(len(keys), cands)
-        self.idx.predict(d.name, tokens)
-        e = self.index[d.name]
-        self.reserve(rid, e, len(keys), d.overlap[d.name], req, now)
-        return e
-
-    def close(self) -> None:
-        self.sub.close()
-
-
-_ROUTERS: dict[str, Callable[[list[SimEngine], SimConfig], _Router]] = {
-    "kvwire": _Kvwire, "oracle": _Oracle, "random": _Random, "round_robin": _RoundRobin,
-    "least_load": _LeastLoad,
-}
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -417,7 +257,7 @@ def simulate_policy(reqs: Sequence[Request], policy: str, cfg: SimConfig,
                     progress: bool | None | _Progress = None) -> PolicyResult:
     """Run the whole trace under one policy with a fresh fleet of publishing engines."""
     if policy not in _ROUTERS:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(ALL_POLICIES)}")
     t_wall = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="kvwire-sim-")
     engines: list[Any] = []
@@ -473,8 +313,9 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
         while heap and heap[0][0] <= t:
             when, _, kind, payload = heapq.heappop(heap)
             if kind == _COMMIT:
-                e, req, keys = payload
+                e, req, keys, rid = payload
                 engines[e].commit(req, keys, when)
+                router.first_token(rid)
             else:
                 router.release(*payload)
 
@@ -503,7 +344,7 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
         res.itl_s.extend([1.0 / dec] * max(0, req.output_length - 1))
         res.output_tokens += req.output_length
         res.span_s = max(res.span_s, first + decode - reqs[0].t)
-        heapq.heappush(heap, (first, order, _COMMIT, (e, req, keys)))
+        heapq.heappush(heap, (first, order, _COMMIT, (e, req, keys, rid)))
         heapq.heappush(heap, (first + decode, order + 1, _RELEASE, (rid, req)))
         order += 2
         bar.update(i + 1)
@@ -559,7 +400,7 @@ def run_sim(reqs: Sequence[Request], cfg: SimConfig, policies: Sequence[str] = P
     fleet demo and the bench have it."""
     for p in policies:
         if p not in _ROUTERS:
-            raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+            raise ValueError(f"unknown policy {p!r}; choose from {', '.join(ALL_POLICIES)}")
     if workers is None and len(reqs) * len(policies) < _PARALLEL_MIN:
         workers = 1
     n = _workers(workers, len(policies))

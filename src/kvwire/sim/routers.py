@@ -1,0 +1,234 @@
+"""The simulator's routers: each chooses an engine for a request at virtual time ``now``.
+
+``kvwire`` sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy (the objects
+``kvwire serve`` uses); ``oracle`` reads the caches directly with the same cost; ``sglang`` is
+SGLang's ``cache_aware`` (:mod:`kvwire.router.cache_aware`), which sees only what it sent;
+the rest ignore the cache. Routers are told when a request's first token comes
+(:meth:`_Router.first_token`) and when it finishes (:meth:`_Router.release`), as the proxy is.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..consume.stream import Batch, Reset, Snapshot
+from ..consume.subscriber import StreamSpec, Subscriber
+from ..router.policy import Candidate, LoadTracker, request_load
+from .engine import SimEngine
+from .trace import Request, prompt_array
+
+if TYPE_CHECKING:
+    from .fleet import SimConfig
+
+
+class SimError(RuntimeError):
+    """The simulation could not proceed (e.g. the subscriber never caught up)."""
+
+class _Router:
+    """Base: chooses an engine index for a request at virtual time ``now``."""
+
+    events_applied = 0
+
+    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+        self.engines = engines
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.loads = LoadTracker(expiry_s=1e12, clock=lambda: 0.0)
+        self._prefill: dict[str, float] = {}  # request -> prefill share still reserved
+
+    def sync(self, now: float) -> None:
+        """Make everything published up to ``now`` visible (only the kvwire router waits)."""
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        raise NotImplementedError
+
+    # A router does not know a request's output length: it expects the mean output of the
+    # requests that have completed so far (learned online, no peeking at the trace).
+    _out_sum = 0
+    _out_n = 0
+
+    def reserve(self, rid: str, e: int, prompt_blocks: int, credit: float, req: Request,
+                now: float) -> None:
+        expect = self._out_sum / self._out_n if self._out_n else 0.0
+        amount = request_load(prompt_blocks, credit, expect / self.cfg.block_tokens,
+                              self.cfg.share())
+        self.loads.reserve(rid, self.engines[e].name, amount, now)
+        self._prefill[rid] = max(prompt_blocks - credit, 0.0)
+
+    def first_token(self, rid: str) -> None:
+        """The request's first token is out: its prefill share of the load is dropped, as
+        ``kvwire serve`` drops it at the first byte (what is left is its decode share)."""
+        share = self._prefill.pop(rid, 0.0)
+        if share:
+            self.loads.reduce(rid, share)
+
+    def release(self, rid: str, req: Request) -> None:
+        self._prefill.pop(rid, None)
+        self._out_sum += req.output_length
+        self._out_n += 1
+        self.loads.release(rid)
+
+    def close(self) -> None:
+        pass
+
+
+class _Random(_Router):
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        return self.rng.randrange(len(self.engines))
+
+
+class _RoundRobin(_Router):
+    n = 0
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        e = self.n % len(self.engines)
+        self.n += 1
+        return e
+
+
+class _LeastLoad(_Router):
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        loads = [self.loads.load(e.name) for e in self.engines]
+        low = min(loads)
+        tied = [i for i, v in enumerate(loads) if v <= low + 1e-9]
+        e = tied[self.rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+        self.reserve(rid, e, len(keys), 0.0, req, now)
+        return e
+
+
+class _Oracle(_Router):
+    """The same cost as kvwire, with each engine's cache read directly (no events)."""
+
+    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+        super().__init__(engines, cfg)
+        self.policy = cfg.routing_policy()
+        self.index = {e.name: i for i, e in enumerate(engines)}
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        cands = [Candidate(e.name, float(e.prefix_hits(keys)), self.loads.load(e.name))
+                 for e in self.engines]
+        d = self.policy.choose(len(keys), cands)
+        e = self.index[d.name]
+        self.reserve(rid, e, len(keys), d.overlap[d.name], req, now)
+        return e
+
+
+class _Kvwire(_Router):
+    """Sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy."""
+
+    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+        super().__init__(engines, cfg)
+        from ..index import PrefixIndex  # helper E's package; imported when used
+
+        self.now = 0.0
+        self.idx = PrefixIndex(predict_ttl=cfg.predict_ttl, clock=lambda: self.now)
+        self.policy = cfg.routing_policy()
+        specs = [StreamSpec(e.name, e.publisher.endpoint, "", e.publisher.replay_endpoint)
+                 for e in engines if e.publisher is not None]
+        if len(specs) != len(engines):
+            raise SimError("the kvwire policy needs every engine to publish")
+        self.sub = Subscriber(specs)
+        self.applied = {e.name: -1 for e in engines}
+        self.alive = {e.name: True for e in engines}
+        self._dirty = True  # items applied since alive was read from the index
+        self.index = {e.name: i for i, e in enumerate(engines)}
+        self._wait_live()
+
+    def _wait_live(self) -> None:
+        """Every stream bootstrapped (its first Snapshot) before the first request."""
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        seen: set[str] = set()
+        while len(seen) < len(self.engines):
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.applied) - seen)
+                raise SimError(f"subscriber did not bootstrap streams {missing} within "
+                               f"{self.cfg.sync_timeout}s")
+            for item in self.sub.poll_many(0.05):
+                self._apply(item)
+                if isinstance(item, Snapshot):
+                    seen.add(item.stream)
+
+    def _apply(self, item: Any) -> None:
+        self.idx.apply(item)
+        self._dirty = True
+        if isinstance(item, Batch):
+            self.applied[item.stream] = item.seq
+            self.events_applied += len(item.batch.events)
+        elif isinstance(item, Snapshot):
+            self.applied[item.stream] = item.seq
+        elif isinstance(item, Reset):
+            self.applied[item.stream] = -1
+
+    def sync(self, now: float) -> None:
+        self.now = now
+        behind = [e for e in self.engines if self.applied[e.name] < e.batches - 1]
+        if not behind:
+            return
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        while behind:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SimError(
+                    "subscriber did not deliver every published batch within "
+                    f"{self.cfg.sync_timeout}s: " + ", ".join(
+                        f"{e.name} applied seq {self.applied[e.name]} of {e.batches - 1}"
+                        for e in behind)
+                )
+            for item in self.sub.poll_many(min(left, 0.25), max_items=10_000):
+                self._apply(item)
+            behind = [e for e in behind if self.applied[e.name] < e.batches - 1]
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        self.now = now
+        tokens = prompt_array(req, len(keys) * self.cfg.block_tokens)
+        m = self.idx.match(tokens)
+        if self._dirty:  # liveness only changes when the subscriber delivers something
+            streams = self.idx.streams()
+            self.alive = {n: streams[n].alive if n in streams else True for n in self.alive}
+            self._dirty = False
+        cands = []
+        for e in self.engines:
+            sm = m.get(e.name)
+            cands.append(Candidate(e.name, sm.credit if sm is not None else 0.0,
+                                   self.loads.load(e.name), self.alive[e.name]))
+        d = self.policy.choose(len(keys), cands)
+        self.idx.predict(d.name, tokens)
+        e = self.index[d.name]
+        self.reserve(rid, e, len(keys), d.overlap[d.name], req, now)
+        return e
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+class _CacheAware(_Router):
+    """SGLang's router ``cache_aware``: its own tree of what it sent, in-flight counts."""
+
+    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+        super().__init__(engines, cfg)
+        from ..router.cache_aware import CacheAwarePolicy
+
+        self.index = {e.name: i for i, e in enumerate(engines)}
+        self.policy = CacheAwarePolicy([e.name for e in engines], cfg.cache_aware,
+                                       unit=cfg.block_tokens)
+        self.holder: dict[str, str] = {}
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        name = self.policy.choose(keys, max(req.input_length, 1), now)
+        self.holder[rid] = name
+        return self.index[name]
+
+    def release(self, rid: str, req: Request) -> None:
+        super().release(rid, req)
+        self.policy.complete(self.holder.pop(rid))
+
+
+_ROUTERS: dict[str, Callable[[list[SimEngine], SimConfig], _Router]] = {
+    "kvwire": _Kvwire, "oracle": _Oracle, "random": _Random, "round_robin": _RoundRobin,
+    "least_load": _LeastLoad, "sglang": _CacheAware,
+}
+
+

@@ -1,0 +1,157 @@
+"""The balance slack of RoutingPolicy (cache first until a queue pulls ahead), SGLang's
+``cache_aware`` rebuilt as a baseline (kvwire.router.cache_aware), the simulator's load
+lifecycle (prefill share dropped at the first token). All pure and fast: the policies side
+by side on the bundled trace take minutes, so they are measured by bench/sim.py --compare
+and bench/routing.py, not here (docs/router.md has the numbers)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.router.cache_aware import CacheAwareParams, CacheAwarePolicy
+from kvwire.router.policy import Candidate, RoutingPolicy, make_policy
+
+loads = st.floats(0, 1e5, allow_nan=False)
+credits = st.floats(0, 64, allow_nan=False)
+
+
+@st.composite
+def fleets(draw):
+    n = draw(st.integers(1, 8))
+    return [Candidate(f"e{i}", draw(credits), draw(loads), draw(st.booleans()))
+            for i in range(n)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(1, 64), st.floats(0, 1e4, allow_nan=False),
+       st.floats(0, 4, allow_nan=False))
+def test_dead_engine_never_chosen_while_one_lives(cands, prompt, slack, lw) -> None:
+    d = RoutingPolicy(load_weight=lw, balance_slack=slack, seed=0).choose(prompt, cands)
+    if any(c.alive for c in cands):
+        assert next(c for c in cands if c.name == d.name).alive
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.integers(1, 64), st.floats(0, 1e4, allow_nan=False), st.integers())
+def test_ties_are_deterministic_under_a_seed(cands, prompt, slack, seed) -> None:
+    def run() -> list[str]:
+        p = RoutingPolicy(balance_slack=slack, seed=seed)
+        return [p.choose(prompt, cands).name for _ in range(5)]
+    assert run() == run()
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(1, 64), st.floats(0, 4, allow_nan=False))
+def test_zero_slack_is_the_old_cost(cands, prompt, lw) -> None:
+    d = RoutingPolicy(load_weight=lw, seed=0).choose(prompt, cands)
+    for c in cands:
+        assert d.cost[c.name] == pytest.approx(max(prompt - c.credit, 0) + lw * c.load)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.floats(1, 1e4, allow_nan=False),
+       st.floats(0, 2e4, allow_nan=False), st.floats(0, 50, allow_nan=False))
+def test_owner_kept_until_its_queue_exceeds_the_slack(prompt, slack, owner_load,
+                                                      other_load) -> None:
+    """The cache-first/balance switch: the engine holding the whole prompt keeps it while
+    its load is within slack + the other's uncached work of the least-loaded engine's."""
+    owner = Candidate("owner", float(prompt), owner_load)
+    other = Candidate("other", 0.0, other_load)
+    d = RoutingPolicy(balance_slack=slack, seed=0).choose(prompt, [owner, other])
+    least = min(owner_load, other_load)
+    owner_cost = max(owner_load - least - slack, 0.0)
+    other_cost = prompt + max(other_load - least - slack, 0.0)
+    assert d.cost == pytest.approx({"owner": owner_cost, "other": other_cost})
+    if owner_cost < other_cost - 1e-6:
+        assert d.name == "owner"
+    elif owner_cost > other_cost + 1e-6:
+        assert d.name == "other"
+    if owner_load <= least + slack:
+        assert d.name == "owner"  # cache first: the queue costs nothing yet
+
+
+def test_slack_is_measured_from_the_least_loaded_live_engine() -> None:
+    p = RoutingPolicy(balance_slack=10.0, seed=0)
+    cands = [Candidate("a", 8.0, 30.0), Candidate("b", 0.0, 25.0),
+             Candidate("dead", 0.0, 0.0, alive=False)]
+    d = p.choose(8, cands)
+    # least live load 25: a's excess max(30-25-10, 0) = 0, cost 0; b's cost 8
+    assert d.name == "a" and d.cost["a"] == 0.0 and d.cost["b"] == 8.0
+    with pytest.raises(ValueError, match="balance_slack"):
+        RoutingPolicy(balance_slack=-1)
+    assert make_policy("kvwire", balance_slack=3.0).balance_slack == 3.0
+
+
+# ------------------------------------------------------------- SGLang's cache_aware
+
+
+def test_cache_aware_follows_its_tree_and_fills_the_smallest() -> None:
+    pol = CacheAwarePolicy(["w0", "w1", "w2"], CacheAwareParams(eviction_interval=0))
+    first = pol.choose([1, 2, 3, 4], 4, now=0.0)
+    assert pol.choose([1, 2, 3, 4, 5], 5, now=1.0) == first  # 4/5 matched > 0.3
+    other = pol.choose([9, 8, 7], 3, now=2.0)  # no match: the smallest tree
+    assert other != first
+    assert pol.choose([1, 7, 7, 7], 4, now=3.0) != first  # 1/4 = 0.25 <= 0.3: a miss
+    assert pol.cache_routes == 1 and pol.miss_routes == 3
+
+
+def test_cache_aware_goes_to_the_shortest_queue_when_imbalanced() -> None:
+    pol = CacheAwarePolicy(["w0", "w1"], CacheAwareParams(balance_abs_threshold=3,
+                                                          balance_rel_threshold=1.5))
+    home = pol.choose([1, 2], 2, now=0.0)
+    for t in range(3):  # in flight on home: 4 vs 0 once these are routed
+        assert pol.choose([1, 2], 2, now=1.0 + t) == home
+    away = pol.choose([1, 2], 2, now=5.0)  # 4 - 0 > 3 and 4 > 0 x 1.5: shortest queue
+    assert away != home and pol.imbalanced_routes == 1
+    for _ in range(4):
+        pol.complete(home)
+    assert pol.choose([1, 2], 2, now=6.0) in (home, away)  # balanced again: the tree
+    assert pol.imbalanced_routes == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6),
+                          st.sets(st.integers(0, 3), max_size=4)), min_size=1, max_size=30))
+def test_cache_aware_never_picks_a_dead_worker_while_one_lives(steps) -> None:
+    names = [f"w{i}" for i in range(4)]
+    pol = CacheAwarePolicy(names, CacheAwareParams(balance_abs_threshold=2,
+                                                   balance_rel_threshold=1.0))
+    for t, (keys, dead) in enumerate(steps):
+        alive = {n: i not in dead for i, n in enumerate(names)}
+        name = pol.choose(keys, len(keys), float(t), alive)
+        if any(alive.values()):
+            assert alive[name]
+
+
+def test_cache_aware_evicts_least_recent_past_max_tree_size() -> None:
+    pol = CacheAwarePolicy(["w0"], CacheAwareParams(eviction_interval=10, max_tree_size=3))
+    pol.choose(["a", "b"], 2, now=0.0)
+    pol.choose(["c", "d"], 2, now=5.0)
+    assert pol.size["w0"] == 4
+    pol.choose(["c", "d"], 2, now=11.0)  # eviction pass first: drops the oldest leaf
+    assert pol.size["w0"] == 3
+    assert pol._match(["a"])[0] == 1 and pol._match(["a", "b"])[0] == 1
+
+
+# ------------------------------------------------------------- the simulator
+
+
+def test_sim_router_drops_the_prefill_share_at_the_first_token() -> None:
+    from kvwire.sim.batched import BatchedEngine, engine_config
+    from kvwire.sim.fleet import SimConfig
+    from kvwire.sim.routers import _LeastLoad
+    from kvwire.sim.trace import Request
+
+    cfg = SimConfig(engines=2, capacity=100)
+    engines = [BatchedEngine(f"engine{i}", engine_config(cfg), None) for i in range(2)]
+    r = _LeastLoad(engines, cfg)
+    req = Request(0.0, 4 * 512, 10, (1, 2, 3, 4))
+    e = r.route("r0", req, [1, 2, 3, 4], 0.0)
+    name = engines[e].name
+    assert r.loads.load(name) == 4.0  # 4 uncached blocks (no output learned yet)
+    r.first_token("r0")
+    assert r.loads.load(name) == 0.0
+    r.release("r0", req)
+    assert r.loads.load(name) == 0.0 and len(r.loads) == 0
