@@ -20,7 +20,8 @@ prompts. Then, per phase (static, ingesting), ``--reps`` rounds of one wrk run p
 alternating which goes first (other load on the shared box hits both alike; the table shows
 each run, so the spread is visible). ``cpu/req`` = the server's CPU time (utime+stime of all
 its processes and threads, /proc) over the run / requests answered; ``cores`` = that CPU time
-/ wall time.
+/ wall time. Before each phase's runs, 3 s without queries give each server's cores spent
+on ingest alone (the heartbeats, or 10,000 batches/s).
 
     .venv/bin/python bench/indexer.py              # about 2 minutes
     .venv/bin/python bench/indexer.py --quick
@@ -344,10 +345,15 @@ def main() -> int:
                 agree += 1
         print(f"same answers on {agree}/64 sample prompts (longest_matched per instance)")
         rows = []
+        idle: dict[str, dict[str, float]] = {}
         for phase, r in (("static", 0.0), ("ingesting", a.ingest)):
             rate.value = r
             n0, t0 = published.value, time.perf_counter()
-            time.sleep(1.0 if r else 0.0)
+            # no queries for a while: what each server spends on ingest alone
+            c0 = {s.name: s.cpu() for s in servers}
+            time.sleep(3.0)
+            idle[phase] = {s.name: (s.cpu() - c0[s.name]) / (time.perf_counter() - t0)
+                           for s in servers}
             for rep in range(a.reps):
                 order = servers[rep % len(servers):] + servers[:rep % len(servers)]
                 for s in order:
@@ -372,6 +378,8 @@ def main() -> int:
               f"{m['p99']:>7.2f} {m['cpu_us']:>10.1f} {m['cores']:>5.2f} {m['bad']:>7}"
               + (f"  socket errors: {m['socket_errors']}" if m["socket_errors"] else ""))
     print()
+    print("cores used with no queries (3 s): " + "; ".join(
+        f"{ph}: " + ", ".join(f"{n} {c:.2f}" for n, c in d.items()) for ph, d in idle.items()))
     names = [s.name for s in servers]
     for phase in ("static", "ingesting") if "dynamo" in names else ():
         mean = {}
