@@ -263,6 +263,8 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
         deadline = time.monotonic() + start_timeout
         while not stopping:
             readable = wait([*conns, *(p.sentinel for p in procs)], timeout=0.5)
+            if stopping:  # a terminal's Ctrl-C reaches the workers too: not a failure
+                break
             dead = [p for p in procs if p.exitcode is not None]
             if dead:
                 log.error("indexer worker %s exited (%s): stopping the others",
