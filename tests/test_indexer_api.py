@@ -152,11 +152,11 @@ def test_register_query_per_medium_and_rank_then_unregister(svc: Service) -> Non
     svc.pubs["r0"].publish(stored(toks[: 2 * BS], 10))  # rank 0: 2 blocks on GPU
     svc.pubs["r1"].publish(stored(toks, 20, "CPU"))  # rank 1: all 4 blocks on CPU
     svc.pubs["r1"].publish(stored(toks[:BS], 30))  # ... and its first one on GPU too
-    row = svc.held("node", toks + [1, 2, 3], 64, tenant_id="t")  # a partial block: not counted
-    svc.held("node", toks, 64, tenant_id="t")
-    row = svc.query(model="m", token_ids=toks, tenant_id="t", block_size=BS)["t"]["node"]
-    assert row == {"longest_matched": 64, "GPU": 32, "CPU": 64, "DISK": 0,
-                   "DP": {"0": 32, "1": 64}}
+    want = {"longest_matched": 64, "GPU": 32, "CPU": 64, "DISK": 0, "DP": {"0": 32, "1": 64}}
+    q = {"model": "m", "tenant_id": "t", "block_size": BS}
+    wait_for(lambda: svc.query(token_ids=toks, **q)["t"]["node"] == want,
+             "all three batches applied")  # (two streams: applied in any order)
+    assert svc.query(token_ids=toks + [1, 2, 3], **q)["t"]["node"] == want  # partial block
     # Dynamo's shape, chosen by its spelling (model_name); scores: GPU tokens per rank
     dyn = svc.query(model_name="m", token_ids=toks, tenant_id="t")
     # (as Dynamo's indexer: cpu = GPU or CPU, disk = any medium, dp = GPU per rank)
