@@ -226,7 +226,12 @@ def test_dynamo_spelling_register_and_reregister(svc: Service) -> None:
     p2.publish(stored(toks[:BS], 5))
     wait_for(lambda: svc.query(model_name="m", token_ids=toks)["scores"] == {"100": {"0": 16}},
              "the new stream indexed")
-    assert len(svc.http.get("/registrations").json()) == 1
+    regs = svc.http.get("/registrations").json()
+    assert [(r["instance_id"], r["endpoint"], r["stream"]) for r in regs] == [
+        (100, p2.endpoint, "100|default|0")]
+    wait_for(lambda: svc.http.get("/registrations").json()[0]["alive"], "alive shown")
+    health = svc.http.get("/indexer/health").json()
+    assert health["registered"] == 1 and health["stream_errors"] == 0, health
 
 
 # --------------------------------------------------------------------------- Dynamo's gaps
@@ -424,3 +429,21 @@ def test_unreadable_registrations_file_refuses_to_start(tmp_path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"registrations file {regs}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_stream_the_subscriber_cannot_open_is_reported(svc: Service) -> None:
+    """``tcp://*:PORT`` makes kvwire bind (a collector); a port already taken fails in the
+    subscriber thread, after the answer: /indexer/health says so, the service goes on."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = svc.http.post("/register", json={"endpoint": f"tcp://*:{port}",
+                                              "modelname": "m", "instance_id": "c"})
+        assert r.status_code == 200, r.text
+        health = wait_for(lambda: (h := svc.http.get("/indexer/health").json())[
+            "stream_errors"] and h, "the failed bind reported")
+    assert "c|default|0" in health["last_stream_error"], health
+    assert svc.http.get("/registrations").json()[0]["alive"] is False

@@ -181,6 +181,8 @@ class _Core:
         nothing of it is handed out after this); False if no such stream."""
         if not self._drop(name):
             return False
+        # (a NATS link counts its items' positions in this queue: dropping earlier items
+        # only makes it ack them later than it could, never before they are taken)
         if any(getattr(d, "stream", None) == name for d in self.ready):
             self.ready = deque(d for d in self.ready if getattr(d, "stream", None) != name)
         return True

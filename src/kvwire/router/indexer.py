@@ -193,13 +193,19 @@ class Indexer:
                              f"written ({e}): nothing changed", "file") from None
 
     def _registrations(self, body: bytes, qs: str) -> tuple[int, bytes]:
-        return _json(200, [msgspec.to_builtins(r) for r in list(self.regs.values())])
+        """Every registration, with its stream's name and whether it is live now."""
+        alive = self.core.alive
+        return _json(200, [{**msgspec.to_builtins(r), "stream": r.stream,
+                            "alive": bool(alive.get(r.stream))}
+                           for r in list(self.regs.values())])
 
     def _health(self, body: bytes, qs: str) -> tuple[int, bytes]:
         alive = self.core.alive
         regs = list(self.regs.values())
         live = sum(1 for r in regs if alive.get(r.stream))
-        return _json(200, {"ok": True, "registered": len(regs), "live": live})
+        failed, last = self.core.stream_problems()
+        return _json(200, {"ok": True, "registered": len(regs), "live": live,
+                           "stream_errors": failed, "last_stream_error": last})
 
     # ------------------------------------------------------------------ queries
 

@@ -280,6 +280,12 @@ class RouterCore:
                 self._sub.remove(name, then=self._forget)
         return True
 
+    def stream_problems(self) -> tuple[int, str]:
+        """Run-time stream changes the subscriber could not apply (e.g. a collector
+        endpoint it could not bind), and the last reason."""
+        sub = self._sub
+        return (0, "") if sub is None else (sub.change_errors, sub.last_change_error)
+
     def _forget(self, name: str) -> None:
         with self.lock:
             self.index.remove_stream(name)
