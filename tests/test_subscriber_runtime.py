@@ -139,3 +139,29 @@ def test_router_core_without_engines_answers_503_to_route() -> None:
     with pytest.raises(RouteError, match="no engine to route to") as err:
         core.route([1] * BS)
     assert err.value.status == 503
+
+
+def test_the_asyncio_front_picks_up_added_streams(tmp_path) -> None:
+    import asyncio
+
+    a = pub(tmp_path, "a")
+    a.publish(batch(1, 2))  # before anyone listens: the snapshot brings it
+
+    async def main() -> list:
+        sub = Subscriber([], config=FAST)
+        try:
+            threading.Thread(target=sub.add, args=(spec(a, "a"),)).start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                for item in await sub.apoll_many(0.1):
+                    if getattr(item, "blocks", None):
+                        return item.blocks
+            return []
+        finally:
+            sub.close()
+
+    try:
+        blocks = asyncio.run(main())
+    finally:
+        a.shutdown(timeout=1)
+    assert [e.block_hashes for e in blocks] == [[1, 2]]
