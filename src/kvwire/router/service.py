@@ -510,6 +510,8 @@ class RouterCore:
                             "phase", None) == "live"]
         if self._thread is None or not self._thread.is_alive():
             return False, "subscriber thread not running"
+        if not self.targets:  # the indexer API alone: its streams come and go
+            return True, f"no routing engines; {len(self.extra)} registered streams"
         if not live:
             return False, "no stream is live and caught up"
         return True, f"{len(live)}/{len(self.targets)} streams live"
