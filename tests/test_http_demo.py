@@ -19,6 +19,7 @@ from kvwire.sim.batched import make_request
 from kvwire.sim.http_replay import (
     TAIL_TOKEN_RANGE,
     ReplayRecord,
+    SseTally,
     completion_body,
     percentile,
     request_token_ids,
@@ -56,8 +57,8 @@ def test_demo_replays_over_http_and_kvwire_gets_more_cached_tokens(tmp_path) -> 
 def test_demo_stops_every_child_on_sigterm() -> None:
     """SIGTERM to the demo alone (not its group, as a supervisor sends it): it stops both
     fleets (and so their engines) and both proxies before it exits."""
-    p = subprocess.Popen([*KVWIRE, "demo", "--start", "3000", "--limit", "300", "--engines",
-                          "2", "--speed", "1", "--report", "/dev/null"],
+    p = subprocess.Popen([*KVWIRE, "demo", "--start", "3000", "--limit", "40", "--engines",
+                          "2", "--speed", "0.5", "--report", "/dev/null"],  # a 22 s replay
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -69,7 +70,9 @@ def test_demo_stops_every_child_on_sigterm() -> None:
         # 2 fleets + their 2 engines each + 2 proxies
         assert len(kids) >= 8, [k.cmdline() for k in kids]
         p.send_signal(signal.SIGTERM)
-        p.wait(60)
+        assert p.wait(60) == 143
+        assert "kvwire demo: interrupted; every engine and proxy it started is stopped" \
+            in p.stderr.read()
         gone, alive = psutil.wait_procs(kids, timeout=30)
         assert not alive, [k.pid for k in alive]
     finally:
@@ -145,3 +148,30 @@ def test_targets_name_what_was_missed() -> None:
     assert any("work max/mean is 2.00" in m for m in missed)
     assert any("1 of 10 requests failed with --policy round_robin (first: ReadError: )" in m
                for m in missed)
+
+
+def test_sse_tally_decodes_only_what_it_needs_across_any_split() -> None:
+    """The first token, the usage and [DONE] are found however the bytes are cut; a token
+    chunk after the first is never decoded (a malformed one there is not noticed)."""
+    stream = (b'data: {"choices":[{"index":0,"text":" A"}]}\n\n'
+              b'data: {not json, never decoded}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":3,'
+              b'"prompt_tokens_details":{"cached_tokens":16}}}\n\n'
+              b'data: [DONE]\n\n')
+    for cut in range(1, len(stream)):
+        t = SseTally()
+        firsts = [t.feed(stream[:cut]), t.feed(stream[cut:])]
+        assert firsts.count(True) == 1 and t.first_token and t.done and t.error is None
+        assert firsts[0] == (cut >= stream.index(b"\n\n") + 2)
+        assert t.usage == {"prompt_tokens": 20, "completion_tokens": 3,
+                           "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+def test_sse_tally_names_error_events_and_malformed_first_events() -> None:
+    t = SseTally()
+    assert not t.feed(b'data: {"error": {"message": "engine died", "code": 502}}\n\n')
+    assert t.error == "error event: {'message': 'engine died', 'code': 502}"
+    t = SseTally()
+    assert not t.feed(b"data: {oops\n\n") and t.error.startswith("malformed SSE event")
+    t = SseTally()  # a role-only first event (chat) is not the first token
+    assert not t.feed(b'data: {"choices":[]}\n\n') and not t.first_token

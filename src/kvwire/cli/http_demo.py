@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..sim.http_replay import ReplayRecord, ReplaySummary, replay, summarize
+from ..sim.http_replay import ReplayRecord, ReplaySummary, replay_many, summarize
 from ..sim.trace import bundled_trace_path, load_trace
 
 __all__ = ["DemoError", "HttpDemoConfig", "TARGETS", "missed_targets", "run_http_demo"]
@@ -37,6 +37,7 @@ __all__ = ["DemoError", "HttpDemoConfig", "TARGETS", "missed_targets", "run_http
 TARGETS = {"cached_x": 2.0, "ttft_p99_x": 0.7, "work_max_over_mean": 1.25}
 POLICIES = ("kvwire", "round_robin")
 START_TIMEOUT = 60.0  # processes importing on a loaded 2-core box
+PORT_RETRIES = 3
 STOP_TIMEOUT = 15.0
 
 
@@ -53,9 +54,10 @@ class HttpDemoConfig:
     engines: int = 4
     start: int = 3000
     limit: int = 300
-    speed: float = 5.0
+    speed: float = 4.0
     max_output_tokens: int | None = None
     num_gpu_blocks: int = 28_000
+    block_size: int = 16
     max_model_len: int = 262_144  # the trace's longest prompt is 134,773 tokens
     #: ``kvwire serve`` flags beyond the engines and the policy.
     serve_flags: tuple[str, ...] = ("--decode-share", "0.6")
@@ -73,7 +75,7 @@ def _die_with_parent() -> None:  # runs in the child before exec
 def _free_base(n: int, avoid: set[int]) -> int:
     """A base port whose fleet ports (base + i, + 1000 + i, + 2000 + i) are free now."""
     for _ in range(100):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(10000, 30000)  # below Linux's ephemeral ports (32768-)
         if any(abs(base - a) < n + 1 for a in avoid):
             continue
         try:
@@ -161,6 +163,7 @@ class _Stack:
         self.fleet = _Proc(f"the {policy} fleet", [
             *py, "kvwire.cli.fleet", str(cfg.engines), "--base-port", str(base),
             "--speed", f"{cfg.speed:g}", "--num-gpu-blocks", str(cfg.num_gpu_blocks),
+            "--block-size", str(cfg.block_size),
             "--max-model-len", str(cfg.max_model_len)])
         self.serve: _Proc | None = None
         self.url = ""
@@ -171,6 +174,7 @@ class _Stack:
                    for _ in range(self.cfg.engines)]
         argv = [sys.executable, "-m", "kvwire.cli.serve", "--policy", self.policy,
                 "--port", "0", "--tokenizer", "builtin", "--log-level", "error",
+                "--block-size", str(self.cfg.block_size),
                 *self.cfg.serve_flags]
         for e in engines:
             argv += ["--engine", e]
@@ -215,10 +219,11 @@ class PolicyRun:
 
 def run_http_demo(out_png: str | Path | None = "report.png",
                   cfg: HttpDemoConfig | None = None,
-                  out: Callable[[str], None] = print) -> dict[str, PolicyRun]:
+                  out: Callable[[str], None] | None = None) -> dict[str, PolicyRun]:
     """Start a fresh fleet + proxy per policy, replay, print the table and where the PNG
     went; every child is stopped before this returns or raises (DemoError if one fails)."""
     cfg = cfg or HttpDemoConfig()
+    out = out or _say
     t0 = time.monotonic()
     reqs = load_trace(bundled_trace_path(), limit=cfg.start + cfg.limit)[cfg.start:]
     if not reqs:
@@ -240,8 +245,20 @@ def run_http_demo(out_png: str | Path | None = "report.png",
             used.add(base)
             stacks.append(_Stack(policy, cfg, base))
         deadline = time.monotonic() + START_TIMEOUT
-        for s in stacks:
-            s.start(deadline)
+        for k in range(len(stacks)):
+            for attempt in range(PORT_RETRIES + 1):
+                try:
+                    stacks[k].start(deadline)
+                    break
+                except DemoError as e:
+                    # A port found free was taken before the engine bound it (another
+                    # program picked it): a new fleet on other ports, a few times.
+                    if "address already in use" not in str(e) or attempt == PORT_RETRIES:
+                        raise
+                    _stop(stacks[k].procs)
+                    base = _free_base(cfg.engines, used)
+                    used.add(base)
+                    stacks[k] = _Stack(stacks[k].policy, cfg, base)
         out(f"  {len(stacks)} fleets of {cfg.engines} engines and their proxies up in "
             f"{time.monotonic() - t0:.1f} s")
         t = time.monotonic()
@@ -279,15 +296,22 @@ def run_http_demo(out_png: str | Path | None = "report.png",
 
 async def _replay_all(stacks: list[_Stack], reqs: list, cfg: HttpDemoConfig
                       ) -> list[list[ReplayRecord]]:
-    """Every policy's replay at once, same trace, same clock: the fleets share the machine,
-    and whatever else loads it, alike."""
-    return list(await asyncio.gather(*(
-        replay(s.url, reqs, time_scale=1.0 / cfg.speed, max_output_tokens=cfg.max_output_tokens)
-        for s in stacks)))
+    """Every policy's replay at once: each request goes to both proxies at the same moment,
+    so the fleets share the machine, and whatever else loads it, alike."""
+    return await replay_many([s.url for s in stacks], reqs, time_scale=1.0 / cfg.speed,
+                             max_output_tokens=cfg.max_output_tokens)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # progress shows through a pipe (make demo | tee) as it happens
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the ``finally`` that stops every child runs."""
 
 
 def _sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through the finally that stops every child
+    raise _Terminated
 
 
 def _x(a: float, b: float) -> str:
@@ -344,9 +368,9 @@ def run(out_png: str | None, cfg: HttpDemoConfig, err: Callable[[str], None]) ->
     except DemoError as e:
         err(f"kvwire demo: {e}")
         return EXIT_FAILURE
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the children are stopped already
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the children are stopped already
         err("kvwire demo: interrupted; every engine and proxy it started is stopped")
-        return 128 + signal.SIGINT
+        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
     missed = missed_targets(runs)
     for m in missed:
         err(f"kvwire demo: target missed: {m}")

@@ -380,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "trace's first requests share almost no prefixes)")
     dm.add_argument("--limit", type=_integer(1), default=None, metavar="N",
                     help="replay N requests (default 300; --sim: the whole trace)")
-    dm.add_argument("--speed", type=_number(0, strict=True), default=5.0, metavar="X",
-                    help="engines and trace run X times faster than real time (default 5)")
+    dm.add_argument("--speed", type=_number(0, strict=True), default=4.0, metavar="X",
+                    help="engines and trace run X times faster than real time (default 4)")
     dm.add_argument("--sim", action="store_true",
                     help="the simulated fleet story (every policy, virtual time) instead")
     dm.add_argument("--late-join", action="store_true",

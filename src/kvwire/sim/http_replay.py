@@ -9,8 +9,12 @@ by the client: TTFT (send to the first chunk carrying a token), end to end, and 
 engine's own ``usage.prompt_tokens_details.cached_tokens``. The target can be ``kvwire
 serve``, SGLang's router, or an engine itself: only the URL changes.
 
-:func:`request_token_ids`, :func:`completion_body` and :func:`summarize` are pure;
-:func:`replay` (asyncio, httpx) is the I/O.
+:func:`request_token_ids`, :func:`completion_body`, :class:`SseTally` and :func:`summarize`
+are pure; :func:`replay` and :func:`replay_many` (asyncio, httpx) are the I/O. ::
+
+    records = replay_sync("http://127.0.0.1:8000", load_trace(bundled_trace_path(), limit=50),
+                          time_scale=0.1)   # a kvwire serve, an SGLang router, an engine
+    print(summarize(records).ttft_p99_s)
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ __all__ = [
     "ReplaySummary",
     "completion_body",
     "percentile",
+    "SseTally",
     "replay",
+    "replay_many",
     "replay_sync",
     "request_token_ids",
     "summarize",
@@ -170,10 +176,60 @@ _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 
 
+class SseTally:
+    """What a streamed completion's bytes say, fed as they arrive (pure: no I/O, no clock).
+
+    Only the events that matter are decoded: those up to the first one carrying a choice
+    (the first token), and those naming ``usage`` or ``error``; the hundreds of token
+    chunks between are skipped unparsed, so the client stays cheap beside the fleet."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.first_token = False
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes; True when they completed the first event with a choice."""
+        self._buf += data
+        first = False
+        while (end := self._buf.find(b"\n\n")) >= 0:
+            event, self._buf = self._buf[:end], self._buf[end + 2:]
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.done = True
+                elif (not self.first_token or b'"usage"' in payload
+                      or b'"error"' in payload):
+                    first |= self._event(payload)
+        return first
+
+    def _event(self, payload: bytes) -> bool:
+        try:
+            chunk = _decode.decode(payload)
+        except msgspec.DecodeError:
+            self.error = self.error or f"malformed SSE event: {payload[:120]!r}"
+            return False
+        if not isinstance(chunk, dict):
+            return False
+        if chunk.get("error") is not None:
+            self.error = self.error or f"error event: {chunk['error']}"
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        if not self.first_token and chunk.get("choices"):
+            self.first_token = True
+            return True
+        return False
+
+
 async def _one(client: Any, url: str, index: int, payload: bytes, n_prompt: int,
                scheduled: float, start: float, headers: Mapping[str, str]) -> ReplayRecord:
     sent = time.monotonic()
-    status, engine, ttft, cached, completion, error = 0, None, None, None, 0, None
+    status, engine, ttft, error = 0, None, None, None
+    tally = SseTally()
     try:
         async with client.stream("POST", url, content=payload,
                                  headers={"content-type": "application/json", **headers}) as resp:
@@ -183,67 +239,73 @@ async def _one(client: Any, url: str, index: int, payload: bytes, n_prompt: int,
                 text = (await resp.aread())[:300].decode("utf-8", "replace")
                 error = f"HTTP {status}: {text}"
             else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = _decode.decode(line[6:])
-                    if "error" in chunk:
-                        error = f"error event: {chunk['error']}"
-                        break
-                    if ttft is None and chunk.get("choices"):
+                async for data in resp.aiter_raw():
+                    if tally.feed(data):
                         ttft = time.monotonic() - sent
-                    usage = chunk.get("usage")
-                    if usage:
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached = details.get("cached_tokens")
-                        completion = usage.get("completion_tokens", 0)
-                        n_prompt = usage.get("prompt_tokens", n_prompt)
+                    if tally.error:
+                        break
+                error = tally.error
+                if error is None and not tally.done:
+                    error = "the stream ended without data: [DONE]"
     except Exception as e:  # noqa: BLE001 - every failure is a record, never a crash
         error = f"{type(e).__name__}: {e}"
     end = time.monotonic()
+    usage = tally.usage or {}
+    details = usage.get("prompt_tokens_details") or {}
     return ReplayRecord(index=index, scheduled_s=scheduled, sent_s=sent - start,
                         status=status, ttft_s=ttft, e2e_s=end - sent if error is None else None,
-                        prompt_tokens=n_prompt, cached_tokens=cached,
-                        completion_tokens=completion, engine=engine, error=error)
+                        prompt_tokens=usage.get("prompt_tokens", n_prompt),
+                        cached_tokens=details.get("cached_tokens"),
+                        completion_tokens=usage.get("completion_tokens", 0),
+                        engine=engine, error=error)
 
 
-async def replay(url: str, requests: Sequence[Request], *, time_scale: float = 1.0,
-                 model: str | None = None, max_output_tokens: int | None = None,
-                 path: str = "/v1/completions", headers: Mapping[str, str] | None = None,
-                 timeout: float = 120.0, extra_body: Mapping[str, Any] | None = None
-                 ) -> list[ReplayRecord]:
-    """Send ``requests`` to ``url`` + ``path`` at their trace times x ``time_scale`` (from
-    the first request's), streamed, all concurrently; one record per request, in trace order.
+async def replay_many(urls: Sequence[str], requests: Sequence[Request], *,
+                      time_scale: float = 1.0, model: str | None = None,
+                      max_output_tokens: int | None = None, path: str = "/v1/completions",
+                      headers: Mapping[str, str] | None = None, timeout: float = 120.0,
+                      extra_body: Mapping[str, Any] | None = None
+                      ) -> list[list[ReplayRecord]]:
+    """Send ``requests`` to every ``url`` + ``path`` at their trace times x ``time_scale``
+    (from the first request's), streamed, all concurrently; per url, one record per
+    request in trace order.
 
-    ``time_scale`` < 1 compresses the trace (a fleet run ``--speed 8`` wants 1/8). A request
-    that fails (refused, timeout, non-200, an SSE error event) is a record with ``error``
-    set, never an exception. Bodies are built before the clock starts, so a long trace's
-    token ids do not delay its first sends."""
+    Each request goes to every target at the same moment with the same bytes, so targets
+    compared in one call share the machine and whatever else loads it. ``time_scale`` < 1
+    compresses the trace (engines run ``--speed 8`` want 1/8). A request that fails
+    (refused, timeout, non-200, an SSE error event, no ``[DONE]``) is a record with
+    ``error`` set, never an exception. Bodies are built before the clock starts."""
     import httpx
 
     if not time_scale > 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale!r}")
-    if not requests:
-        return []
-    target = url.rstrip("/") + path
+    if not requests or not urls:
+        return [[] for _ in urls]
+    targets = [u.rstrip("/") + path for u in urls]
     t0 = requests[0].t
     plan = []
     for i, r in enumerate(requests):  # encoded now: bytes are ~5x smaller than int lists
         body = completion_body(r, i, model=model, max_output_tokens=max_output_tokens,
                                extra=extra_body)
         plan.append(((r.t - t0) * time_scale, _encode.encode(body), len(body["prompt"])))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits,
                                  trust_env=False) as client:
         start = time.monotonic()
-        tasks = []
+        tasks: list[list[asyncio.Task[ReplayRecord]]] = [[] for _ in targets]
         for i, (at, payload, n_prompt) in enumerate(plan):
             delay = start + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(
-                _one(client, target, i, payload, n_prompt, at, start, headers or {})))
-        return list(await asyncio.gather(*tasks))
+            for k, target in enumerate(targets):
+                tasks[k].append(asyncio.create_task(
+                    _one(client, target, i, payload, n_prompt, at, start, headers or {})))
+        return [list(await asyncio.gather(*ts)) for ts in tasks]
+
+
+async def replay(url: str, requests: Sequence[Request], **kw: Any) -> list[ReplayRecord]:
+    """:func:`replay_many` to one target (same keywords)."""
+    return (await replay_many([url], requests, **kw))[0]
 
 
 def replay_sync(url: str, requests: Sequence[Request], **kw: Any) -> list[ReplayRecord]:
