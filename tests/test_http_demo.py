@@ -5,6 +5,7 @@ simulator's, the statistics, the targets)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import psutil
 import pytest
 from cli_helpers import KVWIRE
 
-from kvwire.cli.http_demo import TARGETS, PolicyRun, missed_targets
+from kvwire.cli.http_demo import OVERLOADED_LAG_S, TARGETS, PolicyRun, missed_targets
 from kvwire.sim.batched import make_request
 from kvwire.sim.http_replay import (
     TAIL_TOKEN_RANGE,
@@ -141,6 +142,11 @@ def test_targets_name_what_was_missed() -> None:
                              "round_robin": _run("round_robin", good)})
     assert any(f"target >= {TARGETS['cached_x']:g}x" in m for m in missed)
     assert any(f"target <= {TARGETS['ttft_p99_x']:g}x" in m for m in missed)
+    # a client starved of CPU: TTFT is not judged, cached tokens still are
+    starved = {p: dataclasses.replace(_run(p, r), client_lag_s=OVERLOADED_LAG_S)
+               for p, r in (("kvwire", slow), ("round_robin", good))}
+    missed = missed_targets(starved)
+    assert len(missed) == 1 and f"target >= {TARGETS['cached_x']:g}x" in missed[0]
     lopsided = [_rec(i, 0.1, 1000, 600, "e0") for i in range(10)]
     failed = good[:9] + [_rec(9, None, 1000, None, "e1", status=0, error="ReadError: ")]
     missed = missed_targets({"kvwire": _run("kvwire", lopsided),
