@@ -50,7 +50,9 @@ def test_demo_replays_over_http_and_kvwire_gets_more_cached_tokens(tmp_path) -> 
         in r.stdout, r.stdout
     kv, rr = _row(r.stdout, "kvwire"), _row(r.stdout, "round_robin")
     assert kv[-2:] == ["60", "0"] and rr[-2:] == ["60", "0"], r.stdout  # ok, failed
-    assert float(kv[4]) > float(rr[4]), r.stdout  # the engines' cached-token ratios
+    # The engines' cached-token ratios: 0.187 against round robin's 0.064-0.070 here; two
+    # round-robin proxies differ by up to 1.3x (arrival order), so the margin is wider.
+    assert float(kv[4]) >= 1.8 * float(rr[4]), r.stdout
     assert f"report written to {png.resolve()}" in r.stdout
     assert png.stat().st_size > 10_000
 
