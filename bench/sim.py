@@ -5,15 +5,49 @@ of §6 on the bundled trace (8 engines x 5,000 blocks).
     .venv/bin/python bench/sim.py                   # 12,000 requests (bundled trace x4, cut)
     .venv/bin/python bench/sim.py --requests 3993   # the bundled trace once (the §6 run)
     .venv/bin/python bench/sim.py --engine-model fifo   # the one-request-at-a-time model
+    .venv/bin/python bench/sim.py --compare         # issue 24: kvwire vs SGLang's cache_aware
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from kvwire.sim.fleet import POLICIES, SimConfig, run_sim
 from kvwire.sim.trace import bundled_trace_path, load_trace, repeat_trace
+
+
+def compare(loads: list[float], engines: int, capacity: int) -> None:
+    """The bundled trace at each load (its arrival times divided by it), under kvwire's
+    default policy, the cost before issue 24 (load_weight 0.5, no slack), SGLang's
+    cache_aware and round robin; issue 24's targets checked for each load."""
+    base = load_trace(bundled_trace_path())
+    print("| load | policy | hit ratio | work max/mean | TTFT p50 s | TTFT p99 s | e2e p99 s |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    verdicts = []
+    for load in loads:
+        reqs = [replace(r, t=r.t / load) for r in base]
+        cfg = SimConfig(engines=engines, capacity=capacity)
+        res = dict(run_sim(reqs, cfg, ["kvwire", "sglang", "round_robin"], workers=None).results)
+        old = replace(cfg, load_weight=0.5, balance_slack_tokens=0)
+        res["kvwire (old cost)"] = run_sim(reqs, old, ["kvwire"]).results["kvwire"]
+        for name in ("kvwire", "kvwire (old cost)", "sglang", "round_robin"):
+            s = res[name].summary()
+            print(f"| {load:g}x | {name} | {s['hit_ratio']:.3f} | {s['work_max_over_mean']:.3f} "
+                  f"| {s['ttft_p50_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['e2e_p99_s']:.2f} |",
+                  flush=True)
+        kv, sg, rr = (res[n].summary() for n in ("kvwire", "sglang", "round_robin"))
+        verdicts.append((load, [
+            ("TTFT p99 <= 0.5x round robin's", kv["ttft_p99_s"] / rr["ttft_p99_s"], 0.5),
+            ("TTFT p99 <= 0.8x SGLang's", kv["ttft_p99_s"] / sg["ttft_p99_s"], 0.8),
+            ("hit ratio >= SGLang's (ratio)", kv["hit_ratio"] / sg["hit_ratio"], -1.0),
+            ("work max/mean <= 1.05", kv["work_max_over_mean"], 1.05)]))
+    print()
+    for load, checks in verdicts:
+        for label, v, lim in checks:
+            ok = v >= -lim if lim < 0 else v <= lim
+            print(f"{load:g}x: {label}: {v:.3f} {'MET' if ok else 'MISSED'}")
 
 
 def main() -> None:
@@ -22,7 +56,14 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=5000)
     ap.add_argument("--engine-model", choices=("batched", "fifo"), default="batched")
+    ap.add_argument("--compare", action="store_true",
+                    help="kvwire vs SGLang's cache_aware vs round robin at --loads")
+    ap.add_argument("--loads", default="1,2,3",
+                    help="--compare: arrival-rate multipliers of the bundled trace")
     args = ap.parse_args()
+    if args.compare:
+        compare([float(x) for x in args.loads.split(",")], args.engines, args.capacity)
+        return
     base = load_trace(bundled_trace_path())
     reqs = repeat_trace(base, -(-args.requests // len(base)))[: args.requests]
     cfg = SimConfig(engines=args.engines, capacity=args.capacity, engine_model=args.engine_model)

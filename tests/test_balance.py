@@ -88,13 +88,25 @@ def test_slack_is_measured_from_the_least_loaded_live_engine() -> None:
 
 
 def test_cache_aware_follows_its_tree_and_fills_the_smallest() -> None:
-    pol = CacheAwarePolicy(["w0", "w1", "w2"], CacheAwareParams(eviction_interval=0))
+    pol = CacheAwarePolicy(["w0", "w1", "w2"], CacheAwareParams(eviction_interval=0,
+                                                                miss="smallest_tree"))
     first = pol.choose([1, 2, 3, 4], 4, now=0.0)
     assert pol.choose([1, 2, 3, 4, 5], 5, now=1.0) == first  # 4/5 matched > 0.3
     other = pol.choose([9, 8, 7], 3, now=2.0)  # no match: the smallest tree
     assert other != first
     assert pol.choose([1, 7, 7, 7], 4, now=3.0) != first  # 1/4 = 0.25 <= 0.3: a miss
     assert pol.cache_routes == 1 and pol.miss_routes == 3
+
+
+def test_cache_aware_sends_a_miss_to_the_least_loaded_by_default() -> None:
+    pol = CacheAwarePolicy(["w0", "w1", "w2"])
+    assert pol.choose([1, 2, 3], 3, now=0.0) == "w0"  # all idle: the first worker
+    assert pol.choose([4, 5, 6], 3, now=0.0) == "w1"  # w0 has one in flight
+    pol.complete("w0")
+    assert pol.choose([7, 8, 9], 3, now=0.0) == "w0"  # idle again: the first (concentrates)
+    assert pol.choose([1, 2, 3, 4], 4, now=0.0) == "w0"  # 3/4 matched: its tree's owner
+    with pytest.raises(ValueError, match="miss"):
+        CacheAwarePolicy(["w0"], CacheAwareParams(miss="nearest"))
 
 
 def test_cache_aware_goes_to_the_shortest_queue_when_imbalanced() -> None:

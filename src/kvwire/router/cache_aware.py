@@ -13,8 +13,9 @@ can put it beside kvwire's policy on the same engines. What SGLang's router (``s
   (shortest queue), whatever the cache.
 * **Otherwise the cache.** Match the prompt against the tree; ``match_rate`` = matched /
   prompt length. Above ``cache_threshold`` the request goes to a worker holding the deepest
-  matched node; else to the worker with the smallest tree (the most room), or, with
-  ``miss="min_load"`` (newer SGLang model gateway releases), the least-loaded worker.
+  matched node; else to the least-loaded worker (ties: the first in the worker list), as
+  sglang-router 0.3.2 (built from the SGLang Model Gateway source, ``smg::`` in its logs)
+  does; older releases took the worker with the smallest tree (``miss="smallest_tree"``).
 * The prompt is then inserted into the tree for the chosen worker (in every case).
 * **Eviction.** Every ``eviction_interval`` seconds, each worker's tree is cut back to
   ``max_tree_size`` by dropping its least recently used entries.
@@ -45,8 +46,8 @@ class CacheAwareParams:
     balance_rel_threshold: float = 1.5
     eviction_interval: float = 60.0
     max_tree_size: int = 67_108_864
-    #: on a low match: "smallest_tree" (sglang-router) or "min_load" (newer gateways)
-    miss: str = "smallest_tree"
+    #: on a low match: "min_load" (0.3.2, the gateway's source) or "smallest_tree" (older)
+    miss: str = "min_load"
 
 
 class CacheAwarePolicy:

@@ -1,0 +1,264 @@
+"""Routing that pays (issue 24 §5): the bundled trace replayed over HTTP against a real
+``kvwire fleet``, through (a) ``kvwire serve`` with the kvwire policy, (b) the same with
+``--policy round_robin``, (c) SGLang's router (``sglang-router``, ``--policy cache_aware``).
+Each condition gets a fresh fleet (cold caches) and the same requests at the same times.
+
+    .venv/bin/python bench/routing.py                       # first 1500 requests, --speed 8
+    .venv/bin/python bench/routing.py --requests 3993 --load 2
+
+Prompts are TEXT, the same for all three routers: every prompt token of the trace (the
+simulator's token ids from hash ids, then per-request unique ones) becomes one word " x"
+(a space and one of 62 letters/digits), which kvwire engine's builtin tokenizer turns into
+exactly one token. So the engines see prompts of the trace's lengths that share exactly the
+prefixes the trace says, kvwire serve tokenizes what the engine tokenizes (``--tokenizer
+builtin``), and SGLang's router, which matches characters, sees a text whose character
+prefixes are the token prefixes (2 characters per token). Token-id prompts would leave
+SGLang's router no text to match.
+
+Engines: ``kvwire engine`` (the batched model, block 512, 5,000 blocks each: the
+simulator's fleet), clock ``--speed`` times faster than wall time; the trace is replayed
+``--speed x --load`` times faster. Outputs are capped (``--max-output``) to keep the 2-core
+box's CPU for the routers. Measured by the client: TTFT (send to first token chunk) p50/p99,
+the cached-token ratio (engines' ``usage.prompt_tokens_details.cached_tokens``); work per
+engine from the engines' own /metrics (uncached prompt tokens x 50 us + output tokens x
+30 us: the model's step costs). Times are wall seconds x speed = model seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from proxy import PY, _kill, free_port, tree_cpu  # noqa: E402
+from proxy import _start_router as start_router  # noqa: E402
+
+from kvwire.sim.trace import bundled_trace_path, load_trace, prompt_tokens  # noqa: E402
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+MODEL = "kvwire-engine"
+
+
+def prompt_text(req, index: int) -> str:
+    """One word per trace token: the trace's shared blocks, then unique words."""
+    ids = prompt_tokens(req)
+    extra = max(req.input_length, 1) - len(ids)
+    words = [" " + ALPHABET[v % 62] for v in ids]
+    if extra > 0:
+        rng = random.Random(f"kvwire-routing/tail/{index}")
+        words.extend(" " + rng.choice(ALPHABET) for _ in range(extra))
+    return "".join(words)
+
+
+def start_fleet(n: int, base: int, speed: float, log: str) -> tuple[subprocess.Popen, list[str]]:
+    cmd = [PY, "-m", "kvwire", "fleet", str(n), "--base-port", str(base), "--speed", str(speed),
+           "--block-size", "512", "--num-gpu-blocks", "5000", "--max-model-len", "262144",
+           "--log-level", "error"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
+    specs: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        if line.startswith("--engine "):
+            specs.append(line.split(None, 1)[1].strip())
+        if len(specs) == n:  # printed once every engine serves
+            return p, specs
+    _kill(p)
+    raise RuntimeError(f"kvwire fleet did not start (see {log})")
+
+
+def stop_fleet(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def engine_metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name in ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
+                 "vllm:generation_tokens_total"):
+        m = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+        out[name] = sum(float(v) for v in m)
+    return out
+
+
+async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
+    delay = start + at - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = time.monotonic()
+    rec = {"lag": sent - start - at, "ttft": None, "prompt": 0, "cached": 0, "engine": None,
+           "error": None}
+    try:
+        async with client.stream("POST", url, content=body,
+                                 headers={"content-type": "application/json"}) as resp:
+            rec["engine"] = resp.headers.get("x-kvwire-engine")
+            if resp.status_code != 200:
+                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = str(chunk["error"])[:200]
+                    break
+                if rec["ttft"] is None and chunk.get("choices"):
+                    rec["ttft"] = time.monotonic() - sent
+                usage = chunk.get("usage")
+                if usage:
+                    rec["prompt"] = usage.get("prompt_tokens", 0)
+                    rec["cached"] = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens") or 0
+    except Exception as e:  # noqa: BLE001 - a failed request is a record
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def replay(url: str, plan: list[tuple[float, bytes]]) -> list[dict]:
+    """A minimal asyncio client (helper C's kvwire.sim.http_replay had not landed when this
+    was written, and sends token ids): every request streamed, sent at its time."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
+                                 trust_env=False) as client:
+        start = time.monotonic() + 0.5
+        return list(await asyncio.gather(*(_one(client, url, b, at, start) for at, b in plan)))
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(q * len(s) + 0.5) - 1))] if s else float("nan")
+
+
+def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, bytes]]) -> dict:
+    log = os.path.join(a.logdir, f"routing-{name}.log")
+    base = a.base_port
+    fleet, specs = start_fleet(a.engines, base, a.speed, log)
+    urls = [s.rsplit("url=", 1)[1] for s in specs]
+    router = None
+    try:
+        port = free_port()
+        if name == "sglang":
+            cmd = [PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                   str(port), "--worker-urls", *urls, "--policy", "cache_aware",
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                   "--log-level", "warn", "--worker-startup-check-interval", "1"]
+            router = start_router(cmd, port, MODEL, log, "sglang-router")
+        else:
+            cmd = [PY, "-m", "kvwire", "serve", "--tokenizer", "builtin", "--host", "127.0.0.1",
+                   "--port", str(port), "--log-level", "error", "--block-size", "512",
+                   "--policy", "round_robin" if name == "round_robin" else "kvwire",
+                   "--decode-share", str(a.decode_share)]
+            for s in specs:
+                cmd += ["--engine", s]
+            router = start_router(cmd, port, MODEL, log, f"kvwire serve ({name})")
+        before = {u: engine_metrics(u) for u in urls}
+        cpu0 = time.process_time()
+        rcpu0, fcpu0 = tree_cpu(router.pid), tree_cpu(fleet.pid)
+        t0 = time.monotonic()
+        recs = asyncio.run(replay(f"http://127.0.0.1:{port}/v1/completions", plan))
+        wall = time.monotonic() - t0
+        rcpu, fcpu = tree_cpu(router.pid) - rcpu0, tree_cpu(fleet.pid) - fcpu0
+        after = {u: engine_metrics(u) for u in urls}
+    finally:
+        _kill(router)
+        stop_fleet(fleet)
+    work = []
+    for u in urls:
+        d = {k: after[u][k] - before[u][k] for k in after[u]}
+        uncached = d["vllm:prompt_tokens_total"] - d["vllm:prefix_cache_hits_total"]
+        work.append(uncached * 50e-6 + d["vllm:generation_tokens_total"] * 30e-6)
+    good = [r for r in recs if r["error"] is None and r["ttft"] is not None]
+    ttft = [r["ttft"] * a.speed for r in good]  # model seconds
+    mean = sum(work) / len(work)
+    return {"name": name, "ok": len(good), "failed": len(recs) - len(good),
+            "errors": sorted({r["error"] for r in recs if r["error"]})[:3],
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "cached": sum(r["cached"] for r in good) / max(1, sum(r["prompt"] for r in good)),
+            "max_mean": max(work) / mean if mean else float("nan"),
+            "lag_p99": pct([r["lag"] for r in recs], 0.99), "wall": wall,
+            "client_cpu": time.process_time() - cpu0, "router_cpu": rcpu, "engines_cpu": fcpu,
+            "loadavg": os.getloadavg()[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--speed", type=float, default=8.0, help="engines' clock x wall time")
+    ap.add_argument("--load", type=float, default=1.0,
+                    help="trace compressed this much more than the engines' clock (2: twice "
+                         "the bundled trace's request rate)")
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--decode-share", type=float, default=0.6,
+                    help="kvwire serve --decode-share: the engine model's decode/prefill "
+                         "token cost, 30 us / 50 us")
+    ap.add_argument("--base-port", type=int, default=18600)
+    ap.add_argument("--conditions", default="kvwire,round_robin,sglang")
+    ap.add_argument("--logdir", default="/tmp")
+    a = ap.parse_args()
+    reqs = load_trace(bundled_trace_path(), limit=a.requests)
+    scale = 1.0 / (a.speed * a.load)
+    t0 = reqs[0].t
+    plan = []
+    for i, r in enumerate(reqs):
+        body = {"model": MODEL, "prompt": prompt_text(r, i), "stream": True,
+                "max_tokens": max(1, min(r.output_length, a.max_output)), "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        plan.append(((r.t - t0) * scale, json.dumps(body).encode()))
+    reqs = [replace(r) for r in reqs]
+    print(f"# {len(plan)} requests over {(reqs[-1].t - t0) * scale:.0f} s wall, engines "
+          f"--speed {a.speed:g}, load x{a.load:g}, outputs <= {a.max_output} tokens; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    res = {}
+    for name in a.conditions.split(","):
+        res[name] = run_condition(name, a, plan)
+        r = res[name]
+        print(f"# {name}: ok {r['ok']} failed {r['failed']} {r['errors']} wall {r['wall']:.0f} s, "
+              f"send lag p99 {r['lag_p99'] * 1e3:.0f} ms, CPU s: router {r['router_cpu']:.0f}, "
+              f"engines {r['engines_cpu']:.0f}, client {r['client_cpu']:.0f}; load average "
+              f"{r['loadavg']:.1f} at the end", flush=True)
+    print()
+    print("| router | TTFT p50 (model s) | TTFT p99 (model s) | cached-token ratio | work max/mean |")
+    print("|---|---:|---:|---:|---:|")
+    for r in res.values():
+        print(f"| {r['name']} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['cached']:.3f} "
+              f"| {r['max_mean']:.3f} |")
+    if {"kvwire", "round_robin", "sglang"} <= res.keys():
+        kv, rr, sg = res["kvwire"], res["round_robin"], res["sglang"]
+        print()
+        checks = [
+            ("TTFT p99 <= 0.5x round robin's", kv["ttft_p99"] / rr["ttft_p99"], 0.5, "<="),
+            ("TTFT p99 <= 0.8x SGLang's", kv["ttft_p99"] / sg["ttft_p99"], 0.8, "<="),
+            ("cached ratio >= SGLang's", kv["cached"] / max(sg["cached"], 1e-9), 1.0, ">="),
+            ("work max/mean <= 1.05", kv["max_mean"], 1.05, "<="),
+        ]
+        for label, v, lim, op in checks:
+            ok = v <= lim if op == "<=" else v >= lim
+            print(f"target {label}: {v:.3f} {'MET' if ok else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
