@@ -68,6 +68,27 @@ CHATML_TEMPLATE = """\
 """
 
 
+def chatml_plain(messages: Any, add_generation_prompt: bool) -> str | None:
+    """What :data:`CHATML_TEMPLATE` renders for the common chat (each message a ``role``
+    and a string ``content``, no tool calls; no tools or template kwargs), without jinja:
+    the sandboxed render cost ~25 us a request, a fifth of the proxy's CPU for a short chat.
+    None for anything else (the template renders it). Equality with the template: a
+    property test (tests/test_chatml_plain.py)."""
+    if type(messages) is not list:
+        return None
+    parts = []
+    for m in messages:
+        if type(m) is not dict or "tool_calls" in m:
+            return None
+        role, content = m.get("role"), m.get("content")
+        if type(role) is not str or type(content) is not str:
+            return None
+        parts.append("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
 class BuiltinTokenizer(Tokenizer):
     """The no-files tokenizer (module docstring: the scheme and the id layout)."""
 
@@ -158,6 +179,11 @@ class BuiltinTokenizer(Tokenizer):
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """ChatML text of ``messages``."""
+        if not tools and not chat_template_kwargs and \
+                self.chat_template.source is CHATML_TEMPLATE:
+            text = chatml_plain(messages, add_generation_prompt)
+            if text is not None:
+                return text
         return self.chat_template.render(messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          chat_template_kwargs=chat_template_kwargs)
