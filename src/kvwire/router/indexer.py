@@ -78,6 +78,10 @@ class Indexer:
         #: streams whose events use another block size than registered (warned once each)
         self.size_mismatch: dict[str, tuple[int, int]] = {}
         self._owns_core = False
+        #: bumped after every registry change: the query plans below are for one version
+        self._version = 0
+        self._plans: dict[tuple, _Plan] = {}
+        self._plans_version = -1
         if self.file is not None:
             for reg in self.file.load():
                 self._follow(reg)
@@ -127,8 +131,8 @@ class Indexer:
         self._count("bad_" + reason)
         return _json(status, {"error": message, "reason": reason})
 
-    def _count(self, what: str) -> None:
-        self.counts[what] = self.counts.get(what, 0) + 1
+    def _count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
 
     # ------------------------------------------------------------------ registry
 
@@ -151,6 +155,7 @@ class Indexer:
                     self.core.remove_stream(old.stream)
                 self._follow(reg)
                 self.regs[reg.key] = reg
+                self._version += 1
         replaced = old is not None and old != reg
         if shape == "dynamo":
             return _json(201, {"status": "ok"})
@@ -174,6 +179,7 @@ class Indexer:
             for k in gone:
                 self.core.remove_stream(self.regs.pop(k).stream)
                 self.size_mismatch.pop(Registration.stream_name(*k), None)
+            self._version += 1
         if not gone:
             rank = "" if req.dp_rank is None else f" dp_rank {req.dp_rank}"
             raise BadRequest(404, f"instance {inst!r}{rank} of tenant {tenant!r} is not "
@@ -247,39 +253,44 @@ class Indexer:
                 ) -> dict[str, dict[str, Any]]:
         """``{instance: {"longest_matched", "GPU", "CPU", "DISK", "DP": {rank: n}}}`` in
         tokens, for every registration in scope (unmatched ones with zeros)."""
-        # (a copy: list() of a dict is one step under the GIL, so a /register on another
-        # thread cannot change the dict under this loop)
-        regs = [r for r in list(self.regs.values()) if scope.covers(r)]
-        if not regs:
+        plan = self._plan(scope)
+        if not plan.regs:
             self._count("empty_scope")
             return empty_answer(scope)
         index = self.core.index
         out: dict[str, dict[str, Any]] = {}
         with self._index_lock():
-            groups: dict[tuple[int, str | None], list[Registration]] = {}
-            for r in regs:
-                bs = index.block_size_of(r.stream) or r.block_size
-                if bs and r.block_size and bs != r.block_size:
-                    self._mismatch(r, bs)
-                if not bs or (hash_bs is not None and bs != hash_bs):
-                    if hash_bs is not None and bs:
-                        self._count("hash_block_size_mismatch")
-                    groups.setdefault((0, None), []).append(r)
-                    continue
-                # an instance registered with a salt holds its blocks unsalted: the query's
-                # cache_salt chose the instance; one without is asked for salted blocks
-                salt = None if r.salt is not None else scope.cache_salt
-                groups.setdefault((bs, salt), []).append(r)
-            for (bs, salt), group in groups.items():
+            size_of = index.block_size_of
+            groups = plan.groups_for(tuple([size_of(s) for s in plan.streams]), hash_bs)
+            for r, bs in groups.mismatched:
+                self._mismatch(r, bs)
+            if groups.hash_mismatches:
+                self._count("hash_block_size_mismatch", groups.hash_mismatches)
+            for bs, salt, streams, members in groups.groups:
                 held = {}
                 if bs:
-                    held = index.tier_prefixes(keys_for(bs, salt), [r.stream for r in group],
-                                               cumulative=True)
-                for r in group:
-                    n, alone, cum = held.get(r.stream, (0, {}, {}))
-                    add_rank(out.setdefault(str(r.instance_id), new_row()), r.dp_rank, bs, n,
-                             alone, cum)
+                    held = index.tier_prefixes(keys_for(bs, salt), streams, cumulative=True)
+                for stream, inst, rank in members:
+                    n, alone, cum = held.get(stream, _NOTHING)
+                    add_rank(out.setdefault(inst, new_row()), rank, bs, n, alone, cum)
         return out
+
+    def _plan(self, scope: Scope) -> _Plan:
+        """The registrations ``scope`` covers, with what a query needs of them, made once
+        per registry version (a query then only walks the index and fills in numbers)."""
+        version = self._version  # read before the registrations: a change after it is seen
+        if self._plans_version != version or len(self._plans) > _MAX_PLANS:
+            self._plans = {}
+            self._plans_version = version
+        key = (scope.tenant, scope.model, scope.instance, scope.cache_salt)
+        plan = self._plans.get(key)
+        if plan is None:
+            # (a copy: list() of a dict is one step under the GIL, so a /register on another
+            # thread cannot change the dict under this loop)
+            plan = _Plan([r for r in list(self.regs.values()) if scope.covers(r)],
+                         scope.cache_salt)
+            self._plans[key] = plan
+        return plan
 
     @contextmanager
     def _index_lock(self) -> Iterator[None]:
@@ -321,6 +332,65 @@ class Indexer:
                            "registrations": [msgspec.to_builtins(r)
                                              for r in regs],
                            "streams": streams})
+
+
+_NOTHING: tuple[int, dict[str, int], dict[str, int]] = (0, {}, {})
+#: query plans kept per registry version (one per scope asked; beyond this, started over)
+_MAX_PLANS = 256
+
+
+class _Groups:
+    """A plan's registrations grouped for one set of their streams' block sizes: per
+    ``(block size, salt)`` (0: nothing to walk) the streams to walk and ``(stream, instance,
+    dp_rank)`` to fill in; the registrations publishing another block size than registered;
+    how many are skipped for a /query_by_hash of another block size."""
+
+    __slots__ = ("groups", "mismatched", "hash_mismatches")
+
+    def __init__(self, regs: list[Registration], sizes: tuple[int | None, ...],
+                 salt: str | None, hash_bs: int | None) -> None:
+        groups: dict[tuple[int, str | None], tuple[list[str], list[tuple[str, str, int]]]] = {}
+        self.mismatched: list[tuple[Registration, int]] = []
+        self.hash_mismatches = 0
+        for r, seen in zip(regs, sizes):
+            bs = seen or r.block_size
+            if bs and r.block_size and bs != r.block_size:
+                self.mismatched.append((r, bs))
+            if not bs or (hash_bs is not None and bs != hash_bs):
+                if hash_bs is not None and bs:
+                    self.hash_mismatches += 1
+                key: tuple[int, str | None] = (0, None)
+            else:
+                # an instance registered with a salt holds its blocks unsalted: the query's
+                # cache_salt chose the instance; one without is asked for salted blocks
+                key = (bs, None if r.salt is not None else salt)
+            streams, members = groups.setdefault(key, ([], []))
+            streams.append(r.stream)
+            members.append((r.stream, str(r.instance_id), r.dp_rank))
+        self.groups = [(bs, s, streams, members)
+                       for (bs, s), (streams, members) in groups.items()]
+
+
+class _Plan:
+    """The registrations one scope covers at one registry version, and their groupings per
+    block sizes seen (these change with events, so they are looked up on every query)."""
+
+    __slots__ = ("regs", "streams", "salt", "_groups")
+
+    def __init__(self, regs: list[Registration], salt: str | None) -> None:
+        self.regs = regs
+        self.streams = [r.stream for r in regs]
+        self.salt = salt
+        self._groups: dict[tuple, _Groups] = {}
+
+    def groups_for(self, sizes: tuple[int | None, ...], hash_bs: int | None) -> _Groups:
+        key = (sizes, hash_bs)
+        g = self._groups.get(key)
+        if g is None:
+            if len(self._groups) > _MAX_PLANS:
+                self._groups = {}
+            g = self._groups[key] = _Groups(self.regs, sizes, self.salt, hash_bs)
+        return g
 
 
 _ROUTES: dict[str, tuple[str, Any]] = {
