@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,11 +49,14 @@ from .indexer_api import (
     shape_answer,
 )
 from .service import RouterCore
+from .tokens import parse_route_body
 
 __all__ = ["INDEXER_PATHS", "Indexer"]
 
 log = logging.getLogger("kvwire.indexer")
 _enc = msgspec.json.Encoder()
+#: a /query body's fields but its token ids (those are parsed in C into int64s)
+_query_rest = msgspec.json.Decoder(QueryBody)
 
 
 def _json(status: int, obj: Any) -> tuple[int, bytes]:
@@ -78,6 +82,9 @@ class Indexer:
         #: streams whose events use another block size than registered (warned once each)
         self.size_mismatch: dict[str, tuple[int, int]] = {}
         self._owns_core = False
+        #: /query token ids parsed in C when ``_tokens.c`` is built (False: msgspec's list of
+        #: ints, the reference the C path is checked against; same answers, slower)
+        self.c_token_ids = parse_route_body is not None
         #: bumped after every registry change: the query plans below are for one version
         self._version = 0
         self._plans: dict[tuple, _Plan] = {}
@@ -216,18 +223,47 @@ class Indexer:
     # ------------------------------------------------------------------ queries
 
     def _query(self, body: bytes, qs: str) -> tuple[int, bytes]:
-        req = decode(body, QueryBody)
-        if len(req.token_ids) > self.max_tokens:
-            raise BadRequest(413, f"token_ids has {len(req.token_ids)} tokens, more than the "
-                             f"limit of {self.max_tokens}", "oversized_tokens")
-        scope = req.scope()
-        shape = pick_shape(req.dynamo_spelling(), qs)
-        toks = req.token_ids
+        fast = self._c_query(body, qs) if self.c_token_ids else None
+        if fast is not None:
+            toks, scope, shape = fast
+        else:
+            req = decode(body, QueryBody)
+            if len(req.token_ids) > self.max_tokens:
+                raise BadRequest(413, f"token_ids has {len(req.token_ids)} tokens, more than "
+                                 f"the limit of {self.max_tokens}", "oversized_tokens")
+            scope = req.scope()
+            shape = pick_shape(req.dynamo_spelling(), qs)
+            toks = req.token_ids
 
         def keys_for(bs: int, salt: str | None) -> Sequence[int]:
             return block_keys(toks, bs, scope.lora_name, salt, self.core.index.key_scheme)
 
         return _json(200, shape_answer(shape, scope, self._answer(scope, keys_for, None)))
+
+    def _c_query(self, body: bytes, qs: str) -> tuple[array, Scope, str] | None:
+        """A /query body's token ids parsed straight into int64s by ``_tokens.c`` (a 2,048
+        token body: ~12 us against ~40 us for msgspec's list of Python ints, and the keys
+        are hashed without a Python int per token), its other fields by msgspec. None for
+        anything that path does not take as it is (ids not first, not plain ints below
+        2**32, given twice, over the limit, any other field wrong): the msgspec path then
+        answers or names the error, so the answer is the same bytes either way."""
+        got = parse_route_body(body)
+        if got is None:
+            return None
+        packed, rest = got
+        if not packed or len(packed) > 8 * self.max_tokens:
+            return None
+        try:
+            req = _query_rest.decode(rest) if rest is not None else QueryBody()
+            if req.token_ids:  # token_ids given twice: the strict path says what it keeps
+                return None
+            scope = req.scope()
+            shape = pick_shape(req.dynamo_spelling(), qs)
+        except (msgspec.DecodeError, BadRequest):
+            return None
+        toks = array("q")
+        toks.frombytes(packed)
+        return toks, scope, shape
 
     def _query_by_hash(self, body: bytes, qs: str) -> tuple[int, bytes]:
         req = decode(body, QueryByHashBody)
