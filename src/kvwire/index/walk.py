@@ -268,8 +268,9 @@ class PrefixWalk:
         kget = self.keys.get
         # every alive stream in every lane it is alive in: a key holding all of them (the
         # usual case, a shared prefix) changes nothing, so it costs one lookup and one AND.
-        # (A cumulative lane is kept by a key held in the best tier, so while its streams
-        # are those of the best tier's lane, the signature covers it too.)
+        # (A cumulative lane "tiers 0..t" is kept by a key while each of its streams holds
+        # it in a tier lane 0..t it is on in, so while its streams are on in those, the
+        # signature covers it too.)
         sig = self._lanes_sig(alive[: nt + 1])
         i = 0
         for k in keys:
@@ -298,8 +299,17 @@ class PrefixWalk:
             if not any(alive):
                 break
             sig = self._lanes_sig(alive[: nt + 1])
-            if cumulative and any(alive[lane] != alive[1] for lane in range(nt + 1, nl)):
-                sig = 0  # a stream on in a cumulative lane only: every key is looked at
+            if cumulative:
+                # cumulative lane "tiers 0..t" (nt + t) is kept by the signature while each
+                # of its streams is on in one of the lanes of tiers 0..t (a stream with its
+                # prefix on the CPU so far: on in that lane); one that is not (its prefix
+                # spread over two tiers): every key is looked at
+                tiers = alive[1]
+                for t in range(1, nt):
+                    tiers |= alive[1 + t]
+                    if alive[nt + t] & ~tiers:
+                        sig = 0
+                        break
         out: dict[str, tuple] = {}
         for st in slots:
             b = st.slot
