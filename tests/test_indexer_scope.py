@@ -228,3 +228,46 @@ def test_medium_prefixes_alone_and_cumulative() -> None:
                                {"GPU": 1, "CPU": 3, "DISK": 4})
     assert idx.tier_prefixes(keys, ["s"])["s"] == (4, {"GPU": 1, "CPU": 0, "DISK": 0})
     assert idx.tier_prefixes(keys, ["unknown"]) == {}
+
+
+_MEDIA = ["GPU", "CPU", "DISK"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.sets(st.sampled_from(range(3)), min_size=1), max_size=6),
+                min_size=1, max_size=4))
+def test_medium_prefixes_against_brute_force(streams: list[list[set[int]]]) -> None:
+    """Streams holding a prefix of one chain, each block on one or more media:
+    ``tier_prefixes`` (which skips keys that change no stream's lane) answers as counting
+    the leading blocks on each medium, on each medium or a better one, on any."""
+    from kvwire.index import PrefixIndex, block_keys
+
+    idx = PrefixIndex()
+    toks = BASE[:96]
+    keys = block_keys(toks, 16) + [12345]  # one more key nobody holds
+    for s, blocks in enumerate(streams):
+        events, prev = [], None
+        for i, media in enumerate(blocks):
+            first = None
+            for t in sorted(media):
+                h = 1000 * (t + 1) + i
+                events.append(BlockStored([h], prev, toks[16 * i : 16 * i + 16], 16, None,
+                                          _MEDIA[t]))
+                first = first or h
+            prev = first
+        if events:
+            idx.apply(Batch(f"s{s}", 0, KVEventBatch(0.0, events, 0)))
+
+    def lead(blocks: list[set[int]], tiers: set[int]) -> int:
+        n = 0
+        while n < len(blocks) and blocks[n] & tiers:
+            n += 1
+        return n
+
+    got = idx.tier_prefixes(keys, [f"s{s}" for s in range(len(streams))], cumulative=True)
+    for s, blocks in enumerate(streams):
+        if not blocks:
+            continue
+        want = (lead(blocks, {0, 1, 2}), {m: lead(blocks, {t}) for t, m in enumerate(_MEDIA)},
+                {m: lead(blocks, set(range(t + 1))) for t, m in enumerate(_MEDIA)})
+        assert got[f"s{s}"] == want, (s, blocks)
