@@ -288,15 +288,9 @@ def fast_app(app: FastAPI) -> Any:
             await app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        chunks = []
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # client went away
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = await _read_body(receive)
+        if body is None:
+            return  # client went away
         status = 200
         try:
             if path == b"/release":
@@ -322,20 +316,27 @@ def fast_app(app: FastAPI) -> Any:
 _FAST = frozenset((b"/route", b"/score", b"/release"))
 
 
-async def _indexer_answer(indexer: Indexer, scope: dict, receive: Any, send: Any,
-                          path: bytes) -> None:
-    """An indexer API request, answered by ``Indexer.handle`` (kvwire.router.indexer)."""
+async def _read_body(receive: Any) -> bytes | None:
+    """The ASGI request's whole body (None: the client went away first)."""
     chunks = []
     while True:
         msg = await receive()
         if msg["type"] != "http.request":
-            return  # client went away
+            return None
         chunks.append(msg.get("body", b""))
         if not msg.get("more_body"):
-            break
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _indexer_answer(indexer: Indexer, scope: dict, receive: Any, send: Any,
+                          path: bytes) -> None:
+    """An indexer API request, answered by ``Indexer.handle`` (kvwire.router.indexer)."""
+    body = await _read_body(receive)
+    if body is None:
+        return  # client went away
     qs = scope.get("query_string") or b""
     target = path.decode() + ("?" + qs.decode("latin-1") if qs else "")
-    status, payload = indexer.handle(scope["method"], target, b"".join(chunks))
+    status, payload = indexer.handle(scope["method"], target, body)
     await send({"type": "http.response.start", "status": status,
                 "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
