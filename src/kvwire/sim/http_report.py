@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .http_replay import ReplayRecord, ReplaySummary
-from .report import _COLORS, ReportUnavailable
+from .report import _COLORS, ReportUnavailable, save_figure, ttft_cdf
 
 __all__ = ["write_http_report"]
 
@@ -65,23 +65,6 @@ def write_http_report(runs: Mapping[str, tuple[ReplaySummary, Sequence[ReplayRec
     ax.set_ylim(0, max(top, 1e-9) * 1.35)
     ax.legend(fontsize=8, loc="upper center", ncol=2)
 
-    ax = axes[1][1]
-    for n in names:
-        t = sorted(r.ttft_s * 1e3 for r in runs[n][1] if r.ok and r.ttft_s is not None)
-        if not t:
-            continue
-        ys = [(i + 1) / len(t) for i in range(len(t))]
-        ax.plot([max(v, 1e-3) for v in t], ys, color=_COLORS.get(n, "#444444"), label=n,
-                linewidth=3.0 if n == "kvwire" else 1.5)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT, ms (log)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF (left and high is better)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    ttft_cdf(axes[1][1], [(n, [r.ttft_s * 1e3 for r in runs[n][1]
+                               if r.ok and r.ttft_s is not None]) for n in names], "ms")
+    return save_figure(fig, path)

@@ -71,9 +71,14 @@ def write_report(result: SimResult, path: str | Path) -> Path:
     ax.set_ylim(0, top * 1.35)
     ax.legend(fontsize=8, loc="upper center", ncol=2)
 
-    ax = axes[1][1]
-    for n, r in zip(names, res):
-        t = sorted(r.ttft_s)
+    ttft_cdf(axes[1][1], [(n, r.ttft_s) for n, r in zip(names, res)], "s")
+    return save_figure(fig, path)
+
+
+def ttft_cdf(ax: object, series: list[tuple[str, list[float]]], unit: str) -> None:
+    """The reports' TTFT CDF panel: one line per policy (log x), kvwire thick."""
+    for n, values in series:
+        t = sorted(values)
         if not t:
             continue
         ys = [(i + 1) / len(t) for i in range(len(t))]
@@ -82,11 +87,15 @@ def write_report(result: SimResult, path: str | Path) -> Path:
                 linewidth=3.0 if n == "kvwire" else 1.5,
                 linestyle="--" if n == "oracle" else "-", zorder=3 if n == "oracle" else 2)
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT, s (log)")
+    ax.set_xlabel(f"TTFT, {unit} (log)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF (left and high is better)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
+
+
+def save_figure(fig: object, path: Path) -> Path:
+    import matplotlib.pyplot as plt
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
