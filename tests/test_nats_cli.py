@@ -247,3 +247,83 @@ def test_a_consumer_that_cannot_connect_says_why_and_stops_when_asked(
         sub.close()
         took = time.monotonic() - t0
     assert took < CONNECT_TRY + 2, took
+
+
+def test_kvwire_serve_nats_with_registrations_follows_both(nats_server: Any, tmp_path) -> None:
+    """``kvwire serve --nats URL --registrations FILE`` (a real process): the routing engines
+    come from JetStream while a ZeroMQ publisher registered over RFC #1403 ``/register`` is
+    followed beside them in the same subscriber; ``/score`` routes by the JetStream caches,
+    ``/query`` answers the registered stream's blocks, and after a restart the registration
+    is read back from the file and its blocks rebuilt from the publisher's snapshot."""
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_indexer_api import _stop, _url, stored
+
+    from kvwire.publish.publisher import ZmqEventPublisher
+    from kvwire.wire.events import BlockStored
+
+    bs = 16
+
+    def toks(seed: int, blocks: int = 8) -> list[int]:
+        return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(blocks * bs)]
+
+    async def plan(w: Writer) -> None:
+        for e in ("a", "b"):
+            await w.start(e, 0, epoch=1)
+        await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, toks(1), bs, None)])
+        await w.batch("b", 0, [BlockStored(list(range(200, 208)), None, toks(2), bs, None)])
+
+    run(_write(nats_server.url, plan))
+    regs = tmp_path / "regs.json"
+    pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/z.live",
+                            replay_endpoint=f"ipc://{tmp_path}/z.replay",
+                            heartbeat_interval=0.2)
+    z = toks(3, 5)
+    argv = [sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url, "--port", "0",
+            "--block-size", str(bs), "--registrations", str(regs)]
+
+    def answer(url: str) -> dict:
+        r = httpx.post(url + "/query", json={"model": "m", "token_ids": z}, timeout=5)
+        assert r.status_code == 200, r.text
+        return {k: v["longest_matched"] for k, v in r.json()["default"].items()}
+
+    def routes(url: str) -> None:
+        for seed, want in ((1, "a"), (2, "b")):
+            def right(seed: int = seed, want: str = want) -> bool:
+                r = httpx.post(url + "/score", json={"token_ids": toks(seed)}, timeout=5)
+                assert r.status_code == 200, r.text
+                return r.json()["engine"] == want and r.json()["overlap"][want] == 8
+
+            _wait(right, what=f"engine {want} indexed from JetStream")
+
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            url = _url(proc)
+            routes(url)
+            r = httpx.post(url + "/register", timeout=10, json={
+                "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                "type": "vLLM", "modelname": "m", "instance_id": "z", "block_size": bs})
+            assert r.status_code == 200, r.text
+            pub.publish(stored(z, 1, bs=bs))
+            _wait(lambda: answer(url) == {"z": 5 * bs}, what="the registered stream indexed")
+            # the registered stream is answered by the indexer API, not a routing target
+            r = httpx.post(url + "/score", json={"token_ids": z}, timeout=5)
+            assert r.status_code == 200 and r.json()["engine"] in ("a", "b"), r.text
+        finally:
+            _stop(proc)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            url = _url(proc)
+            assert [x["instance_id"] for x in httpx.get(url + "/registrations").json()] == ["z"]
+            _wait(lambda: answer(url) == {"z": 5 * bs}, what="rebuilt after the restart")
+            routes(url)
+        finally:
+            _stop(proc)
+    finally:
+        pub.shutdown(timeout=1)
