@@ -10,10 +10,13 @@ _MODULES = {
     "kvwire.wire._zmqframes": "src/kvwire/wire/_zmqframes.c",
     "kvwire.shm._ring": ["src/kvwire/shm/_ring.c", "src/kvwire/shm/_pickle5.c"],
     "kvwire.index._keys": "src/kvwire/index/_keys.c",
+    "kvwire.index._tiers": "src/kvwire/index/_tiers.c",
     "kvwire.router._tokens": "src/kvwire/router/_tokens.c",
+    "kvwire.router._answer": "src/kvwire/router/_answer.c",
 }
 #: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
-_LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"]}
+_LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"],
+         "kvwire.index._tiers": ["-l:libxxhash.so.0"]}
 #: Headers a module's sources include (rebuild on change; shipped in the sdist).
 _DEPENDS = {"kvwire.shm._ring": ["src/kvwire/shm/_pickle5.h"]}
 

@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.router.indexer import Indexer
-from kvwire.router.indexer_fast import fast_handle
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +111,7 @@ def test_fast_query_answers_as_the_indexer(indexed, tokens, fields, first, space
     raw += junk.encode()
     if not indexed.c_token_ids:
         pytest.skip("the C token-id parser is not built (or KVWIRE_NO_NATIVE): nothing to compare")
-    fast = fast_handle(indexed)("POST", "/query", raw)
+    fast = indexed.handle("POST", "/query", raw)
     indexed.c_token_ids = False
     try:
         assert fast == indexed.handle("POST", "/query", raw)

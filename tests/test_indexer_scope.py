@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.consume.items import Batch
+from kvwire.index.keys import chain_start
 from kvwire.router.indexer import Indexer
 from kvwire.router.indexer_api import (
     BadRequest,
@@ -239,24 +241,10 @@ _MEDIA = ["GPU", "CPU", "DISK"]
 def test_medium_prefixes_against_brute_force(streams: list[list[set[int]]]) -> None:
     """Streams holding a prefix of one chain, each block on one or more media:
     ``tier_prefixes`` (which skips keys that change no stream's lane) answers as counting
-    the leading blocks on each medium, on each medium or a better one, on any."""
+    the leading blocks on each medium, on each medium or a better one, on any; in C
+    (``_tiers.c``) and in Python, and the C walk that hashes the prompt as it goes
+    (``walk_tokens``, both key schemes) as the walk over the prompt's keys."""
     from kvwire.index import PrefixIndex, block_keys
-
-    idx = PrefixIndex()
-    toks = BASE[:96]
-    keys = block_keys(toks, 16) + [12345]  # one more key nobody holds
-    for s, blocks in enumerate(streams):
-        events, prev = [], None
-        for i, media in enumerate(blocks):
-            first = None
-            for t in sorted(media):
-                h = 1000 * (t + 1) + i
-                events.append(BlockStored([h], prev, toks[16 * i : 16 * i + 16], 16, None,
-                                          _MEDIA[t]))
-                first = first or h
-            prev = first
-        if events:
-            idx.apply(Batch(f"s{s}", 0, KVEventBatch(0.0, events, 0)))
 
     def lead(blocks: list[set[int]], tiers: set[int]) -> int:
         n = 0
@@ -264,10 +252,42 @@ def test_medium_prefixes_against_brute_force(streams: list[list[set[int]]]) -> N
             n += 1
         return n
 
-    got = idx.tier_prefixes(keys, [f"s{s}" for s in range(len(streams))], cumulative=True)
-    for s, blocks in enumerate(streams):
-        if not blocks:
-            continue
-        want = (lead(blocks, {0, 1, 2}), {m: lead(blocks, {t}) for t, m in enumerate(_MEDIA)},
-                {m: lead(blocks, set(range(t + 1))) for t, m in enumerate(_MEDIA)})
-        assert got[f"s{s}"] == want, (s, blocks)
+    toks = BASE[:96]
+    names = [f"s{s}" for s in range(len(streams))]
+    for scheme in ("standard", "kvwire"):
+        idx = PrefixIndex(key_scheme=scheme)
+        keys = block_keys(toks, 16, scheme=scheme) + [12345]  # one more key nobody holds
+        for s, blocks in enumerate(streams):
+            events, prev = [], None
+            for i, media in enumerate(blocks):
+                first = None
+                for t in sorted(media):
+                    h = 1000 * (t + 1) + i
+                    events.append(BlockStored([h], prev, toks[16 * i : 16 * i + 16], 16,
+                                              None, _MEDIA[t]))
+                    first = first or h
+                prev = first
+            if events:
+                idx.apply(Batch(f"s{s}", 0, KVEventBatch(0.0, events, 0)))
+        walk = idx.walk
+        walks = [True, False] if walk.c_walk else [False]
+        for c_walk in walks:
+            walk.c_walk = c_walk
+            try:
+                got = idx.tier_prefixes(keys, names, cumulative=True)
+            finally:
+                walk.c_walk = walks[0]
+            for s, blocks in enumerate(streams):
+                if not blocks:
+                    continue
+                want = (lead(blocks, {0, 1, 2}),
+                        {m: lead(blocks, {t}) for t, m in enumerate(_MEDIA)},
+                        {m: lead(blocks, set(range(t + 1))) for t, m in enumerate(_MEDIA)})
+                assert got[f"s{s}"] == want, (scheme, c_walk, s, blocks)
+        if walk.c_walk:
+            known = [n for n in names if n in walk.streams]
+            seed, fold = chain_start(scheme)
+            flat = walk.walk_tokens(array("q", toks), 16, len(toks) // 16, seed, fold,
+                                    [walk.streams[n].slot for n in known])
+            assert walk.unflatten(flat, known, True) == walk.tier_prefixes(
+                keys, known, cumulative=True), scheme

@@ -47,12 +47,11 @@ def make_handle(options: dict[str, Any], worker: int = 0) -> Any:
     """One replica: a fresh :class:`kvwire.router.indexer.Indexer` and its ``handle``
     (module level so that a spawned worker can build its own from ``options``)."""
     from ..router.indexer import Indexer
-    from ..router.indexer_fast import fast_handle
 
     ix = Indexer.standalone(options.get("registrations"))
     if worker:  # every worker reads the file; worker 0 alone writes it (one writer, and
         ix.file = None  # every worker applies the same registrations in the same order)
-    return fast_handle(ix)
+    return ix.handle
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -100,6 +100,11 @@ class PrefixIndex:
         self.last_error = ""
 
     @property
+    def walk(self) -> PrefixWalk:
+        """The pure part (the indexer API's /query reads it under the caller's lock)."""
+        return self._h
+
+    @property
     def tier_credits(self) -> dict[str, float]:
         """Credit of one matched block per tier (may be retuned live: match reads it)."""
         return self._h.tier_credits

@@ -14,12 +14,22 @@ holds it in tier ``t``. ``pred: dict[own key, slot mask]`` are the predictions."
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from . import keys as _k
 from .keys import Lanes
 from .state import StreamMatch, _as_scannable, _bits, _lazy_keys, _Stream
+
+try:  # the per-medium walk in C (_tiers.c); without it the Python walk, same answers
+    if os.environ.get("KVWIRE_NO_NATIVE"):
+        raise ImportError("KVWIRE_NO_NATIVE set")
+    from ._tiers import tier_walk, tier_walk_tokens
+except ImportError:
+    tier_walk = tier_walk_tokens = None
+#: Tiers the C walk takes (its lanes are 64-bit words on the stack).
+_C_MAX_TIERS = 14
 
 #: Prompt lengths whose no-match answers are kept as templates (then the cache starts over).
 _TEMPLATES = 256
@@ -58,6 +68,9 @@ class PrefixWalk:
         self.counts: dict[int, tuple[int, ...]] = {}
         self.names: tuple[str, ...] = ()
         self.zeros: tuple[int, ...] = ()
+        #: tier_prefixes walks in C when _tiers is built (False: the Python walk, the
+        #: reference the C one is checked against)
+        self.c_walk = tier_walk is not None
 
     def match(self, token_ids: list[int], lora_name: str | None = None,
               salt: Any = None) -> dict[str, StreamMatch]:
@@ -255,6 +268,43 @@ class PrefixWalk:
         slots = [st for st in (self.streams.get(n) for n in names) if st is not None]
         if not slots:
             return {}
+        nt = len(self.tiers)
+        if self.c_walk and self.W == 64 and nt <= _C_MAX_TIERS:
+            flat = tier_walk(keys, self.keys, [st.slot for st in slots], nt, cumulative)
+            return self.unflatten(flat, [st.name for st in slots], cumulative)
+        return self._py_tier_prefixes(keys, slots, cumulative)
+
+    def unflatten(self, flat: tuple[int, ...], names: list[str],
+                  cumulative: bool) -> dict[str, tuple]:
+        """``tier_walk``'s flat ints (per stream: any, each tier alone, tiers 0..t) as
+        ``tier_prefixes`` answers them."""
+        nt = len(self.tiers)
+        nl = 2 * nt if cumulative else nt + 1
+        out: dict[str, tuple] = {}
+        for j, name in enumerate(names):
+            got = flat[j * nl : (j + 1) * nl]
+            alone = got[1 : nt + 1]
+            out[name] = ((got[0], alone, alone[:1] + got[nt + 1 :]) if cumulative
+                         else (got[0], alone))
+        return out
+
+    def walk_tokens(self, tokens: Any, bs: int, n: int, seed: int | None, fold: int | None,
+                    slots: list[int]) -> tuple[int, ...] | None:
+        """``tier_walk``'s cumulative flat answer over the chained keys of the first ``n``
+        blocks of ``tokens`` (an int64 buffer) at ``bs``, hashed as walked (``chain_start``'s seed and fold); None
+        when the C walk cannot take this index (then ``tier_prefixes``)."""
+        if not self.can_walk_tokens():
+            return None
+        return tier_walk_tokens(tokens, bs, n, seed, fold, self.keys, slots, len(self.tiers),
+                                True)
+
+    def can_walk_tokens(self) -> bool:
+        """Whether :meth:`walk_tokens` answers now (C built, 64 slots a lane, <= 14 tiers;
+        these change only with ``shape``)."""
+        return self.c_walk and self.W == 64 and len(self.tiers) <= _C_MAX_TIERS
+
+    def _py_tier_prefixes(self, keys: Iterable[int], slots: list[_Stream],
+                          cumulative: bool) -> dict[str, tuple]:
         W = self.W
         full = (1 << W) - 1
         nt = len(self.tiers)

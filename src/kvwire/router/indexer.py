@@ -18,6 +18,7 @@ to it). Both peers' spellings are accepted; which shape answers is chosen per re
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from array import array
 from collections.abc import Iterator, Sequence
@@ -29,9 +30,10 @@ import msgspec
 
 from ..consume.subscriber import StreamSpec
 from ..index import block_keys
-from ..index.keys import standard_fold
+from ..index.keys import chain_start, standard_fold
 from ..wire.endpoint import check_endpoint
 from .indexer_api import (
+    MEDIA,
     BadRequest,
     QueryBody,
     QueryByHashBody,
@@ -57,6 +59,14 @@ log = logging.getLogger("kvwire.indexer")
 _enc = msgspec.json.Encoder()
 #: a /query body's fields but its token ids (those are parsed in C into int64s)
 _query_rest = msgspec.json.Decoder(QueryBody)
+try:  # a /query answer's bytes from the walk's ints (_answer.c); else the rows in Python
+    if os.environ.get("KVWIRE_NO_NATIVE"):
+        raise ImportError("KVWIRE_NO_NATIVE set")
+    from ._answer import answer as _c_answer
+except ImportError:
+    _c_answer = None
+#: the other fields of a /query body kept decoded per text (longer ones are decoded each time)
+_MAX_REST = 1024
 
 
 def _json(status: int, obj: Any) -> tuple[int, bytes]:
@@ -85,6 +95,12 @@ class Indexer:
         #: /query token ids parsed in C when ``_tokens.c`` is built (False: msgspec's list of
         #: ints, the reference the C path is checked against; same answers, slower)
         self.c_token_ids = parse_route_body is not None
+        #: with C ids, /query answered by the C walk and answer (``_fast``); False: the rows
+        #: in Python (same bytes)
+        self.c_answers = _c_answer is not None
+        #: (the rest of a /query body, query string) -> (scope, shape): a client sends the
+        #: same few (model, tenant, ...) again and again
+        self._asks: dict[tuple[bytes | None, str], tuple[Scope, str]] = {}
         #: bumped after every registry change: the query plans below are for one version
         self._version = 0
         self._plans: dict[tuple, _Plan] = {}
@@ -225,7 +241,13 @@ class Indexer:
     def _query(self, body: bytes, qs: str) -> tuple[int, bytes]:
         fast = self._c_query(body, qs) if self.c_token_ids else None
         if fast is not None:
-            toks, scope, shape = fast
+            packed, scope, shape = fast
+            if self.c_answers:
+                out = self._fast(packed, scope, shape)
+                if out is not None:
+                    return 200, out
+            toks: Sequence[int] = array("q")
+            toks.frombytes(packed)  # type: ignore[attr-defined]
         else:
             req = decode(body, QueryBody)
             if len(req.token_ids) > self.max_tokens:
@@ -240,30 +262,66 @@ class Indexer:
 
         return _json(200, shape_answer(shape, scope, self._answer(scope, keys_for, None)))
 
-    def _c_query(self, body: bytes, qs: str) -> tuple[array, Scope, str] | None:
+    def _c_query(self, body: bytes, qs: str) -> tuple[bytes, Scope, str] | None:
         """A /query body's token ids parsed straight into int64s by ``_tokens.c`` (a 2,048
         token body: ~12 us against ~40 us for msgspec's list of Python ints, and the keys
-        are hashed without a Python int per token), its other fields by msgspec. None for
-        anything that path does not take as it is (ids not first, not plain ints below
-        2**32, given twice, over the limit, any other field wrong): the msgspec path then
-        answers or names the error, so the answer is the same bytes either way."""
+        are hashed without a Python int per token), its other fields by msgspec (once per
+        distinct text). None for anything that path does not take as it is (ids not first,
+        not plain ints below 2**32, given twice, over the limit, any other field wrong):
+        the msgspec path then answers or names the error, so the answer is the same bytes
+        either way."""
         got = parse_route_body(body)
         if got is None:
             return None
         packed, rest = got
         if not packed or len(packed) > 8 * self.max_tokens:
             return None
-        try:
-            req = _query_rest.decode(rest) if rest is not None else QueryBody()
-            if req.token_ids:  # token_ids given twice: the strict path says what it keeps
+        ask = self._asks.get((rest, qs))
+        if ask is None:
+            try:
+                req = _query_rest.decode(rest) if rest is not None else QueryBody()
+                if req.token_ids:  # token_ids given twice: the strict path says what it keeps
+                    return None
+                ask = (req.scope(), pick_shape(req.dynamo_spelling(), qs))
+            except (msgspec.DecodeError, BadRequest):
                 return None
-            scope = req.scope()
-            shape = pick_shape(req.dynamo_spelling(), qs)
-        except (msgspec.DecodeError, BadRequest):
+            if rest is None or len(rest) <= _MAX_REST:
+                if len(self._asks) >= _MAX_PLANS:
+                    self._asks.clear()
+                self._asks[(rest, qs)] = ask
+        return packed, ask[0], ask[1]
+
+    def _fast(self, packed: bytes, scope: Scope, shape: str) -> bytes | None:
+        """The /query answer's bytes in two C calls: the per-medium walk, hashing the
+        prompt's blocks as it goes (``PrefixWalk.walk_tokens``), then the answer from its
+        ints (``_answer.c``), both after a plan made once per registry version and index
+        shape (:class:`_Fast`). None when this index or scope is not for it (no one in
+        scope, more than 64 streams): then ``_answer``, which says the same."""
+        plan = self._plan(scope)
+        if not plan.regs:
             return None
-        toks = array("q")
-        toks.frombytes(packed)
-        return toks, scope, shape
+        walk = getattr(self.core.index, "walk", None)
+        if walk is None:
+            return None
+        lock = self.core.lock
+        if not lock.acquire(timeout=self.core.lock_timeout):
+            raise BadRequest(503, "index busy (applying a large snapshot); retry", "busy")
+        try:
+            fast = plan.fast.get((walk.shape, shape, scope.lora_name))
+            if fast is None:
+                fast = plan.make_fast(self.core.index, scope, shape)
+            if not fast:
+                return None
+            for r, bs in fast.mismatched:
+                self._mismatch(r, bs)
+            ntok = len(packed) >> 3
+            walk_tokens = walk.walk_tokens
+            flats = tuple([walk_tokens(packed, bs, ntok // bs, seed, fold, slots) if slots
+                           else None for bs, seed, fold, slots in fast.groups])
+        finally:
+            lock.release()
+        return _c_answer(fast.dynamo, fast.tenant, fast.insts, fast.members, fast.media,
+                         fast.nt, flats)
 
     def _query_by_hash(self, body: bytes, qs: str) -> tuple[int, bytes]:
         req = decode(body, QueryByHashBody)
@@ -411,13 +469,28 @@ class _Plan:
     """The registrations one scope covers at one registry version, and their groupings per
     block sizes seen (these change with events, so they are looked up on every query)."""
 
-    __slots__ = ("regs", "streams", "salt", "_groups")
+    __slots__ = ("regs", "streams", "salt", "_groups", "fast")
 
     def __init__(self, regs: list[Registration], salt: str | None) -> None:
         self.regs = regs
         self.streams = [r.stream for r in regs]
         self.salt = salt
         self._groups: dict[tuple, _Groups] = {}
+        #: (index shape, answer shape, LoRA) -> its _Fast (False: not for the C path)
+        self.fast: dict[tuple[int, str, str | None], _Fast | bool] = {}
+
+    def make_fast(self, index: Any, scope: Scope, shape: str) -> _Fast | bool:
+        """This plan's :class:`_Fast` for the index as it is now (call under its lock)."""
+        walk = index.walk
+        if len(self.fast) > _MAX_PLANS:
+            self.fast = {}
+        fast: _Fast | bool = False
+        if walk.can_walk_tokens():
+            groups = self.groups_for(tuple([index.block_size_of(s) for s in self.streams]),
+                                     None)
+            fast = _Fast(walk, groups, scope, shape, index.key_scheme)
+        self.fast[(walk.shape, shape, scope.lora_name)] = fast
+        return fast
 
     def groups_for(self, sizes: tuple[int | None, ...], hash_bs: int | None) -> _Groups:
         key = (sizes, hash_bs)
@@ -427,6 +500,41 @@ class _Plan:
                 self._groups = {}
             g = self._groups[key] = _Groups(self.regs, sizes, self.salt, hash_bs)
         return g
+
+
+class _Fast:
+    """What the C /query path needs of a plan at one index shape (its streams' slots and
+    block sizes, its tiers): per group the walk's block size, chain start and slots; per
+    registration its row (instance, rank, block size, group, place in the walk); the
+    instances, tenant and ranks as JSON strings; where GPU, CPU and DISK are among the
+    tiers."""
+
+    __slots__ = ("groups", "members", "insts", "tenant", "dynamo", "media", "nt",
+                 "mismatched")
+
+    def __init__(self, walk: Any, groups: _Groups, scope: Scope, shape: str,
+                 key_scheme: str) -> None:
+        self.groups: list[tuple[int, int | None, int | None, list[int]]] = []
+        members = []
+        insts: dict[str, int] = {}
+        for gi, (bs, salt, streams, mems) in enumerate(groups.groups):
+            known = [s for s in streams if s in walk.streams] if bs else []
+            if known:
+                seed, fold = chain_start(key_scheme, scope.lora_name, salt)
+                self.groups.append((bs, seed, fold, [walk.streams[s].slot for s in known]))
+            else:
+                self.groups.append((bs, None, None, []))
+            place = {s: i for i, s in enumerate(known)}
+            for stream, inst, rank in mems:
+                members.append((insts.setdefault(inst, len(insts)), _enc.encode(str(rank)),
+                                bs, gi, place.get(stream, -1)))
+        self.members = tuple(members)
+        self.insts = tuple(_enc.encode(i) for i in insts)
+        self.tenant = _enc.encode(scope.tenant)
+        self.dynamo = shape == "dynamo"
+        self.media = tuple(walk.tier_idx.get(m, -1) for m in MEDIA)
+        self.nt = len(walk.tiers)
+        self.mismatched = groups.mismatched
 
 
 _ROUTES: dict[str, tuple[str, Any]] = {
