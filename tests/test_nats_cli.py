@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("nats")
 
 from nats_writer import Writer  # noqa: E402
-from test_nats_consumer import _wait, _write, run  # noqa: E402
+from test_nats_consumer import _write, run  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 
 def test_kvwire_listen_nats_in_a_real_process(nats_server: Any) -> None:
@@ -89,7 +90,7 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
                 eng = http.get("/engines").json()
                 return all(sum(eng[e]["ranks"][0]["blocks"].values()) == 8 for e in "ab")
 
-            _wait(indexed, what="both engines indexed from JetStream")
+            wait_for(indexed, timeout=60, interval=0.05, what="both engines indexed from JetStream")
             for seed, want in ((1, "a"), (2, "b")):
                 r = http.post("/score", json={"token_ids": toks(seed)})
                 assert r.status_code == 200 and r.json()["engine"] == want, r.text
@@ -240,7 +241,7 @@ def test_a_consumer_that_cannot_connect_says_why_and_stops_when_asked(
     caplog.set_level(logging.WARNING, logger="kvwire.nats.consumer")
     sub = Subscriber([NatsStreams(refused_url)])
     try:
-        _wait(lambda: any(r.getMessage() == want for r in caplog.records), timeout=30,
+        wait_for(lambda: any(r.getMessage() == want for r in caplog.records), timeout=30,
               what="a round of tries to end with one line naming the reason")
     finally:
         t0 = time.monotonic()
@@ -297,7 +298,7 @@ def test_kvwire_serve_nats_with_registrations_follows_both(nats_server: Any, tmp
                 assert r.status_code == 200, r.text
                 return r.json()["engine"] == want and r.json()["overlap"][want] == 8
 
-            _wait(right, what=f"engine {want} indexed from JetStream")
+            wait_for(right, timeout=60, interval=0.05, what=f"engine {want} indexed from JetStream")
 
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -310,7 +311,8 @@ def test_kvwire_serve_nats_with_registrations_follows_both(nats_server: Any, tmp
                 "type": "vLLM", "modelname": "m", "instance_id": "z", "block_size": bs})
             assert r.status_code == 200, r.text
             pub.publish(stored(z, 1, bs=bs))
-            _wait(lambda: answer(url) == {"z": 5 * bs}, what="the registered stream indexed")
+            wait_for(lambda: answer(url) == {"z": 5 * bs}, timeout=60, interval=0.05,
+                     what="the registered stream indexed")
             # the registered stream is answered by the indexer API, not a routing target
             r = httpx.post(url + "/score", json={"token_ids": z}, timeout=5)
             assert r.status_code == 200 and r.json()["engine"] in ("a", "b"), r.text
@@ -321,7 +323,8 @@ def test_kvwire_serve_nats_with_registrations_follows_both(nats_server: Any, tmp
         try:
             url = _url(proc)
             assert [x["instance_id"] for x in httpx.get(url + "/registrations").json()] == ["z"]
-            _wait(lambda: answer(url) == {"z": 5 * bs}, what="rebuilt after the restart")
+            wait_for(lambda: answer(url) == {"z": 5 * bs}, timeout=60, interval=0.05,
+                     what="rebuilt after the restart")
             routes(url)
         finally:
             _stop(proc)

@@ -14,6 +14,7 @@ pytest.importorskip("nats")
 
 from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 from nats_writer import Rebuild, Writer  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.items import Batch, Reset, Snapshot  # noqa: E402
 from kvwire.consume.subscriber import Subscriber  # noqa: E402
@@ -173,12 +174,6 @@ def _lines(path: Any) -> list[list[Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("]")]
 
 
-def _wait(cond: Any, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
 
 def _ack_floor(url: str, durable: str) -> int:
     import nats
@@ -222,7 +217,7 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
     outs = [tmp_path / f"run{i}.jsonl" for i in range(3)]
     p = spawn(outs[0])
     try:
-        _wait(lambda: len(_lines(outs[0])) >= 600, what="600 items")
+        wait_for(lambda: len(_lines(outs[0])) >= 600, "600 items", timeout=60, interval=0.05)
         os.kill(p.pid, signal.SIGKILL)  # mid-stream
         p.wait(10)
 
@@ -237,7 +232,7 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
         def seen(paths: list[Any]) -> list[tuple[str, int]]:
             return [(x[1], x[3]) for p_ in paths for x in _lines(p_) if x[0] == "batch"]
 
-        _wait(lambda: set(seen(outs[:2])) >= want, what="every batch after the restart")
+        wait_for(lambda: set(seen(outs[:2])) >= want, "every batch after the restart", timeout=60, interval=0.05)
         l0, l1 = seen(outs[:1]), seen(outs[1:2])
         assert [x for x in _lines(outs[1]) if x[0] != "batch"] == []  # resumed, no bootstrap
         dup = set(l0) & set(l1)
@@ -246,7 +241,7 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
         assert len(dup) <= 50 and all(l0.index(d) >= len(l0) - len(dup) for d in dup)
         # killed with everything committed: resumes with not one repeat
         last_js = max(w.last_js.values())
-        _wait(lambda: _ack_floor(url, "dur") >= last_js, what="ack floor at the end")
+        wait_for(lambda: _ack_floor(url, "dur") >= last_js, "ack floor at the end", timeout=60, interval=0.05)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(10)
 
@@ -256,13 +251,13 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
 
         run(_write(url, last, w))
         p = spawn(outs[2])
-        _wait(lambda: len(_lines(outs[2])) >= 100, what="the last 100 batches")
+        wait_for(lambda: len(_lines(outs[2])) >= 100, "the last 100 batches", timeout=60, interval=0.05)
 
         async def sentinel(w: Writer) -> None:  # written last: delivered after any repeat
             await w.batches("a", 0, 1)
 
         run(_write(url, sentinel, w))
-        _wait(lambda: ("a/dp0", 1351) in seen(outs[2:]), what="the sentinel batch")
+        wait_for(lambda: ("a/dp0", 1351) in seen(outs[2:]), "the sentinel batch", timeout=60, interval=0.05)
         assert sorted(seen(outs[2:])) == sorted(
             [("a/dp0", s) for s in range(1301, 1352)] + [("b/dp0", s) for s in range(1301, 1351)])
     finally:

@@ -21,6 +21,7 @@ from bridge_helpers import BridgeProc, subject_log, wait_subject_seq  # noqa: E4
 from fault_helpers import Engine  # noqa: E402
 from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 from nats_e2e_helpers import NatsConsumer  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 from kvwire.nats.snapshots import read_snapshot  # noqa: E402
 
@@ -192,12 +193,6 @@ def _lines(path: Any) -> list[list[Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("]")]
 
 
-def _wait(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling another process's output file
-
 
 def test_packed_stream_durable_consumer_killed_and_restarted(nats_server, tmp_path):
     """A durable consumer process (slices of 7 items: packs of 16 are split across slices
@@ -217,7 +212,8 @@ def test_packed_stream_durable_consumer_killed_and_restarted(nats_server, tmp_pa
         b.wait_started()
         p = spawn(outs[0])
         k.run(4000, 8000)
-        _wait(lambda: len(_lines(outs[0])) >= 1500, 60, "1500 items")
+        wait_for(lambda: len(_lines(outs[0])) >= 1500, "1500 items", timeout=60,
+                 interval=0.05)  # polling another process's output file
         os.kill(p.pid, signal.SIGKILL)
         p.wait(10)
         d = k.wait_done(60)
@@ -227,7 +223,8 @@ def test_packed_stream_durable_consumer_killed_and_restarted(nats_server, tmp_pa
         def seen(paths: list[Any]) -> list[int]:
             return [x[3] for q in paths for x in _lines(q) if x[0] == "batch"]
 
-        _wait(lambda: max(seen(outs[1:]), default=-1) >= d.last_seq, 60, "every batch")
+        wait_for(lambda: max(seen(outs[1:]), default=-1) >= d.last_seq, "every batch", timeout=60,
+                 interval=0.05)  # polling another process's output file
         assert b.stop() == 0, b.log()
     finally:
         if p is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.config import KVEventsConfig
@@ -65,16 +66,6 @@ def unpack(frame: bytes) -> int:
     assert len(frame) == 8, frame
     return int.from_bytes(frame, "big", signed=True)
 
-
-def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.002)
 
 
 def recv(sock: zmq.Socket, timeout: float = TIMEOUT) -> list[bytes]:

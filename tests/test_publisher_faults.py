@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 import zmq
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
@@ -76,12 +77,6 @@ def make(pubs: list[ZmqEventPublisher], ctx: zmq.Context, **kw: Any) -> ZmqEvent
     pubs.append(p)
     return p
 
-
-def wait_for(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def ask_snapshot(ctx: zmq.Context, pub: ZmqEventPublisher) -> tuple[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.cache import BlockCache
 from kvwire.publish.config import KVEventsConfig
@@ -141,12 +142,6 @@ def ask_snapshot(ctx: zmq.Context, pub: ZmqEventPublisher) -> tuple[str, Any]:
             d.close()
             return "ok", cache
 
-
-def wait_for(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 # --------------------------------------------------------------------------- custom events

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
+
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
@@ -46,16 +48,6 @@ def stored(toks: list[int], first_hash: int, medium: str = "GPU") -> KVEventBatc
     ev = BlockStored(list(range(first_hash, first_hash + n)), None, toks, BS, None, medium)
     return KVEventBatch(time.time(), [ev], 0)
 
-
-def wait_for(pred: Callable[[], object], what: str, timeout: float = 30.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def free_port() -> int:

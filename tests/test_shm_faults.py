@@ -14,6 +14,7 @@ import time
 import pytest
 from shm_helpers.procmaps import holders
 from shm_helpers.workers import blocked_reader, idle_reader, writer_then_die
+from waiting import wait_for  # noqa: E402
 
 from kvwire.shm import (
     MessageQueue,
@@ -30,12 +31,6 @@ CTX = mp.get_context("spawn")
 LIVENESS = 0.05
 BOUND = 1.0  # documented bound is liveness_interval (+ scheduling); generous for a busy CI
 
-
-def wait_for(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.005)
 
 
 def _ready(out, k: int) -> dict[int, int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from shm_helpers.workers import make_message, reader_main, writer_main
+from waiting import wait_for  # noqa: E402
 
 import kvwire.shm
 from kvwire.shm import MessageQueue, QueueShutdownError
@@ -45,12 +46,6 @@ def pair(n: int = 1, **kw):
         r.wait_until_ready(timeout=5)
     return w, rs
 
-
-def wait_for(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.001)
 
 
 # ------------------------------------------------------------- which path
