@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from waiting import wait_for
 
 from kvwire.consume.items import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
@@ -103,13 +104,6 @@ def free_ports(n: int, spare: int = 0) -> list[int]:
             s.bind(("127.0.0.1", 0))
             out.append(s.getsockname()[1] - spare)
     return out
-
-
-def wait_for(cond: Callable[[], Any], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def engine_env(**switches: str) -> dict[str, str]:
