@@ -52,7 +52,9 @@ class Candidate(NamedTuple):
     """One engine (or engine DP rank) the policy may choose.
 
     ``credit``: cached prefix in blocks (tier-weighted); ``load``: reserved work in blocks;
-    ``alive``: whether its event stream is live (dead ones are a last resort). A NamedTuple:
+    ``alive``: whether its event stream is live (dead ones are a last resort); ``busy``:
+    how long it has had requests in flight lately (:meth:`LoadTracker.busy`), the last
+    tie-break before a random pick. A NamedTuple:
     a router builds one per engine per request (64 engines: ~5x cheaper than a frozen
     dataclass)."""
 
@@ -60,6 +62,7 @@ class Candidate(NamedTuple):
     credit: float = 0.0
     load: float = 0.0
     alive: bool = True
+    busy: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +125,7 @@ class RoutingPolicy:
         pool = [c for c in candidates if c.alive] or list(candidates)
         slack = self.balance_slack
         least = min([c.load for c in pool]) if slack > 0 else 0.0
-        for name, credit, load, _ in candidates:  # the cost formula, inlined (hot path)
+        for name, credit, load, _, _ in candidates:  # the cost formula, inlined (hot path)
             uncached = prompt_blocks - credit
             if slack > 0:
                 load = load - least - slack
@@ -142,6 +145,12 @@ class RoutingPolicy:
             return tied[0].name
         least = min([c.load for c in tied])
         tied = [c for c in tied if c.load <= least + _TIE_EPS]
+        if len(tied) == 1:
+            return tied[0].name
+        # Still tied (typically a new prefix, engines idle): the one busy least lately, so
+        # new conversations even out the engines' work over time, not only their queues.
+        low = min([c.busy for c in tied])
+        tied = [c for c in tied if c.busy <= low + _TIE_EPS]
         if len(tied) == 1:
             return tied[0].name
         return tied[self._rng.randrange(len(tied))].name
@@ -224,11 +233,16 @@ class LoadTracker:
     the caller serialises access (the service holds a lock)."""
 
     def __init__(self, expiry_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 busy_window: float = 600.0) -> None:
         if not math.isfinite(expiry_s) or expiry_s <= 0:
             raise ValueError(f"expiry_s must be > 0, got {expiry_s!r}")
+        if not busy_window > 0:
+            raise ValueError(f"busy_window must be > 0, got {busy_window!r}")
         self.expiry_s = float(expiry_s)
         self.clock = clock
+        self.busy_window = float(busy_window)
+        self._busy: dict[str, tuple[float, float]] = {}  # name -> (decayed busy s, as of)
         self._by_id: dict[str, tuple[str, float, float]] = {}  # id -> (name, amount, deadline)
         self._load: dict[str, float] = {}
         self._count: dict[str, int] = {}  # live reservations per engine (clears float residue)
@@ -247,20 +261,22 @@ class LoadTracker:
         now = self.clock() if now is None else now
         self.expire(now)
         if request_id in self._by_id:
-            self._drop(request_id)
+            self._drop(request_id, now)
         deadline = now + self.expiry_s
         self._by_id[request_id] = (name, float(amount), deadline)
         self._load[name] = self._load.get(name, 0.0) + amount
         self._count[name] = self._count.get(name, 0) + 1
+        if self._count[name] == 1:  # idle until now: busy from now on
+            self._busy[name] = (self._busy_at(name, now, False), now)
         heapq.heappush(self._heap, (deadline, request_id))
         self.reserved += 1
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, now: float | None = None) -> bool:
         """Remove a reservation; False (and counted) if the id is unknown or already gone."""
         if request_id not in self._by_id:
             self.unknown_releases += 1
             return False
-        self._drop(request_id)
+        self._drop(request_id, self.clock() if now is None else now)
         self.released += 1
         return True
 
@@ -290,7 +306,7 @@ class LoadTracker:
             deadline, rid = heapq.heappop(heap)
             entry = self._by_id.get(rid)
             if entry is not None and entry[2] == deadline:
-                self._drop(rid)
+                self._drop(rid, now)
                 n += 1
         self.expired += n
         if len(heap) > 2 * len(self._by_id) + 64:  # stale entries from releases: compact
@@ -298,10 +314,11 @@ class LoadTracker:
             heapq.heapify(self._heap)
         return n
 
-    def _drop(self, request_id: str) -> None:
+    def _drop(self, request_id: str, now: float) -> None:
         name, amount, _ = self._by_id.pop(request_id)
         count = self._count[name] - 1
         if count == 0:  # exact zero, no float residue from += / -=
+            self._busy[name] = (self._busy_at(name, now, True), now)
             del self._count[name]
             self._load.pop(name, None)
         else:
@@ -311,6 +328,24 @@ class LoadTracker:
     def load(self, name: str) -> float:
         """Current reserved load of ``name`` (0.0 if none)."""
         return self._load.get(name, 0.0)
+
+    def busy(self, name: str, now: float | None = None) -> float:
+        """Seconds ``name`` has had at least one reservation lately: the time it held
+        requests, each second weighted exp(-age / busy_window), so an engine that joined
+        late or sat idle is not made to catch up a whole history. The routers see when a
+        request starts and ends, not what it costs: time held is the work an engine did
+        whatever its cost model (prefill, decode steps, batching)."""
+        return self._busy_at(name, self.clock() if now is None else now, name in self._count)
+
+    def _busy_at(self, name: str, now: float, busy: bool) -> float:
+        b = self._busy.get(name)
+        if b is None:
+            return 0.0
+        age = now - b[1]
+        if age <= 0:
+            return b[0]
+        k = math.exp(-age / self.busy_window)
+        return b[0] * k + (self.busy_window * (1.0 - k) if busy else 0.0)
 
     def loads(self) -> dict[str, float]:
         """Every engine's current reserved load."""

@@ -345,18 +345,20 @@ class RouterCore:
             self.loads.expire(now)
             cands = []
             blocks: dict[str, int] = {}
-            load = self.loads.load
+            load, busy = self.loads.load, self.loads.busy
             alive = self.alive
             get = matches.get
             for stream, label in self._pairs:
                 m = get(stream)
                 if m is None or not m.credit or not m.prompt_blocks:
                     blocks[label] = 0
-                    cands.append(Candidate(label, 0.0, load(label), alive.get(stream, False)))
+                    cands.append(Candidate(label, 0.0, load(label), alive.get(stream, False),
+                                           busy(label, now)))
                     continue
                 blocks[label] = m.blocks
                 credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
-                cands.append(Candidate(label, credit, load(label), alive.get(stream, False)))
+                cands.append(Candidate(label, credit, load(label), alive.get(stream, False),
+                                       busy(label, now)))
             d = self.policy.choose(prompt_blocks, cands)
             target = self._by_label[d.name]
             rid = None
@@ -407,7 +409,7 @@ class RouterCore:
             matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
                        if prompt_blocks else {})
             self.loads.expire(now)
-            load, alive = self.loads.load, self.alive
+            load, busy, alive = self.loads.load, self.loads.busy, self.alive
             cands = []
             for t in pairs:
                 m = matches.get(t.stream)
@@ -415,7 +417,8 @@ class RouterCore:
                 if m is not None and m.credit and m.prompt_blocks:
                     credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
                 cands.append(Candidate(t.label, credit, load(t.label),
-                                       alive.get(t.stream, False) and up(t.engine)))
+                                       alive.get(t.stream, False) and up(t.engine),
+                                       busy(t.label, now)))
             d = self.policy.choose(prompt_blocks, cands)
             target = self._by_label[d.name]
             rid = f"p{next(_PROXY_IDS)}"  # internal (never shown): no urandom per request

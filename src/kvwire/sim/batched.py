@@ -83,6 +83,7 @@ def run_batched(reqs: Sequence[Request], engines: list[BatchedEngine], router: _
     ereqs: list[tuple[EngineRequest, int, float]] = []
 
     def deliver(eng: BatchedEngine, r: StepResult) -> None:
+        router.now = r.end
         if r.events:
             eng.publish(r.events, r.end)
         for q in r.first_tokens:
@@ -106,6 +107,7 @@ def run_batched(reqs: Sequence[Request], engines: list[BatchedEngine], router: _
         t = req.t
         advance(t)
         router.sync(t)
+        router.now = t
         er, nkeys = make_request(i, req, bs)
         keys = er.hashes[:nkeys]
         t0 = time.perf_counter()

@@ -83,6 +83,9 @@ class SimConfig:
     prefill_weight: float = 1.0
     load_weight: float = 1.0
     balance_slack_tokens: int = 131_072
+    #: Ties (a new prefix, engines idle) go to the engine busy least lately: the seconds
+    #: it held requests, decayed over ``busy_window`` virtual seconds (LoadTracker.busy).
+    busy_window: float = 600.0
     #: Load of a routed request = uncached blocks + decode_share x expected output blocks
     #: (expected = mean output of the requests completed so far). None: a decoded token's
     #: cost over a prefilled token's (fifo: prefill_rate / decode_rate; batched: the step
@@ -312,6 +315,7 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
     def advance(t: float) -> None:
         while heap and heap[0][0] <= t:
             when, _, kind, payload = heapq.heappop(heap)
+            router.now = when
             if kind == _COMMIT:
                 e, req, keys, rid = payload
                 engines[e].commit(req, keys, when)
@@ -323,6 +327,7 @@ def _run(reqs: Sequence[Request], engines: list[SimEngine], router: _Router, cfg
         t = req.t
         advance(t)
         router.sync(t)
+        router.now = t
         keys = engine_keys(req, bs)
         rid = f"r{i}"
         t0 = time.perf_counter()

@@ -36,7 +36,11 @@ class _Router:
         self.engines = engines
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.loads = LoadTracker(expiry_s=1e12, clock=lambda: 0.0)
+        # the virtual time: the fleet loop sets it before each route, first token and
+        # release, so the load tracker (its busy times) runs on the simulation's clock
+        self.now = 0.0
+        self.loads = LoadTracker(expiry_s=1e12, clock=lambda: self.now,
+                                 busy_window=cfg.busy_window)
         self._prefill: dict[str, float] = {}  # request -> prefill share still reserved
 
     def sync(self, now: float) -> None:
@@ -108,8 +112,8 @@ class _Oracle(_Router):
         self.index = {e.name: i for i, e in enumerate(engines)}
 
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
-        cands = [Candidate(e.name, float(e.prefix_hits(keys)), self.loads.load(e.name))
-                 for e in self.engines]
+        cands = [Candidate(e.name, float(e.prefix_hits(keys)), self.loads.load(e.name),
+                           True, self.loads.busy(e.name, now)) for e in self.engines]
         d = self.policy.choose(len(keys), cands)
         e = self.index[d.name]
         self.reserve(rid, e, len(keys), d.overlap[d.name], req, now)
@@ -190,10 +194,12 @@ class _Kvwire(_Router):
             self.alive = {n: streams[n].alive if n in streams else True for n in self.alive}
             self._dirty = False
         cands = []
+        busy = self.loads.busy
         for e in self.engines:
             sm = m.get(e.name)
             cands.append(Candidate(e.name, sm.credit if sm is not None else 0.0,
-                                   self.loads.load(e.name), self.alive[e.name]))
+                                   self.loads.load(e.name), self.alive[e.name],
+                                   busy(e.name, now)))
         d = self.policy.choose(len(keys), cands)
         self.idx.predict(d.name, tokens)
         e = self.index[d.name]
