@@ -101,6 +101,28 @@ def engine_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def proxy_overhead(url: str) -> dict[str, float]:
+    """kvwire serve's own time per request from its /metrics: the mean of arrival ->
+    request written to the engine and of tokenizing, and the share of requests whose
+    overhead passed 10 ms (the histograms' buckets are too coarse above that for a p99)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+
+    def one(pattern: str) -> float:
+        m = re.search(rf"^{pattern} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else float("nan")
+
+    out = {}
+    for short, fam in (("overhead", "kvwire_proxy_overhead_seconds"),
+                       ("tokenize", "kvwire_proxy_tokenize_seconds")):
+        n = one(f"{fam}_count")
+        out[short + "_mean"] = one(f"{fam}_sum") / n if n else float("nan")
+        if short == "overhead":
+            under = one(re.escape(fam + '_bucket{le="0.01"}'))
+            out["overhead_over_10ms"] = 1.0 - under / n if n else float("nan")
+    return out
+
+
 async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
     delay = start + at - time.monotonic()
     if delay > 0:
@@ -181,6 +203,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
         wall = time.monotonic() - t0
         rcpu, fcpu = tree_cpu(router.pid) - rcpu0, tree_cpu(fleet.pid) - fcpu0
         after = {u: engine_metrics(u) for u in urls}
+        proxy = proxy_overhead(f"http://127.0.0.1:{port}") if name != "sglang" else {}
     finally:
         _kill(router)
         stop_fleet(fleet)
@@ -197,7 +220,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
             "cached": sum(r["cached"] for r in good) / max(1, sum(r["prompt"] for r in good)),
             "max_mean": max(work) / mean if mean else float("nan"),
-            "lag_p99": pct([r["lag"] for r in recs], 0.99), "wall": wall,
+            "lag_p99": pct([r["lag"] for r in recs], 0.99), "wall": wall, "proxy": proxy,
             "client_cpu": time.process_time() - cpu0, "router_cpu": rcpu, "engines_cpu": fcpu,
             "loadavg": os.getloadavg()[0]}
 
@@ -240,6 +263,12 @@ def main() -> None:
               f"send lag p99 {r['lag_p99'] * 1e3:.0f} ms, CPU s: router {r['router_cpu']:.0f}, "
               f"engines {r['engines_cpu']:.0f}, client {r['client_cpu']:.0f}; load average "
               f"{r['loadavg']:.1f} at the end", flush=True)
+        if r["proxy"]:
+            px = r["proxy"]
+            print(f"#   kvwire serve's own time per request: {px['overhead_mean'] * 1e3:.1f} ms "
+                  f"mean ({px['overhead_over_10ms']:.1%} over 10 ms), tokenizing "
+                  f"{px['tokenize_mean'] * 1e3:.1f} ms mean; x{a.speed:g} in model time",
+                  flush=True)
     print()
     print("| router | TTFT p50 (model s) | TTFT p99 (model s) | cached-token ratio | work max/mean |")
     print("|---|---:|---:|---:|---:|")

@@ -140,9 +140,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-load", type=_nonneg, default=1.0,
                    help="blocks of load a request reserves beyond its uncached prompt blocks "
                         "(its decode; default 1)")
-    p.add_argument("--decode-share", type=_nonneg, default=50.0,
-                   help="load per expected output block, learned from /release's "
-                        "output_tokens (default 50 = 20k prefill / 400 decode tokens/s)")
+    p.add_argument("--decode-share", type=_nonneg, default=0.6,
+                   help="load per expected output block, in prefill blocks; the output "
+                        "length is learned from /release's output_tokens (default 0.6: a "
+                        "decoding sequence's share of a batched step over a prefilled "
+                        "token's, 30 us / 50 us in kvwire engine's model; 50 for an engine "
+                        "that decodes one request at a time)")
     p.add_argument("--registrations", metavar="FILE", default=None,
                    help="indexer API: keep /register'd streams in FILE (rewritten atomically "
                         "on each change, read at start: a restart follows the same streams); "
