@@ -184,20 +184,23 @@ def test_registrations_reach_every_worker_before_the_answer(workers) -> None:
         # the query string reaches the indexer: Dynamo's shape for a Mooncake-spelled body
         st_, dyn = _call(port, "POST", "/query?shape=dynamo", q)
         assert st_ == 200 and dyn["instances"]["7"]["longest_matched"] == 96, dyn
-        # pipelined keep-alive requests on one connection: answered in order
+        # pipelined keep-alive requests on one connection: answered in order, those behind
+        # a sequenced /unregister only after every worker applied it (so they see it)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             one = json.dumps(q).encode()
+            unreg = json.dumps({"instance_id": 7, "model_name": "m"}).encode()
             s.sendall((b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
                        % (len(one), one)) + b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n"
+                      + (b"POST /unregister HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n"
+                         b"\r\n%s" % (len(unreg), unreg))
                       + b"GET /registrations HTTP/1.1\r\nhost: x\r\n\r\n")
             got = b""
-            while got.count(b"HTTP/1.1 ") < 3 or not got.endswith(b"]"):
+            while got.count(b"HTTP/1.1 ") < 4 or not got.endswith(b"]"):
                 chunk = s.recv(65536)
                 assert chunk, got
                 got += chunk
-        assert re.findall(rb"HTTP/1.1 (\d+)", got) == [b"200", b"404", b"200"], got
-        assert _call(port, "POST", "/unregister", {"instance_id": 7, "model_name": "m"})[0] \
-            == 200
+        assert re.findall(rb"HTTP/1.1 (\d+)", got) == [b"200", b"404", b"200", b"200"], got
+        assert b'"longest_matched":96' in got and got.endswith(b"\r\n\r\n[]"), got
         for _ in range(40):
             assert _call(port, "GET", "/registrations") == (200, [])
             assert _call(port, "POST", "/query", q) == (200, {"default": {}})

@@ -47,8 +47,10 @@ def make_handle(options: dict[str, Any], worker: int = 0) -> Any:
     """One replica: a fresh :class:`kvwire.router.indexer.Indexer` and its ``handle``
     (module level so that a spawned worker can build its own from ``options``)."""
     from ..router.indexer import Indexer
+    from ..router.indexer_ingest import LoopCore
 
-    ix = Indexer.standalone(options.get("registrations"))
+    # the ingest runs on the worker's HTTP loop (serve_forever attaches it): no thread
+    ix = Indexer.standalone(options.get("registrations"), core_type=LoopCore)
     if worker:  # every worker reads the file; worker 0 alone writes it (one writer, and
         ix.file = None  # every worker applies the same registrations in the same order)
     return ix.handle
@@ -78,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
             sock = ih.listen_socket(args.host, args.port, reuse_port=False)
             say(f"kvwire index: http://{args.host}:{sock.getsockname()[1]} "
                 f"(1 worker, {ih.describe_loop()}, pid {os.getpid()})")
-            ih.serve_forever(handle, sock)
+            try:
+                ih.serve_forever(handle, sock)
+            finally:
+                handle.__self__.close()  # the subscriber's sockets
             return EXIT_OK
         status = ih.run_workers(
             functools.partial(make_handle, options), args.host, args.port, args.workers,

@@ -111,10 +111,11 @@ class Indexer:
                 self.regs[reg.key] = reg
 
     @classmethod
-    def standalone(cls, registrations: str | Path | None = None, **core_kw: Any) -> Indexer:
-        """An indexer with its own started RouterCore (no routing engines); ``close()``
-        stops it."""
-        core = RouterCore([], **core_kw)
+    def standalone(cls, registrations: str | Path | None = None,
+                   core_type: type[RouterCore] = RouterCore, **core_kw: Any) -> Indexer:
+        """An indexer with its own started RouterCore (no routing engines; ``core_type``
+        may be a subclass, e.g. ``indexer_ingest.LoopCore``); ``close()`` stops it."""
+        core = core_type([], **core_kw)
         core.start()
         try:
             ix = cls(core, registrations)
@@ -123,6 +124,13 @@ class Indexer:
             raise
         ix._owns_core = True
         return ix
+
+    def attach(self, loop: Any) -> None:
+        """Give the core the event loop that serves this indexer, if it ingests on one
+        (:class:`~kvwire.router.indexer_ingest.LoopCore`); else nothing to do."""
+        attach = getattr(self.core, "attach", None)
+        if attach is not None:
+            attach(loop)
 
     def close(self) -> None:
         """Stop the core if this indexer made it (``standalone``)."""

@@ -28,13 +28,16 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from ..engine.http import Conn, HttpProtocol
+import httptools
 
-__all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "Sequencer", "WorkerLink", "listen_socket",
-           "run_workers", "serve_forever"]
+from ..engine.http import MAX_BODY, Conn
+
+__all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "IndexProtocol", "Sequencer", "WorkerLink",
+           "listen_socket", "run_workers", "serve_forever"]
 
 log = logging.getLogger("kvwire.router.indexer_http")
 
@@ -68,15 +71,153 @@ class IndexHttp:
         self.link = link
         self.requests = 0
 
-    def __call__(self, conn: Conn) -> None:
+    def answer(self, method: bytes, path: bytes, query: bytes, body: bytes) -> tuple[int, bytes]:
+        """``handle``'s answer to a request that is not sequenced (see :meth:`sequenced`)."""
         self.requests += 1
-        if self.link is not None and conn.path in CONTROL_PATHS and conn.method == b"POST":
-            self.link.submit(conn)
+        text = _text(_PATHS, path) if not query else (path + b"?" + query).decode("latin-1")
+        return self.handle(_text(_METHODS, method), text, body)
+
+    def sequenced(self, method: bytes, path: bytes) -> bool:
+        """A control request that goes through the parent (several workers)."""
+        return self.link is not None and path in CONTROL_PATHS and method == b"POST"
+
+    def __call__(self, conn: Conn) -> None:
+        """The same for :mod:`kvwire.engine.http`'s server (``Conn`` per request)."""
+        if self.sequenced(conn.method, conn.path):
+            self.requests += 1
+            self.link.submit(conn)  # type: ignore[union-attr]
             return
-        path = _text(_PATHS, conn.path) if not conn.query else (
-            conn.path + b"?" + conn.query).decode("latin-1")
-        status, body = self.handle(_text(_METHODS, conn.method), path, conn.body)
-        conn.respond(status, body)
+        conn.respond(*self.answer(conn.method, conn.path, conn.query, conn.body))
+
+
+_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 404: "Not Found",
+            405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
+            422: "Unprocessable Entity", 500: "Internal Server Error",
+            503: "Service Unavailable", 507: "Insufficient Storage"}
+#: a response's head up to its content-length's value, per status
+_HEADS: dict[int, bytes] = {}
+
+
+def _head(status: int) -> bytes:
+    h = _HEADS.get(status)
+    if h is None:
+        h = _HEADS[status] = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                              b"content-length: " % (status, _REASONS.get(status, "Unknown")
+                                                     .encode()))
+    return h
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class IndexProtocol(asyncio.Protocol):
+    """One connection of the indexer's lean server: httptools parses (no header callback:
+    the indexer reads none), each request is answered in its own callback with one write,
+    in order (pipelined requests behind a sequenced one wait for its answer). The engine's
+    server (:mod:`kvwire.engine.http`) does more per request than this API needs: a
+    ``Conn`` object, the header scan for vLLM's DP rank header, streaming. Malformed HTTP
+    gets 400 and the connection is closed; a body over ``MAX_BODY`` 413."""
+
+    __slots__ = ("app", "transport", "parser", "_url", "_body", "_size", "_current",
+                 "_queue")
+
+    def __init__(self, app: IndexHttp) -> None:
+        self.app = app
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._body: list[bytes] = []
+        self._size = 0
+        #: a sequenced request not answered yet (a Conn, answered by the WorkerLink)
+        self._current: Conn | None = None
+        self._queue: deque[tuple[bytes, bytes, bytes, bool]] = deque()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        self._current = None
+        self._queue.clear()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, b"upgrade not supported")
+        except httptools.HttpParserError as e:
+            self._fail(400, str(e).encode())
+        except _TooLarge:
+            self._fail(413, b"request body too large")
+
+    def _fail(self, status: int, msg: bytes) -> None:
+        t = self.transport
+        if t is None:
+            return
+        body = _error(status, msg.decode("latin-1"))
+        t.write(b"%s%d\r\nconnection: close\r\n\r\n%s" % (_head(status), len(body), body))
+        t.close()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._body = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._size += len(body)
+        if self._size > MAX_BODY:
+            raise _TooLarge
+
+    def on_message_complete(self) -> None:
+        p = self.parser
+        body = self._body
+        req = (p.get_method(), self._url, body[0] if len(body) == 1 else b"".join(body),
+               p.should_keep_alive())
+        if self._current is None and not self._queue:
+            self._serve(*req)
+        else:
+            self._queue.append(req)
+
+    def _serve(self, method: bytes, url: bytes, body: bytes, keep_alive: bool) -> None:
+        path, _, query = url.partition(b"?")
+        app = self.app
+        if app.sequenced(method, path):
+            conn = self._current = Conn(self, method, path, body, keep_alive,  # type: ignore[arg-type]
+                                        None, query)
+            app.requests += 1
+            app.link.submit(conn)  # type: ignore[union-attr]
+            return
+        try:
+            status, out = app.answer(method, path, query, body)
+        except Exception:  # handle never raises; if it does, this request gets a 500
+            log.exception("indexer failed for %s %s", method, path)
+            status, out = 500, _error(500, "internal error")
+        t = self.transport
+        if t is not None:
+            if keep_alive:
+                t.write(b"%s%d\r\n\r\n%s" % (_head(status), len(out), out))
+            else:
+                t.write(b"%s%d\r\nconnection: close\r\n\r\n%s" % (_head(status), len(out),
+                                                                      out))
+                t.close()
+
+    def _finished(self, conn: Conn) -> None:
+        """A sequenced request was answered (``Conn.respond``): on to the ones behind it."""
+        if conn is not self._current:
+            return
+        self._current = None
+        if not conn.keep_alive:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        while self._queue and self._current is None and self.transport is not None:
+            self._serve(*self._queue.popleft())
 
 
 def _error(status: int, message: str) -> bytes:
@@ -205,7 +346,11 @@ def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection 
         gc.freeze()
         sock.listen(1024)
         sock.setblocking(False)
-        server = await loop.create_server(lambda: HttpProtocol(app), sock=sock)
+        server = await loop.create_server(lambda: IndexProtocol(app), sock=sock)
+        # an indexer that ingests on this loop (kvwire index's LoopCore) starts doing so
+        attach = getattr(getattr(handle, "__self__", None), "attach", None)
+        if callable(attach):
+            attach(loop)
         if link is not None:
             link.attach(loop)
         if ready is not None:
