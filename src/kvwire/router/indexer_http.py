@@ -2,10 +2,10 @@
 
 The indexer's logic is a pure ``handle(method, path, body) -> (status, body)``
 (:mod:`kvwire.router.indexer`); this module only carries requests to it, as fast as Python
-allows: httptools parses, an asyncio Protocol answers in its own callback (no task, no
-framework object per request: :mod:`kvwire.engine.http`'s server, reused), on uvloop when it
-is installed. One process so served costs about 25-30 us of CPU per 2,048-token ``/query``
-(docs/benchmarks.md), most of it the event loop and the answer's JSON, not the index.
+allows: httptools parses, :class:`IndexProtocol` answers each request in its own callback
+with one write (no task, no framework object per request), on uvloop when it is installed;
+the worker's ingest runs on the same loop (:mod:`kvwire.router.indexer_ingest`). A static
+2,048-token ``/query`` costs 33-46 us of CPU in all, kernel included (docs/benchmarks.md).
 
 **Several workers, one index (docs/design.md).** ``--workers N`` runs N processes that accept
 on one port (``SO_REUSEPORT``: the kernel spreads connections over them). Each holds an exact
