@@ -84,8 +84,9 @@ def __dir__() -> list[str]:
 
 def native_status() -> dict[str, str]:
     """Which optional C accelerators this process uses (see setup.py): ``frames`` is
-    ``"c"``, ``"ctypes"`` or ``"pyzmq"``; ``shm``, ``index`` and ``route_body`` (the
-    service's token-id parser) are ``"c"`` or ``"python (<why>)"``."""
+    ``"c"``, ``"ctypes"`` or ``"pyzmq"``; ``shm``, ``index``, ``route_body`` (the
+    service's token-id parser), ``index_walk`` (the indexer API's per-medium walk) and
+    ``query_answer`` (its ``/query`` answer bytes) are ``"c"`` or ``"python (<why>)"``."""
     from .index import keys as index_keys
     from .shm import NATIVE, _native
     from .wire.frames import native_status as frames_status
@@ -95,4 +96,15 @@ def native_status() -> dict[str, str]:
     from .router import tokens
 
     body = "c" if tokens.parse_route_body is not None else f"python ({tokens.REASON})"
-    return {"frames": frames_status(), "shm": shm, "index": index, "route_body": body}
+    import os
+
+    from .index import walk
+    from .router import indexer
+
+    def built(mod: object) -> str:
+        if os.environ.get("KVWIRE_NO_NATIVE"):
+            return "python (KVWIRE_NO_NATIVE set)"
+        return "c" if mod is not None else "python (not built)"
+
+    return {"frames": frames_status(), "shm": shm, "index": index, "route_body": body,
+            "index_walk": built(walk.tier_walk), "query_answer": built(indexer._c_answer)}
