@@ -1,4 +1,4 @@
-"""``kvwire index``'s ingest on its HTTP loop (router/indexer_ingest.LoopCore), with a real
+"""``kvwire index``'s ingest on its HTTP loop (router/indexer_ingest.LoopIngest), with a real
 publisher and the real subscriber, on a real asyncio loop:
 
 * an engine that already holds 5,000 blocks when it is registered (the subscriber gets
@@ -23,7 +23,6 @@ from engine_helpers import TIMEOUT
 
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.router.indexer import Indexer
-from kvwire.router.indexer_ingest import LoopCore
 from kvwire.router.service import SNAPSHOT_SLICE
 from kvwire.wire.events import BlockStored, KVEventBatch
 
@@ -52,7 +51,7 @@ def test_ingest_takes_turns_with_the_loop() -> None:
     where = tempfile.mkdtemp(prefix="kvw-ing-")
     live, replay = f"ipc://{where}/l", f"ipc://{where}/r"
     pub = ZmqEventPublisher(endpoint=live, replay_endpoint=replay, heartbeat_interval=0.2)
-    ix = Indexer.standalone(core_type=LoopCore)
+    ix = Indexer.standalone(on_loop=True)
     loop = asyncio.new_event_loop()
     try:
         for j in range(BACKLOG):

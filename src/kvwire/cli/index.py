@@ -47,10 +47,9 @@ def make_handle(options: dict[str, Any], worker: int = 0) -> Any:
     """One replica: a fresh :class:`kvwire.router.indexer.Indexer` and its ``handle``
     (module level so that a spawned worker can build its own from ``options``)."""
     from ..router.indexer import Indexer
-    from ..router.indexer_ingest import LoopCore
 
     # the ingest runs on the worker's HTTP loop (serve_forever attaches it): no thread
-    ix = Indexer.standalone(options.get("registrations"), core_type=LoopCore)
+    ix = Indexer.standalone(options.get("registrations"), on_loop=True)
     if worker:  # every worker reads the file; worker 0 alone writes it (one writer, and
         ix.file = None  # every worker applies the same registrations in the same order)
     return ix.handle

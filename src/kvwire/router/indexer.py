@@ -92,6 +92,7 @@ class Indexer:
         #: streams whose events use another block size than registered (warned once each)
         self.size_mismatch: dict[str, tuple[int, int]] = {}
         self._owns_core = False
+        self._ingest: Any = None  # a LoopIngest when made standalone(on_loop=True)
         #: /query token ids parsed in C when ``_tokens.c`` is built (False: msgspec's list of
         #: ints, the reference the C path is checked against; same answers, slower)
         self.c_token_ids = parse_route_body is not None
@@ -111,29 +112,35 @@ class Indexer:
                 self.regs[reg.key] = reg
 
     @classmethod
-    def standalone(cls, registrations: str | Path | None = None,
-                   core_type: type[RouterCore] = RouterCore, **core_kw: Any) -> Indexer:
-        """An indexer with its own started RouterCore (no routing engines; ``core_type``
-        may be a subclass, e.g. ``indexer_ingest.LoopCore``); ``close()`` stops it."""
-        core = core_type([], **core_kw)
-        core.start()
+    def standalone(cls, registrations: str | Path | None = None, *, on_loop: bool = False,
+                   **core_kw: Any) -> Indexer:
+        """An indexer with its own started RouterCore (no routing engines); ``close()`` stops
+        it. ``on_loop``: no subscriber thread; the ingest runs on the event loop given to
+        :meth:`attach` (router/indexer_ingest.py says why)."""
+        core = RouterCore([], **core_kw)
+        core.start(thread=not on_loop)
         try:
             ix = cls(core, registrations)
         except BaseException:
             core.close()
             raise
         ix._owns_core = True
+        if on_loop:
+            from .indexer_ingest import LoopIngest
+
+            ix._ingest = LoopIngest(core)
         return ix
 
     def attach(self, loop: Any) -> None:
-        """Give the core the event loop that serves this indexer, if it ingests on one
-        (:class:`~kvwire.router.indexer_ingest.LoopCore`); else nothing to do."""
-        attach = getattr(self.core, "attach", None)
-        if attach is not None:
-            attach(loop)
+        """Start the ingest on the event loop that serves this indexer, if it was made
+        ``on_loop``; else nothing to do (a thread ingests)."""
+        if self._ingest is not None:
+            self._ingest.attach(loop)
 
     def close(self) -> None:
-        """Stop the core if this indexer made it (``standalone``)."""
+        """Stop the core (and the loop's ingest) if this indexer made it (``standalone``)."""
+        if self._ingest is not None:
+            self._ingest.stop()
         if self._owns_core:
             self.core.close()
 

@@ -347,7 +347,7 @@ def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection 
         sock.listen(1024)
         sock.setblocking(False)
         server = await loop.create_server(lambda: IndexProtocol(app), sock=sock)
-        # an indexer that ingests on this loop (kvwire index's LoopCore) starts doing so
+        # an indexer that ingests on this loop (kvwire index's Indexer.standalone(on_loop=True)) starts doing so
         attach = getattr(getattr(handle, "__self__", None), "attach", None)
         if callable(attach):
             attach(loop)

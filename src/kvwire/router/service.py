@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -199,11 +200,24 @@ class RouterCore:
         self._sub: Subscriber | None = None
         self._sub_lock = threading.Lock()  # orders add/remove against the thread's start
         self.extra: set[str] = set()
+        # ingest driven by the caller (start(thread=False), then pump()): pieces taken from
+        # the subscriber and not applied yet, turns that applied one, next stats refresh
+        self._pending: deque[list] = deque()
+        self.pumps = 0
+        self._next_stats = 0.0
 
     # ------------------------------------------------------------------ subscriber thread
 
-    def start(self, timeout: float = 10.0) -> None:
-        """Start the subscriber thread (it owns the sockets); raises if it could not start."""
+    def start(self, timeout: float = 10.0, *, thread: bool = True) -> None:
+        """Start following the streams: by default a subscriber thread owns the sockets
+        (raises if it could not start); with ``thread=False`` the subscriber is opened here
+        and the caller drives the ingest with :meth:`pump` (``kvwire index`` does, from its
+        HTTP loop: router/indexer_ingest.py)."""
+        if not thread:
+            with self._sub_lock:
+                self._sub = self._open_subscriber()
+            self._started.set()
+            return
         self._thread = threading.Thread(target=self._run, name="kvwire-router-sub",
                                         daemon=True)
         self._thread.start()
@@ -213,17 +227,53 @@ class RouterCore:
             raise self._error
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the subscriber thread and close its sockets."""
+        """Stop the subscriber thread (or the caller-driven ingest) and close its sockets."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            return
+        with self._sub_lock:
+            sub, self._sub = self._sub, None
+        if sub is not None:
+            sub.close()
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called."""
+        return self._stop.is_set()
+
+    def _open_subscriber(self) -> Subscriber:
+        return Subscriber([self.nats] if self.nats is not None else self.specs,
+                          config=self.stream_config)
+
+    def pump(self, max_items: int) -> bool:
+        """One bounded turn of a caller-driven ingest (``start(thread=False)``): when nothing
+        taken is left, take up to ``max_items`` ready deliveries (no wait); apply one piece
+        of what was taken (as the thread holds the lock for: see ``_pieces``); refresh the
+        per-stream stats when due. True when more is ready now (call again soon), False when
+        the caller may let deliveries gather. The subscriber is polled again only when every
+        piece taken is applied, so a stream's removal comes after all its items."""
+        sub = self._sub
+        if sub is None or self._stop.is_set():
+            return False
+        more = False
+        if not self._pending:
+            items = sub.poll_many(0, max_items=max_items)
+            more = len(items) >= max_items
+            self._pending.extend(_pieces(items))
+        if self._pending:
+            self._apply(self._pending.popleft())
+            self.pumps += 1
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self.sub_stats = sub.stats()
+            self._next_stats = now + 0.25
+        return more or bool(self._pending)
 
     def _run(self) -> None:
         try:
             with self._sub_lock:
-                sub = self._sub = Subscriber(
-                    [self.nats] if self.nats is not None else self.specs,
-                    config=self.stream_config)
+                sub = self._sub = self._open_subscriber()
         except BaseException as e:  # bad endpoint etc.: reported by start()
             self._error = e
             self._started.set()
