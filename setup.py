@@ -18,7 +18,9 @@ _MODULES = {
 _LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"],
          "kvwire.index._tiers": ["-l:libxxhash.so.0"]}
 #: Headers a module's sources include (rebuild on change; shipped in the sdist).
-_DEPENDS = {"kvwire.shm._ring": ["src/kvwire/shm/_pickle5.h"]}
+_DEPENDS = {"kvwire.shm._ring": ["src/kvwire/shm/_pickle5.h"],
+            "kvwire.index._keys": ["src/kvwire/index/_lanes.h"],
+            "kvwire.index._tiers": ["src/kvwire/index/_lanes.h"]}
 
 ext_modules = [
     Extension(name, srcs, optional=True, extra_compile_args=["-O2", "-std=c11"],

@@ -276,25 +276,7 @@ fail:
     return NULL;
 }
 
-#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30 && defined(__SIZEOF_INT128__)
-/* Bits off..off+63 of a non-negative int, read from its digits: the scan tests two 64-bit
- * lanes of a mask per block without allocating the two ints PyNumber_And would. */
-#define FAST_LANES 1
-static inline uint64_t
-lane_bits(PyObject *v, Py_ssize_t off)
-{
-    Py_ssize_t nd = Py_SIZE(v);
-    const digit *dg = ((PyLongObject *)v)->ob_digit;
-    Py_ssize_t d = off / PyLong_SHIFT;
-    int r = (int)(off % PyLong_SHIFT);
-    unsigned __int128 acc = 0;
-    for (Py_ssize_t i = d, sh = 0; i < nd && sh < 128; i++, sh += PyLong_SHIFT)
-        acc |= (unsigned __int128)dg[i] << sh;
-    return (uint64_t)(acc >> r);
-}
-#else
-#define FAST_LANES 0
-#endif
+#include "_lanes.h"
 
 /* Lanes: a uint64 key -> (lane 0, lane 1) mirror of PrefixIndex._keys while it has 64 slots
  * per lane, in one open-addressing table (linear probing, backward-shift deletion, 24 bytes

@@ -31,21 +31,9 @@ unsigned long long XXH3_64bits_withSeed(const void *input, size_t length,
 #define MAX_LANES (2 * MAX_TIERS)
 #define MAX_SLOTS 64
 
-#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30 && defined(__SIZEOF_INT128__)
-#define FAST_LANES 1
-/* Bits off..off+63 of a non-negative int, read from its digits (no temporary ints). */
-static inline uint64_t
-lane_bits(PyObject *v, Py_ssize_t off)
-{
-    Py_ssize_t nd = Py_SIZE(v);
-    const digit *dg = ((PyLongObject *)v)->ob_digit;
-    Py_ssize_t d = off / PyLong_SHIFT;
-    int r = (int)(off % PyLong_SHIFT);
-    unsigned __int128 acc = 0;
-    for (Py_ssize_t i = d, sh = 0; i < nd && sh < 128; i++, sh += PyLong_SHIFT)
-        acc |= (unsigned __int128)dg[i] << sh;
-    return (uint64_t)(acc >> r);
-}
+#include "_lanes.h"
+
+#if FAST_LANES
 
 /* One walk: what a key's masks change in the lanes still alive. */
 typedef struct {
