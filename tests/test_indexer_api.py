@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
+
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
@@ -53,16 +55,6 @@ def stored(toks: list[int], first_hash: Any, medium: str = "GPU", bs: int = BS,
     return KVEventBatch(time.time(), [BlockStored(hs, parent, toks, bs, kw.pop("lora_id", None),
                                                  medium, **kw)], 0)
 
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def signed(xs: list[int]) -> list[int]:

@@ -11,6 +11,7 @@ says why Dynamo's answer is wrong.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -27,9 +28,12 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import TIMEOUT, import_or_skip
+from waiting import wait_for  # noqa: E402
 
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.wire.events import BlockStored, KVEventBatch
+
+_wait = functools.partial(wait_for, timeout=TIMEOUT, interval=0.05)
 
 BS = 16
 MODEL = "default"
@@ -60,12 +64,6 @@ def _longest(port: int, tokens: list[int], **kw: str) -> dict[str, int]:
     assert st == 200, (st, out)
     return {i: v["longest_matched"] for i, v in json.loads(out)["instances"].items()}
 
-
-def _wait(cond, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 class Peers:

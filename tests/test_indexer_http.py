@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -27,21 +28,18 @@ import pytest
 from engine_helpers import TIMEOUT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waiting import wait_for  # noqa: E402
 
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.router.indexer import Indexer
 from kvwire.wire.events import BlockStored, KVEventBatch
 
+_wait = functools.partial(wait_for, timeout=TIMEOUT, interval=0.02)
+
 ROOT = Path(__file__).resolve().parent.parent
 BS = 16
 PROMPT = list(range(1000, 1000 + 6 * BS))
 
-
-def _wait(cond, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 #: the fixture's publishers: (instance, dp_rank, registered extra fields, blocks held, medium)

@@ -7,6 +7,7 @@ engine faults and the header check a kvwire engine cannot be made to show."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import signal
@@ -34,19 +35,12 @@ from kvwire.tokenize import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_engine_http import EngineThread, _opts  # noqa: E402
+from waiting import wait_for as _wait_for  # noqa: E402
 
 TIMEOUT = 20.0
+wait_for = functools.partial(_wait_for, timeout=TIMEOUT, interval=0.01)
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _engine(**kw: Any) -> EngineThread:
@@ -703,7 +697,6 @@ def test_openai_client_works_unchanged(make_stack: Callable[..., Stack]) -> None
     assert s.loads() == {}
 
 
-
 # ---------------------------------------------------------------------------- processes
 
 
@@ -734,7 +727,7 @@ class EngineProc:
                 return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
             except httpx.HTTPError:
                 return False
-        wait_for(up, f"engine on {self.port}", 30.0)
+        wait_for(up, f"engine on {self.port}", timeout=30.0)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import zmq
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
@@ -117,12 +118,6 @@ def pump(sub: Subscriber, app: App, until: Callable[[], bool], timeout: float = 
         if item is not None:
             app.feed(item)
 
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.005)
 
 
 # --------------------------------------------------------------------------- reference publisher

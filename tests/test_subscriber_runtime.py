@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.stream import Batch, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
@@ -35,15 +36,6 @@ def batch(first: int, blocks: int = 1) -> KVEventBatch:
     return KVEventBatch(time.time(), [BlockStored(list(range(first, first + blocks)), None,
                                                   toks, BS, None, "GPU")], 0)
 
-
-def wait_for(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_add_and_remove_from_another_thread_while_polling(tmp_path) -> None:
