@@ -14,6 +14,22 @@ from nats_writer import Writer  # noqa: E402
 from test_nats_consumer import _write, run  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
+BS = 16
+
+
+def _toks(seed: int, blocks: int = 8) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(blocks * BS)]
+
+
+async def _two_engines(w: Writer) -> None:
+    """Engines a and b on JetStream, each holding 8 blocks of its own prompt."""
+    from kvwire.wire.events import BlockStored
+
+    for e in ("a", "b"):
+        await w.start(e, 0, epoch=1)
+    await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, _toks(1), BS, None)])
+    await w.batch("b", 0, [BlockStored(list(range(200, 208)), None, _toks(2), BS, None)])
+
 
 def test_kvwire_listen_nats_in_a_real_process(nats_server: Any) -> None:
     """``kvwire listen nats://... --json --count N`` shows the items (and the plain output
@@ -61,20 +77,10 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from kvwire.wire.events import BlockStored
 
-    bs = 16
-
-    def toks(seed: int) -> list[int]:
-        return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(8 * bs)]
-
-    async def plan(w: Writer) -> None:
-        for e in ("a", "b"):
-            await w.start(e, 0, epoch=1)
-        await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, toks(1), bs, None)])
-        await w.batch("b", 0, [BlockStored(list(range(200, 208)), None, toks(2), bs, None)])
-
-    run(_write(nats_server.url, plan))
+    bs = BS
+    toks = _toks
+    run(_write(nats_server.url, _two_engines))
     p = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
                           "--port", "0", "--block-size", str(bs)],
                          stderr=subprocess.PIPE, text=True)
@@ -264,20 +270,10 @@ def test_kvwire_serve_nats_with_registrations_follows_both(nats_server: Any, tmp
     from test_indexer_api import _stop, _url, stored
 
     from kvwire.publish.publisher import ZmqEventPublisher
-    from kvwire.wire.events import BlockStored
 
-    bs = 16
-
-    def toks(seed: int, blocks: int = 8) -> list[int]:
-        return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(blocks * bs)]
-
-    async def plan(w: Writer) -> None:
-        for e in ("a", "b"):
-            await w.start(e, 0, epoch=1)
-        await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, toks(1), bs, None)])
-        await w.batch("b", 0, [BlockStored(list(range(200, 208)), None, toks(2), bs, None)])
-
-    run(_write(nats_server.url, plan))
+    bs = BS
+    toks = _toks
+    run(_write(nats_server.url, _two_engines))
     regs = tmp_path / "regs.json"
     pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/z.live",
                             replay_endpoint=f"ipc://{tmp_path}/z.replay",

@@ -81,14 +81,6 @@ class IndexHttp:
         """A control request that goes through the parent (several workers)."""
         return self.link is not None and path in CONTROL_PATHS and method == b"POST"
 
-    def __call__(self, conn: Conn) -> None:
-        """The same for :mod:`kvwire.engine.http`'s server (``Conn`` per request)."""
-        if self.sequenced(conn.method, conn.path):
-            self.requests += 1
-            self.link.submit(conn)  # type: ignore[union-attr]
-            return
-        conn.respond(*self.answer(conn.method, conn.path, conn.query, conn.body))
-
 
 _REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 404: "Not Found",
             405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
@@ -347,7 +339,8 @@ def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection 
         sock.listen(1024)
         sock.setblocking(False)
         server = await loop.create_server(lambda: IndexProtocol(app), sock=sock)
-        # an indexer that ingests on this loop (kvwire index's Indexer.standalone(on_loop=True)) starts doing so
+        # an indexer that ingests on this loop (Indexer.standalone(on_loop=True), as
+        # kvwire index makes it) starts doing so
         attach = getattr(getattr(handle, "__self__", None), "attach", None)
         if callable(attach):
             attach(loop)
