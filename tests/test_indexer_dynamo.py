@@ -208,7 +208,8 @@ def test_same_prefix_other_engine_hashes_then_a_continuation(peers: Peers) -> No
     _publish(b, _stored([2201, 2202, 2203, 2204], t))
     _publish(b, _stored([2205, 2206], t2, parent=2204))
     _sentinel(peers, 22, peers.ports())
-    assert "Failed to find parent block" in peers.dlog.read_text(), "Dynamo's log says why"
+    _wait(lambda: "Failed to find parent block" in peers.dlog.read_text(),
+          "Dynamo's log to say why")  # written by its logging thread, maybe after the answers
     dyn, kvw = (_longest(port, t + t2) for port in peers.ports())
     assert kvw == {"21": 64, "22": 96}, "kvwire: 22 holds the whole prompt"
     assert dyn == {"21": 64, "22": 64}, f"Dynamo dropped 22's continuation: {dyn}"
