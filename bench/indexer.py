@@ -42,6 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -175,6 +176,38 @@ class Server:
                 pass
         return total / tick
 
+    def conns(self) -> str:
+        """Established connections to the port per process holding them (e.g. ``9/7``:
+        how the kernel or the acceptor spread wrk's connections over the workers)."""
+        inodes: set[str] = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    next(f)
+                    for line in f:
+                        parts = line.split()
+                        if parts[3] == "01" and int(parts[1].rsplit(":", 1)[1], 16) == self.port:
+                            inodes.add(parts[9])
+            except OSError:
+                pass
+        per = []
+        for p in self.pids():
+            try:
+                fds = os.listdir(f"/proc/{p}/fd")
+            except OSError:
+                continue
+            n = 0
+            for fd in fds:
+                try:
+                    link = os.readlink(f"/proc/{p}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    n += 1
+            if n:
+                per.append(n)
+        return "/".join(map(str, sorted(per, reverse=True))) or "-"
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -227,10 +260,17 @@ def write_script(path: str, engines: int, prefixes: int, ntok: int) -> list[tupl
     return cases
 
 
-def wrk_run(port: int, script: str, seconds: float, conns: int) -> dict:
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{max(1, int(seconds))}s", "--latency",
-                          "-s", script, f"http://127.0.0.1:{port}"],
-                         capture_output=True, text=True, timeout=seconds + 60).stdout
+def wrk_run(port: int, script: str, seconds: float, conns: int,
+            during: Callable[[], str] | None = None) -> dict:
+    """One wrk run; ``during()`` is called once, 1 s in (its text is kept as ``during``)."""
+    proc = subprocess.Popen(["wrk", "-t1", f"-c{conns}", f"-d{max(1, int(seconds))}s",
+                             "--latency", "-s", script, f"http://127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen = ""
+    if during is not None:
+        time.sleep(min(1.0, seconds / 3))
+        seen = during()
+    out = proc.communicate(timeout=seconds + 60)[0]
 
     def ms(label: str) -> float:
         m = re.search(rf"^\s*{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
@@ -243,12 +283,13 @@ def wrk_run(port: int, script: str, seconds: float, conns: int) -> dict:
     err = re.search(r"Socket errors: (.*)", out)
     return {"rps": float(rps.group(1)) if rps else float("nan"),
             "requests": int(n.group(1)) if n else 0, "p50": ms("50%"), "p99": ms("99%"),
-            "bad": int(bad.group(1)) if bad else 0, "socket_errors": err.group(1) if err else ""}
+            "bad": int(bad.group(1)) if bad else 0, "socket_errors": err.group(1) if err else "",
+            "during": seen}
 
 
 def measure(srv: Server, script: str, seconds: float, conns: int) -> dict:
     c0, t0 = srv.cpu(), time.perf_counter()
-    r = wrk_run(srv.port, script, seconds, conns)
+    r = wrk_run(srv.port, script, seconds, conns, during=srv.conns)
     cpu, wall = srv.cpu() - c0, time.perf_counter() - t0
     r["cpu_us"] = cpu / max(1, r["requests"]) * 1e6
     r["cores"] = cpu / wall
@@ -372,10 +413,11 @@ def main() -> int:
             pub.kill()
     print()
     print(f"{'phase':<10} {'run':>3} {'server':<9} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'cpu/req us':>10} {'cores':>5} {'non-2xx':>7}")
+          f"{'cpu/req us':>10} {'cores':>5} {'non-2xx':>7} {'conns':>7}")
     for phase, rep, name, m in rows:
         print(f"{phase:<10} {rep:>3} {name:<9} {m['rps']:>8,.0f} {m['p50']:>7.2f} "
-              f"{m['p99']:>7.2f} {m['cpu_us']:>10.1f} {m['cores']:>5.2f} {m['bad']:>7}"
+              f"{m['p99']:>7.2f} {m['cpu_us']:>10.1f} {m['cores']:>5.2f} {m['bad']:>7} "
+              f"{m['during']:>7}"
               + (f"  socket errors: {m['socket_errors']}" if m["socket_errors"] else ""))
     print()
     print("cores used with no queries (3 s): " + "; ".join(

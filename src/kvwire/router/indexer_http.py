@@ -7,8 +7,9 @@ with one write (no task, no framework object per request), on uvloop when it is 
 the worker's ingest runs on the same loop (:mod:`kvwire.router.indexer_ingest`). A static
 2,048-token ``/query`` costs 33-46 us of CPU in all, kernel included (docs/benchmarks.md).
 
-**Several workers, one index (docs/design.md).** ``--workers N`` runs N processes that accept
-on one port (``SO_REUSEPORT``: the kernel spreads connections over them). Each holds an exact
+**Several workers, one index (docs/design.md).** ``--workers N`` runs N processes; the parent
+listens and hands each connection to the worker with the fewest open ones
+(:mod:`kvwire.router.indexer_handout`: evenly, not by the kernel's hash). Each holds an exact
 replica of the index: it follows every registered stream itself, and the per-stream state
 machine makes replicas equal at each applied sequence number. What must not diverge is the
 set of registrations, so ``/register`` and ``/unregister`` go through the parent, which is
@@ -64,12 +65,15 @@ class IndexHttp:
     """The per-request app: ``handle`` answers at once; control requests go through
     ``link`` (a :class:`WorkerLink`) when there are several workers."""
 
-    __slots__ = ("handle", "link", "requests")
+    __slots__ = ("handle", "link", "requests", "on_close")
 
-    def __init__(self, handle: Handle, link: WorkerLink | None = None) -> None:
+    def __init__(self, handle: Handle, link: WorkerLink | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.handle = handle
         self.link = link
         self.requests = 0
+        #: called when a connection closes (a worker tells the parent's handout)
+        self.on_close = on_close
 
     def answer(self, method: bytes, path: bytes, query: bytes, body: bytes) -> tuple[int, bytes]:
         """``handle``'s answer to a request that is not sequenced (see :meth:`sequenced`)."""
@@ -132,6 +136,8 @@ class IndexProtocol(asyncio.Protocol):
         self.transport = None
         self._current = None
         self._queue.clear()
+        if self.app.on_close is not None:
+            self.app.on_close()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -321,13 +327,23 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection | None = None,
-                  worker: int = 0, ready: Callable[[], None] | None = None) -> None:
-    """Serve ``handle`` on the bound ``sock`` until SIGINT/SIGTERM (one worker's life)."""
+def serve_forever(handle: Handle, sock: socket.socket | None, *,
+                  link_conn: Connection | None = None, worker: int = 0,
+                  ready: Callable[[], None] | None = None,
+                  handout: socket.socket | None = None) -> None:
+    """Serve ``handle`` until SIGINT/SIGTERM (one worker's life): the connections accepted on
+    the bound ``sock``, or those the parent hands over ``handout`` (its Unix socket pair:
+    :class:`~kvwire.router.indexer_handout.Intake`)."""
     loop = _event_loop()
     asyncio.set_event_loop(loop)
     link = WorkerLink(link_conn, handle, worker) if link_conn is not None else None
     app = IndexHttp(handle, link)
+    intake = None
+    if handout is not None:
+        from .indexer_handout import Intake
+
+        intake = Intake(handout, lambda: IndexProtocol(app))
+        app.on_close = intake.closed
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -336,9 +352,11 @@ def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection 
         # what exists now (the index's tables, modules) lives as long as the process: out of
         # the collector's sight, so a full collection between requests stays short (p99)
         gc.freeze()
-        sock.listen(1024)
-        sock.setblocking(False)
-        server = await loop.create_server(lambda: IndexProtocol(app), sock=sock)
+        server = None
+        if sock is not None:
+            sock.listen(1024)
+            sock.setblocking(False)
+            server = await loop.create_server(lambda: IndexProtocol(app), sock=sock)
         # an indexer that ingests on this loop (Indexer.standalone(on_loop=True), as
         # kvwire index makes it) starts doing so
         attach = getattr(getattr(handle, "__self__", None), "attach", None)
@@ -346,10 +364,13 @@ def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection 
             attach(loop)
         if link is not None:
             link.attach(loop)
+        if intake is not None:
+            intake.attach(loop)
         if ready is not None:
             ready()
         await stop.wait()
-        server.close()
+        if server is not None:
+            server.close()
 
     try:
         loop.run_until_complete(main())
@@ -357,12 +378,11 @@ def serve_forever(handle: Handle, sock: socket.socket, *, link_conn: Connection 
         loop.close()
 
 
-def _worker_main(factory: Callable[[int], Handle], host: str, port: int, conn: Connection,
+def _worker_main(factory: Callable[[int], Handle], handout: socket.socket, conn: Connection,
                  worker: int, level: int) -> None:
     logging.basicConfig(level=level, format=f"%(asctime)s w{worker} %(name)s %(message)s")
     handle = factory(worker)
-    sock = listen_socket(host, port, reuse_port=True)
-    serve_forever(handle, sock, link_conn=conn, worker=worker,
+    serve_forever(handle, None, link_conn=conn, worker=worker, handout=handout,
                   ready=lambda: conn.send(("ready", worker)))
     closer = getattr(handle, "close", None) or getattr(getattr(handle, "__self__", None),
                                                        "close", None)
@@ -374,17 +394,23 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
                 on_ready: Callable[[int], None] | None = None,
                 start_timeout: float = 60.0) -> int:
     """Run ``workers`` processes serving ``factory()``'s handle on one port, with this
-    process as their control sequencer; returns when one of them exits (then stops the
-    rest) or on SIGINT/SIGTERM. ``factory(worker)`` must be picklable (a module-level
-    callable or a ``functools.partial`` of one): each worker builds its own replica. Returns
-    an exit status."""
-    reserve = listen_socket(host, port, reuse_port=True)  # fixes the port; never listens
-    port = reserve.getsockname()[1]
+    process as their control sequencer and the one that accepts connections and hands them
+    out evenly (:mod:`kvwire.router.indexer_handout`); returns when one of them exits (then
+    stops the rest) or on SIGINT/SIGTERM. ``factory(worker)`` must be picklable (a
+    module-level callable or a ``functools.partial`` of one): each worker builds its own
+    replica. Returns an exit status."""
+    from .indexer_handout import Handout
+
+    listener = listen_socket(host, port, reuse_port=False)
+    listener.listen(1024)  # connections wait in the queue until every worker is ready
+    port = listener.getsockname()[1]
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(workers)]
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(workers)]
+    handout = Handout(listener, [ours for ours, _ in pairs])
     level = logging.getLogger().getEffectiveLevel()
     procs = [ctx.Process(target=_worker_main, name=f"kvwire-index-w{i}", daemon=True,
-                         args=(factory, host, port, pipes[i][1], i, level))
+                         args=(factory, pairs[i][1], pipes[i][1], i, level))
              for i in range(workers)]
     stopping = []
     prev = {s: signal.signal(s, lambda *_: stopping.append(1))
@@ -395,12 +421,16 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
             p.start()
         for _, child in pipes:
             child.close()
+        for _, theirs in pairs:
+            theirs.close()
         conns = [parent for parent, _ in pipes]
         seq = Sequencer(conns)
         ready: set[int] = set()
         deadline = time.monotonic() + start_timeout
+        links = {s: w for w, s in enumerate(handout.links)}
         while not stopping:
-            readable = wait([*conns, *(p.sentinel for p in procs)], timeout=0.5)
+            readable = wait([*conns, *(p.sentinel for p in procs), *links,
+                             *((listener,) if len(ready) == workers else ())], timeout=0.5)
             if stopping:  # a terminal's Ctrl-C reaches the workers too: not a failure
                 break
             dead = [p for p in procs if p.exitcode is not None]
@@ -410,6 +440,12 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
                 status = 1
                 break
             for r in readable:
+                if r is listener:
+                    handout.accept()
+                    continue
+                if r in links:
+                    handout.closed(links[r])
+                    continue
                 if not isinstance(r, Connection):
                     continue
                 w = conns.index(r)
@@ -438,7 +474,9 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
                 p.join()
         for s, h in prev.items():
             signal.signal(s, h)
-        reserve.close()
+        listener.close()
+        for ours, _ in pairs:
+            ours.close()
     return status
 
 
