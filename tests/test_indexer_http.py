@@ -2,6 +2,9 @@
 
 * the C-parsed ``/query`` token ids (``Indexer._query``) answer byte for byte as msgspec's
   path (``c_token_ids = False``) does, for any body (hypothesis), bad ones included;
+* the C parser itself on long arrays (its 64-byte block path): every id it returns is the
+  JSON's, it never takes a text JSON rejects (``01``, ``,,``, ...), and it takes every
+  compact or ", "-spaced array of in-range ids;
 * ``kvwire index --workers 2`` (real processes, a real publisher): a ``/register`` answered
   on one connection is seen by every later connection, whichever worker takes it (40 fresh
   connections: both workers, but with probability 2^-39); likewise ``/unregister``; the query
@@ -11,6 +14,7 @@
 
 from __future__ import annotations
 
+import array
 import functools
 import json
 import os
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import TIMEOUT
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from waiting import wait_for  # noqa: E402
 
@@ -115,6 +119,45 @@ def test_fast_query_answers_as_the_indexer(indexed, tokens, fields, first, space
         assert fast == indexed.handle("POST", "/query", raw)
     finally:
         indexed.c_token_ids = True
+
+
+_ID = st.one_of(st.integers(0, 9), st.integers(10, 99_999), st.integers(0, 2**32 - 1),
+                st.integers(10**7, 10**8 - 1), st.integers(10**8, 10**9 - 1),
+                st.integers(2**32, 10**11))
+_ODD = st.sampled_from(["01", "00", "", " ", "-1", "1.5", "1e3", "x", "007", '"7"',
+                        "123456789012"])
+
+
+@settings(max_examples=400, deadline=None)
+@example(ids=[7] * 60, spaced="", odd=(20, "01"), tail="}")  # in the block path
+@example(ids=[7] * 60, spaced="", odd=(20, ""), tail="}")
+@given(ids=st.one_of(st.lists(_ID, max_size=20), st.lists(_ID, min_size=30, max_size=400)),
+       spaced=st.sampled_from(["", " ", "", "\n"]),
+       odd=st.one_of(st.none(), st.tuples(st.integers(0, 400), _ODD)),
+       tail=st.sampled_from(["}", ',"model":"m"}', ', "block_size": 16}', "]", "}x", ""]))
+def test_token_parser_takes_only_what_json_says(ids, spaced, odd, tail) -> None:
+    from kvwire.router.tokens import parse_route_body
+
+    if parse_route_body is None:
+        pytest.skip("the C token-id parser is not built (or KVWIRE_NO_NATIVE)")
+    items = [str(i) for i in ids]
+    if odd is not None:
+        items.insert(odd[0] % (len(items) + 1), odd[1])
+    body = ('{"token_ids":[' + ("," + spaced).join(items) + "]" + tail).encode()
+    got = parse_route_body(body)
+    try:
+        want = json.loads(body)
+    except ValueError:
+        want = None
+    if got is not None:  # taken: exactly the JSON's ids, all in range, the rest as JSON's
+        assert want is not None, body
+        assert array.array("q", got[0]).tolist() == want["token_ids"], body
+        assert all(0 <= t < 2**32 for t in want["token_ids"])
+        rest = {} if got[1] is None else json.loads(got[1])
+        assert rest == {k: v for k, v in want.items() if k != "token_ids"}
+    elif odd is None and tail in ("}", ',"model":"m"}', ', "block_size": 16}') \
+            and all(i < 2**32 for i in ids) and spaced != "\n":
+        raise AssertionError(f"a plain array was not taken: {body[:200]!r}")
 
 
 # ----------------------------------------------------------------------------- workers
