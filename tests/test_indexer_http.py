@@ -7,7 +7,7 @@
   compact or ", "-spaced array of in-range ids;
 * ``kvwire index --workers 2`` (real processes, a real publisher): a ``/register`` answered
   on one connection is seen by every later connection, whichever worker takes it (40 fresh
-  connections: both workers, but with probability 2^-39); likewise ``/unregister``; the query
+  connections: the parent hands them to both workers in turn); likewise ``/unregister``; the query
   string reaches the indexer (``?shape=``); pipelined keep-alive requests are answered in
   order; a worker that dies takes the service down (exit 1), never half of it.
 """

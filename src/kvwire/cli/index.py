@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.workers == 1:  # no sequencer, no second process: the leanest path
             handle = make_handle(options)
-            sock = ih.listen_socket(args.host, args.port, reuse_port=False)
+            sock = ih.listen_socket(args.host, args.port)
             say(f"kvwire index: http://{args.host}:{sock.getsockname()[1]} "
                 f"(1 worker, {ih.describe_loop()}, pid {os.getpid()})")
             try:

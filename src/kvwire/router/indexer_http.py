@@ -5,7 +5,7 @@ The indexer's logic is a pure ``handle(method, path, body) -> (status, body)``
 allows: httptools parses, :class:`IndexProtocol` answers each request in its own callback
 with one write (no task, no framework object per request), on uvloop when it is installed;
 the worker's ingest runs on the same loop (:mod:`kvwire.router.indexer_ingest`). A static
-2,048-token ``/query`` costs 33-46 us of CPU in all, kernel included (docs/benchmarks.md).
+2,048-token ``/query`` costs 24-46 us of CPU in all, kernel included (docs/benchmarks.md).
 
 **Several workers, one index (docs/design.md).** ``--workers N`` runs N processes; the parent
 listens and hands each connection to the worker with the fewest open ones
@@ -308,13 +308,12 @@ class Sequencer:
                 self.conns[origin].send(("done", op))
 
 
-def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A TCP socket bound to host:port (``SO_REUSEPORT`` so several workers share it)."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (one listener: with several workers the parent's,
+    which hands the connections out)."""
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(fam, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     s.bind((host, port))
     return s
 
@@ -401,7 +400,7 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
     replica. Returns an exit status."""
     from .indexer_handout import Handout
 
-    listener = listen_socket(host, port, reuse_port=False)
+    listener = listen_socket(host, port)
     listener.listen(1024)  # connections wait in the queue until every worker is ready
     port = listener.getsockname()[1]
     ctx = mp.get_context("spawn")
