@@ -5,11 +5,14 @@ one before the client got a byte, and pass the answer back on the client's
 
 The hot path costs one task per request and nothing per streamed chunk beyond the bytes:
 the engine's connection pushes each read's chunks to a :class:`_Relay`, which writes them
-to the client in one socket write (chunks that arrived together leave together), pauses
-the engine's connection while the client's buffer is full, and arms one timer for the
-stall timeout (re-armed only when it fires). A client that goes away cancels the request's
-task, whose ``finally`` releases the load and closes the engine's connection (the engine
-aborts).
+to the client as one HTTP chunk in one socket write (chunks that arrived together leave
+together; the read that ends the answer leaves with the end, and the first with the held
+head), pauses the engine's connection while the client's buffer is full, and arms one
+timer per stream (the late head, then the stall timeout, re-armed only when it fires).
+Socket writes are most of a stream's cost on loopback (each wakes the reader), so a stream
+whose answer came in one read after the head costs one write to the client. A client that
+goes away cancels the request's task, whose ``finally`` releases the load and closes the
+engine's connection (the engine aborts).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def handle(proxy: Proxy, req: Request) -> None:
         _bad(proxy, req, BadRequest(413, f"request body over {proxy.cfg.max_body} bytes",
                                     "body"))
         return
-    task = asyncio.get_running_loop().create_task(_serve(proxy, req, PATHS[path]))
+    loop = req.proto.server.loop  # (asyncio.get_running_loop() costs a getpid() call)
+    task = loop.create_task(_serve(proxy, req, PATHS[path], loop))
 
     def gone() -> None:  # the client left before the answer ended: abandon it
         proxy.counts["client_disconnects"] += 1
@@ -90,7 +94,8 @@ def _bad(proxy: Proxy, req: Request, e: BadRequest) -> None:
     req.respond(e.status, openai_error(e.status, str(e), e.type, e.param))
 
 
-async def _serve(proxy: Proxy, req: Request, chat: bool) -> None:
+async def _serve(proxy: Proxy, req: Request, chat: bool,
+                 loop: asyncio.AbstractEventLoop) -> None:
     try:
         body = proxy._check(req.body, chat)
         tokens = await proxy._tokens(body, chat)
@@ -119,7 +124,7 @@ async def _serve(proxy: Proxy, req: Request, chat: bool) -> None:
             break
         tried.add(routed.engine)
         outcome, sent, last = await _attempt(proxy, req, routed, headers, stream,
-                                             attempt == 0)
+                                             attempt == 0, loop)
         last_engine = routed.engine
         if marks_down(outcome):
             proxy.counts["upstream_failures"] += 1
@@ -136,7 +141,8 @@ async def _serve(proxy: Proxy, req: Request, chat: bool) -> None:
 
 
 async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, stream: bool,
-                   first: bool) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
+                   first: bool, loop: asyncio.AbstractEventLoop
+                   ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
     """One try at one engine: (outcome, whether the client got bytes, the error to answer
     with if nothing was sent). The reservation ends here, on every path (a cancel lands
     in an await, and ``finally`` runs)."""
@@ -168,7 +174,7 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
         if stream and resp.status == 200:
             req.start(200, [(b"content-type", ctype), _NO_CACHE, *rid], hold=True)
             proxy.requests[name, 200] += 1
-            relay = _Relay(proxy, req, resp, lc, link)
+            relay = _Relay(proxy, req, resp, lc, link, loop)
             try:
                 await relay.finished
             finally:
@@ -214,12 +220,12 @@ class _Relay:
     failing or going silent mid-stream becomes an SSE error event and a clean end."""
 
     __slots__ = ("proxy", "req", "resp", "lc", "link", "finished", "events", "usage",
-                 "last_usage", "first", "paused", "timer", "loop", "since", "head_timer")
+                 "last_usage", "first", "paused", "timer", "loop", "since")
 
     def __init__(self, proxy: Proxy, req: Request, resp: Response, lc: Lifecycle,
-                 link: _Link) -> None:
+                 link: _Link, loop: asyncio.AbstractEventLoop) -> None:
         self.proxy, self.req, self.resp, self.lc, self.link = proxy, req, resp, lc, link
-        self.loop = loop = asyncio.get_running_loop()
+        self.loop = loop
         self.finished: asyncio.Future = loop.create_future()
         self.events = 0
         self.usage: int | None = None
@@ -227,31 +233,38 @@ class _Relay:
         self.first = True
         self.paused = False
         self.since = loop.time()
-        self.timer: asyncio.TimerHandle | None = loop.call_later(
-            proxy.cfg.stall_timeout, self._stall_check)
+        self.timer: asyncio.TimerHandle | None = None
         req.on_pause = self._pause
         req.on_resume = self._resume
-        self.head_timer: asyncio.TimerHandle | None = None
         resp.relay(self)
-        if self.first and not self.finished.done():  # no chunk came with the head
-            self.head_timer = loop.call_later(HEAD_HOLD, req.flush)
+        if not self.finished.done():
+            # one timer per stream: first at HEAD_HOLD to send a head still held (no chunk
+            # came with it), then as the stall check
+            stall = proxy.cfg.stall_timeout
+            self.timer = loop.call_later(min(HEAD_HOLD, stall) if self.first else stall,
+                                         self._stall_check)
 
-    def on_chunks(self, chunks: list[bytes]) -> None:
+    def _see(self, chunks: list[bytes]) -> bytes:
+        """What one read held, as one piece, and what the proxy reads in it in passing:
+        the first chunk (prefill done), SSE events and the last ``usage``."""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if self.first:
             self.first = False
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-                self.head_timer = None
             self.proxy._first(self.lc)
             self.link.ttft.observe(time.perf_counter() - self.req.t0)
-        for c in chunks:
-            self.events += c.count(b"data: {")
-            if b"completion_tokens" in c:
-                m = COMPLETION_TOKENS.search(c)
-                if m:
-                    self.usage = int(m.group(1))
-                    self.last_usage = c  # cumulative: only the last one is counted
-        self.req.write(chunks)
+        self.events += data.count(b"data: {")
+        at = data.rfind(b'"completion_tokens"')
+        if at >= 0:
+            m = COMPLETION_TOKENS.match(data, at)
+            if m:
+                self.usage = int(m.group(1))
+                self.last_usage = data  # cumulative: only the last one is counted
+        return data
+
+    def on_chunks(self, chunks: list[bytes]) -> None:
+        # one read from the engine: one chunk to the client (the engine's SSE events pass
+        # unchanged; only the HTTP chunk framing, which is per hop, is the proxy's own)
+        self.req.write((self._see(chunks),))
 
     def _settle(self) -> None:
         name = self.link.name
@@ -261,11 +274,12 @@ class _Relay:
         _settle(self.proxy, self.lc, name,
                 self.usage if self.usage is not None else self.events)
 
-    def on_end(self) -> None:
+    def on_end(self, chunks: list[bytes]) -> None:
         if self.finished.done():
             return
+        data = self._see(chunks) if chunks else b""
         self._settle()
-        self.req.end()
+        self.req.end(data)  # the last read's chunks and the end: one write
         self.finished.set_result(None)
 
     def on_error(self, error: UpstreamError | None, why: str | None = None) -> None:
@@ -280,6 +294,7 @@ class _Relay:
         self.finished.set_result(None)
 
     def _stall_check(self) -> None:
+        self.req.flush()  # a head held for a first chunk that is late
         stall = self.proxy.cfg.stall_timeout
         now = self.loop.time()
         if self.paused:
@@ -303,9 +318,6 @@ class _Relay:
         self.resp.resume()
 
     def stop(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

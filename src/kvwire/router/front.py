@@ -143,12 +143,14 @@ class Request:
             t.write(data)
 
     def end(self, chunk: bytes = b"") -> None:
+        """The last ``chunk`` (if any) and the end of a started answer: one socket write
+        (with a head still held)."""
         if self.done:
             return
         t = self.proto.transport
         if t is not None:
-            t.write(b"".join((self._head, b"%x\r\n%s\r\n" % (len(chunk), chunk)
-                              if chunk else b"", b"0\r\n\r\n")))
+            t.write(b"%s%x\r\n%s\r\n0\r\n\r\n" % (self._head, len(chunk), chunk)
+                    if chunk else self._head + b"0\r\n\r\n")
         self._head = b""
         self._finish()
 

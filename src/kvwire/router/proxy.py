@@ -231,7 +231,8 @@ class Proxy:
         self.prompt_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self.cached_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self._known: dict[str, str | None] = {}
-        self._known_from: list[list] = []
+        self._known_gen = -1  # the _models_gen _known was built at
+        self._models_gen = 0  # bumped by the prober each time it sets an engine's models
         self.metrics = ProxyMetrics(self)
         for name, link in self.links.items():
             link.ttft = self.metrics.ttft.labels(name)
@@ -272,6 +273,7 @@ class Proxy:
                 data = client.get(link.url + "/v1/models").json()["data"]
                 link.models = [m for m in data if isinstance(m, dict) and "id" in m]
                 link.model_ids = frozenset(m["id"] for m in link.models)
+                self._models_gen += 1  # (only this thread writes it)
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             ok = False
         now = time.monotonic()
@@ -358,17 +360,16 @@ class Proxy:
         return req
 
     def _known_models(self) -> dict[str, str | None]:
-        """Model id -> parent (LoRA adapters) over the engines; rebuilt only when a probe
-        replaced an engine's list (compared by identity: each probe assigns a new one)."""
-        lists = [link.models for link in self.links.values()]
-        seen = self._known_from
-        if len(seen) == len(lists) and all(a is b for a, b in zip(seen, lists)):
+        """Model id -> parent (LoRA adapters) over the engines; rebuilt only after a probe
+        set an engine's list (read first: a list set while this builds is seen next time)."""
+        gen = self._models_gen
+        if gen == self._known_gen:
             return self._known
         out: dict[str, str | None] = {}
-        for models in lists:
-            for m in models:
+        for link in self.links.values():
+            for m in link.models:
                 out.setdefault(m["id"], m.get("parent"))
-        self._known, self._known_from = out, lists
+        self._known, self._known_gen = out, gen
         return out
 
     async def _tokens(self, req: _Body, chat: bool) -> Sequence[int]:

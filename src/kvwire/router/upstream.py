@@ -42,7 +42,7 @@ class Sink(Protocol):
     """Where :meth:`Response.relay` pushes a body."""
 
     def on_chunks(self, chunks: list[bytes]) -> None: ...
-    def on_end(self) -> None: ...
+    def on_end(self, chunks: list[bytes]) -> None: ...  # the last read's chunks ([]: none)
     def on_error(self, error: UpstreamError) -> None: ...
 
 
@@ -80,14 +80,17 @@ class Response:
             self._sink.on_chunks(parts)
 
     def _complete(self) -> None:
+        """The body ended: a sink gets the chunks of the read that ended it with the end
+        (one client write for both: the terminator costs no socket write of its own)."""
         self.done = True
-        self._flush()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.response = None
             conn.release(self.keep)
-        if self._sink is not None:
-            self._sink.on_end()
+        sink = self._sink
+        if sink is not None:
+            parts, self._parts = self._parts, []
+            sink.on_end(parts)
         elif self._done_fut is not None and not self._done_fut.done():
             self._done_fut.set_result(None)
 
@@ -105,7 +108,7 @@ class Response:
         if not self.done:
             if self._conn is None:
                 raise UpstreamError("engine broke its answer")
-            loop = asyncio.get_running_loop()
+            loop = self._conn.loop
             self._done_fut = fut = loop.create_future()
             timer = loop.call_later(timeout, _expire, fut) if timeout is not None else None
             try:
@@ -120,10 +123,12 @@ class Response:
     def relay(self, sink: Sink) -> None:
         """Push the body to ``sink`` from now on (what arrived already goes at once)."""
         self._sink = sink
-        self._flush()
         if self.done:
-            sink.on_end()
-        elif self._conn is None:
+            parts, self._parts = self._parts, []
+            sink.on_end(parts)
+            return
+        self._flush()
+        if self._conn is None:
             sink.on_error(UpstreamError("engine closed the connection mid-body"))
 
     def pause(self) -> None:
