@@ -264,6 +264,48 @@ def test_first_token_drops_the_prefill_share(make_stack: Callable[..., Stack]) -
     wait_for(lambda: s.loads() == {}, "load released")
 
 
+def test_usage_and_output_tokens_are_read_off_the_answers(
+        make_stack: Callable[..., Stack]) -> None:
+    """What the proxy reads in passing, per answer: the output length it teaches the
+    decode model (the last ``usage.completion_tokens``, else the SSE events it relayed) and
+    the prompt and cached tokens of the last ``usage`` object, streamed or not, whatever
+    reads the engine's chunks came in."""
+    s = make_stack(1, engine_kw={"speed": 1.0})
+    core, proxy = s.core, s.proxy
+
+    def learned() -> tuple[int, int]:
+        return core._out_sum, core._out_n
+
+    prompt = "usage " * 60
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        for kw, n, expect in (
+                ({}, 5, 5),  # not streamed: the answer's usage
+                ({"stream": True, "stream_options": {"include_usage": True}}, 7, 7),
+                ({"stream": True}, 6, None)):  # no usage: the events relayed
+            body = {"model": "m", "prompt": prompt, "max_tokens": n, "ignore_eos": True, **kw}
+            out0, n0 = learned()
+            p0, c0 = proxy.prompt_tokens["e0"], proxy.cached_tokens["e0"]
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            if kw:
+                events = r.content.count(b"data: {")
+                assert r.content.endswith(b"data: [DONE]\n\n") and events >= n
+            else:
+                events = 0
+            assert learned() == (out0 + (expect or events), n0 + 1), (kw, learned())
+            if expect is None:
+                assert (proxy.prompt_tokens["e0"], proxy.cached_tokens["e0"]) == (p0, c0)
+                continue
+            usage = (r.json() if not kw else json.loads(
+                [ln for ln in r.text.split("\n\n") if '"usage"' in ln][-1][6:]))["usage"]
+            assert usage["completion_tokens"] == expect
+            assert proxy.prompt_tokens["e0"] - p0 == usage["prompt_tokens"] > 0
+            assert proxy.cached_tokens["e0"] - c0 == \
+                usage["prompt_tokens_details"]["cached_tokens"]
+        assert proxy.cached_tokens["e0"] > 0  # the same prompt again: cached on the engine
+    assert s.loads() == {}
+
+
 def test_client_disconnect_aborts_upstream_and_releases(
         make_stack: Callable[..., Stack]) -> None:
     s = make_stack(1, engine_kw={"speed": 1.0})

@@ -157,6 +157,7 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
     proxy.counts["attempts"] += 1
     proxy.in_flight[name] += 1
     sent_at: list[float] = []
+    relayed = False
     try:
         try:
             resp = await proxy._pool(link).request(
@@ -174,11 +175,8 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
         if stream and resp.status == 200:
             req.start(200, [(b"content-type", ctype), _NO_CACHE, *rid], hold=True)
             proxy.requests[name, 200] += 1
-            relay = _Relay(proxy, req, resp, lc, link, loop)
-            try:
-                await relay.finished
-            finally:
-                relay.stop()
+            _Relay(proxy, req, resp, lc, link, loop)  # it ends the stream: no await here
+            relayed = True
             return Outcome.OK, True, None
         try:
             payload = await resp.read(cfg.first_byte_timeout)
@@ -198,11 +196,12 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
         req.respond(resp.status, payload, rid, ctype)
         return Outcome.OK, True, None
     finally:
-        _settle(proxy, lc, name, out_tokens)  # first: nothing below may skip it
+        if not relayed:  # (a relay settles and closes when its stream ends)
+            _settle(proxy, lc, name, out_tokens)  # first: nothing below may skip it
+            if resp is not None:
+                resp.close()  # unfinished: the connection closes and the engine aborts
         if first and sent_at:
             proxy.metrics.overhead.observe(sent_at[0] - req.t0)
-        if resp is not None:
-            resp.close()  # unfinished: the connection closes and the engine aborts
 
 
 def _settle(proxy: Proxy, lc: Lifecycle, name: str, out_tokens: int | None) -> None:
@@ -217,7 +216,10 @@ def _settle(proxy: Proxy, lc: Lifecycle, name: str, out_tokens: int | None) -> N
 class _Relay:
     """A started stream: the engine's chunks to the client as they come (a
     :class:`~kvwire.router.upstream.Sink`). The first drops the prefill share; an engine
-    failing or going silent mid-stream becomes an SSE error event and a clean end."""
+    failing or going silent mid-stream becomes an SSE error event and a clean end. From
+    its start the relay owns the request's end: the request's task has returned (no
+    await and no wake-up per stream for its end), so the relay settles the load, and a
+    client that goes away (``on_close``) closes the engine's connection (it aborts)."""
 
     __slots__ = ("proxy", "req", "resp", "lc", "link", "finished", "events", "usage",
                  "last_usage", "first", "paused", "timer", "loop", "since")
@@ -226,7 +228,7 @@ class _Relay:
                  link: _Link, loop: asyncio.AbstractEventLoop) -> None:
         self.proxy, self.req, self.resp, self.lc, self.link = proxy, req, resp, lc, link
         self.loop = loop
-        self.finished: asyncio.Future = loop.create_future()
+        self.finished = False
         self.events = 0
         self.usage: int | None = None
         self.last_usage = b""
@@ -236,8 +238,9 @@ class _Relay:
         self.timer: asyncio.TimerHandle | None = None
         req.on_pause = self._pause
         req.on_resume = self._resume
+        req.on_close = self._gone
         resp.relay(self)
-        if not self.finished.done():
+        if not self.finished:
             # one timer per stream: first at HEAD_HOLD to send a head still held (no chunk
             # came with it), then as the stall check
             stall = proxy.cfg.stall_timeout
@@ -275,23 +278,37 @@ class _Relay:
                 self.usage if self.usage is not None else self.events)
 
     def on_end(self, chunks: list[bytes]) -> None:
-        if self.finished.done():
+        if self.finished:
             return
+        self.finished = True
         data = self._see(chunks) if chunks else b""
         self._settle()
         self.req.end(data)  # the last read's chunks and the end: one write
-        self.finished.set_result(None)
+        self.stop()
+
+    def _gone(self) -> None:
+        """The client went away mid-stream: the engine's connection closes (it aborts);
+        the load is released without an output length (the answer was cut short)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.proxy.counts["client_disconnects"] += 1
+        self.stop()
+        _settle(self.proxy, self.lc, self.link.name, None)
+        self.resp.close()
 
     def on_error(self, error: UpstreamError | None, why: str | None = None) -> None:
-        if self.finished.done():
+        if self.finished:
             return
+        self.finished = True
         self.proxy.counts["broken_streams"] += 1
         name = self.link.name
         msg = why or f"engine {name} failed mid-stream: {error}"
         err = openai_error(502, msg, "BadGateway")
         self._settle()
         self.req.end(b"data: " + err + b"\n\ndata: [DONE]\n\n")
-        self.finished.set_result(None)
+        self.stop()
+        self.resp.close()
 
     def _stall_check(self) -> None:
         self.req.flush()  # a head held for a first chunk that is late
