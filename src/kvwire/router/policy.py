@@ -234,7 +234,7 @@ class LoadTracker:
 
     def __init__(self, expiry_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
-                 busy_window: float = 600.0) -> None:
+                 busy_window: float = 600.0, drain: bool = True) -> None:
         if not math.isfinite(expiry_s) or expiry_s <= 0:
             raise ValueError(f"expiry_s must be > 0, got {expiry_s!r}")
         if not busy_window > 0:
@@ -242,8 +242,11 @@ class LoadTracker:
         self.expiry_s = float(expiry_s)
         self.clock = clock
         self.busy_window = float(busy_window)
+        self.drain = bool(drain)
         self._busy: dict[str, tuple[float, float]] = {}  # name -> (decayed busy s, as of)
-        self._by_id: dict[str, tuple[str, float, float]] = {}  # id -> (name, amount, deadline)
+        # id -> (name, amount, deadline, prefill still outstanding)
+        self._by_id: dict[str, tuple[str, float, float, float]] = {}
+        self._drain: dict[str, _Drain] = {}  # name -> its prefill backlog and learned rate
         self._load: dict[str, float] = {}
         self._count: dict[str, int] = {}  # live reservations per engine (clears float residue)
         self._heap: list[tuple[float, str]] = []  # (deadline, id); stale entries skipped
@@ -253,17 +256,27 @@ class LoadTracker:
         self.unknown_releases = 0
 
     def reserve(self, request_id: str, name: str, amount: float,
-                now: float | None = None) -> None:
+                now: float | None = None, prefill: float = 0.0) -> None:
         """Add ``amount`` to ``name``'s load until ``release(request_id)`` or expiry.
-        Reserving an id again replaces its previous reservation."""
+        ``prefill`` (<= amount): the part of it that is prompt still to compute, which
+        :meth:`reduce` at the first token ends; the engine works it off meanwhile (see
+        :meth:`load`). Reserving an id again replaces its previous reservation."""
         if not math.isfinite(amount) or amount < 0:
             raise ValueError(f"load amount must be a finite number >= 0, got {amount!r}")
+        if not (math.isfinite(prefill) and 0 <= prefill):
+            raise ValueError(f"prefill must be a finite number >= 0, got {prefill!r}")
         now = self.clock() if now is None else now
         self.expire(now)
         if request_id in self._by_id:
             self._drop(request_id, now)
         deadline = now + self.expiry_s
-        self._by_id[request_id] = (name, float(amount), deadline)
+        prefill = min(float(prefill), float(amount))
+        self._by_id[request_id] = (name, float(amount), deadline, prefill)
+        if prefill > 0:
+            d = self._drain.get(name)
+            if d is None:
+                d = self._drain[name] = _Drain()
+            d.add(prefill, now, self.busy_window)
         self._load[name] = self._load.get(name, 0.0) + amount
         self._count[name] = self._count.get(name, 0) + 1
         if self._count[name] == 1:  # idle until now: busy from now on
@@ -280,16 +293,20 @@ class LoadTracker:
         self.released += 1
         return True
 
-    def reduce(self, request_id: str, amount: float) -> float:
+    def reduce(self, request_id: str, amount: float, now: float | None = None) -> float:
         """Lower a live reservation by up to ``amount`` (a proxied request's prefill share,
-        dropped at its first token); returns what was taken off (0.0 if the id is gone)."""
+        dropped at its first token); returns what was taken off (0.0 if the id is gone).
+        The prefill reserved with it is done: it teaches the engine's prefill rate."""
         entry = self._by_id.get(request_id)
         if entry is None or not amount > 0:
             return 0.0
-        name, held, deadline = entry
+        name, held, deadline, prefill = entry
         take = min(float(amount), held)
-        self._by_id[request_id] = (name, held - take, deadline)
+        self._by_id[request_id] = (name, held - take, deadline, 0.0)
         self._load[name] = max(self._load[name] - take, 0.0)
+        if prefill > 0:
+            self._drain[name].done(prefill, self.clock() if now is None else now,
+                                   self.busy_window, learn=True)
         return take
 
     def amount(self, request_id: str) -> float | None:
@@ -310,12 +327,14 @@ class LoadTracker:
                 n += 1
         self.expired += n
         if len(heap) > 2 * len(self._by_id) + 64:  # stale entries from releases: compact
-            self._heap = [(d, r) for r, (_, _, d) in self._by_id.items()]
+            self._heap = [(d, r) for r, (_, _, d, _) in self._by_id.items()]
             heapq.heapify(self._heap)
         return n
 
     def _drop(self, request_id: str, now: float) -> None:
-        name, amount, _ = self._by_id.pop(request_id)
+        name, amount, _, prefill = self._by_id.pop(request_id)
+        if prefill > 0:  # ended before its first token (failed, abandoned): not learned from
+            self._drain[name].done(prefill, now, self.busy_window, learn=False)
         count = self._count[name] - 1
         if count == 0:  # exact zero, no float residue from += / -=
             self._busy[name] = (self._busy_at(name, now, True), now)
@@ -325,9 +344,25 @@ class LoadTracker:
             self._count[name] = count
             self._load[name] = max(self._load[name] - amount, 0.0)
 
-    def load(self, name: str) -> float:
-        """Current reserved load of ``name`` (0.0 if none)."""
-        return self._load.get(name, 0.0)
+    def load(self, name: str, now: float | None = None) -> float:
+        """``name``'s reserved load (0.0 if none), less the prefill it has likely worked
+        off since: reserved prompts not yet at their first token drain as one queue at the
+        engine's prefill rate, learned from the first tokens it delivered (blocks of
+        prefill done / seconds it had prefill outstanding). Reserved load alone keeps a
+        long prompt's whole prefill on its engine until the first token, seconds after
+        most of it is done, which sent new prompts past engines about to be free. Until a
+        first token has taught a rate (or with ``drain=False``) this is the reserved load."""
+        held = self._load.get(name, 0.0)
+        d = self._drain.get(name) if self.drain else None
+        if d is None or d.outstanding <= 0 or d.rate <= 0:
+            return held
+        drained = d.outstanding - d.backlog(self.clock() if now is None else now)
+        return max(held - drained, 0.0) if drained > 0 else held
+
+    def prefill_rate(self, name: str) -> float:
+        """The prefill rate learned for ``name`` (blocks of load per second; 0.0 if none)."""
+        d = self._drain.get(name)
+        return d.rate if d is not None else 0.0
 
     def busy(self, name: str, now: float | None = None) -> float:
         """Seconds ``name`` has had at least one reservation lately: the time it held
@@ -358,3 +393,50 @@ class LoadTracker:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+class _Drain:
+    """One engine's outstanding prefill seen as one queue the engine works off.
+
+    ``outstanding``: prefill reserved and not yet at its first token (exact, from the
+    reservations); ``backlog(now)``: what of it is likely left, draining at ``rate``
+    since the last change and never above ``outstanding``. ``rate``: prefill done /
+    seconds with prefill outstanding, both decayed exp(-age / window); 0 until a first
+    token (then the backlog does not drain)."""
+
+    __slots__ = ("outstanding", "left", "at", "n", "since", "done_blocks", "busy_s", "rate")
+
+    def __init__(self) -> None:
+        self.outstanding = 0.0
+        self.left = 0.0  # the backlog as of ``at``
+        self.at = 0.0
+        self.n = 0  # reservations with prefill outstanding (ends float residue at 0)
+        self.since = 0.0  # when outstanding last became > 0, or the last learn
+        self.done_blocks = 0.0
+        self.busy_s = 0.0
+        self.rate = 0.0
+
+    def backlog(self, now: float) -> float:
+        left = self.left - self.rate * (now - self.at) if now > self.at else self.left
+        return min(max(left, 0.0), self.outstanding)
+
+    def add(self, prefill: float, now: float, window: float) -> None:
+        self.left = self.backlog(now) + prefill
+        self.at = now
+        if self.n == 0:
+            self.since = now
+        self.n += 1
+        self.outstanding += prefill
+
+    def done(self, prefill: float, now: float, window: float, learn: bool) -> None:
+        left = self.backlog(now)  # drained at the rate known until now
+        if learn and now > self.since:
+            k = math.exp(-(now - self.since) / window)
+            self.busy_s = self.busy_s * k + (now - self.since)
+            self.done_blocks = self.done_blocks * k + prefill
+            self.since = now
+            self.rate = self.done_blocks / self.busy_s
+        self.n -= 1
+        self.outstanding = self.outstanding - prefill if self.n else 0.0
+        self.left = min(left, self.outstanding)
+        self.at = now

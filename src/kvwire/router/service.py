@@ -476,7 +476,7 @@ class RouterCore:
             prefill = max(prompt_blocks - d.overlap[d.name], 0.0)
             amount = request_load(prompt_blocks, d.overlap[d.name], expect,
                                   self.decode_share) + self.decode_load
-            self.loads.reserve(rid, d.name, amount, now)
+            self.loads.reserve(rid, d.name, amount, now, prefill=prefill)
             m = matches.get(target.stream)
             if prompt_blocks and (m is None or m.prompt_blocks == 0
                                   or m.blocks < m.prompt_blocks):

@@ -82,10 +82,13 @@ class SimConfig:
     #: issue 24: ``load_weight=0.5, balance_slack_tokens=0``.
     prefill_weight: float = 1.0
     load_weight: float = 1.0
-    balance_slack_tokens: int = 131_072
+    balance_slack_tokens: int = 32_768
     #: Ties (a new prefix, engines idle) go to the engine busy least lately: the seconds
     #: it held requests, decayed over ``busy_window`` virtual seconds (LoadTracker.busy).
     busy_window: float = 600.0
+    #: Load seen by the policy: reserved load less the prefill each engine has likely
+    #: worked off at its learned rate (LoadTracker.load); False: reserved load only.
+    drain: bool = True
     #: Load of a routed request = uncached blocks + decode_share x expected output blocks
     #: (expected = mean output of the requests completed so far). None: a decoded token's
     #: cost over a prefilled token's (fifo: prefill_rate / decode_rate; batched: the step

@@ -40,7 +40,7 @@ class _Router:
         # release, so the load tracker (its busy times) runs on the simulation's clock
         self.now = 0.0
         self.loads = LoadTracker(expiry_s=1e12, clock=lambda: self.now,
-                                 busy_window=cfg.busy_window)
+                                 busy_window=cfg.busy_window, drain=cfg.drain)
         self._prefill: dict[str, float] = {}  # request -> prefill share still reserved
 
     def sync(self, now: float) -> None:
@@ -59,8 +59,9 @@ class _Router:
         expect = self._out_sum / self._out_n if self._out_n else 0.0
         amount = request_load(prompt_blocks, credit, expect / self.cfg.block_tokens,
                               self.cfg.share())
-        self.loads.reserve(rid, self.engines[e].name, amount, now)
-        self._prefill[rid] = max(prompt_blocks - credit, 0.0)
+        prefill = max(prompt_blocks - credit, 0.0)
+        self.loads.reserve(rid, self.engines[e].name, amount, now, prefill=prefill)
+        self._prefill[rid] = prefill
 
     def first_token(self, rid: str) -> None:
         """The request's first token is out: its prefill share of the load is dropped, as
