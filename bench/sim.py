@@ -6,6 +6,7 @@ of §6 on the bundled trace (8 engines x 5,000 blocks).
     .venv/bin/python bench/sim.py --requests 3993   # the bundled trace once (the §6 run)
     .venv/bin/python bench/sim.py --engine-model fifo   # the one-request-at-a-time model
     .venv/bin/python bench/sim.py --compare         # issue 24: kvwire vs SGLang's cache_aware
+    .venv/bin/python bench/sim.py --ablate          # kvwire with and without its load rules
 """
 
 from __future__ import annotations
@@ -50,17 +51,43 @@ def compare(loads: list[float], engines: int, capacity: int) -> None:
             print(f"{load:g}x: {label}: {v:.3f} {'MET' if ok else 'MISSED'}")
 
 
+def ablate(loads: list[float], engines: int, capacity: int) -> None:
+    """kvwire's policy with and without each of its two load rules: the drained load
+    (LoadTracker.load: prefill worked off at the learned rate) and the balance slack
+    (32,768 tokens, the default, against 131,072, the default before the drain)."""
+    base = load_trace(bundled_trace_path())
+    print("| load | drained load | slack (tokens) | hit ratio | work max/mean | TTFT p50 s "
+          "| TTFT p99 s |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for load in loads:
+        reqs = [replace(r, t=r.t / load) for r in base]
+        for drain in (True, False):
+            for slack in (32_768, 131_072):
+                cfg = SimConfig(engines=engines, capacity=capacity, drain=drain,
+                                balance_slack_tokens=slack)
+                s = run_sim(reqs, cfg, ["kvwire"]).results["kvwire"].summary()
+                print(f"| {load:g}x | {'yes' if drain else 'no'} | {slack:,} "
+                      f"| {s['hit_ratio']:.3f} | {s['work_max_over_mean']:.3f} "
+                      f"| {s['ttft_p50_s']:.2f} | {s['ttft_p99_s']:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=5000)
     ap.add_argument("--engine-model", choices=("batched", "fifo"), default="batched")
+    ap.add_argument("--ablate", action="store_true",
+                    help="kvwire with and without the drained load and the 32,768 slack "
+                         "at --loads")
     ap.add_argument("--compare", action="store_true",
                     help="kvwire vs SGLang's cache_aware vs round robin at --loads")
     ap.add_argument("--loads", default="1,2,3",
                     help="--compare: arrival-rate multipliers of the bundled trace")
     args = ap.parse_args()
+    if args.ablate:
+        ablate([float(x) for x in args.loads.split(",")], args.engines, args.capacity)
+        return
     if args.compare:
         compare([float(x) for x in args.loads.split(",")], args.engines, args.capacity)
         return
