@@ -322,8 +322,7 @@ class _Relay:
                                               self._stall_check)
             return
         self.timer = None
-        self.resp.close()
-        self.on_error(None, f"engine {self.link.name} sent nothing for {stall:g} s")
+        self.on_error(None, f"engine {self.link.name} sent nothing for {stall:g} s")  # closes
 
     def _pause(self) -> None:
         self.paused = True

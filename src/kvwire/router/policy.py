@@ -276,7 +276,7 @@ class LoadTracker:
             d = self._drain.get(name)
             if d is None:
                 d = self._drain[name] = _Drain()
-            d.add(prefill, now, self.busy_window)
+            d.add(prefill, now)
         self._load[name] = self._load.get(name, 0.0) + amount
         self._count[name] = self._count.get(name, 0) + 1
         if self._count[name] == 1:  # idle until now: busy from now on
@@ -420,7 +420,7 @@ class _Drain:
         left = self.left - self.rate * (now - self.at) if now > self.at else self.left
         return min(max(left, 0.0), self.outstanding)
 
-    def add(self, prefill: float, now: float, window: float) -> None:
+    def add(self, prefill: float, now: float) -> None:
         self.left = self.backlog(now) + prefill
         self.at = now
         if self.n == 0:

@@ -402,12 +402,12 @@ class RouterCore:
                 m = get(stream)
                 if m is None or not m.credit or not m.prompt_blocks:
                     blocks[label] = 0
-                    cands.append(Candidate(label, 0.0, load(label), alive.get(stream, False),
+                    cands.append(Candidate(label, 0.0, load(label, now), alive.get(stream, False),
                                            busy(label, now)))
                     continue
                 blocks[label] = m.blocks
                 credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
-                cands.append(Candidate(label, credit, load(label), alive.get(stream, False),
+                cands.append(Candidate(label, credit, load(label, now), alive.get(stream, False),
                                        busy(label, now)))
             d = self.policy.choose(prompt_blocks, cands)
             target = self._by_label[d.name]
@@ -466,7 +466,7 @@ class RouterCore:
                 credit = 0.0
                 if m is not None and m.credit and m.prompt_blocks:
                     credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
-                cands.append(Candidate(t.label, credit, load(t.label),
+                cands.append(Candidate(t.label, credit, load(t.label, now),
                                        alive.get(t.stream, False) and up(t.engine),
                                        busy(t.label, now)))
             d = self.policy.choose(prompt_blocks, cands)
