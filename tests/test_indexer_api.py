@@ -226,6 +226,44 @@ def test_dynamo_spelling_register_and_reregister(svc: Service) -> None:
     assert health["registered"] == 1 and health["stream_errors"] == 0, health
 
 
+def test_a_mooncake_registration_follows_a_run_from_seq_1_exactly(svc: Service) -> None:
+    """Mooncake Store's publisher numbers its run from 1. Registered as ``type: Mooncake``
+    its whole run (the 69 vendored batches, by replay: published before the registration)
+    is an exact start; the same publisher registered as vLLM is a late start (seq 0 would be
+    missing), as it must be for an engine's stream."""
+    import json
+    import threading
+    from pathlib import Path
+
+    from mooncake_like import MooncakeLike
+
+    doc = json.loads((Path(__file__).parent / "data" / "rfc1527_mooncake.json").read_text())
+    moon = MooncakeLike(doc["messages"])
+    moon.publish_all()
+    stop = threading.Event()
+    server = threading.Thread(target=moon.serve, args=(stop,), daemon=True)
+    server.start()
+    try:
+        for inst, kind in (("moon", "Mooncake"), ("as-vllm", "vLLM")):
+            r = svc.http.post("/register", json={
+                "endpoint": moon.endpoint, "replay_endpoint": moon.replay_endpoint,
+                "type": kind, "modelname": "m", "block_size": BS, "instance_id": inst})
+            assert r.status_code == 200, r.text
+
+        def followed() -> dict | None:
+            st = {k.split("|")[0]: v.stream for k, v in svc.core.sub_stats.items()}
+            done = all(k in st and st[k].batches == 69 for k in ("moon", "as-vllm"))
+            return st if done else None
+
+        st = wait_for(followed, "both registrations holding the 69 batches")
+        assert st["moon"].exact and st["moon"].lost == 0, st["moon"]
+        assert not st["as-vllm"].exact, st["as-vllm"]
+    finally:
+        stop.set()
+        server.join()
+        moon.close()
+
+
 # --------------------------------------------------------------------------- Dynamo's gaps
 
 

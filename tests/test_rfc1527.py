@@ -13,6 +13,7 @@ import pytest
 from cli_helpers import listen_while_publishing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mooncake_like import MooncakeLike
 
 from kvwire.consume.cache import BlockCache, chain_events
 from kvwire.publish.config import KVEventsConfig
@@ -446,3 +447,47 @@ def test_kvwire_listen_shows_an_rfc1527_stream() -> None:
         assert abs(r["ts"] - time.time()) < 60
         assert r["events"][0]["medium"] == "CPU" and r["events"][0]["block_hashes"][0] > 2**63
         assert "rfc1527" in r["events"][0]
+
+
+# --------------------------------------------------------------------------- a run from seq 1
+
+
+@pytest.mark.parametrize("first_seq", [1, 0])
+def test_a_mooncake_run_followed_from_its_start_is_exact(first_seq: int) -> None:
+    """Joined after all 69 batches were published: the replay from 0 answers seqs 1..69,
+    Mooncake's whole run. Told ``first_seq=1`` (as an RFC #1403 ``/register`` of type
+    Mooncake tells it), the subscriber holds it exactly; with the engines' 0 it must call
+    it a late start, since for them seq 0 would be missing."""
+    import threading
+
+    from kvwire.consume.stream import Batch, Snapshot, StreamConfig
+    from kvwire.consume.subscriber import StreamSpec, Subscriber
+
+    moon = MooncakeLike(messages())
+    moon.publish_all()  # nobody listens yet: these reach the subscriber only by replay
+    stop = threading.Event()
+    server = threading.Thread(target=moon.serve, args=(stop,), daemon=True)
+    server.start()
+    sub = Subscriber([StreamSpec("moon", moon.endpoint, replay_endpoint=moon.replay_endpoint,
+                                 first_seq=first_seq)],
+                     config=StreamConfig(request_timeout=0.5, info_timeout=0.3))
+    snaps: list[Snapshot] = []
+    seqs: list[int] = []
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (not seqs or seqs[-1] < 69):
+            item = sub.poll(0.05)
+            if isinstance(item, Snapshot):
+                snaps.append(item)
+            elif isinstance(item, Batch):
+                seqs.append(item.seq)
+        stats = sub.stats()["moon"].stream
+    finally:
+        sub.close()
+        stop.set()
+        server.join()
+        moon.close()
+    assert seqs == list(range(1, 70)), seqs
+    assert len(snaps) == 1 and snaps[0].seq == 0
+    assert snaps[0].exact is (first_seq == 1) and stats.exact is (first_seq == 1), stats
+    assert stats.lost == 0 and stats.bad_payloads == 0

@@ -277,11 +277,20 @@ def test_health_503_when_nothing_is_live() -> None:
     ("a=tcp://127.0.0.1:1,ranks=0", "ranks '0' must be 1..1024"),
     ("a=tcp://127.0.0.1:1,colour=red", "unknown option 'colour=red'"),
     ("a=tcp://127.0.0.1:1,replay=nope", "replay"),
+    ("a=tcp://127.0.0.1:1,first_seq=2", "first_seq '2' must be 0 (vLLM, SGLang, kvwire) or 1"),
 ])
 def test_bad_engine_specs(spec: str, needle: str) -> None:
     with pytest.raises(ValueError) as ei:
         EngineSpec.parse(spec)
     assert needle in str(ei.value)
+
+
+def test_engine_spec_first_seq_reaches_every_rank_stream() -> None:
+    """``first_seq=1`` (a Mooncake Store publisher numbers its run from 1) reaches the
+    StreamSpec of each DP rank; the default is the engines' 0."""
+    e = EngineSpec.parse("m=tcp://127.0.0.1:5557,ranks=2,first_seq=1")
+    assert [s.first_seq for s in e.streams()] == [1, 1]
+    assert [s.first_seq for s in EngineSpec.parse("m=tcp://127.0.0.1:5557").streams()] == [0]
 
 
 def test_nats_engine_spec_has_ranks_and_no_zeromq_endpoint() -> None:

@@ -64,8 +64,10 @@ class SimPublisher:
         buffer_steps: int = 1000,
         legacy_replay: bool = False,
         dialect: str = "vllm",
+        first_seq: int = 0,
     ) -> None:
         self.rng = rng
+        self.first_seq = first_seq  # 1: Mooncake Store's publisher numbers a run from 1
         self.kvwire = kvwire
         self.snapshot = snapshot
         self.buffer_steps = buffer_steps
@@ -77,7 +79,7 @@ class SimPublisher:
 
     def _new_run(self) -> None:
         self.epoch = self.rng.getrandbits(64)
-        self.seq = -1
+        self.seq = self.first_seq - 1
         self.truth = BlockCache()
         self.history: list[KVEventBatch] = []
         self.ring: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
@@ -225,7 +227,8 @@ class Sim:
                  config: StreamConfig = CFG, bulk: bool = False) -> None:
         self.pub = pub
         self.bulk = bulk  # live messages go in through live_messages(), several at a time
-        self.m = StreamMachine("e0", has_replay=has_replay, config=config)
+        self.m = StreamMachine("e0", has_replay=has_replay, config=config,
+                               first_seq=pub.first_seq)
         self.config = config
         self.app = App()
         self.live_q: deque[LiveMsg] = deque()
@@ -315,7 +318,7 @@ class Sim:
         if self.app.exact:
             return self.pub.truth.as_dict()
         c = BlockCache()
-        for b in self.pub.history[self.app.base + 1:]:
+        for b in self.pub.history[self.app.base + 1 - self.pub.first_seq:]:
             c.apply(b)
         return c.as_dict()
 
@@ -436,14 +439,16 @@ def test_kvwire_publisher_converges_to_truth(ops, seed, buffer_steps, max_buffer
     buffer_steps=st.integers(1, 40),
     max_buffer=st.integers(1, 30),
     legacy=st.booleans(),
+    first=st.sampled_from([0, 1]),
 )
 def test_reference_publisher_degrades_but_stays_consistent(ops, seed, buffer_steps, max_buffer,
-                                                           legacy):
+                                                           legacy, first):
     """No INFO answers: no snapshots, no epochs. Delivery stays gapless between Resets and
     the application holds exactly what the batches since its (possibly inexact) start say;
-    it is exact whenever the replay buffer still reached back to seq 0."""
+    it is exact whenever the replay buffer still reached back to the run's first seq (0, or
+    1 for Mooncake's publisher)."""
     pub = SimPublisher(random.Random(seed), kvwire=False, buffer_steps=buffer_steps,
-                       legacy_replay=legacy)
+                       legacy_replay=legacy, first_seq=first)
     cfg = msgspec.structs.replace(CFG, max_buffer=max_buffer)
     sim = Sim(pub, config=cfg)
     run_ops(sim, ops, allow_dup=False, quiet_restarts=True)
@@ -470,10 +475,10 @@ def test_kvwire_publisher_without_snapshots(ops, seed):
 
 
 @SETTINGS
-@given(ops=ops_st, seed=st.integers(0, 2**32))
-def test_live_only_stream(ops, seed):
+@given(ops=ops_st, seed=st.integers(0, 2**32), first=st.sampled_from([0, 1]))
+def test_live_only_stream(ops, seed, first):
     """No replay endpoint: nothing is asked; every loss is an explicit Reset."""
-    pub = SimPublisher(random.Random(seed), kvwire=False)
+    pub = SimPublisher(random.Random(seed), kvwire=False, first_seq=first)
     sim = Sim(pub, has_replay=False)
     run_ops(sim, ops, allow_dup=False, quiet_restarts=True)
     sim.settle()

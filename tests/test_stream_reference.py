@@ -47,8 +47,9 @@ class RefPublisher:
     ``pipe_cap`` messages that drops when full (ROUTER at its HWM)."""
 
     def __init__(self, rng: random.Random, buffer_steps: int, per_send: int | None,
-                 pipe_cap: int) -> None:
-        self.sim = SimPublisher(rng, kvwire=False, buffer_steps=buffer_steps)
+                 pipe_cap: int, first_seq: int = 0) -> None:
+        self.sim = SimPublisher(rng, kvwire=False, buffer_steps=buffer_steps,
+                                first_seq=first_seq)
         self.per_send = per_send
         self.pipe_cap = pipe_cap
         self.gen = 0  # the client's DEALER generation (RecycleRequests opens a new one)
@@ -105,7 +106,7 @@ class RefPublisher:
 class RefSim:
     def __init__(self, pub: RefPublisher, config: StreamConfig) -> None:
         self.pub = pub
-        self.m = StreamMachine("ref", config=config)
+        self.m = StreamMachine("ref", config=config, first_seq=pub.sim.first_seq)
         self.app = App()
         self.live_q: deque[list[bytes]] = deque()
         self.now = 0.0
@@ -195,8 +196,8 @@ op = st.sampled_from(_KINDS).flatmap(lambda k: st.tuples(st.just(k), _ARGS[k]))
 
 
 def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap: int,
-        max_buffer: int) -> RefSim:
-    pub = RefPublisher(random.Random(seed), buffer_steps, per_send, pipe_cap)
+        max_buffer: int, first_seq: int = 0) -> RefSim:
+    pub = RefPublisher(random.Random(seed), buffer_steps, per_send, pipe_cap, first_seq)
     sim = RefSim(pub, StreamConfig(request_timeout=1.0, info_timeout=0.5, retry_delay=0.2,
                                    max_buffer=max_buffer))
     sim.handle(sim.m.start(sim.now))
@@ -227,10 +228,11 @@ def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap:
     per_send=st.sampled_from([None, 1, 3]),
     pipe_cap=st.integers(1, 12),
     max_buffer=st.sampled_from([8, 100_000]),
+    first=st.sampled_from([0, 1]),  # 1: Mooncake Store's publisher (RFC #1527)
 )
 def test_reference_stream_delivers_everything_the_publisher_holds(
-        ops, seed, buffer_steps, per_send, pipe_cap, max_buffer):
-    sim = run(ops, seed, buffer_steps, per_send, pipe_cap, max_buffer)
+        ops, seed, buffer_steps, per_send, pipe_cap, max_buffer, first):
+    sim = run(ops, seed, buffer_steps, per_send, pipe_cap, max_buffer, first)
     s = sim.m.stats()
     assert s.phase == "live" and s.buffered == 0 and sim.app.next == sim.pub.seq + 1
     c = sim.app.cache.as_dict()
@@ -375,3 +377,56 @@ def test_rebuild_answer_from_later_seq_counts_only_the_evicted():
     assert sent[-1] == SendReplay(6)
     _feed_into(m, app, sent, m.reply_frames(_rep(7), t))
     assert m.stats().lost == 2 and sent[-1] == SendReplay(6)
+
+
+# --------------------------------------------------------------------------- runs from seq 1
+
+@pytest.mark.parametrize("first_seq,exact", [(1, True), (0, False)])
+def test_a_run_from_seq_1_is_an_exact_start_only_where_runs_begin_at_1(first_seq, exact):
+    """Mooncake Store's publisher (RFC #1527) numbers a run from 1: a replay from 0 that
+    answers 1.. holds its whole run. With ``first_seq=1`` that start is exact; with the
+    engines' 0 it is a late start (seq 0 never came), as it must be for a vLLM stream."""
+    m, app, sent = StreamMachine("moon", config=CFG, first_seq=first_seq), App(), []
+    _feed_into(m, app, sent, m.start(0.0))
+    _feed_into(m, app, sent, m.tick(0.6))  # no INFO answer: reference, replay from 0
+    assert sent[-1] == SendReplay(0)
+    for f in (_rep(1), _rep(2), _END):
+        _feed_into(m, app, sent, m.reply_frames(f, 0.7))
+    st_ = m.stats()
+    assert app.exact is exact and app.base == 0 and app.next == 3, st_
+    assert st_.lost == 0 and st_.phase == "live"
+
+
+@pytest.mark.parametrize("first_seq,exact", [(1, True), (0, False)])
+def test_live_only_run_from_seq_1(first_seq, exact):
+    """No replay endpoint: the first live batch decides; seq 1 is a whole Mooncake run."""
+    m, app, sent = StreamMachine("moon", has_replay=False, config=CFG,
+                                 first_seq=first_seq), App(), []
+    _feed_into(m, app, sent, m.start(0.0))
+    _feed_into(m, app, sent, m.live_frames([b"", protocol.pack_seq(1), _PAYLOADS[1]], 0.1))
+    assert app.exact is exact and app.next == 2
+
+
+def test_rebuild_of_a_run_from_seq_1_is_exact():
+    """A loss the replay cannot fill, on a Mooncake stream: the rebuild check (a replay
+    from 0) answered from seq 1 rebuilds the whole run exactly."""
+    m, app, sent = StreamMachine("moon", config=CFG, first_seq=1), App(), []
+    _feed_into(m, app, sent, m.start(0.0))
+    _feed_into(m, app, sent, m.tick(0.6))
+    for f in (_rep(1), _rep(2), _END):
+        _feed_into(m, app, sent, m.reply_frames(f, 0.7))
+    _feed_into(m, app, sent, m.live_frames([b"", protocol.pack_seq(6), _PAYLOADS[6]], 0.8))
+    assert sent[-1] == SendReplay(3)
+    _feed_into(m, app, sent, m.reply_frames(_rep(5), 0.9))  # 3..4 are not there
+    assert sent[-1] == SendReplay(0)  # the rebuild check
+    for s in range(1, 7):
+        _feed_into(m, app, sent, m.reply_frames(_rep(s), 1.0))
+    _feed_into(m, app, sent, m.reply_frames(_END, 1.0))
+    st_ = m.stats()
+    assert app.exact and app.next == 7 and st_.lost == 0 and st_.resyncs == 1, st_
+    assert app.resets[-1] == "seqs 3..4 not replayable; rebuilt exactly by a replay from seq 1"
+
+
+def test_first_seq_must_be_a_seq():
+    with pytest.raises(ValueError, match="first_seq must be an int >= 0"):
+        StreamMachine("x", first_seq=-1)

@@ -81,10 +81,12 @@ def _nonneg(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", type=engine, default=[],
-                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]",
+                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]"
+                           "[,first_seq=N]",
                    help="an engine's KV event endpoint (repeat per engine); ranks=N follows "
                         "DP ranks at port + rank; url=http://HOST:PORT proxies /v1 requests "
-                        "to it")
+                        "to it; first_seq=1 for a publisher numbering its run from 1 "
+                        "(Mooncake Store)")
     p.add_argument("--policy", choices=("kvwire", "round_robin", "least_load", "random"),
                    default="kvwire", help="routing policy (default kvwire; the others are "
                                           "cache-blind baselines)")

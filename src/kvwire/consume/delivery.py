@@ -26,9 +26,15 @@ class StreamState:
 
     def __init__(
         self, name: str, *, has_replay: bool = True, config: StreamConfig | None = None,
-        resume_after: tuple[int, int] | None = None,
+        resume_after: tuple[int, int] | None = None, first_seq: int = 0,
     ) -> None:
+        if not isinstance(first_seq, int) or first_seq < 0:
+            raise ValueError(f"first_seq must be an int >= 0, got {first_seq!r}")
         self.name = name
+        #: the seq a publisher's run begins at: 0 (vLLM, SGLang, kvwire), 1 (Mooncake's
+        #: RFC #1527 publisher). Replays are still asked from 0 (a publisher answers from
+        #: the oldest it holds); a run followed from a seq <= this one is an exact start.
+        self.first_seq = first_seq
         #: ``(epoch, seq)`` the application already has (e.g. the NATS bridge after a restart):
         #: if the publisher still runs that epoch and buffers ``seq + 1``, deliveries begin
         #: with ``Batch(seq + 1)`` (no Reset/Snapshot); otherwise the usual bootstrap.
@@ -57,7 +63,7 @@ class StreamState:
         self._replay_kind: Literal["boot", "gap", "rebuild"] = "boot"
         self._replay_got = 0  # replies received for the replay in flight
         self._fruitless = 0  # replay requests in a row that timed out unanswered
-        self._from0_gone = False  # this run's replay buffer no longer starts at seq 0
+        self._from0_gone = False  # this run's replay buffer no longer starts at its first seq
         # First seqs of the losses already rebuilt once in this run: a seq the publisher never
         # buffered stays missing however often we rebuild (two of them used to alternate
         # forever when only the last one was remembered). At most one per buffered seq.
@@ -97,7 +103,8 @@ class StreamState:
 
     def _baseline(self, seq: int, reason: str) -> None:
         """Start without a snapshot just before ``seq`` (exact only if nothing came before)."""
-        self._emit_snapshot(seq - 1, [], seq == 0, reason if seq else self._reset_reason)
+        first = seq <= self.first_seq
+        self._emit_snapshot(seq - 1, [], first, self._reset_reason if first else reason)
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._delivered = seq

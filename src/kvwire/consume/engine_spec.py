@@ -59,12 +59,14 @@ def _ranks(val: str, where: str) -> int:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]``.
+    """One engine: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]
+    [,first_seq=N]``.
 
     ``endpoint`` is None for an engine whose streams come from JetStream (``serve --nats``):
     it has a name and ranks, and no ZeroMQ endpoint to follow. ``url`` is the engine's
     OpenAI-compatible HTTP base (``http://HOST:PORT``): only engines with one get proxied
-    requests (``serve``'s ``/v1/*``); the others serve the decision API only."""
+    requests (``serve``'s ``/v1/*``); the others serve the decision API only.
+    ``first_seq``: the seq its publisher numbers a run from (0; Mooncake Store's is 1)."""
 
     name: str
     endpoint: str | None
@@ -72,6 +74,7 @@ class EngineSpec:
     ranks: int = 1
     topic: str = ""
     url: str | None = None
+    first_seq: int = 0
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
@@ -89,9 +92,9 @@ class EngineSpec:
         kw: dict[str, Any] = {}
         for opt in opts:
             key, eq, val = opt.partition("=")
-            if not eq or key not in ("replay", "ranks", "topic", "url"):
-                raise ValueError(f"{where}: unknown option {opt!r} "
-                                 "(expected replay=ENDPOINT, ranks=N, topic=T or url=URL)")
+            if not eq or key not in ("replay", "ranks", "topic", "url", "first_seq"):
+                raise ValueError(f"{where}: unknown option {opt!r} (expected replay=ENDPOINT, "
+                                 "ranks=N, topic=T, url=URL or first_seq=N)")
             if key in kw:
                 raise ValueError(f"{where}: {key} given twice")
             if key == "replay":
@@ -101,6 +104,11 @@ class EngineSpec:
                 kw["ranks"] = _ranks(val, where)
             elif key == "url":
                 kw["url"] = check_url(val, where)
+            elif key == "first_seq":
+                if val not in ("0", "1"):
+                    raise ValueError(f"{where}: first_seq {val!r} must be 0 (vLLM, SGLang, "
+                                     "kvwire) or 1 (Mooncake Store)")
+                kw["first_seq"] = int(val)
             else:
                 kw["topic"] = val
         return cls(name, endpoint, **kw)
@@ -123,4 +131,4 @@ class EngineSpec:
             raise ValueError(f"engine {self.name!r} has no ZeroMQ endpoint (its streams come "
                              "from JetStream)")
         return StreamSpec.for_ranks(self.name, self.endpoint, self.ranks, self.topic,
-                                    self.replay)
+                                    self.replay, first_seq=self.first_seq)

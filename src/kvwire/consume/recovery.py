@@ -38,7 +38,7 @@ class Recovery(StreamState):
         if self._replay_kind == "rebuild" and self._rebuild_answer(seq, payload, now):
             return self._flush()
         if self._delivered is None:  # bootstrap without snapshot: replay from 0
-            if self._replay_from == 0 and seq > 0:
+            if self._replay_from == 0 and seq > self.first_seq:
                 self._from0_gone = True
             self._baseline(seq, f"no snapshot available; starting at replayed seq {seq}")
             self._deliver(seq, payload)
@@ -65,14 +65,14 @@ class Recovery(StreamState):
         the rest of the answer) as any replay reply."""
         a, b = self._rebuild_gap
         self._replay_kind = "gap"  # whatever follows continues like any replay
-        if seq == 0:
-            # The publisher still holds its whole run: start over from seq 0, exactly.
+        if seq <= self.first_seq:
+            # The publisher still holds its whole run: start over from its first seq, exactly.
             self._c["resyncs"] += 1
             self._reset_reason = (
-                f"seqs {a}..{b - 1} not replayable; rebuilt exactly by a replay from seq 0"
+                f"seqs {a}..{b - 1} not replayable; rebuilt exactly by a replay from seq {seq}"
             )
-            self._baseline(0, self._reset_reason)
-            self._deliver(0, payload)
+            self._baseline(seq, self._reset_reason)
+            self._deliver(seq, payload)
             self._drain()
             return True
         self._from0_gone = True

@@ -238,7 +238,7 @@ class StreamMachine(Recovery):
             return self._flush()
         self._live_high = seq
         phase = self._phase
-        if phase == "await_first" and self.has_replay and seq > 0:
+        if phase == "await_first" and self.has_replay and seq > self.first_seq:
             # The publisher had nothing when asked; it has this and what came before now.
             self._hold(seq, payload, now)
             self._start_replay(0, now, "boot")

@@ -64,18 +64,22 @@ class StreamSpec(msgspec.Struct, frozen=True):
     curve: CurveClient | None = None
     #: ``(epoch, seq)`` already held: resume after it if the publisher can (StreamMachine).
     resume: tuple[int, int] | None = None
+    #: The seq a publisher run begins at: 0 (vLLM, SGLang, kvwire), 1 (Mooncake Store's
+    #: RFC #1527 publisher). Following a run from it is an exact start.
+    first_seq: int = 0
 
     @classmethod
     def for_ranks(
         cls, name: str, endpoint: str, ranks: int, topic: str = "",
         replay_endpoint: str | None = None, curve: CurveClient | None = None,
+        first_seq: int = 0,
     ) -> list[StreamSpec]:
         """Specs for DP ranks ``0..ranks-1`` of one engine (spec: port + rank), named ``name/dpR``."""
         return [
             cls(
                 f"{name}/dp{r}", offset_for_rank(endpoint, r), topic,
                 None if replay_endpoint is None else offset_for_rank(replay_endpoint, r),
-                curve,
+                curve, first_seq=first_seq,
             )
             for r in range(ranks)
         ]
@@ -150,7 +154,7 @@ class _Core:
             check_endpoint(spec.replay_endpoint, f"{spec.name}.replay_endpoint")
         st = _Stream(spec, StreamMachine(
             spec.name, has_replay=spec.replay_endpoint is not None, config=self.config,
-            resume_after=spec.resume))
+            resume_after=spec.resume, first_seq=spec.first_seq))
         self.streams.append(st)
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

@@ -201,8 +201,10 @@ class Indexer:
                            "instance_id": str(reg.instance_id), "replaced": replaced})
 
     def _follow(self, reg: Registration) -> None:
+        # Mooncake Store's publisher numbers a run from 1 (RFC #1527), the engines from 0
         self.core.add_stream(StreamSpec(reg.stream, reg.endpoint, reg.topic,
-                                        reg.replay_endpoint))
+                                        reg.replay_endpoint,
+                                        first_seq=1 if reg.type == "Mooncake" else 0))
 
     def _unregister(self, body: bytes, qs: str) -> tuple[int, bytes]:
         req = decode(body, UnregisterBody)
