@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", required=True, action="append", metavar="URL", type=_nats_url,
                    help="NATS server URL, e.g. nats://10.0.0.9:4222 (repeat for a cluster)")
     p.add_argument("--engine", action="append", type=engine, required=True,
-                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T]",
+                   metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,first_seq=N]",
                    help="an engine's KV event endpoint (repeat per engine), as for serve")
     p.add_argument("--stream", default=DEFAULT_STREAM, help="JetStream stream name")
     p.add_argument("--prefix", default=DEFAULT_PREFIX,
