@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 
 import httptools
 
-__all__ = ["Conn", "HttpProtocol", "serve"]
+from ..http1 import MAX_BODY, TOO_LARGE, InOrder, feed, reason, refuse, status_line
+
+__all__ = ["MAX_BODY", "Conn", "HttpProtocol", "serve"]
 
 log = logging.getLogger("kvwire.engine.http")
 
-MAX_BODY = 64 << 20
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 JSON = b"application/json"
 
 
@@ -32,11 +30,14 @@ class Conn:
     """One request on a connection: method, path, body; the ways to answer it."""
 
     __slots__ = ("proto", "method", "path", "body", "keep_alive", "on_close", "done",
-                 "streaming", "dp_rank", "query")
+                 "streaming", "dp_rank", "query", "too_large")
 
     def __init__(self, proto: HttpProtocol, method: bytes, path: bytes, body: bytes,
-                 keep_alive: bool, dp_rank: bytes | None = None, query: bytes = b"") -> None:
+                 keep_alive: bool, dp_rank: bytes | None = None, query: bytes = b"",
+                 too_large: bool = False) -> None:
         self.proto = proto
+        #: the body was over ``MAX_BODY`` (read and dropped): answered 413, never handed on
+        self.too_large = too_large
         #: the URL's query string, without the ``?`` (empty when there is none)
         self.query = query
         #: vLLM's ``X-data-parallel-rank`` header as sent (a router's choice of DP rank)
@@ -59,9 +60,8 @@ class Conn:
             return
         t = self.proto.transport
         if t is not None:
-            t.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
-                status, _REASONS.get(status, "Unknown").encode(), ctype, len(body),
-                b"" if self.keep_alive else b"connection: close\r\n") + body)
+            t.write(status_line(status) + b"content-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
+                ctype, len(body), b"" if self.keep_alive else b"connection: close\r\n") + body)
         self._finish()
 
     def start_stream(self, ctype: bytes = b"text/event-stream; charset=utf-8") -> None:
@@ -95,8 +95,7 @@ class Conn:
 class HttpProtocol(asyncio.Protocol):
     """One connection: parse requests, hand each to ``app(conn)`` in order."""
 
-    __slots__ = ("app", "transport", "parser", "_url", "_body", "_dp_rank", "_queue",
-                 "_current")
+    __slots__ = ("app", "transport", "parser", "_url", "_body", "_size", "_dp_rank", "order")
 
     def __init__(self, app: Callable[[Conn], None]) -> None:
         self.app = app
@@ -104,8 +103,8 @@ class HttpProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._body: list[bytes] = []
-        self._queue: deque[Conn] = deque()
-        self._current: Conn | None = None
+        self._size = 0
+        self.order = InOrder(self._run)
 
     # asyncio callbacks
     def connection_made(self, transport) -> None:
@@ -113,40 +112,18 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.transport = None
-        cur, self._current = self._current, None
-        self._queue.clear()
-        if cur is not None and cur.on_close is not None:
-            cb, cur.on_close = cur.on_close, None
-            try:
-                cb()
-            except Exception:
-                log.exception("on_close failed")
+        self.order.lost()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, b"upgrade not supported")
-        except httptools.HttpParserError as e:
-            self._fail(400, str(e).encode())
-        except _TooLarge:
-            self._fail(413, b"request body too large")
-
-    def _fail(self, status: int, msg: bytes) -> None:
-        t = self.transport
-        if t is None:
-            return
-        body = (b'{"error":{"message":"%s","type":"%s","param":null,"code":%d}}'
-                % (msg.replace(b'"', b"'"), _REASONS[status].encode(), status))
-        t.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (status, _REASONS[status].encode(), len(body),
-                                                 body))
-        t.close()
+        bad = feed(self.parser, data)
+        if bad is not None:
+            refuse(self.transport, bad[0], _error(*bad))
 
     # httptools callbacks
     def on_message_begin(self) -> None:
         self._url = b""
         self._body = []
+        self._size = 0
         self._dp_rank = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -157,22 +134,23 @@ class HttpProtocol(asyncio.Protocol):
         self._url += url
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        if len(self._body) > 16 and sum(map(len, self._body)) > MAX_BODY:
-            raise _TooLarge
+        self._size += len(body)
+        if self._size > MAX_BODY:
+            self._body = []  # read on, keep nothing (see MAX_BODY)
+        else:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
         p = self.parser
         path, _, query = self._url.partition(b"?")
-        conn = Conn(self, p.get_method(), path, b"".join(self._body), p.should_keep_alive(),
-                    self._dp_rank, query)
-        if self._current is None:
-            self._run(conn)
-        else:
-            self._queue.append(conn)
+        self.order.add(Conn(self, p.get_method(), path, b"".join(self._body),
+                            p.should_keep_alive(), self._dp_rank, query,
+                            self._size > MAX_BODY))
 
     def _run(self, conn: Conn) -> None:
-        self._current = conn
+        if conn.too_large:
+            conn.respond(413, _error(413, TOO_LARGE))
+            return
         try:
             self.app(conn)
         except Exception:
@@ -185,19 +163,13 @@ class HttpProtocol(asyncio.Protocol):
                                       b'"InternalServerError","param":null,"code":500}}')
 
     def _finished(self, conn: Conn) -> None:
-        if conn is not self._current:
-            return
-        self._current = None
-        if not conn.keep_alive:
-            if self.transport is not None:
-                self.transport.close()
-            return
-        if self._queue:
-            self._run(self._queue.popleft())
+        self.order.finished(conn, self.transport)
 
 
-class _TooLarge(Exception):
-    pass
+def _error(status: int, msg: bytes) -> bytes:
+    """OpenAI's error object."""
+    return (b'{"error":{"message":"%s","type":"%s","param":null,"code":%d}}'
+            % (msg.replace(b'"', b"'"), reason(status), status))
 
 
 async def serve(app: Callable[[Conn], None], host: str, port: int, **kw) -> asyncio.Server:

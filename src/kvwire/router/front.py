@@ -23,37 +23,21 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
 import httptools
 
+from ..http1 import MAX_BODY, InOrder, feed, refuse
+from ..http1 import status_line as _status_line
+
 __all__ = ["HttpProtocol", "Request", "Server"]
 
 log = logging.getLogger("kvwire.router.front")
 
-#: Bodies of paths the ASGI app answers are capped here (the proxy has its own cap).
-MAX_BODY = 64 << 20
+#: Bodies of paths the ASGI app answers are capped at ``MAX_BODY`` (the proxy has its own).
 _JSON = b"application/json"
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Unknown"
-
-
-_HEAD = {s: b"HTTP/1.1 %d %s\r\n" % (s, _reason(s)) for s in (200, 400, 404, 405, 413,
-                                                             500, 502, 503, 504)}
-
-
-def _status_line(status: int) -> bytes:
-    line = _HEAD.get(status)
-    return line if line is not None else b"HTTP/1.1 %d %s\r\n" % (status, _reason(status))
 
 
 class Request:
@@ -183,8 +167,7 @@ class HttpProtocol(asyncio.Protocol):
         self._cap = MAX_BODY
         self._too_large = False
         self._t0 = 0.0
-        self._queue: deque[Request] = deque()
-        self._current: Request | None = None
+        self.order = InOrder(self._run)
         self._paused = False
 
     # asyncio
@@ -198,44 +181,26 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server._conns.discard(self)
-        cur, self._current = self._current, None
-        self._queue.clear()
-        if cur is not None and cur.on_close is not None:
-            cb, cur.on_close = cur.on_close, None
-            try:
-                cb()
-            except Exception:
-                log.exception("on_close failed")
+        self.order.lost()
 
     def pause_writing(self) -> None:
         self._paused = True
-        cur = self._current
+        cur = self.order.current
         if cur is not None and cur.on_pause is not None:
             cur.on_pause()
 
     def resume_writing(self) -> None:
         self._paused = False
-        cur = self._current
+        cur = self.order.current
         if cur is not None and cur.on_resume is not None:
             cur.on_resume()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, b"upgrade not supported")
-        except httptools.HttpParserError as e:
-            self._fail(400, str(e).encode())
-
-    def _fail(self, status: int, msg: bytes) -> None:
-        t = self.transport
-        if t is None:
-            return
-        body = (b'{"error":{"message":"%s","type":"BadRequestError","param":null,'
-                b'"code":%d}}' % (msg.replace(b'"', b"'"), status))
-        t.write(_status_line(status) + b"content-type: application/json\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
-        t.close()
+        bad = feed(self.parser, data)
+        if bad is not None:  # (a body over the cap is read on and answered 413 by its owner)
+            status, msg = bad
+            refuse(self.transport, status, b'{"error":{"message":"%s","type":"BadRequestError",'
+                   b'"param":null,"code":%d}}' % (msg.replace(b'"', b"'"), status))
 
     # httptools
     def on_message_begin(self) -> None:
@@ -270,15 +235,10 @@ class HttpProtocol(asyncio.Protocol):
         p = self.parser
         path, _, query = self._url.partition(b"?")
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = Request(self, p.get_method(), path, query, self._headers, body,
-                      p.should_keep_alive(), self._too_large, self._t0)
-        if self._current is None:
-            self._run(req)
-        else:
-            self._queue.append(req)
+        self.order.add(Request(self, p.get_method(), path, query, self._headers, body,
+                               p.should_keep_alive(), self._too_large, self._t0))
 
     def _run(self, req: Request) -> None:
-        self._current = req
         server = self.server
         try:
             if server.proxy is not None and server.proxy.handles(req.path):
@@ -295,15 +255,7 @@ class HttpProtocol(asyncio.Protocol):
                                      b'"InternalServerError","param":null,"code":500}}')
 
     def _finished(self, req: Request) -> None:
-        if req is not self._current:
-            return
-        self._current = None
-        if not req.keep_alive:
-            if self.transport is not None:
-                self.transport.close()
-            return
-        if self._queue:
-            self._run(self._queue.popleft())
+        self.order.finished(req, self.transport)
 
 
 class Server:

@@ -35,7 +35,8 @@ from multiprocessing.connection import Connection, wait
 
 import httptools
 
-from ..engine.http import MAX_BODY, Conn
+from ..engine.http import Conn
+from ..http1 import MAX_BODY, TOO_LARGE, feed, refuse, status_line
 
 __all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "IndexProtocol", "Sequencer", "WorkerLink",
            "listen_socket", "run_workers", "serve_forever"]
@@ -86,10 +87,6 @@ class IndexHttp:
         return self.link is not None and path in CONTROL_PATHS and method == b"POST"
 
 
-_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 404: "Not Found",
-            405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
-            422: "Unprocessable Entity", 500: "Internal Server Error",
-            503: "Service Unavailable", 507: "Insufficient Storage"}
 #: a response's head up to its content-length's value, per status
 _HEADS: dict[int, bytes] = {}
 
@@ -97,14 +94,9 @@ _HEADS: dict[int, bytes] = {}
 def _head(status: int) -> bytes:
     h = _HEADS.get(status)
     if h is None:
-        h = _HEADS[status] = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
-                              b"content-length: " % (status, _REASONS.get(status, "Unknown")
-                                                     .encode()))
+        h = _HEADS[status] = (status_line(status) + b"content-type: application/json\r\n"
+                              b"content-length: ")
     return h
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class IndexProtocol(asyncio.Protocol):
@@ -113,7 +105,8 @@ class IndexProtocol(asyncio.Protocol):
     in order (pipelined requests behind a sequenced one wait for its answer). The engine's
     server (:mod:`kvwire.engine.http`) does more per request than this API needs: a
     ``Conn`` object, the header scan for vLLM's DP rank header, streaming. Malformed HTTP
-    gets 400 and the connection is closed; a body over ``MAX_BODY`` 413."""
+    gets 400 and the connection is closed; a body over ``MAX_BODY`` is read on and answered
+    413."""
 
     __slots__ = ("app", "transport", "parser", "_url", "_body", "_size", "_current",
                  "_queue")
@@ -127,7 +120,7 @@ class IndexProtocol(asyncio.Protocol):
         self._size = 0
         #: a sequenced request not answered yet (a Conn, answered by the WorkerLink)
         self._current: Conn | None = None
-        self._queue: deque[tuple[bytes, bytes, bytes, bool]] = deque()
+        self._queue: deque[tuple[bytes, bytes, bytes | None, bool]] = deque()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -140,22 +133,9 @@ class IndexProtocol(asyncio.Protocol):
             self.app.on_close()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, b"upgrade not supported")
-        except httptools.HttpParserError as e:
-            self._fail(400, str(e).encode())
-        except _TooLarge:
-            self._fail(413, b"request body too large")
-
-    def _fail(self, status: int, msg: bytes) -> None:
-        t = self.transport
-        if t is None:
-            return
-        body = _error(status, msg.decode("latin-1"))
-        t.write(b"%s%d\r\nconnection: close\r\n\r\n%s" % (_head(status), len(body), body))
-        t.close()
+        bad = feed(self.parser, data)
+        if bad is not None:
+            refuse(self.transport, bad[0], _error(bad[0], bad[1].decode("latin-1")))
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -167,35 +147,40 @@ class IndexProtocol(asyncio.Protocol):
         self._url += url
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
         self._size += len(body)
         if self._size > MAX_BODY:
-            raise _TooLarge
+            self._body = []  # read on, keep nothing: answered 413 at the end (see MAX_BODY)
+        else:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
         p = self.parser
         body = self._body
-        req = (p.get_method(), self._url, body[0] if len(body) == 1 else b"".join(body),
+        req = (p.get_method(), self._url,
+               None if self._size > MAX_BODY else body[0] if len(body) == 1 else b"".join(body),
                p.should_keep_alive())
         if self._current is None and not self._queue:
             self._serve(*req)
         else:
             self._queue.append(req)
 
-    def _serve(self, method: bytes, url: bytes, body: bytes, keep_alive: bool) -> None:
+    def _serve(self, method: bytes, url: bytes, body: bytes | None, keep_alive: bool) -> None:
         path, _, query = url.partition(b"?")
         app = self.app
-        if app.sequenced(method, path):
+        if body is None:  # over MAX_BODY
+            status, out = 413, _error(413, TOO_LARGE.decode())
+        elif app.sequenced(method, path):
             conn = self._current = Conn(self, method, path, body, keep_alive,  # type: ignore[arg-type]
                                         None, query)
             app.requests += 1
             app.link.submit(conn)  # type: ignore[union-attr]
             return
-        try:
-            status, out = app.answer(method, path, query, body)
-        except Exception:  # handle never raises; if it does, this request gets a 500
-            log.exception("indexer failed for %s %s", method, path)
-            status, out = 500, _error(500, "internal error")
+        else:
+            try:
+                status, out = app.answer(method, path, query, body)
+            except Exception:  # handle never raises; if it does, this request gets a 500
+                log.exception("indexer failed for %s %s", method, path)
+                status, out = 500, _error(500, "internal error")
         t = self.transport
         if t is not None:
             if keep_alive:
