@@ -36,8 +36,8 @@ __all__ = ["HttpProtocol", "Request", "Server"]
 
 log = logging.getLogger("kvwire.router.front")
 
-#: Bodies of paths the ASGI app answers are capped at ``MAX_BODY`` (the proxy has its own).
 _JSON = b"application/json"
+# Bodies of the paths the ASGI app answers are capped at http1.MAX_BODY (the proxy has its own).
 
 
 class Request:
