@@ -288,8 +288,10 @@ def test_usage_and_output_tokens_are_read_off_the_answers(
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             if kw:
+                # (an engine behind real time sends several tokens in one event, as vLLM
+                # does: beside a busy process 6 tokens came as 5 events)
                 events = r.content.count(b"data: {")
-                assert r.content.endswith(b"data: [DONE]\n\n") and events >= n
+                assert r.content.endswith(b"data: [DONE]\n\n") and 1 <= events <= n + 1
             else:
                 events = 0
             assert learned() == (out0 + (expect or events), n0 + 1), (kw, learned())
