@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,24 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         for nodeid, reason in hit:
             terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
         terminalreporter.write_line(hint, red=True, bold=True)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> Iterator[None]:
+    """Put the root logger back after each test. A CLI run in-process (``main([...])``)
+    points it at the ``sys.stderr`` of that moment, pytest's capture, which is closed once
+    the test ends: a warning logged later by another test's thread then printed a
+    "Logging error" traceback in the middle of the run."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture
