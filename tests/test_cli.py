@@ -527,10 +527,20 @@ def test_run_demo_rejects_bad_arguments(kwargs) -> None:
 def test_every_subcommand_is_reachable_from_kvwire() -> None:
     r = subprocess.run([*KVWIRE, "--help"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    for cmd in ("listen", "keys", "demo", "sim", "serve"):
+    for cmd in ("listen", "keys", "demo", "sim", "serve", "bridge", "engine", "index", "fleet"):
         assert cmd in r.stdout
         h = subprocess.run([*KVWIRE, cmd, "--help"], capture_output=True, text=True, timeout=30)
         assert h.returncode == 0 and f"usage: kvwire {cmd}" in h.stdout, h.stderr
+
+
+def test_version_is_the_installed_distribution_s() -> None:
+    """``kvwire --version`` names the version pip installed (pyproject.toml's), so a bug
+    report can say which kvwire it ran."""
+    from importlib.metadata import version
+
+    r = subprocess.run([*KVWIRE, "--version"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"kvwire {version('kvwire')}"
 
 
 def test_demo_exits_3_when_a_printed_target_is_missed() -> None:

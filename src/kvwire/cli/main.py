@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from .. import __version__
 from .options import (
     EXIT_FAILURE,
     EXIT_MISSED,
@@ -307,6 +308,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    p.add_argument("--version", action="version", version=f"kvwire {__version__}",
+                   help="print kvwire's version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser(
