@@ -35,7 +35,9 @@ Before running, a file's examples are rewritten for a test box:
 - every ``tcp://HOST:PORT``, ``localhost:PORT``, ``127.0.0.1:PORT``, ``--port PORT`` and
   ``start_exporter(PORT`` gets a free port per distinct PORT of the file (with the next 7
   ports free too, for DP ranks); port 0 stays 0; HOST becomes 127.0.0.1, except ``*``,
-  which stays (it means bind, and a concrete host means connect);
+  which stays (it means bind, and a concrete host means connect); ``kvwire fleet
+  --base-port P`` maps P with its family (P + i, P + 1000 + i, P + 2000 + i, i < 8), so the
+  ``--engine`` arguments an example derives from it stay right;
 - when a runnable block names ``nats://HOST:PORT``, a real nats-server (tests/nats_helpers.py,
   JetStream file storage in the scratch directory) is started for that file and every
   ``nats://HOST:PORT`` points at it;
@@ -112,29 +114,38 @@ def blocks(text: str) -> list[Block]:
     return out
 
 
-def _free_port(span: int = 8) -> int:
-    """A free loopback port whose next ``span - 1`` ports are free too (DP ranks)."""
+def _free_port(span: int = 8, offsets: tuple[int, ...] = (0,)) -> int:
+    """A free loopback port whose next ``span - 1`` ports are free too (DP ranks), and so
+    are the same ``span`` ports at each of ``offsets`` above it (``kvwire fleet``'s events
+    and replay ports)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + span > 65535:
+        if base + max(offsets) + span > 65535:
             continue
         try:
-            for p in range(base, base + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
+            for off in offsets:
+                for p in range(base + off, base + off + span):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", p))
         except OSError:
             continue
         return base
     raise RuntimeError("no free port range")
 
 
+#: ``kvwire fleet --base-port P``: engine i serves HTTP at P + i, events at P + 1000 + i,
+#: replay at P + 2000 + i (kvwire.cli.fleet)
+FLEET_OFFSETS = (0, 1000, 2000)
+
+
 class Localize:
     """Rewrites a file's examples to loopback, free ports and a scratch directory."""
 
     PORT = re.compile(r"(?P<pre>tcp://[A-Za-z0-9.*_-]+:|\blocalhost:|\b127\.0\.0\.1:|--port[ =]"
-                      r"|start_exporter\()(?P<port>\d+)\b")
+                      r"|--base-port[ =]|start_exporter\()(?P<port>\d+)\b")
+    BASE = re.compile(r"--base-port[ =](?P<port>\d+)\b")
     NATS = re.compile(r"nats://[A-Za-z0-9._-]+:\d+")
 
     def __init__(self, scratch: Path) -> None:
@@ -155,7 +166,19 @@ class Localize:
             pre = "tcp://*:" if pre == "tcp://*:" else "tcp://127.0.0.1:"
         return f"{pre}{self._port(m['port'])}"
 
+    def _fleet(self, port: str) -> None:
+        """A fleet's base port maps with its whole family (P + i, P + 1000 + i, P + 2000 + i),
+        so the ``--engine`` arguments a reader copies from its output stay right."""
+        if port in self.ports:
+            return
+        base, p = _free_port(8, FLEET_OFFSETS), int(port)
+        for off in FLEET_OFFSETS:
+            for i in range(8):
+                self.ports.setdefault(str(p + off + i), base + off + i)
+
     def __call__(self, code: str) -> str:
+        for m in self.BASE.finditer(code):
+            self._fleet(m["port"])
         code = self.PORT.sub(self._sub, code)
         if self.nats_url is not None:
             code = self.NATS.sub(self.nats_url, code)
@@ -391,3 +414,12 @@ def test_block_parser_and_localizer(tmp_path: Path) -> None:
                     f'"tcp://127.0.0.1:{p2}", "tcp://*:0"); start_exporter({p3}); '
                     f'open("{tmp_path}/x"); n("nats://127.0.0.1:4999")\n'
                     f"kvwire serve --port {p4} & curl localhost:{p4}/route 127.0.0.1:{p2}")
+    # a fleet's base port maps with its family, so the --engine arguments derived from it
+    # (HTTP P + i, events P + 1000 + i, replay P + 2000 + i) stay consistent
+    code = local("kvwire fleet 2 --base-port 8100 &\n"
+                 "kvwire serve --engine e1=tcp://127.0.0.1:9101,replay=tcp://127.0.0.1:10101,"
+                 "url=http://127.0.0.1:8101")
+    b = local.ports["8100"]
+    assert code == (f"kvwire fleet 2 --base-port {b} &\n"
+                    f"kvwire serve --engine e1=tcp://127.0.0.1:{b + 1001},"
+                    f"replay=tcp://127.0.0.1:{b + 2001},url=http://127.0.0.1:{b + 1}")

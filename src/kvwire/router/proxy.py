@@ -281,8 +281,9 @@ class Proxy:
             was = link.breaker.up and link.http_up
             link.http_up = ok
             link.breaker.probe(ok, now)
-            if was != (link.breaker.up and ok):
-                log.warning("engine %s is %s", link.name, "up" if ok else "down")
+            if was != (link.breaker.up and ok):  # an engine lost is news; one back, less so
+                log.log(logging.INFO if ok else logging.WARNING, "engine %s is %s",
+                        link.name, "up" if ok else "down")
         if not ok:
             self.counts["probe_failures"] += 1
 
