@@ -34,7 +34,6 @@ from kvwire.sim.trace import (
     repeat_trace,
 )
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "sim.md"
 SMALL = ["--limit", "300", "--engines", "4", "--capacity", "400"]
 JSON_KEYS = {"hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
              "events_published", "events_applied", "prefix_reuse_ratio", "itl_p50_s",
@@ -283,14 +282,6 @@ def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
             progress=True, workers=2)
     err = capsys.readouterr().err
     assert "2 policies" in err and "40/40" in err
-
-
-def test_docs_example_runs() -> None:
-    """The python example of docs/sim.md runs as written."""
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert blocks, "docs/sim.md has a python example"
-    for code in blocks:
-        exec(compile(code, str(DOCS), "exec"), {"__name__": "__docs__"})
 
 
 def test_fleet_demo_tells_the_story(tmp_path: Path) -> None:
