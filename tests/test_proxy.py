@@ -741,6 +741,114 @@ def test_openai_client_works_unchanged(make_stack: Callable[..., Stack]) -> None
     assert s.loads() == {}
 
 
+class _Responses:
+    """A loopback server standing in for an engine's ``POST /v1/responses`` (a kvwire engine
+    does not serve it): a streamed answer that sends one event, waits for ``release``, then
+    sends the rest, so the test sees the first event reach the client before the end."""
+
+    def __init__(self) -> None:
+        stub = self
+        self.release = threading.Event()
+        self.bodies: list[dict] = []
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _json(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._json(200, b'{"object":"list","data":[{"id":"m","parent":null}]}'
+                           if self.path == "/v1/models" else b"{}")
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                stub.bodies.append(body)
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for i, ev in enumerate((b"response.created", b"response.output_text.delta",
+                                        b"response.completed")):
+                    data = b'event: %s\ndata: {"type": "%s"}\n\n' % (ev, ev)
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                    if i == 0:
+                        stub.release.wait(TIMEOUT)
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_other_vllm_endpoints_pass_through_by_load(make_stack: Callable[..., Stack]) -> None:
+    """/tokenize, /detokenize, /v1/embeddings and /v1/responses reach an engine unchanged,
+    routed by load (round robin here: both engines answer), with vLLM's answers and
+    statuses; the proxy judges only the JSON and the model."""
+    s = make_stack(2, policy=RoundRobinPolicy())
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        direct = httpx.post(s.engines[0].url + "/tokenize",
+                            json={"model": "m", "prompt": "hello there"}, timeout=TIMEOUT)
+        assert direct.status_code == 200
+        seen = set()
+        for _ in range(2):
+            r = c.post("/tokenize", json={"model": "m", "prompt": "hello there"})
+            assert r.status_code == 200, r.text
+            assert r.json()["tokens"] == direct.json()["tokens"]
+            seen.add(r.headers["x-kvwire-engine"])
+        assert seen == {"e0", "e1"}
+        r = c.post("/detokenize", json={"model": "m", "tokens": direct.json()["tokens"]})
+        assert r.status_code == 200 and r.json()["prompt"] == "hello there", r.text
+        # an engine that does not serve the endpoint: its own answer, with its status
+        r = c.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        assert r.status_code == 404 and "x-kvwire-engine" in r.headers, r.text
+        # what the proxy itself refuses, in OpenAI's error object
+        for body, status, param in ((b"{not json", 400, "body"), (b"[1]", 400, None),
+                                    (b'{"model": 3}', 400, "model"),
+                                    (b'{"model": "nope"}', 404, "model")):
+            r = c.post("/tokenize", content=body,
+                       headers={"content-type": "application/json"})
+            assert r.status_code == status and "x-kvwire-engine" not in r.headers, r.text
+            assert r.json()["error"]["param"] == param
+    assert s.loads() == {}
+    assert all(s.proxy.in_flight[n] == 0 for n in ("e0", "e1"))
+
+    stub = _Responses()
+    try:  # a streamed /v1/responses, relayed as it comes
+        for name in ("e0", "e1"):
+            s.proxy.links[name].set_url(stub.url)
+        body = {"model": "m", "input": "hi", "stream": True}
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
+                c.stream("POST", "/v1/responses", json=body,
+                         headers={"authorization": "Bearer sk-x"}) as r:
+            assert r.status_code == 200 and r.headers["x-kvwire-engine"] in ("e0", "e1")
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert "response.created" in first and not stub.release.is_set()
+            stub.release.set()  # the rest only now: the first event was not held back
+            rest = [line for line in lines if line.startswith("data:")]
+        assert [json.loads(x[5:])["type"] for x in rest] == ["response.output_text.delta",
+                                                              "response.completed"]
+        assert stub.bodies == [body]
+        wait_for(lambda: s.loads() == {}, "the streamed pass-through's load released")
+    finally:
+        stub.close()
+
+
 # ---------------------------------------------------------------------------- processes
 
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .front import Request
     from .proxy import Proxy, _Link
 
-__all__ = ["BadRequest", "handle", "openai_error"]
+__all__ = ["PASS", "PATHS", "BadRequest", "handle", "openai_error"]
 
 _enc = msgspec.json.Encoder()
 #: Hop-by-hop and framing headers not forwarded (either way).
@@ -41,6 +41,11 @@ HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive",
                  b"proxy-connection", b"expect"))
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
+#: vLLM's other model endpoints a client of one vLLM server also calls: forwarded unchanged
+#: to an engine that serves the body's ``model``, routed by load alone (their prompts are not
+#: tokenized, so they are never matched against the cache), with the same retries, breaker,
+#: headers and streaming as a generation request.
+PASS = frozenset((b"/v1/embeddings", b"/v1/responses", b"/tokenize", b"/detokenize"))
 _NO_CACHE = (b"cache-control", b"no-cache")
 #: A stream's head waits this long (s) for the first chunk, to leave in the same write: a
 #: socket write saved per stream; an engine slower to its first token than this sends the
@@ -79,7 +84,7 @@ def handle(proxy: Proxy, req: Request) -> None:
                                     "body"))
         return
     loop = req.proto.server.loop  # (asyncio.get_running_loop() costs a getpid() call)
-    task = loop.create_task(_serve(proxy, req, PATHS[path], loop))
+    task = loop.create_task(_serve(proxy, req, PATHS.get(path), loop))
 
     def gone() -> None:  # the client left before the answer ended: abandon it
         proxy.counts["client_disconnects"] += 1
@@ -94,11 +99,16 @@ def _bad(proxy: Proxy, req: Request, e: BadRequest) -> None:
     req.respond(e.status, openai_error(e.status, str(e), e.type, e.param))
 
 
-async def _serve(proxy: Proxy, req: Request, chat: bool,
+async def _serve(proxy: Proxy, req: Request, chat: bool | None,
                  loop: asyncio.AbstractEventLoop) -> None:
+    """``chat``: True for chat, False for completions, None for a :data:`PASS` path."""
     try:
-        body = proxy._check(req.body, chat)
-        tokens = await proxy._tokens(body, chat)
+        if chat is None:
+            body = proxy._check_pass(req.body)
+            tokens: Any = ()
+        else:
+            body = proxy._check(req.body, chat)
+            tokens = await proxy._tokens(body, chat)
     except BadRequest as e:
         _bad(proxy, req, e)
         return

@@ -1,6 +1,7 @@
 """``kvwire serve``'s OpenAI-compatible proxy: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` and ``GET /v1/models`` in front of the engines given with
-``url=``. The I/O layer only: decisions (breakers, retries, the load lifecycle) live in
+``url=``, and vLLM's other model endpoints (``forward.PASS``: embeddings, responses,
+tokenize, detokenize) forwarded by load. The I/O layer only: decisions (breakers, retries, the load lifecycle) live in
 :mod:`.proxy_state`, routing in :class:`~kvwire.router.service.RouterCore`.
 
 Per request: decode the few fields routing needs (the body is forwarded unchanged),
@@ -30,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from ..consume.engine_spec import EngineSpec
-from .forward import PATHS, BadRequest, handle, openai_error
+from .forward import PASS, PATHS, BadRequest, handle, openai_error
 from .proxy_state import Breaker, Lifecycle
 from .service import RouterCore
 from .upstream import Pool, UpstreamError
@@ -60,6 +61,18 @@ class _Body(msgspec.Struct):
 
 
 _body_dec = msgspec.json.Decoder(_Body)
+
+
+class _PassBody(msgspec.Struct):
+    """What the proxy reads of a pass-through request (``forward.PASS``): which engines
+    serve its model, and whether the answer streams."""
+
+    model: str | None = None
+    stream: bool | None = False
+    cache_salt: str | None = None
+
+
+_pass_dec = msgspec.json.Decoder(_PassBody)
 
 
 @dataclass
@@ -318,7 +331,7 @@ class Proxy:
 
     @staticmethod
     def handles(path: bytes) -> bool:
-        return path in PATHS or path == b"/v1/models"
+        return path in PATHS or path in PASS or path == b"/v1/models"
 
     def handle(self, req: Any) -> None:
         """Answer a :class:`~kvwire.router.front.Request` for a path :meth:`handles`."""
@@ -341,24 +354,27 @@ class Proxy:
     # ------------------------------------------------------------------ one request
 
     def _check(self, body: bytes, chat: bool) -> _Body:
-        try:
-            req = _body_dec.decode(body)
-        except msgspec.ValidationError as e:
-            msg = str(e)
-            param = msg.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in msg else None
-            raise BadRequest(400, f"invalid request body: {msg}", param) from None
-        except msgspec.DecodeError as e:
-            raise BadRequest(400, f"malformed JSON body: {e}", "body") from None
+        req = _decode(_body_dec, body)
         if chat and req.messages is None:
             raise BadRequest(400, "`messages` is required", "messages")
         if not chat and req.prompt is None:
             raise BadRequest(400, "`prompt` is required", "prompt")
-        if req.model is not None:
-            known = self._known_models()
-            if known and req.model not in known:
-                raise BadRequest(404, f"The model `{req.model}` does not exist.", "model",
-                                 "NotFoundError")
+        self._check_model(req.model)
         return req
+
+    def _check_pass(self, body: bytes) -> _PassBody:
+        """A pass-through body: a JSON object whose ``model`` (if any) an engine serves;
+        the rest is the engine's to judge (its errors pass through with their status)."""
+        req = _decode(_pass_dec, body)
+        self._check_model(req.model)
+        return req
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None:
+            known = self._known_models()
+            if known and model not in known:
+                raise BadRequest(404, f"The model `{model}` does not exist.", "model",
+                                 "NotFoundError")
 
     def _known_models(self) -> dict[str, str | None]:
         """Model id -> parent (LoRA adapters) over the engines; rebuilt only after a probe
@@ -474,6 +490,17 @@ class Proxy:
         c = _CACHED_TOKENS.search(payload, at)
         if c is not None:
             self.cached_tokens[name] += int(c.group(1))
+
+
+def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
+    try:
+        return dec.decode(body)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in msg else None
+        raise BadRequest(400, f"invalid request body: {msg}", param) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(400, f"malformed JSON body: {e}", "body") from None
 
 
 def _streams(core: RouterCore, engine: str) -> list[str]:
