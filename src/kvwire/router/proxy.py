@@ -1,8 +1,9 @@
 """``kvwire serve``'s OpenAI-compatible proxy: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` and ``GET /v1/models`` in front of the engines given with
 ``url=``, and vLLM's other model endpoints (``forward.PASS``: embeddings, responses,
-tokenize, detokenize) forwarded by load. The I/O layer only: decisions (breakers, retries, the load lifecycle) live in
-:mod:`.proxy_state`, routing in :class:`~kvwire.router.service.RouterCore`.
+tokenize, detokenize) forwarded by load. The I/O layer only: decisions (breakers,
+retries, the load lifecycle) live in :mod:`.proxy_state`, routing in
+:class:`~kvwire.router.service.RouterCore`.
 
 Per request: decode the few fields routing needs (the body is forwarded unchanged),
 tokenize (``--tokenizer``), route, then :mod:`.forward` sends it to the engine over a
