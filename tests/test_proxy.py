@@ -330,7 +330,24 @@ def test_client_disconnect_aborts_upstream_and_releases(
 # ---------------------------------------------------------------------------- failures
 
 
-class _Stub:
+class _LoopbackServer:
+    """A stand-in engine on loopback: ``_serve`` starts the handler's server in a thread,
+    ``close`` releases whatever the handler waits on and stops it."""
+
+    release: threading.Event
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Stub(_LoopbackServer):
     """A loopback HTTP server standing in for an engine fault (500s) and recording the
     headers it was sent."""
 
@@ -374,14 +391,7 @@ class _Stub:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(H)
 
 
 def test_5xx_is_retried_on_the_next_engine_and_breaks_the_circuit(
@@ -741,7 +751,7 @@ def test_openai_client_works_unchanged(make_stack: Callable[..., Stack]) -> None
     assert s.loads() == {}
 
 
-class _Responses:
+class _Responses(_LoopbackServer):
     """A loopback server standing in for an engine's ``POST /v1/responses`` (a kvwire engine
     does not serve it): a streamed answer that sends one event, waits for ``release``, then
     sends the rest, so the test sees the first event reach the client before the end."""
@@ -785,14 +795,7 @@ class _Responses:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(H)
 
 
 def test_other_vllm_endpoints_pass_through_by_load(make_stack: Callable[..., Stack]) -> None:
