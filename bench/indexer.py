@@ -7,9 +7,14 @@ Like production, three kinds of process on this box:
   ``--prefixes`` distinct prompts of ``--prompt-tokens`` tokens (16-token blocks); then, in the
   ingesting phase, churning at ``--ingest`` batches/s in total (each batch stores one new
   block and removes the one stored ``--window`` batches before, so the index size is constant);
-* the two servers, each with every publisher registered through its own ``POST /register``
-  (the same publishers feed both): Dynamo's indexer (``--threads 4``) and ``kvwire index
-  --workers N`` (N = ``--workers``, default: the number of cores);
+* the servers, each with its publishers registered through its own ``POST /register``:
+  Dynamo's indexer (``--threads 4``) and ``kvwire index --workers N``, one per N in
+  ``--workers`` (default: 1 and the number of cores). Each server follows its own set of
+  ``--engines`` streams with the same content (the same prompts, the same churn), and the
+  churn goes only to the set of the server being measured, as on a box that runs one
+  indexer: a measured server does not share the cores with the other servers' ingest of
+  10,000 batches/s (0.15-0.32 cores each, which made the comparison depend on which other
+  servers were in the run). ``--shared-streams``: one set that all servers follow at once;
 * the load generator: wrk (C, Debian package ``wrk``), one thread, ``--conns`` keep-alive
   connections, closed loop, posting ``/query`` bodies from a table of 256 varied prompts (each
   a stored prompt's first k blocks, k uniform in 0..128, then fresh tokens up to 2,048): the
@@ -62,24 +67,33 @@ def prompt_tokens(engine: int, j: int, n: int) -> list[int]:
 # ----------------------------------------------------------------------------- publisher
 
 
-def publisher_main(where: str, engines: int, prefixes: int, ntok: int, window: int,
-                   rate, published, ready, stop) -> None:
-    """Store the prefixes, then publish ``rate.value`` churn batches/s until ``stop``."""
+def endpoint(where: str, stream_set: int, e: int, kind: str) -> str:
+    return f"ipc://{where}/s{stream_set}e{e}.{kind}"
+
+
+def publisher_main(where: str, engines: int, sets: int, prefixes: int, ntok: int,
+                   window: int, rate, target, published, ready, stop) -> None:
+    """Store the prefixes on every set of ``engines`` streams, then publish ``rate.value``
+    churn batches/s to set ``target.value`` until ``stop``. Each set's churn is its own
+    consistent stream (its own counter: store block n, remove block n - ``window``), so a
+    set that pauses while another server is measured resumes where it stopped."""
     from kvwire.publish.publisher import ZmqEventPublisher
     from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch
 
-    pubs = [ZmqEventPublisher(endpoint=f"ipc://{where}/e{i}.live",
-                              replay_endpoint=f"ipc://{where}/e{i}.replay",
-                              heartbeat_interval=1.0, buffer_steps=200_000)
-            for i in range(engines)]
-    for i, pub in enumerate(pubs):
-        for j in range(prefixes):
-            base = (i << 40) | (j << 20)
-            pub.publish(KVEventBatch(time.time(), [BlockStored(
-                list(range(base, base + ntok // BS)), None, prompt_tokens(i, j, ntok), BS,
-                None, "GPU")], 0))
+    pubs = [[ZmqEventPublisher(endpoint=endpoint(where, s, i, "live"),
+                               replay_endpoint=endpoint(where, s, i, "replay"),
+                               heartbeat_interval=1.0, buffer_steps=200_000)
+             for i in range(engines)] for s in range(sets)]
+    for row in pubs:
+        for i, pub in enumerate(row):
+            for j in range(prefixes):
+                base = (i << 40) | (j << 20)
+                pub.publish(KVEventBatch(time.time(), [BlockStored(
+                    list(range(base, base + ntok // BS)), None, prompt_tokens(i, j, ntok),
+                    BS, None, "GPU")], 0))
     ready.set()
     k = 0
+    ks = [0] * sets  # each set's own churn counter
     start, cur = time.perf_counter(), 0.0
     while not stop.is_set():
         r = rate.value
@@ -89,19 +103,23 @@ def publisher_main(where: str, engines: int, prefixes: int, ntok: int, window: i
             time.sleep(0.01)
             continue
         due = k0 + int((time.perf_counter() - start) * r)
+        s = target.value
         while k < due:  # what is due, then a 1 ms nap (no spinning on the shared cores)
-            e = k % engines
-            h = (1 << 60) | k
-            t0 = (k * BS) % (1 << 31)
+            n = ks[s]
+            e = n % engines
+            h = (1 << 60) | n
+            t0 = (n * BS) % (1 << 31)
             evs: list = [BlockStored([h], None, list(range(t0, t0 + BS)), BS, None, "GPU")]
-            if k >= window:
-                evs.append(BlockRemoved([(1 << 60) | (k - window)], "GPU"))
-            pubs[e].publish(KVEventBatch(time.time(), evs, 0))
+            if n >= window:
+                evs.append(BlockRemoved([(1 << 60) | (n - window)], "GPU"))
+            pubs[s][e].publish(KVEventBatch(time.time(), evs, 0))
+            ks[s] = n + 1
             k += 1
         published.value = k
         time.sleep(0.001)
-    for p in pubs:
-        p.shutdown(timeout=1)
+    for row in pubs:
+        for p in row:
+            p.shutdown(timeout=1)
 
 
 # ----------------------------------------------------------------------------- servers
@@ -217,10 +235,10 @@ class Server:
             self.proc.wait()
 
 
-def register_body(where: str, e: int) -> dict:
+def register_body(where: str, stream_set: int, e: int) -> dict:
     """One body both peers take: Dynamo's field names and the RFC's, side by side."""
-    return {"instance_id": 100 + e, "endpoint": f"ipc://{where}/e{e}.live",
-            "replay_endpoint": f"ipc://{where}/e{e}.replay", "model_name": MODEL,
+    return {"instance_id": 100 + e, "endpoint": endpoint(where, stream_set, e, "live"),
+            "replay_endpoint": endpoint(where, stream_set, e, "replay"), "model_name": MODEL,
             "modelname": MODEL, "type": "vLLM", "tenant_id": "default", "block_size": BS,
             "dp_rank": 0}
 
@@ -319,6 +337,11 @@ def main() -> int:
     p.add_argument("--kvwire-cmd", default=None,
                    help="command line of the kvwire server instead of `kvwire index` "
                         "({port} and {workers} are filled in)")
+    p.add_argument("--shared-streams", action="store_true",
+                   help="all servers follow the same publishers at once (each measured "
+                        "server then shares the box with the others' ingest); default: "
+                        "each server has its own set of streams, live only while it is "
+                        "measured")
     a = p.parse_args()
     if a.quick:
         a.reps, a.seconds = 1, 3.0
@@ -336,9 +359,13 @@ def main() -> int:
     t_start = time.time()
     where = tempfile.mkdtemp(prefix="kvwire-bench-indexer-")
     rate, published = CTX.Value("d", 0.0), CTX.Value("q", 0)
+    target = CTX.Value("i", 0)
     ready, stop = CTX.Event(), CTX.Event()
+    nservers = ((a.only != "kvwire") + (len(a.workers) if a.only != "dynamo" else 0))
+    sets = 1 if a.shared_streams else nservers
     pub = CTX.Process(target=publisher_main, daemon=True, args=(
-        where, a.engines, a.prefixes, a.prompt_tokens, a.window, rate, published, ready, stop))
+        where, a.engines, sets, a.prefixes, a.prompt_tokens, a.window, rate, target,
+        published, ready, stop))
     pub.start()
     servers: list[Server] = []
     try:
@@ -355,9 +382,10 @@ def main() -> int:
                     [PY, "-m", "kvwire.cli.index", "--host", "127.0.0.1", "--port", str(kport),
                      "--workers", str(w)])
             servers.append(Server(f"kvwire-{w}w", kcmd, kport, f"{where}/kvwire{w}.log"))
-        for s in servers:
+        for i, s in enumerate(servers):
             for e in range(a.engines):
-                st, out = call(s.port, "POST", "/register", register_body(where, e))
+                st, out = call(s.port, "POST", "/register",
+                               register_body(where, i % sets, e))
                 if st >= 300:
                     raise RuntimeError(f"{s.name} /register: {st} {out[:300]!r}")
         # every stored prompt matched in full on its engine, by both
@@ -390,14 +418,21 @@ def main() -> int:
         for phase, r in (("static", 0.0), ("ingesting", a.ingest)):
             rate.value = r
             n0, t0 = published.value, time.perf_counter()
-            # no queries for a while: what each server spends on ingest alone
-            c0 = {s.name: s.cpu() for s in servers}
-            time.sleep(3.0)
-            idle[phase] = {s.name: (s.cpu() - c0[s.name]) / (time.perf_counter() - t0)
-                           for s in servers}
+            # no queries for a while: what each server spends on ingest alone (with its own
+            # streams, one server after another: this also fills each one's churn window)
+            idle[phase] = {}
+            for group in ([servers] if sets == 1 or not r else [[s] for s in servers]):
+                target.value = servers.index(group[0]) % sets
+                c0, t1 = {s.name: s.cpu() for s in group}, time.perf_counter()
+                time.sleep(3.0)
+                idle[phase].update({s.name: (s.cpu() - c0[s.name]) / (time.perf_counter()
+                                                                       - t1) for s in group})
             for rep in range(a.reps):
                 order = servers[rep % len(servers):] + servers[:rep % len(servers)]
                 for s in order:
+                    if sets > 1 and r:  # its streams live, the others paused
+                        target.value = servers.index(s)
+                        time.sleep(0.5)
                     m = measure(s, script, a.seconds, a.conns)
                     rows.append((phase, rep, s.name, m))
             got = (published.value - n0) / (time.perf_counter() - t0)
@@ -438,7 +473,8 @@ def main() -> int:
                   f"{'MET' if ok else 'NOT met'}")
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, "
           f"{time.time() - t_start:.0f} s, wrk -t1 -c{a.conns} -d{a.seconds:g}s, kvwire "
-          f"--workers {','.join(map(str, a.workers))}, dynamo --threads 4; {steal}")
+          f"--workers {','.join(map(str, a.workers))}, dynamo --threads 4, "
+          + ("shared streams" if sets == 1 else "own streams per server") + f"; {steal}")
     shutil.rmtree(where, ignore_errors=True)
     return 0
 
