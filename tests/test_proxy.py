@@ -1088,6 +1088,9 @@ def test_serve_cli_flags(engine_procs: Callable[..., list[EngineProc]],
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--policy", "fastest"])
     assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--response-ids", "-1"])
+    assert exit_.value.code == 2
     assert main([*args, "--tokenizer", "/nonexistent"]) == 2
     import lzma
     import shutil

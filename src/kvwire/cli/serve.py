@@ -103,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proxy: seconds between engine /health probes")
     p.add_argument("--first-byte-timeout", type=_positive(float), default=60.0,
                    help="proxy: seconds to wait for an engine's answer to begin")
+    p.add_argument("--response-ids", type=_count, default=100_000, metavar="N",
+                   help="proxy: stored responses (/v1/responses) whose engine is remembered, "
+                        "so that what names one goes there (default 100000; 0: none, each "
+                        "is looked for on every engine)")
     p.add_argument("--stall-timeout", type=_positive(float), default=300.0,
                    help="proxy: seconds a started stream may stay silent before it is ended "
                         "with an error event")
@@ -228,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
                           config=ProxyConfig(retries=args.retries, cooloff=args.cooloff,
                                              probe_interval=args.probe_interval,
                                              first_byte_timeout=args.first_byte_timeout,
-                                             stall_timeout=args.stall_timeout))
+                                             stall_timeout=args.stall_timeout,
+                                             response_ids=args.response_ids))
         elif args.tokenizer is not None:
             raise ValueError("--tokenizer needs an --engine with url=")
     except (ValueError, ImportError) as e:

@@ -21,10 +21,12 @@ import asyncio
 import re
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import msgspec
 
 from .proxy_state import Lifecycle, Outcome, marks_down, should_retry
+from .responses import SCAN_LIMIT, addressed
 from .service import RouteError
 from .upstream import Response, UpstreamError
 
@@ -44,8 +46,11 @@ PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
 #: vLLM's other model endpoints a client of one vLLM server also calls: forwarded unchanged
 #: to an engine that serves the body's ``model``, routed by load alone (their prompts are not
 #: tokenized, so they are never matched against the cache), with the same retries, breaker,
-#: headers and streaming as a generation request.
+#: headers and streaming as a generation request. A ``/v1/responses`` that names a
+#: ``previous_response_id``, and ``/v1/responses/{id}...``, go to the engine that holds that
+#: response (router/responses.py).
 PASS = frozenset((b"/v1/embeddings", b"/v1/responses", b"/tokenize", b"/detokenize"))
+RESPONSES = b"/v1/responses"
 _NO_CACHE = (b"cache-control", b"no-cache")
 #: A stream's head waits this long (s) for the first chunk, to leave in the same write: a
 #: socket write saved per stream; an engine slower to its first token than this sends the
@@ -76,7 +81,13 @@ def handle(proxy: Proxy, req: Request) -> None:
         else:
             req.respond(200, proxy._models())
         return
-    if method != b"POST":
+    rid = addressed(path)
+    if rid == "":
+        _bad(proxy, req, BadRequest(404, f"no such path: {path.decode('latin-1')} (under "
+                                         "/v1/responses/: {id}, {id}/cancel, {id}/input_items)",
+                                    None, "NotFoundError"))
+        return
+    if method != b"POST" and (rid is None or method not in (b"GET", b"DELETE")):
         req.respond(405, openai_error(405, "Method Not Allowed", "MethodNotAllowed"))
         return
     if req.too_large:
@@ -84,7 +95,7 @@ def handle(proxy: Proxy, req: Request) -> None:
                                     "body"))
         return
     loop = req.proto.server.loop  # (asyncio.get_running_loop() costs a getpid() call)
-    task = loop.create_task(_serve(proxy, req, PATHS.get(path), loop))
+    task = loop.create_task(_serve(proxy, req, PATHS.get(path), loop, rid))
 
     def gone() -> None:  # the client left before the answer ended: abandon it
         proxy.counts["client_disconnects"] += 1
@@ -100,12 +111,16 @@ def _bad(proxy: Proxy, req: Request, e: BadRequest) -> None:
 
 
 async def _serve(proxy: Proxy, req: Request, chat: bool | None,
-                 loop: asyncio.AbstractEventLoop) -> None:
-    """``chat``: True for chat, False for completions, None for a :data:`PASS` path."""
+                 loop: asyncio.AbstractEventLoop, rid: str | None = None) -> None:
+    """``chat``: True for chat, False for completions, None for a :data:`PASS` path or,
+    with ``rid``, a path naming a stored response (``/v1/responses/{rid}...``)."""
     try:
-        if chat is None:
-            body = proxy._check_pass(req.body)
+        if rid is not None:  # GET/DELETE have no body; cancel's is the engine's to read
+            body: Any = _ADDRESSED
             tokens: Any = ()
+        elif chat is None:
+            body = proxy._check_pass(req.body)
+            tokens = ()
         else:
             body = proxy._check(req.body, chat)
             tokens = await proxy._tokens(body, chat)
@@ -116,15 +131,37 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
     model = body.model
     lora = model if model is not None and known.get(model) else None
     headers = [h for h in req.headers if h[0] not in HOP]
-    stream = bool(body.stream)
+    stream = bool(body.stream) if rid is None else _stream_query(req.query)
     tried: set[str] = set()
     last: tuple[int, bytes] | None = None
     last_engine = "none"
     cfg = proxy.cfg
-    for attempt in range(cfg.retries + 1):
+    # a stored response lives on the engine that produced it: what names one goes there
+    creates = rid is None and chat is None and req.path == RESPONSES
+    pin = rid if rid is not None else (body.previous_response_id if creates else None)
+    plan: list[str] | None = None  # the engines to try, in order (None: routed)
+    probe = False  # a 404 means "not on this engine": ask the next one
+    if pin:
+        owner = proxy.owners.get(pin)
+        if owner is not None and owner in proxy.links:
+            plan = [owner]
+            proxy.counts["responses_pinned"] += 1
+        else:  # not known here (restarted, or forgotten): ask each engine in turn (an
+            # engine without it answers 404 before doing any work)
+            plan, probe = list(proxy._names), True
+            proxy.counts["responses_looked_up"] += 1
+    for attempt in range(cfg.retries + 1 if plan is None else len(plan)):
         with proxy._lock:
             ok = {n for n, lk in proxy.links.items() if lk.breaker.up and n not in tried
                   and (model is None or not lk.model_ids or model in lk.model_ids)}
+        if plan is not None:
+            want = plan[attempt]
+            if want not in ok:
+                if not probe:
+                    last = (503, openai_error(503, f"engine {want}, which holds response "
+                                              f"{pin}, is down", "ServiceUnavailable"))
+                continue
+            ok = {want}
         try:
             routed = proxy.core.route_proxy(tokens, lora, body.cache_salt, ok.__contains__,
                                             proxy._up)
@@ -134,28 +171,57 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
             break
         tried.add(routed.engine)
         outcome, sent, last = await _attempt(proxy, req, routed, headers, stream,
-                                             attempt == 0, loop)
+                                             attempt == 0, loop, probe=probe,
+                                             learn=creates, rid=rid)
         last_engine = routed.engine
         if marks_down(outcome):
             proxy.counts["upstream_failures"] += 1
             with proxy._lock:
                 proxy.links[routed.engine].breaker.failure(time.monotonic())
+        if plan is not None:  # its engines only, each once
+            if sent:
+                return
+            continue
         if not should_retry(outcome, attempt, cfg.retries, sent):
             if sent:
                 return
             break
         proxy.retried[routed.engine, outcome.value] += 1
+    if last is None and probe:
+        last = (404, openai_error(404, f"Response with id '{rid}' not found on any engine.",
+                                  "NotFoundError"))
     status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
     proxy.requests[last_engine, status] += 1
     req.respond(status, payload)
 
 
+class _Addressed:
+    """A request for a stored response by id: no body of its own to read."""
+
+    model = None
+    cache_salt = None
+
+
+_ADDRESSED = _Addressed()
+
+
+def _stream_query(query: bytes) -> bool:
+    """``?stream=true`` (a stored response's events replayed as they come)."""
+    if not query:
+        return False
+    v = parse_qs(query.decode("latin-1")).get("stream", [""])[-1]
+    return v.lower() in ("true", "1")
+
+
 async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, stream: bool,
-                   first: bool, loop: asyncio.AbstractEventLoop
+                   first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,
+                   learn: bool = False, rid: str | None = None
                    ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
     """One try at one engine: (outcome, whether the client got bytes, the error to answer
     with if nothing was sent). The reservation ends here, on every path (a cancel lands
-    in an await, and ``finally`` runs)."""
+    in an await, and ``finally`` runs). ``probe``: a 404 is :attr:`Outcome.NOT_HERE`;
+    ``learn``: the answer creates a response, whose id is remembered with this engine;
+    ``rid``: the stored response the request names (found here unless 404)."""
     link = proxy.links[routed.engine]
     name = link.name
     cfg = proxy.cfg
@@ -171,8 +237,8 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
     try:
         try:
             resp = await proxy._pool(link).request(
-                b"POST", req.path, headers, req.body, sent_at, time.perf_counter,
-                cfg.first_byte_timeout)
+                req.method, req.path + b"?" + req.query if req.query else req.path,
+                headers, req.body, sent_at, time.perf_counter, cfg.first_byte_timeout)
         except asyncio.TimeoutError:
             return Outcome.TIMEOUT, False, (504, openai_error(
                 504, f"engine {name} did not answer in {cfg.first_byte_timeout:g} s",
@@ -180,12 +246,14 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
         except UpstreamError as e:
             return Outcome.REFUSED, False, (502, openai_error(
                 502, f"engine {name} unreachable: {e}", "BadGateway"))
-        rid = [(b"x-kvwire-engine", link.name_b), (b"x-kvwire-rank", b"%d" % routed.rank)]
+        hdrs = [(b"x-kvwire-engine", link.name_b), (b"x-kvwire-rank", b"%d" % routed.rank)]
         ctype = resp.headers.get(b"content-type", b"application/json")
         if stream and resp.status == 200:
-            req.start(200, [(b"content-type", ctype), _NO_CACHE, *rid], hold=True)
+            if rid is not None:
+                proxy.owners.learn(rid, name)
+            req.start(200, [(b"content-type", ctype), _NO_CACHE, *hdrs], hold=True)
             proxy.requests[name, 200] += 1
-            _Relay(proxy, req, resp, lc, link, loop)  # it ends the stream: no await here
+            _Relay(proxy, req, resp, lc, link, loop, learn)  # it ends the stream: no await
             relayed = True
             return Outcome.OK, True, None
         try:
@@ -195,6 +263,15 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
                 504, f"engine {name} did not finish its answer: {e!r}", "Timeout"))
         if resp.status >= 500:
             return Outcome.SERVER_ERROR, False, (resp.status, payload)
+        if probe and resp.status == 404:
+            return Outcome.NOT_HERE, False, (404, payload)
+        if learn and resp.status == 200:
+            proxy.owners.learn_from(payload, name)
+        elif rid is not None and resp.status < 400:
+            if req.method == b"DELETE":
+                proxy.owners.forget(rid)
+            else:
+                proxy.owners.learn(rid, name)
         proxy._first(lc)
         m = COMPLETION_TOKENS.search(payload)
         out_tokens = int(m.group(1)) if m else None
@@ -203,7 +280,7 @@ async def _attempt(proxy: Proxy, req: Request, routed: Any, headers: list, strea
         proxy.requests[name, resp.status] += 1
         link.e2e.observe(time.perf_counter() - req.t0)
         _settle(proxy, lc, name, out_tokens)  # before the client can see the answer
-        req.respond(resp.status, payload, rid, ctype)
+        req.respond(resp.status, payload, hdrs, ctype)
         return Outcome.OK, True, None
     finally:
         if not relayed:  # (a relay settles and closes when its stream ends)
@@ -232,10 +309,13 @@ class _Relay:
     client that goes away (``on_close``) closes the engine's connection (it aborts)."""
 
     __slots__ = ("proxy", "req", "resp", "lc", "link", "finished", "events", "usage",
-                 "last_usage", "first", "paused", "timer", "loop", "since")
+                 "last_usage", "first", "paused", "timer", "loop", "since", "learn", "tail")
 
     def __init__(self, proxy: Proxy, req: Request, resp: Response, lc: Lifecycle,
-                 link: _Link, loop: asyncio.AbstractEventLoop) -> None:
+                 link: _Link, loop: asyncio.AbstractEventLoop, learn: bool = False) -> None:
+        #: bytes of a response-creating stream still to look through for its id (0: none)
+        self.learn = SCAN_LIMIT if learn else 0
+        self.tail = b""  # the end of the last read, for an id split between two reads
         self.proxy, self.req, self.resp, self.lc, self.link = proxy, req, resp, lc, link
         self.loop = loop
         self.finished = False
@@ -266,6 +346,13 @@ class _Relay:
             self.proxy._first(self.lc)
             self.link.ttft.observe(time.perf_counter() - self.req.t0)
         self.events += data.count(b"data: {")
+        if self.learn:
+            seen = self.tail + data
+            if self.proxy.owners.learn_from(seen, self.link.name):
+                self.learn = 0
+            else:
+                self.learn = max(0, self.learn - len(data))
+                self.tail = seen[-300:]
         at = data.rfind(b'"completion_tokens"')
         if at >= 0:
             m = COMPLETION_TOKENS.match(data, at)

@@ -1,7 +1,8 @@
 """``kvwire serve``'s OpenAI-compatible proxy: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` and ``GET /v1/models`` in front of the engines given with
 ``url=``, and vLLM's other model endpoints (``forward.PASS``: embeddings, responses,
-tokenize, detokenize) forwarded by load. The I/O layer only: decisions (breakers,
+tokenize, detokenize) forwarded by load, except what names a stored response, which goes
+to the engine holding it (:mod:`.responses`). The I/O layer only: decisions (breakers,
 retries, the load lifecycle) live in :mod:`.proxy_state`, routing in
 :class:`~kvwire.router.service.RouterCore`.
 
@@ -34,6 +35,8 @@ from prometheus_client.utils import floatToGoString
 from ..consume.engine_spec import EngineSpec
 from .forward import PASS, PATHS, BadRequest, handle, openai_error
 from .proxy_state import Breaker, Lifecycle
+from .responses import PREFIX as RESPONSES_PREFIX
+from .responses import ResponseOwners
 from .service import RouterCore
 from .upstream import Pool, UpstreamError
 
@@ -71,6 +74,7 @@ class _PassBody(msgspec.Struct):
     model: str | None = None
     stream: bool | None = False
     cache_salt: str | None = None
+    previous_response_id: str | None = None  # /v1/responses: goes where that response is
 
 
 _pass_dec = msgspec.json.Decoder(_PassBody)
@@ -87,6 +91,8 @@ class ProxyConfig:
     first_byte_timeout: float = 60.0
     stall_timeout: float = 300.0
     max_body: int = 32 << 20
+    #: stored responses whose engine is remembered (router/responses.py)
+    response_ids: int = 100_000
 
 
 _FAST_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
@@ -236,6 +242,8 @@ class Proxy:
             log.warning("no --tokenizer: proxied requests are routed by load only (no "
                         "prefix overlap is computed)")
         self.counts: Counter[str] = Counter()
+        #: which engine holds which stored response (OpenAI's Responses API)
+        self.owners = ResponseOwners(self.cfg.response_ids)
         #: (engine or "none", HTTP status) of each answered generation request
         self.requests: Counter[tuple[str, int]] = Counter()
         #: (failed engine, Outcome value) of each retry
@@ -323,7 +331,8 @@ class Proxy:
                 "requests": {str(st): c for (e, st), c in self.requests.items() if e == n},
                 "retries": {why: c for (e, why), c in self.retried.items() if e == n}}
             for n, link in self.links.items()}
-        return out | {"counts": dict(self.counts, retries=self.retries_total())}
+        return out | {"counts": dict(self.counts, retries=self.retries_total(),
+                                     responses_known=len(self.owners))}
 
     def retries_total(self) -> int:
         return sum(self.retried.values())
@@ -332,7 +341,8 @@ class Proxy:
 
     @staticmethod
     def handles(path: bytes) -> bool:
-        return path in PATHS or path in PASS or path == b"/v1/models"
+        return (path in PATHS or path in PASS or path == b"/v1/models"
+                or path.startswith(RESPONSES_PREFIX))
 
     def handle(self, req: Any) -> None:
         """Answer a :class:`~kvwire.router.front.Request` for a path :meth:`handles`."""

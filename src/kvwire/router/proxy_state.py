@@ -61,6 +61,7 @@ class Outcome(Enum):
     SERVER_ERROR = "server_error"  # 5xx before the client saw a byte
     TIMEOUT = "timeout"  # no first byte in time
     CLIENT_GONE = "client_gone"
+    NOT_HERE = "not_here"  # 404 from an engine asked whether it holds a stored response
 
 
 def should_retry(outcome: Outcome, attempt: int, retries: int, sent_to_client: bool) -> bool:

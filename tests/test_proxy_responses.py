@@ -1,0 +1,282 @@
+"""Stored responses (OpenAI's Responses API as vLLM serves it) live on the engine that made
+them: the proxy sends what names one (``previous_response_id``, ``/v1/responses/{id}``,
+``.../cancel``, ``.../input_items``, ``DELETE``) to that engine, learns ids from the answers
+(whole or streamed), looks an unknown id up on each engine in turn, and says which engine
+is down when the holder is.
+
+The engines are loopback HTTP servers that keep responses in memory as vLLM does (a kvwire
+engine does not serve the Responses API); their event streams are real kvwire engines'.
+Routing is round robin, so without the pinning every other follow-up would reach the
+engine that does not hold the response and get its 404."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+from test_proxy import TIMEOUT, Stack, _LoopbackServer, make_stack, wait_for  # noqa: F401
+
+from kvwire.router.policy import RoundRobinPolicy
+from kvwire.router.responses import ResponseOwners, addressed
+
+_ITEM = re.compile(r"^/v1/responses/([^/?]+)(/cancel|/input_items)?(?:\?(.*))?$")
+
+
+class _ResponseStore(_LoopbackServer):
+    """An engine's Responses API with vLLM's store: responses it made, by id; a
+    ``previous_response_id`` or an id it does not hold gets vLLM's 404."""
+
+    def __init__(self) -> None:
+        store = self
+        self.release = threading.Event()
+        self.held: dict[str, dict] = {}
+        self.seen: list[tuple[str, str]] = []  # (method, path with query)
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _json(self, code: int, obj: Any) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _missing(self, rid: str) -> None:
+                self._json(404, {"error": {"message": f"Response with id '{rid}' not found.",
+                                           "type": "NotFoundError", "param": None,
+                                           "code": 404}})
+
+            def _sse(self, events: list[dict]) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for ev in events:
+                    data = f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+            def _body(self) -> dict:
+                n = int(self.headers.get("content-length", 0))
+                return json.loads(self.rfile.read(n)) if n else {}
+
+            def _item(self) -> tuple[str, str, str] | None:
+                m = _ITEM.match(self.path)
+                return (m.group(1), m.group(2) or "", m.group(3) or "") if m else None
+
+            def do_GET(self) -> None:
+                store.seen.append(("GET", self.path))
+                if self.path == "/v1/models":
+                    return self._json(200, {"object": "list", "data": [
+                        {"id": "m", "object": "model", "parent": None}]})
+                if self.path == "/health":
+                    return self._json(200, {})
+                item = self._item()
+                if item is None:
+                    return self._json(404, {})
+                rid, tail, query = item
+                if rid not in store.held:
+                    return self._missing(rid)
+                if tail == "/input_items":
+                    return self._json(200, {"object": "list", "data": [
+                        {"type": "message", "role": "user",
+                         "content": store.held[rid]["input"]}]})
+                if "stream=true" in query:
+                    return self._sse([{"type": "response.completed",
+                                       "response": store.held[rid]}])
+                self._json(200, store.held[rid])
+
+            def do_DELETE(self) -> None:
+                store.seen.append(("DELETE", self.path))
+                item = self._item()
+                rid = item[0] if item else ""
+                if store.held.pop(rid, None) is None:
+                    return self._missing(rid)
+                self._json(200, {"id": rid, "object": "response", "deleted": True})
+
+            def do_POST(self) -> None:
+                store.seen.append(("POST", self.path))
+                body = self._body()
+                item = self._item()
+                if item is not None:  # .../cancel
+                    rid = item[0]
+                    if rid not in store.held:
+                        return self._missing(rid)
+                    store.held[rid]["status"] = "cancelled"
+                    return self._json(200, store.held[rid])
+                prev = body.get("previous_response_id")
+                if prev is not None and prev not in store.held:
+                    return self._missing(prev)
+                rid = f"resp_{uuid.uuid4().hex}"
+                resp = {"id": rid, "object": "response", "status": "completed",
+                        "model": body.get("model"), "previous_response_id": prev,
+                        "input": body.get("input"),
+                        "output": [{"id": f"msg_{uuid.uuid4().hex}", "type": "message",
+                                    "content": [{"type": "output_text", "text": "ok"}]}]}
+                store.held[rid] = resp
+                if body.get("stream"):
+                    return self._sse([
+                        {"type": "response.created", "sequence_number": 0,
+                         "response": dict(resp, status="in_progress", output=[])},
+                        {"type": "response.output_text.delta", "delta": "ok"},
+                        {"type": "response.completed", "response": resp}])
+                self._json(200, resp)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self._serve(H)
+
+
+def _create(c: httpx.Client, prev: str | None = None, stream: bool = False
+            ) -> tuple[str, str]:
+    """(the new response's id, the engine that answered)."""
+    body: dict[str, Any] = {"model": "m", "input": "hi"}
+    if prev is not None:
+        body["previous_response_id"] = prev
+    if not stream:
+        r = c.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["id"], r.headers["x-kvwire-engine"]
+    body["stream"] = True
+    with c.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(x[5:]) for x in r.iter_lines() if x.startswith("data:")]
+        return events[0]["response"]["id"], r.headers["x-kvwire-engine"]
+
+
+def test_what_names_a_stored_response_goes_to_the_engine_that_holds_it(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    a, b = _ResponseStore(), _ResponseStore()
+    try:
+        s = make_stack(2, policy=RoundRobinPolicy(), urls=[a.url, b.url])
+        store = {"e0": a, "e1": b}
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+            # a conversation: each turn continues the last, whole or streamed, and every
+            # turn lands on the engine that made the first (round robin would alternate)
+            rid, eng = _create(c)
+            for i in range(6):
+                rid, e = _create(c, prev=rid, stream=i % 2 == 1)
+                assert e == eng and rid in store[eng].held
+            assert s.proxy.owners.get(rid) == eng
+            other = "e1" if eng == "e0" else "e0"
+            assert not any(p.startswith("/v1/responses") for _, p in store[other].seen)
+
+            # the id-addressed paths, query string included, reach the holder
+            r = c.get(f"/v1/responses/{rid}")
+            assert r.status_code == 200 and r.json()["id"] == rid
+            assert r.headers["x-kvwire-engine"] == eng
+            r = c.get(f"/v1/responses/{rid}/input_items")
+            assert r.status_code == 200 and r.json()["data"][0]["content"] == "hi"
+            with c.stream("GET", f"/v1/responses/{rid}?stream=true") as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                assert any("response.completed" in x for x in r.iter_lines())
+            assert ("GET", f"/v1/responses/{rid}?stream=true") in store[eng].seen
+            r = c.post(f"/v1/responses/{rid}/cancel")
+            assert r.status_code == 200 and r.json()["status"] == "cancelled"
+
+            # a new conversation may start on the other engine: it is followed there
+            rid2, eng2 = _create(c)
+            if eng2 == eng:
+                rid2, eng2 = _create(c)
+            assert eng2 == other
+            assert _create(c, prev=rid2)[1] == other
+
+            # the proxy forgot every id (a restart): an id-addressed request looks on
+            # each engine in turn, answers from the holder and remembers it
+            s.proxy.owners = ResponseOwners()
+            looked = s.proxy.counts["responses_looked_up"]
+            r = c.get(f"/v1/responses/{rid2}")
+            assert r.status_code == 200 and r.headers["x-kvwire-engine"] == other
+            assert s.proxy.counts["responses_looked_up"] == looked + 1
+            assert s.proxy.owners.get(rid2) == other
+            # ... and so does a previous_response_id it does not know
+            new, e = _create(c, prev=rid)
+            assert e == eng and new in store[eng].held
+
+            # deleted: forgotten, and then no engine holds it
+            r = c.delete(f"/v1/responses/{rid}")
+            assert r.status_code == 200 and r.json()["deleted"] is True
+            assert s.proxy.owners.get(rid) is None
+            r = c.get(f"/v1/responses/{rid}")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+            r = c.post("/v1/responses", json={"model": "m", "input": "x",
+                                               "previous_response_id": "resp_nobody"})
+            assert r.status_code == 404, r.text
+
+            # paths the proxy refuses itself, in OpenAI's error object
+            for method, path, status in (("GET", "/v1/responses/", 404),
+                                         ("GET", f"/v1/responses/{rid2}/bogus", 404),
+                                         ("PUT", f"/v1/responses/{rid2}", 405)):
+                r = c.request(method, path)
+                assert r.status_code == status and "error" in r.json(), (path, r.text)
+                assert "x-kvwire-engine" not in r.headers
+
+            # the holder goes away: its responses' requests fail with its name, and are
+            # never sent to the engine that does not hold them
+            def asked(x: _ResponseStore) -> int:
+                return sum(p.startswith("/v1/responses") for _, p in x.seen)
+
+            n = asked(store[eng])
+            store[other].close()
+            r = c.post("/v1/responses", json={"model": "m", "input": "x",
+                                               "previous_response_id": rid2})
+            # (502 if this request finds it gone, 503 if a health probe did first)
+            assert r.status_code in (502, 503) and other in r.json()["error"]["message"], r.text
+            wait_for(lambda: not s.proxy.links[other].breaker.up, "the holder marked down")
+            r = c.get(f"/v1/responses/{rid2}")
+            assert r.status_code == 503, r.text
+            msg = r.json()["error"]["message"]
+            assert other in msg and rid2 in msg and "down" in msg
+            assert asked(store[eng]) == n
+        wait_for(lambda: s.loads() == {}, "every reservation released")
+        assert all(s.proxy.in_flight[n] == 0 for n in ("e0", "e1"))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_owners_table_is_bounded_and_least_recently_used_goes_first() -> None:
+    t = ResponseOwners(capacity=3)
+    for i in range(3):
+        t.learn(f"resp_{i}", "e0")
+    assert t.get("resp_0") == "e0"  # used: now the most recent
+    t.learn("resp_3", "e1")
+    assert t.get("resp_1") is None and t.get("resp_0") == "e0" and len(t) == 3
+    assert t.forgotten == 1
+    t.forget("resp_0")
+    assert t.get("resp_0") is None and len(t) == 2
+    off = ResponseOwners(capacity=0)
+    off.learn("resp_x", "e0")
+    assert off.get("resp_x") is None and len(off) == 0
+
+
+def test_learn_from_takes_the_first_response_id() -> None:
+    t = ResponseOwners()
+    created = (b'event: response.created\ndata: {"type":"response.created","sequence_number"'
+               b':0,"response":{"id": "resp_abc","output":[{"id":"msg_1"}]}}\n\n')
+    assert t.learn_from(created, "e1") and t.get("resp_abc") == "e1"
+    assert not t.learn_from(b'{"id":"msg_1","object":"list"}', "e0")
+
+
+@given(st.binary(max_size=80))
+def test_addressed_parses_only_its_three_forms(tail: bytes) -> None:
+    rid = addressed(b"/v1/responses/" + tail)
+    assert rid is not None  # under the prefix: an id, or "" for a form it does not serve
+    if rid:
+        assert b"/v1/responses/" + rid.encode() + tail[len(rid):] == b"/v1/responses/" + tail
+        assert tail[len(rid):] in (b"", b"/cancel", b"/input_items")
+    assert addressed(b"/v1/responsesx/" + tail) is None
+    assert addressed(b"/v1/responses") is None
