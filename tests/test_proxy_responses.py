@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 from test_proxy import TIMEOUT, Stack, _LoopbackServer, make_stack, wait_for  # noqa: F401
 
 from kvwire.router.policy import RoundRobinPolicy
-from kvwire.router.responses import ResponseOwners, addressed
+from kvwire.router.responses import ResponseOwners, addressed, chat_request
+from kvwire.tokenize import load_tokenizer
 
 _ITEM = re.compile(r"^/v1/responses/([^/?]+)(/cancel|/input_items)?(?:\?(.*))?$")
 
@@ -39,9 +41,14 @@ class _ResponseStore(_LoopbackServer):
         self.release = threading.Event()
         self.held: dict[str, dict] = {}
         self.seen: list[tuple[str, str]] = []  # (method, path with query)
+        self.conns: list[socket.socket] = []
 
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                store.conns.append(self.connection)
 
             def _json(self, code: int, obj: Any) -> None:
                 body = json.dumps(obj).encode()
@@ -137,6 +144,16 @@ class _ResponseStore(_LoopbackServer):
                 pass
 
         self._serve(H)
+
+    def close(self) -> None:
+        """Gone for good: the listener and every kept-alive connection (the proxy's pool
+        holds some), as when the engine's process dies."""
+        super().close()
+        for conn in self.conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def _create(c: httpx.Client, prev: str | None = None, stream: bool = False
@@ -280,3 +297,75 @@ def test_addressed_parses_only_its_three_forms(tail: bytes) -> None:
         assert tail[len(rid):] in (b"", b"/cancel", b"/input_items")
     assert addressed(b"/v1/responsesx/" + tail) is None
     assert addressed(b"/v1/responses") is None
+
+
+# ------------------------------------------------------------------ routed by the cache
+
+
+def test_chat_request_renders_a_response_request_as_vllm_does() -> None:
+    """instructions -> system; a string input -> the user's message; items as vLLM maps
+    them (text parts joined by newlines, function calls and outputs, an earlier output
+    message's text); function tools in the chat shape; anything else -> None (by load)."""
+    assert chat_request(None, "hi") == ([{"role": "user", "content": "hi"}], None)
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    msgs, tools = chat_request("be terse", [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                     {"type": "input_text", "text": "b"}]},
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "c"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+    ], [tool])
+    assert msgs == [
+        {"role": "system", "content": "be terse"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "c"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    assert tools == [{"type": "function", "function": tool}]
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+    for instructions, input_, tools_ in ((None, [image], None), (None, [], None),
+                                         (None, None, None), (3, "hi", None),
+                                         (None, "hi", [{"type": "web_search"}]),
+                                         (None, [{"type": "item_reference", "id": "x"}], None),
+                                         (None, [{"role": "wizard", "content": "x"}], None)):
+        assert chat_request(instructions, input_, tools_) is None
+
+
+def test_a_new_response_request_follows_the_cache_of_its_chat(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """A /v1/responses that starts a conversation is tokenized as the chat it renders to, so
+    it goes to the engine that holds that chat's prefix (kvwire engines do not serve the
+    Responses API: they answer 404, with the proxy's x-kvwire-engine telling where it went).
+    One holding items the proxy does not map goes by load, counted."""
+    s = make_stack(3)
+    tok = load_tokenizer(None)
+    system, user = "You answer in verse. " + "rules of rhyme " * 150, "a question"
+    chat = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]}
+    ids = tok.encode_chat(chat["messages"])
+    conv = chat_request(system, [{"role": "user",
+                                  "content": [{"type": "input_text", "text": user}]}])
+    assert conv is not None and tok.encode_chat(conv[0]) == ids
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        home = r.headers["x-kvwire-engine"]
+
+        def held() -> bool:
+            with s.core.lock:
+                m = s.core.index.match(ids)
+            return bool(m) and max(m, key=lambda k: m[k].credit).split("/")[0] == home
+
+        wait_for(held, "the chat's prefix in the index")
+        for _ in range(6):  # the load of the answered chat is released: any engine is idle
+            r = c.post("/v1/responses", json={"model": "m", "instructions": system,
+                                               "input": user})
+            assert r.headers["x-kvwire-engine"] == home, r.text
+        by_load = s.proxy.counts["responses_by_load"]
+        r = c.post("/v1/responses", json={"model": "m", "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
+        assert "x-kvwire-engine" in r.headers
+        assert s.proxy.counts["responses_by_load"] == by_load + 1
+    wait_for(lambda: s.loads() == {}, "every reservation released")

@@ -44,11 +44,12 @@ HOP = frozenset((b"host", b"content-length", b"connection", b"keep-alive",
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
 #: vLLM's other model endpoints a client of one vLLM server also calls: forwarded unchanged
-#: to an engine that serves the body's ``model``, routed by load alone (their prompts are not
-#: tokenized, so they are never matched against the cache), with the same retries, breaker,
-#: headers and streaming as a generation request. A ``/v1/responses`` that names a
-#: ``previous_response_id``, and ``/v1/responses/{id}...``, go to the engine that holds that
-#: response (router/responses.py).
+#: to an engine that serves the body's ``model``, with the same retries, breaker, headers
+#: and streaming as a generation request. Embeddings and (de)tokenize are routed by load
+#: alone (their prompts are not tokenized); a ``/v1/responses`` that starts a conversation
+#: by the cache, as the chat it renders to; one that names a ``previous_response_id``, and
+#: ``/v1/responses/{id}...``, go to the engine that holds that response
+#: (router/responses.py).
 PASS = frozenset((b"/v1/embeddings", b"/v1/responses", b"/tokenize", b"/detokenize"))
 RESPONSES = b"/v1/responses"
 _NO_CACHE = (b"cache-control", b"no-cache")
@@ -120,7 +121,8 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
             tokens: Any = ()
         elif chat is None:
             body = proxy._check_pass(req.body)
-            tokens = ()
+            tokens = (await proxy._response_tokens(body)
+                      if req.path == RESPONSES and not body.previous_response_id else ())
         else:
             body = proxy._check(req.body, chat)
             tokens = await proxy._tokens(body, chat)

@@ -1,8 +1,9 @@
 """``kvwire serve``'s OpenAI-compatible proxy: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` and ``GET /v1/models`` in front of the engines given with
 ``url=``, and vLLM's other model endpoints (``forward.PASS``: embeddings, responses,
-tokenize, detokenize) forwarded by load, except what names a stored response, which goes
-to the engine holding it (:mod:`.responses`). The I/O layer only: decisions (breakers,
+tokenize, detokenize) forwarded by load, except the Responses API (:mod:`.responses`):
+a new conversation is routed by the cache as the chat it renders to, and what names a
+stored response goes to the engine holding it. The I/O layer only: decisions (breakers,
 retries, the load lifecycle) live in :mod:`.proxy_state`, routing in
 :class:`~kvwire.router.service.RouterCore`.
 
@@ -36,7 +37,7 @@ from ..consume.engine_spec import EngineSpec
 from .forward import PASS, PATHS, BadRequest, handle, openai_error
 from .proxy_state import Breaker, Lifecycle
 from .responses import PREFIX as RESPONSES_PREFIX
-from .responses import ResponseOwners
+from .responses import ResponseOwners, chat_request
 from .service import RouterCore
 from .upstream import Pool, UpstreamError
 
@@ -75,6 +76,10 @@ class _PassBody(msgspec.Struct):
     stream: bool | None = False
     cache_salt: str | None = None
     previous_response_id: str | None = None  # /v1/responses: goes where that response is
+    # /v1/responses without one: routed by the cache as the chat it renders to
+    instructions: Any = None
+    input: Any = None
+    tools: Any = None
 
 
 _pass_dec = msgspec.json.Decoder(_PassBody)
@@ -445,6 +450,22 @@ class Proxy:
                              "messages" if chat else "prompt") from None
         self.metrics.tokenize.observe(time.perf_counter() - t0)
         return toks
+
+    async def _response_tokens(self, body: _PassBody) -> Sequence[int]:
+        """A ``/v1/responses`` request's token ids, rendered as the chat vLLM makes of it
+        (router/responses.py); [] (routed by load, counted) when it holds what that does
+        not map or cannot be tokenized here: the engine judges it."""
+        if self.mode == "none":
+            return ()
+        conv = chat_request(body.instructions, body.input, body.tools)
+        if conv is not None:
+            try:
+                return await self._tokens(_Body(model=body.model, messages=conv[0],
+                                                tools=conv[1]), True)
+            except BadRequest:
+                pass
+        self.counts["responses_by_load"] += 1
+        return ()
 
     async def _engine_tokens(self, req: _Body, chat: bool, prompt: Any) -> Sequence[int]:
         q: dict[str, Any] = {"model": req.model}

@@ -12,6 +12,11 @@ table is bounded (least recently used forgotten first); an id it does not know (
 proxy restarted, or forgot it) is looked for on each engine in turn, and the one that
 does not answer 404 is remembered.
 
+A request that starts a conversation (no ``previous_response_id``) is routed by the cache
+like a chat request: :func:`chat_request` turns it into the chat messages and tools that
+vLLM renders it as (``instructions`` as the system message, then the input items), so the
+proxy tokenizes it with the same chat template.
+
 No I/O here: the proxy (router/forward.py) feeds it what it reads and asks it where to go.
 """
 
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from typing import Any
 
-__all__ = ["PREFIX", "RESPONSE_ID", "SCAN_LIMIT", "ResponseOwners", "addressed"]
+__all__ = ["PREFIX", "RESPONSE_ID", "SCAN_LIMIT", "ResponseOwners", "addressed",
+           "chat_request"]
 
 PREFIX = b"/v1/responses/"
 #: A response object's id as it appears in an answer (the first one is the response's own).
@@ -88,3 +95,91 @@ class ResponseOwners:
 
     def forget(self, rid: str) -> None:
         self._owner.pop(rid, None)
+
+
+_TEXT_PARTS = frozenset(("input_text", "output_text", "text"))
+
+
+def _text(content: Any) -> str | None:
+    """A message's content as vLLM hands it to a template that takes strings: a string as
+    is, text parts joined by newlines; None for anything else (an image, a file)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    out = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS
+                and isinstance(part.get("text"), str)):
+            return None
+        out.append(part["text"])
+    return "\n".join(out)
+
+
+def _message(item: Any) -> dict[str, Any] | None:
+    """One input item as the chat message vLLM makes of it; None if not mapped here."""
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type")
+    if kind == "function_call":
+        return {"role": "assistant", "tool_calls": [{
+            "id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]}
+    if kind == "function_call_output":
+        return {"role": "tool", "content": item.get("output"),
+                "tool_call_id": item.get("call_id")}
+    if kind == "reasoning":
+        if item.get("encrypted_content"):
+            return None
+        for key in ("summary", "content"):
+            parts = item.get(key)
+            if isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], dict):
+                return {"role": "assistant", "reasoning": parts[0].get("text", "")}
+        return {"role": "assistant", "reasoning": ""}
+    if kind not in (None, "message"):
+        return None
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        return None
+    content = item.get("content")
+    if role == "assistant" and kind == "message" and "id" in item:
+        # an output message of an earlier response: vLLM keeps its first part's text
+        if not (isinstance(content, list) and content and isinstance(content[0], dict)
+                and isinstance(content[0].get("text"), str)):
+            return None
+        return {"role": "assistant", "content": content[0]["text"]}
+    text = _text(content)
+    if text is None:
+        return None
+    return {"role": role, "content": text}
+
+
+def chat_request(instructions: Any, input_: Any, tools: Any = None
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
+    """A ``/v1/responses`` request as the chat messages and tools vLLM renders it into:
+    ``instructions`` as the system message, then ``input`` (a string is the user's message;
+    items: messages, function calls and their outputs, reasoning), and function tools in
+    the chat shape. None when it holds something this does not map (an image, a built-in
+    tool): the proxy then routes it by load."""
+    msgs: list[dict[str, Any]] = []
+    if instructions:
+        if not isinstance(instructions, str):
+            return None
+        msgs.append({"role": "system", "content": instructions})
+    if isinstance(input_, str):
+        msgs.append({"role": "user", "content": input_})
+    elif isinstance(input_, list) and input_:
+        for item in input_:
+            m = _message(item)
+            if m is None:
+                return None
+            msgs.append(m)
+    else:
+        return None
+    chat_tools = None
+    if tools:
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function" for t in tools):
+            return None
+        chat_tools = [{"type": "function", "function": t} for t in tools]
+    return msgs, chat_tools
