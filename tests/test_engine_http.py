@@ -30,8 +30,8 @@ TIMEOUT = 20.0
 class EngineThread:
     """An EngineApp serving on 127.0.0.1:<free port> from its own thread and loop."""
 
-    def __init__(self, opts: EngineOptions) -> None:
-        self.app = EngineApp(opts, load_tokenizer(None))
+    def __init__(self, opts: EngineOptions, tokenizer: Any = None) -> None:
+        self.app = EngineApp(opts, tokenizer or load_tokenizer(None))
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         self.error: BaseException | None = None

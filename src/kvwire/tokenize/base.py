@@ -56,5 +56,26 @@ class Tokenizer(ABC):
                                 chat_template_kwargs=chat_template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
+    def content_format(self, tools: list[dict[str, Any]] | None = None) -> str:
+        """``"string"`` or ``"openai"``: how vLLM hands message content to this tokenizer's
+        chat template (for a chat with/without ``tools``); tokenize/content.py."""
+        from kvwire.tokenize.content import content_format
+
+        ct = getattr(self, "chat_template", None)
+        try:
+            ct = ct(tools) if callable(ct) else ct
+        except TokenizerError:
+            return "string"
+        return content_format(ct.source) if ct is not None else "string"
+
+    def engine_messages(self, messages: Any,
+                        tools: list[dict[str, Any]] | None = None) -> Any:
+        """``messages`` as vLLM hands them to this tokenizer's chat template (text parts
+        joined for a template that takes strings): what a router renders to match the
+        engine's tokens. ``encode_chat`` itself renders as transformers does."""
+        from kvwire.tokenize.content import as_engine_messages
+
+        return as_engine_messages(messages, self.content_format(tools))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

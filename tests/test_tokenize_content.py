@@ -1,0 +1,164 @@
+"""Message content handed to the chat template as vLLM hands it (tokenize/content.py): the
+template's content format detected as vLLM detects it, text parts joined for a template
+that takes strings, and the proxy and the engine both tokenizing that way."""
+
+from __future__ import annotations
+
+import glob
+import json
+import lzma
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvwire.router.policy import RoundRobinPolicy
+from kvwire.tokenize import TokenizerError, load_tokenizer
+from kvwire.tokenize.builtin import CHATML_TEMPLATE
+from kvwire.tokenize.content import as_engine_messages, content_format
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_helpers import import_or_skip  # noqa: E402
+from test_engine_http import EngineThread, _opts  # noqa: E402
+from test_proxy import TIMEOUT, Stack  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "tokenize"
+
+
+def _bundled() -> dict[str, str]:
+    return {
+        "qwen3": json.loads((DATA / "qwen3/tokenizer_config.json").read_text())["chat_template"],
+        "deepseek_v3": json.loads((DATA / "deepseek_v3/tokenizer_config.json").read_text()
+                                  )["chat_template"],
+        "mistral_v7": (DATA / "mistral_v7/chat_template.jinja").read_text(),
+        "builtin": CHATML_TEMPLATE,
+    }
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    d = tmp_path_factory.mktemp("qwen3")
+    shutil.copy(DATA / "qwen3/tokenizer_config.json", d)
+    (d / "tokenizer.json").write_bytes(lzma.decompress(
+        (DATA / "qwen3/tokenizer.json.xz").read_bytes()))
+    return load_tokenizer(str(d))
+
+
+def test_bundled_templates_formats() -> None:
+    """Qwen3's and DeepSeek-V3's templates use content as a string; Mistral's loops over
+    it in a macro it is passed to; kvwire's builtin ChatML loops over it directly."""
+    got = {k: content_format(v) for k, v in _bundled().items()}
+    assert got == {"qwen3": "string", "deepseek_v3": "string", "mistral_v7": "openai",
+                   "builtin": "openai"}
+
+
+@pytest.mark.parametrize("source, fmt", [
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% for m in messages %}{% for p in m['content'] | selectattr('type') %}{% endfor %}"
+     "{% endfor %}", "openai"),
+    ("{% set rest = messages[1:] %}{% for m in rest %}{% for p in m.content %}{% endfor %}"
+     "{% endfor %}", "openai"),
+    ("{% set ns = namespace(msgs=messages) %}{% for m in ns.msgs %}{% for p in m.content %}"
+     "{% endfor %}{% endfor %}", "openai"),
+    ("{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ show(m.content) }}{% endfor %}", "openai"),
+    ("{% macro show(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ show(m.role) }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% set content = m.content %}{% for p in content %}{% endfor %}"
+     "{% endfor %}", "openai"),
+    ("{% for x in tools %}{% for p in x.content %}{% endfor %}{% endfor %}", "string"),
+    ("{% for m in messages %}{{ m.content", "string"),  # does not parse: vLLM's default
+])
+def test_content_format_cases(source: str, fmt: str) -> None:
+    assert content_format(source) == fmt
+
+
+def test_same_decision_as_vllm_on_every_template_at_hand() -> None:
+    """The bundled templates and every .jinja template of the installed packages (vLLM's,
+    SGLang's, ...), against vLLM's own detection (the engines tier)."""
+    import_or_skip("vllm", "vllm")
+    hf = import_or_skip("vllm.renderers.hf", "vllm")
+    sources = _bundled()
+    site = Path(pytest.__file__).resolve().parent.parent  # the venv's site-packages
+    for f in glob.glob(str(site / "**" / "*.jinja"), recursive=True):
+        sources[f] = Path(f).read_text(errors="replace")
+    assert len(sources) > 10, f"too few templates found in {site}"
+    differ = {k: (content_format(v), hf._detect_content_format(v, default="string"))
+              for k, v in sources.items()}
+    differ = {k: v for k, v in differ.items() if v[0] != v[1]}
+    assert not differ, differ
+
+
+def test_as_engine_messages() -> None:
+    parts = [{"role": "system", "content": "sys"},
+             {"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "input_text", "text": "b"}]},
+             {"role": "user", "content": [{"type": "text", "text": "c"},
+                                          {"type": "image_url", "image_url": {"url": "x"}}]},
+             {"role": "assistant", "content": None, "tool_calls": []}]
+    out = as_engine_messages(parts, "string")
+    assert out[1] == {"role": "user", "content": "a\nb"}
+    assert out[0] is parts[0] and out[2] is parts[2] and out[3] is parts[3]  # as they were
+    assert parts[1]["content"][0] == {"type": "text", "text": "a"}  # the caller's: untouched
+    assert as_engine_messages(parts, "openai") is parts
+    assert as_engine_messages("not a list", "string") == "not a list"
+
+
+def _parts_chat(system: str, user: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "text", "text": user},
+                                         {"type": "text", "text": "thanks"}]}]
+
+
+def _joined_chat(system: str, user: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"{user}\nthanks"}]
+
+
+def test_qwen3_parts_tokenize_as_vllm_joins_them(qwen3: Any) -> None:
+    """Rendered as transformers does, Qwen3's template writes empty turns for content in
+    parts; handed over as vLLM does, the ids equal the joined text's."""
+    parts, joined = _parts_chat("be brief", "hello"), _joined_chat("be brief", "hello")
+    assert qwen3.content_format() == "string"
+    want = qwen3.encode_chat(joined)
+    assert qwen3.encode_chat(qwen3.engine_messages(parts)) == want
+    try:  # what the router tokenized before: Qwen3's template fails on a list (the proxy
+        before = qwen3.encode_chat(parts)  # answered 400), or other ids
+    except TokenizerError:
+        before = None
+    assert before != want
+
+
+def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
+    """Both sides of a kvwire fleet with Qwen3's tokenizer: the engine's /tokenize, and the
+    ids the proxy routes a chat completion with (a spy on the real route_proxy)."""
+    engines = [EngineThread(_opts(model="m"), qwen3) for _ in range(2)]
+    s = Stack(engines, tokenizer=qwen3, policy=RoundRobinPolicy())
+    try:
+        seen: list[list[int]] = []
+        real = s.core.route_proxy
+
+        def spy(tokens: Any, *a: Any) -> Any:
+            seen.append(list(tokens))
+            return real(tokens, *a)
+
+        s.core.route_proxy = spy  # type: ignore[method-assign]
+        parts, joined = _parts_chat("be brief", "hello"), _joined_chat("be brief", "hello")
+        want = qwen3.encode_chat(joined)
+        r = httpx.post(engines[0].url + "/tokenize", json={"model": "m", "messages": parts},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT,
+                       json={"model": "m", "max_tokens": 2, "messages": parts})
+        assert r.status_code == 200, r.text
+        assert seen == [want]
+        assert r.json()["usage"]["prompt_tokens"] == len(want)  # the engine's own count
+    finally:
+        s.close()
+        for e in engines:
+            e.close()
