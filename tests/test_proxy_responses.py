@@ -28,6 +28,7 @@ from test_proxy import TIMEOUT, Stack, _LoopbackServer, make_stack, wait_for  # 
 from kvwire.router.policy import RoundRobinPolicy
 from kvwire.router.responses import ResponseOwners, addressed, chat_request
 from kvwire.tokenize import load_tokenizer
+from kvwire.tokenize.content import as_engine_messages
 
 _ITEM = re.compile(r"^/v1/responses/([^/?]+)(/cancel|/input_items)?(?:\?(.*))?$")
 
@@ -304,7 +305,7 @@ def test_addressed_parses_only_its_three_forms(tail: bytes) -> None:
 
 def test_chat_request_renders_a_response_request_as_vllm_does() -> None:
     """instructions -> system; a string input -> the user's message; items as vLLM maps
-    them (text parts joined by newlines, function calls and outputs, an earlier output
+    them (text parts as chat text parts, function calls and outputs, an earlier output
     message's text); function tools in the chat shape; anything else -> None (by load)."""
     assert chat_request(None, "hi") == ([{"role": "user", "content": "hi"}], None)
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
@@ -318,12 +319,15 @@ def test_chat_request_renders_a_response_request_as_vllm_does() -> None:
     ], [tool])
     assert msgs == [
         {"role": "system", "content": "be terse"},
-        {"role": "user", "content": "a\nb"},
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": "c"},
         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
                                               "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     assert tools == [{"type": "function", "function": tool}]
+    # handed to a template that takes strings (Qwen3's), as vLLM does: the parts joined
+    assert as_engine_messages(msgs, "string")[1] == {"role": "user", "content": "a\nb"}
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
     for instructions, input_, tools_ in ((None, [image], None), (None, [], None),
                                          (None, None, None), (3, "hi", None),

@@ -26,6 +26,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from ..tokenize.content import TEXT_PARTS
+
 __all__ = ["PREFIX", "RESPONSE_ID", "SCAN_LIMIT", "ResponseOwners", "addressed",
            "chat_request"]
 
@@ -97,23 +99,22 @@ class ResponseOwners:
         self._owner.pop(rid, None)
 
 
-_TEXT_PARTS = frozenset(("input_text", "output_text", "text"))
-
-
-def _text(content: Any) -> str | None:
-    """A message's content as vLLM hands it to a template that takes strings: a string as
-    is, text parts joined by newlines; None for anything else (an image, a file)."""
+def _parts(content: Any) -> str | list[dict[str, str]] | None:
+    """A message's content as vLLM reads it: a string as is; text parts (``input_text``,
+    ``output_text``, ``text``) as chat text parts, which the proxy then hands to the
+    template as the engine does (joined for a template that takes strings:
+    tokenize/content.py); None for anything else (an image, a file)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         return None
     out = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS
+        if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS
                 and isinstance(part.get("text"), str)):
             return None
-        out.append(part["text"])
-    return "\n".join(out)
+        out.append({"type": "text", "text": part["text"]})
+    return out
 
 
 def _message(item: Any) -> dict[str, Any] | None:
@@ -148,18 +149,18 @@ def _message(item: Any) -> dict[str, Any] | None:
                 and isinstance(content[0].get("text"), str)):
             return None
         return {"role": "assistant", "content": content[0]["text"]}
-    text = _text(content)
-    if text is None:
+    parts = _parts(content)
+    if parts is None:
         return None
-    return {"role": role, "content": text}
+    return {"role": role, "content": parts}
 
 
 def chat_request(instructions: Any, input_: Any, tools: Any = None
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
     """A ``/v1/responses`` request as the chat messages and tools vLLM renders it into:
     ``instructions`` as the system message, then ``input`` (a string is the user's message;
-    items: messages, function calls and their outputs, reasoning), and function tools in
-    the chat shape. None when it holds something this does not map (an image, a built-in
+    items: messages with their text parts, function calls and their outputs, reasoning),
+    and function tools in the chat shape. None when it holds something this does not map (an image, a built-in
     tool): the proxy then routes it by load."""
     msgs: list[dict[str, Any]] = []
     if instructions:
