@@ -259,6 +259,13 @@ def test_what_names_a_stored_response_goes_to_the_engine_that_holds_it(
             msg = r.json()["error"]["message"]
             assert other in msg and rid2 in msg and "down" in msg
             assert asked(store[eng]) == n
+            # every engine down, the id unknown: nowhere to look, said so
+            store[eng].close()
+            s.proxy.owners = ResponseOwners()
+            wait_for(lambda: not any(lk.breaker.up for lk in s.proxy.links.values()),
+                     "both engines marked down")
+            r = c.get(f"/v1/responses/{rid2}")
+            assert r.status_code == 503 and "no engine is available" in r.text, r.text
         wait_for(lambda: s.loads() == {}, "every reservation released")
         assert all(s.proxy.in_flight[n] == 0 for n in ("e0", "e1"))
     finally:

@@ -189,9 +189,9 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
                 return
             break
         proxy.retried[routed.engine, outcome.value] += 1
-    if last is None and probe:
-        last = (404, openai_error(404, f"Response with id '{rid}' not found on any engine.",
-                                  "NotFoundError"))
+    if last is None and probe:  # no engine could be asked (all down)
+        last = (503, openai_error(503, f"no engine is available to look for response {pin}",
+                                  "ServiceUnavailable"))
     status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
     proxy.requests[last_engine, status] += 1
     req.respond(status, payload)
