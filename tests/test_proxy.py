@@ -1091,6 +1091,14 @@ def test_serve_cli_flags(engine_procs: Callable[..., list[EngineProc]],
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--response-ids", "-1"])
     assert exit_.value.code == 2
+    import argparse
+
+    from kvwire.cli.serve import add_arguments, proxy_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = proxy_config(parser.parse_args([*args, "--response-ids", "7", "--retries", "1"]))
+    assert (cfg.response_ids, cfg.retries) == (7, 1)
     assert main([*args, "--tokenizer", "/nonexistent"]) == 2
     import lzma
     import shutil

@@ -380,3 +380,21 @@ def test_a_new_response_request_follows_the_cache_of_its_chat(
         assert "x-kvwire-engine" in r.headers
         assert s.proxy.counts["responses_by_load"] == by_load + 1
     wait_for(lambda: s.loads() == {}, "every reservation released")
+
+
+def test_with_no_id_table_every_request_is_looked_up(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """``--response-ids 0``: nothing remembered, yet a follow-up still reaches the holder
+    (asked of each engine in turn)."""
+    a, b = _ResponseStore(), _ResponseStore()
+    try:
+        s = make_stack(2, policy=RoundRobinPolicy(), urls=[a.url, b.url], response_ids=0)
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+            rid, eng = _create(c)
+            for _ in range(3):
+                rid, e = _create(c, prev=rid)
+                assert e == eng
+        assert len(s.proxy.owners) == 0 and s.proxy.counts["responses_looked_up"] == 3
+    finally:
+        a.close()
+        b.close()

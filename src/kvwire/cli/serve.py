@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .options import (
     EXIT_FAILURE,
@@ -24,6 +25,9 @@ from .options import (
     engine,
     port,
 )
+
+if TYPE_CHECKING:
+    from ..router.proxy import ProxyConfig
 
 #: Allocations between young-generation collections in a serve process (CPython: 700).
 GC_THRESHOLD0 = int(os.environ.get("KVWIRE_GC_THRESHOLD0", "10000"))
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         from ..router.app import build_app, fast_app
         from ..router.indexer import Indexer
         from ..router.policy import make_policy
-        from ..router.proxy import Proxy, ProxyConfig
+        from ..router.proxy import Proxy
         from ..router.service import RouterCore
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
@@ -229,11 +233,7 @@ def run(args: argparse.Namespace) -> int:
         if any(e.url for e in engines):
             proxy = Proxy(core, _tokenizer(args.tokenizer),
                           tokenize_with_engine=args.tokenizer == "engine",
-                          config=ProxyConfig(retries=args.retries, cooloff=args.cooloff,
-                                             probe_interval=args.probe_interval,
-                                             first_byte_timeout=args.first_byte_timeout,
-                                             stall_timeout=args.stall_timeout,
-                                             response_ids=args.response_ids))
+                          config=proxy_config(args))
         elif args.tokenizer is not None:
             raise ValueError("--tokenizer needs an --engine with url=")
     except (ValueError, ImportError) as e:
@@ -298,6 +298,16 @@ def run(args: argparse.Namespace) -> int:
 EPILOG = """exit status: 0 stopped (SIGINT/SIGTERM); 1 cannot connect to --nats within
 --connect-timeout, or cannot listen on --host:--port; 2 a bad flag, --engine or stream, or
 the serve extra missing (docs/operations.md)"""
+
+
+def proxy_config(args: argparse.Namespace) -> ProxyConfig:
+    """The proxy's flags as its config."""
+    from ..router.proxy import ProxyConfig
+
+    return ProxyConfig(retries=args.retries, cooloff=args.cooloff,
+                       probe_interval=args.probe_interval,
+                       first_byte_timeout=args.first_byte_timeout,
+                       stall_timeout=args.stall_timeout, response_ids=args.response_ids)
 
 
 def _tokenizer(spec: str | None):
