@@ -162,3 +162,15 @@ def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
         s.close()
         for e in engines:
             e.close()
+
+
+def test_builtin_template_takes_every_turn_in_parts() -> None:
+    """kvwire engine's ChatML template ("openai" format: vLLM would hand it parts) renders a
+    conversation in parts, system turn and tools included, as the same one in strings."""
+    tok = load_tokenizer(None)
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in plain]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for t in (None, tools):
+        assert tok.encode_chat(parts, tools=t) == tok.encode_chat(plain, tools=t)

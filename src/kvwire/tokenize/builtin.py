@@ -41,21 +41,20 @@ _PIECE_RE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
 _SPECIAL_ID = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
 
 CHATML_TEMPLATE = """\
+{%- macro text(content) %}{% if content is string %}{{- content }}{% elif content %}{% for part in content %}{% if part.type == 'text' %}{{- part.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
-{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{% endif %}
+{%- if messages and messages[0].role == 'system' %}{{- text(messages[0].content) + '\\n\\n' }}{% endif %}
 {{- 'You may call these tools; reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>:\\n' }}
 {%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{% endfor %}
 {{- '<|im_end|>\\n' }}
 {%- elif messages and messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{{- '<|im_start|>system\\n' + text(messages[0].content) + '<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}
 {{- '<|im_start|>' + message.role + '\\n' }}
-{%- if message.content is string %}{{- message.content }}
-{%- elif message.content %}{% for part in message.content %}{% if part.type == 'text' %}{{- part.text }}{% endif %}{% endfor %}
-{%- endif %}
+{{- text(message.content) }}
 {%- for call in message.tool_calls or [] %}
 {%- set fn = call.function if call.function is defined else call %}
 {{- '<tool_call>' + {'name': fn.name, 'arguments': fn.arguments} | tojson + '</tool_call>' }}
