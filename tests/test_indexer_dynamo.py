@@ -109,6 +109,10 @@ class Peers:
         for port in self.ports():
             st, out = _call(port, "POST", "/register", body)
             assert st == 201, (port, st, out)
+        # both subscribed before the test publishes: Dynamo has no replay, so a batch sent
+        # before its SUB socket connected (ZeroMQ's slow joiner, slower on a loaded box) is
+        # lost to it, and an assertion about how it treats that batch would see nothing
+        _sentinel(self, inst, self.ports(), base=800_000)
         return pub
 
     def close(self) -> None:
@@ -149,14 +153,15 @@ def _stored(hashes: list, tokens: list[int], parent=None, bs: int = BS, lora_id=
     return BlockStored(hashes, parent, tokens, bs, lora_id, "GPU", None, extra_keys)
 
 
-def _sentinel(peers: Peers, inst: int, ports: tuple[int, ...], bs: int = BS) -> None:
+def _sentinel(peers: Peers, inst: int, ports: tuple[int, ...], bs: int = BS,
+              base: int = 900_000) -> None:
     """A last batch of fresh blocks on ``inst``, waited for on ``ports``: a stream is applied
     in order, so every earlier batch of it has been applied (or dropped) by then. kvwire's
     two workers each apply it when they get to it, and each request here is a new
     connection, which either worker may take: it must be seen on 16 in a row (both workers
     but with probability 2^-15)."""
-    toks = _toks(900_000 + inst * 1000, bs)
-    _publish(peers.pubs[inst], _stored([900_000 + inst], toks, bs=bs))
+    toks = _toks(base + inst * 1000, bs)
+    _publish(peers.pubs[inst], _stored([base + inst], toks, bs=bs))
     for port in ports:
 
         def every_worker(p: int = port) -> bool:
