@@ -300,7 +300,8 @@ class EngineApp:
         try:
             if chat:
                 prompts.append(tok.encode_chat(  # content handed over as vLLM does
-                    tok.engine_messages(req.messages, req.tools), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                    tok.engine_messages(req.messages, req.tools), tools=req.tools,
+                    add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs))
             else:
                 for p in prompt_inputs(req.prompt):
@@ -370,7 +371,8 @@ class EngineApp:
         try:
             if req.messages is not None:
                 ids = self.tok.encode_chat(
-                    self.tok.engine_messages(req.messages, req.tools), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                    self.tok.engine_messages(req.messages, req.tools), tools=req.tools,
+                    add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs)
             elif req.prompt is not None:
                 add = True if req.add_special_tokens is None else req.add_special_tokens

@@ -115,14 +115,16 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
                  loop: asyncio.AbstractEventLoop, rid: str | None = None) -> None:
     """``chat``: True for chat, False for completions, None for a :data:`PASS` path or,
     with ``rid``, a path naming a stored response (``/v1/responses/{rid}...``)."""
+    # a request that creates a stored response (Responses API): its id is learned
+    creates = rid is None and chat is None and req.path == RESPONSES
     try:
         if rid is not None:  # GET/DELETE have no body; cancel's is the engine's to read
-            body: Any = _ADDRESSED
+            body: Any = proxy.no_body
             tokens: Any = ()
         elif chat is None:
             body = proxy._check_pass(req.body)
             tokens = (await proxy._response_tokens(body)
-                      if req.path == RESPONSES and not body.previous_response_id else ())
+                      if creates and not body.previous_response_id else ())
         else:
             body = proxy._check(req.body, chat)
             tokens = await proxy._tokens(body, chat)
@@ -139,7 +141,6 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
     last_engine = "none"
     cfg = proxy.cfg
     # a stored response lives on the engine that produced it: what names one goes there
-    creates = rid is None and chat is None and req.path == RESPONSES
     pin = rid if rid is not None else (body.previous_response_id if creates else None)
     plan: list[str] | None = None  # the engines to try, in order (None: routed)
     probe = False  # a 404 means "not on this engine": ask the next one
@@ -195,16 +196,6 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
     status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
     proxy.requests[last_engine, status] += 1
     req.respond(status, payload)
-
-
-class _Addressed:
-    """A request for a stored response by id: no body of its own to read."""
-
-    model = None
-    cache_salt = None
-
-
-_ADDRESSED = _Addressed()
 
 
 def _stream_query(query: bytes) -> bool:

@@ -231,6 +231,9 @@ class _Link:
 class Proxy:
     """The ``/v1`` ASGI handler and the engines' health prober (a daemon thread)."""
 
+    #: what a request with no body of its own (``GET /v1/responses/{id}``) reads as
+    no_body = _PassBody()
+
     def __init__(self, core: RouterCore, tokenizer: Any = None, *,
                  tokenize_with_engine: bool = False,
                  config: ProxyConfig | None = None) -> None:

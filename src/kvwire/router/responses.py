@@ -64,7 +64,6 @@ class ResponseOwners:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._owner: OrderedDict[str, str] = OrderedDict()
-        self.learned = 0
         self.forgotten = 0  # pushed out by the bound
 
     def __len__(self) -> int:
@@ -79,8 +78,6 @@ class ResponseOwners:
     def learn(self, rid: str, engine: str) -> None:
         if not self.capacity:
             return
-        if self._owner.get(rid) != engine:
-            self.learned += 1
         self._owner[rid] = engine
         self._owner.move_to_end(rid)
         while len(self._owner) > self.capacity:
@@ -160,8 +157,8 @@ def chat_request(instructions: Any, input_: Any, tools: Any = None
     """A ``/v1/responses`` request as the chat messages and tools vLLM renders it into:
     ``instructions`` as the system message, then ``input`` (a string is the user's message;
     items: messages with their text parts, function calls and their outputs, reasoning),
-    and function tools in the chat shape. None when it holds something this does not map (an image, a built-in
-    tool): the proxy then routes it by load."""
+    and function tools in the chat shape. None when it holds something this does not map
+    (an image, a built-in tool): the proxy then routes it by load."""
     msgs: list[dict[str, Any]] = []
     if instructions:
         if not isinstance(instructions, str):
