@@ -684,10 +684,30 @@ def test_buffer_overflow_gives_up_and_restarts_the_attempt():
     sim.publish(5)
     sim.join()
     sim.publish(4)
+    sim.tick(0.1)
     sim.live(4)  # 4 held > 3 while INFO is in flight
     st_ = sim.m.stats()
     assert st_.buffer_overflows == 1 and st_.buffered == 0
     assert kinds(sim.actions) == ["SendInfo", "RecycleRequests", "SendInfo"]
+    sim.drain()
+    assert sim.app.cache.as_dict() == pub.truth.as_dict() and sim.m.last_seq == 8
+
+
+def test_an_overflow_asks_again_only_for_a_request_sent_before_this_read():
+    """The INFO was asked in this very read (the same ``now``): the publisher has not seen
+    it yet, so an overflow drops the held batches but keeps it rather than queueing a
+    second request behind it (test_stream_reference.py shows the harm); its answer still
+    brings the stream back, exactly."""
+    pub = SimPublisher(random.Random(10))
+    cfg = msgspec.structs.replace(CFG, max_buffer=3)
+    sim = Sim(pub, config=cfg)
+    sim.publish(5)
+    sim.join()
+    sim.publish(4)
+    sim.live(4)
+    st_ = sim.m.stats()
+    assert st_.buffer_overflows == 1 and st_.buffered == 0
+    assert kinds(sim.actions) == ["SendInfo"]
     sim.drain()
     assert sim.app.cache.as_dict() == pub.truth.as_dict() and sim.m.last_seq == 8
 

@@ -244,6 +244,22 @@ def test_reference_stream_delivers_everything_the_publisher_holds(
     assert s.mode == "reference"
 
 
+def test_an_overflow_in_one_read_asks_the_publisher_once():
+    """Found by the property above: 20 live batches in one read overflowed an 8-batch
+    buffer twice, and each overflow asked again at once. The publisher still serves a
+    recycled peer's requests (answers dropped), so two answers for nobody queued ahead of
+    the real one; with the consumer stalled past its time-out three times, the replay
+    then counted as unanswered and the stream started inexact at the live edge while the
+    publisher still held it all from seq 18 (buffer of 10, one message per send, a
+    ROUTER pipe of one)."""
+    ops = ([("pub", 1)] * 8 + [("stall", 1.5)] + [("pub", 1)] * 20
+           + [("tick", 0.1)] + [("stall", 1.5)] * 3)
+    sim = run(ops, 0, 10, 1, 1, 8)  # RefSim.handle asserts every inexact snapshot
+    s = sim.m.stats()
+    assert s.buffer_overflows >= 2 and s.phase == "live", s
+    assert sim.app.base == 17 and sim.app.next == sim.pub.seq + 1, s  # 0..17 evicted
+
+
 def _stalled_with_router_drops(per_send: int | None) -> RefSim:
     """A fixed run of the issue's shape: a stall, live drops, a replay answer of 60 through
     a 7-message pipe (holes, lost end), live arriving meanwhile."""

@@ -58,6 +58,7 @@ class StreamState:
         self._buffer: dict[int, bytes] = {}
         self._req: Literal["info", "replay", "snapshot"] | None = None
         self._req_deadline = math.inf
+        self._req_sent = -math.inf  # when the request in flight was sent
         self._purpose = "boot"
         self._replay_from = 0
         self._replay_kind: Literal["boot", "gap", "rebuild"] = "boot"

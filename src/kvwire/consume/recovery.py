@@ -108,10 +108,11 @@ class Recovery(StreamState):
             return []
         self._req, self._req_deadline = None, math.inf
         if self._delivered is None:
-            if self._buffer and self._replay_got == 0 and \
+            if (self._buffer or self._live_high is not None) and self._replay_got == 0 and \
                     self._fruitless + 1 < self.config.replay_attempts:
-                # Nothing buffered when it was served, but live batches came since: the
-                # publisher holds them from where they started, so ask again.
+                # Nothing buffered when it was served, but live batches came since (held,
+                # or dropped when the held ones overflowed): the publisher holds them from
+                # where they started, so ask again.
                 self._fruitless += 1
                 self._start_replay(0, now, "boot")
             elif self._buffer:
@@ -399,6 +400,7 @@ class Recovery(StreamState):
               now: float, timeout: float) -> None:
         self._abort_request(f"superseded by {kind} request")
         self._req = kind
+        self._req_sent = now
         self._req_deadline = now + timeout
         self._retry_at = math.inf
         self._out.append(action)
@@ -471,6 +473,12 @@ class Recovery(StreamState):
             self._c["buffer_overflows"] += 1
             self._last_error = f"more than {self.config.max_buffer} live batches held"
             self._buffer = {}
+            if self._req is not None and self._req_sent == now:
+                # Asked in this same read: the publisher has not even seen it, and its
+                # answer serves as well as a new one would. Asking again would only queue
+                # one more answer at the publisher for nobody (a reference publisher
+                # still serves a recycled peer's requests), ahead of the one we wait for.
+                return
             self._abort_request("resync buffer overflow")
             if self._phase == "snapshot":
                 self._start_snapshot(now)
