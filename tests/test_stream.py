@@ -677,17 +677,24 @@ def test_reference_restart_resets_immediately():
     assert sim.app.cache.as_dict() == pub.truth.as_dict()
 
 
-def test_buffer_overflow_gives_up_and_restarts_the_attempt():
+def _overflow_while_info_in_flight(asked_before: bool) -> tuple[SimPublisher, Sim]:
+    """4 live batches held (> max_buffer 3) while the INFO is in flight, read ``asked_before``
+    a later read than the one that asked it, or the same one (the same ``now``)."""
     pub = SimPublisher(random.Random(10))
-    cfg = msgspec.structs.replace(CFG, max_buffer=3)
-    sim = Sim(pub, config=cfg)
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, max_buffer=3))
     sim.publish(5)
     sim.join()
     sim.publish(4)
-    sim.tick(0.1)
-    sim.live(4)  # 4 held > 3 while INFO is in flight
+    if asked_before:
+        sim.tick(0.1)
+    sim.live(4)
     st_ = sim.m.stats()
     assert st_.buffer_overflows == 1 and st_.buffered == 0
+    return pub, sim
+
+
+def test_buffer_overflow_gives_up_and_restarts_the_attempt():
+    pub, sim = _overflow_while_info_in_flight(asked_before=True)
     assert kinds(sim.actions) == ["SendInfo", "RecycleRequests", "SendInfo"]
     sim.drain()
     assert sim.app.cache.as_dict() == pub.truth.as_dict() and sim.m.last_seq == 8
@@ -698,15 +705,7 @@ def test_an_overflow_asks_again_only_for_a_request_sent_before_this_read():
     it yet, so an overflow drops the held batches but keeps it rather than queueing a
     second request behind it (test_stream_reference.py shows the harm); its answer still
     brings the stream back, exactly."""
-    pub = SimPublisher(random.Random(10))
-    cfg = msgspec.structs.replace(CFG, max_buffer=3)
-    sim = Sim(pub, config=cfg)
-    sim.publish(5)
-    sim.join()
-    sim.publish(4)
-    sim.live(4)
-    st_ = sim.m.stats()
-    assert st_.buffer_overflows == 1 and st_.buffered == 0
+    pub, sim = _overflow_while_info_in_flight(asked_before=False)
     assert kinds(sim.actions) == ["SendInfo"]
     sim.drain()
     assert sim.app.cache.as_dict() == pub.truth.as_dict() and sim.m.last_seq == 8
