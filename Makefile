@@ -79,13 +79,9 @@ $(ROUTERS_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
-# Two pytest processes (pytest-xdist), each test file whole in one of them (its fixtures
-# set up once): 6.5 min on 2 cores against 10.5 serially. TEST_WORKERS=0 runs serially.
-TEST_WORKERS ?= 2
-
 test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/ruff check src tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q
 
 bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
