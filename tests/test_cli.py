@@ -209,8 +209,13 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     # answered with 10..15 (15 was already held live, so one of the six is a duplicate).
     assert ref.requests[len(before):] == [(10, 6)]
     counts = summary(err)[ref.endpoint]
-    assert counts == {"batches": n, "gaps": 1, "lost": 0,
-                      "replayed": sum(sent for _, sent in ref.requests)}, err
+    replayed = counts.pop("replayed")
+    assert counts == {"batches": n, "gaps": 1, "lost": 0}, err
+    # Every replayed batch the listener read is counted: the gap's six at least, and no
+    # more than the publisher sent. Not always all it sent: a request abandoned at its
+    # time-out (a loaded box; seen once beside a spinning process, 6 counted of 7 sent)
+    # has its answer sent to a socket the listener already closed.
+    assert 6 <= replayed <= sum(sent for _, sent in ref.requests), (err, ref.requests)
 
 
 def test_listen_reports_unfillable_gap_and_restart() -> None:

@@ -25,9 +25,11 @@ def test_idle_reader_sleeps_and_wakes_fast() -> None:
     message (not by its 100 ms liveness timer). The issue's 100 us wake target is below
     what this VM allows: a bare futex wake of a sleeping process already takes ~90 us here
     and the woken vCPU runs its first Python slowly; docs/shm.md has the numbers. The
-    bound here (5 ms median, robust to a busy shared CI machine) still fails on lost or
-    timer-driven wake-ups: the reader runs without a liveness timer, so only the writer's
-    wake can end its sleep, and a lost one would wait seconds. The CPU is the whole
+    bound here (20 ms median: 5 ms failed twice on 2026-11-28, at medians of 5.0 and 6.1 ms,
+    once beside a second pytest process and once beside a spinning process on a slow box)
+    still fails on lost or timer-driven wake-ups (the liveness timer would be 100 ms):
+    the reader runs without a liveness timer, so only the writer's wake can end its
+    sleep, and a lost one would wait seconds. The CPU is the whole
     reader process's (every thread), measured in a process holding only the reader
     (shm_helpers/idle.py says why: numpy's OpenBLAS thread once spun inside the window)."""
     n = 7
@@ -53,7 +55,7 @@ def test_idle_reader_sleeps_and_wakes_fast() -> None:
     assert wall >= 0.9
     assert cpu / wall < 0.01, (f"idle reader used {cpu / wall:.2%} of a core ({cpu * 1e3:.2f} "
                                f"ms; waiting thread {own * 1e3:.2f} ms; {threads} threads)")
-    assert statistics.median(lat_us) < 5000, f"wake-up latencies (us): {lat_us}"
+    assert statistics.median(lat_us) < 20_000, f"wake-up latencies (us): {lat_us}"
     # A host hiccup can cost tens of ms on this VM (58 ms seen); a lost wake costs >= 10 s.
     assert max(lat_us) < 1_000_000, f"a wake-up was lost (waited for a timeout): {lat_us}"
     q.close()
