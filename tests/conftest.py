@@ -128,3 +128,13 @@ def nats_server(tmp_path: Any) -> Iterator[Any]:
     srv = NatsServer(tmp_path / "nats").start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def refused_url() -> Any:
+    """A loopback port bound but not listening: every connect to it is refused, for real."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"nats://127.0.0.1:{s.getsockname()[1]}"

@@ -130,16 +130,6 @@ KVWIRE = [__import__("sys").executable, "-m", "kvwire"]
 
 
 @pytest.fixture
-def refused_url() -> Any:
-    """A loopback port bound but not listening: every connect to it is refused, for real."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield f"nats://127.0.0.1:{s.getsockname()[1]}"
-
-
-@pytest.fixture
 def silent_url() -> Any:
     """A loopback port that accepts connections and never says a word (no NATS INFO)."""
     import socket

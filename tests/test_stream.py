@@ -678,8 +678,9 @@ def test_reference_restart_resets_immediately():
 
 
 def _overflow_while_info_in_flight(asked_before: bool) -> tuple[SimPublisher, Sim]:
-    """4 live batches held (> max_buffer 3) while the INFO is in flight, read ``asked_before``
-    a later read than the one that asked it, or the same one (the same ``now``)."""
+    """4 live batches held (> max_buffer 3) while the INFO is in flight. With
+    ``asked_before`` they arrive in a later read than the one that sent the INFO; without,
+    in that same read (the same ``now``)."""
     pub = SimPublisher(random.Random(10))
     sim = Sim(pub, config=msgspec.structs.replace(CFG, max_buffer=3))
     sim.publish(5)

@@ -10,15 +10,18 @@ reason. Once connected, the options' reconnect policy (default: forever) holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["SCHEMES", "NatsConnectError", "check_url", "connect", "reach", "reason"]
+__all__ = ["SCHEMES", "NatsConnectError", "bounded", "check_url", "connect", "reach", "reason"]
 
 log = logging.getLogger("kvwire.nats")
+
+T = TypeVar("T")
 
 #: The URL schemes nats-py connects with.
 SCHEMES = ("nats", "tls", "ws", "wss")
@@ -90,8 +93,8 @@ async def connect(servers: str | Sequence[str], *, timeout: float, warn: bool = 
     options.setdefault("reconnect_time_wait", 0.25)
     options.setdefault("connect_timeout", min(2.0, timeout))
     try:
-        nc = await asyncio.wait_for(nats.connect(servers=urls, error_cb=on_error, **options),
-                                    timeout)
+        nc = await bounded(nats.connect(servers=urls, error_cb=on_error, **options), timeout,
+                           late=_close_late)
     except asyncio.TimeoutError:
         why = last[0] if last else "no answer"
         raise NatsConnectError(f"cannot connect to NATS at {where}: {why} (gave up after "
@@ -100,6 +103,60 @@ async def connect(servers: str | Sequence[str], *, timeout: float, warn: bool = 
         raise NatsConnectError(f"cannot connect to NATS at {where}: {reason(e)}") from None
     state["connected"] = True
     return nc
+
+
+#: Abandoned connects still being cancelled (a reference keeps each reaper alive).
+_REAPERS: set[asyncio.Task[None]] = set()
+
+
+async def bounded(aw: Awaitable[T], timeout: float, *,
+                  late: Callable[[T], Awaitable[object]] | None = None,
+                  reap_for: float = 30.0) -> T:
+    """``aw``'s result within ``timeout`` seconds, else asyncio.TimeoutError, returned on time.
+
+    Unlike ``asyncio.wait_for``, this never waits for the abandoned work to finish. On
+    Python 3.11 ``wait_for`` can lose a cancellation that lands as an inner ``wait_for``
+    completes, and nats-py's first connect treats what follows as one more failed try and
+    retries for ever: a caller that awaits the cancelled task then hangs (seen once in CI).
+    So on time-out (or when the caller is cancelled) the task is left to a reaper that
+    cancels it again every 50 ms for up to ``reap_for`` seconds, and ``late`` is handed
+    anything it still returns (a connection made after all: close it)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except BaseException:  # the caller was cancelled: the work must not outlive it
+        _abandon(task, late, reap_for)
+        raise
+    if task in done:
+        return task.result()
+    _abandon(task, late, reap_for)
+    raise asyncio.TimeoutError(f"not done within {timeout:g}s")
+
+
+def _abandon(task: asyncio.Future[T], late: Callable[[T], Awaitable[object]] | None,
+             reap_for: float) -> None:
+    async def reap() -> None:
+        deadline = asyncio.get_running_loop().time() + reap_for
+        while not task.done():
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("an abandoned NATS connect ignored cancellation for %gs; "
+                            "left running", reap_for)
+                return
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+        if late is not None and not task.cancelled() and task.exception() is None:
+            with contextlib.suppress(Exception):
+                await late(task.result())
+        elif not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" noise
+
+    reaper = asyncio.ensure_future(reap())
+    _REAPERS.add(reaper)
+    reaper.add_done_callback(_REAPERS.discard)
+
+
+async def _close_late(nc: Any) -> None:
+    await asyncio.wait_for(nc.close(), 5)
 
 
 def reach(servers: str | Sequence[str], timeout: float, name: str = "kvwire") -> None:
