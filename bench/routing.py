@@ -192,6 +192,8 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
                    "--port", str(port), "--log-level", "error", "--block-size", "512",
                    "--policy", "round_robin" if name == "round_robin" else "kvwire",
                    "--decode-share", str(a.decode_share)]
+            if name != "round_robin" and a.balance_slack is not None:
+                cmd += ["--balance-slack", str(a.balance_slack)]
             for s in specs:
                 cmd += ["--engine", s]
             router = start_router(cmd, port, MODEL, log, f"kvwire serve ({name})")
@@ -237,6 +239,9 @@ def main() -> None:
     ap.add_argument("--decode-share", type=float, default=0.6,
                     help="kvwire serve --decode-share: the engine model's decode/prefill "
                          "token cost, 30 us / 50 us")
+    ap.add_argument("--balance-slack", type=int, default=None,
+                    help="kvwire serve --balance-slack for the kvwire condition (default: "
+                         "serve's own, 32,768 tokens)")
     ap.add_argument("--base-port", type=int, default=18600)
     ap.add_argument("--conditions", default="kvwire,round_robin,sglang")
     ap.add_argument("--logdir", default="/tmp")
@@ -252,7 +257,9 @@ def main() -> None:
         plan.append(((r.t - t0) * scale, json.dumps(body).encode()))
     reqs = [replace(r) for r in reqs]
     print(f"# {len(plan)} requests over {(reqs[-1].t - t0) * scale:.0f} s wall, engines "
-          f"--speed {a.speed:g}, load x{a.load:g}, outputs <= {a.max_output} tokens; "
+          f"--speed {a.speed:g}, load x{a.load:g}, outputs <= {a.max_output} tokens"
+          + (f", kvwire --balance-slack {a.balance_slack}" if a.balance_slack is not None else "")
+          + "; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     res = {}
