@@ -4,8 +4,8 @@ the work it abandons does not honour its cancellation.
 The fault is forced by a coroutine that swallows a cancellation, which is what nats-py's
 first connect does when Python 3.11's ``wait_for`` loses a cancel that lands as an inner
 ``wait_for`` completes (a race seen once in CI that cannot be caused on demand with a real
-server): a stand-in, said so here, for that one fault. The real refused-port path is
-tests/test_nats_cli.py's."""
+server): a stand-in, said so here, for that one fault. The last test, and
+tests/test_nats_cli.py's, take the real path: nats-py against a refused port."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pytest
+from waiting import until
 
 from kvwire.nats.connect import NatsConnectError, bounded, connect
 
@@ -78,9 +79,7 @@ def test_a_time_out_returns_on_time_although_the_work_swallows_its_cancel() -> N
             return False, took, log, work.cancelled()
         with pytest.raises(asyncio.TimeoutError):
             call.result()
-        deadline = time.monotonic() + 5
-        while not work.done() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until(work.done, "the reaper to end the abandoned work", 5)
         return True, took, log, work.cancelled()
 
     returned, took, log, cancelled = _run(main)
@@ -100,9 +99,7 @@ def test_what_an_abandoned_connect_returns_late_is_handed_over_to_close() -> Non
         work = asyncio.ensure_future(_stubborn(swallow=0, then="conn"))
         with pytest.raises(asyncio.TimeoutError):
             await bounded(work, 0.1, late=late)
-        deadline = time.monotonic() + 5
-        while not closed and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until(lambda: closed, "the late connection to be handed over", 5)
         return closed
 
     assert _run(main) == ["conn"]
@@ -116,9 +113,7 @@ def test_a_cancelled_caller_does_not_leave_the_work_running() -> None:
         call.cancel()
         await asyncio.wait({call}, timeout=5)
         assert call.cancelled()
-        deadline = time.monotonic() + 5
-        while not work.done() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until(work.done, "the reaper to end the abandoned work", 5)
         return work.cancelled()
 
     assert _run(main)

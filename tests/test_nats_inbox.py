@@ -17,6 +17,7 @@ import pytest
 nats = pytest.importorskip("nats")
 
 from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
+from waiting import until  # noqa: E402
 
 from kvwire.consume.cache import BlockCache  # noqa: E402
 from kvwire.nats import client_internals as CI  # noqa: E402
@@ -29,14 +30,6 @@ from kvwire.wire import events as E  # noqa: E402
 
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def until(cond: Any, what: Any, timeout: float = 20.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > end:
-            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
-        await asyncio.sleep(0.01)
 
 
 def test_inline_callback_runs_in_the_read_loop_in_order_with_headers(nats_server: Any) -> None:

@@ -19,6 +19,8 @@ import pytest
 
 nats = pytest.importorskip("nats")
 
+from waiting import until  # noqa: E402
+
 from kvwire.consume.cache import BlockCache  # noqa: E402
 from kvwire.consume.items import Batch  # noqa: E402
 from kvwire.consume.subscriber import Subscriber  # noqa: E402
@@ -35,13 +37,6 @@ SUBJECT = "kvwire.events.e.0"
 def _batch(seq: int) -> E.KVEventBatch:
     return E.KVEventBatch(time.time(), [E.BlockStored([seq + 1], seq or None, [1] * 4, 4,
                                                       None)], None)
-
-
-async def _until(cond: Any, what: str, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def _writer(nc: Any, pack: int) -> JsWriter:
@@ -71,12 +66,12 @@ async def _start(url: str, pack_b: int) -> tuple[Any, JsWriter, JsWriter, Any, A
     la = a.lane("e", 0, SUBJECT)
     for e in marker_entries(la, EPOCH, 0, [], True, "start", a.max_payload):
         await a.submit(e)
-    await _until(lambda: la.last == (EPOCH, 0) and not la.pending, "A's markers")
+    await until(lambda: la.last == (EPOCH, 0) and not la.pending, "A's markers")
     for s in range(1, 5):
         b_ = _batch(s)
         await a.submit(la.batch_entry(EPOCH, s, b_, E.encode_batch(b_)), pump=False)
     await a.pump(la)
-    await _until(lambda: la.last == (EPOCH, 4), "A's run 1..4")
+    await until(lambda: la.last == (EPOCH, 4), "A's run 1..4")
     lb = b.lane("e", 0, SUBJECT)
     lb.epochs.add(EPOCH)
     return nc_a, a, b, lb, nc_b
@@ -91,7 +86,7 @@ def test_two_guarded_writers_never_store_a_batch_twice(nats_server: Any) -> None
                 b_ = _batch(s)
                 await b.submit(lb.batch_entry(EPOCH, s, b_, E.encode_batch(b_)), pump=False)
             await b.pump(lb)  # run 1..3, guarded by a stale last seq: refused
-            await _until(lambda: lb.last == (EPOCH, 6) and not lb.held and not lb.pending,
+            await until(lambda: lb.last == (EPOCH, 6) and not lb.held and not lb.pending,
                          "B committed 1..6")
             assert b.stats.refused == 1 and b.stats.superseded == 4, b.stats
             stored = await _stored(nc_a.jetstream(), 4)
@@ -112,7 +107,7 @@ def test_a_pipelined_writer_beside_a_guarded_one_may_store_a_batch_twice(
         try:
             b_ = _batch(2)
             await b.submit(lb.batch_entry(EPOCH, 2, b_, E.encode_batch(b_)))
-            await _until(lambda: lb.last == (EPOCH, 2), "B's batch 2 acked")
+            await until(lambda: lb.last == (EPOCH, 2), "B's batch 2 acked")
             assert b.stats.duplicates == 0, b.stats  # stored: not the same Msg-Id as 1..4
             stored = await _stored(nc_a.jetstream(), 4)
             assert stored[2:] == [("batches", 1, 4), ("batch", 2, 2)], stored
