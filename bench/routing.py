@@ -241,7 +241,7 @@ def main() -> None:
                          "token cost, 30 us / 50 us")
     ap.add_argument("--balance-slack", type=int, default=None,
                     help="kvwire serve --balance-slack for the kvwire condition (default: "
-                         "serve's own, 32,768 tokens)")
+                         "serve's own, 131,072 tokens)")
     ap.add_argument("--base-port", type=int, default=18600)
     ap.add_argument("--conditions", default="kvwire,round_robin,sglang")
     ap.add_argument("--logdir", default="/tmp")

@@ -134,10 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=_nonneg, default=1.0,
                    help="weight of reserved load past the slack (default 1.0; before issue "
                         "24: 0.5 with --balance-slack 0; docs/router.md)")
-    p.add_argument("--balance-slack", type=_nonneg, default=32_768.0, metavar="TOKENS",
+    p.add_argument("--balance-slack", type=_nonneg, default=131_072.0, metavar="TOKENS",
                    help="load (in tokens of work) an engine may hold beyond the least-loaded "
-                        "one's at no cost: cache first until then (default 32768; 0: every "
-                        "block of load counts, the old cost)")
+                        "one's at no cost: cache first until then (default 131072; 32768: a "
+                        "shorter tail, fewer hits; 0: every block of load counts, the old cost)")
     p.add_argument("--temperature", type=_nonneg, default=0.0,
                    help="> 0: sample engines by softmax(-cost/T) instead of the minimum")
     p.add_argument("--seed", type=int, default=None, help="seed of tie-breaks and sampling")

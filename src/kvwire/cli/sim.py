@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvwire/oracle RoutingPolicy load_weight (default: the sim's tuned one)")
     p.add_argument("--balance-slack", type=float, default=None, metavar="TOKENS",
                    help="kvwire/oracle: load (tokens of work) past the least-loaded engine's "
-                        "that costs nothing (default 32768; 0 with --load-weight 0.5: the "
+                        "that costs nothing (default 131072; 0 with --load-weight 0.5: the "
                         "cost before issue 24)")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes running policies in parallel (default: one per CPU)")

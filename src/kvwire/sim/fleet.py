@@ -82,7 +82,7 @@ class SimConfig:
     #: issue 24: ``load_weight=0.5, balance_slack_tokens=0``.
     prefill_weight: float = 1.0
     load_weight: float = 1.0
-    balance_slack_tokens: int = 32_768
+    balance_slack_tokens: int = 131_072
     #: Ties (a new prefix, engines idle) go to the engine busy least lately: the seconds
     #: it held requests, decayed over ``busy_window`` virtual seconds (LoadTracker.busy).
     busy_window: float = 600.0
