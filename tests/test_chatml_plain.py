@@ -11,7 +11,9 @@ from kvwire.tokenize.builtin import SPECIAL_TOKENS, BuiltinTokenizer, chatml_pla
 TOK = BuiltinTokenizer()
 _text = st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(
     ["", "\n", " ", "{{ x }}", "{% raw %}", *SPECIAL_TOKENS])
-_content = st.lists(_text, max_size=4).map("".join)
+# a string, or text parts (what vLLM hands this "openai"-format template for every string)
+_content = st.lists(_text, max_size=4).map("".join) | st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _text}), max_size=3)
 _role = st.sampled_from(["system", "user", "assistant", "tool", "developer"]) | _text
 _message = st.fixed_dictionaries({"role": _role, "content": _content},
                                  optional={"name": _text, "extra": st.integers()})
@@ -29,8 +31,10 @@ def test_plain_chats_render_as_the_template_does(messages: list, gen: bool) -> N
 def test_other_chats_go_to_the_template() -> None:
     calls = [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "f", "arguments": {"a": 1}}}]}]
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    for msgs in (calls, parts, [{"content": "no role"}], [{"role": 3, "content": "x"}]):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                          {"type": "image_url", "image_url": {"url": "x"}}]}]
+    for msgs in (calls, parts, [{"content": "no role"}], [{"role": 3, "content": "x"}],
+                 [{"role": "user", "content": [{"type": "text", "text": 3}]}]):
         assert chatml_plain(msgs, True) is None
     assert "<tool_call>" in TOK.render_chat(calls)
     assert TOK.render_chat(parts) == TOK.chat_template.render(parts)

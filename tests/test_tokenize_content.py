@@ -18,7 +18,7 @@ import pytest
 from kvwire.router.policy import RoundRobinPolicy
 from kvwire.tokenize import TokenizerError, load_tokenizer
 from kvwire.tokenize.builtin import CHATML_TEMPLATE
-from kvwire.tokenize.content import as_engine_messages, content_format
+from kvwire.tokenize.content import as_engine_messages, as_engine_tools, content_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_helpers import import_or_skip  # noqa: E402
@@ -103,10 +103,111 @@ def test_as_engine_messages() -> None:
              {"role": "assistant", "content": None, "tool_calls": []}]
     out = as_engine_messages(parts, "string")
     assert out[1] == {"role": "user", "content": "a\nb"}
-    assert out[0] is parts[0] and out[2] is parts[2] and out[3] is parts[3]  # as they were
+    assert out[0] is parts[0] and out[2] is parts[2]  # as they were (an image: left as is)
+    assert out[3] == {"role": "assistant", "content": ""}  # None as "", no empty tool_calls
     assert parts[1]["content"][0] == {"type": "text", "text": "a"}  # the caller's: untouched
-    assert as_engine_messages(parts, "openai") is parts
+    assert parts[3] == {"role": "assistant", "content": None, "tool_calls": []}
+    out = as_engine_messages(parts, "openai")
+    assert out[0] == {"role": "system", "content": [{"type": "text", "text": "sys"}]}
+    assert out[1]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert out[2] is parts[2] and out[3] == {"role": "assistant", "content": []}
+    plain = [{"role": "user", "content": "hi"}]
+    assert as_engine_messages(plain, "string") is plain  # nothing to change: the same list
     assert as_engine_messages("not a list", "string") == "not a list"
+
+
+def test_engine_messages_tool_calls_keys_and_tool_turns() -> None:
+    """What else vLLM's chat parser changes before the template sees a conversation:
+    tool-call arguments (a JSON string from OpenAI clients) become an object, a tool's
+    text parts a string, reasoning is given under both names, keys it does not read are
+    dropped, and Claude Code's per-request billing line leaves the system prompt."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    bad = [{"id": "c2", "type": "function", "function": {"name": "g", "arguments": a}}
+           for a in ("not json", "[1, 2]", "", None)]
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-"
+                                            "header: cch=42\nbe brief"}]},
+            {"role": "user", "content": "hi", "name": "ann", "extra": 1},
+            {"role": "assistant", "content": None, "tool_calls": [call, *bad],
+             "reasoning": "think"},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "1"},
+                                                               {"type": "text", "text": "2"}]}]
+    for fmt in ("string", "openai"):
+        out = as_engine_messages(msgs, fmt)
+        wrap = (lambda t: t) if fmt == "string" else (lambda t: [{"type": "text", "text": t}])
+        assert out[0] == {"role": "system", "content": wrap("be brief")}
+        assert out[1] == {"role": "user", "content": wrap("hi"), "name": "ann"}
+        assert out[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
+        assert [c["function"]["arguments"] for c in out[2]["tool_calls"][1:]] == [{}] * 4
+        assert out[2]["reasoning"] == out[2]["reasoning_content"] == "think"
+        assert out[2]["content"] == ("" if fmt == "string" else [])
+        assert out[3] == {"role": "tool", "content": "1\n2", "tool_call_id": "c1"}
+    assert call["function"]["arguments"] == '{"x": 1}'  # the caller's objects: untouched
+
+
+def test_engine_tools_as_vllm_serialises_them() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                                               "x-extra": 1}},
+             {"type": "function", "function": {"name": "g", "description": "d",
+                                               "strict": True}, "defer_loading": False}]
+    assert as_engine_tools(tools) == [
+        {"type": "function", "function": {"name": "f", "description": None,
+                                          "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "g", "description": "d", "parameters": None,
+                                          "strict": True, "defer_loading": False},
+         "defer_loading": False}]
+    assert tools[0]["function"]["x-extra"] == 1  # the caller's: untouched
+    odd = [{"type": "function", "function": {"description": "no name"}}]
+    assert as_engine_tools(odd) is odd and as_engine_tools(None) is None
+
+
+# A corpus of conversations for the comparison with vLLM's own parser (below).
+_CORPUS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "input_text", "text": "b"},
+        {"type": "text", "text": None}]}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}},
+        {"id": "2", "type": "function", "function": {"name": "g", "arguments": "nope"}},
+        {"id": "3", "type": "function", "function": {"name": "h", "arguments": ""}}]},
+     {"role": "tool", "tool_call_id": "1", "content": "r1"},
+     {"role": "tool", "tool_call_id": "2", "content": [{"type": "text", "text": "r2"},
+                                                       {"type": "text", "text": "r3"}]}],
+    [{"role": "assistant", "content": "a", "tool_calls": [], "reasoning": "r", "x": 1},
+     {"role": "user", "content": "u", "name": "n", "task": "t"},
+     {"role": "developer", "content": "d"}],
+    [{"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: "
+                                                              "cch=1\nrest"}]},
+     {"role": "user", "content": [{"type": "output_text", "text": "o"}]}],
+]
+
+
+def test_engine_messages_equal_vllms_own_parse() -> None:
+    """Every conversation of the corpus, in both content formats, against vLLM 0.33's
+    ``parse_chat_messages`` (the engines tier). vLLM's function needs its model config for
+    two flags only (prompt embeds, multimodal); a stand-in object gives them, the one part
+    of this test that is not vLLM's own."""
+    import_or_skip("vllm", "vllm")
+    cm = import_or_skip("vllm.renderers.chat_utils.chat_message", "vllm")
+    import copy
+    import types
+
+    cfg = types.SimpleNamespace(enable_prompt_embeds=False, multimodal_config=None,
+                                is_multimodal_model=False)
+    for msgs in _CORPUS:
+        for fmt in ("string", "openai"):
+            want, _, _ = cm.parse_chat_messages(copy.deepcopy(msgs), cfg, fmt)
+            assert as_engine_messages(msgs, fmt) == want, (fmt, msgs)
+
+
+def test_engine_tools_equal_vllms_request_model() -> None:
+    proto = import_or_skip("vllm.entrypoints.openai.chat_completion.protocol", "vllm")
+    tools = [{"type": "function", "function": {"name": "f"}},
+             {"type": "function", "function": {"name": "g", "description": "d", "parameters": {
+                 "type": "object", "properties": {"x": {"type": "string"}}}, "strict": False,
+                 "other": 1}, "defer_loading": True}]
+    want = [proto.ChatCompletionToolsParam(**t).model_dump() for t in tools]
+    assert as_engine_tools(tools) == want
 
 
 def _parts_chat(system: str, user: str) -> list[dict[str, Any]]:
@@ -163,6 +264,47 @@ def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
         for e in engines:
             e.close()
 
+
+
+def test_proxy_and_engine_tokenize_a_tool_chat_as_vllm(qwen3: Any) -> None:
+    """An agent's turn as OpenAI clients send it (tools with only a name and parameters,
+    tool-call arguments as a compact JSON string): Qwen3's template writes the tools and
+    the arguments as JSON, so what vLLM hands it (tools re-serialised, arguments parsed)
+    is other text than the client's dicts; the proxy routes with, and the engine counts,
+    vLLM's ids."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    msgs = [{"role": "user", "content": "add 1"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "add", "arguments": '{"a":1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    want = qwen3.encode_chat(as_engine_messages(msgs, "string"), tools=as_engine_tools(tools))
+    raw = [{**m, "content": m["content"] or ""} for m in msgs]  # (None: the template fails)
+    assert want != qwen3.encode_chat(raw, tools=tools)  # the client's dicts: other ids
+    engines = [EngineThread(_opts(model="m"), qwen3) for _ in range(2)]
+    s = Stack(engines, tokenizer=qwen3, policy=RoundRobinPolicy())
+    try:
+        seen: list[list[int]] = []
+        real = s.core.route_proxy
+
+        def spy(tokens: Any, *a: Any) -> Any:
+            seen.append(list(tokens))
+            return real(tokens, *a)
+
+        s.core.route_proxy = spy  # type: ignore[method-assign]
+        body = {"model": "m", "messages": msgs, "tools": tools}
+        r = httpx.post(engines[0].url + "/tokenize", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT,
+                       json={**body, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert seen == [want]
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+    finally:
+        s.close()
+        for e in engines:
+            e.close()
 
 def test_builtin_template_takes_every_turn_in_parts() -> None:
     """kvwire engine's ChatML template ("openai" format: vLLM would hand it parts) renders a

@@ -300,7 +300,8 @@ class EngineApp:
         try:
             if chat:
                 prompts.append(tok.encode_chat(  # content handed over as vLLM does
-                    tok.engine_messages(req.messages, req.tools), tools=req.tools,
+                    tok.engine_messages(req.messages, req.tools),
+                    tools=tok.engine_tools(req.tools),
                     add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs))
             else:
@@ -371,7 +372,8 @@ class EngineApp:
         try:
             if req.messages is not None:
                 ids = self.tok.encode_chat(
-                    self.tok.engine_messages(req.messages, req.tools), tools=req.tools,
+                    self.tok.engine_messages(req.messages, req.tools),
+                    tools=self.tok.engine_tools(req.tools),
                     add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs)
             elif req.prompt is not None:

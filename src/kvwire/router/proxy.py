@@ -443,7 +443,8 @@ class Proxy:
         try:
             if chat:
                 toks = self.tok.encode_chat(  # content handed over as the engine does
-                    self.tok.engine_messages(req.messages, req.tools), tools=req.tools,
+                    self.tok.engine_messages(req.messages, req.tools),
+                    tools=self.tok.engine_tools(req.tools),
                     add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs)
             else:

@@ -71,11 +71,18 @@ class Tokenizer(ABC):
     def engine_messages(self, messages: Any,
                         tools: list[dict[str, Any]] | None = None) -> Any:
         """``messages`` as vLLM hands them to this tokenizer's chat template (text parts
-        joined for a template that takes strings): what a router renders to match the
-        engine's tokens. ``encode_chat`` itself renders as transformers does."""
+        joined for a template that takes strings, strings wrapped for one that takes parts,
+        tool-call arguments parsed): what a router renders to match the engine's tokens. ``encode_chat`` itself renders as transformers does."""
         from kvwire.tokenize.content import as_engine_messages
 
         return as_engine_messages(messages, self.content_format(tools))
+
+    def engine_tools(self, tools: Any) -> Any:
+        """``tools`` as vLLM hands them to the template (re-serialised from its request
+        model: tokenize/content.py's ``as_engine_tools``)."""
+        from kvwire.tokenize.content import as_engine_tools
+
+        return as_engine_tools(tools)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
