@@ -1131,7 +1131,9 @@ def test_engine_url_option() -> None:
 def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
     """The proxy's --tokenizer DIR ids (body decoded as the proxy decodes it) equal
     transformers' apply_chat_template(add_generation_prompt=...) for the corpus of
-    tests/test_tokenize.py on Qwen3's real tokenizer.json and template."""
+    tests/test_tokenize.py on Qwen3's real tokenizer.json and template, given the chat as
+    vLLM gives it to apply_chat_template (its parser's output: tokenize/content.py, which
+    tests/test_tokenize_content.py compares with vLLM's own)."""
     import lzma
     import shutil
 
@@ -1139,6 +1141,7 @@ def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
     from test_tokenize import CORPUS, _ref_ids
 
     from kvwire.router.proxy import _body_dec
+    from kvwire.tokenize.content import as_engine_messages, as_engine_tools
 
     transformers = import_or_skip("transformers", "transformers")
     d = tmp_path / "qwen3"
@@ -1149,7 +1152,8 @@ def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
                                                         ).read_bytes()))
     ref = transformers.AutoTokenizer.from_pretrained(str(d))
     core = RouterCore([EngineSpec("e0", "tcp://127.0.0.1:9", url="http://127.0.0.1:9")])
-    proxy = Proxy(core, load_tokenizer(d))
+    tok = load_tokenizer(d)
+    proxy = Proxy(core, tok)
     checked = 0
 
     async def ids(body: dict[str, Any], chat: bool) -> list[int]:
@@ -1157,7 +1161,8 @@ def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
 
     for _name, messages, tools, agp, kwargs in CORPUS:
         try:
-            want = _ref_ids(ref, messages, tools, agp, kwargs)
+            want = _ref_ids(ref, as_engine_messages(messages, tok.content_format(tools)),
+                            as_engine_tools(tools), agp, kwargs)
         except Exception:
             continue  # transformers cannot render it (test_tokenize checks kvwire raises)
         body: dict[str, Any] = {"model": "m", "messages": messages,

@@ -142,6 +142,8 @@ def test_engine_messages_tool_calls_keys_and_tool_turns() -> None:
         assert out[2]["content"] == ("" if fmt == "string" else [])
         assert out[3] == {"role": "tool", "content": "1\n2", "tool_call_id": "c1"}
     assert call["function"]["arguments"] == '{"x": 1}'  # the caller's objects: untouched
+    older = [{"role": "assistant", "content": "a", "reasoning_content": "r"}]  # vLLM's request
+    assert as_engine_messages(older, "string")[0]["reasoning"] == "r"  # model renames it
 
 
 def test_engine_tools_as_vllm_serialises_them() -> None:

@@ -191,8 +191,12 @@ def _message(m: Any, fmt: str) -> Any:
             out["tool_calls"] = _tool_calls(m["tool_calls"])
             if out["tool_calls"] is None:
                 del out["tool_calls"]  # an empty list: vLLM drops it
-        if m.get("reasoning") is not None:
-            out["reasoning"] = out["reasoning_content"] = m["reasoning"]
+        # vLLM's request model renames the older ``reasoning_content`` to ``reasoning``
+        reasoning = m.get("reasoning")
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
     elif role == "tool" and "tool_call_id" in m:
         out["tool_call_id"] = m["tool_call_id"]
     for key in ("name", "task"):
