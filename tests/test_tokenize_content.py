@@ -237,9 +237,10 @@ def test_qwen3_parts_tokenize_as_vllm_joins_them(qwen3: Any) -> None:
     assert before != want
 
 
-def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
-    """Both sides of a kvwire fleet with Qwen3's tokenizer: the engine's /tokenize, and the
-    ids the proxy routes a chat completion with (a spy on the real route_proxy)."""
+def _fleet_tokenizes_as(qwen3: Any, body: dict[str, Any], want: list[int]) -> None:
+    """Both sides of a kvwire fleet with Qwen3's tokenizer give ``body`` the ids ``want``:
+    the engine's /tokenize, the ids the proxy routes the chat completion with (a spy on the
+    real route_proxy), and the prompt tokens the engine reports for it."""
     engines = [EngineThread(_opts(model="m"), qwen3) for _ in range(2)]
     s = Stack(engines, tokenizer=qwen3, policy=RoundRobinPolicy())
     try:
@@ -251,13 +252,10 @@ def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
             return real(tokens, *a)
 
         s.core.route_proxy = spy  # type: ignore[method-assign]
-        parts, joined = _parts_chat("be brief", "hello"), _joined_chat("be brief", "hello")
-        want = qwen3.encode_chat(joined)
-        r = httpx.post(engines[0].url + "/tokenize", json={"model": "m", "messages": parts},
-                       timeout=TIMEOUT)
+        r = httpx.post(engines[0].url + "/tokenize", json=body, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["tokens"] == want, r.text
         r = httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT,
-                       json={"model": "m", "max_tokens": 2, "messages": parts})
+                       json={**body, "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert seen == [want]
         assert r.json()["usage"]["prompt_tokens"] == len(want)  # the engine's own count
@@ -266,6 +264,11 @@ def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
         for e in engines:
             e.close()
 
+
+def test_proxy_and_engine_tokenize_parts_as_vllm(qwen3: Any) -> None:
+    """Content in parts, handed to Qwen3's template joined, as vLLM does, on both sides."""
+    parts, joined = _parts_chat("be brief", "hello"), _joined_chat("be brief", "hello")
+    _fleet_tokenizes_as(qwen3, {"model": "m", "messages": parts}, qwen3.encode_chat(joined))
 
 
 def test_proxy_and_engine_tokenize_a_tool_chat_as_vllm(qwen3: Any) -> None:
@@ -284,29 +287,8 @@ def test_proxy_and_engine_tokenize_a_tool_chat_as_vllm(qwen3: Any) -> None:
     want = qwen3.encode_chat(as_engine_messages(msgs, "string"), tools=as_engine_tools(tools))
     raw = [{**m, "content": m["content"] or ""} for m in msgs]  # (None: the template fails)
     assert want != qwen3.encode_chat(raw, tools=tools)  # the client's dicts: other ids
-    engines = [EngineThread(_opts(model="m"), qwen3) for _ in range(2)]
-    s = Stack(engines, tokenizer=qwen3, policy=RoundRobinPolicy())
-    try:
-        seen: list[list[int]] = []
-        real = s.core.route_proxy
+    _fleet_tokenizes_as(qwen3, {"model": "m", "messages": msgs, "tools": tools}, want)
 
-        def spy(tokens: Any, *a: Any) -> Any:
-            seen.append(list(tokens))
-            return real(tokens, *a)
-
-        s.core.route_proxy = spy  # type: ignore[method-assign]
-        body = {"model": "m", "messages": msgs, "tools": tools}
-        r = httpx.post(engines[0].url + "/tokenize", json=body, timeout=TIMEOUT)
-        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT,
-                       json={**body, "max_tokens": 2})
-        assert r.status_code == 200, r.text
-        assert seen == [want]
-        assert r.json()["usage"]["prompt_tokens"] == len(want)
-    finally:
-        s.close()
-        for e in engines:
-            e.close()
 
 def test_builtin_template_takes_every_turn_in_parts() -> None:
     """kvwire engine's ChatML template ("openai" format: vLLM would hand it parts) renders a
