@@ -72,7 +72,8 @@ class Tokenizer(ABC):
                         tools: list[dict[str, Any]] | None = None) -> Any:
         """``messages`` as vLLM hands them to this tokenizer's chat template (text parts
         joined for a template that takes strings, strings wrapped for one that takes parts,
-        tool-call arguments parsed): what a router renders to match the engine's tokens. ``encode_chat`` itself renders as transformers does."""
+        tool-call arguments parsed): what a router renders to match the engine's tokens.
+        ``encode_chat`` itself renders as transformers does."""
         from kvwire.tokenize.content import as_engine_messages
 
         return as_engine_messages(messages, self.content_format(tools))

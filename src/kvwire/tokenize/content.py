@@ -16,9 +16,10 @@ clients.
 (a loop over ``messages`` or a name assigned from it, then a loop over that item's
 ``content``, directly or as a macro's parameter, or over a variable named ``content``);
 tests/test_tokenize_content.py compares the two on every template at hand where vLLM is
-installed. :func:`as_engine_messages`
-applies it: for a ``"string"`` template, text parts become one newline-joined string;
-anything with a part that is not text (an image) is left as it is.
+installed. :func:`as_engine_messages` applies it, with the rest of what vLLM's chat parser
+does to a conversation before the template sees it (tool-call arguments parsed, null
+content, the keys it keeps); :func:`as_engine_tools` gives the tools as vLLM re-serialises
+them. Anything with a part that is not text (an image) is left as it is.
 """
 
 from __future__ import annotations
