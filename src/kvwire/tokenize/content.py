@@ -37,8 +37,11 @@ from kvwire.tokenize.template import compile_template
 __all__ = ["TEXT_PARTS", "as_engine_messages", "as_engine_tools", "content_format"]
 
 ContentFormat = Literal["string", "openai"]
+#: What vLLM reads as a text part's text, by part type.
+_TEXT_KEY = {"text": "text", "input_text": "text", "output_text": "text",
+             "thinking": "thinking", "refusal": "refusal"}
 #: Part types whose ``text`` vLLM reads as text (the Responses API's included).
-TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
+TEXT_PARTS = frozenset(k for k, v in _TEXT_KEY.items() if v == "text")
 
 
 def _unwrap(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
@@ -134,9 +137,6 @@ def content_format(source: str) -> ContentFormat:
     return "string"
 
 
-#: What vLLM reads as a text part's text, by part type.
-_TEXT_KEY = {"text": "text", "input_text": "text", "output_text": "text",
-             "thinking": "thinking", "refusal": "refusal"}
 #: Claude Code's attribution line, dropped from system text by vLLM (it changes per request).
 _BILLING_HEADER = "x-anthropic-billing-header"
 _PLAIN = frozenset(("role", "content"))
@@ -188,10 +188,9 @@ def _message(m: Any, fmt: str) -> Any:
         new = [{"type": "text", "text": t} for t in texts]
     out: dict[str, Any] = {"role": role, "content": new}
     if role == "assistant":
-        if m.get("tool_calls") is not None:
-            out["tool_calls"] = _tool_calls(m["tool_calls"])
-            if out["tool_calls"] is None:
-                del out["tool_calls"]  # an empty list: vLLM drops it
+        calls = m.get("tool_calls")
+        if calls is not None and calls != []:  # an empty list: vLLM drops it
+            out["tool_calls"] = _tool_calls(calls)
         # vLLM's request model renames the older ``reasoning_content`` to ``reasoning``
         reasoning = m.get("reasoning")
         if reasoning is None:
@@ -210,12 +209,10 @@ def _message(m: Any, fmt: str) -> Any:
 
 def _tool_calls(calls: Any) -> Any:
     """Tool calls as vLLM hands them to templates: ``arguments`` parsed from the JSON string
-    OpenAI clients send into an object (``{}`` when empty, not JSON or not an object);
-    None for an empty list (dropped). Not vLLM's shape (it answers 400): as given."""
+    OpenAI clients send into an object (``{}`` when empty, not JSON or not an object).
+    Not vLLM's shape (it answers 400): as given."""
     if not isinstance(calls, list):
         return calls
-    if not calls:
-        return None
     out = []
     for c in calls:
         f = c.get("function") if isinstance(c, dict) else None
