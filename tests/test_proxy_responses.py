@@ -28,7 +28,7 @@ from test_proxy import TIMEOUT, Stack, _LoopbackServer, make_stack, wait_for  # 
 from kvwire.router.policy import RoundRobinPolicy
 from kvwire.router.responses import ResponseOwners, addressed, chat_request
 from kvwire.tokenize import load_tokenizer
-from kvwire.tokenize.content import as_engine_messages
+from kvwire.tokenize.content import as_engine_messages, as_engine_tools, engine_template_kwargs
 
 _ITEM = re.compile(r"^/v1/responses/([^/?]+)(/cancel|/input_items)?(?:\?(.*))?$")
 
@@ -312,36 +312,200 @@ def test_addressed_parses_only_its_three_forms(tail: bytes) -> None:
 
 def test_chat_request_renders_a_response_request_as_vllm_does() -> None:
     """instructions -> system; a string input -> the user's message; items as vLLM maps
-    them (text parts as chat text parts, function calls and outputs, an earlier output
-    message's text); function tools in the chat shape; anything else -> None (by load)."""
-    assert chat_request(None, "hi") == ([{"role": "user", "content": "hi"}], None)
+    them: text parts kept as parts, a reasoning item, an output message and the function
+    calls after it merged into ONE assistant turn (as vLLM shows the template), outputs as
+    tool turns; function tools in the chat shape; anything else -> None (by load)."""
+    assert chat_request(None, "hi") == ([{"role": "user", "content": "hi"}], None,
+                                        False, None)
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
-    msgs, tools = chat_request("be terse", [
-        {"role": "user", "content": [{"type": "input_text", "text": "a"},
-                                     {"type": "input_text", "text": "b"}]},
+    user = {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                        {"type": "input_text", "text": "b"}]}
+    items = [
+        user,
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s"}],
+         "content": [{"type": "reasoning_text", "text": "r"}]},
         {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": "c"}]},
+         "content": [{"type": "output_text", "text": "c", "annotations": []}]},
         {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "call_1", "output": "42"},
-    ], [tool])
-    assert msgs == [
+    ]
+    conv = chat_request("be terse", items, [tool], {"effort": "low"})
+    assert conv is not None
+    call = {"id": "call_1", "function": {"name": "f", "arguments": "{}"}, "type": "function"}
+    assert conv.messages == [
         {"role": "system", "content": "be terse"},
-        {"role": "user", "content": [{"type": "text", "text": "a"},
-                                     {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "c"},
-        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                              "function": {"name": "f", "arguments": "{}"}}]},
+        user,
+        {"role": "assistant", "reasoning": "r", "content": "c",
+         "tool_calls": [call, {**call, "id": "call_2"}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
-    assert tools == [{"type": "function", "function": tool}]
+    assert conv.tools == [{"type": "function", "function": {
+        "name": "f", "description": None, "parameters": {"type": "object"}}}]
+    assert (conv.continue_final_message, conv.reasoning_effort) == (False, "low")
+    assert items[0] is user and "tool_calls" not in items[2]  # the client's items untouched
     # handed to a template that takes strings (Qwen3's), as vLLM does: the parts joined
-    assert as_engine_messages(msgs, "string")[1] == {"role": "user", "content": "a\nb"}
+    assert as_engine_messages(conv.messages, "string")[1] == {"role": "user", "content": "a\nb"}
+    partial = {"type": "message", "role": "assistant", "status": "in_progress",
+               "content": [{"type": "output_text", "text": "Once"}]}
+    assert chat_request(None, [user, partial]).continue_final_message
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
-    for instructions, input_, tools_ in ((None, [image], None), (None, [], None),
-                                         (None, None, None), (3, "hi", None),
-                                         (None, "hi", [{"type": "web_search"}]),
-                                         (None, [{"type": "item_reference", "id": "x"}], None),
-                                         (None, [{"role": "wizard", "content": "x"}], None)):
-        assert chat_request(instructions, input_, tools_) is None
+    for instructions, input_, tools_ in (
+            (None, [image], None), (None, [], None), (None, None, None), (3, "hi", None),
+            (None, "hi", [{"type": "function"}]), (None, "hi", "f"),
+            (None, [{"type": "item_reference", "id": "x"}], None),
+            (None, [{"type": "reasoning", "id": "r", "summary": [],
+                     "encrypted_content": "xx"}], None),
+            (None, [{"type": "function_call", "call_id": "c", "name": "f",
+                     "arguments": {"a": 1}}], None),
+            (None, [{"content": "no role"}], None)):
+        assert chat_request(instructions, input_, tools_) is None, (instructions, input_)
+
+
+#: Responses requests, each compared with what vLLM 0.33 makes of it.
+_RESPONSES = [
+    {"input": "hi", "instructions": "be terse"},
+    {"input": [{"role": "user", "content": "q"},
+               {"type": "reasoning", "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "S"}],
+                "content": [{"type": "reasoning_text", "text": "R"}]},
+               {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "c", "annotations": []}]},
+               {"type": "function_call", "call_id": "call_1", "name": "f",
+                "arguments": '{"x": 1}'},
+               {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+               {"role": "assistant", "content": "plain"},
+               {"role": "user", "content": "more"}],
+     "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"},
+                "strict": True},
+               {"type": "function", "name": "g", "description": "G", "parameters": None}],
+     "reasoning": {"effort": "low"}},
+    # only a summary; then two output messages in a row; then a call with no turn before
+    {"input": [{"role": "developer", "content": "d"},
+               {"type": "reasoning", "id": "rs_2",
+                "summary": [{"type": "summary_text", "text": "only summary"}]},
+               {"type": "message", "id": "m1", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "one", "annotations": []},
+                            {"type": "output_text", "text": "two", "annotations": []}]},
+               {"type": "message", "id": "m2", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "three", "annotations": []}]},
+               {"type": "function_call_output", "call_id": "c0", "output": "x"},
+               {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+               {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+               {"type": "reasoning", "id": "rs_3", "summary": []}],
+     "reasoning": {"effort": "none"}, "chat_template_kwargs": {"enable_thinking": True}},
+    # assistant dicts (no type): parts, then one merged with a call before it
+    {"input": [{"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "u1"},
+                            {"type": "input_text", "text": "u2"}]},
+               {"role": "assistant", "content": [{"type": "input_text", "text": "a1"},
+                                                 {"type": "input_text", "text": "a2"}]},
+               {"role": "user", "content": "again"},
+               {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+               {"role": "assistant", "content": "after the call"},
+               {"type": "function_call_output", "call_id": "c1",
+                "output": [{"type": "input_text", "text": "part out"}]}],
+     "tools": [{"type": "web_search"}, {"type": "function", "name": "f"}]},
+    # custom and namespace tools, and their calls
+    {"input": [{"role": "user", "content": "patch it"},
+               {"type": "custom_tool_call", "call_id": "c1", "name": "apply",
+                "input": "diff --git é"},
+               {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"},
+               {"type": "function_call", "call_id": "c2", "name": "ls", "namespace": "fs",
+                "arguments": '{"p": "/"}'}],
+     "tools": [{"type": "custom", "name": "apply", "description": "apply a patch"},
+               {"type": "namespace", "name": "fs", "description": "files",
+                "tools": [{"type": "function", "name": "ls", "description": "list",
+                           "parameters": {"type": "object"}}]}],
+     "tool_choice": "auto", "reasoning": {"effort": "high"}},
+    # an unfinished answer: continued, no generation prompt
+    {"input": [{"role": "user", "content": "tell a story"},
+               {"type": "message", "role": "assistant", "status": "in_progress",
+                "content": [{"type": "output_text", "text": "Once upon"}]}]},
+    {"input": [{"role": "user", "content": "q"},
+               {"type": "message", "id": "m", "role": "assistant", "status": "incomplete",
+                "content": [{"type": "output_text", "text": "cut", "annotations": []}]}],
+     "instructions": ""},
+]
+
+
+def _vllm_responses(body: dict[str, Any], fmt: str) -> tuple[Any, Any, dict[str, Any]]:
+    """What vLLM 0.33 renders a Responses request into: the conversation its chat parser
+    hands the template (content format ``fmt``), the tools and the template variables. Its
+    chat parser needs its model config for two flags; a stand-in gives them (the one part
+    of this that is not vLLM's own)."""
+    import copy
+    import types
+
+    from engine_helpers import import_or_skip
+
+    proto = import_or_skip("vllm.entrypoints.openai.responses.protocol", "vllm")
+    utils = import_or_skip("vllm.entrypoints.openai.responses.utils", "vllm")
+    cm = import_or_skip("vllm.renderers.chat_utils.chat_message", "vllm")
+    req = proto.ResponsesRequest.model_validate(copy.deepcopy({"model": "m", **body}))
+    msgs = utils.construct_input_messages(request_instructions=req.instructions,
+                                          request_input=req.input)
+    cfg = types.SimpleNamespace(enable_prompt_embeds=False, multimodal_config=None,
+                                is_multimodal_model=False)
+    conv, _, _ = cm.parse_chat_messages(msgs, cfg, fmt)
+    return (conv, utils.construct_tool_dicts(req.tools, req.tool_choice),
+            req.build_chat_params(None, fmt).chat_template_kwargs)
+
+
+def _ours(body: dict[str, Any], fmt: str) -> tuple[Any, Any, dict[str, Any]]:
+    conv = chat_request(body.get("instructions"), body["input"], body.get("tools"),
+                        body.get("reasoning"))
+    assert conv is not None, body
+    return (as_engine_messages(conv.messages, fmt), as_engine_tools(conv.tools),
+            engine_template_kwargs(body.get("chat_template_kwargs"),
+                                   add_generation_prompt=not conv.continue_final_message,
+                                   continue_final_message=conv.continue_final_message,
+                                   reasoning_effort=conv.reasoning_effort))
+
+
+def test_chat_request_equals_vllms_own_construction() -> None:
+    """Every request of the corpus, in both content formats: the conversation, the tools
+    and the template variables equal what vLLM 0.33's own functions make of it
+    (ResponsesRequest, construct_input_messages, parse_chat_messages,
+    construct_tool_dicts, build_chat_params; the engines tier)."""
+    for body in _RESPONSES:
+        for fmt in ("string", "openai"):
+            assert _ours(body, fmt) == _vllm_responses(body, fmt), (fmt, body)
+
+
+def test_responses_tokenize_as_vllm_renders_them(tmp_path: Any) -> None:
+    """The ids the proxy routes a Responses request with (body decoded as the proxy
+    decodes it) equal transformers' apply_chat_template on Qwen3's template and tokenizer
+    given what vLLM makes of the request: a router that rendered each item as its own turn
+    (as kvwire did before) got other ids from the first merged assistant turn on."""
+    import asyncio
+    import lzma
+    import shutil
+
+    from engine_helpers import import_or_skip
+    from test_proxy import ROOT
+
+    from kvwire.consume.engine_spec import EngineSpec
+    from kvwire.router.proxy import Proxy, _pass_dec
+    from kvwire.router.service import RouterCore
+
+    transformers = import_or_skip("transformers", "transformers")
+    src = ROOT / "tests/data/tokenize/qwen3"
+    shutil.copy(src / "tokenizer_config.json", tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(lzma.decompress(
+        (src / "tokenizer.json.xz").read_bytes()))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    proxy = Proxy(RouterCore([EngineSpec("e0", "tcp://127.0.0.1:9",
+                                         url="http://127.0.0.1:9")]), tok)
+    for body in _RESPONSES:
+        conv, tools, kw = _vllm_responses(body, tok.content_format())
+        want = ref.apply_chat_template(conv, tools=tools, tokenize=True, **kw)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        got = asyncio.run(proxy._response_tokens(_pass_dec.decode(json.dumps(
+            {"model": "m", **body}).encode())))
+        assert list(got) == want, body
+    assert proxy.counts["responses_by_load"] == 0
 
 
 def test_a_new_response_request_follows_the_cache_of_its_chat(
@@ -358,7 +522,7 @@ def test_a_new_response_request_follows_the_cache_of_its_chat(
     ids = tok.encode_chat(chat["messages"])
     conv = chat_request(system, [{"role": "user",
                                   "content": [{"type": "input_text", "text": user}]}])
-    assert conv is not None and tok.encode_chat(conv[0]) == ids
+    assert conv is not None and tok.encode_engine_chat(conv.messages) == ids
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
         r = c.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200, r.text

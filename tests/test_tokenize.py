@@ -203,6 +203,48 @@ def test_corpus_equals_transformers(template: str, transformers: Any, tokenizer_
     assert tok.decode(ids, skip_special_tokens=False) == text
 
 
+#: Chats whose last (assistant) message is continued: a string, parts, trailing space.
+_CONTINUED = [
+    [{"role": "user", "content": "tell a story"}, {"role": "assistant", "content": "Once upon"}],
+    [{"role": "system", "content": "brief"}, {"role": "user", "content": "q"},
+     {"role": "assistant", "content": "The answer is "}],
+    [{"role": "user", "content": "q"},
+     {"role": "assistant", "content": [{"type": "text", "text": "part one"},
+                                       {"type": "text", "text": "part two"}]}],
+]
+
+
+@pytest.mark.parametrize("template", ["qwen3", "deepseek_v3", "mistral_v7", "vllm_chatml"])
+def test_continue_final_message_equals_transformers(template: str, transformers: Any,
+                                                    tokenizer_json: Path,
+                                                    tmp_path: Path) -> None:
+    """``continue_final_message``: the text ends where the last message's content does, cut
+    where transformers cuts it (vLLM's ``continue_final_message`` goes to it)."""
+    d = _model_dir(tmp_path, tokenizer_json, template)
+    ref = (transformers.AutoTokenizer.from_pretrained(str(d)) if template == "qwen3"
+           else _reference(transformers, d))
+    tok = load_tokenizer(d)
+    compared = 0
+    for messages in _CONTINUED:
+        try:
+            want = ref.apply_chat_template(messages, add_generation_prompt=False,
+                                           continue_final_message=True, tokenize=False)
+        except Exception:  # the template cannot render it (parts): neither may we
+            with pytest.raises(TokenizerError):
+                tok.render_chat(messages, add_generation_prompt=False,
+                                continue_final_message=True)
+            continue
+        got = tok.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+        assert got == want, (template, messages)
+        if template == "qwen3":  # it ends every turn, the last one included
+            assert got != tok.render_chat(messages, add_generation_prompt=False)
+        compared += 1
+    assert compared >= 2, template
+    with pytest.raises(TokenizerError, match="no content"):
+        tok.render_chat([{"role": "user", "content": "q"}, {"role": "assistant"}],
+                        add_generation_prompt=False, continue_final_message=True)
+
+
 def test_turn_cache_equals_whole_text_encode(tokenizer_json: Path, tiny_json: Path,
                                              tmp_path: Path) -> None:
     """encode() caches the pieces between added tokens; ids must equal one tokenizers

@@ -18,7 +18,12 @@ import pytest
 from kvwire.router.policy import RoundRobinPolicy
 from kvwire.tokenize import TokenizerError, load_tokenizer
 from kvwire.tokenize.builtin import CHATML_TEMPLATE
-from kvwire.tokenize.content import as_engine_messages, as_engine_tools, content_format
+from kvwire.tokenize.content import (
+    as_engine_messages,
+    as_engine_tools,
+    content_format,
+    engine_template_kwargs,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_helpers import import_or_skip  # noqa: E402
@@ -237,30 +242,60 @@ def test_qwen3_parts_tokenize_as_vllm_joins_them(qwen3: Any) -> None:
     assert before != want
 
 
-def _fleet_tokenizes_as(qwen3: Any, body: dict[str, Any], want: list[int]) -> None:
+def test_template_kwargs_equal_vllms_chat_request() -> None:
+    """The template variables of a chat request (its kwargs overridden by its fields,
+    ``enable_thinking`` from an effort) equal vLLM 0.33's ``build_chat_params``."""
+    proto = import_or_skip("vllm.entrypoints.openai.chat_completion.protocol", "vllm")
+    cases: list[dict[str, Any]] = [
+        {}, {"reasoning_effort": "none"}, {"reasoning_effort": "high"},
+        {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False, "x": 1}},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"documents": [{"title": "t", "text": "x"}]},
+        {"chat_template_kwargs": {"add_generation_prompt": False, "reasoning_effort": "low",
+                                  "documents": "d"}},
+    ]
+    for extra in cases:
+        req = proto.ChatCompletionRequest(model="m", messages=[{"role": "user",
+                                                                "content": "hi"}], **extra)
+        want = req.build_chat_params(None, "auto").chat_template_kwargs
+        got = engine_template_kwargs(
+            extra.get("chat_template_kwargs"),
+            add_generation_prompt=extra.get("add_generation_prompt", True),
+            continue_final_message=extra.get("continue_final_message", False),
+            reasoning_effort=extra.get("reasoning_effort"), documents=extra.get("documents"))
+        assert got == want, extra
+
+
+def _fleet_tokenizes_as(qwen3: Any, body: dict[str, Any], want: list[int],
+                        tokenize: dict[str, Any] | None = None) -> None:
     """Both sides of a kvwire fleet with Qwen3's tokenizer give ``body`` the ids ``want``:
-    the engine's /tokenize, the ids the proxy routes the chat completion with (a spy on the
-    real route_proxy), and the prompt tokens the engine reports for it."""
+    the engine's /tokenize (of ``tokenize``, default ``body``), the ids the proxy routes
+    the chat completion with (a spy on the real route_proxy) with its own tokenizer and
+    with ``--tokenizer engine`` (the engine's /tokenize), and the prompt tokens the engine
+    reports for it."""
     engines = [EngineThread(_opts(model="m"), qwen3) for _ in range(2)]
-    s = Stack(engines, tokenizer=qwen3, policy=RoundRobinPolicy())
     try:
-        seen: list[list[int]] = []
-        real = s.core.route_proxy
-
-        def spy(tokens: Any, *a: Any) -> Any:
-            seen.append(list(tokens))
-            return real(tokens, *a)
-
-        s.core.route_proxy = spy  # type: ignore[method-assign]
-        r = httpx.post(engines[0].url + "/tokenize", json=body, timeout=TIMEOUT)
+        r = httpx.post(engines[0].url + "/tokenize", json=tokenize or body, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["tokens"] == want, r.text
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT,
-                       json={**body, "max_tokens": 2})
-        assert r.status_code == 200, r.text
-        assert seen == [want]
-        assert r.json()["usage"]["prompt_tokens"] == len(want)  # the engine's own count
+        for mode in (qwen3, "engine"):
+            s = Stack(engines, tokenizer=mode, policy=RoundRobinPolicy())
+            try:
+                seen: list[list[int]] = []
+                real = s.core.route_proxy
+
+                def spy(tokens: Any, *a: Any, seen: list[Any] = seen, real: Any = real) -> Any:
+                    seen.append(list(tokens))
+                    return real(tokens, *a)
+
+                s.core.route_proxy = spy  # type: ignore[method-assign]
+                r = httpx.post(s.url + "/v1/chat/completions", timeout=TIMEOUT,
+                               json={**body, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert seen == [want], mode
+                assert r.json()["usage"]["prompt_tokens"] == len(want)  # the engine's count
+            finally:
+                s.close()
     finally:
-        s.close()
         for e in engines:
             e.close()
 
@@ -288,6 +323,23 @@ def test_proxy_and_engine_tokenize_a_tool_chat_as_vllm(qwen3: Any) -> None:
     raw = [{**m, "content": m["content"] or ""} for m in msgs]  # (None: the template fails)
     assert want != qwen3.encode_chat(raw, tools=tools)  # the client's dicts: other ids
     _fleet_tokenizes_as(qwen3, {"model": "m", "messages": msgs, "tools": tools}, want)
+
+
+def test_proxy_and_engine_render_a_reasoning_effort_as_vllm(qwen3: Any) -> None:
+    """``reasoning_effort: "none"`` is ``enable_thinking=False`` for the template in vLLM:
+    Qwen3's writes an empty think block into the generation prompt. The proxy routes with,
+    and the engine counts, those ids; an unfinished answer is continued, not re-opened."""
+    msgs = [{"role": "user", "content": "hi"}]
+    want = qwen3.encode_chat(msgs, chat_template_kwargs={"enable_thinking": False})
+    assert want != qwen3.encode_chat(msgs)
+    _fleet_tokenizes_as(qwen3, {"model": "m", "messages": msgs, "reasoning_effort": "none"},
+                        want, tokenize={"model": "m", "messages": msgs, "chat_template_kwargs":
+                                        {"enable_thinking": False}})
+    cont = [*msgs, {"role": "assistant", "content": "Hello the"}]
+    want = qwen3.encode_chat(cont, add_generation_prompt=False, continue_final_message=True)
+    assert want == qwen3.encode_chat(cont, add_generation_prompt=False)[:len(want)]
+    _fleet_tokenizes_as(qwen3, {"model": "m", "messages": cont, "add_generation_prompt": False,
+                                "continue_final_message": True}, want)
 
 
 def test_builtin_template_takes_every_turn_in_parts() -> None:

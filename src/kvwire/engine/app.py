@@ -299,10 +299,11 @@ class EngineApp:
         prompts: list[list[int]] = []
         try:
             if chat:
-                prompts.append(tok.encode_chat(  # content handed over as vLLM does
-                    tok.engine_messages(req.messages, req.tools),
-                    tools=tok.engine_tools(req.tools),
+                prompts.append(tok.encode_engine_chat(  # rendered as vLLM renders it
+                    req.messages, tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    reasoning_effort=req.reasoning_effort, documents=req.documents,
                     chat_template_kwargs=req.chat_template_kwargs))
             else:
                 for p in prompt_inputs(req.prompt):
@@ -371,10 +372,10 @@ class EngineApp:
         self._lora(req.model)
         try:
             if req.messages is not None:
-                ids = self.tok.encode_chat(
-                    self.tok.engine_messages(req.messages, req.tools),
-                    tools=self.tok.engine_tools(req.tools),
+                ids = self.tok.encode_engine_chat(
+                    req.messages, tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
                     chat_template_kwargs=req.chat_template_kwargs)
             elif req.prompt is not None:
                 add = True if req.add_special_tokens is None else req.add_special_tokens

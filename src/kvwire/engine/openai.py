@@ -73,6 +73,9 @@ class ChatRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    reasoning_effort: str | None = None
+    documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -82,6 +85,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from ..consume.engine_spec import EngineSpec
+from ..tokenize.content import engine_template_kwargs
 from .forward import PASS, PATHS, BadRequest, handle, openai_error
 from .proxy_state import Breaker, Lifecycle
 from .responses import PREFIX as RESPONSES_PREFIX
@@ -61,6 +62,9 @@ class _Body(msgspec.Struct):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    reasoning_effort: str | None = None
+    documents: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     cache_salt: str | None = None
 
@@ -80,6 +84,8 @@ class _PassBody(msgspec.Struct):
     instructions: Any = None
     input: Any = None
     tools: Any = None
+    reasoning: Any = None
+    chat_template_kwargs: Any = None
 
 
 _pass_dec = msgspec.json.Decoder(_PassBody)
@@ -442,10 +448,11 @@ class Proxy:
 
         try:
             if chat:
-                toks = self.tok.encode_chat(  # content handed over as the engine does
-                    self.tok.engine_messages(req.messages, req.tools),
-                    tools=self.tok.engine_tools(req.tools),
+                toks = self.tok.encode_engine_chat(  # rendered as the engine renders it
+                    req.messages, tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    reasoning_effort=req.reasoning_effort, documents=req.documents,
                     chat_template_kwargs=req.chat_template_kwargs)
             else:
                 toks = self.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
@@ -461,11 +468,16 @@ class Proxy:
         not map or cannot be tokenized here: the engine judges it."""
         if self.mode == "none":
             return ()
-        conv = chat_request(body.instructions, body.input, body.tools)
-        if conv is not None:
+        conv = chat_request(body.instructions, body.input, body.tools, body.reasoning)
+        if conv is not None and (body.chat_template_kwargs is None
+                                 or isinstance(body.chat_template_kwargs, dict)):
             try:
-                return await self._tokens(_Body(model=body.model, messages=conv[0],
-                                                tools=conv[1]), True)
+                return await self._tokens(_Body(
+                    model=body.model, messages=conv.messages, tools=conv.tools,
+                    add_generation_prompt=not conv.continue_final_message,
+                    continue_final_message=conv.continue_final_message,
+                    reasoning_effort=conv.reasoning_effort,
+                    chat_template_kwargs=body.chat_template_kwargs), True)
             except BadRequest:
                 pass
         self.counts["responses_by_load"] += 1
@@ -473,10 +485,16 @@ class Proxy:
 
     async def _engine_tokens(self, req: _Body, chat: bool, prompt: Any) -> Sequence[int]:
         q: dict[str, Any] = {"model": req.model}
-        if chat:
+        if chat:  # /tokenize takes no effort or documents: they go as template variables
+            kw = engine_template_kwargs(req.chat_template_kwargs,
+                                        add_generation_prompt=req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message,
+                                        reasoning_effort=req.reasoning_effort,
+                                        documents=req.documents)
             q.update(messages=req.messages, tools=req.tools,
-                     add_generation_prompt=req.add_generation_prompt,
-                     chat_template_kwargs=req.chat_template_kwargs)
+                     add_generation_prompt=kw.pop("add_generation_prompt"),
+                     continue_final_message=kw.pop("continue_final_message"),
+                     chat_template_kwargs=kw or None)
         else:
             q.update(prompt=prompt, add_special_tokens=req.add_special_tokens)
         for link in self.links.values():

@@ -22,13 +22,14 @@ No I/O here: the proxy (router/forward.py) feeds it what it reads and asks it wh
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..tokenize.content import TEXT_PARTS
 
-__all__ = ["PREFIX", "RESPONSE_ID", "SCAN_LIMIT", "ResponseOwners", "addressed",
+__all__ = ["PREFIX", "RESPONSE_ID", "SCAN_LIMIT", "ResponseChat", "ResponseOwners", "addressed",
            "chat_request"]
 
 PREFIX = b"/v1/responses/"
@@ -96,69 +97,178 @@ class ResponseOwners:
         self._owner.pop(rid, None)
 
 
-def _parts(content: Any) -> str | list[dict[str, str]] | None:
-    """A message's content as vLLM reads it: a string as is; text parts (``input_text``,
-    ``output_text``, ``text``) as chat text parts, which the proxy then hands to the
-    template as the engine does (joined for a template that takes strings:
-    tokenize/content.py); None for anything else (an image, a file)."""
+class ResponseChat(NamedTuple):
+    """A ``/v1/responses`` request as the chat vLLM renders: its messages, tools (chat
+    shape) and the template settings the request implies."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    #: the last input item is an unfinished assistant message or reasoning (``status``
+    #: ``in_progress``/``incomplete``): rendered to be continued, no generation prompt
+    continue_final_message: bool = False
+    reasoning_effort: str | None = None
+
+
+#: vLLM's name for a namespace's function (``<namespace>__<name>``).
+_NAMESPACE_SEP = "__"
+#: The single-string function a ``custom`` tool is shown to the model as (vLLM's shim).
+_CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {"input": {"type": "string",
+                             "description": "The freeform text payload for this tool."}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
+
+
+def _text_of(content: Any) -> str | None:
+    """What vLLM keeps of an assistant item's content: a string, or its first part's text."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        text = content[0].get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _tool_call(item: dict[str, Any]) -> dict[str, Any] | None:
+    """A ``function_call`` / ``custom_tool_call`` item as a chat tool call (None if it
+    is neither, or not well formed)."""
+    kind, cid, name = item.get("type"), item.get("call_id"), item.get("name")
+    if kind not in ("function_call", "custom_tool_call") or not (
+            isinstance(cid, str) and isinstance(name, str)):
         return None
-    out = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS
-                and isinstance(part.get("text"), str)):
+    if kind == "function_call":
+        args = item.get("arguments")
+        if not isinstance(args, str):
             return None
-        out.append({"type": "text", "text": part["text"]})
-    return out
+        ns = item.get("namespace")
+        if isinstance(ns, str) and ns:
+            name = f"{ns}{_NAMESPACE_SEP}{name}"
+    else:
+        payload = item.get("input") or ""
+        if not isinstance(payload, str):
+            return None
+        args = json.dumps({"input": payload}, ensure_ascii=False)
+    return {"id": cid, "function": {"name": name, "arguments": args}, "type": "function"}
 
 
-def _message(item: Any) -> dict[str, Any] | None:
-    """One input item as the chat message vLLM makes of it; None if not mapped here."""
+_DROP = object()  # merged into the previous message: nothing to append
+
+
+def _message(item: Any, prev: dict[str, Any] | None) -> Any:
+    """One input item as vLLM 0.33 makes it a chat message: a new message, ``_DROP`` when
+    it went into ``prev`` (the previous message, when it is the assistant's: a
+    reasoning item, an output message and the function calls after it make ONE assistant
+    turn, as the template is shown it), or None when it is not mapped here (the proxy
+    routes it by load; vLLM refuses most of those)."""
     if not isinstance(item, dict):
         return None
     kind = item.get("type")
-    if kind == "function_call":
-        return {"role": "assistant", "tool_calls": [{
-            "id": item.get("call_id"), "type": "function",
-            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]}
-    if kind == "function_call_output":
+    call = _tool_call(item)
+    if call is not None:
+        if prev is not None:
+            calls = prev.get("tool_calls")
+            if calls is None:
+                prev["tool_calls"] = [call]
+                return _DROP
+            if isinstance(calls, list):
+                prev["tool_calls"] = [*calls, call]  # a new list: the client's is not touched
+                return _DROP
+        return {"role": "assistant", "tool_calls": [call]}
+    if kind in ("function_call", "custom_tool_call"):
+        return None
+    if kind in ("function_call_output", "custom_tool_call_output"):
         return {"role": "tool", "content": item.get("output"),
                 "tool_call_id": item.get("call_id")}
     if kind == "reasoning":
-        if item.get("encrypted_content"):
+        if item.get("encrypted_content") or not isinstance(item.get("id"), str):
             return None
-        for key in ("summary", "content"):
+        text = ""
+        for key in ("content", "summary"):  # vLLM reads the reasoning text first
             parts = item.get(key)
-            if isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], dict):
-                return {"role": "assistant", "reasoning": parts[0].get("text", "")}
-        return {"role": "assistant", "reasoning": ""}
+            if isinstance(parts, list) and parts:
+                if not (isinstance(parts[0], dict) and isinstance(parts[0].get("text"), str)):
+                    return None
+                text = parts[0]["text"]
+                break
+        if prev is not None and prev.get("reasoning") is None:
+            prev["reasoning"] = text
+            return _DROP
+        return {"role": "assistant", "reasoning": text}
     if kind not in (None, "message"):
         return None
     role = item.get("role")
-    if role not in ("user", "system", "developer", "assistant"):
+    if not isinstance(role, str):
         return None
     content = item.get("content")
-    if role == "assistant" and kind == "message" and "id" in item:
-        # an output message of an earlier response: vLLM keeps its first part's text
-        if not (isinstance(content, list) and content and isinstance(content[0], dict)
-                and isinstance(content[0].get("text"), str)):
+    if role == "assistant":
+        text = _text_of(content)
+        if text is not None:
+            if prev is not None and prev.get("content") is None:
+                prev["content"] = text
+                return _DROP
+            return {"role": "assistant", "content": text}
+    if isinstance(content, list) and not all(
+            isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
+        return None  # an image, a file: not tokenized here
+    return dict(item)  # as vLLM passes it on: its chat parser keeps what it reads
+
+
+def _continues(input_: Any) -> bool:
+    """vLLM's test for a request that continues its last item (an unfinished message)."""
+    if not isinstance(input_, list) or not input_ or not isinstance(input_[-1], dict):
+        return False
+    last = input_[-1]
+    return (last.get("type", "message") in ("message", "reasoning")
+            and last.get("status") in ("in_progress", "incomplete"))
+
+
+def _function_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The tools vLLM shows the template (``construct_tool_dicts``): functions as given,
+    a namespace's functions as ``<namespace>__<name>``, a custom tool as vLLM's
+    single-string function; built-in tools (web search, ...) are not shown. None when a
+    tool is not well formed (the proxy routes by load; the engine judges it)."""
+    out: list[dict[str, Any]] = []
+    for t in tools:
+        if not isinstance(t, dict):
             return None
-        return {"role": "assistant", "content": content[0]["text"]}
-    parts = _parts(content)
-    if parts is None:
-        return None
-    return {"role": role, "content": parts}
+        kind = t.get("type")
+        if kind == "function":
+            fns = [t]
+        elif kind == "namespace":
+            subs = t.get("tools")
+            if not (isinstance(t.get("name"), str) and isinstance(subs, list)):
+                return None
+            fns = [{**f, "name": f"{t['name']}{_NAMESPACE_SEP}{f.get('name')}"}
+                   for f in subs if isinstance(f, dict) and f.get("type") == "function"]
+        elif kind == "custom":
+            fns = [{"name": t.get("name"), "description": t.get("description"),
+                    "parameters": _CUSTOM_PARAMETERS}]
+        else:
+            continue
+        for f in fns:
+            if not isinstance(f.get("name"), str):
+                return None
+            fn = {"name": f["name"], "description": f.get("description"),
+                  "parameters": f.get("parameters")}
+            if f.get("strict") is not None:
+                fn["strict"] = f["strict"]
+            out.append({"type": "function", "function": fn})
+    return out
 
 
-def chat_request(instructions: Any, input_: Any, tools: Any = None
-                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
-    """A ``/v1/responses`` request as the chat messages and tools vLLM renders it into:
-    ``instructions`` as the system message, then ``input`` (a string is the user's message;
-    items: messages with their text parts, function calls and their outputs, reasoning),
-    and function tools in the chat shape. None when it holds something this does not map
-    (an image, a built-in tool): the proxy then routes it by load."""
+def chat_request(instructions: Any, input_: Any, tools: Any = None,
+                 reasoning: Any = None) -> ResponseChat | None:
+    """A ``/v1/responses`` request as the chat vLLM 0.33 renders it (its
+    ``construct_input_messages`` and ``construct_tool_dicts``): ``instructions`` as the
+    system message, then ``input`` (a string is the user's message; items as
+    :func:`_message` maps them, consecutive assistant items merged into one turn), the
+    function tools in the chat shape (also with ``tool_choice: "none"``: vLLM drops them
+    then only when its server is told to), and ``reasoning.effort`` for the template. None
+    when it holds something this does not map (an image, an encrypted reasoning item):
+    the proxy then routes it by load. tests/test_proxy_responses.py compares it with
+    vLLM's own functions."""
     msgs: list[dict[str, Any]] = []
     if instructions:
         if not isinstance(instructions, str):
@@ -167,17 +277,25 @@ def chat_request(instructions: Any, input_: Any, tools: Any = None
     if isinstance(input_, str):
         msgs.append({"role": "user", "content": input_})
     elif isinstance(input_, list) and input_:
+        turns: list[dict[str, Any]] = []  # vLLM merges within the input, not into instructions
         for item in input_:
-            m = _message(item)
+            prev = turns[-1] if turns and turns[-1].get("role") == "assistant" else None
+            m = _message(item, prev)
             if m is None:
                 return None
-            msgs.append(m)
+            if m is not _DROP:
+                turns.append(m)
+        msgs.extend(turns)
     else:
         return None
     chat_tools = None
     if tools:
-        if not isinstance(tools, list) or not all(
-                isinstance(t, dict) and t.get("type") == "function" for t in tools):
+        if not isinstance(tools, list):
             return None
-        chat_tools = [{"type": "function", "function": t} for t in tools]
-    return msgs, chat_tools
+        chat_tools = _function_tools(tools)
+        if chat_tools is None:
+            return None
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None and not isinstance(effort, str):
+        return None
+    return ResponseChat(msgs, chat_tools, _continues(input_), effort)

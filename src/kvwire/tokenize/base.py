@@ -40,6 +40,7 @@ class Tokenizer(ABC):
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of ``messages`` under this tokenizer's chat template."""
 
@@ -50,11 +51,41 @@ class Tokenizer(ABC):
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the rendered chat (no special tokens added: the template has them)."""
         text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                chat_template_kwargs=chat_template_kwargs)
+                                chat_template_kwargs=chat_template_kwargs,
+                                continue_final_message=continue_final_message)
         return self.encode(text, add_special_tokens=False)
+
+    def encode_engine_chat(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        reasoning_effort: str | None = None,
+        documents: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a chat request as vLLM renders it: its messages and tools handed
+        over as vLLM hands them (:meth:`engine_messages`, :meth:`engine_tools`) and its
+        fields made template variables as vLLM makes them (tokenize/content.py's
+        ``engine_template_kwargs``). The router and ``kvwire engine`` both tokenize
+        through this, so they cannot drift apart."""
+        from kvwire.tokenize.content import engine_template_kwargs
+
+        kw = engine_template_kwargs(chat_template_kwargs,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    reasoning_effort=reasoning_effort, documents=documents)
+        agp = bool(kw.pop("add_generation_prompt", add_generation_prompt))
+        cont = bool(kw.pop("continue_final_message", continue_final_message))
+        return self.encode_chat(self.engine_messages(messages, tools),
+                                tools=self.engine_tools(tools), add_generation_prompt=agp,
+                                chat_template_kwargs=kw or None, continue_final_message=cont)
 
     def content_format(self, tools: list[dict[str, Any]] | None = None) -> str:
         """``"string"`` or ``"openai"``: how vLLM hands message content to this tokenizer's

@@ -185,13 +185,15 @@ class BuiltinTokenizer(Tokenizer):
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """ChatML text of ``messages``."""
-        if not tools and not chat_template_kwargs and \
+        if not tools and not chat_template_kwargs and not continue_final_message and \
                 self.chat_template.source is CHATML_TEMPLATE:
             text = chatml_plain(messages, add_generation_prompt)
             if text is not None:
                 return text
         return self.chat_template.render(messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
-                                         chat_template_kwargs=chat_template_kwargs)
+                                         chat_template_kwargs=chat_template_kwargs,
+                                         continue_final_message=continue_final_message)

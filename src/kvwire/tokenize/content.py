@@ -19,7 +19,9 @@ tests/test_tokenize_content.py compares the two on every template at hand where 
 installed. :func:`as_engine_messages` applies it, with the rest of what vLLM's chat parser
 does to a conversation before the template sees it (tool-call arguments parsed, null
 content, the keys it keeps); :func:`as_engine_tools` gives the tools as vLLM re-serialises
-them. Anything with a part that is not text (an image) is left as it is.
+them; :func:`engine_template_kwargs` the variables vLLM adds to the request's
+``chat_template_kwargs`` (``reasoning_effort`` and ``enable_thinking`` among them). Anything
+with a part that is not text (an image) is left as it is.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import jinja2.nodes
 from kvwire.tokenize.base import TokenizerError
 from kvwire.tokenize.template import compile_template
 
-__all__ = ["TEXT_PARTS", "as_engine_messages", "as_engine_tools", "content_format"]
+__all__ = ["TEXT_PARTS", "as_engine_messages", "as_engine_tools", "content_format",
+           "engine_template_kwargs"]
 
 ContentFormat = Literal["string", "openai"]
 #: What vLLM reads as a text part's text, by part type.
@@ -271,3 +274,28 @@ def as_engine_tools(tools: Any) -> Any:
             tool["defer_loading"] = t["defer_loading"]
         out.append(tool)
     return out
+
+
+#: Request values vLLM does not pass on over the request's own ``chat_template_kwargs``.
+_UNSET = (None, "auto")
+
+
+def engine_template_kwargs(chat_template_kwargs: dict[str, Any] | None = None, *,
+                           add_generation_prompt: bool = True,
+                           continue_final_message: bool = False,
+                           reasoning_effort: str | None = None,
+                           documents: Any = None) -> dict[str, Any]:
+    """The template variables vLLM 0.33 renders a chat request with: the request's
+    ``chat_template_kwargs``, overridden by its ``add_generation_prompt``,
+    ``continue_final_message``, ``documents`` and ``reasoning_effort`` fields where set,
+    plus ``enable_thinking = reasoning_effort != "none"`` when an effort is asked for and
+    the kwargs do not set it (Qwen3's template reads it: without it a router renders
+    another generation prompt than the engine). The server's own defaults
+    (``--default-chat-template-kwargs``, an effort map) are not known to a router."""
+    user = chat_template_kwargs if isinstance(chat_template_kwargs, dict) else {}
+    extra: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                             "continue_final_message": continue_final_message,
+                             "documents": documents, "reasoning_effort": reasoning_effort}
+    if reasoning_effort is not None and "enable_thinking" not in user:
+        extra["enable_thinking"] = reasoning_effort != "none"
+    return {**user, **{k: v for k, v in extra.items() if v not in _UNSET}}

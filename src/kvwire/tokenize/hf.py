@@ -226,8 +226,10 @@ class HFTokenizer(Tokenizer):
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text, as ``apply_chat_template(..., tokenize=False)`` gives it."""
         return self.chat_template(tools).render(messages, tools=tools,
                                                 add_generation_prompt=add_generation_prompt,
-                                                chat_template_kwargs=chat_template_kwargs)
+                                                chat_template_kwargs=chat_template_kwargs,
+                                                continue_final_message=continue_final_message)

@@ -90,9 +90,11 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text; a template's ``raise_exception`` or a runtime error ->
-        TokenizerError naming the template."""
+        TokenizerError naming the template. ``continue_final_message``: the text ends
+        where the last message's content does (no end of turn), as transformers cuts it."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise TokenizerError(f"messages must be a list of dicts, got {type(messages).__name__}"
                                  + ("" if not isinstance(messages, list) else " with a non-dict item"))
@@ -105,13 +107,59 @@ class ChatTemplate:
         # The same order of precedence as transformers: the tokenizer's special tokens, then
         # the caller's kwargs, with messages/tools/add_generation_prompt fixed.
         ctx = {**self.variables, **(chat_template_kwargs or {})}
+        final = None
+        if continue_final_message:
+            messages, final = self._tagged(messages)
         ctx.update(messages=messages, tools=tools, documents=ctx.get("documents"),
                    add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(ctx)
+            text = self._template.render(ctx)
+            return text if final is None else self._cut(text, final)
         except TokenizerError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError,
                 IndexError) as e:  # raise_exception, the sandbox, or a message it can't take
             raise TokenizerError(f"{self.origin}: chat template failed: "
                                  f"{type(e).__name__}: {e}") from None
+
+    def _tagged(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+        """``messages`` with a tag after the last message's text (its last text part):
+        where the render is cut. transformers' way, so the cut lands where it lands."""
+        last = messages[-1] if messages else {}
+        content = last.get("content")
+        if content is None:
+            raise TokenizerError("continue_final_message: the final message has no content "
+                                 "to continue")
+        if "content" not in self.source:
+            raise TokenizerError(f"{self.origin}: continue_final_message needs a template "
+                                 "that renders message content")
+        last = dict(last)
+        if isinstance(content, (list, tuple)):
+            parts = [dict(p) if isinstance(p, dict) else p for p in content]
+            for p in reversed(parts):
+                if isinstance(p, dict) and "text" in p:
+                    final = p["text"]
+                    p["text"] = f"{final}{_CONTINUE_TAG}"
+                    break
+            else:
+                raise TokenizerError("continue_final_message: the final message has no text "
+                                     "to continue")
+            last["content"] = parts
+        else:
+            final = content
+            last["content"] = f"{content}{_CONTINUE_TAG}"
+        return [*messages[:-1], last], str(final)
+
+    def _cut(self, text: str, final: str) -> str:
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise TokenizerError(f"{self.origin}: continue_final_message: the final message "
+                                 "does not appear in the rendered chat")
+        at = text.rindex(tag)
+        if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+            return text[:at]
+        return text[:at].rstrip()  # the template trimmed the content's trailing space
+
+
+#: Marks where a continued final message ends (transformers uses the same tag).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
