@@ -119,6 +119,32 @@ def test_a_cancelled_caller_does_not_leave_the_work_running() -> None:
     assert _run(main)
 
 
+def test_the_program_ends_although_the_abandoned_work_swallows_the_exit_cancel() -> None:
+    """``asyncio.run`` cancels every task once at its end, then waits for them all: work
+    abandoned just before that swallows the one cancel must still be ended (cancelled
+    again), or the program never exits. A child process, so a hang is a failed test."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio\n"
+        "from test_nats_connect import _stubborn\n"
+        "from kvwire.nats.connect import bounded\n"
+        "async def main():\n"
+        "    try:\n"
+        "        await bounded(_stubborn(swallow=3), 0.05)\n"
+        "    except asyncio.TimeoutError:\n"
+        "        pass\n"
+        "asyncio.run(main())\n"
+        "print('ended')\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=20, cwd=str(__import__("pathlib").Path(__file__).parent))
+    except subprocess.TimeoutExpired:
+        pytest.fail("asyncio.run did not end: it waited on the abandoned work")
+    assert out.returncode == 0 and out.stdout.strip() == "ended", out.stderr
+
+
 def test_connect_to_a_refused_port_gives_up_on_time(refused_url: str) -> None:
     """The real path: nats-py against a port nobody listens on."""
     async def main() -> float:

@@ -105,7 +105,7 @@ async def connect(servers: str | Sequence[str], *, timeout: float, warn: bool = 
     return nc
 
 
-#: Abandoned connects still being cancelled (a reference keeps each reaper alive).
+#: Late results being handed over (a reference keeps each task alive).
 _REAPERS: set[asyncio.Task[None]] = set()
 
 
@@ -118,9 +118,12 @@ async def bounded(aw: Awaitable[T], timeout: float, *,
     Python 3.11 ``wait_for`` can lose a cancellation that lands as an inner ``wait_for``
     completes, and nats-py's first connect treats what follows as one more failed try and
     retries for ever: a caller that awaits the cancelled task then hangs (seen once in CI).
-    So on time-out (or when the caller is cancelled) the task is left to a reaper that
-    cancels it again every 50 ms for up to ``reap_for`` seconds, and ``late`` is handed
-    anything it still returns (a connection made after all: close it)."""
+    So on time-out (or when the caller is cancelled) the task is cancelled again every
+    50 ms for up to ``reap_for`` seconds, and ``late`` is handed anything it still returns
+    (a connection made after all: close it). The re-cancelling runs from loop callbacks,
+    not a task: ``asyncio.run`` cancels every task once at its end and then waits for
+    them, so a task-based reaper died there and a connect that swallowed that one cancel
+    held the program's exit for ever."""
     task = asyncio.ensure_future(aw)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
@@ -135,24 +138,34 @@ async def bounded(aw: Awaitable[T], timeout: float, *,
 
 def _abandon(task: asyncio.Future[T], late: Callable[[T], Awaitable[object]] | None,
              reap_for: float) -> None:
-    async def reap() -> None:
-        deadline = asyncio.get_running_loop().time() + reap_for
-        while not task.done():
-            if asyncio.get_running_loop().time() > deadline:
-                log.warning("an abandoned NATS connect ignored cancellation for %gs; "
-                            "left running", reap_for)
-                return
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.05)
-        if late is not None and not task.cancelled() and task.exception() is None:
-            with contextlib.suppress(Exception):
-                await late(task.result())
-        elif not task.cancelled():
-            task.exception()  # retrieved: no "exception was never retrieved" noise
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + reap_for
 
-    reaper = asyncio.ensure_future(reap())
-    _REAPERS.add(reaper)
-    reaper.add_done_callback(_REAPERS.discard)
+    def poke() -> None:
+        if task.done():
+            return
+        if loop.time() > deadline:
+            log.warning("an abandoned NATS connect ignored cancellation for %gs; left running",
+                        reap_for)
+            return
+        task.cancel()
+        loop.call_later(0.05, poke)
+
+    def ended(t: asyncio.Future[T]) -> None:
+        if t.cancelled():
+            return
+        if t.exception() is None and late is not None:  # (retrieved either way: no noise)
+            handover = asyncio.ensure_future(_hand_over(late, t.result()))
+            _REAPERS.add(handover)
+            handover.add_done_callback(_REAPERS.discard)
+
+    task.add_done_callback(ended)
+    poke()
+
+
+async def _hand_over(late: Callable[[T], Awaitable[object]], result: T) -> None:
+    with contextlib.suppress(Exception):
+        await late(result)
 
 
 async def _close_late(nc: Any) -> None:
