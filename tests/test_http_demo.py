@@ -26,12 +26,30 @@ from kvwire.sim.http_replay import (
     request_token_ids,
     summarize,
 )
-from kvwire.sim.trace import Request, bundled_trace_path, load_trace
+from kvwire.sim.trace import MOONCAKE_BLOCK_TOKENS, Request, bundled_trace_path, load_trace
 
 # Trace requests 3693.. share prefixes within a few dozen requests (the first ones barely do).
 # 4 engines, not 2: with 2, round robin sends a conversation's next turn to the engine holding
 # its prefix half the time, and once reached 0.166 against kvwire's 0.187 (a flake).
-SLICE = ["--start", "3693", "--limit", "60", "--engines", "4", "--speed", "10"]
+START, LIMIT = 3693, 60
+SLICE = ["--start", str(START), "--limit", str(LIMIT), "--engines", "4", "--speed", "10"]
+
+
+def _cache_limit(start: int, limit: int) -> float:
+    """The cached-token ratio of trace requests ``start..start+limit`` with one unbounded
+    cache: each prompt's leading blocks that an earlier prompt of the slice had."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in load_trace(bundled_trace_path())[start:start + limit]:
+        n = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            n += 1
+        hit += min(n * MOONCAKE_BLOCK_TOKENS, r.input_length)
+        total += r.input_length
+        seen.update(r.hash_ids)
+    return hit / total
 
 
 def _row(out: str, policy: str) -> list[str]:
@@ -51,10 +69,13 @@ def test_demo_replays_over_http_and_kvwire_gets_more_cached_tokens(tmp_path) -> 
     assert "policy        ttft_p50  ttft_p99  trace p50  trace p99  cached  max/mean    ok" \
         in r.stdout, r.stdout
     kv, rr = _row(r.stdout, "kvwire"), _row(r.stdout, "round_robin")
-    assert kv[-2:] == ["60", "0"] and rr[-2:] == ["60", "0"], r.stdout  # ok, failed
-    # The engines' cached-token ratios: 0.187 against round robin's 0.048-0.054 here (4
-    # engines); two round-robin proxies differ by up to 1.4x (arrival order): a wide margin.
-    assert float(kv[4]) >= 1.8 * float(rr[4]), r.stdout
+    assert kv[-2:] == [str(LIMIT), "0"] and rr[-2:] == [str(LIMIT), "0"], r.stdout  # ok, failed
+    # The engines' cached-token ratios against what an unbounded cache could give this
+    # slice: kvwire reaches it (0.187), round robin's depends on arrival order (0.048-0.106
+    # seen; 0.106 on a busy box), so it is held to "well below", not to a ratio of kvwire's.
+    limit = _cache_limit(START, LIMIT)
+    assert float(kv[4]) >= 0.95 * limit, (limit, r.stdout)
+    assert float(rr[4]) <= 0.8 * limit, (limit, r.stdout)
     assert f"report written to {png.resolve()}" in r.stdout
     assert png.stat().st_size > 10_000
 
