@@ -914,6 +914,76 @@ def engine_procs() -> Iterator[Callable[..., list[EngineProc]]]:
         e.stop()
 
 
+_TEMPLATE = ("{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+             "{% if add_generation_prompt %}### assistant:{% endif %}")
+
+
+def test_chat_template_flags_reach_the_engine_and_the_proxy(
+        tmp_path: Path, engine_procs: Callable[..., list[EngineProc]]) -> None:
+    """Real processes: ``kvwire engine --chat-template F`` renders with F (its /tokenize),
+    and ``kvwire serve --tokenizer builtin --chat-template F`` routes a repeated chat with
+    that engine's prefix (the prefix hit ratio it records); without the flag the proxy's
+    ids are another template's, and it finds nothing."""
+    tpl = tmp_path / "given.jinja"
+    tpl.write_text(_TEMPLATE, encoding="utf-8")
+    [e] = engine_procs(1, "--chat-template", str(tpl))
+    given = load_tokenizer(None, chat_template=str(tpl))
+    chats = [{"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": f"rules of house {n} " * 300},
+        {"role": "user", "content": "hi"}]} for n in (1, 2)]
+    want = given.encode_engine_chat(chats[0]["messages"])
+    assert want != load_tokenizer(None).encode_engine_chat(chats[0]["messages"])
+    r = httpx.post(e.url + "/tokenize", json={"model": "m", "messages": chats[0]["messages"]},
+                   timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    # a chat the engine has not seen for each proxy (it joins live: no earlier blocks)
+    assert _repeat_hit_ratio(e, chats[0], len(want)) == 0.0
+    size = len(given.encode_engine_chat(chats[1]["messages"]))
+    assert _repeat_hit_ratio(e, chats[1], size, "--chat-template", str(tpl)) > 0.9
+
+
+def _repeat_hit_ratio(e: EngineProc, chat: dict[str, Any], size: int, *flags: str) -> float:
+    """A real ``kvwire serve --tokenizer builtin *flags`` in front of ``e``: ``chat`` (new
+    to the engine) sent twice, the second time once the index holds the blocks the
+    engine stored for it (``size`` tokens' worth, whatever ids the proxy made); the sum
+    of the prefix hit ratios the proxy recorded."""
+    from engine_helpers import free_ports
+
+    [port] = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(ROOT / ".venv/bin/kvwire"), "serve", "--port", str(port), "--engine",
+         f"e0={e.events},url={e.url}", "--tokenizer", "builtin", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def up() -> bool:
+        assert proc.poll() is None, "kvwire serve exited"
+        try:
+            return httpx.get(url + "/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def indexed() -> bool:  # the index holds at least as many blocks as the chat has
+        row = httpx.get(url + "/engines", timeout=TIMEOUT).json()["e0"]["ranks"][0]
+        return bool(row["block_size"]) and sum(row["blocks"].values()) >= size // row[
+            "block_size"]
+
+    try:
+        wait_for(up, "kvwire serve up")
+        assert httpx.post(url + "/v1/chat/completions", json=chat,
+                          timeout=TIMEOUT).status_code == 200
+        wait_for(indexed, "the engine's blocks in the index")
+        assert httpx.post(url + "/v1/chat/completions", json=chat,
+                          timeout=TIMEOUT).status_code == 200
+        m = re.search(r"^kvwire_router_prefix_hit_ratio_sum(?:\{[^}]*\})? (\S+)$",
+                      httpx.get(url + "/metrics", timeout=TIMEOUT).text, re.M)
+        assert m, "no prefix hit ratio in /metrics"
+        return float(m.group(1))
+    finally:
+        proc.terminate()
+        proc.wait(TIMEOUT)
+
+
 class _Proc:
     """Stands in for EngineThread in a Stack: a process's URL and event endpoint."""
 

@@ -245,6 +245,56 @@ def test_continue_final_message_equals_transformers(template: str, transformers:
                         add_generation_prompt=False, continue_final_message=True)
 
 
+@pytest.mark.parametrize("template", ["deepseek_v3", "mistral_v7"])
+def test_a_given_chat_template_renders_as_transformers_given_it(
+        template: str, transformers: Any, tokenizer_json: Path, tmp_path: Path) -> None:
+    """``--chat-template`` (vLLM's): Qwen3's directory rendered with another model's
+    template, given as a file and inline, equals transformers' ``apply_chat_template(
+    chat_template=...)`` with the directory's special tokens."""
+    d = _model_dir(tmp_path, tokenizer_json, "qwen3")
+    jinja = DATA / template / "chat_template.jinja"
+    src = jinja.read_text(encoding="utf-8") if jinja.is_file() else json.loads(
+        (DATA / template / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+    f = tmp_path / "given.jinja"
+    f.write_text(src, encoding="utf-8")
+    ref = transformers.AutoTokenizer.from_pretrained(str(d))
+    for tok in (load_tokenizer(d, chat_template=str(f)), load_tokenizer(d, chat_template=src)):
+        assert tok.chat_template().source == src
+        rendered = 0
+        for name, messages, tools, agp, kwargs in CORPUS:
+            try:
+                want = ref.apply_chat_template(messages, tools=tools, add_generation_prompt=agp,
+                                               tokenize=False, chat_template=src,
+                                               **(kwargs or {}))
+            except Exception:  # noqa: BLE001 - the template cannot render it: skip
+                continue
+            assert tok.render_chat(messages, tools=tools, add_generation_prompt=agp,
+                                   chat_template_kwargs=kwargs) == want, (template, name)
+            rendered += 1
+        assert rendered >= 6, template
+
+
+def test_chat_template_options_and_their_errors(tmp_path: Path) -> None:
+    """A path that cannot be read, a template that does not compile, an unknown content
+    format: each a TokenizerError naming it. The content format given wins over the
+    template's own (vLLM's --chat-template-content-format)."""
+    with pytest.raises(TokenizerError, match="nope.jinja. looks like a file path"):
+        load_tokenizer(None, chat_template=str(tmp_path / "nope.jinja"))
+    with pytest.raises(TokenizerError, match="inline chat template.*does not compile"):
+        load_tokenizer(None, chat_template="{{ broken")
+    with pytest.raises(TokenizerError, match="content format 'markdown'"):
+        load_tokenizer(None, content_format="markdown")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]}]
+    assert load_tokenizer(None).content_format() == "openai"
+    joined = load_tokenizer(None, content_format="string")
+    assert joined.content_format() == "string"
+    assert joined.engine_messages(parts) == [{"role": "user", "content": "a\nb"}]
+    plain = load_tokenizer(None, chat_template="{% for m in messages %}[{{ m.role }}] "
+                                               "{{ m.content }}\n{% endfor %}")
+    assert plain.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+
+
 def test_turn_cache_equals_whole_text_encode(tokenizer_json: Path, tiny_json: Path,
                                              tmp_path: Path) -> None:
     """encode() caches the pieces between added tokens; ids must equal one tokenizers

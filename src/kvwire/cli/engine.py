@@ -13,7 +13,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_log_level, configure_logging, port
+from .options import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_chat_template,
+    add_log_level,
+    configure_logging,
+    port,
+)
 
 __all__ = ["add_arguments", "main", "options_from_args", "register", "run"]
 
@@ -65,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="served model name (default kvwire-engine)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a Hugging Face model directory with tokenizer.json (default: built-in)")
+    add_chat_template(p, "the engine")
     p.add_argument("--lora", action="append", default=[], metavar="NAME",
                    help="a LoRA adapter name to serve (repeat); its blocks hash apart")
     p.add_argument("--dp-size", type=_pos_int, default=1, metavar="N",
@@ -153,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         opts = options_from_args(args)
         from ..tokenize import load_tokenizer
 
-        tok = load_tokenizer(args.tokenizer)
+        tok = load_tokenizer(args.tokenizer, chat_template=args.chat_template,
+                             content_format=args.chat_template_content_format)
         from ..engine.app import EngineApp
 
         app = EngineApp(opts, tok)

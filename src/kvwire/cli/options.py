@@ -72,6 +72,19 @@ def add_connect_timeout(p: argparse.ArgumentParser, what: str) -> None:
                         "a connection lost later is retried)")
 
 
+def add_chat_template(p: argparse.ArgumentParser, who: str) -> None:
+    """vLLM's ``--chat-template`` and ``--chat-template-content-format``, for ``who``."""
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help=f"{who} renders chats with this template instead of the model's: a "
+                        "file, or the template itself (vLLM's --chat-template; give the "
+                        "router what the engines were given)")
+    p.add_argument("--chat-template-content-format", default="auto",
+                   choices=("auto", "string", "openai"),
+                   help="how message content reaches the template: auto (decided from the "
+                        "template, vLLM's default), string (text parts joined) or openai "
+                        "(a list of parts)")
+
+
 def configure_logging(args: argparse.Namespace, *, stamped: bool = False) -> str:
     """Set up logging from ``--log-level`` (or ``-v``), replacing any earlier set-up; the
     level's name. ``stamped``: lines start with the time (long-running services)."""

@@ -19,6 +19,7 @@ from .options import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    add_chat_template,
     add_connect_timeout,
     add_log_level,
     configure_logging,
@@ -98,6 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the proxy tokenizes: a model directory with tokenizer.json, "
                         "'engine' (an engine's /tokenize) or 'builtin' (kvwire engine's "
                         "default); none: routed by load only")
+    add_chat_template(p, "the proxy (with --tokenizer DIR|builtin)")
     p.add_argument("--retries", type=_count, default=2,
                    help="proxy: other engines tried after a failure before the first byte")
     p.add_argument("--cooloff", type=_positive(float), default=5.0,
@@ -231,11 +233,16 @@ def run(args: argparse.Namespace) -> int:
         )
         proxy = None
         if any(e.url for e in engines):
-            proxy = Proxy(core, _tokenizer(args.tokenizer),
+            proxy = Proxy(core, _tokenizer(args),
                           tokenize_with_engine=args.tokenizer == "engine",
                           config=proxy_config(args))
         elif args.tokenizer is not None:
             raise ValueError("--tokenizer needs an --engine with url=")
+        if args.tokenizer in (None, "engine") and (
+                args.chat_template is not None or args.chat_template_content_format != "auto"):
+            raise ValueError("--chat-template and --chat-template-content-format apply to "
+                             "--tokenizer DIR or builtin (with --tokenizer engine the "
+                             "engine renders: give them to the engine)")
     except (ValueError, ImportError) as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -310,14 +317,17 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                        stall_timeout=args.stall_timeout, response_ids=args.response_ids)
 
 
-def _tokenizer(spec: str | None):
+def _tokenizer(args: argparse.Namespace):
     """``--tokenizer``: None (load only), 'engine' (asked per request), 'builtin', or a
-    model directory (loaded now: a bad one is exit 2)."""
+    model directory (loaded now: a bad one is exit 2), with ``--chat-template``."""
+    spec = args.tokenizer
     if spec is None or spec == "engine":
         return None
     from ..tokenize import load_tokenizer
 
-    return load_tokenizer(None if spec == "builtin" else spec)
+    return load_tokenizer(None if spec == "builtin" else spec,
+                          chat_template=args.chat_template,
+                          content_format=args.chat_template_content_format)
 
 
 def _bind(host: str, port: int) -> socket.socket:

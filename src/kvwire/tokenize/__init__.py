@@ -10,15 +10,36 @@ from pathlib import Path
 from kvwire.tokenize.base import Tokenizer, TokenizerError
 from kvwire.tokenize.builtin import BuiltinTokenizer
 from kvwire.tokenize.hf import HFTokenizer
-from kvwire.tokenize.template import ChatTemplate
+from kvwire.tokenize.template import ChatTemplate, load_template_arg
 
-__all__ = ["BuiltinTokenizer", "ChatTemplate", "HFTokenizer", "Tokenizer", "TokenizerError",
-           "load_tokenizer"]
+__all__ = ["CONTENT_FORMATS", "BuiltinTokenizer", "ChatTemplate", "HFTokenizer", "Tokenizer",
+           "TokenizerError", "load_tokenizer"]
 
 
-def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
+#: ``--chat-template-content-format`` values (vLLM's).
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None, *, chat_template: str | None = None,
+                   content_format: str = "auto") -> Tokenizer:
     """``None`` -> the built-in tokenizer; a model directory holding ``tokenizer.json`` ->
-    HFTokenizer. Anything else -> TokenizerError naming the path and what is missing."""
+    HFTokenizer. Anything else -> TokenizerError naming the path and what is missing.
+
+    ``chat_template`` and ``content_format`` are an engine's ``--chat-template`` (a file, or
+    a template given inline: vLLM's rule, ``load_template_arg``) and
+    ``--chat-template-content-format``: given the same, the router renders what that
+    engine renders."""
+    if content_format not in CONTENT_FORMATS:
+        raise TokenizerError(f"chat template content format {content_format!r} is not one of "
+                             f"{', '.join(CONTENT_FORMATS)}")
+    tok = _load(path)
+    if chat_template is not None:
+        tok.use_chat_template(*load_template_arg(chat_template))
+    tok.content_format_option = content_format
+    return tok
+
+
+def _load(path: str | os.PathLike[str] | None) -> Tokenizer:
     if path is None:
         return BuiltinTokenizer()
     if not isinstance(path, (str, os.PathLike)):

@@ -23,6 +23,15 @@ class Tokenizer(ABC):
     eos_token_id: int | None
     bos_token_id: int | None
     vocab_size: int
+    #: ``"auto"`` (decide from the template, as vLLM's default), ``"string"`` or
+    #: ``"openai"``: an engine's ``--chat-template-content-format``, matched here.
+    content_format_option: str = "auto"
+
+    def use_chat_template(self, source: str, origin: str = "<chat template>") -> None:
+        """Render every chat with ``source`` from now on, whatever the model directory
+        holds: what an engine started with ``--chat-template`` renders. A template that does
+        not compile -> TokenizerError naming ``origin``."""
+        raise TokenizerError(f"{type(self).__name__} cannot take another chat template")
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -92,6 +101,8 @@ class Tokenizer(ABC):
         chat template (for a chat with/without ``tools``); tokenize/content.py."""
         from kvwire.tokenize.content import content_format
 
+        if self.content_format_option in ("string", "openai"):
+            return self.content_format_option
         ct = getattr(self, "chat_template", None)
         try:
             ct = ct(tools) if callable(ct) else ct

@@ -111,6 +111,11 @@ class BuiltinTokenizer(Tokenizer):
         self._piece_cache: dict[str, tuple[int, ...]] = {}
         self._segments: dict[str, tuple[int, ...]] = {}
 
+    def use_chat_template(self, source: str, origin: str = "<chat template>") -> None:
+        """Render with ``source`` instead of the built-in ChatML template."""
+        self.chat_template = ChatTemplate(source, origin=origin,
+                                          variables=self.chat_template.variables)
+
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         ids = self._piece_cache.get(piece)
         if ids is None:

@@ -128,6 +128,12 @@ class HFTokenizer(Tokenizer):
         self._segments: dict[str, list[int]] = {}
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
+        self._override: ChatTemplate | None = None
+
+    def use_chat_template(self, source: str, origin: str = "<chat template>") -> None:
+        """Render with ``source`` (an engine's ``--chat-template``) instead of the
+        directory's templates, given the same special-token variables."""
+        self._override = ChatTemplate(source, origin=origin, variables=self.special_tokens)
 
     def _added_token_splitter(self) -> re.Pattern[str] | None:
         """A regex finding the added tokens where ``tokenizers`` finds them (leftmost, longest
@@ -190,7 +196,10 @@ class HFTokenizer(Tokenizer):
         return sorted(self._templates)
 
     def chat_template(self, tools: list[dict[str, Any]] | None = None) -> ChatTemplate:
-        """The template transformers would pick for a chat with/without ``tools``."""
+        """The template transformers would pick for a chat with/without ``tools`` (the one
+        given to :meth:`use_chat_template`, if any, as vLLM's ``--chat-template`` wins)."""
+        if self._override is not None:
+            return self._override
         if not self._templates:
             raise TokenizerError(f"{self.directory}: no chat template (neither "
                                  "chat_template.jinja nor tokenizer_config.json's chat_template)")

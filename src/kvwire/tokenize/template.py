@@ -163,3 +163,24 @@ class ChatTemplate:
 
 #: Marks where a continued final message ends (transformers uses the same tag).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+#: Characters that make a ``--chat-template`` value a template rather than a path (vLLM's rule).
+_JINJA_CHARS = "{}\n"
+
+
+def load_template_arg(value: str) -> tuple[str, str]:
+    """A ``--chat-template`` value as vLLM reads its own: the text of the file it names, or
+    the value itself when it is no file and holds ``{``, ``}`` or a newline (a template
+    given inline). ``(source, origin)``; a value that looks like a path but cannot be read
+    -> TokenizerError naming it and why."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read(), value
+    except OSError as e:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise TokenizerError(f"chat template {value!r} looks like a file path, but it "
+                                 f"cannot be opened: {e.strerror or e}") from None
+        return value, "<inline chat template>"
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"chat template {value!r} is not UTF-8 text: {e}") from None
