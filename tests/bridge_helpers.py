@@ -151,7 +151,11 @@ def wait_subject_seq(url: str, subject: str, seq: int, timeout: float,
         for p in procs:
             assert p.poll() is None, f"bridge exited {p.returncode}: {p.log()}"
         time.sleep(0.1)  # polling an outside process's progress
-    raise AssertionError(f"{subject}: last seq {got}, wanted {seq} within {timeout}s")
+    logs = "".join(f"\n--- bridge log (end) ---\n{p.log()}" for p in procs
+                   if hasattr(p, "log"))
+    raise AssertionError(f"{subject}: last (epoch, seq) {got}, wanted seq {seq}"
+                         f"{'' if epoch is None else f' in epoch {epoch}'} within {timeout}s"
+                         f"{logs}")
 
 
 class BridgeProc:
