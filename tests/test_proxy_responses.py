@@ -377,7 +377,7 @@ _RESPONSES = [
                {"role": "assistant", "content": "plain"},
                {"role": "user", "content": "more"}],
      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"},
-                "strict": True},
+                "strict": True, "defer_loading": True},
                {"type": "function", "name": "g", "description": "G", "parameters": None}],
      "reasoning": {"effort": "low"}},
     # only a summary; then two output messages in a row; then a call with no turn before

@@ -231,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
             decode_share=args.decode_share,
             stream_config=StreamConfig(dead_after=args.dead_after),
         )
+        if args.tokenizer in (None, "engine") and (
+                args.chat_template is not None or args.chat_template_content_format != "auto"):
+            raise ValueError("--chat-template and --chat-template-content-format apply to "
+                             "--tokenizer DIR or builtin (with --tokenizer engine the "
+                             "engine renders: give them to the engine)")
         proxy = None
         if any(e.url for e in engines):
             proxy = Proxy(core, _tokenizer(args),
@@ -238,11 +243,6 @@ def run(args: argparse.Namespace) -> int:
                           config=proxy_config(args))
         elif args.tokenizer is not None:
             raise ValueError("--tokenizer needs an --engine with url=")
-        if args.tokenizer in (None, "engine") and (
-                args.chat_template is not None or args.chat_template_content_format != "auto"):
-            raise ValueError("--chat-template and --chat-template-content-format apply to "
-                             "--tokenizer DIR or builtin (with --tokenizer engine the "
-                             "engine renders: give them to the engine)")
     except (ValueError, ImportError) as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -27,7 +27,7 @@ import re
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
-from ..tokenize.content import TEXT_PARTS
+from ..tokenize.content import TEXT_PARTS, as_engine_tools
 
 __all__ = ["PREFIX", "RESPONSE_ID", "SCAN_LIMIT", "ResponseChat", "ResponseOwners", "addressed",
            "chat_request"]
@@ -250,12 +250,8 @@ def _function_tools(tools: Any) -> list[dict[str, Any]] | None:
         for f in fns:
             if not isinstance(f.get("name"), str):
                 return None
-            fn = {"name": f["name"], "description": f.get("description"),
-                  "parameters": f.get("parameters")}
-            if f.get("strict") is not None:
-                fn["strict"] = f["strict"]
-            out.append({"type": "function", "function": fn})
-    return out
+            out.append({"type": "function", "function": f})
+    return as_engine_tools(out)  # re-serialised as vLLM's request model does, like chat's
 
 
 def chat_request(instructions: Any, input_: Any, tools: Any = None,
