@@ -40,13 +40,25 @@ def port(text: str) -> int:
 
 def positive_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    v = _number(text)
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (0: none, at once)."""
+    v = _number(text)
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
 def engine(text: str):

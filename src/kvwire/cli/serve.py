@@ -25,6 +25,7 @@ from .options import (
     configure_logging,
     engine,
     port,
+    seconds,
 )
 
 if TYPE_CHECKING:
@@ -116,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=_positive(float), default=300.0,
                    help="proxy: seconds a started stream may stay silent before it is ended "
                         "with an error event")
+    p.add_argument("--shutdown-timeout", metavar="S", type=seconds, default=30.0,
+                   help="on SIGTERM/SIGINT stop accepting and let the requests in flight "
+                        "(streams too) finish for up to S seconds; a second signal stops at "
+                        "once (default 30; 0: stop at once)")
     p.add_argument("--nats", metavar="URL", default=None, type=_nats_url,
                    help="feed the index from JetStream (kvwire bridge) instead: router "
                         "replicas share one ordered history")
@@ -288,11 +293,12 @@ def run(args: argparse.Namespace) -> int:
         if proxy is not None:  # /v1 on the lean server (router/front.py), the rest bridged
             from ..router.front import Server
 
-            Server(app, proxy).run(sockets=[sock])
+            Server(app, proxy, drain_timeout=args.shutdown_timeout).run(sockets=[sock])
         else:
             config = uvicorn.Config(app, log_level=level,
                                     access_log=False, lifespan="off",
-                                    proxy_headers=False)  # no X-Forwarded-* rewriting
+                                    proxy_headers=False,  # no X-Forwarded-* rewriting
+                                    timeout_graceful_shutdown=args.shutdown_timeout)
             uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()

@@ -74,7 +74,9 @@ class Request:
         return self.proto.transport is None
 
     def _conn_header(self) -> bytes:
-        return b"" if self.keep_alive else b"connection: close\r\n"
+        if self.keep_alive and not self.proto.server.draining:
+            return b""
+        return b"connection: close\r\n"
 
     def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = (),
                 ctype: bytes | None = _JSON) -> None:
@@ -255,19 +257,31 @@ class HttpProtocol(asyncio.Protocol):
                                      b'"InternalServerError","param":null,"code":500}}')
 
     def _finished(self, req: Request) -> None:
+        if self.server.draining:
+            req.keep_alive = False  # the connection closes after this answer
         self.order.finished(req, self.transport)
 
 
 class Server:
-    """The proxy (hot paths) and an ASGI app (the rest) on one listening socket."""
+    """The proxy (hot paths) and an ASGI app (the rest) on one listening socket.
 
-    def __init__(self, app: Any, proxy: Any = None) -> None:
+    ``drain_timeout`` > 0: the first SIGINT/SIGTERM drains instead of stopping: the socket
+    stops accepting, idle connections close, and the requests in flight (streams included)
+    run to their end for up to ``drain_timeout`` seconds, each connection closing after
+    its answer; what is left then is cut (its engine request aborted, its load released).
+    A second signal, or ``should_exit``, stops at once. A rolling restart behind a load
+    balancer then loses no answer that was already being streamed."""
+
+    def __init__(self, app: Any, proxy: Any = None, drain_timeout: float = 0.0) -> None:
         self.app = app
         self.proxy = proxy
+        self.drain_timeout = float(drain_timeout)
         self.should_exit = False
+        self.draining = False
         self.started = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._conns: set[HttpProtocol] = set()
+        self._drain_until: float | None = None
 
     def run(self, sockets: list[socket.socket]) -> None:
         """Serve until ``should_exit`` (or SIGINT/SIGTERM in the main thread); uvloop if
@@ -290,6 +304,8 @@ class Server:
         self.started = True
         try:
             while not self.should_exit:
+                if self.draining and self._drained(servers):
+                    break
                 await asyncio.sleep(0.1)
         finally:
             for s in servers:
@@ -302,7 +318,35 @@ class Server:
             await asyncio.sleep(0)
 
     def _exit(self) -> None:
-        self.should_exit = True
+        if self.draining or self.drain_timeout <= 0:
+            self.should_exit = True
+        else:
+            self.draining = True
+
+    def _busy(self) -> int:
+        return sum(1 for c in self._conns if c.order.current is not None)
+
+    def _drained(self, servers: list[asyncio.AbstractServer]) -> bool:
+        """One look while draining: True once nothing is in flight or the time is up."""
+        now = time.monotonic()
+        if self._drain_until is None:  # the drain begins
+            self._drain_until = now + self.drain_timeout
+            for s in servers:
+                s.close()  # new connections are refused: a load balancer goes elsewhere
+            for c in list(self._conns):
+                if c.order.current is None and c.transport is not None:
+                    c.transport.close()
+            log.warning("draining: %d request(s) in flight, waiting up to %g s for them "
+                        "(signal again to stop now)", self._busy(), self.drain_timeout)
+        busy = self._busy()
+        if busy == 0:
+            log.warning("drained: every request in flight has ended")
+            return True
+        if now >= self._drain_until:
+            log.warning("drain time-out: %d request(s) still in flight after %g s are cut",
+                        busy, self.drain_timeout)
+            return True
+        return False
 
     # ------------------------------------------------------------------ ASGI bridge
 
