@@ -244,6 +244,38 @@ def test_streaming_is_chunked(make_stack: Callable[..., Stack]) -> None:
     wait_for(lambda: s.loads() == {}, "load released")
 
 
+def test_requests_over_max_in_flight_get_429(make_stack: Callable[..., Stack]) -> None:
+    """Bounded: with ``max_in_flight`` requests being answered, the next is refused at
+    once with OpenAI's 429 and Retry-After (the openai client backs off and retries on
+    it), counted; once one ends, requests are taken again."""
+    s = make_stack(1, max_in_flight=2)
+    body = {"model": "m", "prompt": "hold " * 20, "max_tokens": 300, "ignore_eos": True,
+            "stream": True}  # ~0.6 s of decoding each
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
+            c.stream("POST", "/v1/completions", json=body) as a, \
+            c.stream("POST", "/v1/completions", json=body) as b:
+        its = [a.iter_raw(), b.iter_raw()]  # (kept: a dropped one closes its connection)
+        firsts = [next(it) for it in its]  # both are being answered
+        assert all(f.startswith(b"data: {") for f in firsts)
+        r = c.post("/v1/completions", json=dict(body, stream=False))
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["code"] == 429 and err["type"] == "RateLimitError"
+        assert "--max-in-flight" in err["message"]
+        assert s.proxy.active == 2
+        rest = [b"".join(it) for it in its]
+    assert all(x.endswith(b"data: [DONE]\n\n") for x in rest)
+    wait_for(lambda: s.proxy.active == 0, "the two answers ended")
+    ok = httpx.post(s.url + "/v1/completions", json=dict(body, stream=False, max_tokens=2),
+                    timeout=TIMEOUT)
+    assert ok.status_code == 200
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_requests_total", frozenset({("engine", "none"),
+                                                       ("status", "429")})] == 1
+    assert m["kvwire_proxy_active", frozenset()] == 0
+    assert s.proxy.status()["counts"]["overloaded"] == 1
+
+
 def test_first_token_drops_the_prefill_share(make_stack: Callable[..., Stack]) -> None:
     """Load follows the request: prompt blocks + decode until the first token, decode only
     after it, nothing once it ends."""
@@ -1062,6 +1094,7 @@ def test_no_reservation_outlives_its_request(engine_procs: Callable[..., list[En
         assert s.proxy.counts["client_disconnects"] > 0
         wait_for(lambda: s.loads() == {}, "every engine's load back to 0")
         assert len(s.core.loads) == 0 and s.core.loads.expired == 0
+        wait_for(lambda: s.proxy.active == 0, "no request counted as active")
     finally:
         s.close()
         stub.close()

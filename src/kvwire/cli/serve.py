@@ -117,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=_positive(float), default=300.0,
                    help="proxy: seconds a started stream may stay silent before it is ended "
                         "with an error event")
+    p.add_argument("--max-in-flight", metavar="N", type=_count, default=4096,
+                   help="proxy: requests answered at once; more are refused with 429 and "
+                        "Retry-After, counted (default 4096; 0: no limit)")
     p.add_argument("--shutdown-timeout", metavar="S", type=seconds, default=30.0,
                    help="on SIGTERM/SIGINT stop accepting and let the requests in flight "
                         "(streams too) finish for up to S seconds; a second signal stops at "
@@ -320,7 +323,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(retries=args.retries, cooloff=args.cooloff,
                        probe_interval=args.probe_interval,
                        first_byte_timeout=args.first_byte_timeout,
-                       stall_timeout=args.stall_timeout, response_ids=args.response_ids)
+                       stall_timeout=args.stall_timeout, response_ids=args.response_ids,
+                       max_in_flight=args.max_in_flight)
 
 
 def _tokenizer(args: argparse.Namespace):

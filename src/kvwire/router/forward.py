@@ -95,8 +95,18 @@ def handle(proxy: Proxy, req: Request) -> None:
         _bad(proxy, req, BadRequest(413, f"request body over {proxy.cfg.max_body} bytes",
                                     "body"))
         return
+    cap = proxy.cfg.max_in_flight
+    if cap and proxy.active >= cap:  # refused whole, before any work: the client retries
+        proxy.counts["overloaded"] += 1
+        proxy.requests["none", 429] += 1
+        req.respond(429, openai_error(429, f"kvwire serve has {proxy.active} requests in "
+                                           f"flight, its limit (--max-in-flight); retry later",
+                                      "RateLimitError"), [(b"retry-after", b"1")])
+        return
     loop = req.proto.server.loop  # (asyncio.get_running_loop() costs a getpid() call)
     task = loop.create_task(_serve(proxy, req, PATHS.get(path), loop, rid))
+    proxy.active += 1
+    req.on_done = proxy.ended  # answered, aborted or abandoned: once
 
     def gone() -> None:  # the client left before the answer ended: abandon it
         proxy.counts["client_disconnects"] += 1

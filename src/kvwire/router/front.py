@@ -44,10 +44,11 @@ class Request:
     """One request on a client connection and the ways to answer it: :meth:`respond`
     (whole), or :meth:`start` then :meth:`write` / :meth:`end` (chunked). ``on_close``
     is called if the client goes away before the answer ended; ``on_pause`` /
-    ``on_resume`` when the client's socket buffer fills / drains."""
+    ``on_resume`` when the client's socket buffer fills / drains; ``on_done`` once when
+    the request is over either way (answered, aborted or its client gone)."""
 
     __slots__ = ("proto", "method", "path", "query", "headers", "body", "keep_alive",
-                 "too_large", "t0", "on_close", "on_pause", "on_resume", "done",
+                 "too_large", "t0", "on_close", "on_pause", "on_resume", "on_done", "done",
                  "started", "_head")
 
     def __init__(self, proto: HttpProtocol, method: bytes, path: bytes, query: bytes,
@@ -65,6 +66,7 @@ class Request:
         self.on_close: Callable[[], None] | None = None
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
+        self.on_done: Callable[[], None] | None = None
         self.done = False
         self.started = False
         self._head = b""  # a started answer's head not yet written (see start)
@@ -144,13 +146,21 @@ class Request:
         """Drop the connection (an answer that cannot be finished properly)."""
         self.done = True
         self.on_close = self.on_pause = self.on_resume = None
+        self.over()
         t = self.proto.transport
         if t is not None:
             t.close()
 
+    def over(self) -> None:
+        """Call ``on_done`` if it has not been called."""
+        cb, self.on_done = self.on_done, None
+        if cb is not None:
+            cb()
+
     def _finish(self) -> None:
         self.done = True
         self.on_close = self.on_pause = self.on_resume = None
+        self.over()
         self.proto._finished(self)
 
 
@@ -183,7 +193,10 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server._conns.discard(self)
-        self.order.lost()
+        cur = self.order.current
+        self.order.lost()  # (its on_close first: the owner abandons the answer)
+        if cur is not None:
+            cur.over()
 
     def pause_writing(self) -> None:
         self._paused = True

@@ -104,6 +104,8 @@ class ProxyConfig:
     max_body: int = 32 << 20
     #: stored responses whose engine is remembered (router/responses.py)
     response_ids: int = 100_000
+    #: requests being answered at once; more are refused with 429 (0: no limit)
+    max_in_flight: int = 4096
 
 
 _FAST_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
@@ -193,6 +195,10 @@ class ProxyMetrics:
                                      "answered by each engine now", labels=["engine"])
         for engine, n in p.in_flight.items():
             inflight.add_metric([engine], n)
+        active = GaugeMetricFamily("kvwire_proxy_active", "Requests being answered now, "
+                                   "arrival to end, all engines (refused with 429 at "
+                                   "--max-in-flight)")
+        active.add_metric([], p.active)
         prompt = CounterMetricFamily("kvwire_proxy_prompt_tokens", "Prompt tokens of the "
                                      "answers that reported usage, per answering engine",
                                      labels=["engine"])
@@ -202,7 +208,7 @@ class ProxyMetrics:
         for engine in p.in_flight:
             prompt.add_metric([engine], p.prompt_tokens[engine])
             cached.add_metric([engine], p.cached_tokens[engine])
-        yield from (reqs, retries, inflight, prompt, cached)
+        yield from (reqs, retries, inflight, active, prompt, cached)
         for h in (self.overhead, self.tokenize, self.ttft, self.e2e):
             yield from h.collect()
 
@@ -263,6 +269,8 @@ class Proxy:
         #: (failed engine, Outcome value) of each retry
         self.retried: Counter[tuple[str, str]] = Counter()
         self.in_flight: dict[str, int] = dict.fromkeys(self.links, 0)
+        #: requests being answered (from arrival to the end of their answer), all engines
+        self.active = 0
         #: prompt and cached tokens of the answers that carried a ``usage`` object
         self.prompt_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self.cached_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
@@ -346,7 +354,7 @@ class Proxy:
                 "retries": {why: c for (e, why), c in self.retried.items() if e == n}}
             for n, link in self.links.items()}
         return out | {"counts": dict(self.counts, retries=self.retries_total(),
-                                     responses_known=len(self.owners))}
+                                     responses_known=len(self.owners), active=self.active)}
 
     def retries_total(self) -> int:
         return sum(self.retried.values())
@@ -361,6 +369,10 @@ class Proxy:
     def handle(self, req: Any) -> None:
         """Answer a :class:`~kvwire.router.front.Request` for a path :meth:`handles`."""
         handle(self, req)
+
+    def ended(self) -> None:
+        """A request is over (answered, failed or its client gone): one less active."""
+        self.active -= 1
 
     def close_pools(self) -> None:
         """Close the idle engine connections (the serving loop is ending)."""
