@@ -876,8 +876,8 @@ def test_bulk_live_path_equals_one_by_one(ops, seed, kvwire):
 
 def test_reference_tail_drop_is_recovered_by_a_tail_check():
     """A reference publisher sends no heartbeats: a batch dropped last is seen only when the
-    next one comes. While the stream is quiet the machine asks for anything after its last
-    seq every other ``info_interval``; an empty answer changes nothing."""
+    next one comes. While the stream is quiet the machine asks for a replay from its last
+    seq every other ``info_interval``; that seq alone back changes nothing."""
     pub = SimPublisher(random.Random(11), kvwire=False)
     cfg = msgspec.structs.replace(CFG, info_interval=5.0)
     sim = Sim(pub, config=cfg)
@@ -894,8 +894,8 @@ def test_reference_tail_drop_is_recovered_by_a_tail_check():
     sim.tick(0.6)
     sim.drain()
     assert sim.m.last_seq == 3 and sim.m.stats().tail_checks == 0
-    sim.tick(5.0)  # quiet for a whole interval: the tail check
-    assert sim.actions[-1] == SendReplay(4)
+    sim.tick(5.0)  # quiet for a whole interval: the tail check, from our last seq
+    assert sim.actions[-1] == SendReplay(3)
     sim.drain()
     st = sim.m.stats()
     assert (st.last_seq, st.tail_checks, st.lost, sim.m.phase) == (5, 1, 0, "live")
@@ -904,8 +904,64 @@ def test_reference_tail_drop_is_recovered_by_a_tail_check():
     assert sim.actions[-1] == SendInfo()  # first INFO answer was lost is found by it)
     sim.tick(0.6)
     sim.drain()
-    sim.tick(5.0)  # nothing new: the answer is just the end marker
-    assert sim.actions[-1] == SendReplay(6)
+    sim.tick(5.0)  # nothing new: the answer is our last seq and the end marker
+    assert sim.actions[-1] == SendReplay(5)
     sim.drain()
     st = sim.m.stats()
     assert (st.last_seq, st.tail_checks, st.lost, st.gaps, sim.m.phase) == (5, 2, 0, 0, "live")
+    assert (st.restarts, st.resets, st.duplicates) == (0, 1, 0)
+
+
+def _quiet_tail_check(sim: Sim) -> None:
+    """Let two quiet intervals pass: an INFO probe (unanswered), then the tail check."""
+    sim.tick(5.0)
+    sim.tick(0.6)
+    sim.drain()
+    sim.tick(5.0)
+
+
+def test_reference_restart_heard_nothing_of_live_is_found_by_the_tail_check():
+    """A reference publisher restarts, and its new run goes by while nothing of it reaches
+    us live (our SUB still reconnecting, say): no live seq goes back to tell. The tail
+    check asks from our last seq; a publisher keeping its last N batches always holds its
+    latest, so an answer without even ours means its seqs went back: a restart. The new
+    run is then rebuilt exactly from its seq 0, and the stream goes on live."""
+    pub = SimPublisher(random.Random(12), kvwire=False)
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
+    sim.join()
+    sim.tick(0.6)  # INFO unanswered: reference
+    sim.publish(10)
+    sim.drain()
+    assert sim.m.last_seq == 9 and sim.app.exact
+    pub.restart()
+    sim.publish(4)
+    sim.drop(4)  # the new run's seqs 0..3: none heard live
+    _quiet_tail_check(sim)
+    assert sim.actions[-1] == SendReplay(9)
+    sim.drain()
+    st = sim.m.stats()
+    assert st.restarts == 1 and "restarted" in sim.app.resets[-1], sim.app.resets
+    assert (st.last_seq, sim.m.phase) == (3, "live")
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+    sim.publish(3)  # and the new run goes on live, with no second reset
+    sim.drain()
+    assert sim.m.last_seq == 6 and sim.m.stats().restarts == 1
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_reference_tail_check_without_a_replay_buffer_changes_nothing():
+    """A publisher whose replay has never answered with a batch (no buffer kept) answers
+    every tail check with the end marker alone: that proves nothing, so no reset."""
+    pub = SimPublisher(random.Random(13), kvwire=False, buffer_steps=0)
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
+    sim.join()
+    sim.tick(0.6)
+    sim.publish(5)
+    sim.drain()
+    assert sim.m.last_seq == 4
+    for _ in range(3):
+        _quiet_tail_check(sim)
+        sim.drain()
+    st = sim.m.stats()
+    assert st.tail_checks >= 2 and SendReplay(0) in sim.actions[-3:], sim.actions[-3:]
+    assert (st.restarts, st.resets, st.last_seq, sim.m.phase) == (0, 1, 4, "live"), st

@@ -61,7 +61,7 @@ class StreamState:
         self._req_sent = -math.inf  # when the request in flight was sent
         self._purpose = "boot"
         self._replay_from = 0
-        self._replay_kind: Literal["boot", "gap", "rebuild"] = "boot"
+        self._replay_kind: Literal["boot", "gap", "rebuild", "tail", "verify"] = "boot"
         self._replay_got = 0  # replies received for the replay in flight
         self._fruitless = 0  # replay requests in a row that timed out unanswered
         self._from0_gone = False  # this run's replay buffer no longer starts at its first seq

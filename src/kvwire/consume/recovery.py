@@ -35,7 +35,20 @@ class Recovery(StreamState):
         first = self._replay_got == 0
         self._replay_got += 1
         self._fruitless = 0
-        if self._replay_kind == "rebuild" and self._rebuild_answer(seq, payload, now):
+        kind = self._replay_kind
+        if kind == "rebuild" and self._rebuild_answer(seq, payload, now):
+            return self._flush()
+        if kind == "tail" and seq == self._delivered:
+            return self._flush()  # our last batch, still held: the same run goes on
+        if kind == "verify":
+            # It keeps a buffer, and that buffer lacks our last seq, which a buffer of
+            # the last N batches always holds for its own run: the seqs went back. (A
+            # reference publisher has no epoch to tell; a live seq going back would have,
+            # but its new run went by while we heard none of it live.)
+            self._c["restarts"] += 1
+            self._live_high = None
+            self._restart(f"publisher restarted (its replay no longer holds seq "
+                          f"{self._delivered})", now)
             return self._flush()
         if self._delivered is None:  # bootstrap without snapshot: replay from 0
             if self._replay_from == 0 and seq > self.first_seq:
@@ -125,8 +138,17 @@ class Recovery(StreamState):
         if self._replay_kind == "rebuild":  # an empty answer from 0: nothing to rebuild from
             self._give_up(*self._rebuild_gap, now)
             return self._flush()
+        tail = self._replay_kind == "tail"
+        if tail and self._replay_got == 0:
+            # Not even our last seq came back: either it keeps no buffer, or it restarted.
+            # A replay from 0 tells which (anything at all in it: a restart, see replay()).
+            self._start_replay(0, now, "verify")
+            return self._flush()
+        if self._replay_kind == "verify":  # empty as well: no buffer, nothing to learn
+            self._resume(now)
+            return self._flush()
         self._drain()
-        progress = self._delivered + 1 > self._replay_from
+        progress = self._delivered + 1 > self._replay_from + tail
         if self._buffer and not progress:
             # The replay brought nothing we needed: whatever is missing is gone.
             m = min(self._buffer)
@@ -421,7 +443,8 @@ class Recovery(StreamState):
         self._send("info", SendInfo(), now, timeout)
 
     def _start_replay(self, start: int, now: float,
-                      kind: Literal["boot", "gap", "rebuild"] | None = None) -> None:
+                      kind: Literal["boot", "gap", "rebuild", "tail", "verify"] | None = None
+                      ) -> None:
         self._phase = "replay"
         self._replay_from = start
         self._replay_kind = kind or ("boot" if self._delivered is None else "gap")

@@ -23,7 +23,11 @@ Known limits with *reference* publishers (no INFO): a restart is seen only when 
 seq goes backwards; a restarted publisher whose seq has already passed ours when we first
 hear from it is indistinguishable from a gap. kvwire publishers close that hole with epochs
 (checked on every gap and every ``info_interval``). Without heartbeats a dropped *last*
-batch is found by a tail check: a replay from the next seq after a quiet ``info_interval``.
+batch is found by a tail check: a replay from our last seq after a quiet ``info_interval``.
+Its answer also tells a restart whose new run we heard nothing of live: a publisher that
+keeps its last N batches always holds its latest, so an answer without even our last seq
+means its seqs went back, or that it keeps no buffer; a replay from 0 with anything in it
+tells the first.
 """
 
 from __future__ import annotations
@@ -294,13 +298,13 @@ class StreamMachine(Recovery):
                     and not self._tail_last)
             self._tail_last = tail
             if tail:
-                # No heartbeats to say what the last seq is: ask for anything after ours.
-                # An empty answer (just the end marker) means nothing was missed. Every
-                # other quiet check is still an INFO probe: a kvwire publisher whose first
-                # INFO answer was lost is recognised by it.
+                # No heartbeats to say what the last seq is: ask from ours. Ours alone back
+                # means nothing was missed; not even ours, maybe a restart (replay_end).
+                # Every other quiet check is still an INFO probe: a kvwire publisher whose
+                # first INFO answer was lost is recognised by it.
                 self._c["tail_checks"] += 1
                 self._next_check = now + self._info_interval()
-                self._start_replay(self._delivered + 1, now, "gap")
+                self._start_replay(self._delivered, now, "tail")  # (ours comes back too)
             else:
                 self._probe("check", now)  # kvwire: the epoch; reference: an upgrade
         return self._flush()
