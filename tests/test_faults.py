@@ -233,12 +233,16 @@ def test_e_late_join_after_100k_batches(reg):
     assert st(sub).snapshots == 1
 
 
-def test_i_reference_restart_heard_nothing_of_live_is_found(reg):
-    """A reference engine restarts on the same ports and its whole new run goes by while the
+@pytest.mark.parametrize("n2,more", [(100, 0), (500, 0), (500, 20)],
+                         ids=["below-our-seq", "past-our-seq", "past-then-live"])
+def test_i_reference_restart_heard_nothing_of_live_is_found(reg, n2, more):
+    """A reference engine restarts on the same ports and its new run goes by while the
     subscriber process is stopped (SIGSTOP: its SUB cannot reconnect, so the new run's
-    batches are dropped at the PUB). No live seq ever goes back to tell. The quiet tail
-    check (a replay from the last seq, then from 0) finds the restart, and the new run is
-    rebuilt exactly."""
+    batches are dropped at the PUB). No live seq ever goes back to tell. Whether the new
+    run stays below our last seq (300 batches, then 100) or passes it (500), and whether
+    the stream then stays quiet (the tail check) or goes on live (a gap after our seq), the
+    replay asked from our last seq shows the restart, and the new run is rebuilt exactly,
+    not taken for the old one's continuation."""
     r1 = reg(Engine(41, ref=True, workload="small"))
     s = reg(SubProc(r1.spec(), dict(CFG, info_interval=1.0)))
     r1.run(300, 2000)
@@ -248,11 +252,13 @@ def test_i_reference_restart_heard_nothing_of_live_is_found(reg):
     try:
         r1.kill()
         r2 = reg(Engine(42, port=r1.port, rport=r1.rport, ref=True, workload="small"))
-        r2.run(100, None)
+        r2.run(n2, None)
         d2 = r2.wait_done(60)
     finally:
         os.kill(s.proc.pid, signal.SIGCONT)
-    assert d2.last_seq < d1.last_seq
+    if more:
+        r2.run(more, 200)
+        d2 = r2.wait_done(60)
     rb = s.wait(lambda rb, st: st["restarts"] >= 1 and rb["last_seq"] == d2.last_seq, 30,
                 "the restart found and the new run followed")
     assert rb["exact"] and any("restarted" in r for r in rb["resets"][1:]), rb

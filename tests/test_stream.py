@@ -949,6 +949,37 @@ def test_reference_restart_heard_nothing_of_live_is_found_by_the_tail_check():
     assert sim.app.cache.as_dict() == pub.truth.as_dict()
 
 
+@pytest.mark.parametrize("then_live", [True, False])
+def test_reference_restart_past_our_seq_is_found_by_our_batch_coming_back_changed(then_live):
+    """A reference publisher restarts and its new run passes our last seq before we hear
+    from it again: no live seq goes back, and what we hear next looks like a gap (or, on a
+    quiet stream, nothing at all). A replay that continues from our last seq asks from
+    that seq itself, and the publisher's batch there is not the one we had: a restart. The
+    new run is rebuilt from 0 instead of being taken for the old run's continuation."""
+    pub = SimPublisher(random.Random(14), kvwire=False)
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
+    sim.join()
+    sim.tick(0.6)
+    sim.publish(10)
+    sim.drain()
+    assert sim.m.last_seq == 9
+    pub.restart()
+    sim.publish(20)
+    sim.drop(20)  # the new run's 0..19: none heard live
+    if then_live:
+        sim.publish(2)  # 20, 21 heard: a gap after our 9
+        sim.drain()
+        assert SendReplay(9) in sim.actions
+    else:
+        _quiet_tail_check(sim)
+        assert sim.actions[-1] == SendReplay(9)
+        sim.drain()
+    st = sim.m.stats()
+    assert st.restarts == 1 and "is not the one we had" in sim.app.resets[-1], sim.app.resets
+    assert sim.m.last_seq == pub.seq and sim.m.phase == "live"
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
 def test_reference_tail_check_without_a_replay_buffer_changes_nothing():
     """A publisher whose replay has never answered with a batch (no buffer kept) answers
     every tail check with the end marker alone: that proves nothing, so no reset."""

@@ -329,7 +329,8 @@ _END = [b"", b"", protocol.END_SEQ, b""]
 
 
 def _at_gap() -> tuple[StreamMachine, App, list]:
-    """A reference stream that has 0..1 and then sees live 5: replay from 2 asked."""
+    """A reference stream that has 0..1 and then sees live 5: seqs from 2 asked (from 1,
+    our last, which must come back as we had it)."""
     m, app, sent = StreamMachine("r", config=CFG), App(), []
 
     def feed(outs: list) -> None:
@@ -344,7 +345,7 @@ def _at_gap() -> tuple[StreamMachine, App, list]:
     for f in (_rep(0), _rep(1), _END):
         feed(m.reply_frames(f, 0.7))
     feed(m.live_frames([b"", protocol.pack_seq(5), _PAYLOADS[5]], 0.8))
-    assert sent[-1] == SendReplay(2) and app.next == 2
+    assert sent[-1] == SendReplay(1) and app.next == 2
     return m, app, sent
 
 
@@ -362,7 +363,7 @@ def test_unanswered_replay_is_retried_then_rebuilt_exactly_from_0():
     for _ in range(CFG.replay_attempts - 1):
         t += 1.1
         _feed_into(m, app, sent, m.tick(t))
-        assert sent[-1] == SendReplay(2)  # asked again: a stall is not a loss
+        assert sent[-1] == SendReplay(1)  # asked again: a stall is not a loss
     t += 1.1
     _feed_into(m, app, sent, m.tick(t))
     assert sent[-1] == SendReplay(0) and m.stats().lost == 0  # the rebuild check
@@ -390,9 +391,9 @@ def test_rebuild_answer_from_later_seq_counts_only_the_evicted():
     assert app.resets[-1] == "seqs 2..2 lost and no snapshot available"
     # and no second rebuild check: the buffer is known not to start at 0 any more
     _feed_into(m, app, sent, m.live_frames([b"", protocol.pack_seq(7), _PAYLOADS[7]], t))
-    assert sent[-1] == SendReplay(6)
-    _feed_into(m, app, sent, m.reply_frames(_rep(7), t))
-    assert m.stats().lost == 2 and sent[-1] == SendReplay(6)
+    assert sent[-1] == SendReplay(5)
+    _feed_into(m, app, sent, m.reply_frames(_rep(7), t))  # (5, ours, evicted too)
+    assert m.stats().lost == 2 and sent[-1] == SendReplay(5)
 
 
 # --------------------------------------------------------------------------- runs from seq 1
@@ -432,8 +433,8 @@ def test_rebuild_of_a_run_from_seq_1_is_exact():
     for f in (_rep(1), _rep(2), _END):
         _feed_into(m, app, sent, m.reply_frames(f, 0.7))
     _feed_into(m, app, sent, m.live_frames([b"", protocol.pack_seq(6), _PAYLOADS[6]], 0.8))
-    assert sent[-1] == SendReplay(3)
-    _feed_into(m, app, sent, m.reply_frames(_rep(5), 0.9))  # 3..4 are not there
+    assert sent[-1] == SendReplay(2)
+    _feed_into(m, app, sent, m.reply_frames(_rep(5), 0.9))  # 2..4 are not there
     assert sent[-1] == SendReplay(0)  # the rebuild check
     for s in range(1, 7):
         _feed_into(m, app, sent, m.reply_frames(_rep(s), 1.0))

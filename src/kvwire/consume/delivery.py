@@ -62,7 +62,13 @@ class StreamState:
         self._purpose = "boot"
         self._replay_from = 0
         self._replay_kind: Literal["boot", "gap", "rebuild", "tail", "verify"] = "boot"
-        self._replay_got = 0  # replies received for the replay in flight
+        self._replay_got = 0  # replies received for the replay in flight (ours not counted)
+        self._last_payload: bytes | None = None  # seq _delivered's, if it came as a batch
+        # A replay asked from our last seq (``check``): that seq, until its reply comes;
+        # the payload we had for it; whether it came back (None: no check asked).
+        self._check_seq: int | None = None
+        self._check_payload: bytes | None = None
+        self._check_seen: bool | None = None
         self._fruitless = 0  # replay requests in a row that timed out unanswered
         self._from0_gone = False  # this run's replay buffer no longer starts at its first seq
         # First seqs of the losses already rebuilt once in this run: a seq the publisher never
@@ -98,6 +104,7 @@ class StreamState:
         self._reset_sent = False
         self._reset_reason = "bootstrap"
         self._delivered = seq
+        self._last_payload = None
         self._exact = exact
         for s in [s for s in self._buffer if s <= seq]:
             del self._buffer[s]
@@ -109,6 +116,7 @@ class StreamState:
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._delivered = seq
+        self._last_payload = payload
         try:
             batch = self._decoder.decode(payload)
         except DecodeError as e:

@@ -32,23 +32,25 @@ class Recovery(StreamState):
             return []
         self._req_deadline = now + self.config.request_timeout
         self._c["replayed"] += 1
+        self._fruitless = 0
+        chk = self._check_seq
+        if chk is not None:  # asked from our last seq, to see it is still ours
+            self._check_seq = None
+            if seq == chk:
+                self._check_seen = True
+                if self._check_payload is not None and payload != self._check_payload:
+                    self._run_changed(f"its batch at seq {seq} is not the one we had", now)
+                return self._flush()  # ours: the same run goes on
+            # (ours evicted since: nothing to compare; the answer goes on as asked)
         first = self._replay_got == 0
         self._replay_got += 1
-        self._fruitless = 0
         kind = self._replay_kind
         if kind == "rebuild" and self._rebuild_answer(seq, payload, now):
             return self._flush()
-        if kind == "tail" and seq == self._delivered:
-            return self._flush()  # our last batch, still held: the same run goes on
         if kind == "verify":
             # It keeps a buffer, and that buffer lacks our last seq, which a buffer of
-            # the last N batches always holds for its own run: the seqs went back. (A
-            # reference publisher has no epoch to tell; a live seq going back would have,
-            # but its new run went by while we heard none of it live.)
-            self._c["restarts"] += 1
-            self._live_high = None
-            self._restart(f"publisher restarted (its replay no longer holds seq "
-                          f"{self._delivered})", now)
+            # the last N batches always holds for its own run: the seqs went back.
+            self._run_changed(f"its replay no longer holds seq {self._delivered}", now)
             return self._flush()
         if self._delivered is None:  # bootstrap without snapshot: replay from 0
             if self._replay_from == 0 and seq > self.first_seq:
@@ -138,8 +140,7 @@ class Recovery(StreamState):
         if self._replay_kind == "rebuild":  # an empty answer from 0: nothing to rebuild from
             self._give_up(*self._rebuild_gap, now)
             return self._flush()
-        tail = self._replay_kind == "tail"
-        if tail and self._replay_got == 0:
+        if self._replay_kind == "tail" and self._check_seen is False and not self._replay_got:
             # Not even our last seq came back: either it keeps no buffer, or it restarted.
             # A replay from 0 tells which (anything at all in it: a restart, see replay()).
             self._start_replay(0, now, "verify")
@@ -148,7 +149,7 @@ class Recovery(StreamState):
             self._resume(now)
             return self._flush()
         self._drain()
-        progress = self._delivered + 1 > self._replay_from + tail
+        progress = self._delivered + 1 > self._replay_from
         if self._buffer and not progress:
             # The replay brought nothing we needed: whatever is missing is gone.
             m = min(self._buffer)
@@ -303,7 +304,7 @@ class Recovery(StreamState):
         elif self._mode == "kvwire":
             self._probe("gap", now)  # re-check the epoch before trusting a replay
         else:
-            self._start_replay(nxt, now)
+            self._start_replay(nxt, now, check=True)  # ...and a reference one checks ours
 
     def _unfillable(self, nxt: int, seq: int, payload: bytes, now: float) -> None:
         """Seqs ``nxt..seq-1`` cannot be replayed; ``seq`` is the next one we have.
@@ -388,7 +389,8 @@ class Recovery(StreamState):
             self._continue(now, ended=False)  # the rest (or its end) was lost on the way
         elif kind == "replay" and self._fruitless + 1 < self.config.replay_attempts:
             self._fruitless += 1  # unanswered: a stall on either side; ask again
-            self._start_replay(self._replay_from, now, self._replay_kind)
+            self._start_replay(self._replay_from, now, self._replay_kind,
+                               check=self._check_seen is not None)
         elif kind == "replay" and self._replay_kind == "rebuild":
             self._fruitless = 0
             self._give_up(*self._rebuild_gap, now)
@@ -443,14 +445,31 @@ class Recovery(StreamState):
         self._send("info", SendInfo(), now, timeout)
 
     def _start_replay(self, start: int, now: float,
-                      kind: Literal["boot", "gap", "rebuild", "tail", "verify"] | None = None
-                      ) -> None:
+                      kind: Literal["boot", "gap", "rebuild", "tail", "verify"] | None = None,
+                      check: bool = False) -> None:
+        """Ask for seqs from ``start``. ``check`` (reference publishers, ``start`` right
+        after our last seq): ask from our last seq instead, and check that what comes back
+        for it is the batch we had (:meth:`replay`): a restarted publisher whose new run
+        has passed our seq otherwise looks like a gap, and its batches would continue the
+        old run's state."""
         self._phase = "replay"
         self._replay_from = start
         self._replay_kind = kind or ("boot" if self._delivered is None else "gap")
         self._replay_got = 0
+        self._check_seq, self._check_seen = None, None
+        d = self._delivered
+        if check and d is not None and d >= 0 and start == d + 1:
+            self._check_seq, self._check_seen = d, False
+            self._check_payload = self._last_payload
+            start = d
         self._c["replays"] += 1
         self._send("replay", SendReplay(start), now, self.config.request_timeout)
+
+    def _run_changed(self, why: str, now: float) -> None:
+        """A reference publisher's replay shows a new run: restart from it."""
+        self._c["restarts"] += 1
+        self._live_high = None
+        self._restart(f"publisher restarted ({why})", now)
 
     def _start_snapshot(self, now: float) -> None:
         self._phase = "snapshot"

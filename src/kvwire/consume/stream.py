@@ -19,15 +19,15 @@ replaces the stream's state; ``exact=False`` says it is only "nothing known befo
 (reference publishers cannot send snapshots). Time is an argument, never read, so every
 behaviour is reproducible in tests.
 
-Known limits with *reference* publishers (no INFO): a restart is seen only when the live
-seq goes backwards; a restarted publisher whose seq has already passed ours when we first
-hear from it is indistinguishable from a gap. kvwire publishers close that hole with epochs
-(checked on every gap and every ``info_interval``). Without heartbeats a dropped *last*
-batch is found by a tail check: a replay from our last seq after a quiet ``info_interval``.
-Its answer also tells a restart whose new run we heard nothing of live: a publisher that
-keeps its last N batches always holds its latest, so an answer without even our last seq
-means its seqs went back, or that it keeps no buffer; a replay from 0 with anything in it
-tells the first.
+*Reference* publishers (no INFO, no epoch): a restart shows when the live seq goes
+backwards. When we heard none of the new run live, the replay that continues after our last
+seq (a gap's, or a tail check's: without heartbeats a dropped *last* batch is found by a
+replay after a quiet ``info_interval``) is asked from our last seq itself: that batch must
+come back as we had it (the publisher replays the bytes it sent). Changed, the run is new
+and passed our seq; missing from a tail check's answer, the run is new and below our seq,
+or the publisher keeps no buffer (a replay from 0 with anything in it tells the first).
+What stays unknowable: a restart whose new run passed our seq after evicting it. kvwire
+publishers have epochs (checked on every gap and every ``info_interval``).
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ class StreamMachine(Recovery):
                         c["live_messages"] += 1
                         self._last_live = now
                         self._live_high = self._delivered = seq
+                        self._last_payload = frames[2]
                         try:
                             batch = decode(frames[2])
                         except _DECODE_ERRORS:
@@ -304,7 +305,7 @@ class StreamMachine(Recovery):
                 # first INFO answer was lost is recognised by it.
                 self._c["tail_checks"] += 1
                 self._next_check = now + self._info_interval()
-                self._start_replay(self._delivered, now, "tail")  # (ours comes back too)
+                self._start_replay(self._delivered + 1, now, "tail", check=True)
             else:
                 self._probe("check", now)  # kvwire: the epoch; reference: an upgrade
         return self._flush()
