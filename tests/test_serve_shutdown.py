@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -110,14 +111,23 @@ def test_sigterm_drains_the_streams_in_flight(slow_engine, serve) -> None:
     assert p.wait(TIMEOUT) == 0
 
 
+@contextmanager
+def _streaming(port: int, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streamed completion through the proxy, its first event read: the rest of its lines
+    (kept referenced: a dropped iterator closes the connection, and the proxy aborts)."""
+    with httpx.Client(timeout=TIMEOUT) as c, \
+            c.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                     json=_body(max_tokens)) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(x for x in lines if x.startswith("data:"))
+        yield lines
+
+
 def test_drain_time_out_cuts_the_rest_and_aborts_upstream(slow_engine, serve) -> None:
     e = slow_engine
     p, port = serve(*_engine_args([e]), "--shutdown-timeout", "1")
-    with httpx.Client(timeout=TIMEOUT) as c, \
-            c.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                     json=_body(5000)) as r:  # ~100 s of decoding
-        lines = r.iter_lines()
-        next(x for x in lines if x.startswith("data:"))
+    with _streaming(port, 5000) as lines:  # ~100 s of decoding
         assert _running(e) == 1
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
@@ -130,30 +140,16 @@ def test_drain_time_out_cuts_the_rest_and_aborts_upstream(slow_engine, serve) ->
     wait_for(lambda: _running(e) == 0, "the engine aborting the cut request", TIMEOUT)
 
 
-def test_a_second_signal_stops_at_once(slow_engine, serve) -> None:
+@pytest.mark.parametrize("timeout", ["600", "0"], ids=["second-signal", "no-drain"])
+def test_stopping_at_once(slow_engine, serve, timeout: str) -> None:
+    """A second signal ends a drain at once; ``--shutdown-timeout 0`` never drains."""
     e = slow_engine
-    p, port = serve(*_engine_args([e]), "--shutdown-timeout", "600")
-    with httpx.Client(timeout=TIMEOUT) as c, \
-            c.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                     json=_body(5000)) as r:
-        lines = r.iter_lines()  # (kept: a dropped one closes the connection)
-        next(x for x in lines if x.startswith("data:"))
+    p, port = serve(*_engine_args([e]), "--shutdown-timeout", timeout)
+    with _streaming(port, 5000):
         p.send_signal(signal.SIGTERM)
-        _stderr_line(p, r"draining: 1 request\(s\) in flight")
-        assert p.poll() is None
-        p.send_signal(signal.SIGINT)
-        assert p.wait(TIMEOUT) == 0
-    wait_for(lambda: _running(e) == 0, "the engine aborting the cut request", TIMEOUT)
-
-
-def test_zero_shutdown_timeout_stops_at_once(slow_engine, serve) -> None:
-    e = slow_engine
-    p, port = serve(*_engine_args([e]), "--shutdown-timeout", "0")
-    with httpx.Client(timeout=TIMEOUT) as c, \
-            c.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                     json=_body(5000)) as r:
-        lines = r.iter_lines()  # (kept: a dropped one closes the connection)
-        next(x for x in lines if x.startswith("data:"))
-        p.send_signal(signal.SIGTERM)
+        if timeout != "0":
+            _stderr_line(p, r"draining: 1 request\(s\) in flight")
+            assert p.poll() is None
+            p.send_signal(signal.SIGINT)
         assert p.wait(TIMEOUT) == 0
     wait_for(lambda: _running(e) == 0, "the engine aborting the cut request", TIMEOUT)

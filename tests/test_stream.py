@@ -912,6 +912,18 @@ def test_reference_tail_drop_is_recovered_by_a_tail_check():
     assert (st.restarts, st.resets, st.duplicates) == (0, 1, 0)
 
 
+def _reference_at(seed: int, n: int, **pub_kw) -> tuple[SimPublisher, Sim]:
+    """A reference stream (``info_interval`` 5 s) that has followed ``n`` batches live."""
+    pub = SimPublisher(random.Random(seed), kvwire=False, **pub_kw)
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
+    sim.join()
+    sim.tick(0.6)  # INFO unanswered: reference
+    sim.publish(n)
+    sim.drain()
+    assert sim.m.mode == "reference" and sim.m.last_seq == n - 1
+    return pub, sim
+
+
 def _quiet_tail_check(sim: Sim) -> None:
     """Let two quiet intervals pass: an INFO probe (unanswered), then the tail check."""
     sim.tick(5.0)
@@ -926,13 +938,8 @@ def test_reference_restart_heard_nothing_of_live_is_found_by_the_tail_check():
     check asks from our last seq; a publisher keeping its last N batches always holds its
     latest, so an answer without even ours means its seqs went back: a restart. The new
     run is then rebuilt exactly from its seq 0, and the stream goes on live."""
-    pub = SimPublisher(random.Random(12), kvwire=False)
-    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
-    sim.join()
-    sim.tick(0.6)  # INFO unanswered: reference
-    sim.publish(10)
-    sim.drain()
-    assert sim.m.last_seq == 9 and sim.app.exact
+    pub, sim = _reference_at(12, 10)
+    assert sim.app.exact
     pub.restart()
     sim.publish(4)
     sim.drop(4)  # the new run's seqs 0..3: none heard live
@@ -956,13 +963,7 @@ def test_reference_restart_past_our_seq_is_found_by_our_batch_coming_back_change
     quiet stream, nothing at all). A replay that continues from our last seq asks from
     that seq itself, and the publisher's batch there is not the one we had: a restart. The
     new run is rebuilt from 0 instead of being taken for the old run's continuation."""
-    pub = SimPublisher(random.Random(14), kvwire=False)
-    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
-    sim.join()
-    sim.tick(0.6)
-    sim.publish(10)
-    sim.drain()
-    assert sim.m.last_seq == 9
+    pub, sim = _reference_at(14, 10)
     pub.restart()
     sim.publish(20)
     sim.drop(20)  # the new run's 0..19: none heard live
@@ -983,13 +984,7 @@ def test_reference_restart_past_our_seq_is_found_by_our_batch_coming_back_change
 def test_reference_tail_check_without_a_replay_buffer_changes_nothing():
     """A publisher whose replay has never answered with a batch (no buffer kept) answers
     every tail check with the end marker alone: that proves nothing, so no reset."""
-    pub = SimPublisher(random.Random(13), kvwire=False, buffer_steps=0)
-    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
-    sim.join()
-    sim.tick(0.6)
-    sim.publish(5)
-    sim.drain()
-    assert sim.m.last_seq == 4
+    pub, sim = _reference_at(13, 5, buffer_steps=0)
     for _ in range(3):
         _quiet_tail_check(sim)
         sim.drain()
