@@ -34,6 +34,7 @@ from kvwire.router.service import RouterCore
 from kvwire.tokenize import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_helpers import import_or_skip  # noqa: E402
 from test_engine_http import EngineThread, _opts  # noqa: E402
 from waiting import wait_for as _wait_for  # noqa: E402
 
@@ -424,6 +425,76 @@ class _Stub(_LoopbackServer):
                 pass
 
         self._serve(H)
+
+
+class _TokenizeStub(_LoopbackServer):
+    """An engine that answers /tokenize with fixed ids and keeps the bodies it was sent."""
+
+    def __init__(self) -> None:
+        stub = self
+        self.release = threading.Event()
+        self.bodies: list[dict[str, Any]] = []
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path == "/tokenize":
+                    stub.bodies.append(json.loads(body))
+                    out = b'{"tokens": [1, 2, 3], "count": 3, "max_model_len": 4096}'
+                else:
+                    out = b'{"choices": [{"text": "ok"}]}'
+                self.send_response(200)
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def do_GET(self) -> None:
+                out = b'{"object": "list", "data": [{"id": "m"}]}'
+                self.send_response(200)
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self._serve(H)
+
+
+def test_tokenize_requests_render_as_each_engine_renders_a_chat(
+        make_stack: Callable[..., Stack]) -> None:
+    """--tokenizer engine: the /tokenize body leaves add_generation_prompt and
+    continue_final_message out at their defaults. vLLM's defaults are the same; SGLang
+    (0.5.23) renders messages "as for a chat completion" only when add_generation_prompt is
+    absent (given, it renders them as given, and refuses non-jinja templates). Checked
+    against both engines' own request models."""
+    vllm_tok = import_or_skip("vllm.entrypoints.serve.tokenize.protocol", "vllm")
+    sgl = import_or_skip("sglang.srt.entrypoints.openai.protocol", "sglang")
+    stub = _TokenizeStub()
+    try:
+        s = make_stack(1, urls=[stub.url], tokenizer="engine")
+        msgs = [{"role": "user", "content": "hi"}]
+        cont = [*msgs, {"role": "assistant", "content": "Once upon"}]
+        for body in ({"model": "m", "messages": msgs},
+                     {"model": "m", "messages": msgs, "add_generation_prompt": False},
+                     {"model": "m", "messages": cont, "add_generation_prompt": False,
+                      "continue_final_message": True}):
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+        plain, no_gen, cont_q = stub.bodies
+        assert "add_generation_prompt" not in plain and "continue_final_message" not in plain
+        v = vllm_tok.TokenizeChatRequest(**plain)
+        assert v.add_generation_prompt and not v.continue_final_message
+        assert sgl.TokenizeRequest(**plain).to_chat_completion_request() \
+            ._format_add_generation_prompt is None  # SGLang: as for a chat completion
+        assert no_gen["add_generation_prompt"] is False
+        assert not vllm_tok.TokenizeChatRequest(**no_gen).add_generation_prompt
+        assert (cont_q["add_generation_prompt"], cont_q["continue_final_message"]) == (
+            False, True)
+        assert vllm_tok.TokenizeChatRequest(**cont_q).continue_final_message
+        assert s.proxy.counts["tokenize_failures"] == 0
+    finally:
+        stub.close()
 
 
 def test_5xx_is_retried_on_the_next_engine_and_breaks_the_circuit(

@@ -503,10 +503,15 @@ class Proxy:
                                         continue_final_message=req.continue_final_message,
                                         reasoning_effort=req.reasoning_effort,
                                         documents=req.documents)
-            q.update(messages=req.messages, tools=req.tools,
-                     add_generation_prompt=kw.pop("add_generation_prompt"),
-                     continue_final_message=kw.pop("continue_final_message"),
-                     chat_template_kwargs=kw or None)
+            q.update(messages=req.messages, tools=req.tools)
+            # The defaults are left out: vLLM's are the same, and SGLang renders messages
+            # "as for a chat completion" only when add_generation_prompt is absent (given,
+            # it renders them as given, and only with a jinja template).
+            if not kw.pop("add_generation_prompt"):
+                q["add_generation_prompt"] = False
+            if kw.pop("continue_final_message"):
+                q["continue_final_message"] = True
+            q["chat_template_kwargs"] = kw or None
         else:
             q.update(prompt=prompt, add_special_tokens=req.add_special_tokens)
         for link in self.links.values():
