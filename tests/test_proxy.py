@@ -1262,17 +1262,20 @@ def test_serve_cli_flags(engine_procs: Callable[..., list[EngineProc]],
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--policy", "fastest"])
     assert exit_.value.code == 2
-    with pytest.raises(SystemExit) as exit_:
-        main([*args, "--response-ids", "-1"])
-    assert exit_.value.code == 2
+    for bad in (["--response-ids", "-1"], ["--max-in-flight", "-1"],
+                ["--shutdown-timeout", "-1"], ["--shutdown-timeout", "nan"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, *bad])
+        assert exit_.value.code == 2, bad
     import argparse
 
     from kvwire.cli.serve import add_arguments, proxy_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = proxy_config(parser.parse_args([*args, "--response-ids", "7", "--retries", "1"]))
-    assert (cfg.response_ids, cfg.retries) == (7, 1)
+    cfg = proxy_config(parser.parse_args([*args, "--response-ids", "7", "--retries", "1",
+                                          "--max-in-flight", "9"]))
+    assert (cfg.response_ids, cfg.retries, cfg.max_in_flight) == (7, 1, 9)
     assert main([*args, "--tokenizer", "/nonexistent"]) == 2
     import lzma
     import shutil
