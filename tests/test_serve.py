@@ -676,17 +676,30 @@ def test_serve_process_is_tuned_and_log_level_reaches_kvwire_loggers(tmp_path) -
 
 
 def _stderr_line(proc: subprocess.Popen, pattern: str, timeout: float = 60.0) -> str:
-    """The first stderr line matching ``pattern`` (fails if the process ends first)."""
+    """The first stderr line matching ``pattern`` (fails if the process ends first).
+
+    Reads the pipe's file descriptor itself, keeping what follows the line on ``proc`` for
+    the next call: ``select`` on a buffered reader misses lines already in its buffer (two
+    lines written at once, the second waited for in vain; seen in CI)."""
     deadline = time.monotonic() + timeout
     seen = []
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
-        if not ready:
-            continue
-        line = proc.stderr.readline()
-        if not line:
+    held = proc.__dict__.setdefault("_stderr_held", bytearray())
+    fd = proc.stderr.fileno()
+    while True:
+        while b"\n" in held:
+            i = held.index(b"\n") + 1
+            line = held[:i].decode(errors="replace")
+            del held[:i]
+            seen.append(line)
+            if re.search(pattern, line):
+                return line
+        left = deadline - time.monotonic()
+        if left <= 0:
             break
-        seen.append(line)
-        if re.search(pattern, line):
-            return line
+        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+        if ready:
+            data = os.read(fd, 65536)
+            if not data:  # the process ended
+                break
+            held += data
     raise AssertionError(f"no line matching {pattern!r}: {''.join(seen)!r}")
