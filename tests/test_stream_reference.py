@@ -260,6 +260,18 @@ def test_an_overflow_in_one_read_asks_the_publisher_once():
     assert sim.app.base == 17 and sim.app.next == sim.pub.seq + 1, s  # 0..17 evicted
 
 
+def test_a_one_message_answer_pipe_still_fills_a_gap():
+    """Found by the property above: a gap replay now asks from our last seq (to check it
+    is still ours). Through a ROUTER pipe of one message the answer was ours alone, the
+    rest and the end dropped, every time: a time-out, the same request again, for ever.
+    Ours back confirms the run, so the request after a time-out asks past it."""
+    ops = [("live", 1), ("live", 1), ("tick", 0.6)] + [("pub", 1)] * 6 + [("drop", 1)]
+    sim = run(ops, 0, 3, None, 1, 8)
+    s = sim.m.stats()
+    assert s.phase == "live" and sim.app.next == sim.pub.seq + 1 and s.lost == 0, s
+    assert sim.app.cache.as_dict() == sim.pub.sim.truth.as_dict()
+
+
 def _stalled_with_router_drops(per_send: int | None) -> RefSim:
     """A fixed run of the issue's shape: a stall, live drops, a replay answer of 60 through
     a 7-message pipe (holes, lost end), live arriving meanwhile."""

@@ -385,8 +385,12 @@ class Recovery(StreamState):
                     self._resume(now)
             else:
                 self._probe(self._purpose, now)
-        elif kind == "replay" and self._replay_got > 0 and self._delivered is not None:
-            self._continue(now, ended=False)  # the rest (or its end) was lost on the way
+        elif kind == "replay" and (self._replay_got > 0 or self._check_seen) \
+                and self._delivered is not None:
+            # The rest (or its end) was lost on the way. Our own seq back counts: the run
+            # is confirmed, so what follows is asked for without it (a check every time
+            # could fill a small answer pipe with ours alone, and never progress).
+            self._continue(now, ended=False)
         elif kind == "replay" and self._fruitless + 1 < self.config.replay_attempts:
             self._fruitless += 1  # unanswered: a stall on either side; ask again
             self._start_replay(self._replay_from, now, self._replay_kind,
