@@ -84,6 +84,16 @@ def test_bad_arguments():
         LoadTracker().reserve("r", "a", -1.0, now=0.0)
 
 
+def test_a_nan_busy_time_does_not_empty_the_tie():
+    """Found by hypothesis (a fresh-clone CI run; its ``builds`` now fills ``busy`` too): a
+    NaN busy time compared false with everything, left no candidate in the tie and
+    raised. The tie-break now keeps the set it cannot narrow."""
+    cs = [Candidate("e0", busy=float("nan")), Candidate("e1")]
+    assert RoutingPolicy(seed=0).choose(0, cs).name in ("e0", "e1")
+    cs = [Candidate("e0", load=float("nan")), Candidate("e1", load=float("nan"))]
+    assert RoutingPolicy(seed=0).choose(0, cs).name in ("e0", "e1")
+
+
 def test_request_load_units():
     assert request_load(10, 4.0) == 6.0
     assert request_load(10, 40.0) == 0.0

@@ -139,18 +139,20 @@ class RoutingPolicy:
         return Decision(name=name, cost=costs, overlap=overlap)
 
     def _best(self, pool: Sequence[Candidate], costs: dict[str, float]) -> str:
+        # (each step keeps the set it narrows if a NaN, which compares false with
+        # everything, would leave it empty)
         best_cost = min([costs[c.name] for c in pool])
-        tied = [c for c in pool if costs[c.name] <= best_cost + _TIE_EPS]
+        tied = [c for c in pool if costs[c.name] <= best_cost + _TIE_EPS] or list(pool)
         if len(tied) == 1:
             return tied[0].name
         least = min([c.load for c in tied])
-        tied = [c for c in tied if c.load <= least + _TIE_EPS]
+        tied = [c for c in tied if c.load <= least + _TIE_EPS] or tied
         if len(tied) == 1:
             return tied[0].name
         # Still tied (typically a new prefix, engines idle): the one busy least lately, so
         # new conversations even out the engines' work over time, not only their queues.
         low = min([c.busy for c in tied])
-        tied = [c for c in tied if c.busy <= low + _TIE_EPS]
+        tied = [c for c in tied if c.busy <= low + _TIE_EPS] or tied
         if len(tied) == 1:
             return tied[0].name
         return tied[self._rng.randrange(len(tied))].name
