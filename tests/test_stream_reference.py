@@ -272,6 +272,17 @@ def test_a_one_message_answer_pipe_still_fills_a_gap():
     assert sim.app.cache.as_dict() == sim.pub.sim.truth.as_dict()
 
 
+def test_ours_alone_back_is_not_a_loss():
+    """Found by the property above: a checked gap replay through a one-message pipe got our
+    own seq and the end marker, the seq after it dropped on the way, and the stream called
+    that seq lost (inexact) while the publisher still held it. It asks again past ours."""
+    ops = ([("live", 1)] * 3 + [("stall", 1.5), ("serve", 0), ("pub", 4), ("serve", 0),
+            ("tick", 0.3), ("pub", 1), ("drop", 1)])
+    sim = run(ops, 0, 3, 3, 1, 8)  # RefSim.handle asserts every inexact snapshot
+    s = sim.m.stats()
+    assert s.phase == "live" and sim.app.next == sim.pub.seq + 1, s
+
+
 def _stalled_with_router_drops(per_send: int | None) -> RefSim:
     """A fixed run of the issue's shape: a stall, live drops, a replay answer of 60 through
     a 7-message pipe (holes, lost end), live arriving meanwhile."""

@@ -150,6 +150,11 @@ class Recovery(StreamState):
             return self._flush()
         self._drain()
         progress = self._delivered + 1 > self._replay_from
+        if self._buffer and not progress and self._check_seen and not self._replay_got:
+            # Ours alone came back: what follows may have been dropped on the way (a full
+            # ROUTER pipe), not gone. Ask past ours, unchecked, before calling it lost.
+            self._start_replay(self._delivered + 1, now, "gap")  # type: ignore[operator]
+            return self._flush()
         if self._buffer and not progress:
             # The replay brought nothing we needed: whatever is missing is gone.
             m = min(self._buffer)
