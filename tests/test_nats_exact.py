@@ -47,6 +47,18 @@ def script(ops: list[tuple[str, int]]) -> tuple[list[tuple[int, dict, bytes]], l
             snapshot(arg)
         elif op == "snap":
             snapshot(arg)
+        elif op == "cut":
+            # A bridge killed inside its marker set (reset + arg % 3 of arg % 3 + 1 chunks),
+            # then the next bridge's resync set: the same epoch (a kvwire publisher's), or
+            # the next (a reference publisher's incarnation, numbered by the bridges).
+            blocks = [b.as_event() for b in cache.blocks()]
+            put("reset", b"", **{S.H_REASON: "bridge resync"})
+            k = arg % 3
+            for i in range(k):
+                put("snapshot", _enc.encode(blocks[i::k + 1]), **{S.H_CHUNK: f"{i}/{k + 1}"})
+            epoch += arg >= 3
+            put("reset", b"", **{S.H_REASON: "bridge resync"})
+            snapshot(1 + arg % 2)
         else:
             seq += 1
             evs: list[Any] = [BlockStored([h], None, [h % 97] * 2, 2, None)]
@@ -64,6 +76,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("batch"), st.integers(0, 50)),
     st.tuples(st.just("snap"), st.integers(1, 3)),
     st.tuples(st.just("start"), st.integers(1, 3)),
+    st.tuples(st.just("cut"), st.integers(0, 5)),
 ), max_size=40)
 
 
