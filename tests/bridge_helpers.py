@@ -157,7 +157,7 @@ def wait_subject_seq(url: str, subject: str, seq: int, timeout: float,
     got = None
     while time.monotonic() < deadline:
         try:
-            got = asyncio.run(_last_seq(url, subject, stream))
+            got = last_subject_msg(url, subject, stream)
         except Exception:  # the server is restarting
             got = None
         if got is not None and got[1] >= seq and epoch in (None, got[0]):

@@ -512,15 +512,15 @@ def subscriber_main(conn: Any, spec: tuple, cfg: dict) -> None:
         ctx.term()
 
 
-class SubProc:
-    """Parent-side handle of one subscriber process."""
+class Child:
+    """A spawned process driven over a Pipe: ``target(conn, *args)`` answers ``("ready", ...)``
+    first, then one message per command asked. It can be SIGKILLed; ``close`` leaves no
+    orphan either way."""
 
-    def __init__(self, spec: StreamSpec, cfg: dict) -> None:
+    def __init__(self, target: Callable[..., None], args: tuple, name: str) -> None:
+        self.name = name
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(
-            target=subscriber_main,
-            args=(child, (spec.name, spec.endpoint, spec.topic, spec.replay_endpoint), cfg),
-            daemon=True, name="kvwire-subscriber")
+        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True, name=name)
         self.proc.start()
         child.close()
         msg = self._ask(None, 60.0)
@@ -528,30 +528,18 @@ class SubProc:
 
     def _ask(self, cmd: str | None, timeout: float) -> Any:
         if cmd is not None:
-            self.conn.send(cmd)
+            try:
+                self.conn.send(cmd)
+            except OSError:  # it died; its last words (an "error") may still be in the pipe
+                pass
         if not self.conn.poll(timeout):
-            raise AssertionError(f"subscriber process: no answer to {cmd!r} in {timeout}s")
+            raise AssertionError(f"{self.name} process: no answer to {cmd!r} in {timeout}s")
         msg = self.conn.recv()
-        assert msg[0] != "error", f"subscriber process failed: {msg[1]}"
+        assert msg[0] != "error", f"{self.name} process failed: {msg[1]}"
         return msg
-
-    def state(self) -> tuple[dict, dict]:
-        _, rb, st = self._ask("state", 10.0)
-        return rb, st
 
     def cache(self) -> dict:
         return self._ask("cache", 30.0)[1]
-
-    def wait(self, cond: Callable[[dict, dict], bool], timeout: float, what: str) -> dict:
-        """Poll the process's state (every 20 ms) until ``cond(rebuild, stats)`` holds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            rb, st = self.state()
-            if cond(rb, st):
-                return rb
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not met in {timeout}s; rebuild {rb}; stats {st}")
-            self.conn.poll(0.02)  # nothing arrives unasked: a bounded 20 ms pause
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -570,3 +558,27 @@ class SubProc:
             pass
         finally:
             _reap(self.proc, self.conn)
+
+
+class SubProc(Child):
+    """Parent-side handle of one subscriber process."""
+
+    def __init__(self, spec: StreamSpec, cfg: dict) -> None:
+        super().__init__(subscriber_main,
+                         ((spec.name, spec.endpoint, spec.topic, spec.replay_endpoint), cfg),
+                         "kvwire-subscriber")
+
+    def state(self) -> tuple[dict, dict]:
+        _, rb, st = self._ask("state", 10.0)
+        return rb, st
+
+    def wait(self, cond: Callable[[dict, dict], bool], timeout: float, what: str) -> dict:
+        """Poll the process's state (every 20 ms) until ``cond(rebuild, stats)`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rb, st = self.state()
+            if cond(rb, st):
+                return rb
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not met in {timeout}s; rebuild {rb}; stats {st}")
+            self.conn.poll(0.02)  # nothing arrives unasked: a bounded 20 ms pause

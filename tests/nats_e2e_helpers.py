@@ -8,13 +8,12 @@ children import this module by name (tests/ is on ``sys.path`` under pytest)."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from fault_helpers import CTX, Rebuild
+from fault_helpers import Child, Rebuild
 
 from kvwire.consume.subscriber import Subscriber
 from kvwire.nats.consumer import NatsStreams
@@ -48,36 +47,15 @@ def nats_consumer_main(conn: Any, url: str, durable: str | None) -> None:
         sub.close()
 
 
-class NatsConsumer:
+class NatsConsumer(Child):
     """Parent-side handle of one consumer process (``durable``: a named JetStream consumer)."""
 
     def __init__(self, url: str, durable: str | None = None) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=nats_consumer_main, args=(child, url, durable),
-                                daemon=True, name="kvwire-nats-consumer")
-        self.proc.start()
-        child.close()
-        msg = self._ask(None, 60.0)
-        assert msg[0] == "ready", msg
-
-    def _ask(self, cmd: str | None, timeout: float) -> Any:
-        if cmd is not None:
-            try:
-                self.conn.send(cmd)
-            except OSError:  # it died; its last words (an "error") may still be in the pipe
-                pass
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"nats consumer process: no answer to {cmd!r} in {timeout}s")
-        msg = self.conn.recv()
-        assert msg[0] != "error", f"nats consumer process failed: {msg[1]}"
-        return msg
+        super().__init__(nats_consumer_main, (url, durable), "kvwire-nats-consumer")
 
     def state(self) -> tuple[dict, dict]:
         _, rbs, stats = self._ask("state", 10.0)
         return rbs, stats
-
-    def cache(self) -> dict:
-        return self._ask("cache", 30.0)[1]
 
     def wait(self, cond: Callable[[dict], bool], timeout: float, what: str) -> dict:
         """Ask for the state (every 50 ms) until ``cond(states by stream)`` holds."""
@@ -90,24 +68,3 @@ class NatsConsumer:
                 raise AssertionError(f"{what}: not met in {timeout}s; rebuilds {rbs}; "
                                      f"nats stats {stats}")
             self.conn.poll(0.05)  # nothing arrives unasked: a bounded 50 ms pause
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-        self.conn.close()
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send("stop")
-                if self.conn.poll(5):
-                    self.conn.recv()
-                self.proc.join(5)
-        except (OSError, EOFError, BrokenPipeError):
-            pass
-        finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(10)
-            self.conn.close()
