@@ -22,7 +22,7 @@ ENGINE_DEPS := psutil==7.2.2 urllib3==2.8.0 regex==2026.11.15 cbor2==6.3.0 trans
   cachetools==8.0.1 cloudpickle==3.1.2 py-cpuinfo==9.0.0 xgrammar==0.2.8 \
   partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test fuzz lint bench venv clean
 
 venv: $(STAMP)
 
@@ -82,6 +82,13 @@ demo: $(STAMP)
 test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
+
+# Property tests with fresh random examples (`make test` draws the same ones every run):
+# ROUNDS rounds, a new seed each; stops at the first failure and prints its example.
+ROUNDS ?= 10
+fuzz: $(STAMP) $(TORCH_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
+	@for i in $$(seq $(ROUNDS)); do echo "kvwire fuzz: round $$i of $(ROUNDS)"; \
+	  KVWIRE_FUZZ=1 $(PY) -m pytest -q -x -p no:cacheprovider -m hypothesis tests || exit 1; done
 
 bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
