@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 from kvwire.sim.fleet import POLICIES, SimConfig, run_sim
+from kvwire.sim.floor import ttft_floor
 from kvwire.sim.trace import bundled_trace_path, load_trace, repeat_trace
 
 
@@ -23,7 +24,8 @@ def compare(loads: list[float], engines: int, capacity: int) -> None:
     """The bundled trace at each load (its arrival times divided by it), under kvwire's
     default policy, its tail-first slack (32,768 tokens), the cost before issue 24
     (load_weight 0.5, no slack), SGLang's cache_aware and round robin; issue 24's targets
-    checked for each load (kvwire's default)."""
+    checked for each load (kvwire's default); last, the floor no router can go below
+    (kvwire.sim.floor)."""
     base = load_trace(bundled_trace_path())
     print("| load | policy | hit ratio | work max/mean | TTFT p50 s | TTFT p99 s | e2e p99 s |")
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -48,11 +50,17 @@ def compare(loads: list[float], engines: int, capacity: int) -> None:
             ("TTFT p99 <= 0.8x SGLang's", kv["ttft_p99_s"] / sg["ttft_p99_s"], 0.8),
             ("hit ratio >= SGLang's (ratio)", kv["hit_ratio"] / sg["hit_ratio"], -1.0),
             ("work max/mean <= 1.05", kv["work_max_over_mean"], 1.05)]))
+    fl = ttft_floor(base, SimConfig(engines=engines, capacity=capacity))
+    f99 = fl.ttft_pct(0.99)
+    print(f"| any | floor: each request alone, cache unbounded | {fl.hit_ratio:.3f} | - "
+          f"| {fl.ttft_pct(0.5):.2f} | {f99:.2f} | - |")
     print()
     for load, checks in verdicts:
         for label, v, lim in checks:
             ok = v >= -lim if lim < 0 else v <= lim
             print(f"{load:g}x: {label}: {v:.3f} {'MET' if ok else 'MISSED'}")
+    print(f"no router's TTFT p99 can go below the floor's, {f99:.2f} s; a target under it "
+          "is out of reach at that load")
 
 
 def ablate(loads: list[float], engines: int, capacity: int) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.sim.engine import SimEngine, engine_keys, token_range
 from kvwire.sim.fleet import POLICIES, SimConfig, run_sim
+from kvwire.sim.floor import ttft_floor
 from kvwire.sim.trace import (
     Request,
     TraceError,
@@ -306,6 +308,30 @@ def test_kvwire_routes_like_the_oracle() -> None:
     assert res["kvwire"]["hit_ratio"] >= 0.9 * res["oracle"]["hit_ratio"] > 0
     assert res["kvwire"]["hit_ratio"] >= 2.5 * res["random"]["hit_ratio"]
     assert res["kvwire"]["work_max_over_mean"] <= 1.10
+
+
+def test_no_policy_beats_the_floor_request_by_request() -> None:
+    """The floor (each request alone, every earlier prompt cached) bounds every policy's
+    first token request by request, and its hits; with one roomy engine and no queue it is
+    exactly what the fleet does, so it is a bound by being right, not by being zero."""
+    reqs = [replace(r, t=r.t / 8) for r in load_trace(bundled_trace_path(), limit=300)]
+    cfg = SimConfig(engines=4, capacity=400)
+    fl = ttft_floor(reqs, cfg)
+    res = run_sim(reqs, cfg, ["kvwire", "sglang", "round_robin"], progress=False).results
+    for name, r in res.items():
+        assert len(r.ttft_s) == len(fl.ttft_s) == len(reqs)
+        below = [i for i, (t, f) in enumerate(zip(r.ttft_s, fl.ttft_s)) if t < f - 1e-9]
+        assert not below, (name, below[:5])
+        assert r.hit_blocks <= fl.hit_blocks, name
+        assert r.summary()["ttft_p99_s"] >= fl.ttft_pct(0.99)
+    assert sum(t > f + 0.1 for t, f in zip(res["round_robin"].ttft_s, fl.ttft_s)) > 100
+    spaced = [replace(r, t=i * 1000.0) for i, r in enumerate(reqs[:120])]
+    one = SimConfig(engines=1, capacity=100_000)
+    alone = run_sim(spaced, one, ["round_robin"], progress=False).results["round_robin"]
+    fl1 = ttft_floor(spaced, one)
+    assert alone.ttft_s == pytest.approx(fl1.ttft_s, abs=1e-9)
+    assert alone.hit_blocks == fl1.hit_blocks > 0
+    assert max(fl1.ttft_s) > 1.0  # long prompts' own prefill, not a trivial floor
 
 
 # ------------------------------------------------------------------ the engine models
