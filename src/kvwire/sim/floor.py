@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from ..engine import EngineModel, EngineRequest
 from .batched import engine_config, make_request
-from .fleet import SimConfig, _pct
+from .fleet import SimConfig
+from .http_replay import percentile
 from .trace import Request
 
 __all__ = ["Floor", "ttft_floor"]
@@ -35,8 +36,8 @@ class Floor:
         return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
 
     def ttft_pct(self, q: float) -> float:
-        """The nearest-rank ``q`` quantile, as :class:`~kvwire.sim.fleet.PolicyResult`'s."""
-        return _pct(sorted(self.ttft_s), q)
+        """The nearest-rank ``q`` quantile, the simulator's definition."""
+        return percentile(self.ttft_s, q)
 
 
 def ttft_floor(reqs: Sequence[Request], cfg: SimConfig | None = None) -> Floor:
