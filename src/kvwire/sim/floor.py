@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..engine import EngineModel, EngineRequest
+from ..engine import EngineModel
 from .batched import engine_config, make_request
 from .fleet import SimConfig
 from .http_replay import percentile
@@ -52,7 +52,7 @@ def ttft_floor(reqs: Sequence[Request], cfg: SimConfig | None = None) -> Floor:
     hits = blocks = 0
     for i, r in enumerate(reqs):
         er, named = make_request(i, r, bs)
-        one = EngineRequest(er.rid, er.prompt, 1)
+        one = replace(er, max_tokens=1)  # keeps the block hashes make_request computed
         model.add(one)
         start = model.now
         while not model.idle:
