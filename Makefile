@@ -87,7 +87,8 @@ test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 # ROUNDS rounds, a new seed each; stops at the first failure and prints its example.
 ROUNDS ?= 10
 fuzz: $(STAMP) $(TORCH_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
-	@for i in $$(seq $(ROUNDS)); do echo "kvwire fuzz: round $$i of $(ROUNDS)"; \
+	@case "$(ROUNDS)" in ''|*[!0-9]*|0) echo "kvwire fuzz: ROUNDS must be a whole number >= 1, got '$(ROUNDS)'" >&2; exit 2;; esac; \
+	for i in $$(seq $(ROUNDS)); do echo "kvwire fuzz: round $$i of $(ROUNDS)"; \
 	  KVWIRE_FUZZ=1 $(PY) -m pytest -q -x -p no:cacheprovider -m hypothesis tests || exit 1; done
 
 bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
