@@ -53,6 +53,24 @@ def test_zero_slack_is_the_old_cost(cands, prompt, lw) -> None:
 
 
 @settings(max_examples=300, deadline=None)
+@given(fleets(), st.integers(1, 64), st.floats(0, 1e4, allow_nan=False),
+       st.floats(0, 4, allow_nan=False), st.floats(0, 4, allow_nan=False))
+def test_choose_prices_each_engine_as_cost_does(cands, prompt, slack, pw, lw) -> None:
+    """``choose`` inlines the cost formula on its hot path; ``cost`` is the readable one the
+    docs and callers use. They must agree, the least load taken over the live engines."""
+    p = RoutingPolicy(prefill_weight=pw, load_weight=lw, balance_slack=slack, seed=0)
+    d = p.choose(prompt, cands)
+    least = min(c.load for c in ([c for c in cands if c.alive] or cands))
+    for c in cands:
+        assert d.cost[c.name] == pytest.approx(p.cost(prompt, c, least), abs=1e-9)
+    if slack > 0:  # the slack is measured from the least load: below it, a queue is free
+        free = Candidate("x", 0.0, least + slack * 0.999)
+        assert p.cost(prompt, free, least) == pytest.approx(pw * prompt)
+        over = Candidate("y", 0.0, least + slack + 10.0)
+        assert p.cost(prompt, over, least) == pytest.approx(pw * prompt + lw * 10.0)
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.integers(1, 64), st.floats(1, 1e4, allow_nan=False),
        st.floats(0, 2e4, allow_nan=False), st.floats(0, 50, allow_nan=False))
 def test_owner_kept_until_its_queue_exceeds_the_slack(prompt, slack, owner_load,

@@ -14,7 +14,6 @@ it from ``finally``), so no reservation outlives its request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -104,11 +103,3 @@ class Breaker:
             self.failure(now)
         elif self.down_until is not None and now >= self.down_until:
             self.down_until = None
-
-
-def pick_usable(engines: list[str], breakers: dict[str, Breaker],
-                tried: set[str]) -> Callable[[str], bool]:
-    """The predicate ``RouterCore.route_proxy`` filters by: an engine with a URL, up, and
-    not yet tried for this request."""
-    ok = {e for e in engines if breakers[e].up and e not in tried}
-    return ok.__contains__
