@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -126,25 +127,42 @@ def test_prop_temperature_never_picks_dead_unless_all_dead(cs, blocks, temp, see
 
 
 class LoadModel(RuleBasedStateMachine):
-    """LoadTracker against a plain dict model: reserve/release/expire in any order."""
+    """LoadTracker against a plain dict model: reserve/reduce/release/expire in any order,
+    with enough churn that the expiry heap is compacted under live reservations."""
 
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
         self.t = LoadTracker(expiry_s=10.0, clock=lambda: self.now)
         self.model: dict[str, tuple[str, float, float]] = {}
+        self.prefill: dict[str, float] = {}  # prompt still to compute, per live reservation
         self.n = 0
 
     def _expire_model(self) -> None:
         self.model = {r: v for r, v in self.model.items() if v[2] > self.now}
+        self.prefill = {r: p for r, p in self.prefill.items() if r in self.model}
 
-    @rule(name=names, amount=st.floats(0, 100, allow_nan=False), reuse=st.booleans())
-    def reserve(self, name, amount, reuse):
+    @rule(name=names, amount=st.floats(0, 100, allow_nan=False), reuse=st.booleans(),
+          prefill=st.floats(0, 2, allow_nan=False))
+    def reserve(self, name, amount, reuse, prefill):
         rid = next(iter(self.model)) if reuse and self.model else f"r{self.n}"
         self.n += 1
-        self.t.reserve(rid, name, amount, self.now)
+        # prefill may exceed the amount: the tracker caps it there
+        self.t.reserve(rid, name, amount, self.now, prefill=prefill * amount)
         self._expire_model()
         self.model[rid] = (name, amount, self.now + 10.0)
+        self.prefill[rid] = min(prefill * amount, amount)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), amount=st.floats(0, 150, allow_nan=False))
+    def reduce_known(self, data, amount):
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        name, held, deadline = self.model[rid]
+        take = min(amount, held) if amount > 0 else 0.0
+        assert self.t.reduce(rid, amount, self.now) == pytest.approx(take)
+        self.model[rid] = (name, held - take, deadline)
+        if take > 0:
+            self.prefill[rid] = 0.0
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -152,12 +170,25 @@ class LoadModel(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.model)))
         assert self.t.release(rid) is True
         del self.model[rid]
+        del self.prefill[rid]
 
     @rule()
     def release_unknown(self):
         before = self.t.unknown_releases
         assert self.t.release("never-reserved") is False
         assert self.t.unknown_releases == before + 1
+        assert self.t.reduce("never-reserved", 1.0) == 0.0
+
+    @rule(k=st.integers(1, 150))
+    def churn(self, k):
+        """Requests that come and go at once leave stale heap entries behind; past
+        2 x live + 64 of them the heap is rebuilt, which must keep every live deadline."""
+        for i in range(k):
+            rid = f"c{self.n}-{i}"
+            self.t.reserve(rid, "e0", 1.0, self.now, prefill=0.5)
+            assert self.t.release(rid, self.now) is True
+        self.n += 1
+        self._expire_model()
 
     @rule(dt=st.floats(0, 6, allow_nan=False))
     def advance(self, dt):
@@ -167,10 +198,24 @@ class LoadModel(RuleBasedStateMachine):
 
     @invariant()
     def loads_match(self):
+        reserved = self.t.loads()
         for n in [f"e{i}" for i in range(6)]:
             want = sum(a for (nm, a, _) in self.model.values() if nm == n)
-            assert math.isclose(self.t.load(n), want, abs_tol=1e-6)
+            assert math.isclose(reserved.get(n, 0.0), want, abs_tol=1e-6)
+            # the drained load is the reserved load less prefill worked off: never above
+            # it, never below what is not prefill
+            rest = sum(a - self.prefill[r] for r, (nm, a, _) in self.model.items() if nm == n)
+            assert rest - 1e-6 <= self.t.load(n, self.now) <= reserved.get(n, 0.0) + 1e-6
         assert len(self.t) == len(self.model)
+        for rid, (name, amount, _) in self.model.items():
+            assert self.t.holder(rid) == name
+            assert math.isclose(self.t.amount(rid), amount, abs_tol=1e-6)
+        assert self.t.holder("never-reserved") is None and self.t.amount("never-reserved") is None
+        # every live reservation still has its deadline in the expiry heap: a copy expired
+        # past the last deadline drops them all, and nothing else
+        later = copy.deepcopy(self.t)
+        assert later.expire(self.now + 10.0) == len(self.model) and len(later) == 0
+        assert later.loads() == {}
 
 
 TestLoadModel = LoadModel.TestCase
