@@ -291,6 +291,9 @@ class Sim:
     def tick(self, dt: float) -> None:
         self.now += dt
         self.handle(self.m.tick(self.now))
+        # what a tick leaves is in the future: an I/O layer that sleeps until
+        # next_deadline would otherwise wake at once, over and over (a spinning thread)
+        assert self.m.next_deadline >= self.now, (self.m.phase, self.m.next_deadline, self.now)
 
     def drain(self, limit: int = 20_000) -> None:
         steps = 0
@@ -991,3 +994,86 @@ def test_reference_tail_check_without_a_replay_buffer_changes_nothing():
     st = sim.m.stats()
     assert st.tail_checks >= 2 and SendReplay(0) in sim.actions[-3:], sim.actions[-3:]
     assert (st.restarts, st.resets, st.last_seq, sim.m.phase) == (0, 1, 4, "live"), st
+
+
+# ------------------------------------------------------------- edges a mutation sweep found
+# (each test below failed with one line of consume/stream.py deleted; the rest passed)
+
+_HB = encode_batch(KVEventBatch(1.0, [], None))
+
+
+def _live(seq: int) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), _HB]
+
+
+def test_next_deadline_is_the_periodic_check_while_live():
+    """An I/O layer sleeps until ``next_deadline``: while live it must wake for the epoch
+    check, or a restart that looks like a continuation is never caught."""
+    pub = SimPublisher(random.Random(21))
+    cfg = StreamConfig(info_interval=5.0, dead_after=1000.0)
+    sim = Sim(pub, config=cfg)
+    sim.join()
+    sim.drain()
+    assert sim.m.phase == "live"
+    assert sim.m.next_deadline == pytest.approx(sim.now + 5.0)
+    sim.tick(sim.m.next_deadline - sim.now)
+    assert isinstance(sim.actions[-1], SendInfo)
+
+
+def test_start_twice_and_tick_before_start_do_nothing():
+    m = StreamMachine("x", config=StreamConfig(dead_after=1.0))
+    assert m.tick(50.0) == [] and m.alive and m.stats().deaths == 0
+    assert kinds(m.start(100.0)) == ["SendInfo"]
+    assert m.start(100.5) == []  # no second probe
+    assert m.phase == "probe" and m.stats().deaths == 0
+
+
+def test_live_messages_keep_a_stream_alive():
+    m = StreamMachine("x", has_replay=False, config=StreamConfig(dead_after=2.0))
+    m.start(0.0)
+    for i in range(8):
+        t = 1.5 * (i + 1)
+        assert kinds(m.live(i, _HB, t))[-1] == "Batch"
+        assert m.next_deadline == pytest.approx(t + 2.0)  # counted from the last message
+        assert m.tick(t + 1.9) == []
+    assert m.alive and m.stats().deaths == 0
+    assert kinds(m.tick(12.0 + 2.1)) == ["Liveness"] and not m.alive
+
+
+def test_a_dead_stream_revived_on_the_bulk_path_says_so():
+    m = StreamMachine("x", has_replay=False, config=StreamConfig(dead_after=2.0))
+    m.start(0.0)
+    assert kinds(m.live_messages([_live(0)], 0.5))[-1] == "Batch"
+    out = m.tick(3.0)
+    assert kinds(out) == ["Liveness"] and out[0].alive is False
+    out = m.live_messages([_live(1), _live(2)], 3.5)
+    assert kinds(out) == ["Liveness", "Batch", "Batch"] and out[0].alive is True
+    assert m.alive and m.last_seq == 2
+
+
+def test_live_before_start_is_not_kept():
+    m = StreamMachine("x", has_replay=False)
+    assert m.live(0, _HB, 0.0) == []
+    m.start(1.0)
+    out = m.live(5, _HB, 1.0)
+    assert kinds(out) == ["Reset", "Snapshot", "Batch"] and out[1].seq == 4
+    assert m.stats().buffered == 0 and m.last_seq == 5
+
+
+def test_a_publisher_empty_at_boot_is_replayed_from_its_first_seq():
+    """A reference publisher had nothing when we joined; its first batches then went by
+    unheard. The first live batch we hear is not where the run starts: ask from 0."""
+    pub = SimPublisher(random.Random(22), kvwire=False)
+    sim = Sim(pub)
+    sim.join()
+    sim.tick(0.6)  # no INFO answer: reference; its replay from 0 comes back empty
+    sim.drain()
+    assert sim.m.phase == "await_first" and sim.m.last_seq is None
+    sim.publish(4)
+    sim.drop(3)  # 0..2 lost on the live path
+    sim.live(1)
+    assert sim.actions[-1] == SendReplay(0)
+    sim.drain()
+    assert sim.app.exact and sim.app.base == -1
+    assert [s for _, s in sim.app.seqs] == [0, 1, 2, 3]
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()

@@ -300,7 +300,11 @@ def test_dead_endpoint_never_hangs():
 def test_live_only_stream_without_replay_endpoint(closer):
     pub = RefPublisher()
     closer(pub)
-    sub = Subscriber([StreamSpec("e", pub.endpoint)], config=FAST)
+    # a short check interval: a live-only stream has no check to run, and its poller
+    # must still sleep past that interval (it once spun a core from then on)
+    cfg = StreamConfig(request_timeout=1.0, info_timeout=0.3, retry_delay=0.1,
+                       info_interval=0.2, dead_after=60.0)
+    sub = Subscriber([StreamSpec("e", pub.endpoint)], config=cfg)
     closer(sub)
     app = App()
     gen = Gen(5)
@@ -319,6 +323,12 @@ def test_live_only_stream_without_replay_endpoint(closer):
         pub.publish(gen.batch())
     pump(sub, app, lambda: app.last_seq("e") == n + 5)
     assert sub.stats()["e"].requests_sent == 0
+    # idle, well past the check interval: poll sleeps (thread CPU, not wall time, so a
+    # busy box does not make this fail; spinning used ~0.7 s of CPU a second here)
+    cpu0, end = time.thread_time(), time.monotonic() + 1.0
+    while (left := end - time.monotonic()) > 0:
+        assert sub.poll(left) is None
+    assert time.thread_time() - cpu0 < 0.2
 
 
 # --------------------------------------------------------------------------- kvwire publisher tests

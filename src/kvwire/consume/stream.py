@@ -133,7 +133,9 @@ class StreamMachine(Recovery):
     def next_deadline(self) -> float:
         """Earliest time at which :meth:`tick` may have something to do."""
         t = min(self._req_deadline, self._retry_at)
-        if self._phase == "live" and self._req is None:
+        if self._phase == "live" and self._req is None and self.has_replay:
+            # (the check tick() runs; without a replay endpoint there is none, and a check
+            # time that never moves on would be a deadline in the past: a spinning poller)
             t = min(t, self._next_check)
         da = self._dead_after()
         if da is not None and self._alive and self._phase != "idle":
