@@ -44,6 +44,28 @@ def test_no_drain_without_a_rate_or_when_off() -> None:
         assert lt.load("e", now=100.0) == (0.0 if drain else 10.0)
 
 
+def test_the_rate_counts_only_time_with_prefill_outstanding() -> None:
+    """Idle time between bursts is not prefill time: an engine doing 10 blocks/s, idle for
+    a minute between two prompts, still has a rate of 10 blocks/s (a rate taken over the
+    idle gap too would be ~0.3 and keep its queue looking full long after it is done)."""
+    lt = LoadTracker(clock=lambda: 0.0)
+    for k, t in enumerate((0.0, 60.0, 130.0)):
+        lt.reserve(f"r{k}", "e", 11.0, now=t, prefill=10.0)
+        assert lt.reduce(f"r{k}", 10.0, now=t + 1.0) == 10.0
+        assert lt.prefill_rate("e") == pytest.approx(10.0)
+        assert lt.release(f"r{k}", now=t + 2.0)
+    # two prompts at once, done one after the other: still 10 blocks/s of work
+    lt.reserve("x", "e", 10.0, now=200.0, prefill=10.0)
+    lt.reserve("y", "e", 10.0, now=200.0, prefill=10.0)
+    lt.reduce("x", 10.0, now=201.0)
+    lt.reduce("y", 10.0, now=202.0)
+    assert lt.prefill_rate("e") == pytest.approx(10.0, rel=0.01)
+    lt.release("x", now=202.0)
+    lt.release("y", now=202.0)
+    lt.reserve("z", "e", 30.0, now=300.0, prefill=30.0)
+    assert lt.load("e", now=301.0) == pytest.approx(20.0, rel=0.01)
+
+
 def test_a_request_that_ends_before_its_first_token_teaches_nothing() -> None:
     lt = LoadTracker(clock=lambda: 0.0)
     lt.reserve("a", "e", 10.0, now=0.0, prefill=10.0)
