@@ -288,3 +288,59 @@ def test_proxy_routes_a_new_prompt_to_the_engine_busy_least_lately() -> None:
         now[0] = 50.0
         core.release(held["request_id"])
         assert core.route([3] * 64, reserve=False)["engine"] != held["engine"]
+
+
+# --------------------------------------------------- the cache-blind baselines of --policy
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.integers(0, 2**32))
+def test_baselines_spread_over_live_engines_and_avoid_dead_ones(cands, seed) -> None:
+    live = [c.name for c in cands if c.alive] or [c.name for c in cands]
+    n = 4 * len(live)
+    rr = make_policy("round_robin", seed=seed)
+    got = [rr.choose(8, cands).name for _ in range(n)]
+    assert sorted(got) == sorted(live * 4)  # each live engine exactly in turn
+    assert all(got[i] != got[i + 1] for i in range(n - 1)) or len(live) == 1
+    least = min(c.load for c in cands if c.name in live)
+    ll = make_policy("least_load", seed=seed)
+    for _ in range(10):
+        d = ll.choose(8, cands)
+        assert d.name in live
+        assert next(c for c in cands if c.name == d.name).load <= least + 1e-9
+        assert d.cost == {c.name: c.load for c in cands}
+        assert d.overlap == {c.name: c.credit for c in cands}
+    rnd = make_policy("random", seed=seed)
+    picks = [rnd.choose(8, cands).name for _ in range(60 * len(live))]
+    assert set(picks) == set(live)  # uniform: every live engine comes up (p fail < 1e-9)
+    again = make_policy("random", seed=seed)
+    assert [again.choose(8, cands).name for _ in range(len(picks))] == picks  # seeded
+
+
+def test_least_load_ties_are_seeded_random() -> None:
+    cands = [Candidate(f"e{i}", 0.0, 5.0) for i in range(4)] + [Candidate("busy", 0.0, 9.0)]
+    def run(seed: int) -> list[str]:
+        p = make_policy("least_load", seed=seed)
+        return [p.choose(1, cands).name for _ in range(40)]
+    runs = [run(1), run(1), run(2)]
+    assert runs[0] == runs[1] and set(runs[0]) == {"e0", "e1", "e2", "e3"}
+    assert runs[0] != runs[2]
+
+
+def test_make_policy_names_and_errors() -> None:
+    from kvwire.router.policy import (
+        POLICIES,
+        LeastLoadPolicy,
+        RandomPolicy,
+        RoundRobinPolicy,
+    )
+    kinds = {"kvwire": RoutingPolicy, "round_robin": RoundRobinPolicy,
+             "least_load": LeastLoadPolicy, "random": RandomPolicy}
+    assert set(POLICIES) == set(kinds)
+    for name, cls in kinds.items():
+        p = make_policy(name, seed=0)
+        assert type(p) is cls
+        with pytest.raises(ValueError, match="no candidates"):
+            p.choose(1, [])
+    with pytest.raises(ValueError, match=r"unknown policy 'fastest' \(expected one of kvwire, "):
+        make_policy("fastest")

@@ -66,6 +66,20 @@ def test_the_rate_counts_only_time_with_prefill_outstanding() -> None:
     assert lt.load("e", now=301.0) == pytest.approx(20.0, rel=0.01)
 
 
+def test_a_request_that_ends_before_its_first_token_leaves_no_prefill_behind() -> None:
+    """Its prompt is gone from the engine's queue: the next prompt is not taken as already
+    half done by a backlog that no longer exists."""
+    lt = LoadTracker(clock=lambda: 0.0)
+    lt.reserve("a", "e", 10.0, now=0.0, prefill=10.0)
+    lt.reduce("a", 10.0, now=1.0)  # 10 blocks/s learned
+    lt.release("a", now=1.0)
+    lt.reserve("b", "e", 20.0, now=5.0, prefill=20.0)
+    assert lt.release("b", now=5.1)  # failed before its first token
+    lt.reserve("c", "e", 10.0, now=6.0, prefill=10.0)
+    assert lt.load("e", now=6.0) == pytest.approx(10.0)
+    assert lt.load("e", now=6.5) == pytest.approx(5.0)
+
+
 def test_a_request_that_ends_before_its_first_token_teaches_nothing() -> None:
     lt = LoadTracker(clock=lambda: 0.0)
     lt.reserve("a", "e", 10.0, now=0.0, prefill=10.0)
