@@ -1077,3 +1077,18 @@ def test_a_publisher_empty_at_boot_is_replayed_from_its_first_seq():
     assert sim.app.exact and sim.app.base == -1
     assert [s for _, s in sim.app.seqs] == [0, 1, 2, 3]
     assert sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_malformed_frames_are_counted_named_and_change_nothing():
+    m = StreamMachine("x", has_replay=False)
+    m.start(0.0)
+    assert kinds(m.live_frames(_live(0), 0.0))[-1] == "Batch"
+    # a 7-byte seq (here: the bytes of the next seq, 1) must not pass as seq 1, on either path
+    short = [b"", (1).to_bytes(8, "big")[1:], _HB]
+    assert m.live_frames(short, 0.1) == []
+    assert m.live_messages([short, [b"only"]], 0.2) == []
+    assert m.reply_frames([b"x"], 0.3) == []
+    st_ = m.stats()
+    assert st_.bad_frames == 4 and m.last_seq == 0 and st_.batches == 1
+    assert st_.last_error.startswith("reply: ")
+    assert kinds(m.live_messages([_live(1)], 0.4)) == ["Batch"]  # and the stream goes on
