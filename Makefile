@@ -22,7 +22,7 @@ ENGINE_DEPS := psutil==7.2.2 urllib3==2.8.0 regex==2026.11.15 cbor2==6.3.0 trans
   cachetools==8.0.1 cloudpickle==3.1.2 py-cpuinfo==9.0.0 xgrammar==0.2.8 \
   partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1
 
-.PHONY: demo test fuzz lint bench venv clean
+.PHONY: demo test fuzz mutate lint bench venv clean
 
 venv: $(STAMP)
 
@@ -90,6 +90,12 @@ fuzz: $(STAMP) $(TORCH_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	@case "$(ROUNDS)" in ''|*[!0-9]*|0) echo "kvwire fuzz: ROUNDS must be a whole number >= 1, got '$(ROUNDS)'" >&2; exit 2;; esac; \
 	for i in $$(seq $(ROUNDS)); do echo "kvwire fuzz: round $$i of $(ROUNDS)"; \
 	  KVWIRE_FUZZ=1 $(PY) -m pytest -q -x -p no:cacheprovider -m hypothesis tests || exit 1; done
+
+# Mutation sweep of one file (docs/testing.md): which one-node changes no test notices.
+# make mutate SOURCE=src/kvwire/router/policy.py TESTS="tests/test_balance.py tests/test_router.py"
+mutate: $(STAMP)
+	@if [ -z "$(SOURCE)" ] || [ -z "$(TESTS)" ]; then echo "kvwire mutate: give SOURCE=FILE and TESTS=\"tests/...\"" >&2; exit 2; fi
+	$(PY) tests/mutation.py $(SOURCE) -- $(TESTS)
 
 bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
