@@ -420,7 +420,28 @@ def test_bad_requests_and_config() -> None:
         m.add(EngineRequest("late", [1], 1), 5.0)
     with pytest.raises(ValueError):
         EngineConfig(block_size=0)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="cpu_blocks"):
+            EngineConfig(cpu_blocks=bad)
     with pytest.raises(ValueError):
         StepCost(base_s=0.0)
     with pytest.raises(RuntimeError):
         EngineModel().step()
+
+
+def test_abort_frees_a_request_waiting_or_running_once() -> None:
+    """A client that goes away: the request leaves the queue or the batch, its blocks go
+    back to the pool now (as vLLM frees them), and a second abort is a no-op."""
+    m = EngineModel(EngineConfig(num_gpu_blocks=20, block_size=4, max_num_batched_tokens=8))
+    free = m.cache.num_free
+    a = EngineRequest("a", list(range(12)), 50)
+    b = EngineRequest("b", list(range(100, 112)), 50)
+    m.add(a, 1.5)
+    m.add(b, 1.5)
+    assert a.arrival == b.arrival == 1.5
+    m.step()  # a prefills 8 of 12 (the budget); b waits
+    assert a in m.running and b in m.waiting and m.cache.num_free < free
+    assert m.abort(b) and b not in m.waiting and b.status == "finished"
+    assert m.abort(a) and a not in m.running and a.status == "finished"
+    assert m.idle and m.cache.num_free == free  # every block back (cached ones evictable)
+    assert not m.abort(a) and not m.abort(EngineRequest("never", [1], 1))
