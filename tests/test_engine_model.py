@@ -306,6 +306,8 @@ def test_preemption_of_the_youngest_and_recompute() -> None:
     assert b.preemptions >= 1 and a.preemptions == 0 and m.preemptions == b.preemptions
     assert a.finish_t < b.finish_t and a.num_output == b.num_output == 12
     assert b.cached_tokens == 0, "counted at the first admission only"
+    # vLLM counts prefix-cache queries of requests never preempted: b's re-admission is not
+    assert (m.prefix_queries, m.prefix_hits) == (16, 0)
 
 
 def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
