@@ -1092,3 +1092,29 @@ def test_malformed_frames_are_counted_named_and_change_nothing():
     assert st_.bad_frames == 4 and m.last_seq == 0 and st_.batches == 1
     assert st_.last_error.startswith("reply: ")
     assert kinds(m.live_messages([_live(1)], 0.4)) == ["Batch"]  # and the stream goes on
+
+
+def test_a_gap_nothing_can_fill_is_given_up_and_counted():
+    """A reference publisher that keeps no replay buffer (its ROUTER answers every replay
+    with the end marker at once): a dropped batch cannot come back, not even by a replay
+    from 0. The machine says which seqs are lost, goes on inexact from the next one, and
+    keeps following the stream."""
+    pub = SimPublisher(random.Random(23), kvwire=False, buffer_steps=0)
+    sim = Sim(pub)
+    sim.join()
+    sim.tick(0.6)  # no INFO answer: reference
+    sim.publish(2)
+    sim.drain()
+    assert sim.m.mode == "reference" and sim.m.last_seq == 1
+    sim.publish(3)
+    sim.drop(1)  # seq 2
+    sim.drain()
+    st_ = sim.m.stats()
+    assert (st_.lost, sim.m.last_seq, sim.m.phase, st_.exact) == (1, 4, "live", False)
+    assert st_.last_error == "seqs 2..2 lost"
+    assert sim.app.resets[-1] == "seqs 2..2 lost and no snapshot available"
+    assert not sim.app.exact and sim.app.base == 2
+    assert [s for _, s in sim.app.seqs][-2:] == [3, 4]
+    sim.publish(2)
+    sim.drain()
+    assert sim.m.last_seq == 6 and sim.m.stats().lost == 1
