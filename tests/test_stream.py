@@ -1118,3 +1118,22 @@ def test_a_gap_nothing_can_fill_is_given_up_and_counted():
     sim.publish(2)
     sim.drain()
     assert sim.m.last_seq == 6 and sim.m.stats().lost == 1
+
+
+def test_the_periodic_check_runs_once_an_interval_and_stray_infos_are_ignored():
+    pub = SimPublisher(random.Random(24))
+    sim = Sim(pub, config=StreamConfig(info_interval=5.0, dead_after=1000.0))
+    sim.join()
+    sim.drain()
+    n = len(sim.actions)
+    for _ in range(4):
+        sim.tick(2.5)  # half an interval: nothing
+        assert len(sim.actions) == n
+        sim.tick(2.5)  # a whole one: one INFO probe, answered
+        assert sim.actions[n:] == [SendInfo()]
+        sim.drain()
+        n = len(sim.actions)
+    assert sim.m.stats().stray_replies == 0
+    info = InfoReply(epoch=pub.epoch, seq=pub.seq, oldest=0, snapshot=True)
+    assert sim.m.info(info, sim.now) == []  # nothing asked: a stray answer changes nothing
+    assert sim.m.stats().stray_replies == 1 and sim.m.phase == "live"
