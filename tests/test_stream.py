@@ -1137,3 +1137,27 @@ def test_the_periodic_check_runs_once_an_interval_and_stray_infos_are_ignored():
     info = InfoReply(epoch=pub.epoch, seq=pub.seq, oldest=0, snapshot=True)
     assert sim.m.info(info, sim.now) == []  # nothing asked: a stray answer changes nothing
     assert sim.m.stats().stray_replies == 1 and sim.m.phase == "live"
+
+
+def test_a_gap_evicted_between_info_and_replay_resyncs_from_snapshot():
+    """INFO said the publisher still held the missing seqs; by the time the replay was
+    served they were evicted (the answer starts past them): resync from a snapshot."""
+    pub = SimPublisher(random.Random(25), buffer_steps=3)
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    sim.publish(1)
+    sim.live(1)  # seq 0
+    sim.publish(2)
+    sim.drop(1)  # seq 1
+    sim.live(1)  # seq 2: a gap; INFO is answered now, while seq 1 is still held
+    assert sim.actions[-1] == SendInfo()
+    sim.publish(3)  # 3..5 evict 0..2 from the publisher's ring of 3
+    sim.reply(1)  # INFO: replay from 1, answered from the ring as it is now
+    assert sim.actions[-1] == SendReplay(1)
+    sim.drain()
+    st_ = sim.m.stats()
+    assert st_.resyncs == 1 and st_.lost == 2 and st_.last_error == "seqs 1..2 lost"
+    assert sim.app.resets[-1] == "seqs 1..2 lost and not replayable; resynced"
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+    assert sim.m.last_seq == 5 and sim.m.phase == "live"
