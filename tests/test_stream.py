@@ -1161,3 +1161,27 @@ def test_a_gap_evicted_between_info_and_replay_resyncs_from_snapshot():
     assert sim.app.resets[-1] == "seqs 1..2 lost and not replayable; resynced"
     assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
     assert sim.m.last_seq == 5 and sim.m.phase == "live"
+
+
+@pytest.mark.parametrize("bad", ["index past the count", "another snapshot's chunk"])
+def test_an_inconsistent_snapshot_chunk_restarts_the_snapshot(bad):
+    """A chunk whose index is out of range, or whose epoch/seq/count differ from the first
+    chunk's, is counted and named, and the whole snapshot is asked for again."""
+    pub = SimPublisher(random.Random(26))
+    sim = Sim(pub)
+    sim.publish(20)
+    sim.join()
+    sim.reply(1)  # INFO -> SendSnapshot, its chunks queued
+    assert isinstance(sim.actions[-1], SendSnapshot) and len(sim.reply_q) == 2
+    sim.reply(1)  # the first chunk, consistent
+    e, s = pub.epoch, pub.seq
+    header = (SnapshotHeader(e, s, 2, 2) if bad == "index past the count"
+              else SnapshotHeader(e, s - 1, 1, 2))
+    n = len(sim.actions)
+    sim.handle(sim.m.snapshot_chunk(header, b"", sim.now))
+    st_ = sim.m.stats()
+    assert st_.bad_frames == 1 and "inconsistent snapshot chunk" in st_.last_error
+    assert kinds(sim.actions[n:]) == ["RecycleRequests", "SendSnapshot"]
+    sim.drain()
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+    assert sim.m.stats().snapshots == 1 and sim.m.last_seq == s
