@@ -447,3 +447,18 @@ def test_abort_frees_a_request_waiting_or_running_once() -> None:
     assert m.abort(a) and a not in m.running and a.status == "finished"
     assert m.idle and m.cache.num_free == free  # every block back (cached ones evictable)
     assert not m.abort(a) and not m.abort(EngineRequest("never", [1], 1))
+
+
+def test_prefix_counters_count_each_lookup_and_hit() -> None:
+    """vLLM's prefix_cache_queries / _hits: tokens looked up and found, per admission."""
+    m = EngineModel(EngineConfig(num_gpu_blocks=50, block_size=4))
+    a = EngineRequest("a", list(range(16)), 2)
+    m.add(a, 0.0)
+    while not m.idle:
+        m.step()
+    b = EngineRequest("b", list(range(12)) + [99, 98, 97, 96, 95], 2)
+    m.add(b)
+    while not m.idle:
+        m.step()
+    assert b.cached_tokens == 12  # three full blocks of a's prompt
+    assert (m.prefix_queries, m.prefix_hits) == (16 + 17, 12)
