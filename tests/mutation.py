@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("source", help="the file to mutate, relative to the repo")
     ap.add_argument("--lines", help="only lines A-B")
     ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ap.add_argument("--timeout", type=float, default=300.0, help="per mutant (a hang = killed)")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds per mutant; one that runs longer (a loop) counts as killed")
     args = ap.parse_args(argv[:cut])
     tests = argv[cut + 1:]
     if not tests:
