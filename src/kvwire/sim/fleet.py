@@ -34,6 +34,7 @@ from ..publish.publisher import ZmqEventPublisher
 from ..router.cache_aware import CacheAwareParams
 from ..router.policy import RoutingPolicy
 from .engine import SimEngine, engine_keys
+from .quantile import nearest_rank
 from .routers import (  # noqa: F401 - re-exported: tests patch fleet._LeastLoad
     _ROUTERS,
     SimError,
@@ -165,19 +166,19 @@ class PolicyResult:
         return {
             "hit_ratio": round(self.hit_ratio, 6),
             "work_max_over_mean": round(self.work_max_over_mean, 6),
-            "ttft_p50_s": round(_pct(ttft, 0.50), 6),
-            "ttft_p99_s": round(_pct(ttft, 0.99), 6),
+            "ttft_p50_s": round(nearest_rank(ttft, 0.50), 6),
+            "ttft_p99_s": round(nearest_rank(ttft, 0.99), 6),
             "events_published": self.events_published,
             "events_applied": self.events_applied,
             "prefix_reuse_ratio": round(self.prefix_reuse_ratio, 6),
-            "itl_p50_s": round(_pct(itl, 0.50), 6),
-            "itl_p99_s": round(_pct(itl, 0.99), 6),
-            "e2e_p50_s": round(_pct(e2e, 0.50), 6),
-            "e2e_p99_s": round(_pct(e2e, 0.99), 6),
+            "itl_p50_s": round(nearest_rank(itl, 0.50), 6),
+            "itl_p99_s": round(nearest_rank(itl, 0.99), 6),
+            "e2e_p50_s": round(nearest_rank(e2e, 0.50), 6),
+            "e2e_p99_s": round(nearest_rank(e2e, 0.99), 6),
             "output_tok_s": round(self.output_tokens / self.span_s, 3) if self.span_s else 0.0,
             "preemptions": self.preemptions,
-            "route_p50_us": round(_pct(lat, 0.50), 1),
-            "route_p99_us": round(_pct(lat, 0.99), 1),
+            "route_p50_us": round(nearest_rank(lat, 0.50), 1),
+            "route_p99_us": round(nearest_rank(lat, 0.99), 1),
             "engine_work_s": [round(w, 3) for w in self.engine_work_s],
         }
 
@@ -218,13 +219,6 @@ class SimResult:
                 f"{s['events_published']:>12}{s['events_applied']:>10}{s['route_p99_us']:>9.0f}us"
             )
         return "\n".join(rows)
-
-
-def _pct(sorted_vals: Sequence[float], q: float) -> float:
-    if not sorted_vals:
-        return 0.0
-    i = min(len(sorted_vals) - 1, max(0, int(q * len(sorted_vals) + 0.5) - 1))
-    return float(sorted_vals[i])
 
 
 # --------------------------------------------------------------------------- the loop

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ..engine import EngineModel
 from .batched import engine_config, make_request
 from .fleet import SimConfig
-from .http_replay import percentile
+from .quantile import percentile
 from .trace import Request
 
 __all__ = ["Floor", "ttft_floor"]

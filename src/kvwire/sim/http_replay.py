@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from .quantile import percentile  # (re-exported: kvwire.sim.http_replay.percentile)
 from .trace import Request, prompt_tokens
 
 __all__ = [
@@ -103,14 +104,6 @@ class ReplayRecord:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None and self.ttft_s is not None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (the simulator's definition); 0.0 for no values."""
-    s = sorted(values)
-    if not s:
-        return 0.0
-    return float(s[min(len(s) - 1, max(0, int(q * len(s) + 0.5) - 1))])
 
 
 @dataclass(frozen=True, slots=True)
