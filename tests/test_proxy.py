@@ -52,7 +52,8 @@ class Stack:
     """Engines + RouterCore + Proxy + uvicorn, all in this process, on loopback."""
 
     def __init__(self, engines: list[Any], urls: list[str] | None = None,
-                 tokenizer: Any = "builtin", policy: Any = None, **cfg: Any) -> None:
+                 tokenizer: Any = "builtin", policy: Any = None,
+                 admin_token: str | None = None, **cfg: Any) -> None:
         self.engines = engines
         urls = urls or [e.url for e in engines]
         specs = [EngineSpec(f"e{i}", e.events[0], url=u)
@@ -66,7 +67,8 @@ class Stack:
         self.proxy = Proxy(self.core, tok, tokenize_with_engine=tokenizer == "engine",
                            config=ProxyConfig(**cfg))
         self.proxy.start()
-        self.server, self.thread, port = serve_in_thread(self.core, proxy=self.proxy)
+        self.server, self.thread, port = serve_in_thread(self.core, proxy=self.proxy,
+                                                         admin_token=admin_token)
         self.url = f"http://127.0.0.1:{port}"
         assert self.proxy.wait_probed(TIMEOUT)
         wait_for(lambda: all(self.core.alive.values()), "every event stream alive")

@@ -170,6 +170,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="indexer API: keep /register'd streams in FILE (rewritten atomically "
                         "on each change, read at start: a restart follows the same streams); "
                         "with it, --engine is optional (docs/indexer-api.md)")
+    p.add_argument("--admin-token", metavar="TOKEN", default=None,
+                   help="allow POST /engines and DELETE /engines/NAME (engines added and "
+                        "removed at run time) to callers sending 'Authorization: Bearer "
+                        "TOKEN'; default: $KVWIRE_ADMIN_TOKEN; unset: off (403)")
     p.add_argument("--dead-after", type=_positive(float), default=None,
                    help="silence (s) after which a stream is dead (default 3 heartbeats)")
     add_log_level(p)
@@ -289,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
           file=sys.stderr, flush=True)
     try:
-        app = fast_app(build_app(core, proxy, indexer))
+        app = fast_app(build_app(core, proxy, indexer, admin_token=_admin_token(args)))
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
@@ -338,6 +342,13 @@ def _tokenizer(args: argparse.Namespace):
     return load_tokenizer(None if spec == "builtin" else spec,
                           chat_template=args.chat_template,
                           content_format=args.chat_template_content_format)
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """``--admin-token``, else ``$KVWIRE_ADMIN_TOKEN``; empty means unset."""
+    from ..router.membership import TOKEN_ENV
+
+    return args.admin_token or os.environ.get(TOKEN_ENV) or None
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .indexer import INDEXER_PATHS, Indexer
+from .membership import add_membership_routes
 from .service import RouteError, RouterCore
 from .status_feed import StatusFeed
 from .status_page import STATUS_HTML
@@ -155,11 +156,13 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(_enc.encode(obj), status_code=status, media_type="application/json")
 
 
-def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = None
-              ) -> FastAPI:
+def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = None,
+              admin_token: str | None = None) -> FastAPI:
     """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops);
     with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), ``fast_app`` also serves
-    ``/v1`` and ``/health`` needs an engine live on both HTTP and events."""
+    ``/v1`` and ``/health`` needs an engine live on both HTTP and events. With
+    ``admin_token``, ``POST /engines`` and ``DELETE /engines/{name}`` change the engines
+    (:mod:`~kvwire.router.membership`); without, they answer 403."""
     app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = _Metrics(core, proxy)
     feed = StatusFeed(core, proxy)  # the status page's charts, sampled once a second
@@ -230,6 +233,8 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
                 if name in out:
                     out[name]["http"] = st
         return _json(out)
+
+    add_membership_routes(app, core, proxy, admin_token, bad)
 
     @app.get("/health")
     async def health() -> Response:
@@ -371,8 +376,8 @@ def _decode_route(body: bytes) -> Any:
 
 
 def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
-                    timeout: float = 10.0, proxy: Any = None
-                    ) -> tuple[Any, threading.Thread, int]:
+                    timeout: float = 10.0, proxy: Any = None,
+                    admin_token: str | None = None) -> tuple[Any, threading.Thread, int]:
     """Run the app with uvicorn (with ``proxy``: :class:`~kvwire.router.front.Server`) in
     a daemon thread (tests, docs, embedding).
 
@@ -387,9 +392,11 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     if proxy is not None:  # the proxy's hot paths on the lean server, the rest bridged
         from .front import Server
 
-        server: Any = Server(fast_app(build_app(core, proxy)), proxy)
+        server: Any = Server(fast_app(build_app(core, proxy, admin_token=admin_token)),
+                             proxy)
     else:
-        config = uvicorn.Config(fast_app(build_app(core, proxy)), log_level="warning",
+        config = uvicorn.Config(fast_app(build_app(core, proxy, admin_token=admin_token)),
+                                log_level="warning",
                                 access_log=False, lifespan="off", proxy_headers=False)
         server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},

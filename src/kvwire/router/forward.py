@@ -189,8 +189,10 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
         last_engine = routed.engine
         if marks_down(outcome):
             proxy.counts["upstream_failures"] += 1
-            with proxy._lock:
-                proxy.links[routed.engine].breaker.failure(time.monotonic())
+            failed = proxy.links.get(routed.engine)  # (None: removed meanwhile)
+            if failed is not None:
+                with proxy._lock:
+                    failed.breaker.failure(time.monotonic())
         if plan is not None:  # its engines only, each once
             if sent:
                 return

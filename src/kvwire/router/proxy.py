@@ -275,14 +275,15 @@ class Proxy:
         self.prompt_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self.cached_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self._known: dict[str, str | None] = {}
-        self._known_gen = -1  # the _models_gen _known was built at
+        self._known_gen: tuple[int, int] = (-1, -1)  # the generations _known was built at
         self._models_gen = 0  # bumped by the prober each time it sets an engine's models
+        self._members_gen = 0  # bumped (on the serving loop) when an engine comes or goes
         self.metrics = ProxyMetrics(self)
-        for name, link in self.links.items():
-            link.ttft = self.metrics.ttft.labels(name)
-            link.e2e = self.metrics.e2e.labels(name)
+        for link in self.links.values():
+            self._label(link)
         self._lock = threading.Lock()  # breakers: the prober thread and the event loop
         self._stop = threading.Event()
+        self._kick = threading.Event()  # probe now (an engine was added)
         self._thread: threading.Thread | None = None
         self._probed = threading.Event()
 
@@ -296,6 +297,7 @@ class Proxy:
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(5.0)
 
@@ -304,11 +306,59 @@ class Proxy:
                           limits=httpx.Limits(max_keepalive_connections=0)) as client:
             n = 0
             while not self._stop.is_set():
-                for link in self.links.values():
+                for link in list(self.links.values()):
                     self._probe(client, link, refresh=n % 10 == 0)
                 self._probed.set()
                 n += 1
-                self._stop.wait(self.cfg.probe_interval)
+                self._kick.wait(self.cfg.probe_interval)
+                self._kick.clear()
+
+    # ------------------------------------------------------------------ membership
+
+    def _label(self, link: _Link) -> None:
+        link.ttft = self.metrics.ttft.labels(link.name)
+        link.e2e = self.metrics.e2e.labels(link.name)
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        """Route and proxy to one more engine (call on the serving loop, as the admin
+        endpoint does, or before serving). An engine with ``url=`` takes requests once its
+        ``/health`` answers and an event stream is live; one without serves ``/route``
+        only. Raises as :meth:`RouterCore.add_engine` does, changing nothing."""
+        self.core.add_engine(spec)
+        if spec.url is None:
+            return
+        link = _Link(spec, self.cfg.cooloff)
+        self._label(link)
+        name = spec.name
+        # copy-on-write: the prober thread and the status sampler iterate these; counts of
+        # an earlier engine of the same name carry on (its requests may still be running)
+        self.in_flight = {**self.in_flight, name: self.in_flight.get(name, 0)}
+        self.prompt_tokens = {**self.prompt_tokens, name: self.prompt_tokens.get(name, 0)}
+        self.cached_tokens = {**self.cached_tokens, name: self.cached_tokens.get(name, 0)}
+        self.links = {**self.links, name: link}
+        self._names = list(self.links)
+        self._members_gen += 1
+        self._kick.set()
+        log.info("engine %s added (%s)", name, spec.url)
+
+    def remove_engine(self, name: str) -> int | None:
+        """Stop routing to engine ``name`` (on the serving loop). Requests already sent there
+        run to their end (their load is released then); its idle connections close, and so
+        do the others as those requests finish. Returns how many were in flight there, or
+        None if no such engine."""
+        if not self.core.remove_engine(name):
+            return None
+        link = self.links.get(name)
+        if link is None:  # an engine without url=: routed, never proxied
+            return 0
+        self.links = {n: lk for n, lk in self.links.items() if n != name}
+        self._names = list(self.links)
+        self._members_gen += 1
+        if link.pool is not None:
+            link.pool.close()  # idle ones now; the rest as their requests end
+        n = self.in_flight.get(name, 0)
+        log.info("engine %s removed (%d requests in flight there)", name, n)
+        return n
 
     def _probe(self, client: httpx.Client, link: _Link, refresh: bool) -> None:
         try:
@@ -416,7 +466,7 @@ class Proxy:
     def _known_models(self) -> dict[str, str | None]:
         """Model id -> parent (LoRA adapters) over the engines; rebuilt only after a probe
         set an engine's list (read first: a list set while this builds is seen next time)."""
-        gen = self._models_gen
+        gen = (self._models_gen, self._members_gen)
         if gen == self._known_gen:
             return self._known
         out: dict[str, str | None] = {}

@@ -37,7 +37,7 @@ from ..consume.subscriber import StreamSpec, Subscriber
 from ..wire.events import KVEventBatch
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 
-__all__ = ["EngineSpec", "RouteError", "Routed", "RouterCore"]
+__all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
 
@@ -53,6 +53,10 @@ SNAPSHOT_SLICE = 2048
 
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
+
+class EngineConflict(ValueError):
+    """An engine added at run time whose name (or one of its stream names) is in use."""
+
 
 class RouteError(ValueError):
     """A request the router cannot serve; ``status`` is the HTTP status to answer with."""
@@ -125,6 +129,12 @@ class _Target:
     rank: int
 
 
+def _targets(e: EngineSpec) -> list[_Target]:
+    """An engine's routing targets: one per DP rank (labelled NAME, or NAME/dpR)."""
+    return [_Target(stream, e.name if e.ranks == 1 else stream, e.name, r)
+            for r, stream in enumerate(e.stream_names())]
+
+
 class RouterCore:
     """Index + subscriber thread + policy + load: everything ``kvwire serve`` answers from."""
 
@@ -170,17 +180,11 @@ class RouterCore:
             index = PrefixIndex(predict_ttl=predict_ttl, clock=clock)
         self.index = index  # a kvwire.index.PrefixIndex (or one with its API)
         self.loads = LoadTracker(expiry_s=expiry_s, clock=clock)
-        self.targets: list[_Target] = []
         self.specs: list[StreamSpec] = []
         for e in self.engines:
-            for r, stream in enumerate(e.stream_names()):
-                label = e.name if e.ranks == 1 else stream
-                self.targets.append(_Target(stream, label, e.name, r))
             if nats is None:  # (with nats, the engines' streams come from JetStream)
                 self.specs += e.streams()
-        self._by_label = {t.label: t for t in self.targets}
-        self._by_stream = {t.stream for t in self.targets}
-        self._pairs = [(t.stream, t.label) for t in self.targets]
+        self._set_targets([t for e in self.engines for t in _targets(e)])
         self.stream_config = stream_config
         self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
         self.lock = threading.Lock()
@@ -330,6 +334,80 @@ class RouterCore:
                 self._sub.remove(name, then=self._forget)
         return True
 
+    # ------------------------------------------------------------------ run-time engines
+
+    def _set_targets(self, targets: list[_Target]) -> None:
+        # Copy-on-write: a reader that took ``targets`` (or, under the lock, the maps)
+        # keeps a consistent set while an engine is added or removed.
+        self.targets = targets
+        self._by_label = {t.label: t for t in targets}
+        self._by_stream = {t.stream for t in targets}
+        self._pairs = [(t.stream, t.label) for t in targets]
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        """Route to one more engine from now on (any thread). Its streams are followed from
+        the subscriber's next poll; until one is live the engine is a candidate of last
+        resort, as any engine whose stream is down. :class:`EngineConflict` for a name in
+        use; ValueError with ``--nats`` (JetStream carries the engines' streams there)."""
+        if self.nats is not None:
+            raise ValueError("engines cannot be added at run time with --nats: their "
+                             "streams come from JetStream")
+        specs = spec.streams()
+        new = _targets(spec)
+        with self._sub_lock:
+            if any(e.name == spec.name for e in self.engines):
+                raise EngineConflict(f"engine {spec.name!r} is already routed to")
+            taken = sorted(t.stream for t in new if t.stream in self.extra
+                           or t.stream in self._by_stream)
+            if taken:
+                raise EngineConflict(f"stream {taken[0]!r} is already followed (registered "
+                                     "through the indexer API)")
+            with self.lock:
+                self.engines = [*self.engines, spec]
+                self._set_targets([*self.targets, *new])
+                for t in new:
+                    self.alive[t.stream] = False
+                    self.resets.setdefault(t.stream, 0)
+            if self._sub is None:
+                self.specs = [*self.specs, *specs]
+                return
+            added: list[str] = []
+            try:
+                for st in specs:
+                    self._sub.add(st)
+                    added.append(st.name)
+            except BaseException:  # (a closed subscriber): leave no half-added engine
+                self._drop_engine(spec.name)
+                for name in added:
+                    self._sub.remove(name, then=self._forget)
+                raise
+
+    def remove_engine(self, name: str) -> bool:
+        """Stop routing to engine ``name`` (any thread): no later decision picks it, its
+        streams are let go and their blocks dropped from the index (in the subscriber's
+        thread, after every item of them handed out before). Reservations of requests
+        already sent there stay until those requests end. False if no such engine."""
+        with self._sub_lock:
+            gone = self._drop_engine(name)
+            if gone is None:
+                return False
+            for t in gone:
+                if self._sub is None:
+                    self.specs = [s for s in self.specs if s.name != t.stream]
+                    self._forget(t.stream)
+                else:
+                    self._sub.remove(t.stream, then=self._forget)
+        return True
+
+    def _drop_engine(self, name: str) -> list[_Target] | None:
+        if not any(e.name == name for e in self.engines):
+            return None
+        with self.lock:
+            gone = [t for t in self.targets if t.engine == name]
+            self.engines = [e for e in self.engines if e.name != name]
+            self._set_targets([t for t in self.targets if t.engine != name])
+        return gone
+
     def stream_problems(self) -> tuple[int, str]:
         """Run-time stream changes the subscriber could not apply (e.g. a collector
         endpoint it could not bind), and the last reason."""
@@ -447,14 +525,15 @@ class RouterCore:
         if len(token_ids) > self.max_tokens:
             raise RouteError(413, f"the prompt has {len(token_ids)} tokens, more than the "
                              f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
-        pairs = [t for t in self.targets if usable(t.engine)]
-        if not pairs:
-            raise RouteError(503, "no engine is available (all down or already tried)",
-                             "no_engine")
         prompt_blocks = len(token_ids) // self.block_size
         if not self.lock.acquire(timeout=self.lock_timeout):
             raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
         try:
+            # (under the lock: the targets and _by_label of one membership)
+            pairs = [t for t in self.targets if usable(t.engine)]
+            if not pairs:
+                raise RouteError(503, "no engine is available (all down or already tried)",
+                                 "no_engine")
             now = self.clock()
             matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
                        if prompt_blocks else {})

@@ -33,14 +33,18 @@ class StatusFeed:
         self.interval = interval
         self.series = StatusSeries(capacity)
         self.clock = time.monotonic
-        #: label (NAME or NAME/dpR) -> engine name
-        self._engine_of = {t.label: t.engine for t in core.targets}
-        self._stream_engine = {t.stream: t.engine for t in core.targets}
-        self.engines = list(dict.fromkeys(t.engine for t in core.targets))
-        self._routed = dict.fromkeys(self.engines, 0)
-        self._credit = dict.fromkeys(self.engines, 0.0)
-        self._blocks = dict.fromkeys(self.engines, 0.0)
         self._lock = threading.Lock()  # series: the sampler thread and the HTTP thread
+        #: label (NAME or NAME/dpR) -> engine name; stream -> engine name; the engines
+        self._engine_of: dict[str, str] = {}
+        self._stream_engine: dict[str, str] = {}
+        self.engines: list[str] = []
+        # routing tally per engine (keys are only ever added: on_route adds to them from
+        # the serving loop without a lock)
+        self._routed: dict[str, int] = {}
+        self._credit: dict[str, float] = {}
+        self._blocks: dict[str, float] = {}
+        self._seen: Any = None  # the core.targets the maps were built from
+        self._sync()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples = 0
@@ -48,18 +52,43 @@ class StatusFeed:
 
     # ------------------------------------------------------------------ routing tally
 
+    def _sync(self) -> None:
+        """Follow the core's engines (added or removed at run time): a removed engine's
+        points are dropped, so its charts go with it."""
+        targets = self.core.targets
+        if targets is self._seen:
+            return
+        self._engine_of = {t.label: t.engine for t in targets}
+        self._stream_engine = {t.stream: t.engine for t in targets}
+        engines = list(dict.fromkeys(t.engine for t in targets))
+        for e in engines:
+            self._routed.setdefault(e, 0)
+            self._credit.setdefault(e, 0.0)
+            self._blocks.setdefault(e, 0.0)
+        with self._lock:
+            for e in self.engines:
+                if e not in engines:
+                    self.series.forget(e)
+        self.engines = engines
+        self._seen = targets
+
     def on_route(self, label: str, credit: float, prompt_blocks: float) -> None:
         """RouterCore's per-decision hook (with the metrics'): count it for its engine."""
-        engine = self._engine_of.get(label, label)
-        if engine in self._routed:
-            self._routed[engine] += 1
-            self._credit[engine] += min(credit, prompt_blocks)
-            self._blocks[engine] += prompt_blocks
+        engine = self._engine_of.get(label)
+        if engine is None:  # an engine added since the maps were built
+            self._sync()
+            engine = self._engine_of.get(label)
+            if engine is None:
+                return
+        self._routed[engine] += 1
+        self._credit[engine] += min(credit, prompt_blocks)
+        self._blocks[engine] += prompt_blocks
 
     # ------------------------------------------------------------------ sampling
 
     def read(self) -> dict[str, EngineReading]:
         """Every engine's cumulative figures now."""
+        self._sync()
         loads: dict[str, float] = dict.fromkeys(self.engines, 0.0)
         for name, e in self.core.engines_status().items():
             loads[name] = sum(r["load"] for r in e["ranks"])
@@ -126,10 +155,11 @@ class StatusFeed:
 
     def window(self, seconds: float) -> dict[str, Any]:
         """``/status.json``'s answer for the last ``seconds``."""
+        self._sync()
         with self._lock:
             engines = self.series.window(self.clock(), seconds)
         live: dict[str, bool] = dict.fromkeys(self.engines, False)
-        for stream, alive in self.core.alive.items():
+        for stream, alive in list(self.core.alive.items()):  # (one C call: no resize race)
             name = self._stream_engine.get(stream)
             if name is not None and alive:
                 live[name] = True

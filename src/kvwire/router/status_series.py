@@ -149,6 +149,11 @@ class StatusSeries:
                 self.rings[name].append((t, t - prev_t, point(t - prev_t, r, old)))
         self._last, self._last_t = last, t
 
+    def forget(self, name: str) -> None:
+        """Drop an engine's points (it left the fleet); one of that name later starts anew."""
+        self.rings.pop(name, None)
+        self._last.pop(name, None)
+
     def window(self, now: float, seconds: float) -> dict[str, Any]:
         """The points of the last ``seconds`` before ``now``, JSON-ready: per engine, ``t``
         (seconds before ``now``, oldest first), ``dt`` (each point's interval, seconds) and

@@ -264,9 +264,10 @@ class Pool:
         self.max_idle = max_idle
         self._idle: deque[_Conn] = deque()
         self._hostline = f"host: {host}:{port}\r\n".encode()
+        self.closed = False  # closed: connections given back are closed, not kept
 
     def put(self, conn: _Conn) -> None:
-        if len(self._idle) < self.max_idle:
+        if len(self._idle) < self.max_idle and not self.closed:
             self._idle.append(conn)
         else:
             conn.close()
@@ -279,6 +280,7 @@ class Pool:
             pass
 
     def close(self) -> None:
+        self.closed = True
         while self._idle:
             self._idle.pop().close()
 

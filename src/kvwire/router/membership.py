@@ -1,0 +1,113 @@
+"""Engines added and removed while ``kvwire serve`` runs (``POST /engines``,
+``DELETE /engines/{name}``): a fleet that scales, or an engine drained for maintenance,
+without restarting the router and losing its index.
+
+Off unless the server has an admin token (``kvwire serve --admin-token`` or
+``KVWIRE_ADMIN_TOKEN``): an engine added here receives the clients' requests, headers
+(``authorization`` included) and prompts, so only someone holding the token may add one.
+Every answer is JSON; every refusal says why and is counted in
+``kvwire_router_bad_requests_total{reason}`` with the other bad requests.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import Counter
+
+from ..consume.engine_spec import EngineSpec
+from .service import EngineConflict, RouterCore
+
+__all__ = ["TOKEN_ENV", "add_membership_routes"]
+
+log = logging.getLogger("kvwire.router.membership")
+
+#: The environment variable ``kvwire serve`` reads the admin token from (kept off the
+#: command line, where any user of the host can read it).
+TOKEN_ENV = "KVWIRE_ADMIN_TOKEN"
+
+
+class AddBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /engines``: the engine in ``--engine``'s syntax."""
+
+    engine: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+_add_dec = msgspec.json.Decoder(AddBody)
+_enc = msgspec.json.Encoder()
+
+
+def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str | None,
+                          bad: Callable[[int, str, str], Response]) -> None:
+    """Register the two admin routes on ``app``. ``bad(status, message, reason)`` answers
+    (and counts) a refusal as the app's other routes do."""
+    changes = Counter("kvwire_router_engine_changes", "Engines added and removed at run "
+                      "time (POST/DELETE /engines)", ["op"],
+                      registry=app.state.metrics.registry)
+    want = token.encode() if token else None
+
+    def refused(request: Request) -> Response | None:
+        if want is None:
+            return bad(403, "changing engines at run time is off: start kvwire serve with "
+                       f"--admin-token (or {TOKEN_ENV}) to allow it", "admin_off")
+        got = request.headers.get("authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), want):
+            return bad(401, "this needs the admin token: Authorization: Bearer TOKEN",
+                       "admin_token")
+        return None
+
+    def answer(obj: Any, status: int = 200) -> Response:
+        return Response(_enc.encode(obj), status_code=status, media_type="application/json")
+
+    @app.post("/engines")
+    async def add_engine(request: Request) -> Response:
+        """Route to one more engine: ``{"engine": "NAME=EVENTS[,replay=..][,url=..]"}``."""
+        if (no := refused(request)) is not None:
+            return no
+        try:
+            body = _add_dec.decode(await request.body())
+        except msgspec.DecodeError as e:  # (ValidationError included)
+            return bad(400, f"invalid body: {e}; expected {{\"engine\": "
+                       "\"NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]\"}",
+                       "bad_engine")
+        try:
+            spec = EngineSpec.parse(body.engine)
+            if spec.url is not None and proxy is None:
+                raise ValueError("url= given, but this kvwire serve does not proxy (no "
+                                 "--engine had url= at start): route with /route instead")
+            if proxy is not None:
+                proxy.add_engine(spec)
+            else:
+                core.add_engine(spec)
+        except EngineConflict as e:
+            return bad(409, str(e), "engine_exists")
+        except ValueError as e:
+            return bad(400, str(e), "bad_engine")
+        changes.labels("add").inc()
+        log.info("engine %s added at run time: %s", spec.name, body.engine)
+        return answer({"added": spec.name, "streams": spec.stream_names(),
+                       "url": spec.url}, 201)
+
+    @app.delete("/engines/{name}")
+    async def remove_engine(request: Request, name: str) -> Response:
+        """Stop routing to an engine; requests already sent there run to their end."""
+        if (no := refused(request)) is not None:
+            return no
+        if proxy is not None:
+            in_flight = proxy.remove_engine(name)
+            gone = in_flight is None
+        else:
+            in_flight, gone = 0, not core.remove_engine(name)
+        if gone:
+            return bad(404, f"no engine named {name[:80]!r} is routed to", "unknown_engine")
+        changes.labels("remove").inc()
+        log.info("engine %s removed at run time (%d requests in flight there)", name,
+                 in_flight)
+        return answer({"removed": name, "in_flight": in_flight})

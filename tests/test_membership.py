@@ -1,0 +1,357 @@
+"""Engines added and removed while the router runs (``POST /engines``,
+``DELETE /engines/{name}``, router/membership.py), over real HTTP and ZeroMQ on loopback:
+in-thread ``kvwire engine``s behind a RouterCore + Proxy (test_proxy's Stack), a bare
+RouterCore fed by real publishers, and at the end a real ``kvwire serve`` process."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvwire import ZmqEventPublisher
+from kvwire.consume.engine_spec import EngineSpec
+from kvwire.consume.stream import StreamConfig
+from kvwire.consume.subscriber import StreamSpec
+from kvwire.router.app import serve_in_thread
+from kvwire.router.service import EngineConflict, RouterCore
+from kvwire.wire.events import BlockStored, KVEventBatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_proxy import (  # noqa: E402
+    ROOT,
+    TIMEOUT,
+    EngineProc,
+    Stack,
+    _chat,
+    _engine,
+    _scrape,
+    engine_procs,  # noqa: F401 (a fixture)
+    make_stack,  # noqa: F401 (a fixture)
+)
+from waiting import wait_for as _wait_for  # noqa: E402
+
+wait_for = functools.partial(_wait_for, timeout=TIMEOUT, interval=0.01)
+TOKEN = "s3cret-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+# ---------------------------------------------------------------------------- the core
+
+
+class _Publisher:
+    """A real kvwire publisher that stored one prompt (4 blocks of 16 tokens)."""
+
+    def __init__(self, where: Path, first: int) -> None:
+        self.pub = ZmqEventPublisher(endpoint=f"ipc://{where}/{first}.live",
+                                     replay_endpoint=f"ipc://{where}/{first}.replay",
+                                     heartbeat_interval=0.2)
+        self.tokens = list(range(first, first + 64))
+        self.pub.publish(KVEventBatch(ts=0.0, events=[BlockStored(
+            block_hashes=[first + i for i in range(4)], parent_block_hash=None,
+            token_ids=self.tokens, block_size=16, lora_id=None)]))
+
+    def spec(self, name: str) -> EngineSpec:
+        return EngineSpec(name, self.pub.endpoint, replay=self.pub.replay_endpoint)
+
+    def close(self) -> None:
+        self.pub.shutdown()
+
+
+@pytest.fixture
+def publishers(tmp_path: Path) -> Iterator[Callable[[int], _Publisher]]:
+    made: list[_Publisher] = []
+
+    def make(first: int) -> _Publisher:
+        made.append(_Publisher(tmp_path, first))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_core_follows_engines_added_and_removed(
+        publishers: Callable[[int], _Publisher]) -> None:
+    """An engine added to a running core is indexed and routed to; removed, no decision
+    names it and its blocks leave the index; added again under the same name, it is
+    followed anew. Names in use are refused, before and after start."""
+    a, b = publishers(1000), publishers(5000)
+    core = RouterCore([a.spec("a")], stream_config=StreamConfig(info_interval=0.2))
+    core.add_engine(b.spec("early"))  # before start: it starts with the rest
+    core.start()
+    try:
+        def overlap(tokens: list[int]) -> dict[str, int]:
+            return core.route(tokens, reserve=False)["overlap"]
+
+        wait_for(lambda: overlap(b.tokens).get("early") == 4, "the early engine indexed")
+        assert core.remove_engine("early") and not core.remove_engine("early")
+        core.add_engine(b.spec("b"))
+        wait_for(lambda: overlap(b.tokens).get("b") == 4, "the added engine indexed")
+        assert core.route(b.tokens, reserve=False)["engine"] == "b"
+        assert set(overlap(a.tokens)) == {"a", "b"}
+        with pytest.raises(EngineConflict, match="already routed"):
+            core.add_engine(a.spec("a"))
+        core.add_stream(StreamSpec("c/dp0", a.pub.endpoint))  # an indexer API registration
+        with pytest.raises(EngineConflict, match="c/dp0"):
+            core.add_engine(a.spec("c"))
+        assert core.remove_engine("b")
+        wait_for(lambda: "b/dp0" not in core.index.streams(), "b's blocks dropped")
+        assert set(overlap(b.tokens)) == {"a"} and core.route(b.tokens)["engine"] == "a"
+        assert "b" not in core.engines_status() and "b/dp0" not in core.alive
+        core.add_engine(b.spec("b"))  # the same name again: a fresh stream, indexed anew
+        wait_for(lambda: overlap(b.tokens).get("b") == 4, "b indexed again")
+    finally:
+        core.close()
+
+
+def test_core_refuses_engines_with_nats() -> None:
+    """With --nats the streams come from JetStream: no engine can be added there."""
+    core = RouterCore([EngineSpec.parse_named("a")], nats=object())
+    with pytest.raises(ValueError, match="JetStream"):
+        core.add_engine(EngineSpec.parse("b=tcp://127.0.0.1:5557"))
+    assert [e.name for e in core.engines] == ["a"]
+
+
+# ---------------------------------------------------------------------------- the proxy
+
+
+def _home(c: httpx.Client, body: dict[str, Any]) -> str:
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.headers["x-kvwire-engine"]
+
+
+def test_an_added_engine_takes_requests_and_keeps_its_cache(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811
+    """POST /engines: the new engine is probed, followed and routed to; a conversation that
+    went there comes back to it; /v1/models, /engines, /metrics and /status.json show it."""
+    s = make_stack(1, admin_token=TOKEN)
+    new = _engine(loras=["ad3"])  # model m as e0, and an adapter e0 does not have
+    try:
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+            r = c.post("/engines", headers=AUTH, json={
+                "engine": f"e1={new.events[0]},url={new.url}"})
+            assert r.status_code == 201, r.text
+            assert r.json() == {"added": "e1", "streams": ["e1/dp0"], "url": new.url}
+            wait_for(lambda: s.core.alive.get("e1/dp0") and s.proxy.links["e1"].http_up,
+                     "the added engine live on both")
+            models = {m["id"] for m in c.get("/v1/models").json()["data"]}
+            assert "ad3" in models  # its models joined the union
+            assert _home(c, {"model": "ad3", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "hi"}]}) == "e1"  # only e1 serves it
+            homes = {_home(c, _chat(f"conversation {k} " * 40, "q")) for k in range(12)}
+            assert homes == {"e0", "e1"}  # the load spreads over both
+            # a conversation that went to e1 comes back to it (its prefix is cached there)
+            for k in range(12):
+                body = _chat(f"follow {k} " * 60, "first")
+                if _home(c, body) == "e1":
+                    break
+            else:
+                raise AssertionError("no conversation went to the added engine")
+            wait_for(lambda: _home(c, _chat(f"follow {k} " * 60, "second")) == "e1",
+                     "the second turn on the engine holding the first")
+            eng = c.get("/engines").json()
+            assert eng["e1"]["http"]["url"] == new.url and eng["e1"]["ranks"][0]["alive"]
+            m = _scrape(s.url)
+            assert m["kvwire_router_engine_changes_total", frozenset({("op", "add")})] == 1
+            assert m["kvwire_proxy_in_flight", frozenset({("engine", "e1")})] == 0
+            wait_for(lambda: "e1" in c.get("/status.json").json()["engines"],
+                     "the added engine on the status page")
+        wait_for(lambda: s.loads() == {}, "every reservation released")
+    finally:
+        s.close()
+        new.close()
+
+
+def test_a_removed_engine_drains_and_gets_no_more_requests(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811
+    """DELETE /engines/NAME: a stream already under way there runs to its end; every later
+    request goes elsewhere; its load and in-flight count come back to 0, its kept-alive
+    connections close, and its charts leave the status page."""
+    s = make_stack(2, engine_kw={"speed": 1.0}, admin_token=TOKEN)
+    long = {"model": "m", "prompt": "drain me " * 30, "max_tokens": 300, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        wait_for(lambda: set(c.get("/status.json").json()["engines"]) == {"e0", "e1"},
+                 "both engines charted")
+        with c.stream("POST", "/v1/completions", json=long) as r:
+            chunks = r.iter_raw()
+            assert next(chunks).startswith(b"data: {")
+            victim = r.headers["x-kvwire-engine"]
+            other = "e1" if victim == "e0" else "e0"
+            link = s.proxy.links[victim]
+            gone = c.delete(f"/engines/{victim}", headers=AUTH)
+            assert gone.status_code == 200, gone.text
+            assert gone.json() == {"removed": victim, "in_flight": 1}
+            for k in range(6):  # while the stream runs on: new requests go to the other
+                assert _home(c, _chat(f"after {k} " * 30, "q")) == other
+            rest = b"".join(chunks)
+        assert rest.endswith(b"data: [DONE]\n\n") and b'"error"' not in rest, rest[-300:]
+        wait_for(lambda: s.loads() == {}, "every reservation released")
+        assert s.proxy.in_flight[victim] == 0
+        assert victim not in s.proxy.links and victim not in c.get("/engines").json()
+        assert link.pool is not None and not link.pool._idle  # its connection closed
+        assert c.get("/health").status_code == 200  # the other one is live
+        wait_for(lambda: set(c.get("/status.json").json()["engines"]) == {other},
+                 "the removed engine's charts gone")
+        assert c.delete(f"/engines/{other}", headers=AUTH).status_code == 200
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailable"
+        assert c.get("/health").status_code == 503
+
+
+def test_removed_engines_connections_close(make_stack: Callable[..., Stack]) -> None:  # noqa: F811
+    """A removed engine's kept-alive connections are closed: the idle ones at once, the
+    busy ones as their requests end (no connection to an engine that left stays open)."""
+    s = make_stack(1, engine_kw={"speed": 1.0}, admin_token=TOKEN)
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        assert _home(c, _chat("warm " * 20, "q")) == "e0"
+        link = s.proxy.links["e0"]
+        assert link.pool is not None and len(link.pool._idle) == 1
+        assert c.delete("/engines/e0", headers=AUTH).status_code == 200
+        assert link.pool.closed and len(link.pool._idle) == 0
+
+
+def test_admin_endpoints_refuse_clearly(make_stack: Callable[..., Stack]) -> None:  # noqa: F811
+    """Off without a token (403), the token checked (401), bad bodies and specs named
+    (400), a name in use 409, an unknown name 404; each counted; nothing changed."""
+    off = make_stack(1)
+    r = httpx.post(off.url + "/engines", json={"engine": "x=tcp://127.0.0.1:1"})
+    assert r.status_code == 403 and "--admin-token" in r.json()["error"]
+    assert httpx.delete(off.url + "/engines/e0").status_code == 403
+    s = make_stack(1, admin_token=TOKEN)
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        cases = [
+            ({}, {"engine": "x=tcp://127.0.0.1:1"}, 401, "admin token"),
+            ({"authorization": "Bearer nope"}, {"engine": "x=tcp://127.0.0.1:1"}, 401, ""),
+            ({"authorization": TOKEN}, {"engine": "x=tcp://127.0.0.1:1"}, 401, "Bearer"),
+            (AUTH, {"engines": "x"}, 400, "engines"),
+            (AUTH, {"engine": 7}, 400, "Expected `str`"),
+            (AUTH, {"engine": "no-equals-sign"}, 400, "expected NAME=ENDPOINT"),
+            (AUTH, {"engine": "x=udp://127.0.0.1:1"}, 400, "x endpoint"),
+            (AUTH, {"engine": "x=tcp://127.0.0.1:1,ranks=zero"}, 400, "ranks"),
+            (AUTH, {"engine": "e0=tcp://127.0.0.1:1,url=http://127.0.0.1:1"}, 409, "e0"),
+        ]
+        for headers, body, status, says in cases:
+            r = c.post("/engines", headers=headers, json=body)
+            assert r.status_code == status, (body, r.text)
+            assert says in r.json()["error"], (body, r.text)
+        r = c.post("/engines", headers=AUTH, content=b"{not json")
+        assert r.status_code == 400 and "invalid body" in r.json()["error"]
+        r = c.delete("/engines/nobody", headers=AUTH)
+        assert r.status_code == 404 and "nobody" in r.json()["error"]
+        assert [e.name for e in s.core.engines] == ["e0"] and list(s.proxy.links) == ["e0"]
+        m = _scrape(s.url)
+        assert m["kvwire_router_bad_requests_total", frozenset({("reason", "admin_token")})] == 3
+        assert m["kvwire_router_bad_requests_total", frozenset({("reason", "bad_engine")})] == 6
+        assert m["kvwire_router_bad_requests_total",
+                 frozenset({("reason", "engine_exists")})] == 1
+        assert _home(c, _chat("still serving " * 10, "q")) == "e0"
+
+
+def test_decision_api_only_router_adds_engines_without_url(
+        publishers: Callable[[int], _Publisher]) -> None:
+    """A kvwire serve that does not proxy (no url=) adds engines for /route; url= is
+    refused there with the reason."""
+    a, b = publishers(1000), publishers(5000)
+    core = RouterCore([a.spec("a")], stream_config=StreamConfig())
+    core.start()
+    server, thread, port = serve_in_thread(core, admin_token=TOKEN)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=TIMEOUT) as c:
+            spec = f"b={b.pub.endpoint},replay={b.pub.replay_endpoint}"
+            r = c.post("/engines", headers=AUTH, json={"engine": spec + ",url=http://x:1"})
+            assert r.status_code == 400 and "does not proxy" in r.json()["error"]
+            assert c.post("/engines", headers=AUTH, json={"engine": spec}).status_code == 201
+            wait_for(lambda: c.post("/score", json={"token_ids": b.tokens}).json()["engine"]
+                     == "b", "/route sends b's prompt to b")
+            r = c.delete("/engines/b", headers=AUTH)
+            assert r.json() == {"removed": "b", "in_flight": 0}
+            assert c.post("/score", json={"token_ids": b.tokens}).json()["engine"] == "a"
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        core.close()
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture
+def serve_with_env() -> Iterator[Callable[..., str]]:
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str, env: dict[str, str]) -> str:
+        from test_serve import _stderr_line
+
+        p = subprocess.Popen([str(ROOT / ".venv/bin/kvwire"), "serve", "--port", "0", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **env})
+        procs.append(p)
+        while True:
+            m = re.search(r"(http://\S+)/ *$", _stderr_line(p, "."))
+            if m:
+                return m.group(1)
+
+    yield start
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(TIMEOUT)
+        if p.stderr:
+            p.stderr.close()
+
+
+def test_serve_process_takes_the_token_from_its_environment(
+        engine_procs: Callable[..., list[EngineProc]],  # noqa: F811
+        serve_with_env: Callable[..., str]) -> None:
+    """Real processes: `kvwire serve` with KVWIRE_ADMIN_TOKEN (no flag) in front of one
+    `kvwire engine`; a second engine process added over HTTP answers proxied requests."""
+    first, second = engine_procs(2)
+    url = serve_with_env("--engine", f"e0={first.events},url={first.url}",
+                         "--tokenizer", "builtin", "--probe-interval", "0.1",
+                         env={"KVWIRE_ADMIN_TOKEN": TOKEN})
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+        wait_for(lambda: c.get("/health").status_code == 200, "router healthy")
+        r = c.post("/engines", headers=AUTH,
+                   json={"engine": f"e1={second.events},url={second.url}"})
+        assert r.status_code == 201, r.text
+
+
+        def e1_live() -> bool:
+            e1 = c.get("/engines").json().get("e1")
+            return bool(e1 and e1["ranks"][0]["alive"] and e1["http"]["http_up"])
+        wait_for(e1_live, "e1 live on its events and its /health")
+        homes = {_home(c, _chat(f"spread {k} " * 30, "q")) for k in range(8)}
+        assert homes == {"e0", "e1"}  # new prompts, equal costs: both engines take some
+
+
+def test_status_feed_follows_the_engines() -> None:
+    """The status page's tally counts an added engine's decisions from its first one (no
+    sample needed before), and a removed engine leaves its readings."""
+    from kvwire.router.status_feed import StatusFeed
+
+    core = RouterCore([EngineSpec.parse("a=ipc:///tmp/kvwire-no-such-a")])
+    feed = StatusFeed(core)  # (not started: sampled by hand)
+    core.add_engine(EngineSpec.parse("b=ipc:///tmp/kvwire-no-such-b,ranks=2"))
+    feed.on_route("b/dp1", 3.0, 4.0)
+    got = feed.read()
+    assert set(got) == {"a", "b"}
+    assert (got["b"].routed, got["b"].hit_credit, got["b"].hit_blocks) == (1, 3.0, 4.0)
+    feed.sample(1.0)
+    feed.sample(2.0)
+    assert set(feed.window(5.0)["engines"]) == {"a", "b"}
+    core.remove_engine("b")
+    assert set(feed.read()) == {"a"} and set(feed.window(5.0)["engines"]) == {"a"}
