@@ -609,10 +609,14 @@ def test_duplicate_live_message_is_not_a_restart():
     sim.join()
     sim.publish(3)
     sim.drain()
+    before = sim.m.stats().duplicates
+    delivered = list(sim.app.seqs)
     sim.live_q.append(LiveMsg([b"", (2).to_bytes(8, "big"), pub.ring[-1][1]]))
     sim.drain()
     st_ = sim.m.stats()
     assert st_.restarts == 0 and st_.resets == 1 and sim.m.phase == "live"
+    assert st_.duplicates == before + 1  # the epoch said "same run": counted as what it was
+    assert sim.app.seqs == delivered  # and not delivered again
 
 
 def test_restart_that_looks_like_continuation_is_caught_by_periodic_info():

@@ -210,6 +210,9 @@ class Recovery(StreamState):
             else:
                 self._start_replay(nxt, now)
         elif purpose in ("suspect", "boot"):
+            if purpose == "suspect":  # same run: the batch that went back was a duplicate
+                d = self._delivered
+                self._c["duplicates"] += sum(1 for s in self._buffer if s <= d)
             self._resume(now)
         return self._flush()
 
