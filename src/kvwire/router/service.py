@@ -54,6 +54,7 @@ SNAPSHOT_SLICE = 2048
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
 
+
 class EngineConflict(ValueError):
     """An engine added at run time whose name (or one of its stream names) is in use."""
 
