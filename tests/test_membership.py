@@ -355,3 +355,20 @@ def test_status_feed_follows_the_engines() -> None:
     assert set(feed.window(5.0)["engines"]) == {"a", "b"}
     core.remove_engine("b")
     assert set(feed.read()) == {"a"} and set(feed.window(5.0)["engines"]) == {"a"}
+
+
+def test_admin_token_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--admin-token`` first, then KVWIRE_ADMIN_TOKEN; empty is unset (off)."""
+    import argparse
+
+    from kvwire.cli.serve import _admin_token, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    monkeypatch.delenv("KVWIRE_ADMIN_TOKEN", raising=False)
+    assert _admin_token(p.parse_args([])) is None
+    monkeypatch.setenv("KVWIRE_ADMIN_TOKEN", "")
+    assert _admin_token(p.parse_args([])) is None
+    monkeypatch.setenv("KVWIRE_ADMIN_TOKEN", "from-env")
+    assert _admin_token(p.parse_args([])) == "from-env"
+    assert _admin_token(p.parse_args(["--admin-token", "flag"])) == "flag"
