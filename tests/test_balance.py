@@ -167,6 +167,56 @@ def test_cache_aware_evicts_least_recent_past_max_tree_size() -> None:
     assert pol._match(["a"])[0] == 1 and pol._match(["a", "b"])[0] == 1
 
 
+def test_cache_aware_boundaries_as_sglang_states_them() -> None:
+    """The strict inequalities of SGLang's rule: a match rate of exactly the threshold is a
+    miss, a gap of exactly the absolute threshold (or a max of exactly rel x min) is still
+    balanced; the rate counts items of ``unit`` length against the prompt's length."""
+    pol = CacheAwarePolicy(["w0", "w1"], unit=16)
+    home = pol.choose([1, 2, 3], 48, now=0.0)
+    pol.complete(home)
+    # 3 of 10 blocks = 0.3 (not above 0.3): a miss, to the least loaded (w0, the first)
+    assert pol.choose([1, 2, 3, 9, 9, 9, 9, 9, 9, 9], 160, now=1.0) == "w0"
+    assert pol.cache_routes == 0
+    pol.complete("w0")
+    # 3 of 9 blocks (0.33): the tree's owner, with the rate in blocks x 16 / tokens
+    assert pol.choose([1, 2, 3, 8, 8, 8, 8, 8, 8], 144, now=2.0) == home
+    assert pol.cache_routes == 1
+    pol = CacheAwarePolicy(["w0", "w1"], CacheAwareParams(balance_abs_threshold=2,
+                                                          balance_rel_threshold=2.0))
+    pol.load.update(w0=4, w1=2)  # gap 2 (not above 2): balanced; 4 = 2 x 2.0 (not above)
+    pol.choose([5], 1, now=0.0)
+    assert pol.imbalanced_routes == 0
+    pol.load.update(w0=5, w1=2)  # gap 3 > 2 and 5 > 4: the shortest queue
+    assert pol.choose([5], 1, now=0.0) == "w1" and pol.imbalanced_routes == 1
+
+
+def test_cache_aware_edges() -> None:
+    """No workers is an error; completing an idle worker leaves it at 0; a worker missing
+    from ``alive`` counts as alive (only a False keeps it out)."""
+    with pytest.raises(ValueError, match="no workers"):
+        CacheAwarePolicy([])
+    pol = CacheAwarePolicy(["w0", "w1"])
+    pol.complete("w0")
+    assert pol.load == {"w0": 0, "w1": 0}
+    assert pol.choose([1], 1, now=0.0, alive={"w0": False}) == "w1"
+
+
+def test_cache_aware_evicts_once_an_interval_and_only_past_the_size() -> None:
+    """Eviction runs every ``eviction_interval`` s (not on every route), cuts a tree only
+    when it is past ``max_tree_size`` (one of exactly that size stays), and a node left
+    with no tenant leaves the trie with its edge."""
+    pol = CacheAwarePolicy(["w0"], CacheAwareParams(eviction_interval=10, max_tree_size=2))
+    pol.choose(["a", "b"], 2, now=0.0)
+    pol.choose(["a", "b"], 2, now=10.0)  # a pass at 10: size 2 is not past 2
+    assert pol.size["w0"] == 2
+    pol.choose(["c"], 1, now=11.0)  # size 3, but the next pass is at 20
+    pol.choose(["d"], 1, now=19.9)
+    assert pol.size["w0"] == 4 and pol._match(["a", "b"])[0] == 2
+    pol.choose(["d"], 1, now=20.0)  # the pass: the least recent (a, b) go, leaf first
+    assert pol.size["w0"] == 2 and pol._match(["a"])[0] == 0
+    assert ("a" not in {k for _, k in pol._child}) and len(pol._owners) == 2
+
+
 # ------------------------------------------------------------- the simulator
 
 
