@@ -186,6 +186,11 @@ def test_cache_aware_boundaries_as_sglang_states_them() -> None:
     pol.load.update(w0=4, w1=2)  # gap 2 (not above 2): balanced; 4 = 2 x 2.0 (not above)
     pol.choose([5], 1, now=0.0)
     assert pol.imbalanced_routes == 0
+    pol.load.update(w0=3, w1=1)  # 3 > 1 x 2.0, but gap 2 (not above 2): balanced
+    pol.choose([5], 1, now=0.0)
+    pol.load.update(w0=6, w1=3)  # gap 3 > 2, but 6 = 3 x 2.0 (not above): balanced
+    pol.choose([5], 1, now=0.0)
+    assert pol.imbalanced_routes == 0
     pol.load.update(w0=5, w1=2)  # gap 3 > 2 and 5 > 4: the shortest queue
     assert pol.choose([5], 1, now=0.0) == "w1" and pol.imbalanced_routes == 1
 
@@ -197,7 +202,10 @@ def test_cache_aware_edges() -> None:
         CacheAwarePolicy([])
     pol = CacheAwarePolicy(["w0", "w1"])
     pol.complete("w0")
+    pol.complete("gone")  # a worker it does not know: nothing to lower
     assert pol.load == {"w0": 0, "w1": 0}
+    assert pol.choose([], 0, now=0.0) == "w0" and pol.miss_routes == 1  # empty: a miss
+    pol.complete("w0")
     assert pol.choose([1], 1, now=0.0, alive={"w0": False}) == "w1"
 
 
