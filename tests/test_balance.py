@@ -195,6 +195,21 @@ def test_cache_aware_boundaries_as_sglang_states_them() -> None:
     assert pol.choose([5], 1, now=0.0) == "w1" and pol.imbalanced_routes == 1
 
 
+def test_cache_aware_defaults_are_sglang_router_0_3_2s() -> None:
+    """The defaults of ``sglang_router.router_args.RouterArgs`` in sglang-router 0.3.2 (the
+    version bench/proxy.py runs), and of its gateway's miss rule."""
+    assert CacheAwareParams() == CacheAwareParams(
+        cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5,
+        eviction_interval=60.0, max_tree_size=2**26, miss="min_load")
+    try:
+        from sglang_router.router_args import RouterArgs  # the bench tier installs it
+    except ImportError:
+        return
+    a = RouterArgs()
+    assert (a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold,
+            a.eviction_interval_secs, a.max_tree_size) == (0.3, 64, 1.5, 60, 2**26)
+
+
 def test_cache_aware_edges() -> None:
     """No workers is an error; completing an idle worker leaves it at 0; a worker missing
     from ``alive`` counts as alive (only a False keeps it out)."""
