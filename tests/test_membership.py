@@ -6,8 +6,6 @@ RouterCore fed by real publishers, and at the end a real ``kvwire serve`` proces
 from __future__ import annotations
 
 import functools
-import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -27,7 +25,6 @@ from kvwire.wire.events import BlockStored, KVEventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_proxy import (  # noqa: E402
-    ROOT,
     TIMEOUT,
     EngineProc,
     Stack,
@@ -36,6 +33,7 @@ from test_proxy import (  # noqa: E402
     _scrape,
     engine_procs,  # noqa: F401 (a fixture)
     make_stack,  # noqa: F401 (a fixture)
+    serve_proc,  # noqa: F401 (a fixture)
 )
 from waiting import wait_for as _wait_for  # noqa: E402
 
@@ -286,43 +284,15 @@ def test_decision_api_only_router_adds_engines_without_url(
 # ---------------------------------------------------------------------------- the CLI
 
 
-@pytest.fixture
-def serve_with_env() -> Iterator[Callable[..., str]]:
-    procs: list[subprocess.Popen] = []
-
-    def start(*args: str, env: dict[str, str]) -> str:
-        from test_serve import _stderr_line
-
-        p = subprocess.Popen([str(ROOT / ".venv/bin/kvwire"), "serve", "--port", "0", *args],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, **env})
-        procs.append(p)
-        while True:
-            m = re.search(r"(http://\S+)/ *$", _stderr_line(p, "."))
-            if m:
-                return m.group(1)
-
-    yield start
-    for p in procs:
-        p.terminate()
-        try:
-            p.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(TIMEOUT)
-        if p.stderr:
-            p.stderr.close()
-
-
 def test_serve_process_takes_the_token_from_its_environment(
         engine_procs: Callable[..., list[EngineProc]],  # noqa: F811
-        serve_with_env: Callable[..., str]) -> None:
+        serve_proc: Callable[..., tuple[subprocess.Popen, str]]) -> None:  # noqa: F811
     """Real processes: `kvwire serve` with KVWIRE_ADMIN_TOKEN (no flag) in front of one
     `kvwire engine`; a second engine process added over HTTP answers proxied requests."""
     first, second = engine_procs(2)
-    url = serve_with_env("--engine", f"e0={first.events},url={first.url}",
-                         "--tokenizer", "builtin", "--probe-interval", "0.1",
-                         env={"KVWIRE_ADMIN_TOKEN": TOKEN})
+    _, url = serve_proc("--engine", f"e0={first.events},url={first.url}",
+                        "--tokenizer", "builtin", "--probe-interval", "0.1",
+                        env={"KVWIRE_ADMIN_TOKEN": TOKEN})
     with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
         wait_for(lambda: c.get("/health").status_code == 200, "router healthy")
         r = c.post("/engines", headers=AUTH,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -1177,11 +1178,13 @@ def test_no_reservation_outlives_its_request(engine_procs: Callable[..., list[En
 def serve_proc() -> Iterator[Callable[..., tuple[subprocess.Popen, str]]]:
     procs: list[subprocess.Popen] = []
 
-    def start(*args: str) -> tuple[subprocess.Popen, str]:
+    def start(*args: str, env: dict[str, str] | None = None
+              ) -> tuple[subprocess.Popen, str]:
         from test_serve import _stderr_line
 
         p = subprocess.Popen([str(ROOT / ".venv/bin/kvwire"), "serve", "--port", "0", *args],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=None if env is None else {**os.environ, **env})
         procs.append(p)
         p.said = []  # type: ignore[attr-defined]
         while True:
