@@ -5,6 +5,7 @@ and a gap resolved from a snapshot object ends exactly at the truth."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from kvwire.consume.cache import BlockCache
 from kvwire.consume.items import Batch, Reset, Snapshot
 from kvwire.nats import subjects as S
-from kvwire.nats.exact import BadMessage, Gap, Tracker
+from kvwire.nats.exact import _PER_SUBJECT, BadMessage, Gap, Tracker, decode_snapshot_body
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 SUBJ = "kvwire.events.e.0"
@@ -94,6 +95,43 @@ def apply(items: list[Any], state: dict[str, Any]) -> None:
             state["pos"] = (it.epoch, it.seq)
 
 
+class Tally:
+    """What the tracker handed out, counted from its answers (to check its counters by)."""
+
+    def __init__(self) -> None:
+        self.n: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()  # per stream
+
+    def add(self, out: Any) -> Any:
+        if type(out) is Gap:
+            self.n["gaps"] += 1
+        elif type(out) is BadMessage:
+            self.n["bad_messages"] += 1
+        else:
+            for it in out:
+                if type(it) is Batch:
+                    self.n["batches"] += 1
+                    self.events[it.stream] += len(it.batch.events)
+                elif type(it) is Reset:
+                    self.n["resets"] += 1
+                else:
+                    self.n["snapshots"] += 1
+                    self.n["inexact"] += not it.exact
+        return out
+
+
+def check_counts(t: Tracker, tally: Tally, messages: int, resyncs: int) -> None:
+    """The tracker's totals are what it handed out, and per subject they add up to them."""
+    for k in ("batches", "resets", "snapshots", "inexact", "gaps", "bad_messages"):
+        assert t.counts[k] == tally.n[k], (k, t.counts, tally.n)
+    assert (t.counts["messages"], t.counts["resyncs"]) == (messages, resyncs)
+    for k in _PER_SUBJECT:
+        if k != "events":  # (per subject only: checked below)
+            assert sum(s.c[k] for s in t.subjects.values()) == t.counts[k], k
+    for s in t.subjects.values():
+        assert s.c["events"] == tally.events[s.stream]
+
+
 def picks(data: Any, n: int, most: int, least: int = 0) -> set[int]:
     return data.draw(st.sets(st.integers(0, max(n - 1, 0)), min_size=min(least, n),
                              max_size=most))
@@ -105,6 +143,7 @@ def test_continuous_and_exact_after_resync(ops: list[tuple[str, int]], data: Any
     msgs, states = script(ops)
     drop, again = picks(data, len(msgs), 6), picks(data, len(msgs), 4)
     t = Tracker()
+    tally = Tally()
     state: dict[str, Any] = {"cache": BlockCache(), "pos": None}
     js = 0
     gaps = 0
@@ -113,14 +152,18 @@ def test_continuous_and_exact_after_resync(ops: list[tuple[str, int]], data: Any
             continue
         for _ in range(2 if i in again else 1):  # a repeat outside the dedupe window
             js += 1
-            out = t.feed(SUBJ, js, hd, body)
+            out = tally.add(t.feed(SUBJ, js, hd, body))
             assert type(out) is not BadMessage
             if type(out) is Gap:
                 gaps += 1
                 # the snapshot object a bridge wrote at this message: covers it
                 ep, sq, _, blocks = states[i]
-                out = t.bootstrap(SUBJ, js, ep, sq, blocks, True, "gap")
+                out = tally.add(t.bootstrap(SUBJ, js, ep, sq, blocks, True, "gap"))
             apply(out, state)
+    check_counts(t, tally, js, gaps)
+    if not drop:  # each repeat of a batch (its seq already delivered) is one duplicate
+        repeats = sum(msgs[i][1][S.H_KIND] == "batch" for i in again)
+        assert t.counts["duplicates"] >= repeats
     ep, sq, truth, _ = states[-1]
     if (len(msgs) - 1) not in drop:  # (a dropped last message is a loss nobody can see yet)
         assert state["pos"] == (ep, sq)
@@ -190,10 +233,175 @@ _VALS = st.one_of(st.sampled_from(["batch", "batches", "reset", "snapshot", "0",
                           st.binary(max_size=40)), max_size=30))
 def test_any_input_is_an_answer_never_an_exception(msgs: list[Any]) -> None:
     """Arbitrary headers, bodies and subjects: every message gets deliveries, a Gap or a
-    named BadMessage; nothing raises."""
+    named BadMessage (the last error names it too); nothing raises; the counters are what
+    was handed out."""
     t = Tracker()
+    tally = Tally()
+    unknown = 0  # bad messages on a subject that is not the prefix's (no subject state)
     for js, (subject, hd, body) in enumerate(msgs, 1):
-        out = t.feed(subject, js, hd, body)
+        out = tally.add(t.feed(subject, js, hd, body))
         assert isinstance(out, list | Gap | BadMessage)
         if isinstance(out, BadMessage):
             assert out.reason and out.subject == subject
+            assert t.last_error == f"{subject} #{js}: {out.reason}"
+            unknown += subject not in t.subjects
+    t.counts["bad_messages"] -= unknown  # (counted in the total, not per subject)
+    tally.n["bad_messages"] -= unknown
+    check_counts(t, tally, len(msgs), 0)
+
+
+# ------------------------------------------------------------- one rule at a time
+
+def _hd(kind: str, epoch: int, seq: int, **extra: str) -> dict[str, str]:
+    return {S.H_KIND: kind, S.H_EPOCH: str(epoch), S.H_SEQ: str(seq), **extra}
+
+
+def _batch(seq: int, n_events: int = 1) -> bytes:
+    return encode_batch(KVEventBatch(0.0, [BlockStored([100 * seq + k], None, [1, 2], 2, None)
+                                           for k in range(n_events)], 0))
+
+
+def _snap(epoch: int, seq: int, chunk: str = "0/1", blocks: list | None = None,
+          **extra: str) -> tuple[dict[str, str], bytes]:
+    return _hd("snapshot", epoch, seq, **{S.H_CHUNK: chunk}, **extra), _enc.encode(
+        blocks if blocks is not None else [BlockStored([seq + 1000], None, [1, 2], 2, None)])
+
+
+def _names(out: Any) -> list[str]:
+    return [type(i).__name__ for i in out] if isinstance(out, list) else [type(out).__name__]
+
+
+def test_a_snapshot_marker_always_follows_a_reset() -> None:
+    """Joined at a snapshot marker: a Reset first (the application starts clean); a marker of
+    a new epoch after batches: a Reset of the new run first; a marker of the same run at
+    another position: the Snapshot alone; the marker of the position held: a duplicate."""
+    t = Tracker()
+    hd, body = _snap(1, 4)
+    out = t.feed(SUBJ, 1, hd, body)
+    assert _names(out) == ["Reset", "Snapshot"]
+    assert out[0].reason == "joined at a snapshot marker"  # type: ignore[index,union-attr]
+    assert t.feed(SUBJ, 2, _hd("batch", 1, 5), _batch(5))[0].seq == 5  # type: ignore[index]
+    hd, body = _snap(1, 5)  # the position held: a repeat
+    assert t.feed(SUBJ, 3, hd, body) == [] and t.counts["duplicates"] == 1
+    hd, body = _snap(1, 9)  # the same run further on (a resync went past): no Reset
+    assert _names(t.feed(SUBJ, 4, hd, body)) == ["Snapshot"]
+    hd, body = _snap(2, 0)  # a new epoch's marker after batches of the old one
+    out = t.feed(SUBJ, 5, hd, body)
+    assert _names(out) == ["Reset", "Snapshot"] and out[1].epoch == 2  # type: ignore[index]
+    assert out[0].reason == "snapshot marker of a new run"  # type: ignore[index,union-attr]
+    assert t.subjects[SUBJ].c["resets"] == 2 and t.counts["snapshots"] == 3
+
+
+def test_redelivered_and_covered_messages_are_skipped() -> None:
+    """A message at or below the last one taken (JetStream redelivers after a reconnect) or
+    below a loaded snapshot object is skipped and counted, whatever its kind."""
+    t = Tracker()
+    hd, body = _snap(1, 0)
+    t.feed(SUBJ, 1, hd, body)
+    t.feed(SUBJ, 2, _hd("batch", 1, 1), _batch(1))
+    run = msgspec.msgpack.encode([msgspec.Raw(_batch(2)), msgspec.Raw(_batch(3))])
+    assert len(t.feed(SUBJ, 3, _hd("batches", 1, 3, **{S.H_FIRST_SEQ: "2"}), run)) == 2
+    for js, (h, b) in [(1, (hd, body)), (2, (_hd("batch", 1, 1), _batch(1))),
+                       (3, (_hd("batches", 1, 3, **{S.H_FIRST_SEQ: "2"}), run)),
+                       (3, (_hd("batch", 1, 4), _batch(4)))]:  # a new batch at an old js
+        assert t.feed(SUBJ, js, h, b) == []
+    assert t.counts["skipped"] == 4 and t.subjects[SUBJ].seq == 3
+    out = t.bootstrap(SUBJ, 10, 1, 8, [], True, "gap")  # an object covering js <= 10
+    assert _names(out) == ["Reset", "Snapshot"]
+    assert t.feed(SUBJ, 9, _hd("batch", 1, 4), _batch(4)) == []  # covered by the object
+    assert t.feed(SUBJ, 10, _hd("batch", 1, 9), _batch(9)) == []
+    assert t.feed(SUBJ, 11, _hd("batch", 1, 9), _batch(9))[0].seq == 9  # type: ignore[index]
+    assert t.counts["skipped"] == 6
+
+
+def test_chunked_snapshots_in_order_only() -> None:
+    """Chunks are reassembled in order; a batch inside a chunked snapshot, a chunk without
+    the ones before it, and an impossible chunk header each say what went wrong; the lowest
+    js of a snapshot being reassembled is where acks must stop."""
+    t = Tracker()
+    blocks = [BlockStored([i + 1], None, [1, 2], 2, None) for i in range(4)]
+    hd0, b0 = _snap(1, 3, "0/2", blocks[:2])
+    assert t.feed(SUBJ, 5, hd0, b0) == [] and t.pending_chunks_from() == 5
+    t.feed("kvwire.events.f.0", 7, *_snap(1, 3, "0/3"))
+    assert t.pending_chunks_from() == 5
+    gap = t.feed(SUBJ, 6, _hd("batch", 1, 4), _batch(4))
+    assert type(gap) is Gap and gap.reason == "batch inside a chunked snapshot"
+    assert t.feed(SUBJ, 8, hd0, b0) == [] and t.counts["duplicates"] == 1  # a repeat
+    assert t.feed(SUBJ, 9, hd0, b0) == [] and t.counts["duplicates"] == 2
+    hd1, b1 = _snap(1, 3, "1/2", blocks[2:])
+    out = t.feed(SUBJ, 10, hd1, b1)
+    assert _names(out) == ["Reset", "Snapshot"]
+    assert [b.block_hashes for b in out[1].blocks] == [[1], [2], [3], [4]]  # type: ignore
+    assert t.pending_chunks_from() == 7  # only the other subject's is left
+    gap = t.feed(SUBJ, 11, *_snap(1, 5, "1/2"))
+    assert type(gap) is Gap and "without the ones before" in gap.reason
+    assert t.subjects[SUBJ].chunk_key is None
+    for bad in ("2/2", "-1/2", "1", "a/b"):
+        out = t.feed(SUBJ, 12, *_snap(1, 5, bad))
+        assert type(out) is BadMessage and f"{S.H_CHUNK}={bad!r}" in out.reason
+    assert t.counts["gaps"] == 2 and t.subjects[SUBJ].c["bad_messages"] == 4
+
+
+def test_bad_headers_and_bodies_are_named() -> None:
+    """Each header a message needs is checked, and the answer names it; an event the
+    decoder cannot read is dropped from its batch and counted, the rest delivered."""
+    t = Tracker()
+    t.feed(SUBJ, 1, *_snap(1, 0))
+    for hd, says in [({S.H_KIND: "batchez", S.H_EPOCH: "1", S.H_SEQ: "1"}, "is not one of"),
+                     (_hd("batch", 1, -2), "Kvwire-Seq=-2 is below -1"),
+                     ({S.H_KIND: "batch", S.H_SEQ: "1"}, "missing header Kvwire-Epoch"),
+                     (_hd("batch", 1, 1) | {S.H_EPOCH: "one"}, "is not an integer")]:
+        out = t.feed(SUBJ, 2, hd, _batch(1))
+        assert type(out) is BadMessage and says in out.reason, (says, out)
+    out = t.feed(SUBJ, 2, _hd("batch", 1, 1), b"\xc1")
+    assert type(out) is BadMessage and "undecodable batch body" in out.reason
+    hd, _ = _snap(1, 4)
+    out = t.feed(SUBJ, 3, hd, b"\xc1")  # a snapshot marker that cannot be read
+    assert _names(out) == ["Gap"] and t.counts["bad_messages"] == 6
+    t = Tracker()
+    t.feed(SUBJ, 1, *_snap(1, 0))
+    bad = msgspec.msgpack.encode([0.0, [["BlockRemoved", [1]], {"type": "NoSuchEvent"}], 0])
+    out = t.feed(SUBJ, 2, _hd("batch", 1, 1), bad)
+    assert len(out[0].batch.events) == 1 and t.counts["bad_events"] == 1  # type: ignore
+    assert t.last_error is not None and t.last_error.startswith("bad event in batch")
+    assert t.subjects[SUBJ].c["events"] == 1
+
+
+def test_resume_puts_a_restarted_consumer_where_it_acked() -> None:
+    """A durable consumer restarted at its last acknowledged message: the next batch
+    continues from it, nothing is delivered for the position itself, a redelivery at or
+    below it is skipped; after a reset marker it waits for the snapshot marker."""
+    t = Tracker()
+    t.resume(SUBJ, 40, _hd("batch", 3, 17))
+    st_ = t.subjects[SUBJ]
+    assert (st_.started, st_.last_js, st_.epoch, st_.seq) == (True, 40, 3, 17)
+    assert t.feed(SUBJ, 40, _hd("batch", 3, 17), _batch(17)) == []  # redelivered
+    out = t.feed(SUBJ, 41, _hd("batch", 3, 18), _batch(18))
+    assert _names(out) == ["Batch"] and out[0].seq == 18  # type: ignore[index]
+    t.resume("kvwire.events.f.0", 7, _hd("reset", 2, 5))
+    st_ = t.subjects["kvwire.events.f.0"]
+    assert st_.seq is None and st_.started and st_.epoch == 2
+    gap = t.feed("kvwire.events.f.0", 8, _hd("batch", 2, 6), _batch(6))
+    assert type(gap) is Gap and "after a reset marker" in gap.reason
+    t.resume("kvwire.events.g.0", 3, {S.H_KIND: "batch", S.H_EPOCH: "x"})  # unreadable
+    assert not t.subjects["kvwire.events.g.0"].started
+
+
+def test_inexact_restart_and_lenient_snapshot_bodies() -> None:
+    """``inexact`` without an epoch keeps the subject's; a snapshot body may be a batch
+    (its stored blocks are the snapshot); the inexact flag follows the marker's header."""
+    t = Tracker()
+    t.feed(SUBJ, 1, *_snap(4, 2))
+    out = t.inexact(SUBJ, None, 9, "no object")
+    assert out[1].epoch == 4 and out[1].seq == 9 and not out[1].exact  # type: ignore
+    assert not t.subjects[SUBJ].exact and t.counts["inexact"] == 1
+    t2 = Tracker()
+    assert t2.inexact(SUBJ, None, 0, "cold")[1].epoch == 0  # type: ignore[union-attr]
+    body = encode_batch(KVEventBatch(0.0, [BlockStored([5], None, [1, 2], 2, None),
+                                           BlockRemoved([5], None)], 0))
+    assert [b.block_hashes for b in decode_snapshot_body(body)] == [[5]]
+    out = t.feed(SUBJ, 2, _hd("snapshot", 5, 0, **{S.H_CHUNK: "0/1", "Kvwire-Exact": "no"}),
+                 body)
+    assert not out[1].exact and t.subjects[SUBJ].exact is False  # type: ignore[index]
+    out = t.feed(SUBJ, 3, *_snap(6, 0))
+    assert out[1].exact and t.subjects[SUBJ].exact is True  # type: ignore[index]
