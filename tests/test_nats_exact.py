@@ -292,26 +292,46 @@ def test_a_snapshot_marker_always_follows_a_reset() -> None:
     assert t.subjects[SUBJ].c["resets"] == 2 and t.counts["snapshots"] == 3
 
 
+def _run_body(*seqs: int) -> bytes:
+    return msgspec.msgpack.encode([msgspec.Raw(_batch(q, 2)) for q in seqs])
+
+
 def test_redelivered_and_covered_messages_are_skipped() -> None:
     """A message at or below the last one taken (JetStream redelivers after a reconnect) or
-    below a loaded snapshot object is skipped and counted, whatever its kind."""
+    below a loaded snapshot object is skipped and counted, whatever its kind and whether it
+    was delivered, a duplicate or a repeated marker; a message at a new js that repeats
+    what was delivered is a duplicate instead (a redundant bridge's)."""
     t = Tracker()
-    hd, body = _snap(1, 0)
-    t.feed(SUBJ, 1, hd, body)
-    t.feed(SUBJ, 2, _hd("batch", 1, 1), _batch(1))
-    run = msgspec.msgpack.encode([msgspec.Raw(_batch(2)), msgspec.Raw(_batch(3))])
-    assert len(t.feed(SUBJ, 3, _hd("batches", 1, 3, **{S.H_FIRST_SEQ: "2"}), run)) == 2
-    for js, (h, b) in [(1, (hd, body)), (2, (_hd("batch", 1, 1), _batch(1))),
-                       (3, (_hd("batches", 1, 3, **{S.H_FIRST_SEQ: "2"}), run)),
-                       (3, (_hd("batch", 1, 4), _batch(4)))]:  # a new batch at an old js
-        assert t.feed(SUBJ, js, h, b) == []
-    assert t.counts["skipped"] == 4 and t.subjects[SUBJ].seq == 3
-    out = t.bootstrap(SUBJ, 10, 1, 8, [], True, "gap")  # an object covering js <= 10
-    assert _names(out) == ["Reset", "Snapshot"]
-    assert t.feed(SUBJ, 9, _hd("batch", 1, 4), _batch(4)) == []  # covered by the object
-    assert t.feed(SUBJ, 10, _hd("batch", 1, 9), _batch(9)) == []
-    assert t.feed(SUBJ, 11, _hd("batch", 1, 9), _batch(9))[0].seq == 9  # type: ignore[index]
-    assert t.counts["skipped"] == 6
+    st_ = t.subjects.setdefault(SUBJ, t.state(SUBJ))
+    reset = _hd("reset", 1, -1)  # no reason given: "engine reset"
+    run = _hd("batches", 1, 3, **{S.H_FIRST_SEQ: "2"})
+    msgs = [(reset, b""), _snap(1, 0), (_hd("batch", 1, 1), _batch(1, 2)),
+            (run, _run_body(2, 3)),
+            _snap(1, 3),  # the marker of the position held: a duplicate
+            (_hd("batch", 1, 2), _batch(2))]  # a batch already delivered: a duplicate
+    outs = []
+    for js, (h, b) in enumerate(msgs, 1):
+        outs.append(t.feed(SUBJ, js, h, b))
+        assert t.feed(SUBJ, js, h, b) == [], js  # redelivered at once: skipped
+    assert outs[0][0].reason == "engine reset"  # type: ignore[index]
+    assert [len(o) for o in outs] == [1, 1, 1, 2, 0, 0]  # type: ignore[arg-type]
+    assert t.counts["skipped"] == len(msgs) and t.counts["duplicates"] == 2
+    assert (st_.seq, st_.c["batches"], st_.c["events"]) == (3, 3, 6)
+    # a run overlapping what was delivered (redundant bridges cut runs differently)
+    out = t.feed(SUBJ, 7, _hd("batches", 1, 5, **{S.H_FIRST_SEQ: "2"}), _run_body(2, 3, 4, 5))
+    assert [b.seq for b in out] == [4, 5] and t.counts["duplicates"] == 4  # type: ignore
+    assert (st_.c["duplicates"], st_.c["batches"], st_.c["events"]) == (4, 5, 10)
+    out = t.feed(SUBJ, 8, _hd("batches", 1, 7, **{S.H_FIRST_SEQ: "6"}),
+                 msgspec.msgpack.encode([msgspec.Raw(_batch(6)), msgspec.Raw(b"\x07")]))
+    assert type(out) is BadMessage and "undecodable batch in run" in out.reason
+    gap = t.feed(SUBJ, 9, _hd("batches", 1, 9, **{S.H_FIRST_SEQ: "8"}), _run_body(8, 9))
+    assert type(gap) is Gap and "seqs 8..9 after epoch 1 seq 5" in gap.reason
+    out = t.bootstrap(SUBJ, 20, 1, 8, [], False, "gap")  # an object covering js <= 20
+    assert _names(out) == ["Reset", "Snapshot"] and st_.exact is False
+    assert t.feed(SUBJ, 19, _hd("batch", 1, 4), _batch(4)) == []  # covered by the object
+    assert t.feed(SUBJ, 20, _hd("batch", 1, 9), _batch(9)) == []
+    assert t.feed(SUBJ, 21, _hd("batch", 1, 9), _batch(9))[0].seq == 9  # type: ignore[index]
+    assert t.counts["skipped"] == len(msgs) + 2
 
 
 def test_chunked_snapshots_in_order_only() -> None:
@@ -336,10 +356,15 @@ def test_chunked_snapshots_in_order_only() -> None:
     gap = t.feed(SUBJ, 11, *_snap(1, 5, "1/2"))
     assert type(gap) is Gap and "without the ones before" in gap.reason
     assert t.subjects[SUBJ].chunk_key is None
+    for js, later in ((20, "2/3"), (22, "1/3")):  # a chunk skipped / another snapshot's
+        assert t.feed(SUBJ, js, *_snap(1, 6, "0/3")) == []
+        gap = t.feed(SUBJ, js + 1, *_snap(1, 6 if later == "2/3" else 7, later))
+        assert type(gap) is Gap and "without the ones before" in gap.reason
+        assert t.subjects[SUBJ].chunk_key is None and t.subjects[SUBJ].chunks == []
     for bad in ("2/2", "-1/2", "1", "a/b"):
-        out = t.feed(SUBJ, 12, *_snap(1, 5, bad))
+        out = t.feed(SUBJ, 30, *_snap(1, 5, bad))
         assert type(out) is BadMessage and f"{S.H_CHUNK}={bad!r}" in out.reason
-    assert t.counts["gaps"] == 2 and t.subjects[SUBJ].c["bad_messages"] == 4
+    assert t.counts["gaps"] == 4 and t.subjects[SUBJ].c["bad_messages"] == 4
 
 
 def test_bad_headers_and_bodies_are_named() -> None:
@@ -385,6 +410,9 @@ def test_resume_puts_a_restarted_consumer_where_it_acked() -> None:
     assert type(gap) is Gap and "after a reset marker" in gap.reason
     t.resume("kvwire.events.g.0", 3, {S.H_KIND: "batch", S.H_EPOCH: "x"})  # unreadable
     assert not t.subjects["kvwire.events.g.0"].started
+    t.resume("kvwire.events.h.0", 5, _hd("snapshot", 0, -1))  # a reference run's marker
+    assert t.subjects["kvwire.events.h.0"].seq == -1
+    assert _names(t.feed("kvwire.events.h.0", 6, _hd("batch", 0, 0), _batch(0))) == ["Batch"]
 
 
 def test_inexact_restart_and_lenient_snapshot_bodies() -> None:
@@ -395,13 +423,15 @@ def test_inexact_restart_and_lenient_snapshot_bodies() -> None:
     out = t.inexact(SUBJ, None, 9, "no object")
     assert out[1].epoch == 4 and out[1].seq == 9 and not out[1].exact  # type: ignore
     assert not t.subjects[SUBJ].exact and t.counts["inexact"] == 1
+    assert t.subjects[SUBJ].c["inexact"] == 1 and t.subjects[SUBJ].c["snapshots"] == 2
     t2 = Tracker()
     assert t2.inexact(SUBJ, None, 0, "cold")[1].epoch == 0  # type: ignore[union-attr]
     body = encode_batch(KVEventBatch(0.0, [BlockStored([5], None, [1, 2], 2, None),
-                                           BlockRemoved([5], None)], 0))
+                                           BlockRemoved([6], None)], 0))
     assert [b.block_hashes for b in decode_snapshot_body(body)] == [[5]]
     out = t.feed(SUBJ, 2, _hd("snapshot", 5, 0, **{S.H_CHUNK: "0/1", "Kvwire-Exact": "no"}),
                  body)
     assert not out[1].exact and t.subjects[SUBJ].exact is False  # type: ignore[index]
+    assert t.subjects[SUBJ].c["inexact"] == 2
     out = t.feed(SUBJ, 3, *_snap(6, 0))
     assert out[1].exact and t.subjects[SUBJ].exact is True  # type: ignore[index]
