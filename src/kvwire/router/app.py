@@ -234,7 +234,7 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
                     out[name]["http"] = st
         return _json(out)
 
-    add_membership_routes(app, core, proxy, admin_token, bad)
+    add_membership_routes(app, core, proxy, admin_token, _json, bad)
 
     @app.get("/health")
     async def health() -> Response:

@@ -40,13 +40,14 @@ class AddBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _add_dec = msgspec.json.Decoder(AddBody)
-_enc = msgspec.json.Encoder()
 
 
 def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str | None,
+                          answer: Callable[..., Response],
                           bad: Callable[[int, str, str], Response]) -> None:
-    """Register the two admin routes on ``app``. ``bad(status, message, reason)`` answers
-    (and counts) a refusal as the app's other routes do."""
+    """Register the two admin routes on ``app``. ``answer(obj, status)`` and
+    ``bad(status, message, reason)`` answer (and count a refusal) as the app's other routes
+    do."""
     changes = Counter("kvwire_router_engine_changes", "Engines added and removed at run "
                       "time (POST/DELETE /engines)", ["op"],
                       registry=app.state.metrics.registry)
@@ -62,9 +63,6 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             return bad(401, "this needs the admin token: Authorization: Bearer TOKEN",
                        "admin_token")
         return None
-
-    def answer(obj: Any, status: int = 200) -> Response:
-        return Response(_enc.encode(obj), status_code=status, media_type="application/json")
 
     @app.post("/engines")
     async def add_engine(request: Request) -> Response:

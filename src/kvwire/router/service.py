@@ -362,7 +362,7 @@ class RouterCore:
                            or t.stream in self._by_stream)
             if taken:
                 raise EngineConflict(f"stream {taken[0]!r} is already followed (registered "
-                                     "through the indexer API)")
+                                     "through the indexer API, or another engine's)")
             with self.lock:
                 self.engines = [*self.engines, spec]
                 self._set_targets([*self.targets, *new])
