@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwire import ZmqEventPublisher
 from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import StreamConfig
 from kvwire.consume.subscriber import StreamSpec
@@ -49,9 +48,9 @@ class _Publisher:
     """A real kvwire publisher that stored one prompt (4 blocks of 16 tokens)."""
 
     def __init__(self, where: Path, first: int) -> None:
-        self.pub = ZmqEventPublisher(endpoint=f"ipc://{where}/{first}.live",
-                                     replay_endpoint=f"ipc://{where}/{first}.replay",
-                                     heartbeat_interval=0.2)
+        from test_serve import publisher
+
+        self.pub = publisher(where, str(first))
         self.tokens = list(range(first, first + 64))
         self.pub.publish(KVEventBatch(ts=0.0, events=[BlockStored(
             block_hashes=[first + i for i in range(4)], parent_block_hash=None,
