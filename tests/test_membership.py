@@ -341,3 +341,35 @@ def test_admin_token_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KVWIRE_ADMIN_TOKEN", "from-env")
     assert _admin_token(p.parse_args([])) == "from-env"
     assert _admin_token(p.parse_args(["--admin-token", "flag"])) == "flag"
+
+
+def test_readded_engine_does_not_inherit_the_old_streams_liveness(
+        publishers: Callable[[int], _Publisher], tmp_path: Path) -> None:
+    """An engine removed and added again under its name, with items of the old stream taken
+    but not yet applied: once the old stream is let go, the new one is not live until it
+    says so itself (here it never does: nothing publishes at its endpoint). The ingest is
+    driven by hand (``pump``) so the order is fixed, not raced."""
+    a = publishers(1000)
+    core = RouterCore([a.spec("x")], stream_config=StreamConfig(info_interval=0.2))
+    core.start(thread=False)
+    try:
+        wait_for(lambda: core.pump(100) or core.alive["x/dp0"], "x live")
+
+        def taken_not_applied() -> bool:  # a take of more than one piece: some left over
+            for i in range(100):
+                a.pub.publish(KVEventBatch(ts=0.0, events=[BlockStored(
+                    block_hashes=[10**6 + i], parent_block_hash=None,
+                    token_ids=list(range(16)), block_size=16, lora_id=None)]))
+            core.pump(10_000)
+            return bool(core._pending)
+
+        wait_for(taken_not_applied, "a take left partly unapplied")
+        assert core.remove_engine("x")
+        core.add_engine(EngineSpec("x", f"ipc://{tmp_path}/nobody.live"))
+        wait_for(lambda: (core.pump(10_000), "x/dp0" not in core.index.streams())[1],
+                 "the old stream let go")
+        assert core.alive["x/dp0"] is False
+        assert core.resets["x/dp0"] == 0
+        assert core.route(a.tokens, reserve=False)["overlap"] == {"x": 0}
+    finally:
+        core.close()

@@ -420,7 +420,12 @@ class RouterCore:
             self.index.remove_stream(name)
             self.last_item.pop(name, None)
             self.resets.pop(name, None)
-            if name not in self._by_stream:
+            if name in self._by_stream:
+                # Removed and added again meanwhile: the items just applied were the old
+                # stream's, so the new one starts unknown, as any added stream does.
+                self.alive[name] = False
+                self.resets[name] = 0
+            else:
                 self.alive.pop(name, None)
 
     def _apply(self, items: list) -> None:
