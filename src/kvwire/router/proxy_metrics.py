@@ -1,0 +1,122 @@
+"""The proxy's Prometheus figures: requests, retries, in-flight and token counts read from
+the :class:`~kvwire.router.proxy.Proxy`'s own counters at scrape time, and histograms cheap
+enough to observe once each per request on the event loop."""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from .proxy import Proxy
+
+__all__ = ["CheapHistogram", "ProxyMetrics"]
+
+_FAST_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
+_SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0, 300.0)
+
+
+class CheapHistogram:
+    """A Prometheus histogram observed in ~0.3 us (a bisect and two adds; prometheus_client's
+    takes ~1.7 us with its lock): observed on the event loop only, summed at scrape time.
+    With ``label``, :meth:`labels` gives one child per value."""
+
+    __slots__ = ("name", "doc", "label", "bounds", "counts", "sum", "children")
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float],
+                 label: str | None = None) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self.bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.children: dict[str, CheapHistogram] = {}
+
+    def labels(self, value: str) -> CheapHistogram:
+        child = self.children.get(value)
+        if child is None:
+            child = self.children[value] = CheapHistogram(self.name, self.doc, self.bounds[:-1])
+        return child
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def _buckets(self) -> list[tuple[str, float]]:
+        out, n = [], 0
+        for b, c in zip(self.bounds, list(self.counts)):
+            n += c
+            out.append((floatToGoString(b), n))
+        return out
+
+    def collect(self) -> Any:
+        fam = HistogramMetricFamily(self.name, self.doc,
+                                    labels=[self.label] if self.label else None)
+        if self.label:
+            for value, child in list(self.children.items()):
+                fam.add_metric([value], child._buckets(), child.sum)
+        else:
+            fam.add_metric([], self._buckets(), self.sum)
+        yield fam
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus figures (``kvwire serve``'s /metrics registers this). The
+    histograms are observed on the request path (one observe each per request); the
+    counts and in-flight gauges are the proxy's own counters, read at scrape time."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.overhead = CheapHistogram(
+            "kvwire_proxy_overhead_seconds", "The proxy's own time per request: arrival to "
+            "the request written to the engine (first attempt), seconds", _FAST_BUCKETS)
+        self.tokenize = CheapHistogram(
+            "kvwire_proxy_tokenize_seconds", "Time to tokenize a prompt (local tokenizer or "
+            "an engine's /tokenize), seconds", _FAST_BUCKETS)
+        self.ttft = CheapHistogram(
+            "kvwire_proxy_ttft_seconds", "Arrival to the first chunk of a streamed answer "
+            "forwarded, per answering engine, seconds", _SLOW_BUCKETS, "engine")
+        self.e2e = CheapHistogram(
+            "kvwire_proxy_e2e_seconds", "Arrival to the last byte of an engine's answer "
+            "forwarded, per answering engine, seconds", _SLOW_BUCKETS, "engine")
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        p = self.proxy
+        reqs = CounterMetricFamily("kvwire_proxy_requests", "Generation requests answered, "
+                                   "by the engine that answered (none: the proxy itself) "
+                                   "and HTTP status", labels=["engine", "status"])
+        for (engine, status), n in sorted(p.requests.items()):
+            reqs.add_metric([engine, str(status)], n)
+        retries = CounterMetricFamily("kvwire_proxy_retries", "Attempts retried on another "
+                                      "engine, by the failed engine and why",
+                                      labels=["engine", "reason"])
+        for (engine, reason), n in sorted(p.retried.items()):
+            retries.add_metric([engine, reason], n)
+        inflight = GaugeMetricFamily("kvwire_proxy_in_flight", "Requests being sent to or "
+                                     "answered by each engine now", labels=["engine"])
+        for engine, n in p.in_flight.items():
+            inflight.add_metric([engine], n)
+        active = GaugeMetricFamily("kvwire_proxy_active", "Requests being answered now, "
+                                   "arrival to end, all engines (refused with 429 at "
+                                   "--max-in-flight)")
+        active.add_metric([], p.active)
+        prompt = CounterMetricFamily("kvwire_proxy_prompt_tokens", "Prompt tokens of the "
+                                     "answers that reported usage, per answering engine",
+                                     labels=["engine"])
+        cached = CounterMetricFamily("kvwire_proxy_cached_tokens", "Of those, the tokens the "
+                                     "engine found in its prefix cache (usage.prompt_tokens_"
+                                     "details.cached_tokens)", labels=["engine"])
+        for engine in p.in_flight:
+            prompt.add_metric([engine], p.prompt_tokens[engine])
+            cached.add_metric([engine], p.cached_tokens[engine])
+        yield from (reqs, retries, inflight, active, prompt, cached)
+        for h in (self.overhead, self.tokenize, self.ttft, self.e2e):
+            yield from h.collect()
