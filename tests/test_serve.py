@@ -456,12 +456,13 @@ def test_a_big_snapshot_is_applied_in_pieces_to_the_same_state() -> None:
     the index ends in the same state as applying it whole."""
     from kvwire.consume.stream import Snapshot
     from kvwire.index import PrefixIndex
-    from kvwire.router.service import SNAPSHOT_SLICE, _pieces
+    from kvwire.router.slices import SNAPSHOT_SLICE
+    from kvwire.router.slices import pieces as cut_in_pieces
 
     prompts = [tokens(100 + i, 3) for i in range(SNAPSHOT_SLICE // 2)]  # 1.5 x SLICE blocks
     evs = [stored(p, 10 * i).events[0] for i, p in enumerate(prompts)]
     snap = Snapshot("e/dp0", 41, evs, epoch=3)
-    pieces = _pieces([snap])
+    pieces = cut_in_pieces([snap])
     assert len(pieces) == 2 and type(pieces[0][0]) is Snapshot
     for p in pieces:
         (it,) = p

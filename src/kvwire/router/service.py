@@ -34,22 +34,18 @@ from typing import Any
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
-from ..wire.events import KVEventBatch
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
+from .slices import pieces
 
 __all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
 
-#: Deliveries applied per lock hold, so a route never waits behind a long burst.
-APPLY_SLICE = 64
 #: Deliveries taken from the subscriber per wake-up.
 BATCH_ITEMS = 2048
 #: Nap after a partial take, so deliveries gather: fewer wake-ups mean fewer GIL hand-offs
 #: with the HTTP thread (each one costs a request far more than the ingest work it does).
 INGEST_NAP = 0.005
-#: Snapshot blocks applied per lock hold (a restart's snapshot can hold a million blocks).
-SNAPSHOT_SLICE = 2048
 
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
@@ -66,47 +62,6 @@ class RouteError(ValueError):
         super().__init__(message)
         self.status = status
         self.reason = reason
-
-
-def _pieces(items: list) -> list[list]:
-    """Deliveries cut into pieces of at most ``APPLY_SLICE`` deliveries, and so that no piece
-    applies more than about ``SNAPSHOT_SLICE`` snapshot blocks: a big Snapshot becomes a
-    Snapshot of its first events followed by Batches of the rest (same resulting state), so
-    rebuilding an engine never holds the index for long. (A snapshot event can be a chain of
-    many blocks, so the cut counts blocks, not events; one event is never split.)"""
-    out: list[list] = [[]]
-    for it in items:
-        if type(it) is not Snapshot or _blocks(it.blocks) <= SNAPSHOT_SLICE:
-            if len(out[-1]) >= APPLY_SLICE:
-                out.append([])
-            out[-1].append(it)
-            continue
-        first = True
-        for chunk in _chunks(it.blocks):
-            if first:
-                out.append([Snapshot(it.stream, it.seq, chunk, it.epoch, it.exact)])
-                first = False
-            else:
-                out.append([Batch(it.stream, it.seq, KVEventBatch(0.0, chunk, 0), it.epoch)])
-        out.append([])
-    return [p for p in out if p]
-
-
-def _blocks(events: list) -> int:
-    return sum(len(getattr(e, "block_hashes", ())) or 1 for e in events)
-
-
-def _chunks(events: list) -> list[list]:
-    chunks: list[list] = [[]]
-    n = 0
-    for e in events:
-        k = len(getattr(e, "block_hashes", ())) or 1
-        if n and n + k > SNAPSHOT_SLICE:
-            chunks.append([])
-            n = 0
-        chunks[-1].append(e)
-        n += k
-    return chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +209,7 @@ class RouterCore:
     def pump(self, max_items: int) -> bool:
         """One bounded turn of a caller-driven ingest (``start(thread=False)``): when nothing
         taken is left, take up to ``max_items`` ready deliveries (no wait); apply one piece
-        of what was taken (as the thread holds the lock for: see ``_pieces``); refresh the
+        of what was taken (as the thread holds the lock for: :func:`.slices.pieces`); refresh the
         per-stream stats when due. True when more is ready now (call again soon), False when
         the caller may let deliveries gather. The subscriber is polled again only when every
         piece taken is applied, so a stream's removal comes after all its items."""
@@ -265,7 +220,7 @@ class RouterCore:
         if not self._pending:
             items = sub.poll_many(0, max_items=max_items)
             more = len(items) >= max_items
-            self._pending.extend(_pieces(items))
+            self._pending.extend(pieces(items))
         if self._pending:
             self._apply(self._pending.popleft())
             self.pumps += 1
@@ -431,7 +386,7 @@ class RouterCore:
     def _apply(self, items: list) -> None:
         now = self.clock()
         apply = self.index.apply
-        for piece in _pieces(items):
+        for piece in pieces(items):
             with self.lock:  # one short hold per piece: routes interleave with a rebuild
                 for it in piece:
                     try:
