@@ -121,3 +121,15 @@ def test_pure_helpers() -> None:
     assert can_write(4, 0, 4) is False and can_write(4, 1, 4) is True
     assert min_live_rseq([3, 1, 5], [True, False, True], 9) == 3
     assert min_live_rseq([], [], 9) == 9
+
+
+def test_a_dropped_reader_stops_blocking_the_writer_and_reads_nothing() -> None:
+    """The model's drop (a reader declared dead): the writer, held by that reader's lag,
+    may write again, and the dropped reader gets nothing even from a readable slot."""
+    m = RingModel(n_reader=2, n_chunks=2)
+    assert m.write("a") and m.write("b") and not m.write("c")  # reader 1 never reads
+    assert m.read(0) == (True, "a") and m.read(0) == (True, "b")
+    assert not m.can_write() and m.can_read(1)  # reader 1 still holds both slots
+    m.drop(1)
+    assert m.can_write() and m.write("c")
+    assert m.read(1) == (False, None) and m.read(0) == (True, "c")
