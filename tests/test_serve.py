@@ -478,6 +478,25 @@ def test_a_big_snapshot_is_applied_in_pieces_to_the_same_state() -> None:
         assert whole.match(p)["e/dp0"].blocks == cut.match(p)["e/dp0"].blocks == 3
 
 
+def test_deliveries_are_applied_64_to_a_lock_hold_in_order() -> None:
+    """A burst of small deliveries is cut into pieces of at most 64 (one lock hold each, so
+    a route waits behind at most that many), in order, none lost; a big snapshot among them
+    starts pieces of its own and the deliveries after it go on in a new one."""
+    from kvwire.consume.stream import Batch, Snapshot
+    from kvwire.router.slices import pieces as cut_in_pieces
+
+    small = [Batch("e/dp0", i, stored(tokens(i, 1), 10 * i), 0) for i in range(150)]
+    pieces = cut_in_pieces(small)
+    assert [len(p) for p in pieces] == [64, 64, 22]
+    assert [it for p in pieces for it in p] == small
+    big = Snapshot("e/dp0", 150, [stored(tokens(1000 + i, 3), 10_000 + 10 * i).events[0]
+                                  for i in range(1000)], epoch=0)  # 3,000 blocks
+    pieces = cut_in_pieces([*small[:10], big, *small[10:20]])
+    assert [len(p) for p in pieces] == [10, 1, 1, 10]
+    assert type(pieces[1][0]) is Snapshot and type(pieces[2][0]) is Batch
+    assert pieces[0] == small[:10] and pieces[3] == small[10:20]
+
+
 def _two_ports() -> int:
     """A base port P with P and P+1 free (DP ranks listen at port + rank)."""
     for _ in range(50):
