@@ -110,12 +110,23 @@ def test_core_follows_engines_added_and_removed(
         core.close()
 
 
-def test_core_refuses_engines_with_nats() -> None:
-    """With --nats the streams come from JetStream: no engine can be added there."""
+def test_core_under_nats_adds_and_removes_named_engines() -> None:
+    """With --nats the streams come from JetStream: an engine is added by name (and ranks),
+    never with a ZeroMQ endpoint; removed, its blocks stay indexed (JetStream keeps
+    delivering them) and what JetStream said of its liveness is kept for a re-add."""
     core = RouterCore([EngineSpec.parse_named("a")], nats=object())
     with pytest.raises(ValueError, match="JetStream"):
         core.add_engine(EngineSpec.parse("b=tcp://127.0.0.1:5557"))
     assert [e.name for e in core.engines] == ["a"]
+    core.alive["b/dp0"] = True  # JetStream already delivered b's stream, not routed to
+    core.add_engine(EngineSpec.parse_named("b:2"))
+    assert [t.stream for t in core.targets] == ["a/dp0", "b/dp0", "b/dp1"]
+    assert core.alive["b/dp0"] is True and core.alive["b/dp1"] is False
+    with pytest.raises(EngineConflict, match="already routed"):
+        core.add_engine(EngineSpec.parse_named("b"))
+    assert core.remove_engine("b") and not core.remove_engine("b")
+    assert [t.stream for t in core.targets] == ["a/dp0"] and core.alive["b/dp0"] is True
+    assert core.specs == []  # no ZeroMQ stream was ever asked for
 
 
 # ---------------------------------------------------------------------------- the proxy

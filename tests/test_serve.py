@@ -294,8 +294,9 @@ def test_engine_spec_first_seq_reaches_every_rank_stream() -> None:
 
 
 def test_nats_engine_spec_has_ranks_and_no_zeromq_endpoint() -> None:
-    """``--nats-engine NAME[:RANKS]``: same module, same name rule; no nats:// pretending
-    to be a ZeroMQ endpoint (its streams come from JetStream)."""
+    """``--nats-engine NAME[:RANKS][,url=URL]``: same module, same name rule; no nats://
+    pretending to be a ZeroMQ endpoint (its streams come from JetStream); ``url=`` as with
+    ``--engine``."""
     from kvwire.consume.engine_spec import EngineSpec as Moved
 
     assert Moved is EngineSpec  # kvwire.router.service re-exports it
@@ -304,7 +305,14 @@ def test_nats_engine_spec_has_ranks_and_no_zeromq_endpoint() -> None:
                                                                 ["m/dp0", "m/dp1"])
     with pytest.raises(ValueError, match="no ZeroMQ endpoint"):
         e.streams()
-    for bad, needle in (("a.b", "engine name 'a.b'"), ("m:0", "ranks '0'"), ("", "''")):
+    e = EngineSpec.parse_named("m:2,url=http://127.0.0.1:8000/")  # proxied to there
+    assert (e.name, e.endpoint, e.ranks, e.url) == ("m", None, 2, "http://127.0.0.1:8000")
+    assert EngineSpec.parse_named("m").url is None  # the decision API only
+    for bad, needle in (("a.b", "engine name 'a.b'"), ("m:0", "ranks '0'"), ("", "''"),
+                        ("m,url=ftp://h:1", "url 'ftp://h:1' must be http://HOST:PORT"),
+                        ("m,replay=tcp://h:1", "unknown option 'replay=tcp://h:1'"),
+                        ("m,url=http://h:1,url=http://h:2", "url given twice"),
+                        ("m=tcp://h:1", "expected NAME[:RANKS][,url=URL]")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             EngineSpec.parse_named(bad)
 

@@ -132,9 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subject", default=None, metavar="FILTER",
                    help="--nats: subject filter (default kvwire.events.>)")
     p.add_argument("--nats-engine", action="append", type=_nats_engine, default=[],
-                   metavar="NAME[:RANKS]",
-                   help="--nats: an engine to route to (repeat; default: the engines on the "
-                        "stream at start)")
+                   metavar="NAME[:RANKS][,url=URL]",
+                   help="--nats: an engine to route to, proxied to at url= (repeat; default: "
+                        "the engines on the stream at start, for the decision API)")
     add_connect_timeout(p, "--nats")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     p.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free one)")
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
                           tokenize_with_engine=args.tokenizer == "engine",
                           config=proxy_config(args))
         elif args.tokenizer is not None:
-            raise ValueError("--tokenizer needs an --engine with url=")
+            raise ValueError("--tokenizer needs an --engine (or --nats-engine) with url=")
     except (ValueError, ImportError) as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_USAGE

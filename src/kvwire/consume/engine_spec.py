@@ -115,11 +115,24 @@ class EngineSpec:
 
     @classmethod
     def parse_named(cls, text: str, flag: str = "--nats-engine") -> EngineSpec:
-        """Parse ``NAME[:RANKS]`` (an engine whose streams come from JetStream)."""
+        """Parse ``NAME[:RANKS][,url=URL]``: an engine whose streams come from JetStream,
+        proxied to at ``URL`` if given (else it serves the decision API only)."""
         where = f"{flag} {text!r}"
-        name, sep, n = text.partition(":")
+        head, *opts = text.split(",")
+        if "=" in head:
+            raise ValueError(f"{where}: expected NAME[:RANKS][,url=URL] (the engines' streams "
+                             "come from JetStream here, so no ZeroMQ endpoint is given)")
+        name, sep, n = head.partition(":")
         check_engine_name(name, where)
-        return cls(name, None, ranks=_ranks(n, where) if sep else 1)
+        url = None
+        for opt in opts:
+            key, eq, val = opt.partition("=")
+            if key != "url" or not eq:
+                raise ValueError(f"{where}: unknown option {opt!r} (expected url=URL)")
+            if url is not None:
+                raise ValueError(f"{where}: url given twice")
+            url = check_url(val, where)
+        return cls(name, None, ranks=_ranks(n, where) if sep else 1, url=url)
 
     def stream_names(self) -> list[str]:
         """The names of this engine's DP rank streams: ``NAME/dpR``."""

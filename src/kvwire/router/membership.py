@@ -1,6 +1,7 @@
 """Engines added and removed while ``kvwire serve`` runs (``POST /engines``,
 ``DELETE /engines/{name}``): a fleet that scales, or an engine drained for maintenance,
-without restarting the router and losing its index.
+without restarting the router and losing its index. With ``--nats`` too: there the engine
+is named (``NAME[:RANKS][,url=URL]``), and its streams already come from JetStream.
 
 Off unless the server has an admin token (``kvwire serve --admin-token`` or
 ``KVWIRE_ADMIN_TOKEN``): an engine added here receives the clients' requests, headers
@@ -66,20 +67,24 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
 
     @app.post("/engines")
     async def add_engine(request: Request) -> Response:
-        """Route to one more engine: ``{"engine": "NAME=EVENTS[,replay=..][,url=..]"}``."""
+        """Route to one more engine: ``{"engine": "NAME=EVENTS[,replay=..][,url=..]"}``
+        (with ``--nats``: ``"NAME[:RANKS][,url=URL]"``, ``--nats-engine``'s syntax)."""
         if (no := refused(request)) is not None:
             return no
         try:
             body = _add_dec.decode(await request.body())
         except msgspec.DecodeError as e:  # (ValidationError included)
-            return bad(400, f"invalid body: {e}; expected {{\"engine\": "
-                       "\"NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]\"}",
+            syntax = ("NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]"
+                      if core.nats is None else "NAME[:RANKS][,url=URL]")
+            return bad(400, f"invalid body: {e}; expected {{\"engine\": \"{syntax}\"}}",
                        "bad_engine")
         try:
-            spec = EngineSpec.parse(body.engine)
+            spec = (EngineSpec.parse(body.engine) if core.nats is None
+                    else EngineSpec.parse_named(body.engine, "engine"))
             if spec.url is not None and proxy is None:
                 raise ValueError("url= given, but this kvwire serve does not proxy (no "
-                                 "--engine had url= at start): route with /route instead")
+                                 "--engine or --nats-engine had url= at start): route with "
+                                 "/route instead")
             if proxy is not None:
                 proxy.add_engine(spec)
             else:

@@ -303,12 +303,15 @@ class RouterCore:
     def add_engine(self, spec: EngineSpec) -> None:
         """Route to one more engine from now on (any thread). Its streams are followed from
         the subscriber's next poll; until one is live the engine is a candidate of last
-        resort, as any engine whose stream is down. :class:`EngineConflict` for a name in
-        use; ValueError with ``--nats`` (JetStream carries the engines' streams there)."""
-        if self.nats is not None:
-            raise ValueError("engines cannot be added at run time with --nats: their "
-                             "streams come from JetStream")
-        specs = spec.streams()
+        resort, as any engine whose stream is down. With ``--nats`` the engine has no
+        endpoint (``EngineSpec.parse_named``): JetStream already carries every engine's
+        streams, so its blocks and liveness are known at once if its bridge is writing.
+        :class:`EngineConflict` for a name in use; ValueError for an endpoint under
+        ``--nats`` or none without it."""
+        if self.nats is not None and spec.endpoint is not None:
+            raise ValueError(f"engine {spec.name!r}: with --nats the engines' streams come "
+                             "from JetStream: give NAME[:RANKS][,url=URL], no endpoint")
+        specs = spec.streams() if self.nats is None else []
         new = _targets(spec)
         with self._sub_lock:
             if any(e.name == spec.name for e in self.engines):
@@ -322,7 +325,10 @@ class RouterCore:
                 self.engines = [*self.engines, spec]
                 self._set_targets([*self.targets, *new])
                 for t in new:
-                    self.alive[t.stream] = False
+                    if self.nats is None:
+                        self.alive[t.stream] = False
+                    else:  # (what JetStream said of it so far, if anything)
+                        self.alive.setdefault(t.stream, False)
                     self.resets.setdefault(t.stream, 0)
             if self._sub is None:
                 self.specs = [*self.specs, *specs]
@@ -342,11 +348,15 @@ class RouterCore:
         """Stop routing to engine ``name`` (any thread): no later decision picks it, its
         streams are let go and their blocks dropped from the index (in the subscriber's
         thread, after every item of them handed out before). Reservations of requests
-        already sent there stay until those requests end. False if no such engine."""
+        already sent there stay until those requests end. False if no such engine. With
+        ``--nats`` its streams keep coming from JetStream with the rest, so its blocks stay
+        indexed (and are there at once if it is added again)."""
         with self._sub_lock:
             gone = self._drop_engine(name)
             if gone is None:
                 return False
+            if self.nats is not None:
+                return True
             for t in gone:
                 if self._sub is None:
                     self.specs = [s for s in self.specs if s.name != t.stream]
