@@ -575,3 +575,36 @@ def test_closing_after_the_consumer_thread_ended_raises_nothing(nats_server: Any
     assert sub.poll_many(0.05) == []
     sub.close()
     assert link.socket.closed and link._tx.closed
+
+
+def test_a_consumer_started_before_its_stream_waits_for_it_and_says_so_once(
+        nats_server: Any, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router started before its bridge: the consumer retries until the stream exists
+    (each failed try counted), says so at WARNING once rather than at every try, then
+    delivers what is written and says how many tries failed."""
+    import logging
+
+    from kvwire.nats import consumer
+
+    monkeypatch.setattr(consumer, "SETUP_RETRY", 0.02)  # (a tunable: more tries, sooner)
+    caplog.set_level(logging.INFO, logger="kvwire.nats.consumer")
+
+    async def plan(w: Writer) -> None:
+        await w.start("a", 0, epoch=1)
+        await w.batches("a", 0, 5)
+
+    rb = Rebuild()
+    with Subscriber([NatsStreams(nats_server.url)]) as sub:
+        wait_for(lambda: (sub.poll_many(0.01), sub.nats_stats()[0].setup_failures >= 5)[1],
+                 timeout=30, interval=0.01, what="five failed tries: no stream yet")
+        w = run(_write(nats_server.url, plan))
+        consume(sub, rb, lambda: rb.caught_up(w))
+        failures = sub.nats_stats()[0].setup_failures
+    same(rb, w)
+    said = [r for r in caplog.records if r.name == "kvwire.nats.consumer"]
+    warned = [r for r in said if "cannot set up consumer on KVWIRE" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, said
+    assert "retrying every 0.02 s, 1 failed so far" in warned[0].getMessage()
+    done = [r.getMessage() for r in said if "set up after" in r.getMessage()]
+    assert done == [f"consumer on KVWIRE set up after {failures} failed attempts"], said

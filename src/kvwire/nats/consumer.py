@@ -83,6 +83,10 @@ def _stream_seq(reply: str) -> int:
 
 #: How long one try at the first connection lasts (then: a log line, a look at stop, again).
 CONNECT_TRY = 3.0
+#: Setting up the consumer (the stream may not exist yet: a router started before its
+#: bridge) is tried this often (s), and said at WARNING at most once this often (s).
+SETUP_RETRY = 0.5
+SETUP_LOG_EVERY = 30.0
 
 #: A pull request's lifetime: the server ends it with a 408 status after this long.
 _EXPIRES_NS = 1_000_000_000
@@ -117,7 +121,8 @@ class NatsSource:
         self._stop = asyncio.Event()
         self.connected = False
         self.c = dict.fromkeys(
-            ("reconnects", "repositions", "acked", "unverified_resumes", "caught_up"), 0)
+            ("reconnects", "repositions", "acked", "unverified_resumes", "caught_up",
+             "setup_failures"), 0)
         self.last_error: str | None = None
         self._lost = False
         self._msgs: deque[Any] = deque()
@@ -404,14 +409,25 @@ class NatsSource:
                   room: Callable[[], bool], wait_room: Callable[[], Awaitable[None]]) -> None:
         """Consume until :meth:`stop`. ``room()`` says whether to ask for more now."""
         await self._connect()
+        tries, next_log = 0, 0.0
         while not self._stop.is_set():
             try:
                 await self._setup(put)
+                if tries:
+                    log.info("consumer on %s set up after %d failed attempts",
+                             self.spec.stream, tries)
                 break
             except Exception as e:  # stream missing yet, server restarting: retry
                 self.last_error = f"cannot set up consumer on {self.spec.stream}: {e}"
-                log.warning("%s", self.last_error)
-                await asyncio.sleep(0.5)
+                tries += 1
+                self.c["setup_failures"] += 1
+                now = time.monotonic()
+                if now >= next_log:  # (a router started before its bridge: no log flood)
+                    log.warning("%s (retrying every %g s, %d failed so far; said again in "
+                                "%g s at most)", self.last_error, SETUP_RETRY, tries,
+                                SETUP_LOG_EVERY)
+                    next_log = now + SETUP_LOG_EVERY
+                await asyncio.sleep(SETUP_RETRY)
         msgs, arrived = self._msgs, self._arrived
         half = max(1, self.spec.fetch // 2)
         while not self._stop.is_set():

@@ -67,3 +67,5 @@ class NatsStats(msgspec.Struct, frozen=True):
     unverified_resumes: int
     caught_up: int  # subjects that caught up on their own history at bootstrap
     last_error: str | None
+    #: failed tries at setting up the consumer (its stream missing yet, a server restarting)
+    setup_failures: int = 0
