@@ -129,6 +129,26 @@ def test_core_under_nats_adds_and_removes_named_engines() -> None:
     assert core.specs == []  # no ZeroMQ stream was ever asked for
 
 
+def test_core_finds_engines_on_the_stream_only_when_told_to() -> None:
+    """``discover`` (``serve --nats`` without ``--nats-engine``): a stream NAME/dpR that is
+    no target makes NAME one, widened by a higher rank; without it (engines named on the
+    command line) a stranger's items are indexed and never routed to."""
+    from kvwire.consume.stream import Batch
+
+    def item(stream: str) -> Batch:
+        return Batch(stream, 1, KVEventBatch(0.0, [BlockStored([7], None, list(range(16)),
+                                                               16, None)], 0), 1)
+
+    for discover, want in ((False, ["a/dp0"]), (True, ["a/dp0", "z/dp0", "z/dp1", "z/dp2"])):
+        core = RouterCore([EngineSpec.parse_named("a")], nats=object(), discover=discover)
+        core._apply([item("z/dp0"), item("not-a-rank-stream")])
+        core._apply([item("z/dp2"), item("z/dp1")])
+        assert [t.stream for t in core.targets] == want
+        assert "z/dp0" in core.index.streams()  # indexed either way
+    assert core.discovered == 2 and [e.ranks for e in core.engines] == [1, 3]
+    assert RouterCore([], discover=True).discover is False  # (ZeroMQ: engines are named)
+
+
 # ---------------------------------------------------------------------------- the proxy
 
 

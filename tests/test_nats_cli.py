@@ -110,6 +110,87 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
     assert r.returncode == 2 and "cannot read stream NOPE" in r.stderr, r.stderr
 
 
+def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any) -> None:
+    """``kvwire serve --nats URL`` without ``--nats-engine`` (a real process): an engine
+    whose first message comes after the router started is routed to by its cache, a DP rank
+    seen later widens it, and one an operator removed stays out whatever it still writes,
+    until it is added again (then it is found and widened as before)."""
+    import re
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    from kvwire.wire.events import BlockStored
+
+    auth = {"authorization": "Bearer t0ken"}
+
+    async def engine_a(w: Writer) -> None:
+        await w.start("a", 0, epoch=1)
+        await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, _toks(1), BS, None)])
+
+    async def engine_c(w: Writer) -> None:  # starts late, one rank
+        await w.start("c", 0, epoch=1)
+        await w.batch("c", 0, [BlockStored(list(range(300, 308)), None, _toks(3), BS, None)])
+
+    async def c_rank_1(w: Writer) -> None:
+        await w.start("c", 1, epoch=1)
+        await w.batch("c", 1, [BlockStored(list(range(400, 408)), None, _toks(4), BS, None)])
+
+    async def c_rank_1_again(w: Writer) -> None:
+        await w.batch("c", 1, [BlockStored(list(range(600, 608)), 407, _toks(6), BS, None)])
+
+    async def c_then_d(w: Writer) -> None:  # (the consumer reads them in this order)
+        await w.batch("c", 0, [BlockStored(list(range(500, 508)), 307, _toks(5), BS, None)])
+        await w.start("d", 0, epoch=1)
+
+    w = run(_write(nats_server.url, engine_a))
+    p = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
+                          "--port", "0", "--block-size", str(BS), "--admin-token", "t0ken"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None:
+            assert time.monotonic() < deadline and p.poll() is None, "serve did not start"
+            m = re.search(r"1 streams; http://127\.0\.0\.1:(\d+)/", p.stderr.readline())
+            port = int(m.group(1)) if m else None
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            def routes(seed: int) -> tuple[str, int, float]:
+                r = http.post("/score", json={"token_ids": _toks(seed)}).json()
+                return r["engine"], r["rank"], max(r["overlap"].values())
+
+            wait_for(lambda: routes(1) == ("a", 0, 8), timeout=60, interval=0.05,
+                     what="a indexed from JetStream")
+            run(_write(nats_server.url, engine_c, w))
+            wait_for(lambda: routes(3) == ("c", 0, 8), timeout=60, interval=0.05,
+                     what="c, started after the router, found and routed to")
+            run(_write(nats_server.url, c_rank_1, w))
+            wait_for(lambda: routes(4) == ("c", 1, 8), timeout=60, interval=0.05,
+                     what="c's second rank seen: c widened")
+            assert len(http.get("/engines").json()["c"]["ranks"]) == 2
+            assert set(http.post("/score", json={"token_ids": _toks(4)}).json()["overlap"]) \
+                == {"a", "c/dp0", "c/dp1"}  # (its answers name the ranks now)
+
+            assert http.delete("/engines/c", headers=auth).status_code == 200
+            run(_write(nats_server.url, c_then_d, w))
+            wait_for(lambda: "d" in http.get("/engines").json(), timeout=60, interval=0.05,
+                     what="d found (after c's last batch)")
+            assert "c" not in http.get("/engines").json()  # removed: not found again
+            assert set(http.post("/score", json={"token_ids": _toks(3)}).json()["overlap"]) \
+                == {"a", "d"}
+            r = http.post("/engines", headers=auth, json={"engine": "c"})  # one rank, ...
+            assert r.status_code == 201, r.text
+            assert routes(3) == ("c", 0, 8)
+            run(_write(nats_server.url, c_rank_1_again, w))
+            wait_for(lambda: routes(4) == ("c", 1, 8), timeout=60, interval=0.05,
+                     what="... widened again by what its second rank writes")
+            r = http.post("/score", json={"token_ids": _toks(3) + _toks(5)}).json()
+            assert (r["engine"], r["overlap"]["c/dp0"]) == ("c", 16)  # what it wrote meanwhile
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
 def test_listen_nats_without_nats_py_says_how_to_get_it() -> None:
     """Without the nats extra: one line naming the extra, exit 2 (nats-py is installed here,
     so it is made unimportable in the child: the one way to cause this for real)."""

@@ -134,7 +134,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-engine", action="append", type=_nats_engine, default=[],
                    metavar="NAME[:RANKS][,url=URL]",
                    help="--nats: an engine to route to, proxied to at url= (repeat; default: "
-                        "the engines on the stream at start, for the decision API)")
+                        "every engine on the stream, those that appear later too, for the "
+                        "decision API)")
     add_connect_timeout(p, "--nats")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     p.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free one)")
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give --engine NAME=ENDPOINT (repeat), --nats URL or "
                              "--registrations FILE (the indexer API alone)")
         core = RouterCore(
-            engines, nats=nats,
+            engines, nats=nats, discover=nats is not None and not args.nats_engine,
             policy=make_policy(args.policy, args.prefill_weight, args.load_weight,
                                args.temperature, args.seed,
                                args.balance_slack / args.block_size),

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..consume.engine_spec import EngineSpec
@@ -49,6 +50,7 @@ INGEST_NAP = 0.005
 
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
+_RANK_STREAM = re.compile(r"([A-Za-z0-9_-]{1,64})/dp(\d{1,4})")  # an engine's NAME/dpR
 
 
 class EngineConflict(ValueError):
@@ -110,6 +112,7 @@ class RouterCore:
         clock: Callable[[], float] = time.monotonic,
         index: Any = None,
         nats: Any = None,
+        discover: bool = False,
     ) -> None:
         names = [e.name for e in engines]
         dup = {n for n in names if names.count(n) > 1}
@@ -143,6 +146,11 @@ class RouterCore:
         self._set_targets([t for e in self.engines for t in _targets(e)])
         self.stream_config = stream_config
         self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
+        # --nats without --nats-engine: engines that appear on the stream later are routed
+        # to as well (_discover); those an operator removed stay out until added again
+        self.discover = bool(discover) and nats is not None
+        self.discovered = 0
+        self._withdrawn: set[str] = set()
         self.lock = threading.Lock()
         self.alive: dict[str, bool] = {t.stream: False for t in self.targets}
         self.resets: dict[str, int] = dict.fromkeys(self.alive, 0)
@@ -324,6 +332,7 @@ class RouterCore:
             with self.lock:
                 self.engines = [*self.engines, spec]
                 self._set_targets([*self.targets, *new])
+                self._withdrawn.discard(spec.name)
                 for t in new:
                     if self.nats is None:
                         self.alive[t.stream] = False
@@ -369,6 +378,8 @@ class RouterCore:
         if not any(e.name == name for e in self.engines):
             return None
         with self.lock:
+            if self.discover:
+                self._withdrawn.add(name)
             gone = [t for t in self.targets if t.engine == name]
             self.engines = [e for e in self.engines if e.name != name]
             self._set_targets([t for t in self.targets if t.engine != name])
@@ -416,6 +427,39 @@ class RouterCore:
                 alive[s] = it.alive
             elif isinstance(it, Reset):
                 self.resets[s] = self.resets.get(s, 0) + 1
+        if self.discover:
+            self._discover(items)
+
+    def _discover(self, items: list) -> None:
+        """Route to engines that appear on the JetStream stream after start (a late start,
+        a fleet that grows), from their first item, with the DP ranks seen so far; a rank
+        seen later widens its engine (its targets are then labelled NAME/dpR)."""
+        known, extra, gone = self._by_stream, self.extra, self._withdrawn
+        grow: dict[str, int] = {}
+        for it in items:
+            s = it.stream
+            if s in known or s in extra:
+                continue
+            m = _RANK_STREAM.fullmatch(s)
+            if m is None or m.group(1) in gone:
+                continue
+            grow[m.group(1)] = max(grow.get(m.group(1), 0), int(m.group(2)) + 1)
+        for name, ranks in grow.items():
+            with self._sub_lock, self.lock:
+                old = next((e for e in self.engines if e.name == name), None)
+                if old is not None and old.ranks >= ranks:
+                    continue
+                spec = (EngineSpec(name, None, ranks=ranks) if old is None
+                        else replace(old, ranks=ranks))
+                new = _targets(spec)
+                self.engines = [*(e for e in self.engines if e.name != name), spec]
+                self._set_targets([*(t for t in self.targets if t.engine != name), *new])
+                for t in new:
+                    self.alive.setdefault(t.stream, False)
+                    self.resets.setdefault(t.stream, 0)
+                self.discovered += 1
+            log.info("engine %s %s on the stream (%d DP rank%s)", name,
+                     "found" if old is None else "widened", ranks, "" if ranks == 1 else "s")
 
     # ------------------------------------------------------------------ routing
 
