@@ -503,6 +503,14 @@ def test_deliveries_are_applied_64_to_a_lock_hold_in_order() -> None:
     assert [len(p) for p in pieces] == [10, 1, 1, 10]
     assert type(pieces[1][0]) is Snapshot and type(pieces[2][0]) is Batch
     assert pieces[0] == small[:10] and pieces[3] == small[10:20]
+    # at the limit: a snapshot of exactly SNAPSHOT_SLICE blocks stays whole; one more block
+    # and it is cut after exactly SNAPSHOT_SLICE (one-block events here)
+    from kvwire.router.slices import SNAPSHOT_SLICE
+
+    ones = [stored(tokens(5000 + i, 1), 50_000 + i).events[0] for i in range(SNAPSHOT_SLICE + 1)]
+    assert len(cut_in_pieces([Snapshot("e/dp0", 1, ones[:-1], epoch=0)])) == 1
+    head, tail = cut_in_pieces([Snapshot("e/dp0", 1, ones, epoch=0)])
+    assert len(head[0].blocks) == SNAPSHOT_SLICE and tail[0].batch.events == ones[-1:]
 
 
 def _two_ports() -> int:
