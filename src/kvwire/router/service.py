@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 from .slices import pieces
+from .targets import Target, found_ranks, targets_of
 
 __all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
 
@@ -50,7 +50,6 @@ INGEST_NAP = 0.005
 
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
-_RANK_STREAM = re.compile(r"([A-Za-z0-9_-]{1,64})/dp(\d{1,4})")  # an engine's NAME/dpR
 
 
 class EngineConflict(ValueError):
@@ -77,20 +76,6 @@ class Routed:
     label: str
     prefill: float
     overlap: float
-
-
-@dataclass
-class _Target:
-    stream: str  # subscriber / index stream name, NAME/dpR
-    label: str  # key in answers: NAME, or NAME/dpR for multi-rank engines
-    engine: str
-    rank: int
-
-
-def _targets(e: EngineSpec) -> list[_Target]:
-    """An engine's routing targets: one per DP rank (labelled NAME, or NAME/dpR)."""
-    return [_Target(stream, e.name if e.ranks == 1 else stream, e.name, r)
-            for r, stream in enumerate(e.stream_names())]
 
 
 class RouterCore:
@@ -143,7 +128,7 @@ class RouterCore:
         for e in self.engines:
             if nats is None:  # (with nats, the engines' streams come from JetStream)
                 self.specs += e.streams()
-        self._set_targets([t for e in self.engines for t in _targets(e)])
+        self._settargets_of([t for e in self.engines for t in targets_of(e)])
         self.stream_config = stream_config
         self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
         # --nats without --nats-engine: engines that appear on the stream later are routed
@@ -300,7 +285,7 @@ class RouterCore:
 
     # ------------------------------------------------------------------ run-time engines
 
-    def _set_targets(self, targets: list[_Target]) -> None:
+    def _settargets_of(self, targets: list[Target]) -> None:
         # Copy-on-write: a reader that took ``targets`` (or, under the lock, the maps)
         # keeps a consistent set while an engine is added or removed.
         self.targets = targets
@@ -320,7 +305,7 @@ class RouterCore:
             raise ValueError(f"engine {spec.name!r}: with --nats the engines' streams come "
                              "from JetStream: give NAME[:RANKS][,url=URL], no endpoint")
         specs = spec.streams() if self.nats is None else []
-        new = _targets(spec)
+        new = targets_of(spec)
         with self._sub_lock:
             if any(e.name == spec.name for e in self.engines):
                 raise EngineConflict(f"engine {spec.name!r} is already routed to")
@@ -331,7 +316,7 @@ class RouterCore:
                                      "through the indexer API, or another engine's)")
             with self.lock:
                 self.engines = [*self.engines, spec]
-                self._set_targets([*self.targets, *new])
+                self._settargets_of([*self.targets, *new])
                 self._withdrawn.discard(spec.name)
                 for t in new:
                     if self.nats is None:
@@ -374,7 +359,7 @@ class RouterCore:
                     self._sub.remove(t.stream, then=self._forget)
         return True
 
-    def _drop_engine(self, name: str) -> list[_Target] | None:
+    def _drop_engine(self, name: str) -> list[Target] | None:
         if not any(e.name == name for e in self.engines):
             return None
         with self.lock:
@@ -382,7 +367,7 @@ class RouterCore:
                 self._withdrawn.add(name)
             gone = [t for t in self.targets if t.engine == name]
             self.engines = [e for e in self.engines if e.name != name]
-            self._set_targets([t for t in self.targets if t.engine != name])
+            self._settargets_of([t for t in self.targets if t.engine != name])
         return gone
 
     def stream_problems(self) -> tuple[int, str]:
@@ -434,26 +419,18 @@ class RouterCore:
         """Route to engines that appear on the JetStream stream after start (a late start,
         a fleet that grows), from their first item, with the DP ranks seen so far; a rank
         seen later widens its engine (its targets are then labelled NAME/dpR)."""
-        known, extra, gone = self._by_stream, self.extra, self._withdrawn
-        grow: dict[str, int] = {}
-        for it in items:
-            s = it.stream
-            if s in known or s in extra:
-                continue
-            m = _RANK_STREAM.fullmatch(s)
-            if m is None or m.group(1) in gone:
-                continue
-            grow[m.group(1)] = max(grow.get(m.group(1), 0), int(m.group(2)) + 1)
-        for name, ranks in grow.items():
+        known, extra = self._by_stream, self.extra
+        streams = {it.stream for it in items if it.stream not in known}
+        for name, ranks in found_ranks(streams - extra, self._withdrawn).items():
             with self._sub_lock, self.lock:
                 old = next((e for e in self.engines if e.name == name), None)
                 if old is not None and old.ranks >= ranks:
                     continue
                 spec = (EngineSpec(name, None, ranks=ranks) if old is None
                         else replace(old, ranks=ranks))
-                new = _targets(spec)
+                new = targets_of(spec)
                 self.engines = [*(e for e in self.engines if e.name != name), spec]
-                self._set_targets([*(t for t in self.targets if t.engine != name), *new])
+                self._settargets_of([*(t for t in self.targets if t.engine != name), *new])
                 for t in new:
                     self.alive.setdefault(t.stream, False)
                     self.resets.setdefault(t.stream, 0)
