@@ -168,6 +168,7 @@ def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any)
             wait_for(lambda: routes(4) == ("c", 1, 8), timeout=60, interval=0.05,
                      what="c's second rank seen: c widened")
             assert len(http.get("/engines").json()["c"]["ranks"]) == 2
+            assert "kvwire_router_engines_discovered_total 2.0" in http.get("/metrics").text
             assert set(http.post("/score", json={"token_ids": _toks(4)}).json()["overlap"]) \
                 == {"a", "c/dp0", "c/dp1"}  # (its answers name the ranks now)
 

@@ -129,6 +129,12 @@ class _CoreCollector:
                                       "Reservations dropped because no release came")
         expired.add_metric([], lt.expired)
         yield from (applied, blocks, resets, alive, load, reqs, expired)
+        if core.discover:  # (serve --nats without --nats-engine)
+            found = CounterMetricFamily("kvwire_router_engines_discovered", "Engines found "
+                                        "(or widened by a new DP rank) on the JetStream "
+                                        "stream after start")
+            found.add_metric([], core.discovered)
+            yield found
 
 
 class _IndexerCollector:
