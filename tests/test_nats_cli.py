@@ -115,11 +115,12 @@ def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any)
     whose first message comes after the router started is routed to by its cache, a DP rank
     seen later widens it, and one an operator removed stays out whatever it still writes,
     until it is added again (then it is found and widened as before)."""
-    import re
     import subprocess
     import sys
 
     httpx = pytest.importorskip("httpx")
+    from test_indexer_api import _url
+
     from kvwire.wire.events import BlockStored
 
     auth = {"authorization": "Bearer t0ken"}
@@ -148,13 +149,7 @@ def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any)
                           "--port", "0", "--block-size", str(BS), "--admin-token", "t0ken"],
                          stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None:
-            assert time.monotonic() < deadline and p.poll() is None, "serve did not start"
-            m = re.search(r"1 streams; http://127\.0\.0\.1:(\d+)/", p.stderr.readline())
-            port = int(m.group(1)) if m else None
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        with httpx.Client(base_url=_url(p), timeout=10) as http:
             def routes(seed: int) -> tuple[str, int, float]:
                 r = http.post("/score", json={"token_ids": _toks(seed)}).json()
                 return r["engine"], r["rank"], max(r["overlap"].values())
