@@ -59,7 +59,6 @@ class PrefixWalk:
         self.by_bs: dict[int, int] = {}  # block size -> slot mask of streams using it
         self.bs_requests: dict[int, int] = {}  # block size -> match calls with >= 1 block
         self.max_stops = _MAX_STOPS
-        self.last = 0  # the last key a walk looked at (where a second chunk continues)
         # match's answer templates (see _misses): rebuilt when shape moves on, i.e. when
         # streams, block sizes or tiers change
         self.shape = 0
@@ -197,7 +196,6 @@ class PrefixWalk:
         pget = pred.get
         W = self.W
         not_best = alive << W  # lane 1 of the streams still matching
-        k = 0
         for k in keys:
             v = kget(k, 0)
             if pred:
@@ -221,7 +219,6 @@ class PrefixWalk:
                 else:
                     slow.append((v, p, alive, 1))
             i += 1
-        self.last = k
         return alive, i
 
     def _attribute(self, slow: list[tuple[int, int, int, int]], found: dict[int, int],
