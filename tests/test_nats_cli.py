@@ -111,8 +111,9 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
 
 
 def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any) -> None:
-    """``kvwire serve --nats URL`` without ``--nats-engine`` (a real process): an engine
-    whose first message comes after the router started is routed to by its cache, a DP rank
+    """``kvwire serve --nats URL`` without ``--nats-engine`` (a real process), started on a
+    stream with no engine yet: an engine whose first message comes after the router started
+    is routed to by its cache, a DP rank
     seen later widens it, and one an operator removed stays out whatever it still writes,
     until it is added again (then it is found and widened as before)."""
     import subprocess
@@ -144,18 +145,31 @@ def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any)
         await w.batch("c", 0, [BlockStored(list(range(500, 508)), 307, _toks(5), BS, None)])
         await w.start("d", 0, epoch=1)
 
-    w = run(_write(nats_server.url, engine_a))
+    async def nothing(w: Writer) -> None:  # the stream, as a bridge creates it, no engine
+        pass
+
+    w = run(_write(nats_server.url, nothing))
     p = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
                           "--port", "0", "--block-size", str(BS), "--admin-token", "t0ken"],
                          stderr=subprocess.PIPE, text=True)
     try:
         with httpx.Client(base_url=_url(p), timeout=10) as http:
-            def routes(seed: int) -> tuple[str, int, float]:
-                r = http.post("/score", json={"token_ids": _toks(seed)}).json()
-                return r["engine"], r["rank"], max(r["overlap"].values())
+            def routes(seed: int) -> tuple[str, int, float] | None:
+                r = http.post("/score", json={"token_ids": _toks(seed)})
+                if r.status_code == 503:  # (no engine yet)
+                    return None
+                j = r.json()
+                return j["engine"], j["rank"], max(j["overlap"].values())
 
+            # started before any engine: up, unhealthy, and saying why
+            r = http.post("/score", json={"token_ids": _toks(1)})
+            assert r.status_code == 503 and "no engine on the JetStream stream yet" in r.text
+            assert http.get("/health").status_code == 503
+            run(_write(nats_server.url, engine_a, w))
             wait_for(lambda: routes(1) == ("a", 0, 8), timeout=60, interval=0.05,
-                     what="a indexed from JetStream")
+                     what="a, the first engine, found and indexed from JetStream")
+            wait_for(lambda: http.get("/health").status_code == 200, timeout=60,
+                     interval=0.05, what="healthy with a live engine")
             run(_write(nats_server.url, engine_c, w))
             wait_for(lambda: routes(3) == ("c", 0, 8), timeout=60, interval=0.05,
                      what="c, started after the router, found and routed to")
@@ -163,7 +177,7 @@ def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any)
             wait_for(lambda: routes(4) == ("c", 1, 8), timeout=60, interval=0.05,
                      what="c's second rank seen: c widened")
             assert len(http.get("/engines").json()["c"]["ranks"]) == 2
-            assert "kvwire_router_engines_discovered_total 2.0" in http.get("/metrics").text
+            assert "kvwire_router_engines_discovered_total 3.0" in http.get("/metrics").text
             assert set(http.post("/score", json={"token_ids": _toks(4)}).json()["overlap"]) \
                 == {"a", "c/dp0", "c/dp1"}  # (its answers name the ranks now)
 

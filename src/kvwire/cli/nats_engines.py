@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 from typing import Any
 
 from ..nats.subjects import parse_subject
@@ -13,10 +14,12 @@ __all__ = ["discover", "nats_engines"]
 
 
 def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
-    """The NatsStreams spec and the EngineSpecs (``--nats-engine NAME[:RANKS]``, else every
-    engine with a subject on the stream now). The server is reached first either way, so a
-    wrong URL fails here: NatsConnectError (an OSError) if it does not answer within
-    ``--connect-timeout``; ValueError for anything wrong in the flags or the stream."""
+    """The NatsStreams spec and the EngineSpecs (``--nats-engine NAME[:RANKS][,url=URL]``,
+    else every engine with a subject on the stream now: maybe none yet, as the router finds
+    the others as they appear). The server is reached first either way, so a wrong URL
+    fails here: NatsConnectError (an OSError) if it does not answer within
+    ``--connect-timeout``; ValueError for anything wrong in the flags, or a stream that
+    cannot be read (a misspelt ``--stream``, or no bridge has created it yet)."""
     from ..consume.engine_spec import EngineSpec
     from ..nats.consumer import NatsStreams
 
@@ -35,9 +38,9 @@ def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     ranks: dict[str, int] = {}
     for engine, rank in found:
         ranks[engine] = max(ranks.get(engine, 0), rank + 1)
-    if not ranks:
-        raise ValueError(f"no engine subjects on stream {args.stream} yet: start "
-                         "kvwire bridge first, or name them with --nats-engine NAME[:RANKS]")
+    if not ranks:  # (a bridge up, its engines not yet: each is routed to as it appears)
+        print(f"kvwire serve: no engine on stream {args.stream} yet: each is routed to as "
+              "it appears", file=sys.stderr, flush=True)
     return spec, [EngineSpec(name, None, ranks=n) for name, n in ranks.items()]
 
 

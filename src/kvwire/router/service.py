@@ -454,8 +454,10 @@ class RouterCore:
         reserved under the returned ``request_id`` and its prefix predicted on the engine."""
         self.check_tokens(token_ids)
         if not self.targets:
-            raise RouteError(503, "no engine to route to: this kvwire serve has no --engine "
-                             "(it answers the indexer API only)", "no_engine")
+            raise RouteError(503, "no engine on the JetStream stream yet (each is routed to "
+                             "as it appears)" if self.discover else "no engine to route to: "
+                             "this kvwire serve has no --engine (it answers the indexer API "
+                             "only)", "no_engine")
         prompt_blocks = len(token_ids) // self.block_size
         if not self.lock.acquire(timeout=self.lock_timeout):
             raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
@@ -634,6 +636,8 @@ class RouterCore:
                             "phase", None) == "live"]
         if self._thread is None or not self._thread.is_alive():
             return False, "subscriber thread not running"
+        if not self.targets and self.discover:
+            return False, "no engine on the JetStream stream yet"
         if not self.targets:  # the indexer API alone: its streams come and go
             return True, f"no routing engines; {len(self.extra)} registered streams"
         if not live:
