@@ -241,7 +241,8 @@ _MEDIA = ["GPU", "CPU", "DISK"]
 def test_medium_prefixes_against_brute_force(streams: list[list[set[int]]]) -> None:
     """Streams holding a prefix of one chain, each block on one or more media:
     ``tier_prefixes`` (which skips keys that change no stream's lane) answers as counting
-    the leading blocks on each medium, on each medium or a better one, on any; in C
+    the leading blocks on each medium, on each medium or a better one, on any (cumulative
+    or not); in C
     (``_tiers.c``) and in Python, and the C walk that hashes the prompt as it goes
     (``walk_tokens``, both key schemes) as the walk over the prompt's keys."""
     from kvwire.index import PrefixIndex, block_keys
@@ -275,6 +276,7 @@ def test_medium_prefixes_against_brute_force(streams: list[list[set[int]]]) -> N
             walk.c_walk = c_walk
             try:
                 got = idx.tier_prefixes(keys, names, cumulative=True)
+                plain = idx.tier_prefixes(keys, names)
             finally:
                 walk.c_walk = walks[0]
             for s, blocks in enumerate(streams):
@@ -284,6 +286,7 @@ def test_medium_prefixes_against_brute_force(streams: list[list[set[int]]]) -> N
                         {m: lead(blocks, {t}) for t, m in enumerate(_MEDIA)},
                         {m: lead(blocks, set(range(t + 1))) for t, m in enumerate(_MEDIA)})
                 assert got[f"s{s}"] == want, (scheme, c_walk, s, blocks)
+                assert plain[f"s{s}"] == want[:2], (scheme, c_walk, s, blocks)
         if walk.c_walk:
             known = [n for n in names if n in walk.streams]
             seed, fold = chain_start(scheme)
