@@ -631,3 +631,47 @@ def test_set_bits_helper_agrees_with_pure_python():
     masks += [rng.getrandbits(rng.choice([8, 64, 130])) for _ in range(300)]
     for m in masks:
         assert list(_bits(m)) == list(_py_bits(m)), m
+
+
+def test_a_tier_seen_later_is_in_every_answer_after() -> None:
+    """A medium no one configured (``NVME`` here) becomes a tier when a stream first stores
+    there; answers given before were cached (templates, per-length counts): after, every
+    answer counts blocks over the new set of tiers, the new one included."""
+    idx = PrefixIndex()
+    toks = list(range(160))
+    idx.apply(batch("a", stored(toks, 16, 0, 10)))
+    before = idx.match(toks)
+    assert before["a"].tiers == {"GPU": 10, "CPU": 0, "DISK": 0}
+    idx.apply(batch("b", stored(toks, 16, 0, 4, medium="NVME")))
+    after = idx.match(toks)
+    for name, want in (("a", {"GPU": 10, "CPU": 0, "DISK": 0, "NVME": 0}),
+                       ("b", {"GPU": 0, "CPU": 0, "DISK": 0, "NVME": 4})):
+        assert after[name].tiers == want and len(after[name].counts) == 4, after[name]
+    assert idx.match(toks[:16 * 20] + [9] * 16)["a"].tiers["NVME"] == 0  # a fresh length too
+
+
+def test_match_caches_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The no-match templates (one per prompt length) and the per-length counts are caches
+    that start over when full, so a router that sees every prompt length keeps bounded
+    memory (the limits lowered here: module tunables)."""
+    from kvwire.index import walk
+
+    monkeypatch.setattr(walk, "_TEMPLATES", 8)
+    monkeypatch.setattr(walk, "_COUNTS_CACHE", 8)
+    idx = PrefixIndex()
+    toks = list(range(16 * 64))
+    idx.apply(batch("a", stored(toks, 16, 0, 64)))
+    for n in range(1, 64):
+        got = idx.match(toks[: 16 * n])["a"]
+        assert got.blocks == n and got.tiers["GPU"] == n
+        assert len(idx.walk.tpl) <= 8 and len(idx.walk.counts) <= 8
+
+
+def test_predicted_only_match_is_not_a_matched_request() -> None:
+    """``matched_requests`` counts requests the stream's stored blocks matched; a match by
+    a prediction alone (blocks routed there, not yet stored) is not one."""
+    idx = PrefixIndex()
+    toks = list(range(160))
+    idx.predict("p", toks, block_size=16)
+    assert idx.match(toks)["p"].predicted == 10
+    assert idx.streams()["p"].matched_requests == 0
