@@ -128,7 +128,7 @@ class RouterCore:
         for e in self.engines:
             if nats is None:  # (with nats, the engines' streams come from JetStream)
                 self.specs += e.streams()
-        self._settargets_of([t for e in self.engines for t in targets_of(e)])
+        self._set_targets([t for e in self.engines for t in targets_of(e)])
         self.stream_config = stream_config
         self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
         # --nats without --nats-engine: engines that appear on the stream later are routed
@@ -285,7 +285,7 @@ class RouterCore:
 
     # ------------------------------------------------------------------ run-time engines
 
-    def _settargets_of(self, targets: list[Target]) -> None:
+    def _set_targets(self, targets: list[Target]) -> None:
         # Copy-on-write: a reader that took ``targets`` (or, under the lock, the maps)
         # keeps a consistent set while an engine is added or removed.
         self.targets = targets
@@ -316,7 +316,7 @@ class RouterCore:
                                      "through the indexer API, or another engine's)")
             with self.lock:
                 self.engines = [*self.engines, spec]
-                self._settargets_of([*self.targets, *new])
+                self._set_targets([*self.targets, *new])
                 self._withdrawn.discard(spec.name)
                 for t in new:
                     if self.nats is None:
@@ -367,7 +367,7 @@ class RouterCore:
                 self._withdrawn.add(name)
             gone = [t for t in self.targets if t.engine == name]
             self.engines = [e for e in self.engines if e.name != name]
-            self._settargets_of([t for t in self.targets if t.engine != name])
+            self._set_targets([t for t in self.targets if t.engine != name])
         return gone
 
     def stream_problems(self) -> tuple[int, str]:
@@ -430,7 +430,7 @@ class RouterCore:
                         else replace(old, ranks=ranks))
                 new = targets_of(spec)
                 self.engines = [*(e for e in self.engines if e.name != name), spec]
-                self._settargets_of([*(t for t in self.targets if t.engine != name), *new])
+                self._set_targets([*(t for t in self.targets if t.engine != name), *new])
                 for t in new:
                     self.alive.setdefault(t.stream, False)
                     self.resets.setdefault(t.stream, 0)
