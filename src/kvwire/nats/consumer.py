@@ -423,9 +423,9 @@ class NatsSource:
                 self.c["setup_failures"] += 1
                 now = time.monotonic()
                 if now >= next_log:  # (a router started before its bridge: no log flood)
-                    log.warning("%s (retrying every %g s, %d failed so far; said again in "
-                                "%g s at most)", self.last_error, SETUP_RETRY, tries,
-                                SETUP_LOG_EVERY)
+                    log.warning("%s (retrying every %g s, %d failed so far; said again "
+                                "after %g s if it still fails)", self.last_error, SETUP_RETRY,
+                                tries, SETUP_LOG_EVERY)
                     next_log = now + SETUP_LOG_EVERY
                 await asyncio.sleep(SETUP_RETRY)
         msgs, arrived = self._msgs, self._arrived
