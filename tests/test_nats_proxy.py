@@ -42,6 +42,13 @@ def _overlap(c: httpx.Client, engine: EngineProc, body: dict[str, Any]) -> dict[
     return r.json()["overlap"]
 
 
+def _usable(c: httpx.Client, name: str) -> bool:
+    """``name`` passes its health probes and its breaker is closed (on a loaded box a probe
+    can time out and sit an engine out for its cool-off: a request then goes elsewhere)."""
+    http = c.get("/engines").json().get(name, {}).get("http", {})
+    return bool(http.get("http_up") and http.get("breaker_up"))
+
+
 def test_serve_nats_proxies_by_the_cache_that_came_through_jetstream(
         nats_server: Any, tmp_path: Path,
         engine_procs: Callable[..., list[EngineProc]],  # noqa: F811
@@ -62,24 +69,27 @@ def test_serve_nats_proxies_by_the_cache_that_came_through_jetstream(
             wait_for(lambda: c.get("/health").status_code == 200, "the proxy healthy")
             assert {m["id"] for m in c.get("/v1/models").json()["data"]} >= {"m"}
             homes: dict[int, str] = {}
-            for k in range(4):
+            for k in range(6):
                 first = _chat(f"conversation {k}: " + "context words " * 100, "question 0")
                 r = c.post("/v1/chat/completions", json=first)
                 assert r.status_code == 200, r.text
                 home = homes[k] = r.headers["x-kvwire-engine"]
                 wait_for(lambda b=first, h=home: _overlap(c, by_name[h], b).get(h, 0) > 0,
                          f"conversation {k}'s blocks in the index, through JetStream")
+                wait_for(lambda h=home: _usable(c, h), f"{home} usable")
                 r = c.post("/v1/chat/completions", json=_chat(first["messages"][0]["content"],
                                                               "question 1"))
                 assert r.status_code == 200 and r.headers["x-kvwire-engine"] == home, r.text
                 u = r.json()["usage"]
                 assert u["prompt_tokens_details"]["cached_tokens"] >= u["prompt_tokens"] // 2, u
             assert set(homes.values()) == {"e0", "e1"}, homes  # spread, not piled up
+            # (six fresh conversations alternate by busy time: only an engine out of every
+            # decision of them, probe after probe, would leave the other with none)
 
             # e1 leaves: everything goes to e0, its conversations included
             r = c.delete("/engines/e1", headers=AUTH)
             assert r.status_code == 200, r.text
-            for k in range(4):
+            for k in range(6):
                 body = _chat(f"conversation {k}: " + "context words " * 100, "question 2")
                 r = c.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200 and r.headers["x-kvwire-engine"] == "e0", r.text
@@ -90,8 +100,7 @@ def test_serve_nats_proxies_by_the_cache_that_came_through_jetstream(
             k1 = next(k for k, h in homes.items() if h == "e1")
             body = _chat(f"conversation {k1}: " + "context words " * 100, "question 3")
             assert _overlap(c, es[1], body).get("e1", 0) > 0
-            wait_for(lambda: c.get("/engines").json().get("e1", {}).get("http", {})
-                     .get("http_up"), "e1 probed up again")
+            wait_for(lambda: _usable(c, "e1"), "e1 probed up again")
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200 and r.headers["x-kvwire-engine"] == "e1", r.text
 
