@@ -315,15 +315,9 @@ class RouterCore:
                 raise EngineConflict(f"stream {taken[0]!r} is already followed (registered "
                                      "through the indexer API, or another engine's)")
             with self.lock:
-                self.engines = [*self.engines, spec]
-                self._set_targets([*self.targets, *new])
+                # (with --nats: what JetStream said of its streams so far, if anything)
+                self._install(spec, fresh=self.nats is None)
                 self._withdrawn.discard(spec.name)
-                for t in new:
-                    if self.nats is None:
-                        self.alive[t.stream] = False
-                    else:  # (what JetStream said of it so far, if anything)
-                        self.alive.setdefault(t.stream, False)
-                    self.resets.setdefault(t.stream, 0)
             if self._sub is None:
                 self.specs = [*self.specs, *specs]
                 return
@@ -358,6 +352,19 @@ class RouterCore:
                 else:
                     self._sub.remove(t.stream, then=self._forget)
         return True
+
+    def _install(self, spec: EngineSpec, fresh: bool) -> None:
+        """Route to ``spec`` in place of any engine of its name (the caller holds ``lock``);
+        ``fresh``: its streams start unknown, else they keep what was seen of them."""
+        new = targets_of(spec)
+        self.engines = [*(e for e in self.engines if e.name != spec.name), spec]
+        self._set_targets([*(t for t in self.targets if t.engine != spec.name), *new])
+        for t in new:
+            if fresh:
+                self.alive[t.stream] = False
+            else:
+                self.alive.setdefault(t.stream, False)
+            self.resets.setdefault(t.stream, 0)
 
     def _drop_engine(self, name: str) -> list[Target] | None:
         if not any(e.name == name for e in self.engines):
@@ -426,14 +433,8 @@ class RouterCore:
                 old = next((e for e in self.engines if e.name == name), None)
                 if old is not None and old.ranks >= ranks:
                     continue
-                spec = (EngineSpec(name, None, ranks=ranks) if old is None
-                        else replace(old, ranks=ranks))
-                new = targets_of(spec)
-                self.engines = [*(e for e in self.engines if e.name != name), spec]
-                self._set_targets([*(t for t in self.targets if t.engine != name), *new])
-                for t in new:
-                    self.alive.setdefault(t.stream, False)
-                    self.resets.setdefault(t.stream, 0)
+                self._install(EngineSpec(name, None, ranks=ranks) if old is None
+                              else replace(old, ranks=ranks), fresh=False)
                 self.discovered += 1
             log.info("engine %s %s on the stream (%d DP rank%s)", name,
                      "found" if old is None else "widened", ranks, "" if ranks == 1 else "s")
