@@ -19,9 +19,11 @@ from typing import Any
 from ..wire.endpoint import check_endpoint
 from .subscriber import StreamSpec
 
-__all__ = ["ENGINE_NAME_RULE", "EngineSpec", "check_engine_name"]
+__all__ = ["ENGINE_NAME", "ENGINE_NAME_RULE", "EngineSpec", "check_engine_name"]
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: An engine name's pattern (also the NAME of its streams' NAME/dpR).
+ENGINE_NAME = r"[A-Za-z0-9_-]{1,64}"
+_NAME = re.compile(ENGINE_NAME)
 #: What :func:`check_engine_name` accepts, as error messages say it.
 ENGINE_NAME_RULE = ("1-64 of letters, digits, '_' and '-' (it becomes a NATS subject token, "
                     "where '.' separates tokens)")

@@ -409,23 +409,22 @@ class NatsSource:
                   room: Callable[[], bool], wait_room: Callable[[], Awaitable[None]]) -> None:
         """Consume until :meth:`stop`. ``room()`` says whether to ask for more now."""
         await self._connect()
-        tries, next_log = 0, 0.0
+        c, next_log = self.c, 0.0
         while not self._stop.is_set():
             try:
                 await self._setup(put)
-                if tries:
+                if c["setup_failures"]:
                     log.info("consumer on %s set up after %d failed attempts",
-                             self.spec.stream, tries)
+                             self.spec.stream, c["setup_failures"])
                 break
             except Exception as e:  # stream missing yet, server restarting: retry
                 self.last_error = f"cannot set up consumer on {self.spec.stream}: {e}"
-                tries += 1
-                self.c["setup_failures"] += 1
+                c["setup_failures"] += 1
                 now = time.monotonic()
                 if now >= next_log:  # (a router started before its bridge: no log flood)
                     log.warning("%s (retrying every %g s, %d failed so far; said again "
                                 "after %g s if it still fails)", self.last_error, SETUP_RETRY,
-                                tries, SETUP_LOG_EVERY)
+                                c["setup_failures"], SETUP_LOG_EVERY)
                     next_log = now + SETUP_LOG_EVERY
                 await asyncio.sleep(SETUP_RETRY)
         msgs, arrived = self._msgs, self._arrived

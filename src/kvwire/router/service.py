@@ -215,7 +215,8 @@ class RouterCore:
             more = len(items) >= max_items
             self._pending.extend(pieces(items))
         if self._pending:
-            self._apply(self._pending.popleft())
+            piece = self._pending.popleft()
+            self._apply(piece, cut=[piece])
             self.pumps += 1
         now = time.monotonic()
         if now >= self._next_stats:
@@ -396,10 +397,12 @@ class RouterCore:
             else:
                 self.alive.pop(name, None)
 
-    def _apply(self, items: list) -> None:
+    def _apply(self, items: list, cut: list[list] | None = None) -> None:
+        """Apply deliveries to the index, one lock hold per piece (``cut``: ``items``
+        already cut into pieces, as :meth:`pump` takes them), then note liveness."""
         now = self.clock()
         apply = self.index.apply
-        for piece in pieces(items):
+        for piece in pieces(items) if cut is None else cut:
             with self.lock:  # one short hold per piece: routes interleave with a rebuild
                 for it in piece:
                     try:

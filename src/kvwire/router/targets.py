@@ -8,12 +8,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..consume.engine_spec import EngineSpec
+from ..consume.engine_spec import ENGINE_NAME, EngineSpec
 
 __all__ = ["Target", "found_ranks", "targets_of"]
 
-#: An engine's stream name, NAME/dpR (the name rule of :mod:`kvwire.consume.engine_spec`).
-_RANK_STREAM = re.compile(r"([A-Za-z0-9_-]{1,64})/dp(\d{1,4})")
+#: An engine's stream name, NAME/dpR.
+_RANK_STREAM = re.compile(rf"({ENGINE_NAME})/dp(\d{{1,4}})")
 
 
 @dataclass
