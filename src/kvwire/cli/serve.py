@@ -7,13 +7,14 @@ Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register` / :func
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .options import (
     EXIT_FAILURE,
@@ -171,6 +172,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="indexer API: keep /register'd streams in FILE (rewritten atomically "
                         "on each change, read at start: a restart follows the same streams); "
                         "with it, --engine is optional (docs/indexer-api.md)")
+    p.add_argument("--engines-file", metavar="FILE", default=None,
+                   help="keep the engines added and removed at run time (POST/DELETE "
+                        "/engines) in FILE, rewritten atomically on each change and laid over "
+                        "the command line's engines at start: a restart routes to the same "
+                        "fleet (docs/router.md, \"Engines that come and go\")")
     p.add_argument("--admin-token", metavar="TOKEN", default=None,
                    help="allow POST /engines and DELETE /engines/NAME (engines added and "
                         "removed at run time) to callers sending 'Authorization: Bearer "
@@ -231,11 +237,15 @@ def run(args: argparse.Namespace) -> int:
             nats, engines = nats_engines(args)
         elif args.nats_engine:
             raise ValueError("--nats-engine needs --nats URL")
-        elif not engines and args.registrations is None:
+        kept, withdrawn = None, set()
+        if args.engines_file is not None:
+            kept, engines, withdrawn = _kept_engines(args.engines_file, engines, nats)
+        if nats is None and not engines and args.registrations is None:
             raise ValueError("give --engine NAME=ENDPOINT (repeat), --nats URL or "
                              "--registrations FILE (the indexer API alone)")
         core = RouterCore(
             engines, nats=nats, discover=nats is not None and not args.nats_engine,
+            withdrawn=withdrawn,
             policy=make_policy(args.policy, args.prefill_weight, args.load_weight,
                                args.temperature, args.seed,
                                args.balance_slack / args.block_size),
@@ -294,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
           file=sys.stderr, flush=True)
     try:
-        app = fast_app(build_app(core, proxy, indexer, admin_token=_admin_token(args)))
+        app = fast_app(build_app(core, proxy, indexer, admin_token=_admin_token(args),
+                                 engines_file=kept))
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
@@ -307,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
                                     access_log=False, lifespan="off",
                                     proxy_headers=False,  # no X-Forwarded-* rewriting
                                     timeout_graceful_shutdown=args.shutdown_timeout)
-            uvicorn.Server(config).run(sockets=[sock])
+            _uvicorn_server()(config).run(sockets=[sock])
     finally:
         sock.close()
         if proxy is not None:
@@ -343,6 +354,53 @@ def _tokenizer(args: argparse.Namespace):
     return load_tokenizer(None if spec == "builtin" else spec,
                           chat_template=args.chat_template,
                           content_format=args.chat_template_content_format)
+
+
+def _uvicorn_server() -> type:
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        """uvicorn raises the signal that stopped it again once it has shut down, so the
+        process would die by it: no cleanup after, and -15 for the exit status 0 that
+        kvwire serve documents for a stop. Here the stop ends :func:`run` normally."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()  # (read by the super's exit)
+
+    return Quiet
+
+
+def _kept_engines(path: str, engines: list, nats: Any) -> tuple[Any, list, set[str]]:
+    """``--engines-file``: the file, the engines to route to (the run-time changes laid
+    over ``engines``, the command line's) and the names removed; said on stderr when the
+    changes alter the command line's fleet. ValueError for a file that cannot be read."""
+    from ..consume.engine_spec import EngineSpec
+    from ..router.engines_file import EnginesFile
+
+    kept = EnginesFile(path)
+    changes = kept.load()
+    try:
+        start = changes.over(engines, EngineSpec.parse if nats is None
+                             else lambda text: EngineSpec.parse_named(text, "engine"))
+    except ValueError as e:
+        raise ValueError(f"engines file {path}: {e}") from None
+    said = []
+    if changes.added:
+        said.append(f"added {', '.join(sorted(changes.added))}")
+    if start.replaced:
+        said.append(f"of these, {', '.join(start.replaced)} as added, not as given here")
+    if start.dropped:
+        said.append(f"{', '.join(start.dropped)} left out (removed at run time: POST "
+                    "/engines adds one back)")
+    if said:
+        print(f"kvwire serve: engines file {path}: " + "; ".join(said), file=sys.stderr,
+              flush=True)
+    return kept, start.engines, start.withdrawn
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:

@@ -163,12 +163,13 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = None,
-              admin_token: str | None = None) -> FastAPI:
+              admin_token: str | None = None, engines_file: Any = None) -> FastAPI:
     """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops);
     with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), ``fast_app`` also serves
     ``/v1`` and ``/health`` needs an engine live on both HTTP and events. With
     ``admin_token``, ``POST /engines`` and ``DELETE /engines/{name}`` change the engines
-    (:mod:`~kvwire.router.membership`); without, they answer 403."""
+    (:mod:`~kvwire.router.membership`); without, they answer 403. With ``engines_file``
+    (an :class:`~kvwire.router.engines_file.EnginesFile`) those changes are kept there."""
     app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = _Metrics(core, proxy)
     feed = StatusFeed(core, proxy)  # the status page's charts, sampled once a second
@@ -240,7 +241,7 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
                     out[name]["http"] = st
         return _json(out)
 
-    add_membership_routes(app, core, proxy, admin_token, _json, bad)
+    add_membership_routes(app, core, proxy, admin_token, _json, bad, kept=engines_file)
 
     @app.get("/health")
     async def health() -> Response:

@@ -10,7 +10,6 @@ clients ``block_hash``); Dynamo's indexer ``model_name``, integer instance ids a
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,6 +17,8 @@ from urllib.parse import parse_qs
 
 import msgspec
 from xxhash import xxh3_64_intdigest
+
+from .state_file import write_atomically
 
 __all__ = [
     "MEDIA", "BadRequest", "add_rank", "QueryBody", "QueryByHashBody", "RegisterBody", "Registration",
@@ -325,9 +326,8 @@ def shape_answer(shape: str, scope: Scope, rows: dict[str, dict[str, Any]]) -> A
 
 
 class RegistrationFile:
-    """Registrations kept in a JSON file: written whole to a temporary file, flushed to disk
-    and renamed over the old one on every change (a crash leaves the old or the new file,
-    never half of one); read at start."""
+    """Registrations kept in a JSON file, rewritten whole on every change
+    (:func:`~kvwire.router.state_file.write_atomically`) and read at start."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -346,13 +346,8 @@ class RegistrationFile:
         return doc.registrations
 
     def save(self, regs: list[Registration]) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        data = msgspec.json.format(msgspec.json.encode(_FileDoc(1, regs)))
-        with open(tmp, "wb") as f:
-            f.write(data + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomically(self.path, msgspec.json.format(
+            msgspec.json.encode(_FileDoc(1, regs))) + b"\n")
 
 
 class _FileDoc(msgspec.Struct):

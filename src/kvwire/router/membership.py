@@ -7,7 +7,8 @@ Off unless the server has an admin token (``kvwire serve --admin-token`` or
 ``KVWIRE_ADMIN_TOKEN``): an engine added here receives the clients' requests, headers
 (``authorization`` included) and prompts, so only someone holding the token may add one.
 Every answer is JSON; every refusal says why and is counted in
-``kvwire_router_bad_requests_total{reason}`` with the other bad requests.
+``kvwire_router_bad_requests_total{reason}`` with the other bad requests. With
+``--engines-file`` the changes outlive a restart (:mod:`~kvwire.router.engines_file`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.responses import Response
 from prometheus_client import Counter
 
 from ..consume.engine_spec import EngineSpec
+from .engines_file import EngineChanges, EnginesFile
 from .service import EngineConflict, RouterCore
 
 __all__ = ["TOKEN_ENV", "add_membership_routes"]
@@ -45,10 +47,12 @@ _add_dec = msgspec.json.Decoder(AddBody)
 
 def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str | None,
                           answer: Callable[..., Response],
-                          bad: Callable[[int, str, str], Response]) -> None:
+                          bad: Callable[[int, str, str], Response],
+                          kept: EnginesFile | None = None) -> None:
     """Register the two admin routes on ``app``. ``answer(obj, status)`` and
     ``bad(status, message, reason)`` answer (and count a refusal) as the app's other routes
-    do."""
+    do. With ``kept`` (``--engines-file``) each change is written there before it is made:
+    one that cannot be written is refused (507) and nothing changes."""
     changes = Counter("kvwire_router_engine_changes", "Engines added and removed at run "
                       "time (POST/DELETE /engines)", ["op"],
                       registry=app.state.metrics.registry)
@@ -64,6 +68,29 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             return bad(401, "this needs the admin token: Authorization: Bearer TOKEN",
                        "admin_token")
         return None
+
+    def routed(name: str) -> bool:
+        return any(e.name == name for e in core.engines)
+
+    def keep(changes: EngineChanges) -> Response | None:
+        """Write the changes to come; a 507 answer if they cannot be written."""
+        assert kept is not None
+        try:
+            kept.commit(changes)
+        except OSError as e:
+            return bad(507, f"engines file {kept.path} could not be written ({e}): nothing "
+                       "changed", "engines_file")
+        return None
+
+    def unkeep(old: EngineChanges | None) -> None:
+        """A change written but not made after all: the file says what is true again."""
+        if kept is None or old is None:
+            return
+        try:
+            kept.commit(old)
+        except OSError as e:
+            log.error("engines file %s could not be written back (%s): it names a change "
+                      "that was not made", kept.path, e)
 
     @app.post("/engines")
     async def add_engine(request: Request) -> Response:
@@ -85,10 +112,21 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                 raise ValueError("url= given, but this kvwire serve does not proxy (no "
                                  "--engine or --nats-engine had url= at start): route with "
                                  "/route instead")
-            if proxy is not None:
-                proxy.add_engine(spec)
-            else:
-                core.add_engine(spec)
+            old = None
+            if kept is not None:
+                if routed(spec.name):
+                    raise EngineConflict(f"engine {spec.name!r} is already routed to")
+                old = kept.changes
+                if (no := keep(old.add(spec.name, body.engine))) is not None:
+                    return no
+            try:
+                if proxy is not None:
+                    proxy.add_engine(spec)
+                else:
+                    core.add_engine(spec)
+            except (EngineConflict, ValueError):
+                unkeep(old)
+                raise
         except EngineConflict as e:
             return bad(409, str(e), "engine_exists")
         except ValueError as e:
@@ -103,12 +141,18 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
         """Stop routing to an engine; requests already sent there run to their end."""
         if (no := refused(request)) is not None:
             return no
+        old = None
+        if kept is not None and routed(name):
+            old = kept.changes
+            if (no := keep(old.remove(name))) is not None:
+                return no
         if proxy is not None:
             in_flight = proxy.remove_engine(name)
             gone = in_flight is None
         else:
             in_flight, gone = 0, not core.remove_engine(name)
         if gone:
+            unkeep(old)
             return bad(404, f"no engine named {name[:80]!r} is routed to", "unknown_engine")
         changes.labels("remove").inc()
         log.info("engine %s removed at run time (%d requests in flight there)", name,

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -98,6 +98,7 @@ class RouterCore:
         index: Any = None,
         nats: Any = None,
         discover: bool = False,
+        withdrawn: Iterable[str] = (),
     ) -> None:
         names = [e.name for e in engines]
         dup = {n for n in names if names.count(n) > 1}
@@ -133,9 +134,10 @@ class RouterCore:
         self.nats = nats  # a kvwire.nats.NatsStreams: the engines' streams come from JetStream
         # --nats without --nats-engine: engines that appear on the stream later are routed
         # to as well (_discover); those an operator removed stay out until added again
+        # (``withdrawn``: removed before a restart, kvwire serve --engines-file)
         self.discover = bool(discover) and nats is not None
         self.discovered = 0
-        self._withdrawn: set[str] = set()
+        self._withdrawn: set[str] = set(withdrawn)
         self.lock = threading.Lock()
         self.alive: dict[str, bool] = {t.stream: False for t in self.targets}
         self.resets: dict[str, int] = dict.fromkeys(self.alive, 0)
