@@ -111,6 +111,28 @@ def test_a_withdrawn_engine_is_not_found_again_on_the_stream() -> None:
     assert [t.stream for t in core.targets] == ["new/dp0", "gone/dp0"]
 
 
+def test_an_add_that_fails_after_the_write_is_taken_back(tmp_path: Path) -> None:
+    """The change is written first; an add that then fails (here for real: the router's
+    subscriber is closed, as while it stops) is written back out of the file, and the
+    caller hears why (503), not a bare 500."""
+    from kvwire.router.app import serve_in_thread
+
+    core = RouterCore([EngineSpec.parse(_text("a", 5801))])
+    core.start()
+    kept = EnginesFile(tmp_path / "engines.json")
+    server, thread, port = serve_in_thread(core, admin_token=TOKEN, engines_file=kept)
+    try:
+        core.close()
+        r = httpx.post(f"http://127.0.0.1:{port}/engines", headers=AUTH,
+                       json={"engine": _text("b", 5802)}, timeout=TIMEOUT)
+        assert r.status_code == 503 and "stopping" in r.json()["error"], r.text
+        assert EnginesFile(kept.path).load() == EngineChanges() == kept.changes
+        assert [e.name for e in core.engines] == ["a"]
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+
+
 # -------------------------------------------------------------------- real processes
 
 

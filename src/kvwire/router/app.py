@@ -384,7 +384,8 @@ def _decode_route(body: bytes) -> Any:
 
 def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 10.0, proxy: Any = None,
-                    admin_token: str | None = None) -> tuple[Any, threading.Thread, int]:
+                    admin_token: str | None = None,
+                    engines_file: Any = None) -> tuple[Any, threading.Thread, int]:
     """Run the app with uvicorn (with ``proxy``: :class:`~kvwire.router.front.Server`) in
     a daemon thread (tests, docs, embedding).
 
@@ -399,10 +400,11 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     if proxy is not None:  # the proxy's hot paths on the lean server, the rest bridged
         from .front import Server
 
-        server: Any = Server(fast_app(build_app(core, proxy, admin_token=admin_token)),
-                             proxy)
+        server: Any = Server(fast_app(build_app(core, proxy, admin_token=admin_token,
+                                                engines_file=engines_file)), proxy)
     else:
-        config = uvicorn.Config(fast_app(build_app(core, proxy, admin_token=admin_token)),
+        config = uvicorn.Config(fast_app(build_app(core, proxy, admin_token=admin_token,
+                                                   engines_file=engines_file)),
                                 log_level="warning",
                                 access_log=False, lifespan="off", proxy_headers=False)
         server = uvicorn.Server(config)

@@ -124,13 +124,16 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                     proxy.add_engine(spec)
                 else:
                     core.add_engine(spec)
-            except (EngineConflict, ValueError):
+            except Exception:  # (a closed subscriber too: no engine is half added)
                 unkeep(old)
                 raise
         except EngineConflict as e:
             return bad(409, str(e), "engine_exists")
         except ValueError as e:
             return bad(400, str(e), "bad_engine")
+        except RuntimeError as e:  # the subscriber closed: the router is stopping
+            return bad(503, f"engine {spec.name!r} not added, the router is stopping ({e})",
+                       "stopping")
         changes.labels("add").inc()
         log.info("engine %s added at run time: %s", spec.name, body.engine)
         return answer({"added": spec.name, "streams": spec.stream_names(),
