@@ -114,7 +114,7 @@ def test_a_withdrawn_engine_is_not_found_again_on_the_stream() -> None:
 def test_an_add_that_fails_after_the_write_is_taken_back(tmp_path: Path) -> None:
     """The change is written first; an add that then fails (here for real: the router's
     subscriber is closed, as while it stops) is written back out of the file, and the
-    caller hears why (503), not a bare 500."""
+    caller hears why (503), not a bare 500. A removal still takes the engine out."""
     from kvwire.router.app import serve_in_thread
 
     core = RouterCore([EngineSpec.parse(_text("a", 5801))])
@@ -128,6 +128,10 @@ def test_an_add_that_fails_after_the_write_is_taken_back(tmp_path: Path) -> None
         assert r.status_code == 503 and "stopping" in r.json()["error"], r.text
         assert EnginesFile(kept.path).load() == EngineChanges() == kept.changes
         assert [e.name for e in core.engines] == ["a"]
+        # a removal then is made (no decision picks the engine) and kept
+        r = httpx.delete(f"http://127.0.0.1:{port}/engines/a", headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert core.engines == [] and EnginesFile(kept.path).load().removed == ["a"]
     finally:
         server.should_exit = True
         thread.join(TIMEOUT)

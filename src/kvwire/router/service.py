@@ -352,8 +352,11 @@ class RouterCore:
                 if self._sub is None:
                     self.specs = [s for s in self.specs if s.name != t.stream]
                     self._forget(t.stream)
-                else:
+                    continue
+                try:
                     self._sub.remove(t.stream, then=self._forget)
+                except RuntimeError:  # the subscriber closed (stopping): nothing to let go
+                    self._forget(t.stream)
         return True
 
     def _install(self, spec: EngineSpec, fresh: bool) -> None:
