@@ -7,6 +7,7 @@ of §6 on the bundled trace (8 engines x 5,000 blocks).
     .venv/bin/python bench/sim.py --engine-model fifo   # the one-request-at-a-time model
     .venv/bin/python bench/sim.py --compare         # issue 24: kvwire vs SGLang's cache_aware
     .venv/bin/python bench/sim.py --ablate          # kvwire with and without its load rules
+    .venv/bin/python bench/sim.py --compare --loads 3 --clairvoyant   # and the bound (~9 min)
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from kvwire.sim.floor import ttft_floor
 from kvwire.sim.trace import bundled_trace_path, load_trace, repeat_trace
 
 
-def compare(loads: list[float], engines: int, capacity: int) -> None:
+def compare(loads: list[float], engines: int, capacity: int,
+            clairvoyant: bool = False) -> None:
     """The bundled trace at each load (its arrival times divided by it), under kvwire's
     default policy, its tail-first slack (32,768 tokens), the cost before issue 24
     (load_weight 0.5, no slack), SGLang's cache_aware and round robin; issue 24's targets
-    checked for each load (kvwire's default); last, the floor no router can go below
-    (kvwire.sim.floor)."""
+    checked for each load (kvwire's default); with ``clairvoyant``, the policy that runs
+    every engine ahead to each request's first token (the bound of routers that decide
+    each request as it arrives); last, the floor no router can go below (kvwire.sim.floor)."""
     base = load_trace(bundled_trace_path())
     print("| load | policy | hit ratio | work max/mean | TTFT p50 s | TTFT p99 s | e2e p99 s |")
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -38,8 +41,11 @@ def compare(loads: list[float], engines: int, capacity: int) -> None:
         res["kvwire (old cost)"] = run_sim(reqs, old, ["kvwire"]).results["kvwire"]
         tail = replace(cfg, balance_slack_tokens=32_768)
         res["kvwire (slack 32,768)"] = run_sim(reqs, tail, ["kvwire"]).results["kvwire"]
+        if clairvoyant:
+            res["clairvoyant (bound)"] = run_sim(reqs, cfg, ["clairvoyant"]).results[
+                "clairvoyant"]
         for name in ("kvwire", "kvwire (slack 32,768)", "kvwire (old cost)", "sglang",
-                     "round_robin"):
+                     "round_robin", *(["clairvoyant (bound)"] if clairvoyant else [])):
             s = res[name].summary()
             print(f"| {load:g}x | {name} | {s['hit_ratio']:.3f} | {s['work_max_over_mean']:.3f} "
                   f"| {s['ttft_p50_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['e2e_p99_s']:.2f} |",
@@ -94,6 +100,9 @@ def main() -> None:
                          "and 131,072 tokens, at --loads")
     ap.add_argument("--compare", action="store_true",
                     help="kvwire vs SGLang's cache_aware vs round robin at --loads")
+    ap.add_argument("--clairvoyant", action="store_true",
+                    help="--compare: also the clairvoyant policy, which runs every engine "
+                         "ahead (slow: about 9 minutes a load on 2 cores)")
     ap.add_argument("--loads", default="1,2,3,4",
                     help="--compare: arrival-rate multipliers of the bundled trace")
     args = ap.parse_args()
@@ -101,7 +110,8 @@ def main() -> None:
         ablate([float(x) for x in args.loads.split(",")], args.engines, args.capacity)
         return
     if args.compare:
-        compare([float(x) for x in args.loads.split(",")], args.engines, args.capacity)
+        compare([float(x) for x in args.loads.split(",")], args.engines, args.capacity,
+                args.clairvoyant)
         return
     base = load_trace(bundled_trace_path())
     reqs = repeat_trace(base, -(-args.requests // len(base)))[: args.requests]

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per block")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: "
-                        f"{','.join(POLICIES)}; sglang: SGLang router's cache_aware)")
+                        f"{','.join(POLICIES)}; sglang: SGLang router's cache_aware; "
+                        "clairvoyant: runs each engine ahead, the bound of any router, slow)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--report", metavar="FILE.png", help="write a PNG report (matplotlib)")
     p.add_argument("--seed", type=int, default=0)

@@ -30,6 +30,7 @@ state single steps give (a test checks it), which is what lets a fleet replay lo
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from array import array
@@ -136,6 +137,16 @@ class EngineModel:
         req.arrival = t
         req._start(self.cfg.block_size, self.cfg.seed)
         self.waiting.append(req)
+
+    def fork(self) -> EngineModel:
+        """An independent copy to run ahead on (a what-if: when would a request added now
+        get its first token?), sharing nothing with this engine; its :attr:`itl` starts
+        empty (the gaps already produced are this engine's history, not its state)."""
+        itl, self.itl = self.itl, array("d")
+        try:
+            return copy.deepcopy(self)
+        finally:
+            self.itl = itl
 
     def abort(self, req: EngineRequest) -> bool:
         """Drop a waiting or running request (a client went away): its blocks are freed

@@ -110,6 +110,7 @@ def run_batched(reqs: Sequence[Request], engines: list[BatchedEngine], router: _
         router.now = t
         er, nkeys = make_request(i, req, bs)
         keys = er.hashes[:nkeys]
+        router.request = er  # (the clairvoyant router runs a copy of it ahead)
         t0 = time.perf_counter()
         e = router.route(er.rid, req, keys, t)
         res.route_us.append((time.perf_counter() - t0) * 1e6)

@@ -55,7 +55,7 @@ _JSON_KEYS = ("hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
               "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_s", "preemptions")
 POLICIES = ("kvwire", "oracle", "random", "round_robin", "least_load")
 #: Every policy ``run_sim`` knows; the ones past POLICIES are run when asked for.
-ALL_POLICIES = (*POLICIES, "sglang")
+ALL_POLICIES = (*POLICIES, "sglang", "clairvoyant")
 ENGINE_MODELS = ("batched", "fifo")
 
 

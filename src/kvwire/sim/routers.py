@@ -3,7 +3,8 @@
 ``kvwire`` sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy (the objects
 ``kvwire serve`` uses); ``oracle`` reads the caches directly with the same cost; ``sglang`` is
 SGLang's ``cache_aware`` (:mod:`kvwire.router.cache_aware`), which sees only what it sent;
-the rest ignore the cache. Routers are told when a request's first token comes
+``clairvoyant`` runs every engine ahead to pick the earliest first token (a bound, not a
+router); the rest ignore the cache. Routers are told when a request's first token comes
 (:meth:`_Router.first_token`) and when it finishes (:meth:`_Router.release`), as the proxy is.
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
+from ..engine import EngineRequest
 from ..router.policy import Candidate, LoadTracker, request_load
 from .engine import SimEngine
 from .trace import Request, prompt_array
@@ -31,6 +33,8 @@ class _Router:
     """Base: chooses an engine index for a request at virtual time ``now``."""
 
     events_applied = 0
+    #: the engine request being routed (batched model: run_batched sets it before a route)
+    request: EngineRequest | None = None
 
     def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
         self.engines = engines
@@ -119,6 +123,42 @@ class _Oracle(_Router):
         e = self.index[d.name]
         self.reserve(rid, e, len(keys), d.overlap[d.name], req, now)
         return e
+
+
+class _Clairvoyant(_Router):
+    """What no router can be: it reads every engine's exact state and, for each engine, runs
+    a copy of it ahead (:meth:`~kvwire.engine.EngineModel.fork`) with the request added,
+    to the request's first token; the earliest wins (within ``CLAIRVOYANT_TIE_S``, the one
+    holding most of the prompt). It does not know later arrivals, so it is the bound of
+    routers that decide each request as it comes (batched engine model only)."""
+
+    #: first tokens this close count as a tie, broken by cached blocks, then engine order
+    CLAIRVOYANT_TIE_S = 0.001
+
+    def __init__(self, engines: list[Any], cfg: SimConfig) -> None:
+        super().__init__(engines, cfg)
+        if cfg.engine_model != "batched":
+            raise SimError("the clairvoyant policy runs ahead on the batched engine model: "
+                           "use engine_model='batched'")
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        er = self.request
+        if er is None:
+            raise SimError("the clairvoyant policy needs the engine request (run_batched "
+                           "sets it)")
+        best: list[tuple[float, int, int]] = []
+        for k, eng in enumerate(self.engines):
+            ahead = eng.model.fork()
+            # the request as a new one (its lists are the engine's to grow), one token long
+            probe = EngineRequest(er.rid, er.prompt, 1, er.lora_id, er.cache_salt,
+                                  hashes=list(er.hashes))
+            ahead.add(probe, now)
+            while probe.first_token_t is None:
+                ahead.step()
+            best.append((probe.first_token_t - now, -eng.prefix_hits(keys), k))
+        first = min(t for t, _, _ in best)
+        return min((c for c in best if c[0] <= first + self.CLAIRVOYANT_TIE_S),
+                   key=lambda c: (c[1], c[0], c[2]))[2]
 
 
 class _Kvwire(_Router):
@@ -235,7 +275,7 @@ class _CacheAware(_Router):
 
 _ROUTERS: dict[str, Callable[[list[SimEngine], SimConfig], _Router]] = {
     "kvwire": _Kvwire, "oracle": _Oracle, "random": _Random, "round_robin": _RoundRobin,
-    "least_load": _LeastLoad, "sglang": _CacheAware,
+    "least_load": _LeastLoad, "sglang": _CacheAware, "clairvoyant": _Clairvoyant,
 }
 
 
