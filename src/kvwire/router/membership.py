@@ -72,11 +72,11 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
     def routed(name: str) -> bool:
         return any(e.name == name for e in core.engines)
 
-    def keep(changes: EngineChanges) -> Response | None:
+    def keep(new: EngineChanges) -> Response | None:
         """Write the changes to come; a 507 answer if they cannot be written."""
         assert kept is not None
         try:
-            kept.commit(changes)
+            kept.commit(new)
         except OSError as e:
             return bad(507, f"engines file {kept.path} could not be written ({e}): nothing "
                        "changed", "engines_file")
