@@ -10,6 +10,7 @@ import pytest
 from kvwire.engine import EngineConfig, EngineModel, EngineRequest
 from kvwire.sim.batched import BatchedEngine, engine_config, make_request
 from kvwire.sim.fleet import SimConfig, SimError, simulate_policy
+from kvwire.sim.floor import ttft_floor
 from kvwire.sim.routers import _ROUTERS
 from kvwire.sim.trace import Request, bundled_trace_path, load_trace
 
@@ -79,12 +80,14 @@ def test_clairvoyant_takes_the_earliest_first_token_and_then_the_cache() -> None
 
 
 def test_clairvoyant_in_the_simulator_and_its_limits() -> None:
-    """The whole loop on the head of the bundled trace: every request routed and answered;
-    the FIFO engine model (nothing to run ahead) is refused."""
+    """The whole loop on the head of the bundled trace: every request routed and answered,
+    none faster than the floor; the FIFO engine model (nothing to run ahead) is refused."""
     reqs = load_trace(bundled_trace_path())[:60]
     cfg = SimConfig(engines=2, capacity=2000)
     res = simulate_policy(reqs, "clairvoyant", cfg, progress=False)
     assert len(res.ttft_s) == 60 and res.hit_ratio > 0
+    floor = ttft_floor(reqs, cfg)  # a bound of routers, still no better than the floor
+    assert all(t >= f - 1e-9 for t, f in zip(res.ttft_s, floor.ttft_s, strict=True))
     with pytest.raises(SimError, match="batched"):
         simulate_policy(reqs, "clairvoyant", replace(cfg, engine_model="fifo"),
                         progress=False)
