@@ -7,7 +7,6 @@ for real: its temporary file's path is taken by a directory)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -26,18 +25,16 @@ from kvwire.router.service import RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_membership import AUTH, TOKEN  # noqa: E402
 from test_proxy import (  # noqa: E402
     TIMEOUT,
     EngineProc,
     _chat,
     engine_procs,  # noqa: F401 (a fixture)
     serve_proc,  # noqa: F401 (a fixture)
+    wait_for,
 )
-from waiting import wait_for as _wait_for  # noqa: E402
 
-wait_for = functools.partial(_wait_for, timeout=TIMEOUT, interval=0.01)
-TOKEN = "s3cret-token"
-AUTH = {"authorization": f"Bearer {TOKEN}"}
 NAMES = ("a", "b", "c", "d")
 
 
