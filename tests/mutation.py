@@ -9,8 +9,9 @@ a bool changed, a statement replaced by ``pass``, an ``if`` made false) and runs
 given after ``--`` with ``-x``. A mutant no test fails on is printed with its line: either
 the tests miss a behaviour there, or the change is equivalent (a shortcut, a default, an
 ``__all__``); the sweep cannot tell which, a reader can. It works on a scratch ``git
-worktree`` of HEAD (uncommitted changes are not in it), with the built C modules copied in
-and ``PYTHONPATH`` pointing at it, and removes it at the end. Exit 0 whatever survives: a
+worktree`` of HEAD (uncommitted changes are not in it), with the built C modules copied in,
+the ``.venv`` linked in (for tests that start ``kvwire`` processes) and ``PYTHONPATH``
+pointing at it, and removes it at the end. Exit 0 whatever survives: a
 report, not a gate. docs/testing.md ("Mutation sweeps") has what the sweeps found.
 """
 
@@ -95,7 +96,9 @@ def mutate(tree: ast.Module, index: int, kind: str) -> str:
 
 
 def _scratch(repo: str) -> str:
-    """A detached worktree of ``repo``'s HEAD with its untracked built modules (``*.so``)."""
+    """A detached worktree of ``repo``'s HEAD with its untracked built modules (``*.so``),
+    and its ``.venv`` linked in, so tests that start ``.venv/bin/kvwire`` processes run
+    the mutant too (``PYTHONPATH`` comes before the editable install's path)."""
     where = tempfile.mkdtemp(prefix="kvwire-mutation-")
     subprocess.run(["git", "-C", repo, "worktree", "add", "-q", "--detach", where, "HEAD"],
                    check=True)
@@ -106,6 +109,9 @@ def _scratch(repo: str) -> str:
                 dst = os.path.join(where, os.path.relpath(src, repo))
                 if os.path.isdir(os.path.dirname(dst)):
                     shutil.copy2(src, dst)
+    venv = os.path.join(repo, ".venv")
+    if os.path.isdir(venv):
+        os.symlink(venv, os.path.join(where, ".venv"))
     return where
 
 
