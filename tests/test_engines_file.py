@@ -87,6 +87,8 @@ def test_engines_file_round_trip_and_errors(tmp_path: Path) -> None:
         f.path.write_bytes(raw)
         with pytest.raises(ValueError, match=want):
             EnginesFile(f.path).load()
+    with pytest.raises(ValueError, match=f"engines file {tmp_path}: .*Is a directory"):
+        EnginesFile(tmp_path).load()  # unreadable: an error, not an empty set of changes
     with pytest.raises(ValueError, match="engine 'b' added as 'c=tcp.*names 'c'"):
         EngineChanges(added={"b": _text("c", 1)}).over([], EngineSpec.parse)
     with pytest.raises(ValueError, match="engine 'b' added as 'b=nowhere'"):
