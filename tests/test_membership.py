@@ -245,6 +245,9 @@ def test_a_removed_engine_drains_and_gets_no_more_requests(
         wait_for(lambda: set(c.get("/status.json").json()["engines"]) == {other},
                  "the removed engine's charts gone")
         assert c.delete(f"/engines/{other}", headers=AUTH).status_code == 200
+        assert c.delete(f"/engines/{other}", headers=AUTH).status_code == 404  # not counted
+        m = _scrape(s.url)
+        assert m["kvwire_router_engine_changes_total", frozenset({("op", "remove")})] == 2
         r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailable"
         assert c.get("/health").status_code == 503

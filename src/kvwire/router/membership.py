@@ -154,8 +154,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             gone = in_flight is None
         else:
             in_flight, gone = 0, not core.remove_engine(name)
-        if gone:
-            unkeep(old)
+        if gone:  # (never after routed(): engines leave only here, on this loop)
             return bad(404, f"no engine named {name[:80]!r} is routed to", "unknown_engine")
         changes.labels("remove").inc()
         log.info("engine %s removed at run time (%d requests in flight there)", name,
