@@ -201,6 +201,10 @@ def test_a_change_that_cannot_be_written_is_not_made(
         assert "nothing changed" in r.json()["error"]
         r = c.delete("/engines/a", headers=AUTH)
         assert r.status_code == 507
+        # what would be refused anyway is refused for its own reason, before any write
+        assert c.post("/engines", headers=AUTH,
+                      json={"engine": _text("a", 5809)}).status_code == 409
+        assert c.delete("/engines/zz", headers=AUTH).status_code == 404
         assert set(c.get("/engines").json()) == {"a"} and not path.exists()
         blocked.rmdir()
         assert c.post("/engines", headers=AUTH,
