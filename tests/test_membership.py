@@ -278,7 +278,7 @@ def test_admin_endpoints_refuse_clearly(make_stack: Callable[..., Stack]) -> Non
             ({}, {"engine": "x=tcp://127.0.0.1:1"}, 401, "admin token"),
             ({"authorization": "Bearer nope"}, {"engine": "x=tcp://127.0.0.1:1"}, 401, ""),
             ({"authorization": TOKEN}, {"engine": "x=tcp://127.0.0.1:1"}, 401, "Bearer"),
-            (AUTH, {"engines": "x"}, 400, "engines"),
+            (AUTH, {"engines": "x"}, 400, 'expected {"engine": "NAME=ENDPOINT['),
             (AUTH, {"engine": 7}, 400, "Expected `str`"),
             (AUTH, {"engine": "no-equals-sign"}, 400, "expected NAME=ENDPOINT"),
             (AUTH, {"engine": "x=udp://127.0.0.1:1"}, 400, "x endpoint"),
