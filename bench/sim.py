@@ -7,7 +7,7 @@ of §6 on the bundled trace (8 engines x 5,000 blocks).
     .venv/bin/python bench/sim.py --engine-model fifo   # the one-request-at-a-time model
     .venv/bin/python bench/sim.py --compare         # issue 24: kvwire vs SGLang's cache_aware
     .venv/bin/python bench/sim.py --ablate          # kvwire with and without its load rules
-    .venv/bin/python bench/sim.py --compare --loads 3 --clairvoyant   # and the bound (~9 min)
+    .venv/bin/python bench/sim.py --compare --loads 3 --clairvoyant   # and clairvoyant (~9 min)
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def compare(loads: list[float], engines: int, capacity: int,
     default policy, its tail-first slack (32,768 tokens), the cost before issue 24
     (load_weight 0.5, no slack), SGLang's cache_aware and round robin; issue 24's targets
     checked for each load (kvwire's default); with ``clairvoyant``, the policy that runs
-    every engine ahead to each request's first token (the bound of routers that decide
-    each request as it arrives); last, the floor no router can go below (kvwire.sim.floor)."""
+    every engine ahead to give each request its earliest first token (perfect knowledge of
+    the engines, greedy); last, the floor no router can go below (kvwire.sim.floor)."""
     base = load_trace(bundled_trace_path())
     print("| load | policy | hit ratio | work max/mean | TTFT p50 s | TTFT p99 s | e2e p99 s |")
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -42,10 +42,10 @@ def compare(loads: list[float], engines: int, capacity: int,
         tail = replace(cfg, balance_slack_tokens=32_768)
         res["kvwire (slack 32,768)"] = run_sim(reqs, tail, ["kvwire"]).results["kvwire"]
         if clairvoyant:
-            res["clairvoyant (bound)"] = run_sim(reqs, cfg, ["clairvoyant"]).results[
+            res["clairvoyant greedy"] = run_sim(reqs, cfg, ["clairvoyant"]).results[
                 "clairvoyant"]
         for name in ("kvwire", "kvwire (slack 32,768)", "kvwire (old cost)", "sglang",
-                     "round_robin", *(["clairvoyant (bound)"] if clairvoyant else [])):
+                     "round_robin", *(["clairvoyant greedy"] if clairvoyant else [])):
             s = res[name].summary()
             print(f"| {load:g}x | {name} | {s['hit_ratio']:.3f} | {s['work_max_over_mean']:.3f} "
                   f"| {s['ttft_p50_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['e2e_p99_s']:.2f} |",

@@ -86,7 +86,7 @@ def test_clairvoyant_in_the_simulator_and_its_limits() -> None:
     cfg = SimConfig(engines=2, capacity=2000)
     res = simulate_policy(reqs, "clairvoyant", cfg, progress=False)
     assert len(res.ttft_s) == 60 and res.hit_ratio > 0
-    floor = ttft_floor(reqs, cfg)  # a bound of routers, still no better than the floor
+    floor = ttft_floor(reqs, cfg)  # perfect knowledge, still no better than the floor
     assert all(t >= f - 1e-9 for t, f in zip(res.ttft_s, floor.ttft_s, strict=True))
     with pytest.raises(SimError, match="batched"):
         simulate_policy(reqs, "clairvoyant", replace(cfg, engine_model="fifo"),

@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: "
                         f"{','.join(POLICIES)}; sglang: SGLang router's cache_aware; "
-                        "clairvoyant: runs each engine ahead, the bound of any router, slow)")
+                        "clairvoyant: runs each engine ahead for each request's earliest first "
+                        "token, slow)")
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--report", metavar="FILE.png", help="write a PNG report (matplotlib)")
     p.add_argument("--seed", type=int, default=0)

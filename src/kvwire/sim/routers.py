@@ -3,8 +3,8 @@
 ``kvwire`` sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy (the objects
 ``kvwire serve`` uses); ``oracle`` reads the caches directly with the same cost; ``sglang`` is
 SGLang's ``cache_aware`` (:mod:`kvwire.router.cache_aware`), which sees only what it sent;
-``clairvoyant`` runs every engine ahead to pick the earliest first token (a bound, not a
-router); the rest ignore the cache. Routers are told when a request's first token comes
+``clairvoyant`` runs every engine ahead to pick each request's earliest first token (perfect
+knowledge of the engines, which no router has); the rest ignore the cache. Routers are told when a request's first token comes
 (:meth:`_Router.first_token`) and when it finishes (:meth:`_Router.release`), as the proxy is.
 """
 
@@ -129,8 +129,10 @@ class _Clairvoyant(_Router):
     """What no router can be: it reads every engine's exact state and, for each engine, runs
     a copy of it ahead (:meth:`~kvwire.engine.EngineModel.fork`) with the request added,
     to the request's first token; the earliest wins (within ``CLAIRVOYANT_TIE_S``, the one
-    holding most of the prompt). It does not know later arrivals, so it is the bound of
-    routers that decide each request as it comes (batched engine model only)."""
+    holding most of the prompt). It knows the engines perfectly but not later arrivals, and
+    it is greedy: the best first token for each request alone, which is not the shortest
+    tail for all (it moves prompts off their caches, and later ones pay; docs/benchmarks.md).
+    Batched engine model only."""
 
     #: first tokens this close count as a tie, broken by cached blocks, then engine order
     CLAIRVOYANT_TIE_S = 0.001
