@@ -4,8 +4,9 @@
 ``kvwire serve`` uses); ``oracle`` reads the caches directly with the same cost; ``sglang`` is
 SGLang's ``cache_aware`` (:mod:`kvwire.router.cache_aware`), which sees only what it sent;
 ``clairvoyant`` runs every engine ahead to pick each request's earliest first token (perfect
-knowledge of the engines, which no router has); the rest ignore the cache. Routers are told when a request's first token comes
-(:meth:`_Router.first_token`) and when it finishes (:meth:`_Router.release`), as the proxy is.
+knowledge of the engines, which no router has); the rest ignore the cache. Routers are told
+when a request's first token comes (:meth:`_Router.first_token`) and when it finishes
+(:meth:`_Router.release`), as the proxy is.
 """
 
 from __future__ import annotations
