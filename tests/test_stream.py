@@ -1184,3 +1184,779 @@ def test_an_inconsistent_snapshot_chunk_restarts_the_snapshot(bad):
     sim.drain()
     assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
     assert sim.m.stats().snapshots == 1 and sim.m.last_seq == s
+
+
+# (the second sweep of consume/recovery.py: reference streams fed by hand, reply by reply)
+
+_REF_PUB = SimPublisher(random.Random(27), kvwire=False)
+_REF_PAYLOADS = [_REF_PUB.publish()[1] for _ in range(12)]
+_REF_END = [b"", b"", protocol.END_SEQ, b""]
+
+
+class _Hand:
+    """A reference stream fed by hand: no publisher model, every reply and tick chosen by
+    the test. Requests sent are kept in ``sent``; deliveries go to an ``App``, which checks
+    their order. Starts live, with seqs ``start..n - 1`` replayed from 0 (exact if
+    ``start`` is 0, the run's first seq); ``n=None``: stops when that replay is asked."""
+
+    def __init__(self, n: int | None = 2, start: int = 0, config: StreamConfig = CFG) -> None:
+        self.m = StreamMachine("h", config=config)
+        self.app, self.sent, self.now = App(), [], 0.0
+        self.feed(self.m.start(self.now))
+        self.tick(config.info_timeout + 0.1)  # no INFO answer: reference, replay from 0
+        assert self.sent[-1] == SendReplay(0)
+        if n is None:
+            return
+        self.reply(*range(start, n))
+        st_ = self.m.stats()
+        assert (st_.phase, st_.last_seq, st_.exact, st_.duplicates) == ("live", n - 1,
+                                                                        start == 0, 0)
+
+    def feed(self, outs: list) -> None:
+        for o in outs:
+            if isinstance(o, (SendInfo, SendReplay, SendSnapshot, RecycleRequests)):
+                self.sent.append(o)
+            else:
+                self.app.feed(o)
+
+    def reply(self, *seqs: int, end: bool = True) -> None:
+        for s in seqs:
+            self.feed(self.m.reply_frames([b"", b"", protocol.pack_seq(s), _REF_PAYLOADS[s]],
+                                          self.now))
+        if end:
+            self.feed(self.m.reply_frames(_REF_END, self.now))
+
+    def live(self, seq: int) -> None:
+        self.feed(self.m.live_frames([b"", protocol.pack_seq(seq), _REF_PAYLOADS[seq]],
+                                     self.now))
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.feed(self.m.tick(self.now))
+
+    def time_out(self) -> None:
+        """Let the request in flight time out, unanswered."""
+        self.tick(self.m.config.request_timeout + 0.1)
+
+    def rebuild_check(self) -> None:
+        """A live 5 after 0..1: the gap 2..4 is asked for (from 1, ours, to check it), and
+        every try times out; the loss is then checked by a replay from 0."""
+        self.live(5)
+        assert self.sent[-1] == SendReplay(1)
+        for _ in range(self.m.config.replay_attempts):
+            self.time_out()
+        assert self.sent[-1] == SendReplay(0) and self.m.stats().lost == 0
+
+
+def test_an_answered_replay_starts_the_count_of_unanswered_tries_again():
+    """Replay requests are given up on after ``replay_attempts`` unanswered tries *in a
+    row*: one timed out before an answer came does not count against the next gap."""
+    h = _Hand()
+    h.live(5)
+    assert h.sent[-1] == SendReplay(1)
+    h.time_out()  # one try lost...
+    assert h.sent[-1] == SendReplay(1)
+    h.reply(1, 2, 3, 4)  # ...the next one answered (ours, 1, back as we had it)
+    st_ = h.m.stats()
+    assert (st_.last_seq, st_.replayed, st_.lost, h.m.phase) == (5, 2 + 4, 0, "live")
+    h.live(9)  # the next gap: every try but the last asks the same seqs again
+    for _ in range(h.m.config.replay_attempts - 1):
+        assert h.sent[-1] == SendReplay(5)
+        h.time_out()
+    assert h.sent[-1] == SendReplay(5)
+    h.time_out()  # the last: the loss is checked by a replay from 0
+    assert h.sent[-1] == SendReplay(0)
+    assert h.m.stats().timeouts == 1 + 1 + 3  # the INFO, the try before the answer, these
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_a_rebuild_answer_that_still_holds_the_gap_goes_on_as_a_replay(first):
+    """The replay from 0 that checks a loss answers from seq 1, or 2: the run's start is
+    gone, but the gap (2..4) is there after all (it was only unreachable). Nothing is lost
+    and nothing reset: the answer fills the gap as any replay would."""
+    h = _Hand()
+    h.rebuild_check()
+    h.reply(*range(first, 6))
+    st_ = h.m.stats()
+    assert (st_.last_seq, st_.lost, st_.resets, st_.resyncs, h.m.phase) == (5, 0, 1, 0, "live")
+    assert h.app.exact and [s for _, s in h.app.seqs] == [0, 1, 2, 3, 4, 5]
+    assert st_.duplicates == (first == 1) + 1  # 1 (ours) and 5 (held from live) came back
+
+
+def test_a_hole_in_a_rebuild_answer_is_asked_again_not_lost():
+    """The replay from 0 that checks the loss of 2..4 answers from 7: 5 is held from live,
+    so only 2..4 are gone. 6 is missing between what is held and what came (dropped on the
+    way, as a ROUTER at its HWM does): it is asked for again, not counted lost."""
+    h = _Hand()
+    h.rebuild_check()
+    h.reply(7)
+    st_ = h.m.stats()
+    assert (st_.lost, st_.last_seq, st_.last_error) == (3, 5, "seqs 2..4 lost")
+    assert h.sent[-1] == SendReplay(6)
+    h.reply(6, 7)
+    st_ = h.m.stats()
+    assert (st_.lost, st_.last_seq, st_.resets, h.m.phase) == (3, 7, 2, "live")
+    assert not h.app.exact and h.app.base == 4
+    assert [s for _, s in h.app.seqs][-3:] == [5, 6, 7]
+
+
+def test_a_restart_forgets_the_old_runs_losses():
+    """A reference run lost seq 2 for good (its buffer no longer started at 0), then the
+    publisher restarted. The new run's buffer starts at 0 again: a loss in it is checked by
+    a replay from 0 (not given up at once) and rebuilt exactly, although it starts at the
+    same seq as the old run's."""
+    h = _Hand()
+    h.rebuild_check()
+    h.reply(3, 4, 5)  # the old run's buffer starts at 3: seq 2 lost
+    assert (h.m.stats().lost, h.app.exact) == (1, False)
+    h.live(0)  # the new run
+    assert h.m.stats().restarts == 1 and h.sent[-1] == SendReplay(0)
+    h.reply(0, 1)
+    assert (h.m.phase, h.m.last_seq, h.app.exact) == ("live", 1, True)
+    h.live(4)  # 2..3 missing: asked from 1 (ours)...
+    assert h.sent[-1] == SendReplay(1)
+    h.reply(3, end=False)  # ...the answer starts past 2 (evicted, it seems): check from 0
+    assert h.sent[-1] == SendReplay(0) and h.m.stats().lost == 1
+    dups = h.m.stats().duplicates
+    h.reply(0, 1, 2, 3, 4)
+    st_ = h.m.stats()
+    assert (st_.lost, st_.resyncs, st_.last_seq, h.m.phase) == (1, 1, 4, "live")
+    assert st_.duplicates == dups + 2  # 3 and 4, held: each batch delivered once, from 0
+    assert h.app.exact
+    assert h.app.resets[-1] == "seqs 2..2 not replayable; rebuilt exactly by a replay from seq 0"
+
+
+def test_a_restart_found_on_a_gap_drops_the_old_runs_held_batches():
+    """A kvwire publisher restarts while we wait for the INFO a gap asked: the batch held
+    past the gap belongs to the old run. The new epoch restarts the stream without it (not
+    exact, nothing delivered, nothing held) and the new run is followed exactly."""
+    pub = SimPublisher(random.Random(29))
+    sim = Sim(pub)
+    sim.join()
+    sim.publish(2)
+    sim.drain()
+    sim.publish(2)
+    sim.drop(1)  # seq 2
+    sim.live(1)  # seq 3, held: a gap, INFO asked
+    assert sim.actions[-1] == SendInfo() and sim.m.stats().buffered == 1
+    sim.reply_q.clear()  # answered only after the restart
+    pub.restart()
+    pub.publish()  # the new run's 0, not heard live
+    sim.reply_q.append(protocol.info_frames(pub.info()))
+    n = len(sim.actions)
+    sim.reply(1)
+    st_ = sim.m.stats()
+    assert (st_.restarts, st_.buffered, st_.last_seq, st_.exact) == (1, 0, None, False)
+    assert kinds(sim.actions[n:]) == ["SendSnapshot"]  # asked once
+    sim.drain()
+    assert (sim.m.phase, sim.m.last_seq, sim.m.stats().buffered) == ("live", 0, 0)
+    n = len(sim.actions)
+    sim.publish(2)  # the new run's 1, 2: below the old run's live 3, and no suspect
+    sim.drain()
+    assert sim.actions[n:] == [] and sim.m.last_seq == 2
+    sim.check_converged()
+    assert sim.app.exact and sim.m.stats().restarts == 1
+
+
+def test_snapshot_chunks_that_keep_coming_are_not_timed_out():
+    """The request timeout runs from the last reply message: a snapshot of many chunks
+    that takes longer than it in all, each chunk within it, completes."""
+    pub = SimPublisher(random.Random(30))
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, snapshot_chunk_blocks=1))
+    sim.publish(20)
+    sim.join()
+    sim.reply(1)  # INFO -> SendSnapshot, one chunk a block
+    assert isinstance(sim.actions[-1], SendSnapshot) and len(sim.reply_q) >= 4
+    for _ in range(len(sim.reply_q)):
+        sim.reply(1)
+        sim.tick(0.6)  # < request_timeout (1.0) each, more than it in all
+    st_ = sim.m.stats()
+    assert (st_.timeouts, st_.snapshots, sim.m.phase) == (0, 1, "live"), st_
+    assert not any(isinstance(a, RecycleRequests) for a in sim.actions)
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_an_error_reply_to_no_request_is_counted_and_changes_nothing():
+    pub = SimPublisher(random.Random(31))
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    deadline, n = sim.m.next_deadline, len(sim.actions)
+    assert sim.m.reply_frames(protocol.err_frames("busy"), sim.now) == []
+    st_ = sim.m.stats()
+    assert (st_.error_replies, st_.last_error) == (1, "publisher error: busy")
+    assert sim.m.next_deadline == deadline  # no retry of a request nobody waits for
+    sim.tick(0.3)
+    assert len(sim.actions) == n and sim.m.phase == "live"
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_live_batches_held_past_the_snapshot_are_delivered_or_their_gap_filled(dropped):
+    """Live batches held while the snapshot (as of 9) was on its way: right after it they
+    are delivered, with no gap counted and nothing asked; one missing before them (10,
+    dropped) is a gap, filled by a replay at once (not left until the next live batch)."""
+    pub = SimPublisher(random.Random(32))
+    sim = Sim(pub)
+    sim.publish(10)
+    sim.join()
+    sim.reply(1)  # INFO -> SendSnapshot, answered as of 9
+    assert isinstance(sim.actions[-1], SendSnapshot)
+    sim.publish(4)  # 10..13, held
+    if dropped:
+        sim.drop(1)
+    sim.live(4)
+    assert sim.m.stats().buffered == 4 - dropped
+    sim.drain()
+    st_ = sim.m.stats()
+    assert (sim.m.phase, st_.last_seq, st_.buffered, st_.gaps) == ("live", 13, 0, dropped)
+    assert [s for _, s in sim.app.seqs] == [10, 11, 12, 13]
+    assert (SendReplay(10) in sim.actions) is dropped
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+
+
+def test_a_new_request_cancels_the_retry_an_error_reply_scheduled():
+    """An ERR ("busy") schedules a retry; a request sent before it is due (here: live
+    batches overflowing the buffer start the snapshot again) replaces it. The retry's time
+    must not linger: it would be a deadline in the past while the new request is in
+    flight (a spinning poller), and would ask a second time."""
+    pub = SimPublisher(random.Random(33))
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, max_buffer=2))
+    sim.publish(3)
+    sim.join()
+    sim.reply(1)  # INFO -> SendSnapshot...
+    sim.reply_q.clear()
+    sim.handle(sim.m.reply_frames(protocol.err_frames("busy"), sim.now))  # ...answered ERR
+    assert sim.m.next_deadline == pytest.approx(sim.now + CFG.retry_delay)
+    sim.tick(0.1)
+    sim.publish(3)
+    n = len(sim.actions)
+    sim.live(3)  # more than max_buffer held: the snapshot is asked again, now
+    st_ = sim.m.stats()
+    assert (st_.buffer_overflows, st_.last_error) == (1, "more than 2 live batches held")
+    assert kinds(sim.actions[n:]) == ["SendSnapshot"]
+    assert sim.m.next_deadline == pytest.approx(sim.now + CFG.request_timeout)
+    n = len(sim.actions)
+    sim.tick(CFG.retry_delay)  # (Sim.tick also checks the deadline left is not past)
+    assert len(sim.actions) == n
+    sim.drain()
+    sim.settle()
+    sim.check_converged()
+
+
+def test_an_info_in_flight_answers_a_second_probe_too():
+    """A gap's INFO is in flight when a live seq goes back (a duplicate, or a restart):
+    that needs an INFO as well, and the one in flight serves. No second request, and no
+    recycled socket throwing away the answer on its way."""
+    pub = SimPublisher(random.Random(34))
+    sim = Sim(pub)
+    sim.join()
+    sim.publish(3)
+    sim.drain()
+    sim.publish(2)
+    sim.drop(1)  # seq 3
+    sim.live(1)  # seq 4: a gap, INFO asked
+    assert sim.actions[-1] == SendInfo()
+    n, dups = len(sim.actions), sim.m.stats().duplicates
+    sim.live_q.append(LiveMsg(_live(2)))  # seq 2 again, while the INFO is in flight
+    sim.live(1)
+    assert len(sim.actions) == n and sim.m.phase == "probe"
+    sim.drain()  # the INFO's answer: the same epoch, so 2 was a duplicate
+    st_ = sim.m.stats()
+    assert (st_.restarts, st_.duplicates) == (0, dups + 1)
+    assert not any(isinstance(a, RecycleRequests) for a in sim.actions)
+    sim.settle()
+    sim.check_converged()
+
+
+def test_a_replay_asked_past_ours_that_brings_nothing_is_a_loss():
+    """A gap's replay, asked from our last seq (1) to check it, brought back ours alone: the
+    rest may have been dropped on the way, so it is asked again past ours, unchecked. That
+    answer is empty: the gap is gone (checked by a replay from 0 next), not asked for
+    again as if ours had come back once more."""
+    h = _Hand()
+    h.live(5)
+    assert h.sent[-1] == SendReplay(1)
+    h.reply(1)  # ours alone, and the end
+    assert h.sent[-1] == SendReplay(2)
+    h.reply()  # nothing
+    assert h.sent[-1] == SendReplay(0)
+    assert [a.start for a in h.sent if isinstance(a, SendReplay)] == [0, 1, 2, 0]
+
+
+def _stored(*hashes: int) -> bytes:
+    """A batch storing one block with ``hashes`` (a snapshot chunk's payload)."""
+    return encode_batch(KVEventBatch(0.0, [BlockStored(list(hashes), None, [1, 2], 2, None,
+                                                       None)], 0))
+
+
+def test_a_snapshot_asked_again_does_not_keep_the_abandoned_ones_chunks():
+    """A snapshot (3 chunks) times out after two; the next one, of a later state, has 2
+    chunks. It is built from its own chunks alone: neither the abandoned header (it would
+    make each new chunk look inconsistent) nor its chunk 1 (it would complete the new
+    snapshot early, with a stale part) is kept."""
+    chunk = _stored
+    m = StreamMachine("k", config=CFG)
+    assert kinds(m.start(0.0)) == ["SendInfo"]
+    assert kinds(m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.1)) == \
+        ["SendSnapshot"]
+    for i in (0, 1):
+        assert m.snapshot_chunk(SnapshotHeader(7, 9, i, 3), chunk(10 + i), 0.2) == []
+    assert kinds(m.tick(1.5)) == ["RecycleRequests", "SendInfo"]  # timed out
+    assert kinds(m.info(InfoReply(epoch=7, seq=12, oldest=0, snapshot=True), 1.6)) == \
+        ["SendSnapshot"]
+    assert m.snapshot_chunk(SnapshotHeader(7, 12, 0, 2), chunk(20), 1.7) == []
+    out = m.snapshot_chunk(SnapshotHeader(7, 12, 1, 2), chunk(21, 22), 1.7)
+    assert kinds(out) == ["Reset", "Snapshot"]
+    assert out[1].seq == 12 and [h for b in out[1].blocks for h in b.block_hashes] == [20, 21, 22]
+    assert m.stats().bad_frames == 0 and m.phase == "live"
+
+
+def _busy_snapshots(m: StreamMachine, t: float, also=lambda: True) -> float:
+    """All but the last of ``max_snapshot_errors`` busy ERRs to the snapshot asked: each
+    changes nothing (the stream still waits on a snapshot, ``also()`` holds) and is retried
+    after the delay. The time after the last retry."""
+    for _ in range(CFG.max_snapshot_errors - 1):
+        assert m.error("busy", t) == [] and m.phase == "snapshot" and also()
+        t += CFG.retry_delay + 0.1
+        assert kinds(m.tick(t)) == ["SendSnapshot"]
+    return t
+
+
+def test_snapshot_errors_count_in_a_row_only():
+    """``max_snapshot_errors`` ERRs *in a row* give up on snapshots: two before the first
+    snapshot came, then one when the next is asked (a gap the replay no longer holds), is
+    a retry, not a fall back to an inexact start."""
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    assert kinds(m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)) == \
+        ["SendSnapshot"]
+    t = _busy_snapshots(m, 0.0)
+    out = m.snapshot_chunk(SnapshotHeader(7, 9, 0, 1), _stored(1), t)
+    assert kinds(out) == ["Reset", "Snapshot"] and m.phase == "live"
+    assert kinds(m.live(11, _HB, t)) == ["SendInfo"]  # 10 missing: a gap
+    assert kinds(m.info(InfoReply(epoch=7, seq=11, oldest=11, snapshot=True), t)) == \
+        ["SendSnapshot"]  # 10 no longer held: a resync
+    t = _busy_snapshots(m, t, lambda: m.stats().lost == 1)  # all but the last: retried
+    out = m.snapshot_chunk(SnapshotHeader(7, 11, 0, 1), _stored(2), t + 0.5)
+    assert kinds(out) == ["Reset", "Snapshot"] and out[1].exact and m.last_seq == 11
+    assert m.stats().snapshots == 2
+
+
+def test_a_restart_between_info_and_snapshot_takes_the_snapshots_epoch():
+    """INFO said epoch 7, the snapshot came from epoch 8 (a restart in between): the stream
+    follows epoch 8 from it (its Snapshot and batches carry 8), and the next periodic INFO,
+    epoch 8, is no restart."""
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)
+    out = m.snapshot_chunk(SnapshotHeader(8, 2, 0, 1), _stored(1), 0.1)
+    assert kinds(out) == ["Reset", "Snapshot"] and out[1].epoch == 8 and m.epoch == 8
+    assert out[0].reason == "publisher restarted (epoch 0x7 -> 0x8)"
+    assert m.stats().restarts == 1
+    assert [(type(o), o.epoch) for o in m.live(3, _HB, 0.2)] == [(Batch, 8)]
+    assert kinds(m.tick(CFG.info_interval + 0.1)) == ["SendInfo"]
+    assert m.info(InfoReply(epoch=8, seq=3, oldest=0, snapshot=True), 5.2) == []
+    assert m.stats().restarts == 1 and m.phase == "live" and m.last_seq == 3
+
+
+@pytest.mark.parametrize("answer", [(6, 7), ()])
+def test_after_a_late_start_a_loss_is_not_checked_by_a_replay_from_0(answer):
+    """The boot replay from 0 answered from seq 2: this run's buffer no longer starts at its
+    first seq, so a later loss (the answer to a gap starts past it, or is empty) is lost at
+    once; no replay from 0 (a whole buffer's worth) is asked to check it. The stream then
+    goes on live: the next gap is asked for."""
+    h = _Hand(n=4, start=2)
+    h.live(7)  # 4..6 missing: asked from 3 (ours)
+    assert h.sent[-1] == SendReplay(3)
+    h.reply(*answer)  # 3, ours, and 4..5 (or 4..6) evicted since
+    st_ = h.m.stats()
+    last = answer[0] - 1 if answer else 6
+    assert (st_.lost, st_.last_seq, st_.last_error, h.m.phase) == (
+        last - 3, 7, f"seqs 4..{last} lost", "live")
+    h.live(9)
+    assert [a.start for a in h.sent if isinstance(a, SendReplay)] == [0, 3, 7]
+
+
+def test_a_boot_replay_empty_while_live_came_is_asked_again():
+    """The boot replay from 0 came back empty (nothing published yet when it was served),
+    but live 2 came meanwhile (0 and 1 dropped on the way): the publisher holds them now,
+    so the replay is asked again, and the start is exact, not a late one at 2."""
+    h = _Hand(n=None)
+    h.live(2)
+    h.reply()  # the end marker alone
+    assert [a.start for a in h.sent if isinstance(a, SendReplay)] == [0, 0]
+    h.reply(0, 1, 2)
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.exact, st_.lost) == ("live", 2, True, 0)
+    assert [s for _, s in h.app.seqs] == [0, 1, 2]
+
+
+def test_stray_replies_leave_the_request_in_flight_alone():
+    """Replies to no request in flight (late ones, say) are counted as stray, and the
+    request that is in flight is still answered: replay messages, an end marker and a
+    snapshot chunk while an INFO is awaited, an INFO while a snapshot is."""
+    m = StreamMachine("k", config=CFG)
+    assert kinds(m.start(0.0)) == ["SendInfo"]
+    assert m.replay(0, _HB, 0.1) == [] and m.replay_end(0.1) == []
+    assert m.snapshot_chunk(SnapshotHeader(7, 3, 0, 1), _stored(9), 0.1) == []
+    assert m.phase == "probe" and m.stats().stray_replies == 3
+    info = InfoReply(epoch=7, seq=3, oldest=0, snapshot=True)
+    assert kinds(m.info(info, 0.2)) == ["SendSnapshot"]
+    assert m.info(info, 0.3) == [] and m.phase == "snapshot"
+    out = m.snapshot_chunk(SnapshotHeader(7, 3, 0, 1), _stored(1), 0.4)
+    assert kinds(out) == ["Reset", "Snapshot"] and m.phase == "live"
+    assert m.stats().stray_replies == 4 and m.stats().bad_payloads == 0
+
+
+@pytest.mark.parametrize("offered,used", [(True, False), (False, True)])
+def test_no_snapshot_is_asked_unless_offered_and_used(offered, used):
+    """A publisher that offers no snapshot, or a config with ``use_snapshots=False``: the
+    boot is a replay from 0, with no SendSnapshot ever."""
+    pub = SimPublisher(random.Random(35), snapshot=offered)
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, use_snapshots=used))
+    sim.publish(3)
+    sim.join()
+    sim.drain()
+    assert kinds(sim.actions) == ["SendInfo", "SendReplay"] and sim.actions[1] == SendReplay(0)
+    sim.settle()
+    sim.check_converged()
+    assert sim.app.exact and not any(isinstance(a, SendSnapshot) for a in sim.actions)
+
+
+def test_a_hole_in_a_gap_replay_is_asked_again():
+    """A gap replay's answer has a hole (3, dropped on the way) and ends: 4 and 5 are held,
+    so the rest is asked for again from 3 (unchecked), not left until the next live batch."""
+    h = _Hand()
+    h.live(5)
+    assert h.sent[-1] == SendReplay(1)
+    h.reply(1, 2, 4)
+    assert h.sent[-1] == SendReplay(3) and h.m.phase == "replay"
+    h.reply(3, 4, 5)
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.lost, st_.resets) == ("live", 5, 0, 1)
+    assert st_.duplicates == 2  # 4 and 5: the 4 that came first was kept
+    assert [s for _, s in h.app.seqs] == [0, 1, 2, 3, 4, 5]
+
+
+def test_snapshot_errors_in_a_row_fall_back_to_a_replay_from_0():
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    assert kinds(m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)) == \
+        ["SendSnapshot"]
+    t = _busy_snapshots(m, 0.0)
+    assert m.error("busy", t) == [SendReplay(0)]  # the last one: no more snapshots
+    assert m.stats().error_replies == CFG.max_snapshot_errors and m.phase == "replay"
+    assert m.next_deadline == pytest.approx(t + CFG.request_timeout)  # and no retry
+    for s in range(10):
+        m.replay(s, _HB, t)
+    assert kinds(m.replay_end(t)) == [] and m.phase == "live" and m.last_seq == 9
+    # a later INFO offers snapshots again, and the count of errors starts again
+    assert kinds(m.live(11, _HB, t)) == ["SendInfo"]  # 10 missing
+    assert kinds(m.info(InfoReply(epoch=7, seq=11, oldest=11, snapshot=True), t)) == \
+        ["SendSnapshot"]
+    t = _busy_snapshots(m, t)
+
+
+@pytest.mark.parametrize("phase", ["probe", "replay"])
+def test_a_live_seq_going_back_while_bootstrapping_starts_the_boot_over(phase):
+    """A reference publisher's live seq goes back (5, then 2) before we have any baseline:
+    nothing was delivered, so there is nothing to reset and no restart to count. The held
+    batch is replaced by the new one; a boot replay in flight is asked again from 0 (the
+    INFO probe still in flight is left to answer)."""
+    h = _Hand(n=None) if phase == "replay" else None
+    m = h.m if h else StreamMachine("h", config=CFG)
+    if not h:
+        assert kinds(m.start(0.0)) == ["SendInfo"]
+    assert m.phase == phase
+    t = h.now if h else 0.1
+    assert kinds(m.live(5, _REF_PAYLOADS[5], t)) == []
+    out = m.live(2, _REF_PAYLOADS[2], t)
+    assert kinds(out) == ([] if phase == "probe" else ["RecycleRequests", "SendReplay"])
+    st_ = m.stats()
+    assert (st_.restarts, st_.resets, st_.buffered, m.phase) == (0, 0, 1, phase)
+    if not h:
+        m.tick(0.6)  # no INFO answer: reference, replay from 0
+        assert m.mode == "reference" and m.phase == "replay"
+    app = App()
+    for s in (0, 1, 2):
+        for o in m.reply_frames([b"", b"", protocol.pack_seq(s), _REF_PAYLOADS[s]], 0.8):
+            app.feed(o)
+    for o in m.reply_frames(_REF_END, 0.8):
+        app.feed(o)
+    assert app.resets == ["bootstrap"] and app.exact and app.next == 3 and m.phase == "live"
+    # the run's buffer was found starting at 0: a loss in it is checked by a replay from 0
+    sent = [o for o in m.live(6, _REF_PAYLOADS[6], 0.9) if isinstance(o, SendReplay)]
+    assert sent == [SendReplay(2)]
+    out = m.reply_frames([b"", b"", protocol.pack_seq(5), _REF_PAYLOADS[5]], 0.9)
+    assert SendReplay(0) in out and m.stats().lost == 0
+
+
+def test_a_kvwire_publisher_without_snapshots_loses_an_unreplayable_gap():
+    """Snapshots not offered: a gap the replay no longer holds is lost (counted, an inexact
+    start after it), never resynced by asking a snapshot."""
+    pub = SimPublisher(random.Random(36), snapshot=False, buffer_steps=3)
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    sim.publish(1)
+    sim.live(1)  # seq 0
+    sim.publish(6)
+    sim.drop(5)  # 1..5; the ring keeps 4..6
+    sim.drain()
+    st_ = sim.m.stats()
+    assert (st_.lost, st_.last_seq, st_.exact, st_.phase) == (3, 6, False, "live")
+    assert not any(isinstance(a, SendSnapshot) for a in sim.actions)
+    sim.settle()
+    sim.check_converged()
+
+
+def test_a_resync_whose_snapshot_fails_goes_on_from_the_held_batch():
+    """A gap the replay no longer holds asks a snapshot; ``max_snapshot_errors`` ERRs in a
+    row give up on it: the stream goes on, inexact, from the batch held past the gap, and
+    follows what comes next."""
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)
+    m.snapshot_chunk(SnapshotHeader(7, 9, 0, 1), _stored(1), 0.0)
+    assert kinds(m.live(11, _HB, 0.0)) == ["SendInfo"]  # 10 missing
+    assert kinds(m.info(InfoReply(epoch=7, seq=11, oldest=11, snapshot=True), 0.0)) == \
+        ["SendSnapshot"]
+    t = _busy_snapshots(m, 0.0)
+    out = m.error("busy", t)
+    assert kinds(out) == ["Reset", "Snapshot", "Batch"] and not out[1].exact
+    assert (out[1].seq, out[2].seq, m.phase, m.last_seq) == (10, 11, "live", 11)
+    assert kinds(m.live(12, _HB, t)) == ["Batch"]
+    # the one seq lost is counted once, though the resync and its fall-back both found it
+    assert m.stats().lost == 1
+
+
+def test_a_resync_after_a_bad_batch_without_a_snapshot_goes_back_to_live():
+    """An undecodable batch asks a resync; the publisher's snapshots turn out disabled:
+    nothing is held, so the stream goes back to live (inexact from the bad batch)."""
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)
+    m.snapshot_chunk(SnapshotHeader(7, 9, 0, 1), _stored(1), 0.0)
+    assert kinds(m.live(10, b"\xc1", 0.0)) == ["Reset", "Snapshot", "SendSnapshot"]
+    assert m.error("snapshots are disabled", 0.1) == [] and m.phase == "live"
+    assert kinds(m.live(11, _HB, 0.2)) == ["Batch"] and m.last_seq == 11
+
+
+def test_a_kvwire_replay_answered_in_part_rechecks_the_epoch_before_asking_the_rest():
+    """A kvwire gap replay came with a hole: before the rest is asked, an INFO checks the
+    epoch again (a restart in between would otherwise be replayed as the old run's
+    continuation). Here it has restarted: the stream restarts, and follows the new run."""
+    pub = SimPublisher(random.Random(37))
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    sim.publish(1)
+    sim.live(1)  # 0
+    sim.publish(5)
+    sim.drop(4)  # 1..4
+    sim.live(1)  # 5: a gap, INFO
+    sim.reply(1)  # INFO -> SendReplay(1), answered 1..5 and the end
+    assert sim.actions[-1] == SendReplay(1) and len(sim.reply_q) == 6
+    del sim.reply_q[2]  # 3 dropped on the way
+    sim.reply(5)
+    assert sim.actions[-1] == SendInfo() and sim.m.last_seq == 2
+    sim.reply_q.clear()  # answered after a restart
+    pub.restart()
+    for _ in range(3):
+        pub.publish()
+    sim.reply_q.append(protocol.info_frames(pub.info()))
+    sim.drain()
+    assert sim.m.stats().restarts == 1
+    sim.settle()
+    sim.check_converged()
+
+
+def test_a_replay_answered_busy_is_asked_again_after_the_retry_delay():
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)
+    m.snapshot_chunk(SnapshotHeader(7, 9, 0, 1), _stored(1), 0.0)
+    m.live(12, _HB, 0.0)
+    assert m.info(InfoReply(epoch=7, seq=12, oldest=0, snapshot=True), 0.0) == \
+        [SendReplay(10)]
+    assert m.error("busy", 0.1) == [] and m.phase == "replay"
+    assert m.tick(0.2) == []
+    assert m.tick(0.1 + CFG.retry_delay) == [SendReplay(10)]
+    m.replay(10, _HB, 0.4)
+    m.replay(11, _HB, 0.4)
+    m.replay_end(0.4)
+    assert m.phase == "live" and m.last_seq == 12
+
+
+def test_a_resync_after_a_bad_batch_holds_live_batches_until_its_snapshot():
+    """An undecodable batch asks a snapshot: until it comes, live batches are held (a gap
+    among them asks nothing that would supersede it), then delivered after it."""
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)
+    m.snapshot_chunk(SnapshotHeader(7, 9, 0, 1), _stored(1), 0.0)
+    assert kinds(m.live(10, b"\xc1", 0.0)) == ["Reset", "Snapshot", "SendSnapshot"]
+    assert m.phase == "snapshot"
+    assert m.live(12, _HB, 0.1) == [] and m.live(13, _HB, 0.1) == []  # 11 missing
+    out = m.snapshot_chunk(SnapshotHeader(7, 12, 0, 1), _stored(2), 0.2)
+    assert kinds(out) == ["Reset", "Snapshot", "Batch"] and out[1].exact
+    assert (out[2].seq, m.phase, m.stats().resyncs) == (13, "live", 1)
+
+
+def test_a_boot_against_a_publisher_keeping_no_buffer_starts_at_the_live_batch():
+    """Every boot replay comes back empty although live batches come (the publisher keeps
+    no replay buffer): after ``replay_attempts`` tries the stream starts at the first live
+    batch held, inexact, and goes on live."""
+    h = _Hand(n=None)
+    h.live(2)
+    for _ in range(h.m.config.replay_attempts - 1):
+        h.reply()
+        assert h.sent[-1] == SendReplay(0) and h.m.phase == "replay"
+    h.reply()
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.exact) == ("live", 2, False)
+    assert [a.start for a in h.sent if isinstance(a, SendReplay)] == [0] * 3
+    assert h.app.base == 1 and [s for _, s in h.app.seqs] == [2]
+
+
+def test_a_reference_restart_seen_while_a_gap_is_asked_restarts_the_stream():
+    """A live seq goes back while a gap's replay is in flight: a restart (the baseline is
+    the old run's). The held batches are the old run's and go; the new run is bootstrapped
+    by a replay from 0, from the batch that went back."""
+    h = _Hand()
+    h.live(5)
+    assert h.sent[-1] == SendReplay(1) and h.m.phase == "replay"
+    h.live(0)
+    st_ = h.m.stats()
+    assert (st_.restarts, st_.buffered, st_.last_seq) == (1, 1, None)
+    assert h.app.resets[-1] == "publisher restarted (live seq went back from 5 to 0)"
+    assert h.sent[-1] == SendReplay(0)
+    h.reply(0, 1)
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.buffered, st_.restarts) == ("live", 1, 0, 1)
+    assert h.app.exact and h.app.next == 2
+
+
+def test_a_live_only_restart_delivers_the_batch_that_went_back():
+    """No replay endpoint: the new run's first batch heard (its seq went back) starts the
+    new baseline and is delivered at once, not held until the next one comes."""
+    m = StreamMachine("x", has_replay=False)
+    m.start(0.0)
+    for s in range(4):
+        m.live(s, _HB, 0.0)
+    out = m.live(0, _HB, 0.1)
+    assert kinds(out) == ["Reset", "Snapshot", "Batch"] and out[2].seq == 0
+    assert "went back from 3 to 0" in out[0].reason and out[1].exact
+    assert (m.last_seq, m.stats().restarts, m.stats().buffered) == (0, 1, 0)
+
+
+def test_an_info_answered_busy_is_asked_again_after_the_retry_delay():
+    m = StreamMachine("k", config=CFG)
+    assert kinds(m.start(0.0)) == ["SendInfo"]
+    assert m.error("busy", 0.1) == [] and m.phase == "probe"
+    assert m.tick(0.2) == []
+    assert kinds(m.tick(0.1 + CFG.retry_delay)) == ["SendInfo"]
+    assert kinds(m.info(InfoReply(epoch=7, seq=-1, snapshot=True), 0.4)) == ["SendSnapshot"]
+
+
+def test_a_gap_after_seq_0_checks_seq_0_itself():
+    """Our only batch is seq 0: a gap's replay is asked from 0, to check it is still ours.
+    It is not (the publisher restarted, and its new run passed 0 unheard): a restart."""
+    h = _Hand(n=1)
+    h.live(3)
+    assert h.sent[-1] == SendReplay(0)
+    h.feed(h.m.reply_frames([b"", b"", protocol.pack_seq(0), _REF_PAYLOADS[7]], h.now))
+    assert h.m.stats().restarts == 1 and "not the one we had" in h.app.resets[-1]
+    assert h.sent[-1] == SendReplay(0) and h.m.last_seq is None
+
+
+def test_an_undecodable_snapshot_chunk_is_counted_and_the_snapshot_asked_again():
+    m = StreamMachine("k", config=CFG)
+    m.start(0.0)
+    m.info(InfoReply(epoch=7, seq=9, oldest=0, snapshot=True), 0.0)
+    assert m.snapshot_chunk(SnapshotHeader(7, 9, 0, 2), _stored(1), 0.1) == []
+    assert m.snapshot_chunk(SnapshotHeader(7, 9, 1, 2), b"\xc1", 0.1) == []  # no Snapshot
+    st_ = m.stats()
+    assert (st_.bad_payloads, st_.snapshots, m.phase, m.last_seq) == (1, 0, "snapshot", None)
+    assert st_.last_error.startswith("bad snapshot chunk: ")
+    assert m.next_deadline == pytest.approx(0.1 + CFG.retry_delay)
+    assert kinds(m.tick(0.1 + CFG.retry_delay)) == ["SendSnapshot"]
+    m.snapshot_chunk(SnapshotHeader(7, 9, 0, 2), _stored(1), 0.4)
+    out = m.snapshot_chunk(SnapshotHeader(7, 9, 1, 2), _stored(2), 0.4)
+    assert kinds(out) == ["Reset", "Snapshot"] and len(out[1].blocks) == 2
+
+
+def test_an_overflow_during_the_rebuild_check_asks_the_rebuild_again():
+    """Live batches overflow the buffer while the replay from 0 that checks a loss is in
+    flight: it is that replay that is asked again (the loss is still to be checked), not
+    the gap's replay, whose answer already showed the gap missing."""
+    h = _Hand(config=msgspec.structs.replace(CFG, max_buffer=2))
+    h.rebuild_check()
+    h.now += 0.1
+    h.live(6)
+    h.live(7)  # 5, 6, 7 held: one too many
+    assert h.m.stats().buffer_overflows == 1 and h.sent[-1] == SendReplay(0)
+    h.reply(*range(8))
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.lost, st_.resyncs) == ("live", 7, 0, 1)
+    assert h.app.exact
+
+
+def test_a_boot_replay_empty_after_an_overflow_is_asked_again():
+    """Live batches came during the boot replay, more than the buffer holds (dropped):
+    nothing is held when its empty answer comes, but the publisher has published since,
+    so the replay from 0 is asked again."""
+    h = _Hand(n=None, config=msgspec.structs.replace(CFG, max_buffer=1))
+    h.now += 0.1
+    h.live(2)
+    h.live(3)  # overflow: the boot replay asked again, and nothing held
+    st_ = h.m.stats()
+    assert (st_.buffer_overflows, st_.buffered) == (1, 0)
+    h.reply()  # the end marker alone (the publisher had nothing when it served it)
+    assert h.m.phase == "replay" and h.sent[-1] == SendReplay(0)
+    h.reply(0, 1, 2, 3)
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.exact) == ("live", 3, True)
+    assert [a.start for a in h.sent if isinstance(a, SendReplay)] == [0] * 3
+
+
+@pytest.mark.parametrize("seq,oldest", [(12, 11), (10, 5)])
+def test_resume_after_at_its_boundaries(seq, oldest):
+    """``resume_after=(7, 10)`` (test_nats_bridge.py has the rest): the publisher still
+    runs epoch 7 and holds all after 10 when its oldest is exactly 11, and when nothing came
+    after 10 at all. Resumed from 11 either way, with no Reset."""
+    m = StreamMachine("s", config=CFG, resume_after=(7, 10))
+    m.start(0.0)
+    info = InfoReply(epoch=7, seq=seq, oldest=oldest, snapshot=True)
+    assert m.info(info, 0.1) == [SendReplay(11)]
+    out = [o for s in range(11, seq + 1) for o in m.replay(s, _HB, 0.2)] + m.replay_end(0.2)
+    assert [(type(o), o.seq) for o in out] == [(Batch, s) for s in range(11, seq + 1)]
+    assert m.phase == "live" and m.last_seq == seq and m.stats().resets == 0
+
+
+def test_a_kvwire_gap_info_that_times_out_is_asked_again():
+    pub = SimPublisher(random.Random(38))
+    sim = Sim(pub)
+    sim.join()
+    sim.drain()
+    sim.publish(3)
+    sim.drop(1)
+    sim.live(2)  # 0 dropped: 1 is a gap, INFO asked
+    assert sim.actions[-1] == SendInfo()
+    sim.reply_q.clear()  # lost
+    sim.tick(CFG.request_timeout + 0.1)
+    assert kinds(sim.actions[-2:]) == ["RecycleRequests", "SendInfo"] and sim.m.phase == "probe"
+    sim.drain()
+    sim.check_converged()
+
+
+def test_an_overflow_during_a_gap_replay_asks_the_gap_again():
+    h = _Hand(config=msgspec.structs.replace(CFG, max_buffer=1))
+    h.live(5)
+    assert h.sent[-1] == SendReplay(1)
+    h.now += 0.1
+    h.live(6)  # 5, 6 held: one too many
+    assert h.m.stats().buffer_overflows == 1 and h.sent[-1] == SendReplay(2)
+    h.reply(2, 3, 4, 5, 6)
+    st_ = h.m.stats()
+    assert (st_.phase, st_.last_seq, st_.lost, st_.resyncs, st_.resets) == ("live", 6, 0, 0, 1)

@@ -76,6 +76,9 @@ class StreamState:
         # forever when only the last one was remembered). At most one per buffered seq.
         self._rebuilt: set[int] = set()
         self._rebuild_gap = (0, 0)  # that loss: seqs [a, b) missing, b held
+        # The last seq counted as lost in this run: a resync whose snapshot then fails falls
+        # back to the same gap, which must not be counted twice.
+        self._lost_upto = -1
         self._snap_header: SnapshotHeader | None = None
         self._snap_parts: dict[int, bytes] = {}
         self._snap_errors = 0

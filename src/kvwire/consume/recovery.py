@@ -204,7 +204,7 @@ class Recovery(StreamState):
             nxt = self._delivered + 1
             fillable = info.oldest != -1 and info.oldest <= nxt
             if self._snap_ok and not fillable:
-                self._c["lost"] += max(0, (info.oldest if info.oldest != -1 else nxt) - nxt)
+                self._count_lost(nxt, info.oldest if info.oldest != -1 else nxt)
                 self._reset_reason = f"seqs from {nxt} no longer replayable; resynced"
                 self._resync(now)
             else:
@@ -265,6 +265,7 @@ class Recovery(StreamState):
             self._buffer = {seq: payload}  # still bootstrapping: just start over from here
             self._from0_gone = False
             self._rebuilt.clear()
+            self._lost_upto = -1
             if self._phase == "replay":
                 self._start_replay(0, now)
         else:
@@ -276,6 +277,7 @@ class Recovery(StreamState):
         self._abort_request("publisher restarted")
         self._from0_gone = False
         self._rebuilt.clear()
+        self._lost_upto = -1
         if not keep_buffer:
             self._buffer = {}
         self._emit_reset(reason)
@@ -327,7 +329,7 @@ class Recovery(StreamState):
             self._rebuild_gap = (nxt, seq)
             self._start_replay(0, now, "rebuild")
             return
-        self._c["lost"] += seq - nxt
+        self._count_lost(nxt, seq)
         self._last_error = f"seqs {nxt}..{seq - 1} lost"
         if self._mode == "kvwire" and self._snap_ok:
             self._buffer[seq] = payload
@@ -337,6 +339,13 @@ class Recovery(StreamState):
         self._baseline(seq, f"seqs {nxt}..{seq - 1} lost and no snapshot available")
         self._deliver(seq, payload)
         self._drain()
+
+    def _count_lost(self, nxt: int, end: int) -> None:
+        """Seqs ``nxt..end-1`` are lost: count those not counted yet in this run."""
+        start = max(nxt, self._lost_upto + 1)
+        if end > start:
+            self._c["lost"] += end - start
+            self._lost_upto = end - 1
 
     def _no_snapshot_fallback(self, now: float) -> None:
         if self._delivered is None:
