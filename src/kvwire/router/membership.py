@@ -69,9 +69,6 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                        "admin_token")
         return None
 
-    def routed(name: str) -> bool:
-        return any(e.name == name for e in core.engines)
-
     def keep(new: EngineChanges) -> Response | None:
         """Write the changes to come; a 507 answer if they cannot be written."""
         assert kept is not None
@@ -114,8 +111,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                                  "/route instead")
             old = None
             if kept is not None:
-                if routed(spec.name):
-                    raise EngineConflict(f"engine {spec.name!r} is already routed to")
+                core.check_unused(spec.name)  # (refused before the file is written)
                 old = kept.changes
                 if (no := keep(old.add(spec.name, body.engine))) is not None:
                     return no
@@ -145,7 +141,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
         if (no := refused(request)) is not None:
             return no
         old = None
-        if kept is not None and routed(name):
+        if kept is not None and core.routes_to(name):
             old = kept.changes
             if (no := keep(old.remove(name))) is not None:
                 return no
@@ -154,7 +150,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             gone = in_flight is None
         else:
             in_flight, gone = 0, not core.remove_engine(name)
-        if gone:  # (never after routed(): engines leave only here, on this loop)
+        if gone:  # (never after routes_to(): engines leave only here, on this loop)
             return bad(404, f"no engine named {name[:80]!r} is routed to", "unknown_engine")
         changes.labels("remove").inc()
         log.info("engine %s removed at run time (%d requests in flight there)", name,

@@ -296,6 +296,15 @@ class RouterCore:
         self._by_stream = {t.stream for t in targets}
         self._pairs = [(t.stream, t.label) for t in targets]
 
+    def routes_to(self, name: str) -> bool:
+        """Whether an engine of this name is routed to now."""
+        return any(e.name == name for e in self.engines)
+
+    def check_unused(self, name: str) -> None:
+        """:class:`EngineConflict` if an engine of this name is routed to already."""
+        if self.routes_to(name):
+            raise EngineConflict(f"engine {name!r} is already routed to")
+
     def add_engine(self, spec: EngineSpec) -> None:
         """Route to one more engine from now on (any thread). Its streams are followed from
         the subscriber's next poll; until one is live the engine is a candidate of last
@@ -310,8 +319,7 @@ class RouterCore:
         specs = spec.streams() if self.nats is None else []
         new = targets_of(spec)
         with self._sub_lock:
-            if any(e.name == spec.name for e in self.engines):
-                raise EngineConflict(f"engine {spec.name!r} is already routed to")
+            self.check_unused(spec.name)
             taken = sorted(t.stream for t in new if t.stream in self.extra
                            or t.stream in self._by_stream)
             if taken:
@@ -373,7 +381,7 @@ class RouterCore:
             self.resets.setdefault(t.stream, 0)
 
     def _drop_engine(self, name: str) -> list[Target] | None:
-        if not any(e.name == name for e in self.engines):
+        if not self.routes_to(name):
             return None
         with self.lock:
             if self.discover:
