@@ -89,6 +89,8 @@ def test_engines_file_round_trip_and_errors(tmp_path: Path) -> None:
             EnginesFile(f.path).load()
     with pytest.raises(ValueError, match=f"engines file {tmp_path}: .*Is a directory"):
         EnginesFile(tmp_path).load()  # unreadable: an error, not an empty set of changes
+    with pytest.raises(ValueError, match=f"no directory {tmp_path / 'nowhere'} to write"):
+        EnginesFile(tmp_path / "nowhere" / "engines.json").load()
     with pytest.raises(ValueError, match="engine 'b' added as 'c=tcp.*names 'c'"):
         EngineChanges(added={"b": _text("c", 1)}).over([], EngineSpec.parse)
     with pytest.raises(ValueError, match="engine 'b' added as 'b=nowhere'"):

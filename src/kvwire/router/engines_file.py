@@ -91,6 +91,9 @@ class EnginesFile:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
+            if not self.path.parent.is_dir():  # (else every change would be refused, 507)
+                raise ValueError(f"engines file {self.path}: no directory "
+                                 f"{self.path.parent} to write it in") from None
             return EngineChanges()
         except OSError as e:
             raise ValueError(f"engines file {self.path}: {e}") from None
