@@ -104,10 +104,60 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
     finally:
         p.terminate()
         p.wait(10)
-    r = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
-                        "--stream", "NOPE", "--port", "0"], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 2 and "cannot read stream NOPE" in r.stderr, r.stderr
+
+
+def test_kvwire_serve_nats_started_before_its_stream_waits_for_it(nats_server: Any) -> None:
+    """``kvwire serve --nats URL`` started before any bridge has created its stream (a real
+    process): it says so on stderr, naming the streams the server does have (a misspelt
+    ``--stream`` shows there), is up and unhealthy, and routes by the cache once a bridge
+    creates the stream and an engine writes to it."""
+    import re
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+
+    async def other(w: Writer) -> None:  # another application's stream on the same server
+        pass
+
+    async def engine_a(w: Writer) -> None:
+        await w.start("a", 0, epoch=1)
+        await w.batch("a", 0, [BlockStored(list(range(100, 108)), None, _toks(1), BS, None)])
+
+    from kvwire.wire.events import BlockStored
+
+    run(_write(nats_server.url, other, Writer(nats_server.url, stream="OTHER",
+                                              prefix="other.events")))
+    p = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--nats", nats_server.url,
+                          "--port", "0", "--block-size", str(BS)],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        seen, url = "", None
+        deadline = time.monotonic() + 60
+        while url is None:
+            assert time.monotonic() < deadline and p.poll() is None, f"no start: {seen}"
+            line = p.stderr.readline()
+            seen += line
+            m = re.search(r"(http://\S+)/", line)
+            url = m.group(1) if m else None
+        assert (f"stream KVWIRE does not exist at {nats_server.url} yet (streams there: "
+                "OTHER): waiting for a bridge to create it") in seen, seen
+        with httpx.Client(base_url=url, timeout=10) as http:
+            assert http.get("/health").status_code == 503
+            run(_write(nats_server.url, engine_a))  # the stream created, then a's blocks
+
+            def routes() -> Any:
+                r = http.post("/score", json={"token_ids": _toks(1)})
+                return (r.json()["engine"], r.json()["overlap"]["a"]) if r.is_success else None
+
+            wait_for(lambda: routes() == ("a", 8), timeout=60, interval=0.05,
+                     what="a found on the stream created after the router started")
+            wait_for(lambda: http.get("/health").status_code == 200, timeout=60,
+                     interval=0.05, what="healthy with a live engine")
+    finally:
+        p.terminate()
+        p.wait(10)
+    assert p.returncode == 0
 
 
 def test_kvwire_serve_nats_routes_to_engines_that_appear_later(nats_server: Any) -> None:

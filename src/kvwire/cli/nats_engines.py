@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..nats.subjects import parse_subject
 
-__all__ = ["discover", "nats_engines"]
+__all__ = ["nats_engines"]
 
 
 def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
@@ -18,8 +18,10 @@ def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     else every engine with a subject on the stream now: maybe none yet, as the router finds
     the others as they appear). The server is reached first either way, so a wrong URL
     fails here: NatsConnectError (an OSError) if it does not answer within
-    ``--connect-timeout``; ValueError for anything wrong in the flags, or a stream that
-    cannot be read (a misspelt ``--stream``, or no bridge has created it yet)."""
+    ``--connect-timeout``; ValueError for anything wrong in the flags, or a server without
+    JetStream. A stream that does not exist yet is waited for (a router may start before
+    the bridge that creates it), and stderr names the streams that do exist, so a misspelt
+    ``--stream`` is seen at once."""
     from ..consume.engine_spec import EngineSpec
     from ..nats.consumer import NatsStreams
 
@@ -35,6 +37,12 @@ def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         asyncio.run(_discover(spec, args.connect_timeout, read=False))
         return spec, list(args.nats_engine)
     found = asyncio.run(_discover(spec, args.connect_timeout, read=True))
+    if isinstance(found, _NoStream):
+        there = ", ".join(found.others) if found.others else "none"
+        print(f"kvwire serve: stream {args.stream} does not exist at {args.nats} yet "
+              f"(streams there: {there}): waiting for a bridge to create it; each engine is "
+              "routed to as it appears", file=sys.stderr, flush=True)
+        return spec, []
     ranks: dict[str, int] = {}
     for engine, rank in found:
         ranks[engine] = max(ranks.get(engine, 0), rank + 1)
@@ -44,16 +52,32 @@ def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     return spec, [EngineSpec(name, None, ranks=n) for name, n in ranks.items()]
 
 
-async def _discover(spec: Any, timeout: float, read: bool) -> list[tuple[str, int]]:
+class _NoStream(NamedTuple):
+    """The stream does not exist (yet); ``others``: the streams the server has."""
+
+    others: list[str]
+
+
+async def _discover(spec: Any, timeout: float,
+                    read: bool) -> list[tuple[str, int]] | _NoStream:
+    from nats.js.errors import NotFoundError
+
     from ..nats.connect import connect
 
     nc = await connect(spec.url, timeout=timeout, name="kvwire-serve-discover")
     try:
         if not read:
             return []
+        js = nc.jetstream()
         try:
-            info = await nc.jetstream().stream_info(spec.stream, subjects_filter=spec.filter)
-        except Exception as e:  # noqa: BLE001 - no such stream, no JetStream: say which
+            info = await js.stream_info(spec.stream, subjects_filter=spec.filter)
+        except NotFoundError:
+            try:
+                others = sorted(s.config.name for s in await js.streams_info())
+            except Exception:  # noqa: BLE001 - the list only helps the reader
+                others = []
+            return _NoStream(others)
+        except Exception as e:  # noqa: BLE001 - no JetStream, no permission: say which
             raise ValueError(f"cannot read stream {spec.stream} at {spec.url}: "
                              f"{type(e).__name__}: {e}") from None
     finally:
@@ -65,7 +89,3 @@ async def _discover(spec: Any, timeout: float, read: bool) -> list[tuple[str, in
             out.append(parse_subject(spec.prefix, s))
     return out
 
-
-def discover(spec: Any, timeout: float = 10.0) -> list[tuple[str, int]]:
-    """``(engine, rank)`` of every subject the stream holds now (for ``kvwire serve``)."""
-    return asyncio.run(_discover(spec, timeout, read=True))
