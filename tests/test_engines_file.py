@@ -7,9 +7,11 @@ for real: its temporary file's path is taken by a directory)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,6 +138,56 @@ def test_an_add_that_fails_after_the_write_is_taken_back(tmp_path: Path) -> None
     finally:
         server.should_exit = True
         thread.join(TIMEOUT)
+
+
+class _SlowDisk(EnginesFile):
+    """An engines file whose writes wait for ``go`` (standing in for a slow disk, which
+    cannot be caused here for real); ``writing`` is set while one waits."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.go, self.writing = threading.Event(), threading.Event()
+
+    def commit(self, changes: EngineChanges) -> None:
+        self.writing.set()
+        assert self.go.wait(TIMEOUT)
+        super().commit(changes)
+
+
+def test_changes_are_written_off_the_loop_one_at_a_time(tmp_path: Path) -> None:
+    """While a change's write waits on the disk the router still answers (the write is not
+    on the event loop); concurrent adds of one name are made one at a time: one 201, the
+    rest 409, and the file names the engine that is routed to (a second writer could
+    otherwise write back the state before the first's add)."""
+    from kvwire.router.app import serve_in_thread
+
+    core = RouterCore([EngineSpec.parse(_text("a", 5801))])
+    core.start()
+    kept = _SlowDisk(tmp_path / "engines.json")
+    server, thread, port = serve_in_thread(core, admin_token=TOKEN, engines_file=kept)
+    base = f"http://127.0.0.1:{port}"
+
+    async def adds() -> list[int]:
+        async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as c:
+            async def add() -> int:
+                r = await c.post("/engines", headers=AUTH, json={"engine": _text("b", 5802)})
+                return r.status_code
+
+            tasks = [asyncio.create_task(add()) for _ in range(6)]
+            assert await asyncio.to_thread(kept.writing.wait, TIMEOUT)
+            r = await c.get("/engines")  # answered while the write waits
+            assert r.status_code == 200 and set(r.json()) == {"a"}
+            kept.go.set()
+            return sorted(await asyncio.gather(*tasks))
+
+    try:
+        assert asyncio.run(adds()) == [201] + [409] * 5
+        assert [e.name for e in core.engines] == ["a", "b"]
+        assert EnginesFile(kept.path).load().added == {"b": _text("b", 5802)}
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        core.close()
 
 
 # -------------------------------------------------------------------- real processes

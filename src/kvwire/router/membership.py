@@ -13,6 +13,7 @@ Every answer is JSON; every refusal says why and is counted in
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Callable
@@ -69,22 +70,27 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                        "admin_token")
         return None
 
-    def keep(new: EngineChanges) -> Response | None:
+    # With a file, each change is written (fsync included) in a thread, so the requests in
+    # flight on this loop do not wait for the disk; the lock keeps one change at a time
+    # between its checks, its write and its making.
+    lock = asyncio.Lock()
+
+    async def keep(new: EngineChanges) -> Response | None:
         """Write the changes to come; a 507 answer if they cannot be written."""
         assert kept is not None
         try:
-            kept.commit(new)
+            await asyncio.to_thread(kept.commit, new)
         except OSError as e:
             return bad(507, f"engines file {kept.path} could not be written ({e}): nothing "
                        "changed", "engines_file")
         return None
 
-    def unkeep(old: EngineChanges | None) -> None:
+    async def unkeep(old: EngineChanges | None) -> None:
         """A change written but not made after all: the file says what is true again."""
         if kept is None or old is None:
             return
         try:
-            kept.commit(old)
+            await asyncio.to_thread(kept.commit, old)
         except OSError as e:
             log.error("engines file %s could not be written back (%s): it names a change "
                       "that was not made", kept.path, e)
@@ -95,8 +101,13 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
         (with ``--nats``: ``"NAME[:RANKS][,url=URL]"``, ``--nats-engine``'s syntax)."""
         if (no := refused(request)) is not None:
             return no
+        raw = await request.body()
+        async with lock:
+            return await _add(raw)
+
+    async def _add(raw: bytes) -> Response:
         try:
-            body = _add_dec.decode(await request.body())
+            body = _add_dec.decode(raw)
         except msgspec.DecodeError as e:  # (ValidationError included)
             syntax = ("NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]"
                       if core.nats is None else "NAME[:RANKS][,url=URL]")
@@ -113,7 +124,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             if kept is not None:
                 core.check_unused(spec.name)  # (refused before the file is written)
                 old = kept.changes
-                if (no := keep(old.add(spec.name, body.engine))) is not None:
+                if (no := await keep(old.add(spec.name, body.engine))) is not None:
                     return no
             try:
                 if proxy is not None:
@@ -121,7 +132,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                 else:
                     core.add_engine(spec)
             except Exception:  # (a closed subscriber too: no engine is half added)
-                unkeep(old)
+                await unkeep(old)
                 raise
         except EngineConflict as e:
             return bad(409, str(e), "engine_exists")
@@ -140,17 +151,21 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
         """Stop routing to an engine; requests already sent there run to their end."""
         if (no := refused(request)) is not None:
             return no
+        async with lock:
+            return await _remove(name)
+
+    async def _remove(name: str) -> Response:
         old = None
         if kept is not None and core.routes_to(name):
             old = kept.changes
-            if (no := keep(old.remove(name))) is not None:
+            if (no := await keep(old.remove(name))) is not None:
                 return no
         if proxy is not None:
             in_flight = proxy.remove_engine(name)
             gone = in_flight is None
         else:
             in_flight, gone = 0, not core.remove_engine(name)
-        if gone:  # (never after routes_to(): engines leave only here, on this loop)
+        if gone:  # (never after routes_to(): engines leave only here, under the lock)
             return bad(404, f"no engine named {name[:80]!r} is routed to", "unknown_engine")
         changes.labels("remove").inc()
         log.info("engine %s removed at run time (%d requests in flight there)", name,
