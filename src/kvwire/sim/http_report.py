@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .http_replay import ReplayRecord, ReplaySummary
-from .report import _COLORS, ReportUnavailable, save_figure, ttft_cdf
+from .report import color, pyplot, save_figure, ttft_cdf
 
 __all__ = ["write_http_report"]
 
@@ -14,20 +14,12 @@ __all__ = ["write_http_report"]
 def write_http_report(runs: Mapping[str, tuple[ReplaySummary, Sequence[ReplayRecord]]],
                       path: str | Path, title: str = "") -> Path:
     """Four panels: cached-token ratio, client TTFT p50/p99, work per engine, TTFT CDF."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ReportUnavailable(
-            f"no PNG report: matplotlib is not installed ({e}); "
-            "pip install 'kvwire[sim]' for it") from e
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     path = Path(path)
     names = list(runs)
     sums = [runs[n][0] for n in names]
-    colors = [_COLORS.get(n, "#444444") for n in names]
+    colors = [color(n) for n in names]
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), dpi=100)
     fig.suptitle(title or "kvwire: trace replayed over HTTP", fontsize=14)
 
@@ -56,7 +48,7 @@ def write_http_report(runs: Mapping[str, tuple[ReplaySummary, Sequence[ReplayRec
     for k, (n, s) in enumerate(zip(names, sums)):
         ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(engines))],
                [s.engine_work.get(e, 0.0) for e in engines], width,
-               color=_COLORS.get(n, "#444444"),
+               color=color(n),
                label=f"{n} (max/mean {s.work_max_over_mean:.2f})")
     ax.set_xticks(range(len(engines)), [e.replace("engine", "e") for e in engines])
     ax.set_ylabel("model seconds")

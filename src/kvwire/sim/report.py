@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .fleet import SimResult
 
@@ -16,8 +17,9 @@ _COLORS = {"kvwire": "#1b9e77", "oracle": "#7570b3", "random": "#999999",
            "round_robin": "#e6ab02", "least_load": "#d95f02"}
 
 
-def write_report(result: SimResult, path: str | Path) -> Path:
-    """Four panels: hit ratio per policy, TTFT p50/p99 per policy, per-engine work, TTFT CDF."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend; ReportUnavailable naming the extra if
+    matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError as e:
@@ -28,11 +30,23 @@ def write_report(result: SimResult, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def color(name: str) -> str:
+    """A policy's color in every chart."""
+    return _COLORS.get(name, "#444444")
+
+
+def write_report(result: SimResult, path: str | Path) -> Path:
+    """Four panels: hit ratio per policy, TTFT p50/p99 per policy, per-engine work, TTFT CDF."""
+    plt = pyplot()
+
     path = Path(path)
     names = list(result.results)
     res = [result.results[n] for n in names]
     sums = [r.summary() for r in res]
-    colors = [_COLORS.get(n, "#444444") for n in names]
+    colors = [color(n) for n in names]
     cfg = result.config
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), dpi=100)
     fig.suptitle(
@@ -62,7 +76,7 @@ def write_report(result: SimResult, path: str | Path) -> Path:
     width = 0.8 / max(1, len(names))
     for k, (n, r) in enumerate(zip(names, res)):
         ax.bar([e + (k - (len(names) - 1) / 2) * width for e in range(n_eng)], r.engine_work_s,
-               width, color=_COLORS.get(n, "#444444"),
+               width, color=color(n),
                label=f"{n} (max/mean {r.work_max_over_mean:.2f})")
     ax.set_xticks(range(n_eng), [f"e{e}" for e in range(n_eng)])
     ax.set_ylabel("busy time, s")
@@ -83,7 +97,7 @@ def ttft_cdf(ax: object, series: list[tuple[str, list[float]]], unit: str) -> No
             continue
         ys = [(i + 1) / len(t) for i in range(len(t))]
         # kvwire and the oracle often coincide: kvwire drawn thick, the oracle dashed on top.
-        ax.plot([max(v, 1e-3) for v in t], ys, color=_COLORS.get(n, "#444444"), label=n,
+        ax.plot([max(v, 1e-3) for v in t], ys, color=color(n), label=n,
                 linewidth=3.0 if n == "kvwire" else 1.5,
                 linestyle="--" if n == "oracle" else "-", zorder=3 if n == "oracle" else 2)
     ax.set_xscale("log")
