@@ -8,6 +8,7 @@ of §6 on the bundled trace (8 engines x 5,000 blocks).
     .venv/bin/python bench/sim.py --compare         # issue 24: kvwire vs SGLang's cache_aware
     .venv/bin/python bench/sim.py --ablate          # kvwire with and without its load rules
     .venv/bin/python bench/sim.py --compare --loads 3 --clairvoyant   # and clairvoyant (~9 min)
+    .venv/bin/python bench/sim.py --replicas 4 --loads 3,4   # router replicas, load shared
 """
 
 from __future__ import annotations
@@ -89,6 +90,26 @@ def ablate(loads: list[float], engines: int, capacity: int) -> None:
                       f"| {s['ttft_p50_s']:.2f} | {s['ttft_p99_s']:.2f} |", flush=True)
 
 
+def replicas(loads: list[float], engines: int, capacity: int, n: int) -> None:
+    """kvwire's policy as one router, as ``n`` replicas that each route on their own load
+    (requests spread over them in turn), and as ``n`` replicas that share it (router/
+    load_share.py's reports, arriving 0, 2 or 20 ms of model time after they were sent)."""
+    base = load_trace(bundled_trace_path())
+    print("| load | routers | hit ratio | work max/mean | TTFT p50 s | TTFT p99 s |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for load in loads:
+        reqs = [replace(r, t=r.t / load) for r in base]
+        cfg = SimConfig(engines=engines, capacity=capacity)
+        rows = [("one", cfg), (f"{n} apart", replace(cfg, replicas=n, share_load=False))]
+        rows += [(f"{n} sharing, {d * 1e3:g} ms", replace(cfg, replicas=n, share_delay=d))
+                 for d in (0.0, 0.002, 0.02)]
+        for label, c in rows:
+            s = run_sim(reqs, c, ["kvwire"], workers=1).results["kvwire"].summary()
+            print(f"| {load:g}x | {label} | {s['hit_ratio']:.3f} "
+                  f"| {s['work_max_over_mean']:.3f} | {s['ttft_p50_s']:.2f} "
+                  f"| {s['ttft_p99_s']:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=12_000)
@@ -103,9 +124,16 @@ def main() -> None:
     ap.add_argument("--clairvoyant", action="store_true",
                     help="--compare: also the clairvoyant policy, which runs every engine "
                          "ahead (slow: about 9 minutes a load on 2 cores)")
+    ap.add_argument("--replicas", type=int, default=0, metavar="N",
+                    help="kvwire as one router and as N replicas, apart and sharing their "
+                         "load, at --loads")
     ap.add_argument("--loads", default="1,2,3,4",
                     help="--compare: arrival-rate multipliers of the bundled trace")
     args = ap.parse_args()
+    if args.replicas:
+        replicas([float(x) for x in args.loads.split(",")], args.engines, args.capacity,
+                 args.replicas)
+        return
     if args.ablate:
         ablate([float(x) for x in args.loads.split(",")], args.engines, args.capacity)
         return

@@ -137,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--nats: an engine to route to, proxied to at url= (repeat; default: "
                         "every engine on the stream, those that appear later too, for the "
                         "decision API)")
+    p.add_argument("--share-load", action=argparse.BooleanOptionalAction, default=None,
+                   help="--nats: share each request's load with the other replicas on the "
+                        "stream (core NATS subject kvwire.load.STREAM), so every replica "
+                        "routes on the fleet's load (default: on with --nats)")
     add_connect_timeout(p, "--nats")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     p.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free one)")
@@ -237,6 +241,9 @@ def run(args: argparse.Namespace) -> int:
             nats, engines = nats_engines(args)
         elif args.nats_engine:
             raise ValueError("--nats-engine needs --nats URL")
+        if args.share_load and args.nats is None:
+            raise ValueError("--share-load needs --nats URL (the replicas share their load "
+                             "over it)")
         kept, withdrawn = None, set()
         if args.engines_file is not None:
             kept, engines, withdrawn = _kept_engines(args.engines_file, engines, nats)
@@ -281,6 +288,19 @@ def run(args: argparse.Namespace) -> int:
         core.close()
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_FAILURE
+    share = None
+    if args.nats is not None and args.share_load is not False:
+        from ..router.load_share import LoadShare
+
+        share = LoadShare(core, args.nats, f"kvwire.load.{args.stream}",
+                          connect_timeout=args.connect_timeout)
+        try:
+            share.start()
+        except (RuntimeError, OSError) as e:
+            core.close()
+            print(f"kvwire serve: load sharing: {e}", file=sys.stderr)
+            return EXIT_FAILURE
+        core.load_share, core.share = share, share.push
     try:
         indexer = Indexer(core, args.registrations, max_tokens=args.max_tokens)
     except (ValueError, OSError) as e:  # a registrations file that cannot be read
@@ -323,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         if proxy is not None:
             proxy.close()
-        core.close()
+        core.close()  # (the load sharing too)
     return EXIT_OK
 
 

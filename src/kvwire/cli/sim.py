@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes running policies in parallel (default: one per CPU)")
     p.add_argument("--predict-ttl", type=_positive_float, default=None,
                    help="virtual seconds a routed prefix counts before events confirm it")
+    p.add_argument("--replicas", type=_positive_int, default=1,
+                   help="kvwire: router replicas the requests are spread over in turn, each "
+                        "with its own load (as kvwire serve --nats replicas; default 1)")
+    p.add_argument("--share-load", action=argparse.BooleanOptionalAction, default=True,
+                   help="--replicas: the replicas share their load, as kvwire serve --nats "
+                        "does by default (--no-share-load: each routes on its own)")
+    p.add_argument("--share-delay", type=float, default=0.002, metavar="S",
+                   help="--replicas: virtual seconds a load report takes (default 0.002)")
     p.add_argument("--engine-model", choices=("batched", "fifo"), default="batched",
                    help="batched: continuous batching + paged cache (kvwire.engine); fifo: "
                         "one request at a time (docs/sim.md)")
@@ -124,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, cpu_blocks=args.cpu_blocks,
                         block_tokens=args.block_tokens, prefill_rate=args.prefill_rate,
-                        decode_rate=args.decode_rate, seed=args.seed, **kw)
+                        decode_rate=args.decode_rate, seed=args.seed,
+                        replicas=args.replicas, share_load=args.share_load,
+                        share_delay=args.share_delay, **kw)
         result = run_sim(reqs, cfg, policies, workers=args.workers)
     except (SimError, ValueError) as e:
         print(f"kvwire sim: {e}", file=sys.stderr)

@@ -135,6 +135,25 @@ class _CoreCollector:
                                         "stream after start")
             found.add_metric([], core.discovered)
             yield found
+        share = core.load_share
+        if share is not None:  # (serve --nats: replicas that share their load)
+            ops = CounterMetricFamily(
+                "kvwire_router_load_reports", "Load sharing between router replicas: reports "
+                "sent, send errors, operations dropped on a full queue; reports, operations, "
+                "sequence gaps and malformed operations received; reservations dropped by a "
+                "peer's heartbeat; peers expired (silent past the ttl)", labels=["kind"])
+            with core.lock:
+                counts = {**share.counts, **share.peers.counts}
+                peers, held = len(share.peers.peers), share.peers.held()
+            for k, v in counts.items():
+                ops.add_metric([k], v)
+            g = GaugeMetricFamily("kvwire_router_peer_replicas",
+                                  "Other router replicas heard from within the ttl")
+            g.add_metric([], peers)
+            h = GaugeMetricFamily("kvwire_router_peer_reservations",
+                                  "Reservations of other replicas counted in the load")
+            h.add_metric([], held)
+            yield from (ops, g, h)
 
 
 class _IndexerCollector:

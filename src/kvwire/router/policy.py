@@ -311,6 +311,12 @@ class LoadTracker:
                                    self.busy_window, learn=True)
         return take
 
+    def prefill(self, request_id: str) -> float:
+        """A live reservation's prefill still outstanding (0.0 after its first token, or
+        if the id is gone)."""
+        entry = self._by_id.get(request_id)
+        return entry[3] if entry else 0.0
+
     def amount(self, request_id: str) -> float | None:
         """A live reservation's current amount, or None."""
         entry = self._by_id.get(request_id)

@@ -147,6 +147,10 @@ class RouterCore:
         self.apply_errors = 0
         self.counts: dict[str, int] = {"routes": 0, "scores": 0, "releases": 0}
         self.on_route: Callable[[str, float, float], None] | None = None  # metrics hook
+        # replicas that share their load (router/load_share.py): each reservation change
+        # is handed to ``share`` (LoadShare.push), called under ``lock``, never waits
+        self.share: Callable[[list], None] | None = None
+        self.load_share: Any = None  # the LoadShare itself (its counters, for /metrics)
         self._stop = threading.Event()
         self._started = threading.Event()
         self._thread: threading.Thread | None = None
@@ -182,8 +186,12 @@ class RouterCore:
             raise self._error
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the subscriber thread (or the caller-driven ingest) and close its sockets."""
+        """Stop the subscriber thread (or the caller-driven ingest) and close its sockets,
+        and the load sharing with other replicas if any."""
         self._stop.set()
+        share, self.share, self.load_share = self.load_share, None, None
+        if share is not None:
+            share.close()
         if self._thread is not None:
             self._thread.join(timeout)
             return
@@ -507,6 +515,8 @@ class RouterCore:
                 amount = request_load(prompt_blocks, d.overlap[d.name], expect,
                                       self.decode_share) + self.decode_load
                 self.loads.reserve(rid, d.name, amount, now)
+                if self.share is not None:
+                    self.share(["r", rid, d.name, amount, 0.0])
                 m = matches.get(target.stream)
                 if m is None or m.prompt_blocks == 0 or blocks[d.name] < m.prompt_blocks:
                     # only a prefix the engine does not already hold needs predicting
@@ -567,6 +577,8 @@ class RouterCore:
             amount = request_load(prompt_blocks, d.overlap[d.name], expect,
                                   self.decode_share) + self.decode_load
             self.loads.reserve(rid, d.name, amount, now, prefill=prefill)
+            if self.share is not None:
+                self.share(["r", rid, d.name, amount, prefill])
             m = matches.get(target.stream)
             if prompt_blocks and (m is None or m.prompt_blocks == 0
                                   or m.blocks < m.prompt_blocks):
@@ -582,29 +594,41 @@ class RouterCore:
         """Drop a proxied request's prefill share from its reservation (its first token
         came: the prompt is computed); returns what was dropped."""
         with self.lock:
-            return self.loads.reduce(request_id, prefill)
+            taken = self.loads.reduce(request_id, prefill)
+            if taken and self.share is not None:
+                self.share(["f", request_id])
+            return taken
 
     def finish(self, request_id: str, output_tokens: int | None) -> bool:
         """Release a proxied request's reservation (ended, failed or abandoned); False if
         it was already gone (expired). Never raises: the proxy calls it from finally."""
         with self.lock:
-            ok = self.loads.release(request_id)
-            if ok and output_tokens is not None:
-                self._out_sum += output_tokens
-                self._out_n += 1
+            ok = self._release(request_id, output_tokens)
         if ok:
             self.counts["releases"] += 1
         return ok
+
+    def _release(self, request_id: str, output_tokens: int | None) -> bool:
+        ok = self.loads.release(request_id)
+        if ok:
+            if output_tokens is not None:
+                self.learn_output(output_tokens)
+            if self.share is not None:
+                self.share(["x", request_id, output_tokens])
+        return ok
+
+    def learn_output(self, tokens: int) -> None:
+        """A request ended with ``tokens`` output tokens (here or, shared, at another
+        replica): the expected decode work of the next ones (under ``lock``)."""
+        self._out_sum += tokens
+        self._out_n += 1
 
     def release(self, request_id: str, output_tokens: int | None = None) -> dict[str, Any]:
         """Release a routed request's load; 404 RouteError if the id is unknown or expired.
         ``output_tokens`` (optional) teaches the expected decode work of later requests."""
         with self.lock:
             name = self.loads.holder(request_id)
-            ok = self.loads.release(request_id)
-            if ok and output_tokens is not None:
-                self._out_sum += output_tokens
-                self._out_n += 1
+            ok = self._release(request_id, output_tokens)
         if not ok:
             raise RouteError(404, f"unknown request_id {request_id[:80]!r} (never routed, "
                              "already released, or expired)", "unknown_request_id")

@@ -101,11 +101,21 @@ class SimConfig:
     cache_aware: CacheAwareParams = field(default_factory=CacheAwareParams)
     #: Wall seconds to wait for the subscriber to catch up before failing.
     sync_timeout: float = 30.0
+    #: ``kvwire`` only: router replicas the requests are spread over in turn (each with
+    #: its own load tracker, as ``kvwire serve --nats`` replicas behind a load balancer),
+    #: and whether they share their load (router/load_share.py's PeerLoads, each report
+    #: arriving ``share_delay`` virtual seconds after it was sent).
+    replicas: int = 1
+    share_load: bool = True
+    share_delay: float = 0.002
 
     def __post_init__(self) -> None:
         if self.engine_model not in ENGINE_MODELS:
             raise ValueError(f"unknown engine model {self.engine_model!r}; choose from "
                              f"{', '.join(ENGINE_MODELS)}")
+        if self.replicas < 1 or not self.share_delay >= 0:
+            raise ValueError(f"need replicas >= 1 and share_delay >= 0, got "
+                             f"{self.replicas} and {self.share_delay}")
 
     def routing_policy(self) -> RoutingPolicy:
         """The RoutingPolicy of the ``kvwire`` and ``oracle`` routers (slack in blocks)."""

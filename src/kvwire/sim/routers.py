@@ -11,6 +11,7 @@ when a request's first token comes (:meth:`_Router.first_token`) and when it fin
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from collections.abc import Callable
@@ -254,6 +255,77 @@ class _Kvwire(_Router):
         self.sub.close()
 
 
+class _KvwireReplicas(_Kvwire):
+    """``cfg.replicas`` kvwire routers behind a load balancer that hands them requests in
+    turn: one index (all read the same events), a LoadTracker each. With ``share_load``
+    each tells the others what it reserved, what reached its first token and what it
+    released (the reports ``kvwire serve --nats`` replicas send, applied by the same
+    :class:`~kvwire.router.load_share.PeerLoads`), each arriving ``share_delay`` later."""
+
+    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+        super().__init__(engines, cfg)
+        from ..router.load_share import PeerLoads, Report
+
+        self._report = Report
+        self.trackers = [self.loads] + [
+            LoadTracker(expiry_s=1e12, clock=lambda: self.now, busy_window=cfg.busy_window,
+                        drain=cfg.drain) for _ in range(cfg.replicas - 1)]
+        self.peers = [PeerLoads(t, f"r{i}", ttl=1e12) for i, t in enumerate(self.trackers)]
+        self._in_flight: list[tuple[float, int, int, Any]] = []  # (due, n, to, report)
+        self._n = 0
+        self._seq = [0] * cfg.replicas
+        self._owner: dict[str, int] = {}
+        self._turn = 0
+
+    def _send(self, sender: int, op: list[Any]) -> None:
+        if not self.cfg.share_load:
+            return
+        self._seq[sender] += 1
+        report = self._report(f"r{sender}", self._seq[sender], [op])
+        for to in range(len(self.trackers)):
+            if to != sender:
+                self._n += 1
+                heapq.heappush(self._in_flight,
+                               (self.now + self.cfg.share_delay, self._n, to, report))
+
+    def _arrive(self) -> None:
+        q = self._in_flight
+        while q and q[0][0] <= self.now:
+            due, _, to, report = heapq.heappop(q)
+            self.peers[to].receive(report, due)
+
+    def _as(self, replica: int) -> None:
+        self.loads = self.trackers[replica]
+
+    def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
+        self.now = now
+        self._arrive()
+        r = self._owner[rid] = self._turn % len(self.trackers)  # the balancer's turn
+        self._turn += 1
+        self._as(r)
+        return super().route(rid, req, keys, now)
+
+    def reserve(self, rid: str, e: int, prompt_blocks: int, credit: float, req: Request,
+                now: float) -> None:
+        super().reserve(rid, e, prompt_blocks, credit, req, now)
+        self._send(self._owner[rid], ["r", rid, self.engines[e].name,
+                                      self.loads.amount(rid), self._prefill[rid]])
+
+    def first_token(self, rid: str) -> None:
+        self._arrive()
+        self._as(self._owner[rid])
+        if self._prefill.get(rid):
+            self._send(self._owner[rid], ["f", rid])
+        super().first_token(rid)
+
+    def release(self, rid: str, req: Request) -> None:
+        self._arrive()
+        r = self._owner.pop(rid)
+        self._as(r)
+        super().release(rid, req)
+        self._send(r, ["x", rid, None])
+
+
 class _CacheAware(_Router):
     """SGLang's router ``cache_aware``: its own tree of what it sent, in-flight counts."""
 
@@ -276,8 +348,12 @@ class _CacheAware(_Router):
         self.policy.complete(self.holder.pop(rid))
 
 
+def _kvwire(engines: list[SimEngine], cfg: SimConfig) -> _Router:
+    return _KvwireReplicas(engines, cfg) if cfg.replicas > 1 else _Kvwire(engines, cfg)
+
+
 _ROUTERS: dict[str, Callable[[list[SimEngine], SimConfig], _Router]] = {
-    "kvwire": _Kvwire, "oracle": _Oracle, "random": _Random, "round_robin": _RoundRobin,
+    "kvwire": _kvwire, "oracle": _Oracle, "random": _Random, "round_robin": _RoundRobin,
     "least_load": _LeastLoad, "sglang": _CacheAware, "clairvoyant": _Clairvoyant,
 }
 

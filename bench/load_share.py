@@ -1,0 +1,123 @@
+"""Load sharing between router replicas (router/load_share.py) over a real nats-server on
+loopback: how long a reservation made at replica A takes to weigh on replica B's load, and
+what the sharing costs in CPU per operation, at several request rates.
+
+    .venv/bin/python bench/load_share.py            # 200, 1000 and 4000 requests/s, 5 s each
+    .venv/bin/python bench/load_share.py --rates 500 --seconds 10
+
+Each request is what the proxy shares: a reservation, its first token, its release (three
+operations). A and B are two RouterCores in this process (no engines: the load tracker is
+all they share), each with its own LoadShare thread and NATS connection. Latency: from
+A's ``route_proxy``-equivalent push to B's tracker holding the reservation, sampled on
+every 10th request (the driver polls B's tracker). CPU: the two sharing threads' user +
+system time (/proc/self/task) per request: A's sending and B's applying, heartbeats
+included; the nats-server's own CPU is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server the tests use
+
+from nats_helpers import NatsServer  # noqa: E402
+
+from kvwire.router.load_share import LoadShare  # noqa: E402
+from kvwire.router.service import RouterCore  # noqa: E402
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu(*shares: LoadShare) -> float:
+    """CPU seconds (user + system) of the sharing threads, from /proc/self/task."""
+    total = 0.0
+    for s in shares:
+        tid = s._thread.native_id if s._thread is not None else None
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
+def run(url: str, rate: float, seconds: float) -> tuple[int, list[float], float]:
+    a, b = RouterCore([]), RouterCore([])
+    sa = LoadShare(a, url, "kvwire.load.BENCH", replica="A")
+    sb = LoadShare(b, url, "kvwire.load.BENCH", replica="B")
+    sa.start()
+    sb.start()
+    a.share = sa.push
+    lat: list[float] = []
+    try:
+        time.sleep(0.3)  # both subscribed
+        c0, t0 = _thread_cpu(sa, sb), time.monotonic()
+        n, period = 0, 1.0 / rate
+        open_ids: list[str] = []
+        while time.monotonic() - t0 < seconds:
+            due = t0 + n * period
+            if (d := due - time.monotonic()) > 0:
+                time.sleep(d)
+            rid = f"q{n}"
+            with a.lock:
+                a.loads.reserve(rid, "e0", 10.0, prefill=8.0)
+                a.share(["r", rid, "e0", 10.0, 8.0])
+            sent = time.perf_counter()
+            if n % 10 == 0:  # sampled: wait for B to hold it
+                pid = f"A:{rid}"
+                while b.loads.holder(pid) is None:
+                    if time.perf_counter() - sent > 1.0:
+                        break
+                    time.sleep(0.00005)
+                else:
+                    lat.append(time.perf_counter() - sent)
+            open_ids.append(rid)
+            if len(open_ids) > 20:  # each request lives ~20 requests: first token, release
+                done = open_ids.pop(0)
+                a.first_token(done, 8.0)
+                a.finish(done, 16)
+            n += 1
+        cpu = _thread_cpu(sa, sb) - c0
+    finally:
+        a.close()
+        b.close()
+    return n, lat, cpu
+
+
+def _q(sorted_s: list[float], p: float) -> float:
+    """The ``p`` quantile of sorted seconds, in ms."""
+    if not sorted_s:
+        return float("nan")
+    return sorted_s[min(len(sorted_s) - 1, int(p * len(sorted_s)))] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="200,1000,4000")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = NatsServer(Path(tmp) / "nats").start()
+        try:
+            print("| requests/s | sent | latency p50 ms | p99 ms | max ms | CPU us/request |")
+            print("|---:|---:|---:|---:|---:|---:|")
+            for rate in [float(x) for x in args.rates.split(",")]:
+                n, lat, cpu = run(srv.url, rate, args.seconds)
+                lat.sort()
+
+                per = cpu / max(n, 1) * 1e6
+                print(f"| {rate:g} | {n} | {_q(lat, 0.5):.3f} | {_q(lat, 0.99):.3f} | "
+                      f"{(lat[-1] * 1e3 if lat else float('nan')):.3f} | {per:.0f} |",
+                      flush=True)
+        finally:
+            srv.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Router replicas that share their load (``kvwire serve --nats``, on by default).
+
+Replicas behind one load balancer read the same events, so they hold the same index, but
+each sees only the requests it routed: with four replicas each routes on a quarter of the
+fleet's load, and the balance the policy keeps is gone (the simulator at 3x the bundled
+trace's rate: TTFT p99 2.80 s with one router, 3.75 s with four that do not share; at 4x
+4.41 s and 7.64 s; docs/scale-out.md). So each replica tells the others what it reserves,
+what reached its first token and what it released, over core NATS (not JetStream: load is
+of the moment, nothing to keep), and each keeps every replica's reservations in its own
+:class:`~kvwire.router.policy.LoadTracker`: the load it routes on is the fleet's, and the
+prefill rate it learns comes from every replica's first tokens.
+
+:class:`PeerLoads` is the pure part (reports in, reservations out, no I/O): a peer's
+reservation ids are prefixed with its name; a heartbeat lists the peer's live reservations,
+so one whose release was lost is dropped at the next heartbeat; a peer silent for ``ttl``
+(stopped, killed, cut off) has all its reservations dropped. :class:`LoadShare` is the thin
+I/O part: a thread with its own event loop and NATS connection, which sends what the
+request path queued (never waiting on the network: a bounded queue, drops counted) and
+applies what the others send under the router's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from .policy import LoadTracker
+
+__all__ = ["LoadShare", "PeerLoads", "Report"]
+
+log = logging.getLogger("kvwire.router.load_share")
+
+
+class Report(msgspec.Struct, array_like=True):
+    """One message from a replica: its name, a sequence number (gaps are counted: core NATS
+    may drop), its operations in order, and, on a heartbeat, its live reservation ids.
+
+    Operations: ``["r", id, engine, amount, prefill]`` reserved; ``["f", id]`` first token
+    (the prefill share dropped); ``["x", id, output_tokens | None]`` released."""
+
+    replica: str
+    seq: int
+    ops: list[list[Any]]
+    live: list[str] | None = None
+
+
+_decode = msgspec.msgpack.Decoder(Report).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class _Peer:
+    __slots__ = ("seen", "seq", "ids")
+
+    def __init__(self, now: float) -> None:
+        self.seen = now
+        self.seq = -1
+        self.ids: set[str] = set()  # reservations held for it (its ids, unprefixed)
+
+
+class PeerLoads:
+    """Other replicas' reservations, applied to ``loads`` (the caller holds whatever lock
+    guards it). ``on_output(tokens)``: a peer's request ended with that many output tokens
+    (teaches the expected decode work, as the replica's own releases do)."""
+
+    def __init__(self, loads: LoadTracker, me: str, ttl: float = 2.0,
+                 on_output: Callable[[int], None] | None = None) -> None:
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0, got {ttl!r}")
+        self.loads, self.me, self.ttl, self.on_output = loads, me, float(ttl), on_output
+        self.peers: dict[str, _Peer] = {}
+        self.counts = {"reports": 0, "ops": 0, "gaps": 0, "bad": 0, "dropped_by_heartbeat": 0,
+                       "peers_expired": 0}
+
+    def receive(self, report: Report, now: float) -> None:
+        """Apply one report (one's own is ignored). A malformed operation is counted and
+        skipped; the rest of the report still applies."""
+        if report.replica == self.me:
+            return
+        peer = self.peers.get(report.replica)
+        if peer is None:
+            peer = self.peers[report.replica] = _Peer(now)
+        self.counts["reports"] += 1
+        if peer.seq >= 0 and report.seq != peer.seq + 1 and report.seq > peer.seq:
+            self.counts["gaps"] += 1
+        peer.seq = max(peer.seq, report.seq)
+        peer.seen = now
+        prefix = report.replica + ":"
+        for op in report.ops:
+            try:
+                self._apply(peer, prefix, op, now)
+            except (ValueError, TypeError, IndexError, KeyError):
+                self.counts["bad"] += 1
+        if report.live is not None:
+            live = set(report.live)
+            for rid in [r for r in peer.ids if r not in live]:
+                peer.ids.discard(rid)
+                if self._drop(prefix + rid, now):
+                    self.counts["dropped_by_heartbeat"] += 1
+
+    def _apply(self, peer: _Peer, prefix: str, op: list[Any], now: float) -> None:
+        kind, rid = op[0], op[1]
+        if not isinstance(rid, str):
+            raise TypeError("id")
+        if kind == "r":
+            engine, amount, prefill = op[2], float(op[3]), float(op[4])
+            if not isinstance(engine, str):
+                raise TypeError("engine")
+            self.loads.reserve(prefix + rid, engine, amount, now, prefill=prefill)
+            peer.ids.add(rid)
+        elif kind == "f":  # its prefill is done: only the decode share stays
+            pid = prefix + rid
+            prefill = self.loads.prefill(pid)
+            if prefill > 0:
+                self.loads.reduce(pid, prefill, now)
+        elif kind == "x":
+            peer.ids.discard(rid)
+            if self._drop(prefix + rid, now):
+                out = op[2] if len(op) > 2 else None
+                if isinstance(out, int) and out >= 0 and self.on_output is not None:
+                    self.on_output(out)
+        else:
+            raise ValueError(f"unknown operation {kind!r}")
+        self.counts["ops"] += 1
+
+    def expire(self, now: float) -> list[str]:
+        """Drop every reservation of the peers silent for ``ttl``; their names."""
+        gone = [name for name, p in self.peers.items() if now - p.seen > self.ttl]
+        for name in gone:
+            peer = self.peers.pop(name)
+            for rid in peer.ids:
+                self._drop(f"{name}:{rid}", now)
+            self.counts["peers_expired"] += 1
+        return gone
+
+    def _drop(self, pid: str, now: float) -> bool:
+        # (asked first: a reservation that expired here is not an unknown release)
+        return self.loads.holder(pid) is not None and self.loads.release(pid, now)
+
+    def held(self) -> int:
+        """Reservations held for peers now."""
+        return sum(len(p.ids) for p in self.peers.values())
+
+
+class LoadShare:
+    """Share this replica's reservations with the others on ``subject`` and apply theirs
+    to ``core.loads`` (a :class:`~kvwire.router.service.RouterCore`), from a thread of its
+    own. :meth:`push` is what the request path calls: it appends to a bounded queue and
+    wakes the thread at most once per burst."""
+
+    def __init__(self, core: Any, url: str, subject: str, *, replica: str | None = None,
+                 heartbeat: float = 0.5, ttl: float = 2.0, max_queue: int = 100_000,
+                 flush_interval: float = 0.001, connect_timeout: float = 10.0) -> None:
+        if not 0 < heartbeat < ttl:
+            raise ValueError(f"need 0 < heartbeat < ttl, got {heartbeat!r} and {ttl!r}")
+        self.core, self.url, self.subject = core, url, subject
+        self.replica = replica or f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.heartbeat, self.connect_timeout = float(heartbeat), float(connect_timeout)
+        if not 0 <= flush_interval < heartbeat:
+            raise ValueError(f"need 0 <= flush_interval < heartbeat, got {flush_interval!r}")
+        self.flush_interval = float(flush_interval)
+        self.peers = PeerLoads(core.loads, self.replica, ttl, on_output=core.learn_output)
+        self._out: collections.deque[list[Any]] = collections.deque()
+        self.max_queue = max_queue
+        self._live: dict[str, float] = {}  # own reservations sent, and when (sender thread)
+        self._seq = 0
+        self._waking = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._fast: Any = None  # kvwire.nats.client_internals: straight to the socket
+        self._subject_b = subject.encode()
+        self._beat_due = False
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.counts = {"sent": 0, "send_errors": 0, "dropped": 0}
+
+    # ---------------------------------------------------------------- the request path
+
+    def push(self, op: list[Any]) -> None:
+        """Queue one operation for the others (any thread; never waits). A full queue (the
+        NATS connection down for long) drops it, counted: the next heartbeat corrects it."""
+        if len(self._out) >= self.max_queue:
+            self.counts["dropped"] += 1
+            return
+        self._out.append(op)
+        if not self._waking and self._loop is not None:
+            self._waking = True
+            try:
+                self._loop.call_soon_threadsafe(self._woken)
+            except RuntimeError:  # the loop closed: stopping
+                pass
+
+    def _woken(self) -> None:
+        """In the sharing thread, once per burst of pushes: send what is queued
+        ``flush_interval`` from now, so that the pushes meanwhile go in the same report
+        without waking the thread again."""
+        if self._loop is not None:
+            self._loop.call_later(self.flush_interval, self._flush)
+
+    def _flush(self) -> None:
+        """Send what is queued: straight to the socket when nothing of nats-py's is queued
+        ahead (no task switch), else through the sending task."""
+        self._waking = False  # (before the queue is read: a push from now on wakes again)
+        if self._out and self._fast is not None and self._fast.can_write_now():
+            self._fast.write_now(self._command(self._report(beat=False)))
+            self.counts["sent"] += 1
+        elif self._wake is not None:
+            self._wake.set()
+
+    # ---------------------------------------------------------------- the thread
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Connect and subscribe; raises what the thread could not do (NatsConnectError)."""
+        self._thread = threading.Thread(target=self._main, name="kvwire-load-share",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("load sharing did not start")
+        if self.error is not None:
+            raise self.error
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._run(loop))
+        except BaseException as e:  # noqa: BLE001 - reported to start(), or logged
+            if not self._ready.is_set():
+                self.error = e
+            else:
+                log.error("load sharing stopped: %s: %s", type(e).__name__, e)
+        finally:
+            self._ready.set()
+            self._loop = None
+            loop.close()
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        from ..nats.client_internals import internals
+        from ..nats.connect import connect
+        from ..nats.inbox import subscribe_inline
+
+        nc = await connect(self.url, timeout=self.connect_timeout,
+                           name=f"kvwire-serve-load-{self.replica}")
+        try:
+            self._wake = wake = asyncio.Event()
+            self._fast = internals(nc)  # (None: nats-py's own publish only)
+            # (in nats-py's read loop: no task per message)
+            await subscribe_inline(nc, self.subject, self._on_msg)
+            self._loop = loop
+            self._ready.set()
+            log.info("sharing load with the other replicas on %s as %s", self.subject,
+                     self.replica)
+            beat = loop.call_later(self.heartbeat, self._beat, wake)
+            try:
+                while not self._stop.is_set():
+                    await wake.wait()
+                    wake.clear()
+                    due, self._beat_due = self._beat_due, False
+                    if self._out or due:
+                        try:
+                            await nc.publish(self.subject, _encode(self._report(due)))
+                            self.counts["sent"] += 1
+                        except Exception as e:  # noqa: BLE001 - the next heartbeat catches up
+                            self.counts["send_errors"] += 1
+                            log.debug("load report not sent: %s", e)
+                    if due:
+                        with self.core.lock:
+                            self.peers.expire(self.core.clock())
+                        beat = loop.call_later(self.heartbeat, self._beat, wake)
+            finally:
+                beat.cancel()
+        finally:
+            self._fast = None
+            try:
+                await asyncio.wait_for(nc.close(), 2)
+            except Exception:  # noqa: BLE001 - closing on the way out
+                pass
+
+    def _beat(self, wake: asyncio.Event) -> None:
+        self._beat_due = True
+        wake.set()
+
+    def _report(self, beat: bool) -> Report:
+        """What is queued, as one report (in the sharing thread); with ``beat``, this
+        replica's live reservations too (own ones that expired here left out)."""
+        ops = []
+        out, live = self._out, self._live
+        now = time.monotonic()
+        while out:
+            op = out.popleft()
+            ops.append(op)
+            if op[0] == "r":
+                live[op[1]] = now
+            elif op[0] == "x":
+                live.pop(op[1], None)
+        if beat:
+            old = now - self.core.loads.expiry_s
+            for rid in [r for r, t in live.items() if t < old]:
+                del live[rid]
+        self._seq += 1
+        return Report(self.replica, self._seq, ops, list(live) if beat else None)
+
+    def _command(self, report: Report) -> bytes:
+        payload = _encode(report)
+        return b"PUB %s %d\r\n%s\r\n" % (self._subject_b, len(payload), payload)
+
+    def _on_msg(self, msg: Any) -> None:
+        try:
+            report = _decode(msg.data)
+        except msgspec.DecodeError:
+            self.peers.counts["bad"] += 1
+            return
+        with self.core.lock:
+            self.peers.receive(report, self.core.clock())

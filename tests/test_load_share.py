@@ -1,0 +1,273 @@
+"""Router replicas that share their load (router/load_share.py).
+
+The pure part (:class:`PeerLoads`) against a model under hypothesis, reports lost at random
+included; then real ``kvwire serve --nats`` replicas beside a real nats-server: what one
+reserves weighs on the other's choice, a release lifts it, and a replica killed with SIGKILL
+stops weighing after the ttl."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.router.load_share import PeerLoads, Report
+from kvwire.router.policy import LoadTracker
+
+ENGINES = ("e0", "e1", "e2")
+
+
+def _tracker() -> LoadTracker:
+    return LoadTracker(expiry_s=1e9, clock=lambda: 0.0, drain=False)
+
+
+def test_a_peers_operations_move_the_load_and_its_own_are_ignored() -> None:
+    loads, out = _tracker(), []
+    peers = PeerLoads(loads, "me", ttl=2.0, on_output=out.append)
+    peers.receive(Report("a", 1, [["r", "1", "e0", 10.0, 8.0], ["r", "2", "e1", 5.0, 0.0]]), 0.0)
+    assert loads.loads() == {"e0": 10.0, "e1": 5.0} and peers.held() == 2
+    peers.receive(Report("me", 1, [["r", "1", "e2", 99.0, 0.0]]), 0.0)  # its own: ignored
+    assert "e2" not in loads.loads()
+    peers.receive(Report("a", 2, [["f", "1"]]), 0.1)  # first token: the prefill share goes
+    assert loads.loads()["e0"] == pytest.approx(2.0)
+    peers.receive(Report("a", 3, [["x", "1", 40], ["x", "2", None]]), 0.2)
+    assert loads.loads() == {} and peers.held() == 0 and out == [40]
+    # a gap in its sequence is counted; malformed operations are counted and skipped
+    peers.receive(Report("a", 5, [["r", 7, "e0", 1.0, 0.0], ["r", "3", "e0", -1.0, 0.0],
+                                  ["q", "4"], ["r", "5"], ["r", "6", "e0", 3.0, 0.0]]), 0.3)
+    assert peers.counts["gaps"] == 1 and peers.counts["bad"] == 4
+    assert loads.loads() == {"e0": 3.0}
+    # a release for a reservation never seen (its report lost) is not an unknown release
+    peers.receive(Report("a", 6, [["x", "zz", 1]]), 0.4)
+    assert loads.unknown_releases == 0 and out == [40]
+
+
+def test_a_heartbeat_drops_what_the_peer_no_longer_holds_and_silence_drops_all() -> None:
+    loads = _tracker()
+    peers = PeerLoads(loads, "me", ttl=2.0)
+    peers.receive(Report("a", 1, [["r", "1", "e0", 10.0, 0.0], ["r", "2", "e1", 5.0, 0.0]]), 0.0)
+    peers.receive(Report("b", 1, [["r", "1", "e0", 7.0, 0.0]]), 0.0)
+    # a's release of "1" was lost: its heartbeat, which lists "2" only, drops it
+    peers.receive(Report("a", 3, [], live=["2"]), 1.0)
+    assert loads.loads() == {"e0": 7.0, "e1": 5.0}
+    assert peers.counts["dropped_by_heartbeat"] == 1
+    assert peers.expire(2.5) == ["b"]  # b silent since 0.0, a heard at 1.0
+    assert loads.loads() == {"e1": 5.0} and set(peers.peers) == {"a"}
+    assert peers.expire(3.5) == ["a"] and loads.loads() == {} and peers.held() == 0
+
+
+_op = st.tuples(st.sampled_from(["r", "f", "x"]), st.integers(0, 7),
+                st.sampled_from(ENGINES), st.integers(1, 50), st.integers(0, 50),
+                st.booleans())  # (kind, id, engine, amount, prefill, lost in transit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["a", "b"]), _op), max_size=60),
+       beat_every=st.integers(1, 10))
+def test_held_load_follows_what_arrived_and_heartbeats_correct_it(ops: list[Any],
+                                                                 beat_every: int) -> None:
+    """Any operations of two peers, any report lost: the load equals what the reports that
+    arrived say (a model applies them too); a heartbeat leaves only what the peer still
+    holds; silence past the ttl ends all of it."""
+    loads = _tracker()
+    peers = PeerLoads(loads, "me", ttl=5.0)
+    truth: dict[str, dict[str, tuple[str, float, float]]] = {"a": {}, "b": {}}
+    model: dict[str, dict[str, list[Any]]] = {"a": {}, "b": {}}  # what arrived
+    seq = {"a": 0, "b": 0}
+
+    def expected() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for held in model.values():
+            for engine, amount, _ in held.values():
+                out[engine] = out.get(engine, 0.0) + amount
+        return out
+
+    def check() -> None:
+        got, want = loads.loads(), expected()
+        assert set(got) == {k for k, v in want.items() if v > 0 or k in got}
+        for k in set(got) | set(want):
+            assert got.get(k, 0.0) == pytest.approx(want.get(k, 0.0), abs=1e-6)
+        assert peers.held() == sum(len(h) for h in model.values())
+
+    def deliver(peer: str, op: list[Any] | None, live: list[str] | None) -> None:
+        seq[peer] += 1
+        peers.receive(Report(peer, seq[peer], [op] if op else [], live), 1.0)
+        held = model[peer]
+        if op is not None and op[0] == "r":
+            held[op[1]] = [op[2], op[3], op[4]]
+        elif op is not None and op[0] == "f" and op[1] in held:
+            held[op[1]][1] -= held[op[1]][2]
+            held[op[1]][2] = 0.0
+        elif op is not None and op[0] == "x":
+            held.pop(op[1], None)
+        if live is not None:
+            for rid in [r for r in held if r not in live]:
+                del held[rid]
+
+    for n, (peer, (kind, i, engine, amount, prefill, lost)) in enumerate(ops):
+        rid, held = str(i), truth[peer]
+        if kind == "r":
+            prefill = min(prefill, amount)
+            held[rid] = (engine, float(amount), float(prefill))
+            op = ["r", rid, engine, float(amount), float(prefill)]
+        elif kind == "f":
+            if rid not in held or held[rid][2] == 0:
+                continue  # (a replica sends "f" once, for a reservation it holds)
+            held[rid] = (held[rid][0], held[rid][1] - held[rid][2], 0.0)
+            op = ["f", rid]
+        else:
+            if rid not in held:
+                continue
+            del held[rid]
+            op = ["x", rid, 1]
+        live = sorted(held) if n % beat_every == 0 else None
+        if lost:
+            seq[peer] += 1
+        else:
+            deliver(peer, op, live)
+        check()
+    for peer in ("a", "b"):  # a heartbeat each: only what the peer still holds is left
+        deliver(peer, None, sorted(truth[peer]))
+        assert set(model[peer]) <= set(truth[peer])
+    check()
+    assert sorted(peers.expire(7.5)) == ["a", "b"]
+    assert loads.loads() == {} and peers.held() == 0
+
+
+# -------------------------------------------------------------------- real processes
+
+pytest.importorskip("nats")
+httpx = pytest.importorskip("httpx")
+
+from nats_writer import Writer  # noqa: E402
+from test_indexer_api import _url  # noqa: E402
+from test_nats_consumer import _write, run  # noqa: E402
+from test_proxy import engine_procs, serve_proc  # noqa: E402, F401 (fixtures)
+from waiting import wait_for  # noqa: E402
+
+BS = 16
+
+
+def _toks(seed: int, blocks: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 50_000 for i in range(blocks * BS)]
+
+
+def _replica(url: str, *more: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvwire", "serve", "--nats", url, "--nats-engine", "e0",
+         "--nats-engine", "e1", "--port", "0", "--block-size", str(BS),
+         "--balance-slack", "0", "--load-weight", "1", *more],
+        stderr=subprocess.PIPE, text=True)
+
+
+def _loads(http: Any) -> dict[str, float]:
+    return {e: v["ranks"][0]["load"] for e, v in http.get("/engines").json().items()}
+
+
+def test_replicas_route_on_each_others_load(nats_server: Any) -> None:
+    """Two replicas of the decision API on one stream: a prompt reserved through A weighs
+    on B's costs (B sends the next prompt to the other engine), A's release lifts it, and
+    once A is SIGKILLed with a reservation open, B stops counting it after the ttl.
+    With ``--no-share-load`` B sees none of A's load."""
+    async def engines(w: Writer) -> None:
+        for e in ("e0", "e1"):
+            await w.start(e, 0, epoch=1)
+
+    run(_write(nats_server.url, engines))
+    a, b = _replica(nats_server.url), _replica(nats_server.url)
+    alone = _replica(nats_server.url, "--no-share-load")
+    try:
+        ua, ub, ualone = _url(a), _url(b), _url(alone)
+        with httpx.Client(base_url=ua, timeout=10) as ha, \
+                httpx.Client(base_url=ub, timeout=10) as hb, \
+                httpx.Client(base_url=ualone, timeout=10) as hl:
+            r = ha.post("/route", json={"token_ids": _toks(1, 100)})
+            assert r.status_code == 200, r.text
+            first, rid = r.json()["engine"], r.json()["request_id"]
+            other = "e1" if first == "e0" else "e0"
+            wait_for(lambda: _loads(hb)[first] >= 100, timeout=30, interval=0.02,
+                     what="A's reservation counted in B's load")
+            assert _loads(hb)[other] == 0
+            s = hb.post("/score", json={"token_ids": _toks(2, 50)}).json()
+            assert s["engine"] == other and s["cost"][first] > s["cost"][other], s
+            assert _loads(hl) == {"e0": 0, "e1": 0}  # (not sharing: nothing of A's)
+            metrics = hb.get("/metrics").text
+            assert "kvwire_router_peer_replicas 1.0" in metrics  # (alone does not send)
+            assert ha.post("/release", json={"request_id": rid,
+                                             "output_tokens": 10}).status_code == 200
+            wait_for(lambda: _loads(hb)[first] == 0, timeout=30, interval=0.02,
+                     what="A's release lifted B's load")
+            # A reserves again and dies: B counts it until A's silence passes the ttl
+            r = ha.post("/route", json={"token_ids": _toks(3, 80)})
+            held_on = r.json()["engine"]
+            wait_for(lambda: _loads(hb)[held_on] >= 80, timeout=30, interval=0.02,
+                     what="A's second reservation seen by B")
+            a.send_signal(signal.SIGKILL)
+            a.wait(10)
+            wait_for(lambda: _loads(hb)[held_on] == 0, timeout=30, interval=0.05,
+                     what="a dead replica's load dropped after the ttl")
+            assert "kvwire_router_load_reports_total{kind=\"peers_expired\"} 1.0" in \
+                hb.get("/metrics").text
+    finally:
+        for p in (a, b, alone):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+    assert b.returncode == 0 and alone.returncode == 0
+
+
+def test_share_load_needs_nats() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--engine",
+                        "e0=tcp://127.0.0.1:5999", "--share-load", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--share-load needs --nats" in r.stderr, r.stderr
+
+
+def test_proxy_replicas_share_a_streamed_requests_load_until_its_client_leaves(
+        nats_server: Any, tmp_path: Any, engine_procs: Any,  # noqa: F811
+        serve_proc: Any) -> None:  # noqa: F811
+    """Two proxy replicas in front of two slow ``kvwire engine``s (their events through a
+    ``kvwire bridge``): while a streamed chat runs through A, B counts its load on the
+    engine A chose; the client leaving ends it at A, and at B."""
+    from bridge_helpers import BridgeProc
+    from test_proxy import _chat
+
+    es = engine_procs(2, "--speed", "0.05")  # (200 output tokens: about 20 s)
+    bridge = BridgeProc(tmp_path, nats_server.url, [f"e{i}={e.events}" for i, e in enumerate(es)])
+    try:
+        bridge.wait_started()
+        args = ("--nats", nats_server.url, "--tokenizer", "builtin", "--probe-interval", "0.1",
+                *[f"--nats-engine=e{i},url={e.url}" for i, e in enumerate(es)])
+        _, ua = serve_proc(*args)
+        _, ub = serve_proc(*args)
+        with httpx.Client(base_url=ua, timeout=30) as ha, \
+                httpx.Client(base_url=ub, timeout=30) as hb:
+            for h in (ha, hb):
+                wait_for(lambda h=h: h.get("/health").status_code == 200, timeout=60,
+                         interval=0.05, what="replica healthy")
+            # one answered request first: its output length, learned by A and (shared)
+            # by B, gives a running request the decode load it keeps after its first token
+            r = ha.post("/v1/chat/completions", json={**_chat("warm up " * 50, "hi"),
+                                                      "max_tokens": 20})
+            assert r.status_code == 200, r.text
+            body = {**_chat("a long story " * 200, "go on"), "max_tokens": 200, "stream": True}
+            with ha.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                engine = r.headers["x-kvwire-engine"]
+                chunks = r.iter_raw()  # (kept: a dropped iterator closes the response)
+                next(chunks)  # the first chunk: running, its prefill done
+                wait_for(lambda: 0 < _loads(ha)[engine] == _loads(hb)[engine], timeout=30,
+                         interval=0.02, what="the running request's load the same at B")
+                assert "kvwire_router_peer_reservations 1.0" in hb.get("/metrics").text
+            wait_for(lambda: _loads(ha)[engine] == 0, timeout=30, interval=0.02,
+                     what="the client gone: A released it")
+            wait_for(lambda: _loads(hb)[engine] == 0, timeout=30, interval=0.02,
+                     what="... and B with it")
+            assert "kvwire_router_peer_reservations 0.0" in hb.get("/metrics").text
+    finally:
+        bridge.stop()
