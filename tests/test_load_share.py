@@ -47,17 +47,19 @@ def test_a_peers_operations_move_the_load_and_its_own_are_ignored() -> None:
     assert loads.unknown_releases == 0 and out == [40]
 
 
-def test_a_heartbeat_drops_what_the_peer_no_longer_holds_and_silence_drops_all() -> None:
+def test_a_heartbeat_puts_right_what_lost_messages_left_and_silence_drops_all() -> None:
     loads = _tracker()
     peers = PeerLoads(loads, "me", ttl=2.0)
-    peers.receive(Report("a", 1, [["r", "1", "e0", 10.0, 0.0], ["r", "2", "e1", 5.0, 0.0]]), 0.0)
+    peers.receive(Report("a", 1, [["r", "1", "e0", 10.0, 0.0], ["r", "2", "e1", 5.0, 4.0]]), 0.0)
     peers.receive(Report("b", 1, [["r", "1", "e0", 7.0, 0.0]]), 0.0)
-    # a's release of "1" was lost: its heartbeat, which lists "2" only, drops it
-    peers.receive(Report("a", 3, [], live=["2"]), 1.0)
-    assert loads.loads() == {"e0": 7.0, "e1": 5.0}
+    # lost since: a's release of "1", its first token of "2", its reservation of "3"
+    peers.receive(Report("a", 5, [], live={"2": ["e1", 1.0, 0.0], "3": ["e2", 6.0, 2.0]}), 1.0)
+    assert loads.loads() == {"e0": 7.0, "e1": 1.0, "e2": 6.0}
     assert peers.counts["dropped_by_heartbeat"] == 1
+    assert peers.counts["corrected_by_heartbeat"] == 2  # ("3" reserved, "2"'s first token)
+    assert peers.counts["gaps"] == 1
     assert peers.expire(2.5) == ["b"]  # b silent since 0.0, a heard at 1.0
-    assert loads.loads() == {"e1": 5.0} and set(peers.peers) == {"a"}
+    assert loads.loads() == {"e1": 1.0, "e2": 6.0} and set(peers.peers) == {"a"}
     assert peers.expire(3.5) == ["a"] and loads.loads() == {} and peers.held() == 0
 
 
@@ -72,11 +74,11 @@ _op = st.tuples(st.sampled_from(["r", "f", "x"]), st.integers(0, 7),
 def test_held_load_follows_what_arrived_and_heartbeats_correct_it(ops: list[Any],
                                                                  beat_every: int) -> None:
     """Any operations of two peers, any report lost: the load equals what the reports that
-    arrived say (a model applies them too); a heartbeat leaves only what the peer still
-    holds; silence past the ttl ends all of it."""
+    arrived say (a model applies them too); a heartbeat makes it what the peers hold, whole;
+    silence past the ttl ends all of it."""
     loads = _tracker()
     peers = PeerLoads(loads, "me", ttl=5.0)
-    truth: dict[str, dict[str, tuple[str, float, float]]] = {"a": {}, "b": {}}
+    truth: dict[str, dict[str, tuple[str, float, float]]] = {"a": {}, "b": {}}  # held
     model: dict[str, dict[str, list[Any]]] = {"a": {}, "b": {}}  # what arrived
     seq = {"a": 0, "b": 0}
 
@@ -94,7 +96,7 @@ def test_held_load_follows_what_arrived_and_heartbeats_correct_it(ops: list[Any]
             assert got.get(k, 0.0) == pytest.approx(want.get(k, 0.0), abs=1e-6)
         assert peers.held() == sum(len(h) for h in model.values())
 
-    def deliver(peer: str, op: list[Any] | None, live: list[str] | None) -> None:
+    def deliver(peer: str, op: list[Any] | None, live: dict[str, list[Any]] | None) -> None:
         seq[peer] += 1
         peers.receive(Report(peer, seq[peer], [op] if op else [], live), 1.0)
         held = model[peer]
@@ -105,9 +107,8 @@ def test_held_load_follows_what_arrived_and_heartbeats_correct_it(ops: list[Any]
             held[op[1]][2] = 0.0
         elif op is not None and op[0] == "x":
             held.pop(op[1], None)
-        if live is not None:
-            for rid in [r for r in held if r not in live]:
-                del held[rid]
+        if live is not None:  # the heartbeat: what the peer holds, whole
+            model[peer] = {r: list(v) for r, v in live.items()}
 
     for n, (peer, (kind, i, engine, amount, prefill, lost)) in enumerate(ops):
         rid, held = str(i), truth[peer]
@@ -125,16 +126,21 @@ def test_held_load_follows_what_arrived_and_heartbeats_correct_it(ops: list[Any]
                 continue
             del held[rid]
             op = ["x", rid, 1]
-        live = sorted(held) if n % beat_every == 0 else None
+        live = ({r: list(v) for r, v in held.items()} if n % beat_every == 0 else None)
         if lost:
             seq[peer] += 1
         else:
             deliver(peer, op, live)
         check()
-    for peer in ("a", "b"):  # a heartbeat each: only what the peer still holds is left
-        deliver(peer, None, sorted(truth[peer]))
-        assert set(model[peer]) <= set(truth[peer])
+    for peer in ("a", "b"):  # a heartbeat each, whatever was lost: exactly what it holds
+        deliver(peer, None, {r: list(v) for r, v in truth[peer].items()})
     check()
+    want: dict[str, float] = {}
+    for held in truth.values():
+        for engine, amount, _ in held.values():
+            want[engine] = want.get(engine, 0.0) + amount
+    for k in set(want) | set(loads.loads()):
+        assert loads.loads().get(k, 0.0) == pytest.approx(want.get(k, 0.0), abs=1e-6)
     assert sorted(peers.expire(7.5)) == ["a", "b"]
     assert loads.loads() == {} and peers.held() == 0
 

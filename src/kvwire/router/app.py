@@ -140,8 +140,8 @@ class _CoreCollector:
             ops = CounterMetricFamily(
                 "kvwire_router_load_reports", "Load sharing between router replicas: reports "
                 "sent, send errors, operations dropped on a full queue; reports, operations, "
-                "sequence gaps and malformed operations received; reservations dropped by a "
-                "peer's heartbeat; peers expired (silent past the ttl)", labels=["kind"])
+                "sequence gaps and malformed operations received; reservations a peer's "
+                "heartbeat dropped or corrected; peers expired (silent past the ttl)", labels=["kind"])
             with core.lock:
                 counts = {**share.counts, **share.peers.counts}
                 peers, held = len(share.peers.peers), share.peers.held()

@@ -11,8 +11,9 @@ of the moment, nothing to keep), and each keeps every replica's reservations in 
 prefill rate it learns comes from every replica's first tokens.
 
 :class:`PeerLoads` is the pure part (reports in, reservations out, no I/O): a peer's
-reservation ids are prefixed with its name; a heartbeat lists the peer's live reservations,
-so one whose release was lost is dropped at the next heartbeat; a peer silent for ``ttl``
+reservation ids are prefixed with its name; a heartbeat carries the peer's live reservations
+whole, so whatever a lost message left wrong (a reservation missing, one released, a first
+token) is put right at the next heartbeat; a peer silent for ``ttl``
 (stopped, killed, cut off) has all its reservations dropped. :class:`LoadShare` is the thin
 I/O part: a thread with its own event loop and NATS connection, which sends what the
 request path queued (never waiting on the network: a bounded queue, drops counted) and
@@ -41,7 +42,8 @@ log = logging.getLogger("kvwire.router.load_share")
 
 class Report(msgspec.Struct, array_like=True):
     """One message from a replica: its name, a sequence number (gaps are counted: core NATS
-    may drop), its operations in order, and, on a heartbeat, its live reservation ids.
+    may drop), its operations in order, and, on a heartbeat, its live reservations:
+    ``{id: [engine, amount, prefill]}`` as they stand after those operations.
 
     Operations: ``["r", id, engine, amount, prefill]`` reserved; ``["f", id]`` first token
     (the prefill share dropped); ``["x", id, output_tokens | None]`` released."""
@@ -49,7 +51,7 @@ class Report(msgspec.Struct, array_like=True):
     replica: str
     seq: int
     ops: list[list[Any]]
-    live: list[str] | None = None
+    live: dict[str, list[Any]] | None = None
 
 
 _decode = msgspec.msgpack.Decoder(Report).decode
@@ -77,7 +79,7 @@ class PeerLoads:
         self.loads, self.me, self.ttl, self.on_output = loads, me, float(ttl), on_output
         self.peers: dict[str, _Peer] = {}
         self.counts = {"reports": 0, "ops": 0, "gaps": 0, "bad": 0, "dropped_by_heartbeat": 0,
-                       "peers_expired": 0}
+                       "corrected_by_heartbeat": 0, "peers_expired": 0}
 
     def receive(self, report: Report, now: float) -> None:
         """Apply one report (one's own is ignored). A malformed operation is counted and
@@ -99,11 +101,30 @@ class PeerLoads:
             except (ValueError, TypeError, IndexError, KeyError):
                 self.counts["bad"] += 1
         if report.live is not None:
-            live = set(report.live)
-            for rid in [r for r in peer.ids if r not in live]:
-                peer.ids.discard(rid)
-                if self._drop(prefix + rid, now):
-                    self.counts["dropped_by_heartbeat"] += 1
+            self._settle(peer, prefix, report.live, now)
+
+    def _settle(self, peer: _Peer, prefix: str, live: dict[str, list[Any]],
+                now: float) -> None:
+        """A heartbeat: what the peer holds, whole. Held here and not there: released (its
+        release was lost); there and not here, or held otherwise (a reservation or a first
+        token whose message was lost): reserved as it stands there."""
+        for rid in [r for r in peer.ids if r not in live]:
+            peer.ids.discard(rid)
+            if self._drop(prefix + rid, now):
+                self.counts["dropped_by_heartbeat"] += 1
+        loads = self.loads
+        for rid, entry in live.items():
+            pid = prefix + rid
+            try:
+                engine, amount, prefill = entry[0], float(entry[1]), float(entry[2])
+                if (rid in peer.ids and loads.holder(pid) == engine
+                        and abs((loads.amount(pid) or 0.0) - amount) <= 1e-9
+                        and abs(loads.prefill(pid) - prefill) <= 1e-9):
+                    continue  # (as it stands here: the usual case)
+                self._apply(peer, prefix, ["r", rid, engine, amount, prefill], now)
+                self.counts["corrected_by_heartbeat"] += 1
+            except (ValueError, TypeError, IndexError):
+                self.counts["bad"] += 1
 
     def _apply(self, peer: _Peer, prefix: str, op: list[Any], now: float) -> None:
         kind, rid = op[0], op[1]
@@ -169,7 +190,8 @@ class LoadShare:
         self.peers = PeerLoads(core.loads, self.replica, ttl, on_output=core.learn_output)
         self._out: collections.deque[list[Any]] = collections.deque()
         self.max_queue = max_queue
-        self._live: dict[str, float] = {}  # own reservations sent, and when (sender thread)
+        # own reservations sent, as sent: id -> [engine, amount, prefill, when] (the thread's)
+        self._live: dict[str, list[Any]] = {}
         self._seq = 0
         self._waking = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -308,16 +330,20 @@ class LoadShare:
         while out:
             op = out.popleft()
             ops.append(op)
-            if op[0] == "r":
-                live[op[1]] = now
-            elif op[0] == "x":
+            kind = op[0]
+            if kind == "r":
+                live[op[1]] = [op[2], op[3], op[4], now]
+            elif kind == "f" and (e := live.get(op[1])) is not None:
+                e[1], e[2] = max(e[1] - e[2], 0.0), 0.0
+            elif kind == "x":
                 live.pop(op[1], None)
         if beat:
             old = now - self.core.loads.expiry_s
-            for rid in [r for r, t in live.items() if t < old]:
+            for rid in [r for r, e in live.items() if e[3] < old]:
                 del live[rid]
         self._seq += 1
-        return Report(self.replica, self._seq, ops, list(live) if beat else None)
+        whole = {r: e[:3] for r, e in live.items()} if beat else None
+        return Report(self.replica, self._seq, ops, whole)
 
     def _command(self, report: Report) -> bytes:
         payload = _encode(report)
