@@ -43,3 +43,22 @@ def test_bad_replica_settings_are_refused() -> None:
         SimConfig(replicas=0)
     with pytest.raises(ValueError, match="share_delay >= 0"):
         SimConfig(replicas=2, share_delay=-1.0)
+
+
+def test_the_cli_runs_replicas_and_refuses_bad_settings() -> None:
+    """``kvwire sim --replicas N [--no-share-load] [--share-delay S]`` in a real process; a
+    replica count below 1 or a negative delay is a usage error naming the flag."""
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "kvwire", "sim", "--limit", "200", "--policies", "kvwire",
+            "--json", "--workers", "1"]
+    one = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    shared = subprocess.run(base + ["--replicas", "3", "--share-delay", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 == shared.returncode, one.stderr + shared.stderr
+    assert json.loads(one.stdout)["policies"] == json.loads(shared.stdout)["policies"]
+    for flag, value in (("--replicas", "0"), ("--share-delay", "-1")):
+        r = subprocess.run(base + [flag, value], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr

@@ -28,6 +28,13 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _seconds(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``sim`` flags (shared by ``kvwire sim`` and :func:`main`)."""
     from ..sim.fleet import ALL_POLICIES, POLICIES
@@ -70,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-load", action=argparse.BooleanOptionalAction, default=True,
                    help="--replicas: the replicas share their load, as kvwire serve --nats "
                         "does by default (--no-share-load: each routes on its own)")
-    p.add_argument("--share-delay", type=float, default=0.002, metavar="S",
+    p.add_argument("--share-delay", type=_seconds, default=0.002, metavar="S",
                    help="--replicas: virtual seconds a load report takes (default 0.002)")
     p.add_argument("--engine-model", choices=("batched", "fifo"), default="batched",
                    help="batched: continuous batching + paged cache (kvwire.engine); fifo: "
