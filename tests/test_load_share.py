@@ -277,3 +277,71 @@ def test_proxy_replicas_share_a_streamed_requests_load_until_its_client_leaves(
             assert "kvwire_router_peer_reservations 0.0" in hb.get("/metrics").text
     finally:
         bridge.stop()
+
+
+def test_a_long_queue_goes_in_several_reports_and_heartbeats_keep_peers_exact(
+        nats_server: Any) -> None:
+    """Two LoadShares in this process over a real nats-server: 20,000 reservations pushed
+    at once reach the other side whole (in reports of at most MAX_OPS operations), half of
+    them released reach it too, and A's heartbeats, which carry what it holds, then find
+    nothing to put right."""
+    from kvwire.router.load_share import MAX_OPS, LoadShare
+    from kvwire.router.service import RouterCore
+
+    a, b = RouterCore([]), RouterCore([])
+    sa = LoadShare(a, nats_server.url, "kvwire.load.T", replica="A", heartbeat=0.2, ttl=5)
+    sb = LoadShare(b, nats_server.url, "kvwire.load.T", replica="B", heartbeat=0.2, ttl=5)
+    sa.start()
+    sb.start()
+    try:
+        a.share = sa.push
+        wait_for(lambda: "A" in sb.peers.peers, timeout=30, interval=0.02,
+                 what="B hears A's heartbeat")
+        with a.lock:
+            for i in range(20_000):  # (in one report: 1.3 MB, over NATS's 1 MB payload)
+                a.loads.reserve(f"q{i}", f"e{i % 3}", 2.0)
+                a.share(["r", f"q{i}", f"e{i % 3}", 2.0, 0.0])
+        wait_for(lambda: sb.peers.held() == 20_000, timeout=30, interval=0.02,
+                 what="all 20,000 reservations at B")
+        assert b.loads.loads() == pytest.approx({"e0": 13334.0, "e1": 13334.0, "e2": 13332.0})
+        assert sa.counts["sent"] >= 20_000 // MAX_OPS and sa.counts["send_errors"] == 0
+        for i in range(0, 20_000, 2):
+            a.finish(f"q{i}", None)
+        wait_for(lambda: sb.peers.held() == 10_000, timeout=30, interval=0.02,
+                 what="the releases at B")
+        want: dict[str, float] = {}
+        for i in range(1, 20_000, 2):
+            want[f"e{i % 3}"] = want.get(f"e{i % 3}", 0.0) + 2.0
+        seen = sb.peers.counts["reports"]
+        wait_for(lambda: sb.peers.counts["reports"] >= seen + 3, timeout=30, interval=0.02,
+                 what="three more heartbeats from A")
+        # A's heartbeats carry what it holds, and B already holds the same: nothing to put right
+        assert sb.peers.held() == 10_000 and b.loads.loads() == pytest.approx(want)
+        assert sb.peers.counts["corrected_by_heartbeat"] == 0
+        assert sb.peers.counts["dropped_by_heartbeat"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stand() -> None:
+    """The queue as reports (no thread started: ``_report`` is what the thread calls):
+    at most MAX_OPS operations each, in order; a heartbeat's reservations are the ones
+    reserved and not released, first tokens applied."""
+    from kvwire.router.load_share import MAX_OPS, LoadShare
+    from kvwire.router.service import RouterCore
+
+    share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
+    for i in range(MAX_OPS + 10):
+        share.push(["r", f"q{i}", "e0", 5.0, 3.0])
+    share.push(["f", "q1"])
+    share.push(["x", "q0", 7])
+    first = share._report(False)
+    assert len(first.ops) == MAX_OPS and first.live is None
+    assert first.ops[0] == ["r", "q0", "e0", 5.0, 3.0]
+    second = share._report(True)
+    assert [op[0] for op in second.ops] == ["r"] * 10 + ["f", "x"]
+    assert second.seq == first.seq + 1 and second.live is not None
+    assert len(second.live) == MAX_OPS + 9 and "q0" not in second.live
+    assert second.live["q1"] == ["e0", 2.0, 0.0] and second.live["q2"] == ["e0", 5.0, 3.0]
+    assert len(share._report(False).ops) == 0
