@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import re
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -377,19 +377,29 @@ def test_unknown_instances_and_tenants_are_answered(svc: Service) -> None:
 
 
 def _url(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    seen = ""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
-        if ready:
-            line = proc.stderr.readline()
-            seen += line
-            m = re.search(r"(http://\S+)/", line)
-            if m:
-                return m.group(1)
-        if proc.poll() is not None:
-            break
-    raise AssertionError(f"kvwire serve did not announce its port: {seen}")
+    return _url_said(proc, timeout)[0]
+
+
+def _url_said(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[str, str]:
+    """The URL ``kvwire serve`` announces on stderr, and all it said up to there. Lines are
+    read by a thread (a select() on the pipe misses a line already in the reader's buffer,
+    as when two come in one read), which stops at the URL line."""
+    got: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            got.append(line)
+            if re.search(r"(http://\S+)/", line):
+                return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout)
+    seen = "".join(got)
+    m = re.search(r"(http://\S+)/", got[-1]) if got else None
+    if m is None:
+        raise AssertionError(f"kvwire serve did not announce its port: {seen}")
+    return m.group(1), seen
 
 
 def _serve(regs) -> tuple[subprocess.Popen, str]:

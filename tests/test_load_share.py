@@ -151,7 +151,7 @@ pytest.importorskip("nats")
 httpx = pytest.importorskip("httpx")
 
 from nats_writer import Writer  # noqa: E402
-from test_indexer_api import _url  # noqa: E402
+from test_indexer_api import _url, _url_said  # noqa: E402
 from test_nats_consumer import _write, run  # noqa: E402
 from test_proxy import engine_procs, serve_proc  # noqa: E402, F401 (fixtures)
 from waiting import wait_for  # noqa: E402
@@ -188,7 +188,9 @@ def test_replicas_route_on_each_others_load(nats_server: Any) -> None:
     a, b = _replica(nats_server.url), _replica(nats_server.url)
     alone = _replica(nats_server.url, "--no-share-load")
     try:
-        ua, ub, ualone = _url(a), _url(b), _url(alone)
+        (ua, said), ub, (ualone, said_alone) = _url_said(a), _url(b), _url_said(alone)
+        assert "sharing load with the other replicas on kvwire.load.KVWIRE" in said
+        assert "sharing load" not in said_alone
         with httpx.Client(base_url=ua, timeout=10) as ha, \
                 httpx.Client(base_url=ub, timeout=10) as hb, \
                 httpx.Client(base_url=ualone, timeout=10) as hl:

@@ -301,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvwire serve: load sharing: {e}", file=sys.stderr)
             return EXIT_FAILURE
         core.load_share, core.share = share, share.push
+        print(f"kvwire serve: sharing load with the other replicas on {share.subject} "
+              "(--no-share-load: each routes on its own)", file=sys.stderr, flush=True)
     try:
         indexer = Indexer(core, args.registrations, max_tokens=args.max_tokens)
     except (ValueError, OSError) as e:  # a registrations file that cannot be read
