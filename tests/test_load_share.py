@@ -347,3 +347,44 @@ def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stan
     assert len(second.live) == MAX_OPS + 9 and "q0" not in second.live
     assert second.live["q1"] == ["e0", 2.0, 0.0] and second.live["q2"] == ["e0", 5.0, 3.0]
     assert len(share._report(False).ops) == 0
+
+
+def test_a_nats_server_down_and_back_neither_blocks_nor_ends_the_sharing(
+        nats_server: Any) -> None:
+    """The nats-server SIGKILLed: pushes on the request path still return at once (they
+    queue); the peers, silent to each other, drop each other's reservations after the ttl.
+    The server back on the same port: both reconnect by themselves, and the next heartbeat
+    gives each the other's reservations again, whole."""
+    import time
+
+    from kvwire.router.load_share import LoadShare
+    from kvwire.router.service import RouterCore
+
+    a, b = RouterCore([]), RouterCore([])
+    sa = LoadShare(a, nats_server.url, "kvwire.load.T", replica="A", heartbeat=0.2, ttl=1.0)
+    sb = LoadShare(b, nats_server.url, "kvwire.load.T", replica="B", heartbeat=0.2, ttl=1.0)
+    sa.start()
+    sb.start()
+    try:
+        a.share = sa.push
+        with a.lock:
+            a.loads.reserve("q0", "e0", 4.0)
+            a.share(["r", "q0", "e0", 4.0, 0.0])
+        wait_for(lambda: b.loads.loads() == {"e0": 4.0}, timeout=30, interval=0.02,
+                 what="q0 at B")
+        nats_server.kill()
+        t0 = time.perf_counter()
+        with a.lock:
+            for i in range(1, 1001):
+                a.loads.reserve(f"q{i}", "e1", 1.0)
+                a.share(["r", f"q{i}", "e1", 1.0, 0.0])
+        assert time.perf_counter() - t0 < 0.5  # (queued: no wait on the dead connection)
+        wait_for(lambda: b.loads.loads() == {}, timeout=30, interval=0.05,
+                 what="A silent past the ttl: its reservations dropped at B")
+        nats_server.start()
+        wait_for(lambda: b.loads.loads() == {"e0": 4.0, "e1": 1000.0}, timeout=60,
+                 interval=0.05, what="reconnected: A's reservations at B again, whole")
+        assert "A" in sb.peers.peers and sb.peers.counts["peers_expired"] == 1
+    finally:
+        a.close()
+        b.close()
