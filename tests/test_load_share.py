@@ -281,22 +281,31 @@ def test_proxy_replicas_share_a_streamed_requests_load_until_its_client_leaves(
         bridge.stop()
 
 
+def _pair(url: str, ttl: float) -> tuple[Any, Any, Any, Any]:
+    """Two RouterCores (no engines: the load tracker is what they share) in this process,
+    each sharing through its own LoadShare on one subject; A's changes are pushed."""
+    from kvwire.router.load_share import LoadShare
+    from kvwire.router.service import RouterCore
+
+    a, b = RouterCore([]), RouterCore([])
+    sa = LoadShare(a, url, "kvwire.load.T", replica="A", heartbeat=0.2, ttl=ttl)
+    sb = LoadShare(b, url, "kvwire.load.T", replica="B", heartbeat=0.2, ttl=ttl)
+    sa.start()
+    sb.start()
+    a.share = sa.push
+    return a, b, sa, sb
+
+
 def test_a_long_queue_goes_in_several_reports_and_heartbeats_keep_peers_exact(
         nats_server: Any) -> None:
     """Two LoadShares in this process over a real nats-server: 20,000 reservations pushed
     at once reach the other side whole (in reports of at most MAX_OPS operations), half of
     them released reach it too, and A's heartbeats, which carry what it holds, then find
     nothing to put right."""
-    from kvwire.router.load_share import MAX_OPS, LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.router.load_share import MAX_OPS
 
-    a, b = RouterCore([]), RouterCore([])
-    sa = LoadShare(a, nats_server.url, "kvwire.load.T", replica="A", heartbeat=0.2, ttl=5)
-    sb = LoadShare(b, nats_server.url, "kvwire.load.T", replica="B", heartbeat=0.2, ttl=5)
-    sa.start()
-    sb.start()
+    a, b, sa, sb = _pair(nats_server.url, ttl=5.0)
     try:
-        a.share = sa.push
         wait_for(lambda: "A" in sb.peers.peers, timeout=30, interval=0.02,
                  what="B hears A's heartbeat")
         with a.lock:
@@ -357,16 +366,8 @@ def test_a_nats_server_down_and_back_neither_blocks_nor_ends_the_sharing(
     gives each the other's reservations again, whole."""
     import time
 
-    from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
-
-    a, b = RouterCore([]), RouterCore([])
-    sa = LoadShare(a, nats_server.url, "kvwire.load.T", replica="A", heartbeat=0.2, ttl=1.0)
-    sb = LoadShare(b, nats_server.url, "kvwire.load.T", replica="B", heartbeat=0.2, ttl=1.0)
-    sa.start()
-    sb.start()
+    a, b, sa, sb = _pair(nats_server.url, ttl=1.0)
     try:
-        a.share = sa.push
         with a.lock:
             a.loads.reserve("q0", "e0", 4.0)
             a.share(["r", "q0", "e0", 4.0, 0.0])
