@@ -410,3 +410,27 @@ def test_prefix_reuse_matches_dynamo_mocker() -> None:
     assert theirs > 0.1
     assert abs(ours.prefix_reuse_ratio - theirs) <= 0.10 * theirs, (ours.prefix_reuse_ratio,
                                                                      theirs)
+
+
+def test_the_kvwire_router_bootstraps_when_info_answers_come_late(monkeypatch) -> None:
+    """Every publisher answers INFO 1.5 s late (what a starved box did in CI; made to
+    happen here by delaying the answer, since starvation cannot be caused on cue): the
+    simulator's subscriber still takes them for kvwire publishers and bootstraps each
+    stream from its snapshot, where the live default (1 s) gave up on INFO and waited for
+    a snapshot that never came."""
+    import time as _time
+
+    from kvwire.publish.publisher import ZmqEventPublisher
+
+    info = ZmqEventPublisher._info
+
+    def late(self):  # (in the publisher's sender thread)
+        _time.sleep(1.5)
+        return info(self)
+
+    monkeypatch.setattr(ZmqEventPublisher, "_info", late)
+    reqs = load_trace(bundled_trace_path(), limit=30)
+    from kvwire.sim.fleet import simulate_policy
+
+    res = simulate_policy(reqs, "kvwire", SimConfig(engines=3, capacity=400), progress=False)
+    assert len(res.ttft_s) == 30 and res.events_applied == res.events_published

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..consume.config import StreamConfig
 from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..engine import EngineRequest
@@ -179,7 +180,12 @@ class _Kvwire(_Router):
                  for e in engines if e.publisher is not None]
         if len(specs) != len(engines):
             raise SimError("the kvwire policy needs every engine to publish")
-        self.sub = Subscriber(specs)
+        # (in-process publishers that always answer, late on a starved box: with the live
+        # defaults, an INFO later than 1 s made a stream "reference", without snapshots,
+        # and the bootstrap below waited in vain; the routing is on virtual time, so
+        # waiting longer changes no result)
+        self.sub = Subscriber(specs, config=StreamConfig(info_timeout=10.0,
+                                                         request_timeout=10.0))
         self.applied = {e.name: -1 for e in engines}
         self.alive = {e.name: True for e in engines}
         self._dirty = True  # items applied since alive was read from the index
