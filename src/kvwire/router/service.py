@@ -514,9 +514,7 @@ class RouterCore:
                 expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
                 amount = request_load(prompt_blocks, d.overlap[d.name], expect,
                                       self.decode_share) + self.decode_load
-                self.loads.reserve(rid, d.name, amount, now)
-                if self.share is not None:
-                    self.share(["r", rid, d.name, amount, 0.0])
+                self._reserve(rid, d.name, amount, now, 0.0)
                 m = matches.get(target.stream)
                 if m is None or m.prompt_blocks == 0 or blocks[d.name] < m.prompt_blocks:
                     # only a prefix the engine does not already hold needs predicting
@@ -576,9 +574,7 @@ class RouterCore:
             prefill = max(prompt_blocks - d.overlap[d.name], 0.0)
             amount = request_load(prompt_blocks, d.overlap[d.name], expect,
                                   self.decode_share) + self.decode_load
-            self.loads.reserve(rid, d.name, amount, now, prefill=prefill)
-            if self.share is not None:
-                self.share(["r", rid, d.name, amount, prefill])
+            self._reserve(rid, d.name, amount, now, prefill)
             m = matches.get(target.stream)
             if prompt_blocks and (m is None or m.prompt_blocks == 0
                                   or m.blocks < m.prompt_blocks):
@@ -589,6 +585,13 @@ class RouterCore:
         if self.on_route is not None:
             self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
         return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
+
+    def _reserve(self, rid: str, label: str, amount: float, now: float,
+                 prefill: float) -> None:
+        """Reserve on ``label`` and tell the other replicas, if shared (under ``lock``)."""
+        self.loads.reserve(rid, label, amount, now, prefill=prefill)
+        if self.share is not None:
+            self.share(["r", rid, label, amount, prefill])
 
     def first_token(self, request_id: str, prefill: float) -> float:
         """Drop a proxied request's prefill share from its reservation (its first token
