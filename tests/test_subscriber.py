@@ -406,6 +406,50 @@ def test_publisher_restart_resets_and_rebootstraps(closer):
     assert sub.stats()["e"].stream.restarts >= 1
 
 
+def test_late_info_answer_is_upgraded_to_kvwire_by_the_next_check(closer, monkeypatch):
+    """A kvwire publisher on a starved host answers the first INFO after the subscriber's
+    deadline (made to happen by delaying that one answer: starvation cannot be caused on
+    cue). The subscriber takes it for a reference publisher at first, follows it inexactly
+    (the replay buffer no longer reaches seq 0), and at its next periodic INFO check,
+    answered in time, upgrades: it re-bootstraps from a snapshot with epochs and ends exact."""
+    info = ZmqEventPublisher._info
+    answered = []
+
+    def late_once(self):  # (in the publisher's sender thread)
+        answered.append(time.monotonic())
+        if len(answered) == 1:
+            time.sleep(1.5)
+        return info(self)
+
+    monkeypatch.setattr(ZmqEventPublisher, "_info", late_once)
+    pub = kv_pub(buffer_steps=50)
+    closer(pub)
+    gen = Gen(11)
+    for _ in range(300):  # past what the replay buffer holds
+        pub.publish(gen.batch())
+    cfg = StreamConfig(request_timeout=1.0, info_timeout=1.0, info_interval=0.5,
+                       retry_delay=0.1)
+    sub = Subscriber([pub.spec()], config=cfg)
+    closer(sub)
+    app = App()
+    pump(sub, app, lambda: sub.stats()["e"].stream.mode == "reference")
+    assert "reference publisher" in (sub.stats()["e"].stream.last_error or "")
+    for _ in range(10):
+        pub.publish(gen.batch())
+    pump(sub, app, lambda: sub.stats()["e"].stream.mode == "kvwire"
+         and sub.stats()["e"].stream.phase == "live", timeout=20)
+    assert any("now answers INFO" in r for r in app.resets["e"])
+    assert app.snapshots["e"][-1].exact and app.snapshots["e"][-1].epoch == pub.epoch
+    for _ in range(10):
+        pub.publish(gen.batch())
+    wait_for(lambda: pub.stats().queue_depth == 0)
+    last = pub.stats().last_seq  # (heartbeats take seqs too)
+    pump(sub, app, lambda: app.last_seq("e") >= last)
+    assert app.cache("e") == gen.truth.as_dict()
+    st = sub.stats()["e"].stream
+    assert st.exact and st.epoch == pub.epoch and len(answered) >= 2
+
+
 def test_stalled_subscriber_gaps_are_filled_by_replay(closer):
     pub = kv_pub(hwm=20, buffer_steps=20_000, heartbeat_interval=None)
     closer(pub)
