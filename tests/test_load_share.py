@@ -63,6 +63,47 @@ def test_a_heartbeat_puts_right_what_lost_messages_left_and_silence_drops_all() 
     assert peers.expire(3.5) == ["a"] and loads.loads() == {} and peers.held() == 0
 
 
+def test_a_release_asked_of_its_owner_is_answered_once_and_asked_again_while_held() -> None:
+    """B got the /release of a reservation A made: B asks A (``q``), A releases it through
+    its callback, and B keeps asking at each of A's heartbeats that still lists it (the ask
+    was lost) until A's release arrives; asks addressed to another replica are not A's."""
+    loads_a, loads_b = _tracker(), _tracker()
+    released: list[tuple[str, int | None]] = []
+
+    def release(rid: str, out: int | None) -> bool:
+        released.append((rid, out))
+        return loads_a.release(rid)
+
+    a = PeerLoads(loads_a, "A", ttl=2.0, on_release=release)
+    b = PeerLoads(loads_b, "B", ttl=2.0)
+    loads_a.reserve("r1", "e0", 10.0, 0.0)
+    loads_a.reserve("r2", "e1", 4.0, 0.0)
+    assert b.receive(Report("A", 1, [["r", "r1", "e0", 10.0, 0.0],
+                                     ["r", "r2", "e1", 4.0, 0.0]]), 0.0) == []
+    assert b.owner("r1") == "A" and b.owner("nope") is None
+    ask = b.ask_release("A", "r1", 12)
+    assert ask == ["q", "r1", "A", 12]
+    # the ask is lost: A's heartbeat still lists r1, so B asks again (r2 never asked)
+    again = b.receive(Report("A", 2, [], live={"r1": ["e0", 10.0, 0.0],
+                                               "r2": ["e1", 4.0, 0.0]}), 0.5)
+    assert again == [ask] and b.counts["releases_asked_again"] == 1
+    # an ask for another replica's reservation is not A's to answer
+    a.receive(Report("B", 1, [["q", "r2", "C", None]]), 0.6)
+    assert released == [] and loads_a.loads() == {"e0": 10.0, "e1": 4.0}
+    a.receive(Report("B", 2, [again[0]]), 0.6)
+    assert released == [("r1", 12)] and loads_a.loads() == {"e1": 4.0}
+    assert a.counts["releases_answered"] == 1
+    a.receive(Report("B", 3, [["q", "r1", "A", -3]]), 0.7)  # (asked twice: held no more)
+    assert released[-1] == ("r1", None) and a.counts["releases_not_held"] == 1
+    # A's release reaches B: nothing more is asked, and its load goes
+    assert b.receive(Report("A", 3, [["x", "r1", 12]], live={"r2": ["e1", 4.0, 0.0]}),
+                     0.8) == []
+    assert loads_b.loads() == {"e1": 4.0} and not b.peers["A"].asked
+    # an ask whose reservation the owner no longer lists (released, its "x" lost) is dropped
+    b.ask_release("A", "r2", None)
+    assert b.receive(Report("A", 5, [], live={}), 1.0) == [] and not b.peers["A"].asked
+
+
 _op = st.tuples(st.sampled_from(["r", "f", "x"]), st.integers(0, 7),
                 st.sampled_from(ENGINES), st.integers(1, 50), st.integers(0, 50),
                 st.booleans())  # (kind, id, engine, amount, prefill, lost in transit)
@@ -229,6 +270,42 @@ def test_replicas_route_on_each_others_load(nats_server: Any) -> None:
     assert b.returncode == 0 and alone.returncode == 0
 
 
+def test_a_release_at_any_replica_releases_where_it_was_routed(nats_server: Any) -> None:
+    """The decision API behind a load balancer: a ``/route`` answered by A and its
+    ``/release`` by B. B asks A, answers 200 naming A, and the load is gone at both. The
+    id is then unknown everywhere."""
+    async def engines(w: Writer) -> None:
+        for e in ("e0", "e1"):
+            await w.start(e, 0, epoch=1)
+
+    run(_write(nats_server.url, engines))
+    a, b = _replica(nats_server.url), _replica(nats_server.url)
+    try:
+        ua, ub = _url(a), _url(b)
+        with httpx.Client(base_url=ua, timeout=10) as ha, \
+                httpx.Client(base_url=ub, timeout=10) as hb:
+            r = ha.post("/route", json={"token_ids": _toks(4, 60)})
+            assert r.status_code == 200, r.text
+            engine, rid = r.json()["engine"], r.json()["request_id"]
+            wait_for(lambda: _loads(hb)[engine] >= 60, timeout=30, interval=0.02,
+                     what="A's reservation counted at B")
+            r = hb.post("/release", json={"request_id": rid, "output_tokens": 7})
+            assert r.status_code == 200, r.text
+            assert r.json()["engine"] == engine and r.json()["replica"], r.json()
+            wait_for(lambda: _loads(ha)[engine] == 0 and _loads(hb)[engine] == 0,
+                     timeout=30, interval=0.02, what="released at A, and so at B")
+            assert 'kvwire_router_load_reports_total{kind="releases_answered"} 1.0' in \
+                ha.get("/metrics").text
+            for h in (ha, hb):
+                r = h.post("/release", json={"request_id": rid})
+                assert r.status_code == 404 and "unknown request_id" in r.text, r.text
+    finally:
+        for p in (a, b):
+            p.terminate()
+            p.wait(10)
+    assert a.returncode == 0 and b.returncode == 0
+
+
 def test_share_load_needs_nats() -> None:
     r = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--engine",
                         "e0=tcp://127.0.0.1:5999", "--share-load", "--port", "0"],
@@ -272,6 +349,11 @@ def test_proxy_replicas_share_a_streamed_requests_load_until_its_client_leaves(
                 wait_for(lambda: 0 < _loads(ha)[engine] == _loads(hb)[engine], timeout=30,
                          interval=0.02, what="the running request's load the same at B")
                 assert "kvwire_router_peer_reservations 1.0" in hb.get("/metrics").text
+                # a proxied request's id (p0 the warm-up, p1 this one) is not the
+                # decision API's to release, at A or (forwarded) at B
+                for h in (ha, hb):
+                    assert h.post("/release", json={"request_id": "p1"}).status_code == 404
+                assert 0 < _loads(ha)[engine] == _loads(hb)[engine]
             wait_for(lambda: _loads(ha)[engine] == 0, timeout=30, interval=0.02,
                      what="the client gone: A released it")
             wait_for(lambda: _loads(hb)[engine] == 0, timeout=30, interval=0.02,

@@ -46,7 +46,9 @@ class Report(msgspec.Struct, array_like=True):
     ``{id: [engine, amount, prefill]}`` as they stand after those operations.
 
     Operations: ``["r", id, engine, amount, prefill]`` reserved; ``["f", id]`` first token
-    (the prefill share dropped); ``["x", id, output_tokens | None]`` released."""
+    (the prefill share dropped); ``["x", id, output_tokens | None]`` released; ``["q", id,
+    owner, output_tokens | None]``: a ``/release`` that reached this replica for a request
+    ``owner`` routed, asked of it (the decision API behind a load balancer)."""
 
     replica: str
     seq: int
@@ -62,33 +64,58 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class _Peer:
-    __slots__ = ("seen", "seq", "ids")
+    __slots__ = ("seen", "seq", "ids", "asked")
 
     def __init__(self, now: float) -> None:
         self.seen = now
         self.seq = -1
         self.ids: set[str] = set()  # reservations held for it (its ids, unprefixed)
+        self.asked: dict[str, int | None] = {}  # releases asked of it: id -> output tokens
 
 
 class PeerLoads:
     """Other replicas' reservations, applied to ``loads`` (the caller holds whatever lock
     guards it). ``on_output(tokens)``: a peer's request ended with that many output tokens
-    (teaches the expected decode work, as the replica's own releases do)."""
+    (teaches the expected decode work, as the replica's own releases do).
+    ``on_release(id, output_tokens)``: a peer asks this replica to release one of its own
+    reservations (a ``/release`` that reached the peer); True if it was held.
+
+    A release asked of a peer is kept until the peer's release of it arrives, and asked again
+    at each of the peer's heartbeats that still lists the reservation (the ask was lost)."""
 
     def __init__(self, loads: LoadTracker, me: str, ttl: float = 2.0,
-                 on_output: Callable[[int], None] | None = None) -> None:
+                 on_output: Callable[[int], None] | None = None,
+                 on_release: Callable[[str, int | None], bool] | None = None) -> None:
         if not ttl > 0:
             raise ValueError(f"ttl must be > 0, got {ttl!r}")
         self.loads, self.me, self.ttl, self.on_output = loads, me, float(ttl), on_output
+        self.on_release = on_release
         self.peers: dict[str, _Peer] = {}
         self.counts = {"reports": 0, "ops": 0, "gaps": 0, "bad": 0, "dropped_by_heartbeat": 0,
-                       "corrected_by_heartbeat": 0, "peers_expired": 0}
+                       "corrected_by_heartbeat": 0, "peers_expired": 0, "releases_asked": 0,
+                       "releases_asked_again": 0, "releases_answered": 0,
+                       "releases_not_held": 0}
 
-    def receive(self, report: Report, now: float) -> None:
+    def owner(self, rid: str) -> str | None:
+        """The peer whose reservation ``rid`` is (as heard so far), if any."""
+        for name, p in self.peers.items():
+            if rid in p.ids:
+                return name
+        return None
+
+    def ask_release(self, owner: str, rid: str, output_tokens: int | None) -> list[Any]:
+        """The operation that asks ``owner`` to release its reservation ``rid``; remembered,
+        so that a lost ask is asked again at the owner's next heartbeat."""
+        self.peers[owner].asked[rid] = output_tokens
+        self.counts["releases_asked"] += 1
+        return ["q", rid, owner, output_tokens]
+
+    def receive(self, report: Report, now: float) -> list[list[Any]]:
         """Apply one report (one's own is ignored). A malformed operation is counted and
-        skipped; the rest of the report still applies."""
+        skipped; the rest of the report still applies. Returns the operations to send in
+        answer: releases asked of this peer again (a heartbeat still lists them)."""
         if report.replica == self.me:
-            return
+            return []
         peer = self.peers.get(report.replica)
         if peer is None:
             peer = self.peers[report.replica] = _Peer(now)
@@ -103,8 +130,17 @@ class PeerLoads:
                 self._apply(peer, prefix, op, now)
             except (ValueError, TypeError, IndexError, KeyError):
                 self.counts["bad"] += 1
-        if report.live is not None:
-            self._settle(peer, prefix, report.live, now)
+        if report.live is None:
+            return []
+        self._settle(peer, prefix, report.live, now)
+        again = []
+        for rid in list(peer.asked):
+            if rid in report.live:
+                again.append(["q", rid, report.replica, peer.asked[rid]])
+                self.counts["releases_asked_again"] += 1
+            else:
+                del peer.asked[rid]  # (released, or expired there)
+        return again
 
     def _settle(self, peer: _Peer, prefix: str, live: dict[str, list[Any]],
                 now: float) -> None:
@@ -146,10 +182,17 @@ class PeerLoads:
                 self.loads.reduce(pid, prefill, now)
         elif kind == "x":
             peer.ids.discard(rid)
+            peer.asked.pop(rid, None)
             if self._drop(prefix + rid, now):
                 out = op[2] if len(op) > 2 else None
                 if isinstance(out, int) and out >= 0 and self.on_output is not None:
                     self.on_output(out)
+        elif kind == "q":
+            if op[2] == self.me and self.on_release is not None:
+                out = op[3] if len(op) > 3 else None
+                out = out if isinstance(out, int) and out >= 0 else None
+                held = self.on_release(rid, out)
+                self.counts["releases_answered" if held else "releases_not_held"] += 1
         else:
             raise ValueError(f"unknown operation {kind!r}")
         self.counts["ops"] += 1
@@ -190,7 +233,8 @@ class LoadShare:
         if not 0 <= flush_interval < heartbeat:
             raise ValueError(f"need 0 <= flush_interval < heartbeat, got {flush_interval!r}")
         self.flush_interval = float(flush_interval)
-        self.peers = PeerLoads(core.loads, self.replica, ttl, on_output=core.learn_output)
+        self.peers = PeerLoads(core.loads, self.replica, ttl, on_output=core.learn_output,
+                               on_release=core.release_asked)
         self._out: collections.deque[list[Any]] = collections.deque()
         self.max_queue = max_queue
         # own reservations sent, as sent: id -> [engine, amount, prefill, when] (the thread's)
@@ -240,6 +284,17 @@ class LoadShare:
             self.counts["sent"] += 1
         if self._out and self._wake is not None:  # (not sent, or more than one report)
             self._wake.set()
+
+    def forward_release(self, rid: str, output_tokens: int | None) -> tuple[str, str] | None:
+        """A ``/release`` for a reservation another replica made: ask that replica (under
+        the router's lock; never waits). The owner and the engine, or None if no peer
+        holds ``rid``."""
+        owner = self.peers.owner(rid)
+        if owner is None:
+            return None
+        engine = self.core.loads.holder(f"{owner}:{rid}")
+        self.push(self.peers.ask_release(owner, rid, output_tokens))
+        return owner, engine
 
     # ---------------------------------------------------------------- the thread
 
@@ -370,4 +425,6 @@ class LoadShare:
             self.peers.counts["bad"] += 1
             return
         with self.core.lock:
-            self.peers.receive(report, self.core.clock())
+            again = self.peers.receive(report, self.core.clock())
+        for op in again:
+            self.push(op)

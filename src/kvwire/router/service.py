@@ -606,10 +606,7 @@ class RouterCore:
         """Release a proxied request's reservation (ended, failed or abandoned); False if
         it was already gone (expired). Never raises: the proxy calls it from finally."""
         with self.lock:
-            ok = self._release(request_id, output_tokens)
-        if ok:
-            self.counts["releases"] += 1
-        return ok
+            return self._release(request_id, output_tokens)  # (counted as load reports)
 
     def _release(self, request_id: str, output_tokens: int | None) -> bool:
         ok = self.loads.release(request_id)
@@ -628,15 +625,31 @@ class RouterCore:
 
     def release(self, request_id: str, output_tokens: int | None = None) -> dict[str, Any]:
         """Release a routed request's load; 404 RouteError if the id is unknown or expired.
-        ``output_tokens`` (optional) teaches the expected decode work of later requests."""
+        ``output_tokens`` (optional) teaches the expected decode work of later requests.
+        A request another replica routed (replicas that share their load) is released by
+        asking that replica; the answer then names it (``replica``)."""
+        out: dict[str, Any] = {"released": request_id}
         with self.lock:
-            name = self.loads.holder(request_id)
-            ok = self._release(request_id, output_tokens)
+            # (the proxy's own ids, p0, p1, ..., are not the decision API's to release)
+            proxied = request_id.startswith("p")
+            name = None if proxied else self.loads.holder(request_id)
+            ok = not proxied and self._release(request_id, output_tokens)
+            if not ok and not proxied and self.load_share is not None:
+                fwd = self.load_share.forward_release(request_id, output_tokens)
+                if fwd is not None:
+                    ok = True
+                    out["replica"], name = fwd
         if not ok:
             raise RouteError(404, f"unknown request_id {request_id[:80]!r} (never routed, "
                              "already released, or expired)", "unknown_request_id")
         self.counts["releases"] += 1
-        return {"released": request_id, "engine": name}
+        out["engine"] = name
+        return out
+
+    def release_asked(self, request_id: str, output_tokens: int | None) -> bool:
+        """Another replica got the ``/release`` of a request this one routed (under
+        ``lock``, from the load sharing's thread); False if it is not held (any more)."""
+        return self._release(request_id, output_tokens)  # (counted as load reports)
 
     # ------------------------------------------------------------------ status
 
