@@ -408,7 +408,7 @@ def test_readded_engine_does_not_inherit_the_old_streams_liveness(
                     block_hashes=[10**6 + i], parent_block_hash=None,
                     token_ids=list(range(16)), block_size=16, lora_id=None)]))
             core.pump(10_000)
-            return bool(core._pending)
+            return bool(core.ingest.backlog)
 
         wait_for(taken_not_applied, "a take left partly unapplied")
         assert core.remove_engine("x")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .service import INGEST_NAP, RouterCore
+from .ingest import INGEST_NAP
+from .service import RouterCore
 
 __all__ = ["PUMP_ITEMS", "LoopIngest"]
 

@@ -14,9 +14,9 @@ so far; the simulator's model, where decode_share = prefill rate / decode rate),
 chosen engine until ``release`` (or ``expiry_s``). Without that constant, a hot prefix would cost nothing after
 its first request (predicted entries make every repeat a full hit) and pile onto one engine.
 
-Concurrency: the subscriber thread is the index's only writer; it applies deliveries in small
-slices under a lock, so a route waits at most one slice (plus, after a restart, one snapshot),
-and gives up with :class:`RouteError` 503 after ``lock_timeout``.
+Concurrency: the subscriber thread (:mod:`.ingest`) is the index's only writer; it applies
+deliveries in small slices under a lock, so a route waits at most one slice (plus, after a
+restart, one snapshot), and gives up with :class:`RouteError` 503 after ``lock_timeout``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
+from .ingest import Ingest
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 from .slices import pieces
 from .targets import Target, found_ranks, targets_of
@@ -41,12 +41,6 @@ from .targets import Target, found_ranks, targets_of
 __all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
-
-#: Deliveries taken from the subscriber per wake-up.
-BATCH_ITEMS = 2048
-#: Nap after a partial take, so deliveries gather: fewer wake-ups mean fewer GIL hand-offs
-#: with the HTTP thread (each one costs a request far more than the ingest work it does).
-INGEST_NAP = 0.005
 
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
@@ -79,7 +73,11 @@ class Routed:
 
 
 class RouterCore:
-    """Index + subscriber thread + policy + load: everything ``kvwire serve`` answers from."""
+    """Index + subscriber thread + policy + load: everything ``kvwire serve`` answers from.
+
+    One state under one lock (the index, the engines and their streams' liveness, the load),
+    with three faces: the ingest (held, :class:`~.ingest.Ingest`) writes the index, the
+    run-time membership changes the engines, the routing reads both and reserves load."""
 
     def __init__(
         self,
@@ -142,7 +140,6 @@ class RouterCore:
         self.alive: dict[str, bool] = {t.stream: False for t in self.targets}
         self.resets: dict[str, int] = dict.fromkeys(self.alive, 0)
         self.last_item: dict[str, float] = {}
-        self.sub_stats: dict[str, Any] = {}
         self.deliveries = 0
         self.apply_errors = 0
         self.counts: dict[str, int] = {"routes": 0, "scores": 0, "releases": 0}
@@ -151,118 +148,53 @@ class RouterCore:
         # is handed to ``share`` (LoadShare.push), called under ``lock``, never waits
         self.share: Callable[[list], None] | None = None
         self.load_share: Any = None  # the LoadShare itself (its counters, for /metrics)
-        self._stop = threading.Event()
-        self._started = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         # run-time streams (the indexer API's registrations): not routing targets
-        self._sub: Subscriber | None = None
-        self._sub_lock = threading.Lock()  # orders add/remove against the thread's start
         self.extra: set[str] = set()
-        # ingest driven by the caller (start(thread=False), then pump()): pieces taken from
-        # the subscriber and not applied yet, turns that applied one, next stats refresh
-        self._pending: deque[list] = deque()
-        self.pumps = 0
-        self._next_stats = 0.0
+        self.ingest = Ingest(self._open_subscriber, self._apply, on_fail=self._all_down)
 
-    # ------------------------------------------------------------------ subscriber thread
+    # ------------------------------------------------------------------ the ingest
 
     def start(self, timeout: float = 10.0, *, thread: bool = True) -> None:
         """Start following the streams: by default a subscriber thread owns the sockets
         (raises if it could not start); with ``thread=False`` the subscriber is opened here
         and the caller drives the ingest with :meth:`pump` (``kvwire index`` does, from its
         HTTP loop: router/indexer_ingest.py)."""
-        if not thread:
-            with self._sub_lock:
-                self._sub = self._open_subscriber()
-            self._started.set()
-            return
-        self._thread = threading.Thread(target=self._run, name="kvwire-router-sub",
-                                        daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout):
-            raise RuntimeError("router subscriber thread did not start")
-        if self._error is not None:
-            raise self._error
+        self.ingest.start(timeout, thread=thread)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the subscriber thread (or the caller-driven ingest) and close its sockets,
-        and the load sharing with other replicas if any."""
-        self._stop.set()
+        """Stop the ingest and close its sockets, and the load sharing with other replicas
+        if any."""
         share, self.share, self.load_share = self.load_share, None, None
         if share is not None:
             share.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return
-        with self._sub_lock:
-            sub, self._sub = self._sub, None
-        if sub is not None:
-            sub.close()
+        self.ingest.close(timeout)
 
     @property
     def closed(self) -> bool:
         """``close()`` was called."""
-        return self._stop.is_set()
+        return self.ingest.closed
+
+    @property
+    def sub_stats(self) -> dict[str, Any]:
+        """The subscriber's per-stream stats (refreshed every 0.25 s)."""
+        return self.ingest.stats
+
+    @property
+    def pumps(self) -> int:
+        """Caller-driven ingest turns that applied a piece."""
+        return self.ingest.pumps
+
+    def pump(self, max_items: int) -> bool:
+        """One bounded turn of a caller-driven ingest (``start(thread=False)``):
+        :meth:`.ingest.Ingest.pump`."""
+        return self.ingest.pump(max_items)
 
     def _open_subscriber(self) -> Subscriber:
         return Subscriber([self.nats] if self.nats is not None else self.specs,
                           config=self.stream_config)
 
-    def pump(self, max_items: int) -> bool:
-        """One bounded turn of a caller-driven ingest (``start(thread=False)``): when nothing
-        taken is left, take up to ``max_items`` ready deliveries (no wait); apply one piece
-        of what was taken (as the thread holds the lock for: :func:`.slices.pieces`); refresh the
-        per-stream stats when due. True when more is ready now (call again soon), False when
-        the caller may let deliveries gather. The subscriber is polled again only when every
-        piece taken is applied, so a stream's removal comes after all its items."""
-        sub = self._sub
-        if sub is None or self._stop.is_set():
-            return False
-        more = False
-        if not self._pending:
-            items = sub.poll_many(0, max_items=max_items)
-            more = len(items) >= max_items
-            self._pending.extend(pieces(items))
-        if self._pending:
-            piece = self._pending.popleft()
-            self._apply(piece, cut=[piece])
-            self.pumps += 1
-        now = time.monotonic()
-        if now >= self._next_stats:
-            self.sub_stats = sub.stats()
-            self._next_stats = now + 0.25
-        return more or bool(self._pending)
-
-    def _run(self) -> None:
-        try:
-            with self._sub_lock:
-                sub = self._sub = self._open_subscriber()
-        except BaseException as e:  # bad endpoint etc.: reported by start()
-            self._error = e
-            self._started.set()
-            return
-        self._started.set()
-        next_stats = 0.0
-        try:
-            while not self._stop.is_set():
-                items = sub.poll_many(0.05, max_items=BATCH_ITEMS)
-                if items:
-                    self._apply(items)
-                    if len(items) < BATCH_ITEMS:
-                        # Let deliveries gather for a moment: a wake-up per INGEST_NAP instead
-                        # of one per batch at 10k batches/s is far less GIL ping-pong with the
-                        # HTTP thread; the index is at most that much later for it.
-                        time.sleep(INGEST_NAP)
-                now = time.monotonic()
-                if now >= next_stats:
-                    self.sub_stats = sub.stats()
-                    next_stats = now + 0.25
-        except BaseException:  # pragma: no cover - logged, the service reports unhealthy
-            log.exception("router subscriber thread failed")
-            self.alive = dict.fromkeys(self.alive, False)
-        finally:
-            sub.close()
+    def _all_down(self) -> None:
+        self.alive = dict.fromkeys(self.alive, False)
 
     # ------------------------------------------------------------------ run-time streams
 
@@ -270,28 +202,28 @@ class RouterCore:
         """Follow one more ZeroMQ stream (any thread; not a routing target: its blocks are
         answered by the indexer API). Raises ValueError for a name already followed or a
         bad endpoint."""
-        with self._sub_lock:
+        with self.ingest.lock:
             if spec.name in self.extra or spec.name in self._by_stream:
                 raise ValueError(f"stream {spec.name!r} is already followed")
-            if self._sub is None:
+            if self.ingest.sub is None:
                 self.specs.append(spec)  # not started yet: it starts with the rest
             else:
-                self._sub.add(spec)
+                self.ingest.sub.add(spec)
             self.extra.add(spec.name)
 
     def remove_stream(self, name: str) -> bool:
         """Stop following a stream added by :meth:`add_stream` and drop its blocks from the
         index (done in the subscriber thread as the subscriber lets go of it: every item of
         it handed out before is applied, none comes after); False if it was not followed."""
-        with self._sub_lock:
+        with self.ingest.lock:
             if name not in self.extra:
                 return False
             self.extra.discard(name)
-            if self._sub is None:
+            if self.ingest.sub is None:
                 self.specs = [s for s in self.specs if s.name != name]
                 self._forget(name)
             else:
-                self._sub.remove(name, then=self._forget)
+                self.ingest.sub.remove(name, then=self._forget)
         return True
 
     # ------------------------------------------------------------------ run-time engines
@@ -302,7 +234,6 @@ class RouterCore:
         self.targets = targets
         self._by_label = {t.label: t for t in targets}
         self._by_stream = {t.stream for t in targets}
-        self._pairs = [(t.stream, t.label) for t in targets]
 
     def routes_to(self, name: str) -> bool:
         """Whether an engine of this name is routed to now."""
@@ -326,7 +257,7 @@ class RouterCore:
                              "from JetStream: give NAME[:RANKS][,url=URL], no endpoint")
         specs = spec.streams() if self.nats is None else []
         new = targets_of(spec)
-        with self._sub_lock:
+        with self.ingest.lock:
             self.check_unused(spec.name)
             taken = sorted(t.stream for t in new if t.stream in self.extra
                            or t.stream in self._by_stream)
@@ -337,18 +268,18 @@ class RouterCore:
                 # (with --nats: what JetStream said of its streams so far, if anything)
                 self._install(spec, fresh=self.nats is None)
                 self._withdrawn.discard(spec.name)
-            if self._sub is None:
+            if self.ingest.sub is None:
                 self.specs = [*self.specs, *specs]
                 return
             added: list[str] = []
             try:
                 for st in specs:
-                    self._sub.add(st)
+                    self.ingest.sub.add(st)
                     added.append(st.name)
             except BaseException:  # (a closed subscriber): leave no half-added engine
                 self._drop_engine(spec.name)
                 for name in added:
-                    self._sub.remove(name, then=self._forget)
+                    self.ingest.sub.remove(name, then=self._forget)
                 raise
 
     def remove_engine(self, name: str) -> bool:
@@ -358,19 +289,19 @@ class RouterCore:
         already sent there stay until those requests end. False if no such engine. With
         ``--nats`` its streams keep coming from JetStream with the rest, so its blocks stay
         indexed (and are there at once if it is added again)."""
-        with self._sub_lock:
+        with self.ingest.lock:
             gone = self._drop_engine(name)
             if gone is None:
                 return False
             if self.nats is not None:
                 return True
             for t in gone:
-                if self._sub is None:
+                if self.ingest.sub is None:
                     self.specs = [s for s in self.specs if s.name != t.stream]
                     self._forget(t.stream)
                     continue
                 try:
-                    self._sub.remove(t.stream, then=self._forget)
+                    self.ingest.sub.remove(t.stream, then=self._forget)
                 except RuntimeError:  # the subscriber closed (stopping): nothing to let go
                     self._forget(t.stream)
         return True
@@ -402,8 +333,7 @@ class RouterCore:
     def stream_problems(self) -> tuple[int, str]:
         """Run-time stream changes the subscriber could not apply (e.g. a collector
         endpoint it could not bind), and the last reason."""
-        sub = self._sub
-        return (0, "") if sub is None else (sub.change_errors, sub.last_change_error)
+        return self.ingest.problems()
 
     def _forget(self, name: str) -> None:
         with self.lock:
@@ -453,7 +383,7 @@ class RouterCore:
         known, extra = self._by_stream, self.extra
         streams = {it.stream for it in items if it.stream not in known}
         for name, ranks in found_ranks(streams - extra, self._withdrawn).items():
-            with self._sub_lock, self.lock:
+            with self.ingest.lock, self.lock:
                 old = next((e for e in self.engines if e.name == name), None)
                 if old is not None and old.ranks >= ranks:
                     continue
@@ -490,23 +420,14 @@ class RouterCore:
             now = self.clock()
             matches = self.index.match(token_ids, lora_name=lora_name, salt=salt)
             self.loads.expire(now)
-            cands = []
+            targets = self.targets
+            d = self.policy.choose(prompt_blocks,
+                                   self._candidates(targets, matches, prompt_blocks, now))
             blocks: dict[str, int] = {}
-            load, busy = self.loads.load, self.loads.busy
-            alive = self.alive
-            get = matches.get
-            for stream, label in self._pairs:
-                m = get(stream)
-                if m is None or not m.credit or not m.prompt_blocks:
-                    blocks[label] = 0
-                    cands.append(Candidate(label, 0.0, load(label, now), alive.get(stream, False),
-                                           busy(label, now)))
-                    continue
-                blocks[label] = m.blocks
-                credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
-                cands.append(Candidate(label, credit, load(label, now), alive.get(stream, False),
-                                       busy(label, now)))
-            d = self.policy.choose(prompt_blocks, cands)
+            for t in targets:
+                m = matches.get(t.stream)
+                blocks[t.label] = m.blocks if m is not None and m.credit and m.prompt_blocks \
+                    else 0
             target = self._by_label[d.name]
             rid = None
             if reserve:
@@ -557,17 +478,8 @@ class RouterCore:
             matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
                        if prompt_blocks else {})
             self.loads.expire(now)
-            load, busy, alive = self.loads.load, self.loads.busy, self.alive
-            cands = []
-            for t in pairs:
-                m = matches.get(t.stream)
-                credit = 0.0
-                if m is not None and m.credit and m.prompt_blocks:
-                    credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
-                cands.append(Candidate(t.label, credit, load(t.label, now),
-                                       alive.get(t.stream, False) and up(t.engine),
-                                       busy(t.label, now)))
-            d = self.policy.choose(prompt_blocks, cands)
+            d = self.policy.choose(prompt_blocks,
+                                   self._candidates(pairs, matches, prompt_blocks, now, up))
             target = self._by_label[d.name]
             rid = f"p{next(_PROXY_IDS)}"  # internal (never shown): no urandom per request
             expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
@@ -585,6 +497,22 @@ class RouterCore:
         if self.on_route is not None:
             self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
         return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
+
+    def _candidates(self, targets: list[Target], matches: dict[str, Any], prompt_blocks: int,
+                    now: float, up: Callable[[str], bool] | None = None) -> list[Candidate]:
+        """What the policy weighs, per target (under ``lock``): the prompt's blocks it
+        holds, as a share of the prompt (engines with another block size compete fairly),
+        its load, whether it is live (``up``: and healthy over HTTP), how busy lately."""
+        load, busy, alive = self.loads.load, self.loads.busy, self.alive
+        out = []
+        for t in targets:
+            m = matches.get(t.stream)
+            credit = 0.0
+            if m is not None and m.credit and m.prompt_blocks:
+                credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+            live = alive.get(t.stream, False) and (up is None or up(t.engine))
+            out.append(Candidate(t.label, credit, load(t.label, now), live, busy(t.label, now)))
+        return out
 
     def _reserve(self, rid: str, label: str, amount: float, now: float,
                  prefill: float) -> None:
@@ -691,7 +619,7 @@ class RouterCore:
                 if self.alive.get(t.stream)
                 and getattr(getattr(self.sub_stats.get(t.stream), "stream", None),
                             "phase", None) == "live"]
-        if self._thread is None or not self._thread.is_alive():
+        if not self.ingest.running:
             return False, "subscriber thread not running"
         if not self.targets and self.discover:
             return False, "no engine on the JetStream stream yet"

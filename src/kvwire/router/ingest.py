@@ -1,0 +1,164 @@
+"""The subscriber side of :class:`~kvwire.router.service.RouterCore`: who takes the
+deliveries off the engines' streams and when.
+
+Either a thread of its own owns the subscriber (``kvwire serve``), or the caller drives the
+ingest turn by turn with :meth:`Ingest.pump` from its own loop (``kvwire index``:
+router/indexer_ingest.py). Both hand what they take to ``apply`` (the core's: the index,
+liveness, discovery), cut in pieces as :func:`.slices.pieces` cuts them, so the core's lock
+is held one short piece at a time. What the deliveries *mean* stays in the core; this part
+only moves them and keeps the subscriber's own stats fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..consume.subscriber import Subscriber
+from .slices import pieces
+
+__all__ = ["BATCH_ITEMS", "INGEST_NAP", "Ingest"]
+
+log = logging.getLogger("kvwire.router")
+
+#: Deliveries taken from the subscriber per wake-up.
+BATCH_ITEMS = 2048
+#: Nap after a partial take, so deliveries gather: fewer wake-ups mean fewer GIL hand-offs
+#: with the HTTP thread (each one costs a request far more than the ingest work it does).
+INGEST_NAP = 0.005
+#: How often the per-stream subscriber stats are refreshed (``stats``), in seconds.
+STATS_EVERY = 0.25
+
+
+class Ingest:
+    """Takes deliveries from a subscriber ``open_subscriber()`` makes and hands them to
+    ``apply(items, cut)`` (``cut``: the items already cut into pieces, or None). ``on_fail``
+    runs if the thread dies of an unexpected error (the core then marks every stream down).
+
+    ``lock`` orders run-time stream changes (the core's ``add_stream``/``remove_stream``,
+    engines added and removed) against the subscriber's opening: before it, a change goes
+    into the specs the subscriber opens with; after it, to ``sub`` itself."""
+
+    def __init__(self, open_subscriber: Callable[[], Subscriber],
+                 apply: Callable[[list, list[list] | None], None],
+                 on_fail: Callable[[], None] | None = None) -> None:
+        self._open, self._apply, self._on_fail = open_subscriber, apply, on_fail
+        self.sub: Subscriber | None = None
+        self.lock = threading.Lock()
+        #: the subscriber's per-stream stats, at most ``STATS_EVERY`` old
+        self.stats: dict[str, Any] = {}
+        self.pumps = 0  # caller-driven turns that applied a piece
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        # caller-driven: pieces taken from the subscriber and not applied yet
+        self._pending: deque[list] = deque()
+        self._next_stats = 0.0
+
+    def start(self, timeout: float = 10.0, *, thread: bool = True) -> None:
+        """Open the subscriber: in a thread of its own that then takes every delivery
+        (raises what kept it from starting), or, with ``thread=False``, here, for the
+        caller to drive with :meth:`pump`."""
+        if not thread:
+            with self.lock:
+                self.sub = self._open()
+            self._started.set()
+            return
+        self._thread = threading.Thread(target=self._run, name="kvwire-router-sub",
+                                        daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError("router subscriber thread did not start")
+        if self._error is not None:
+            raise self._error
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking deliveries and close the subscriber (the thread closes its own)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return
+        with self.lock:
+            sub, self.sub = self.sub, None
+        if sub is not None:
+            sub.close()
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called."""
+        return self._stop.is_set()
+
+    @property
+    def running(self) -> bool:
+        """The subscriber thread runs (False when caller-driven)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def backlog(self) -> int:
+        """Caller-driven: pieces taken and not applied yet."""
+        return len(self._pending)
+
+    def problems(self) -> tuple[int, str]:
+        """Run-time stream changes the subscriber could not apply, and the last reason."""
+        sub = self.sub
+        return (0, "") if sub is None else (sub.change_errors, sub.last_change_error)
+
+    def pump(self, max_items: int) -> bool:
+        """One bounded turn of a caller-driven ingest: when nothing taken is left, take up
+        to ``max_items`` ready deliveries (no wait); apply one piece of what was taken;
+        refresh the stats when due. True when more is ready now (call again soon), False
+        when the caller may let deliveries gather. The subscriber is polled again only when
+        every piece taken is applied, so a stream's removal comes after all its items."""
+        sub = self.sub
+        if sub is None or self._stop.is_set():
+            return False
+        more = False
+        if not self._pending:
+            items = sub.poll_many(0, max_items=max_items)
+            more = len(items) >= max_items
+            self._pending.extend(pieces(items))
+        if self._pending:
+            piece = self._pending.popleft()
+            self._apply(piece, [piece])
+            self.pumps += 1
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self.stats = sub.stats()
+            self._next_stats = now + STATS_EVERY
+        return more or bool(self._pending)
+
+    def _run(self) -> None:
+        try:
+            with self.lock:
+                sub = self.sub = self._open()
+        except BaseException as e:  # bad endpoint etc.: reported by start()
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        next_stats = 0.0
+        try:
+            while not self._stop.is_set():
+                items = sub.poll_many(0.05, max_items=BATCH_ITEMS)
+                if items:
+                    self._apply(items, None)
+                    if len(items) < BATCH_ITEMS:
+                        # Let deliveries gather for a moment: a wake-up per INGEST_NAP instead
+                        # of one per batch at 10k batches/s is far less GIL ping-pong with the
+                        # HTTP thread; the index is at most that much later for it.
+                        time.sleep(INGEST_NAP)
+                now = time.monotonic()
+                if now >= next_stats:
+                    self.stats = sub.stats()
+                    next_stats = now + STATS_EVERY
+        except BaseException:  # pragma: no cover - logged, the service reports unhealthy
+            log.exception("router subscriber thread failed")
+            if self._on_fail is not None:
+                self._on_fail()
+        finally:
+            sub.close()
