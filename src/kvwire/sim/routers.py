@@ -21,6 +21,7 @@ from ..consume.config import StreamConfig
 from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..engine import EngineRequest
+from ..router.load_share import PeerLoads, Report
 from ..router.policy import Candidate, LoadTracker, request_load
 from .engine import SimEngine
 from .trace import Request, prompt_array
@@ -270,9 +271,6 @@ class _KvwireReplicas(_Kvwire):
 
     def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
-        from ..router.load_share import PeerLoads, Report
-
-        self._report = Report
         self.trackers = [self.loads] + [
             LoadTracker(expiry_s=1e12, clock=lambda: self.now, busy_window=cfg.busy_window,
                         drain=cfg.drain) for _ in range(cfg.replicas - 1)]
@@ -287,7 +285,7 @@ class _KvwireReplicas(_Kvwire):
         if not self.cfg.share_load:
             return
         self._seq[sender] += 1
-        report = self._report(f"r{sender}", self._seq[sender], [op])
+        report = Report(f"r{sender}", self._seq[sender], [op])
         for to in range(len(self.trackers)):
             if to != sender:
                 self._n += 1
