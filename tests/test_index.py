@@ -551,6 +551,10 @@ def test_churn_memory_is_flat():
     idx = PrefixIndex(remember_removed=1000)
     marks = churn(idx, 20_000, 200_000, every=25_000)
     assert idx.streams()["e"].blocks == 20_000
+    # (the first mark left out: the count is the whole process's, and what an earlier
+    # test's threads still held when this one began can go during the first steps; seen
+    # 17k above the rest after tests/test_load_share.py)
+    marks = marks[1:]
     assert max(marks) - min(marks) < 5_000, marks
 
 

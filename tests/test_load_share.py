@@ -104,6 +104,51 @@ def test_a_release_asked_of_its_owner_is_answered_once_and_asked_again_while_hel
     assert b.receive(Report("A", 5, [], live={}), 1.0) == [] and not b.peers["A"].asked
 
 
+def test_a_peers_prediction_goes_to_its_callback_and_malformed_ones_are_counted() -> None:
+    got: list[tuple[str, bytes]] = []
+
+    def take(stream: str, keys: bytes) -> bool:
+        got.append((stream, keys))
+        return stream != "unknown"
+
+    peers = PeerLoads(_tracker(), "me", ttl=2.0, on_predict=take)
+    keys = (12345).to_bytes(8, "little") + (678).to_bytes(8, "little")
+    peers.receive(Report("a", 1, [["p", "e0", keys], ["p", "unknown", keys],
+                                  ["p", "e0", keys[:5]], ["p", "e0", "not bytes"]]), 0.0)
+    assert got == [("e0", keys), ("unknown", keys)]
+    assert peers.counts["predictions"] == 1 and peers.counts["bad"] == 2
+
+
+def test_predicted_keys_taken_by_another_index_match_as_the_prediction_does() -> None:
+    """What one replica predicts (``prompt_keys`` -> ``predict_keys``) and another applies
+    from the keys' bytes matches there as it does where it was predicted."""
+    from array import array
+
+    from kvwire.consume.stream import Batch
+    from kvwire.index import PrefixIndex
+    from kvwire.wire.events import BlockStored, KVEventBatch
+
+    def index() -> PrefixIndex:
+        idx = PrefixIndex(predict_ttl=30.0, clock=lambda: 0.0)
+        ev = BlockStored([1], None, list(range(900, 916)), 16, None, None, None)
+        idx.apply(Batch("e0", 0, KVEventBatch(0.0, [ev], 0), 1))  # (learns block size 16)
+        return idx
+
+    a, b = index(), index()
+    prompt = list(range(40 * 16 + 5))
+    keys = a.prompt_keys("e0", prompt, salt="s")
+    assert len(keys) == 40 and a.predict_keys("e0", keys) == 40
+    k = array("Q")
+    k.frombytes(keys.tobytes())
+    assert b.predict_keys("e0", k) == 40
+    ma, mb = a.match(prompt, salt="s")["e0"], b.match(prompt, salt="s")["e0"]
+    assert ma.blocks == mb.blocks == 40 and ma.predicted == mb.predicted == 40
+    assert b.match(prompt)["e0"].blocks == 0  # (another salt: other keys)
+    c = index()  # predict() itself is prompt_keys + predict_keys
+    assert c.predict("e0", prompt, salt="s") == 40
+    assert c.match(prompt, salt="s")["e0"].predicted == 40
+
+
 _op = st.tuples(st.sampled_from(["r", "f", "x"]), st.integers(0, 7),
                 st.sampled_from(ENGINES), st.integers(1, 50), st.integers(0, 50),
                 st.booleans())  # (kind, id, engine, amount, prefill, lost in transit)
@@ -306,6 +351,49 @@ def test_a_release_at_any_replica_releases_where_it_was_routed(nats_server: Any)
     assert a.returncode == 0 and b.returncode == 0
 
 
+def test_replicas_share_their_predictions(nats_server: Any) -> None:
+    """A prompt routed through A is counted as held by the engine A chose at B too, before
+    any event confirms it: B's next prompt with that prefix goes there, as A's would. A
+    ``--no-share-load`` replica sees no such prediction."""
+    from kvwire.wire.events import BlockStored
+
+    async def engines(w: Writer) -> None:
+        for i, e in enumerate(("e0", "e1")):
+            await w.start(e, 0, epoch=1)
+            toks = list(range(60_000 + 100 * i, 60_000 + 100 * i + BS))
+            await w.batch(e, 0, [BlockStored([900 + i], None, toks, BS, None, None, None)])
+
+    run(_write(nats_server.url, engines))
+    a, b = _replica(nats_server.url), _replica(nats_server.url)
+    alone = _replica(nats_server.url, "--no-share-load")
+    try:
+        ua, ub, ul = _url(a), _url(b), _url(alone)
+        with httpx.Client(base_url=ua, timeout=10) as ha, \
+                httpx.Client(base_url=ub, timeout=10) as hb, \
+                httpx.Client(base_url=ul, timeout=10) as hl:
+            for h in (ha, hb, hl):  # (each knows the engines' block size from their events)
+                wait_for(lambda h=h: all(v["ranks"][0]["block_size"] == BS
+                                         for v in h.get("/engines").json().values()),
+                         timeout=30, interval=0.02, what="the engines' blocks indexed")
+            prompt = _toks(5, 70)
+            r = ha.post("/route", json={"token_ids": prompt})
+            assert r.status_code == 200, r.text
+            engine = r.json()["engine"]
+            wait_for(lambda: hb.post("/score", json={"token_ids": prompt}).json()["overlap"]
+                     [engine] == 70, timeout=30, interval=0.02, what="A's prediction at B")
+            other = "e1" if engine == "e0" else "e0"
+            assert hb.post("/score", json={"token_ids": prompt}).json()["overlap"][other] == 0
+            assert 'kvwire_router_load_reports_total{kind="predictions"} 1.0' in \
+                hb.get("/metrics").text
+            assert hl.post("/score", json={"token_ids": prompt}).json()["overlap"] == \
+                {"e0": 0, "e1": 0}
+    finally:
+        for p in (a, b, alone):
+            p.terminate()
+            p.wait(10)
+    assert a.returncode == 0 and b.returncode == 0
+
+
 def test_share_load_needs_nats() -> None:
     r = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--engine",
                         "e0=tcp://127.0.0.1:5999", "--share-load", "--port", "0"],
@@ -438,6 +526,30 @@ def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stan
     assert len(second.live) == MAX_OPS + 9 and "q0" not in second.live
     assert second.live["q1"] == ["e0", 2.0, 0.0] and second.live["q2"] == ["e0", 5.0, 3.0]
     assert len(share._report(False).ops) == 0
+
+
+def test_predictions_are_cut_by_bytes_and_dropped_first_when_a_backlog_forms() -> None:
+    """Predictions carry up to 32 KB of keys: a report holds MAX_KEY_BYTES of them (and
+    the operation that crosses it); once PREDICTION_BACKLOG operations wait (NATS slow or
+    down), new predictions are dropped, counted, while reservations still queue."""
+    from kvwire.router.load_share import MAX_KEY_BYTES, PREDICTION_BACKLOG, LoadShare
+    from kvwire.router.service import RouterCore
+
+    share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
+    keys = bytes(32 * 1024)
+    n = MAX_KEY_BYTES // len(keys) + 3
+    for i in range(n):
+        share.push(["p", "e0", keys])
+    share.push(["r", "q0", "e0", 5.0, 0.0])
+    first = share._report(False)
+    assert len(first.ops) == MAX_KEY_BYTES // len(keys)
+    assert [op[0] for op in share._report(False).ops] == ["p"] * 3 + ["r"]
+    for i in range(PREDICTION_BACKLOG):
+        share.push(["r", f"b{i}", "e0", 1.0, 0.0])
+    share.push(["p", "e0", keys])
+    share.push(["r", "last", "e0", 1.0, 0.0])
+    assert share.counts["dropped"] == 1 and len(share._out) == PREDICTION_BACKLOG + 1
+    assert share._out[-1][1] == "last"
 
 
 def test_a_nats_server_down_and_back_neither_blocks_nor_ends_the_sharing(

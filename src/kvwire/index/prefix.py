@@ -490,17 +490,30 @@ class PrefixIndex:
         Uses the stream's learned block size (or ``block_size`` while none is known); returns
         the number of blocks predicted (0 when no block size is known).
         """
+        return self.predict_keys(stream, self.prompt_keys(stream, token_ids, lora_name, salt,
+                                                          block_size))
+
+    def prompt_keys(self, stream: str, token_ids: list[int], lora_name: str | None = None,
+                    salt: Any = None, block_size: int | None = None) -> array:
+        """The own keys of the prompt's full blocks at ``stream``'s block size (learning
+        ``block_size`` while none is known); empty when no block size is known or
+        predictions are off. What :meth:`predict` predicts, for :meth:`predict_keys` on
+        another index (router replicas share their predictions)."""
         st = self._stream(stream)
         if st.block_size is None and block_size:
             self._learn_block_size(st, block_size)  # until its events say otherwise
         bs = st.block_size
-        if not bs or self.predict_ttl <= 0:
-            return 0
-        n = len(token_ids) // bs
-        if n == 0:
-            return 0
+        if not bs or self.predict_ttl <= 0 or len(token_ids) < bs:
+            return array("Q")
         seed, fold = chain_start(self.key_scheme, lora_name, salt)
-        keys = chain_tokens(token_ids, bs, n, seed, 0, fold)
+        return array("Q", chain_tokens(token_ids, bs, len(token_ids) // bs, seed, 0, fold))
+
+    def predict_keys(self, stream: str, keys: array) -> int:
+        """Count these own keys (:meth:`prompt_keys`) as held by ``stream`` for
+        ``predict_ttl`` seconds (or until events store them); how many."""
+        if not keys or self.predict_ttl <= 0:
+            return 0
+        st = self._stream(stream)
         now = self.clock()
         self._expire(now)
         exp = now + self.predict_ttl
@@ -510,8 +523,8 @@ class PrefixIndex:
         for k in keys:
             sp[k] = exp
             pred[k] = pred.get(k, 0) | bit
-        self._pred_queue.append((exp, st, array("Q", keys)))
-        return n
+        self._pred_queue.append((exp, st, keys))
+        return len(keys)
 
     def _unpredict(self, st: _Stream, k: int) -> None:
         del st.pred[k]

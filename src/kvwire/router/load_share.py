@@ -48,7 +48,9 @@ class Report(msgspec.Struct, array_like=True):
     Operations: ``["r", id, engine, amount, prefill]`` reserved; ``["f", id]`` first token
     (the prefill share dropped); ``["x", id, output_tokens | None]`` released; ``["q", id,
     owner, output_tokens | None]``: a ``/release`` that reached this replica for a request
-    ``owner`` routed, asked of it (the decision API behind a load balancer)."""
+    ``owner`` routed, asked of it (the decision API behind a load balancer); ``["p", stream,
+    keys]``: a prompt predicted on ``stream`` (its blocks' own keys, 8 bytes each), held there
+    until events confirm it."""
 
     replica: str
     seq: int
@@ -58,6 +60,10 @@ class Report(msgspec.Struct, array_like=True):
 
 #: Operations in one report at most (about 60 bytes each: well under NATS's 1 MB payload)
 MAX_OPS = 4096
+#: Predicted keys' bytes in one report at most (a prediction is up to 32 KB)
+MAX_KEY_BYTES = 256 * 1024
+#: Queued operations past which predictions are dropped (bounds their memory to 32 MB)
+PREDICTION_BACKLOG = 1000
 
 _decode = msgspec.msgpack.Decoder(Report).decode
 _encode = msgspec.msgpack.Encoder().encode
@@ -79,22 +85,24 @@ class PeerLoads:
     (teaches the expected decode work, as the replica's own releases do).
     ``on_release(id, output_tokens)``: a peer asks this replica to release one of its own
     reservations (a ``/release`` that reached the peer); True if it was held.
+    ``on_predict(stream, keys)``: a peer predicted a prompt on ``stream``; True if taken.
 
     A release asked of a peer is kept until the peer's release of it arrives, and asked again
     at each of the peer's heartbeats that still lists the reservation (the ask was lost)."""
 
     def __init__(self, loads: LoadTracker, me: str, ttl: float = 2.0,
                  on_output: Callable[[int], None] | None = None,
-                 on_release: Callable[[str, int | None], bool] | None = None) -> None:
+                 on_release: Callable[[str, int | None], bool] | None = None,
+                 on_predict: Callable[[str, bytes], bool] | None = None) -> None:
         if not ttl > 0:
             raise ValueError(f"ttl must be > 0, got {ttl!r}")
         self.loads, self.me, self.ttl, self.on_output = loads, me, float(ttl), on_output
-        self.on_release = on_release
+        self.on_release, self.on_predict = on_release, on_predict
         self.peers: dict[str, _Peer] = {}
         self.counts = {"reports": 0, "ops": 0, "gaps": 0, "bad": 0, "dropped_by_heartbeat": 0,
                        "corrected_by_heartbeat": 0, "peers_expired": 0, "releases_asked": 0,
                        "releases_asked_again": 0, "releases_answered": 0,
-                       "releases_not_held": 0}
+                       "releases_not_held": 0, "predictions": 0}
 
     def owner(self, rid: str) -> str | None:
         """The peer whose reservation ``rid`` is (as heard so far), if any."""
@@ -187,6 +195,12 @@ class PeerLoads:
                 out = op[2] if len(op) > 2 else None
                 if isinstance(out, int) and out >= 0 and self.on_output is not None:
                     self.on_output(out)
+        elif kind == "p":
+            keys = op[2]
+            if not isinstance(keys, bytes) or len(keys) % 8:
+                raise TypeError("keys")
+            if self.on_predict is not None and self.on_predict(rid, keys):
+                self.counts["predictions"] += 1
         elif kind == "q":
             if op[2] == self.me and self.on_release is not None:
                 out = op[3] if len(op) > 3 else None
@@ -234,7 +248,8 @@ class LoadShare:
             raise ValueError(f"need 0 <= flush_interval < heartbeat, got {flush_interval!r}")
         self.flush_interval = float(flush_interval)
         self.peers = PeerLoads(core.loads, self.replica, ttl, on_output=core.learn_output,
-                               on_release=core.release_asked)
+                               on_release=core.release_asked,
+                               on_predict=core.predicted_by_peer)
         self._out: collections.deque[list[Any]] = collections.deque()
         self.max_queue = max_queue
         # own reservations sent, as sent: id -> [engine, amount, prefill, when] (the thread's)
@@ -256,8 +271,11 @@ class LoadShare:
 
     def push(self, op: list[Any]) -> None:
         """Queue one operation for the others (any thread; never waits). A full queue (the
-        NATS connection down for long) drops it, counted: the next heartbeat corrects it."""
-        if len(self._out) >= self.max_queue:
+        NATS connection down for long) drops it, counted: the next heartbeat corrects it.
+        A prediction is dropped as soon as a backlog forms (``PREDICTION_BACKLOG``): it is
+        of the moment, and up to 32 KB."""
+        n = len(self._out)
+        if n >= self.max_queue or (n >= PREDICTION_BACKLOG and op[0] == "p"):
             self.counts["dropped"] += 1
             return
         self._out.append(op)
@@ -355,10 +373,13 @@ class LoadShare:
                     await wake.wait()
                     wake.clear()
                     due, self._beat_due = self._beat_due, False
-                    # what is queued now, in reports of MAX_OPS (then the heartbeat is
-                    # rescheduled, however fast the request path pushes meanwhile)
-                    for i in range(-(-len(self._out) // MAX_OPS) or int(due)):
-                        await self._publish(nc, self._report(due and i == 0))
+                    # what is queued now, in reports of MAX_OPS (or MAX_KEY_BYTES), then
+                    # the heartbeat is rescheduled, however fast the request path pushes
+                    left, first = len(self._out), True
+                    while left > 0 or (due and first):
+                        report = self._report(due and first)
+                        first, left = False, left - max(len(report.ops), 1)
+                        await self._publish(nc, report)
                     if due:
                         with self.core.lock:
                             self.peers.expire(self.core.clock())
@@ -396,11 +417,14 @@ class LoadShare:
         ops = []
         out, live = self._out, self._live
         now = time.monotonic()
-        while out and len(ops) < MAX_OPS:
+        key_bytes = 0
+        while out and len(ops) < MAX_OPS and key_bytes < MAX_KEY_BYTES:
             op = out.popleft()
             ops.append(op)
             kind = op[0]
-            if kind == "r":
+            if kind == "p":
+                key_bytes += len(op[2])
+            elif kind == "r":
                 live[op[1]] = [op[2], op[3], op[4], now]
             elif kind == "f" and (e := live.get(op[1])) is not None:
                 e[1], e[2] = max(e[1] - e[2], 0.0), 0.0

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +42,10 @@ from .targets import Target, found_ranks, targets_of
 __all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
+
+#: A prediction shared with other replicas names at most its first this many blocks (the
+#: prefix is what later prompts match; 32 KB in a report at the most).
+SHARED_PREDICTION_KEYS = 4096
 
 
 _PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
@@ -439,8 +444,7 @@ class RouterCore:
                 m = matches.get(target.stream)
                 if m is None or m.prompt_blocks == 0 or blocks[d.name] < m.prompt_blocks:
                     # only a prefix the engine does not already hold needs predicting
-                    self.index.predict(target.stream, token_ids, lora_name=lora_name,
-                                       salt=salt)
+                    self._predict(target.stream, token_ids, lora_name, salt)
                 self.counts["routes"] += 1
             else:
                 self.counts["scores"] += 1
@@ -490,7 +494,7 @@ class RouterCore:
             m = matches.get(target.stream)
             if prompt_blocks and (m is None or m.prompt_blocks == 0
                                   or m.blocks < m.prompt_blocks):
-                self.index.predict(target.stream, token_ids, lora_name=lora_name, salt=salt)
+                self._predict(target.stream, token_ids, lora_name, salt)
             self.counts["routes"] += 1
         finally:
             self.lock.release()
@@ -513,6 +517,29 @@ class RouterCore:
             live = alive.get(t.stream, False) and (up is None or up(t.engine))
             out.append(Candidate(t.label, credit, load(t.label, now), live, busy(t.label, now)))
         return out
+
+    def _predict(self, stream: str, token_ids: Sequence[int], lora_name: str | None,
+                 salt: str | None) -> None:
+        """Count the prompt as held by ``stream`` until its events confirm it (under
+        ``lock``); shared, the other replicas count it too (their next prompt with this
+        prefix goes where this one went, not where the load alone says)."""
+        if self.share is None:
+            self.index.predict(stream, token_ids, lora_name=lora_name, salt=salt)
+            return
+        keys = self.index.prompt_keys(stream, token_ids, lora_name, salt)
+        if self.index.predict_keys(stream, keys):
+            self.share(["p", stream, keys[:SHARED_PREDICTION_KEYS].tobytes()])
+
+    def predicted_by_peer(self, stream: str, keys: bytes) -> bool:
+        """Another replica predicted these own keys (8 bytes each) on ``stream`` (under
+        ``lock``, from the load sharing's thread); False if it is not a stream routed to
+        here or the keys are malformed."""
+        if stream not in self._by_stream or len(keys) % 8:
+            return False
+        k = array("Q")
+        k.frombytes(keys)
+        self.index.predict_keys(stream, k)
+        return True
 
     def _reserve(self, rid: str, label: str, amount: float, now: float,
                  prefill: float) -> None:
