@@ -8,7 +8,10 @@ trace's rate: TTFT p99 2.80 s with one router, 3.75 s with four that do not shar
 what reached its first token and what it released, over core NATS (not JetStream: load is
 of the moment, nothing to keep), and each keeps every replica's reservations in its own
 :class:`~kvwire.router.policy.LoadTracker`: the load it routes on is the fleet's, and the
-prefill rate it learns comes from every replica's first tokens.
+prefill rate it learns comes from every replica's first tokens. The same reports carry the
+index's predictions (a prompt counted as held by the engine it went to, until that engine's
+events store it) and the ``/release``s that reached a replica other than the one that
+routed the request.
 
 :class:`PeerLoads` is the pure part (reports in, reservations out, no I/O): a peer's
 reservation ids are prefixed with its name; a heartbeat carries the peer's live reservations
