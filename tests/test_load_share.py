@@ -149,6 +149,55 @@ def test_predicted_keys_taken_by_another_index_match_as_the_prediction_does() ->
     assert c.match(prompt, salt="s")["e0"].predicted == 40
 
 
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["reserve", "ask", "beat"]), st.integers(0, 5),
+                                st.booleans(), st.booleans()), max_size=40))
+def test_every_release_asked_is_done_once_heartbeats_get_through(steps: list[Any]) -> None:
+    """Asks (``q``) and releases (``x``) lost at random between B and the owner A: once
+    A's heartbeats and B's answers to them get through again, every reservation B was asked
+    to release is released at A, and B asks for nothing more."""
+    loads_a = _tracker()
+    a = PeerLoads(loads_a, "A", ttl=1e9, on_release=lambda rid, out: loads_a.release(rid))
+    b = PeerLoads(_tracker(), "B", ttl=1e9)
+    seq = {"A": 0, "B": 0}
+    asked: set[str] = set()
+
+    def send(sender: PeerLoads, to: PeerLoads, ops: list[Any], live: Any = None) -> list[Any]:
+        seq[sender.me] += 1
+        return to.receive(Report(sender.me, seq[sender.me], ops, live), 0.0)
+
+    def a_holds() -> dict[str, list[Any]]:
+        return {r: [loads_a.holder(r), 1.0, 0.0] for r in held}
+
+    held: set[str] = set()
+    for kind, i, lost, lost_back in steps:
+        rid = str(i)
+        if kind == "reserve" and rid not in held and rid not in asked:
+            loads_a.reserve(rid, "e0", 1.0, 0.0)
+            held.add(rid)
+            send(a, b, [["r", rid, "e0", 1.0, 0.0]])
+        elif kind == "ask" and b.owner(rid) == "A" and rid not in asked:
+            asked.add(rid)
+            op = b.ask_release("A", rid, None)
+            if not lost:
+                send(b, a, [op])
+        elif kind == "beat":
+            again = send(a, b, [], a_holds())
+            if again and not lost:
+                send(b, a, again)
+        gone = {r for r in held if loads_a.holder(r) is None}
+        if gone:  # A released them: its "x" may be lost
+            held -= gone
+            if not lost_back:
+                send(a, b, [["x", r, None] for r in sorted(gone)])
+    for _ in range(2):  # heartbeats and answers that get through
+        again = send(a, b, [], a_holds())
+        send(b, a, again)
+        held -= {r for r in held if loads_a.holder(r) is None}
+    assert not (held & asked), (held, asked)
+    assert send(a, b, [], a_holds()) == [] and not b.peers["A"].asked
+
+
 _op = st.tuples(st.sampled_from(["r", "f", "x"]), st.integers(0, 7),
                 st.sampled_from(ENGINES), st.integers(1, 50), st.integers(0, 50),
                 st.booleans())  # (kind, id, engine, amount, prefill, lost in transit)
@@ -538,7 +587,7 @@ def test_predictions_are_cut_by_bytes_and_dropped_first_when_a_backlog_forms() -
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
     keys = bytes(32 * 1024)
     n = MAX_KEY_BYTES // len(keys) + 3
-    for i in range(n):
+    for _ in range(n):
         share.push(["p", "e0", keys])
     share.push(["r", "q0", "e0", 5.0, 0.0])
     first = share._report(False)
