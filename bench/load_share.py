@@ -5,9 +5,12 @@ what the sharing costs in CPU per operation, at several request rates.
     .venv/bin/python bench/load_share.py            # 200, 1000 and 4000 requests/s, 5 s each
     .venv/bin/python bench/load_share.py --rates 500 --seconds 10
 
-Each request is what the proxy shares: a reservation, its first token, its release (three
-operations). A and B are two RouterCores in this process (no engines: the load tracker is
-all they share), each with its own LoadShare thread and NATS connection. Latency: from
+Each request is what the proxy shares: a reservation, its prediction (the prompt's blocks
+as the index's own keys: ``--prediction-blocks``, 128 by default, a 2k-token prompt in
+16-token blocks; 0 for none), its first token, its release. A and B are two RouterCores in
+this process, routing to one engine whose stream they never follow (the load tracker and
+the index's predictions are what they share), each with its own LoadShare thread and NATS
+connection. Latency: from
 A's ``route_proxy``-equivalent push to B's tracker holding the reservation, sampled on
 every 10th request (the driver polls B's tracker). CPU: the two sharing threads' user +
 system time (/proc/self/task) per request: A's sending and B's applying, heartbeats
@@ -30,6 +33,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server 
 
 from nats_helpers import NatsServer  # noqa: E402
 
+from kvwire.consume.engine_spec import EngineSpec  # noqa: E402
 from kvwire.router.load_share import LoadShare  # noqa: E402
 from kvwire.router.service import RouterCore  # noqa: E402
 
@@ -47,8 +51,11 @@ def _thread_cpu(*shares: LoadShare) -> float:
     return total
 
 
-def run(url: str, rate: float, seconds: float) -> tuple[int, list[float], float]:
-    a, b = RouterCore([]), RouterCore([])
+def run(url: str, rate: float, seconds: float,
+        blocks: int) -> tuple[int, list[float], float]:
+    engine = [EngineSpec("e0", "tcp://127.0.0.1:1")]  # (its stream is never followed)
+    a, b = RouterCore(engine), RouterCore(engine)
+    a.index.prompt_keys("e0", [0] * 16, block_size=16)  # (as its events would teach it)
     sa = LoadShare(a, url, "kvwire.load.BENCH", replica="A")
     sb = LoadShare(b, url, "kvwire.load.BENCH", replica="B")
     sa.start()
@@ -65,9 +72,12 @@ def run(url: str, rate: float, seconds: float) -> tuple[int, list[float], float]
             if (d := due - time.monotonic()) > 0:
                 time.sleep(d)
             rid = f"q{n}"
+            toks = list(range(n * 16 * blocks, (n + 1) * 16 * blocks))
             with a.lock:
                 a.loads.reserve(rid, "e0", 10.0, prefill=8.0)
                 a.share(["r", rid, "e0", 10.0, 8.0])
+                if blocks:
+                    a._predict("e0", toks, None, None)
             sent = time.perf_counter()
             if n % 10 == 0:  # sampled: wait for B to hold it
                 pid = f"A:{rid}"
@@ -101,6 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="200,1000,4000")
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--prediction-blocks", type=int, default=128)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         srv = NatsServer(Path(tmp) / "nats").start()
@@ -108,7 +119,7 @@ def main() -> None:
             print("| requests/s | sent | latency p50 ms | p99 ms | max ms | CPU us/request |")
             print("|---:|---:|---:|---:|---:|---:|")
             for rate in [float(x) for x in args.rates.split(",")]:
-                n, lat, cpu = run(srv.url, rate, args.seconds)
+                n, lat, cpu = run(srv.url, rate, args.seconds, args.prediction_blocks)
                 lat.sort()
 
                 per = cpu / max(n, 1) * 1e6
