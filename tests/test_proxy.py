@@ -282,11 +282,13 @@ def test_requests_over_max_in_flight_get_429(make_stack: Callable[..., Stack]) -
 
 def test_first_token_drops_the_prefill_share(make_stack: Callable[..., Stack]) -> None:
     """Load follows the request: prompt blocks + decode until the first token, decode only
-    after it, nothing once it ends."""
+    after it, nothing once it ends. (1,000 output tokens: 2 s of decode after the first
+    token, so a starved test thread still looks while it runs; with 50, 0.1 s, it once
+    looked after the end beside a busy process.)"""
     slow = EngineConfig(num_gpu_blocks=2000, block_size=16,
                         cost=StepCost(base_s=2e-3, prefill_token_s=4e-4))  # ~0.4 s prefill
     s = make_stack(1, engine_kw={"speed": 1.0, "config": slow})
-    body = {"model": "m", "prompt": list(range(1, 1025)), "max_tokens": 50,
+    body = {"model": "m", "prompt": list(range(1, 1025)), "max_tokens": 1000,
             "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
             c.stream("POST", "/v1/completions", json=body) as r:
