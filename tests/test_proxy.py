@@ -300,6 +300,7 @@ def test_first_token_drops_the_prefill_share(make_stack: Callable[..., Stack]) -
         for _ in chunks:
             pass
     wait_for(lambda: s.loads() == {}, "load released")
+    wait_for(lambda: s.core.counts["releases"] == 1, "the release counted")
 
 
 def test_usage_and_output_tokens_are_read_off_the_answers(

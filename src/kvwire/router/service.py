@@ -561,7 +561,10 @@ class RouterCore:
         """Release a proxied request's reservation (ended, failed or abandoned); False if
         it was already gone (expired). Never raises: the proxy calls it from finally."""
         with self.lock:
-            return self._release(request_id, output_tokens)  # (counted as load reports)
+            ok = self._release(request_id, output_tokens)
+        if ok:
+            self.counts["releases"] += 1
+        return ok
 
     def _release(self, request_id: str, output_tokens: int | None) -> bool:
         ok = self.loads.release(request_id)
