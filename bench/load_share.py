@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server 
 from nats_helpers import NatsServer  # noqa: E402
 
 from kvwire.consume.engine_spec import EngineSpec  # noqa: E402
-from kvwire.router.load_share import LoadShare, PeerLoads, Report  # noqa: E402
+from kvwire.router.load_share import LoadShare, Report  # noqa: E402
 from kvwire.router.service import RouterCore  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -53,18 +53,22 @@ def _thread_cpu(*shares: LoadShare) -> float:
     return total
 
 
-class _Stamped(PeerLoads):
-    """B's PeerLoads, noting when each reservation of A's was applied."""
+def _stamp(share: LoadShare) -> dict[str, float]:
+    """When each reservation of another replica was applied at ``share``'s replica (its
+    ``receive``, wrapped)."""
+    held: dict[str, float] = {}
+    receive = share.peers.receive
 
-    held: dict[str, float]
-
-    def receive(self, report: Report, now: float) -> list:
-        out = super().receive(report, now)
+    def stamped(report: Report, now: float) -> list:
+        out = receive(report, now)
         t = time.perf_counter()
         for op in report.ops:
             if op[0] == "r":
-                self.held[op[1]] = t
+                held[op[1]] = t
         return out
+
+    share.peers.receive = stamped  # type: ignore[method-assign]
+    return held
 
 
 def run(url: str, rate: float, seconds: float,
@@ -74,10 +78,7 @@ def run(url: str, rate: float, seconds: float,
     a.index.prompt_keys("e0", [0] * 16, block_size=16)  # (as its events would teach it)
     sa = LoadShare(a, url, "kvwire.load.BENCH", replica="A")
     sb = LoadShare(b, url, "kvwire.load.BENCH", replica="B")
-    stamped = _Stamped(b.loads, "B", sb.peers.ttl, on_output=b.learn_output,
-                       on_release=b.release_asked, on_predict=b.predicted_by_peer)
-    stamped.held = {}
-    sb.peers = stamped
+    held = _stamp(sb)
     sa.start()
     sb.start()
     a.share = sa.push
@@ -107,12 +108,12 @@ def run(url: str, rate: float, seconds: float,
             n += 1
         cpu = _thread_cpu(sa, sb) - c0
         end = time.monotonic() + 2.0  # (the last ones on their way)
-        while len(stamped.held) < n and time.monotonic() < end:
+        while len(held) < n and time.monotonic() < end:
             time.sleep(0.01)
     finally:
         a.close()
         b.close()
-    lat = [stamped.held[r] - t for r, t in pushed.items() if r in stamped.held]
+    lat = [held[r] - t for r, t in pushed.items() if r in held]
     if len(lat) < n:
         print(f"# {n - len(lat)} of {n} reservations never reached B", file=sys.stderr)
     return n, lat, cpu

@@ -425,14 +425,9 @@ class RouterCore:
             now = self.clock()
             matches = self.index.match(token_ids, lora_name=lora_name, salt=salt)
             self.loads.expire(now)
-            targets = self.targets
-            d = self.policy.choose(prompt_blocks,
-                                   self._candidates(targets, matches, prompt_blocks, now))
             blocks: dict[str, int] = {}
-            for t in targets:
-                m = matches.get(t.stream)
-                blocks[t.label] = m.blocks if m is not None and m.credit and m.prompt_blocks \
-                    else 0
+            d = self.policy.choose(prompt_blocks, self._candidates(
+                self.targets, matches, prompt_blocks, now, blocks=blocks))
             target = self._by_label[d.name]
             rid = None
             if reserve:
@@ -503,17 +498,23 @@ class RouterCore:
         return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
 
     def _candidates(self, targets: list[Target], matches: dict[str, Any], prompt_blocks: int,
-                    now: float, up: Callable[[str], bool] | None = None) -> list[Candidate]:
+                    now: float, up: Callable[[str], bool] | None = None,
+                    blocks: dict[str, int] | None = None) -> list[Candidate]:
         """What the policy weighs, per target (under ``lock``): the prompt's blocks it
         holds, as a share of the prompt (engines with another block size compete fairly),
-        its load, whether it is live (``up``: and healthy over HTTP), how busy lately."""
+        its load, whether it is live (``up``: and healthy over HTTP), how busy lately.
+        ``blocks``, if given, gets each target's matched blocks in its own block size."""
         load, busy, alive = self.loads.load, self.loads.busy, self.alive
         out = []
         for t in targets:
             m = matches.get(t.stream)
             credit = 0.0
+            held = 0
             if m is not None and m.credit and m.prompt_blocks:
                 credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+                held = m.blocks
+            if blocks is not None:
+                blocks[t.label] = held
             live = alive.get(t.stream, False) and (up is None or up(t.engine))
             out.append(Candidate(t.label, credit, load(t.label, now), live, busy(t.label, now)))
         return out
@@ -523,11 +524,8 @@ class RouterCore:
         """Count the prompt as held by ``stream`` until its events confirm it (under
         ``lock``); shared, the other replicas count it too (their next prompt with this
         prefix goes where this one went, not where the load alone says)."""
-        if self.share is None:
-            self.index.predict(stream, token_ids, lora_name=lora_name, salt=salt)
-            return
         keys = self.index.prompt_keys(stream, token_ids, lora_name, salt)
-        if self.index.predict_keys(stream, keys):
+        if self.index.predict_keys(stream, keys) and self.share is not None:
             self.share(["p", stream, keys[:SHARED_PREDICTION_KEYS].tobytes()])
 
     def predicted_by_peer(self, stream: str, keys: bytes) -> bool:
@@ -587,16 +585,17 @@ class RouterCore:
         A request another replica routed (replicas that share their load) is released by
         asking that replica; the answer then names it (``replica``)."""
         out: dict[str, Any] = {"released": request_id}
+        # (the proxy's own ids, p0, p1, ..., are not the decision API's to release)
+        ok = not request_id.startswith("p")
         with self.lock:
-            # (the proxy's own ids, p0, p1, ..., are not the decision API's to release)
-            proxied = request_id.startswith("p")
-            name = None if proxied else self.loads.holder(request_id)
-            ok = not proxied and self._release(request_id, output_tokens)
-            if not ok and not proxied and self.load_share is not None:
-                fwd = self.load_share.forward_release(request_id, output_tokens)
-                if fwd is not None:
-                    ok = True
-                    out["replica"], name = fwd
+            if ok:
+                name = self.loads.holder(request_id)
+                ok = self._release(request_id, output_tokens)
+                if not ok and self.load_share is not None:
+                    fwd = self.load_share.forward_release(request_id, output_tokens)
+                    if fwd is not None:
+                        ok = True
+                        out["replica"], name = fwd
         if not ok:
             raise RouteError(404, f"unknown request_id {request_id[:80]!r} (never routed, "
                              "already released, or expired)", "unknown_request_id")
