@@ -105,6 +105,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	$(PY) bench/subscriber.py
 	$(PY) bench/shm.py
 	$(PY) bench/index.py
+	$(PY) bench/predictions.py
 	$(PY) bench/route.py
 	$(PY) bench/sim.py
 	$(PY) bench/nats.py

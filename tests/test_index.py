@@ -450,6 +450,37 @@ def test_predictions_expire_or_are_confirmed(key_impl):
     assert (m.tiers["GPU"], m.predicted) == (1, 0)
 
 
+def test_predictions_are_spread_over_shards_and_leave_none_behind():
+    """A busy router holds rate x ttl x blocks predictions (384k at 1,000 requests/s of
+    128-block prompts), and they churn. CPython rebuilds a churning dict in one go, under the
+    router's lock: one dict of 384k held a route for 20-30 ms (bench/predictions.py). So no
+    dict of the prediction state may hold more than a small share of them; and expired,
+    confirmed and removed-stream predictions leave every shard empty."""
+    from kvwire.index.state import PRED_SHARDS
+
+    clock = Clock()
+    idx = PrefixIndex(predict_ttl=2.0, clock=clock)
+    prompts = [[p] + list(range(1, 16 * 64)) for p in range(100)]
+    for i, toks in enumerate(prompts):
+        assert idx.predict("ef"[i % 2], toks, block_size=16) == 64
+    total = 100 * 64
+    for shards in (idx._h.pred, idx._h.streams["e"].pred, idx._h.streams["f"].pred):
+        sizes = [len(d) for d in shards]
+        assert sum(sizes) in (total, total // 2)
+        assert len(sizes) == PRED_SHARDS >= 32
+        assert max(sizes) * 16 <= sum(sizes)  # random keys: about even (1/64 each)
+    assert idx.streams()["e"].predicted_blocks == total // 2
+    idx.apply(batch("e", stored(prompts[0], 16, 0, 64)))  # confirms prompt 0's blocks on e
+    assert idx.streams()["e"].predicted_blocks == total // 2 - 64
+    assert idx.match(prompts[0])["e"].predicted == 0
+    idx.remove_stream("f")
+    assert idx.match(prompts[1]) == {"e": idx.match(prompts[1])["e"]}
+    assert sum(len(d) for d in idx._h.pred) == total // 2 - 64  # f's bits gone with it
+    clock.t += 2.0
+    assert idx.match(prompts[2])["e"].predicted == 0  # expired
+    assert not any(idx._h.pred) and not any(idx._h.streams["e"].pred)
+
+
 def test_predictions_and_matches_give_the_collector_nothing_to_walk():
     """A busy router predicts a prefix per request and holds it for the TTL: those keys must
     not sit in containers the cyclic GC walks (they made each full collection take tens of

@@ -94,7 +94,7 @@ def test_native_standard_keys_equal_pure_python(toks, bs, fold, start) -> None:
         for k in masks:
             lanes.set(k, 1)
         for ln in (lanes, None):
-            assert keys_mod.scan_tokens(toks, bs, n, 0, None, masks, 1, 1 << 64, {}, ln,
+            assert keys_mod.scan_tokens(toks, bs, n, 0, None, masks, 1, 1 << 64, ln,
                                         fold) == (stop, whole[stop])
 
 

@@ -517,23 +517,24 @@ static PyTypeObject LanesType = {
     .tp_as_sequence = &Lanes_as_seq,
 };
 
-/* scan_tokens(tokens, block_size, n, start, seed, masks, alive, not_best, pred)
- *     -> (i, key)
+/* scan_tokens(tokens, block_size, n, start, seed, masks, alive, not_best) -> (i, key)
  *   The match walk's fast path: hash blocks start.. of `tokens` (chained from `seed`) and
- *   look each key up in `masks`, while the block is held by every stream in `alive`, by none
- *   of them outside the best tier (`v & not_best == 0`) and not in `pred`. Returns the first
- *   block that is not so (and its key), or (n, key of block n-1) / (n, seed) at the end.
- *   Only list/tuple tokens or an int64 buffer. A tenth argument is the Lanes mirror (or
- *   None); an eleventh, `fold`, selects the standard scheme (`seed` is then the previous
- *   block's key, or None before the first block; see chain_std). */
+ *   look each key up in `masks`, while the block is held by every stream in `alive` and by
+ *   none of them outside the best tier (`v & not_best == 0`). Returns the first block that
+ *   is not so (and its key), or (n, key of block n-1) / (n, seed) at the end. Predictions
+ *   need no look here: a prediction counts only for a stream that does not hold the block,
+ *   and the scan already stops where a stream of `alive` does not. Only list/tuple tokens
+ *   or an int64 buffer. A ninth argument is the Lanes mirror (or None); a tenth, `fold`,
+ *   selects the standard scheme (`seed` is then the previous block's key, or None before
+ *   the first block; see chain_std). */
 static PyObject *
 scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs < 9 || nargs > 11 || !PyDict_CheckExact(args[5]) || !PyDict_CheckExact(args[8])
-        || (nargs >= 10 && args[9] != Py_None && !PyObject_TypeCheck(args[9], &LanesType))) {
+    if (nargs < 8 || nargs > 10 || !PyDict_CheckExact(args[5])
+        || (nargs >= 9 && args[8] != Py_None && !PyObject_TypeCheck(args[8], &LanesType))) {
         PyErr_SetString(PyExc_TypeError,
-                        "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred)");
+                        "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best)");
         return NULL;
     }
     Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
@@ -542,10 +543,10 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (n == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t start = PyLong_AsSsize_t(args[3]);
     if (start == -1 && PyErr_Occurred()) return NULL;
-    int std = nargs == 11 && args[10] != Py_None;
+    int std = nargs == 10 && args[9] != Py_None;
     uint64_t fold = 0;
     if (std) {
-        fold = PyLong_AsUnsignedLongLong(args[10]);
+        fold = PyLong_AsUnsignedLongLong(args[9]);
         if (fold == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
     int has_prev = !(std && args[4] == Py_None);
@@ -554,8 +555,8 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         k = PyLong_AsUnsignedLongLong(args[4]);
         if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
-    PyObject *masks = args[5], *alive = args[6], *not_best = args[7], *pred = args[8];
-    LanesObject *lanes = (nargs >= 10 && args[9] != Py_None) ? (LanesObject *)args[9] : NULL;
+    PyObject *masks = args[5], *alive = args[6], *not_best = args[7];
+    LanesObject *lanes = (nargs >= 9 && args[8] != Py_None) ? (LanesObject *)args[8] : NULL;
     if (bs <= 0 || n < 0 || start < 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive, n and start >= 0");
         return NULL;
@@ -606,7 +607,6 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         b32 = (uint32_t *)buf;
     }
-    int check_pred = PyDict_GET_SIZE(pred) > 0;
     /* fast lanes: alive fits in 64 bits and not_best == alive << W (how _scan calls it) */
     uint64_t alive64 = 0;
     Py_ssize_t lane_w = -1;
@@ -632,7 +632,7 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #endif
     PyObject *key = NULL, *result = NULL;
     Py_ssize_t i = start;
-    if (lanes != NULL && lane_w == 64 && !check_pred) {
+    if (lanes != NULL && lane_w == 64) {
         /* the mirror: no int objects, one probe per block; blocks are hashed 8 ahead and
          * their slots prefetched, so the probes' cache misses overlap */
         uint64_t ks[LOOKAHEAD];
@@ -716,11 +716,6 @@ scan_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (v == NULL) {
             if (PyErr_Occurred()) goto done;
             break;
-        }
-        if (check_pred) {
-            int c = PyDict_Contains(pred, key);
-            if (c < 0) goto done;
-            if (c) break;
         }
 #if FAST_LANES
         if (lane_w > 0 && PyLong_CheckExact(v) && Py_SIZE(v) >= 0) {
@@ -1416,7 +1411,7 @@ static PyMethodDef methods[] = {
      "insert_new(d, hashes, keys) -> how many were new and inserted, in order"},
     {"bits64", (PyCFunction)bits64, METH_O, "bits64(mask) -> indices of set bits, lowest first"},
     {"scan_tokens", (PyCFunction)(void (*)(void))scan_tokens, METH_FASTCALL,
-     "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, pred, lanes=None, "
+     "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, lanes=None, "
      "fold=None) -> (i, key)"},
     {"add_bits", (PyCFunction)(void (*)(void))add_bits, METH_FASTCALL,
      "add_bits(masks, keys, setb, keep, tb) -> keys already holding tb"},

@@ -24,11 +24,13 @@ from ..wire.rfc1527 import STANDARD_SEED
 from . import keys as _k
 from .keys import add_bits, chain_start, chain_tokens, insert_new, root_seed, standard_fold
 from .state import (
+    PRED_SHIFT,
     StreamIndexStats,
     StreamMatch,
     _salt_from_extra,
     _Stream,
     _synthetic,
+    pred_shards,
     suspect,
 )
 from .walk import PrefixWalk
@@ -313,7 +315,8 @@ class PrefixIndex:
         kd = self._h.keys
         kget = kd.get
         lanes = self._h.lanes
-        pred = st.pred
+        sp = st.pred
+        pred = any(sp)
         dget = d.get
         if t == 0 and not pred:
             # the common case: new blocks in the best tier, no predictions to confirm
@@ -329,7 +332,7 @@ class PrefixIndex:
         if t == 0:  # the best tier: any-lane and tier lane set, not-best lane cleared
             setb = bit | tb
             for h, k in zip(hs, keys):
-                if pred and k in pred:  # events confirm the prediction: they decide now
+                if pred and k in sp[k >> PRED_SHIFT]:  # events confirm the prediction
                     self._unpredict(st, k)
                 old = dget(h)
                 if old is not None:
@@ -347,7 +350,7 @@ class PrefixIndex:
         else:
             best = bit << (2 * W)
             for h, k in zip(hs, keys):
-                if pred and k in pred:
+                if pred and k in sp[k >> PRED_SHIFT]:
                     self._unpredict(st, k)
                 old = dget(h)
                 if old is not None:
@@ -469,9 +472,10 @@ class PrefixIndex:
         if st is None:
             return
         self._clear(st)
-        for k in st.pred:
-            self._clear_pred_bit(k, st.bit)
-        st.pred = {}
+        for shard in st.pred:
+            for k in shard:
+                self._clear_pred_bit(k, st.bit)
+        st.pred = pred_shards()
         if st.block_size is not None:
             self._h.by_bs[st.block_size] &= ~st.bit
             if not self._h.by_bs[st.block_size]:
@@ -521,21 +525,24 @@ class PrefixIndex:
         bit = st.bit
         sp = st.pred
         for k in keys:
-            sp[k] = exp
-            pred[k] = pred.get(k, 0) | bit
+            i = k >> PRED_SHIFT
+            sp[i][k] = exp
+            d = pred[i]
+            d[k] = d.get(k, 0) | bit
         self._pred_queue.append((exp, st, keys))
         return len(keys)
 
     def _unpredict(self, st: _Stream, k: int) -> None:
-        del st.pred[k]
+        del st.pred[k >> PRED_SHIFT][k]
         self._clear_pred_bit(k, st.bit)
 
     def _clear_pred_bit(self, k: int, bit: int) -> None:
-        v = self._h.pred.get(k, 0) & ~bit
+        d = self._h.pred[k >> PRED_SHIFT]
+        v = d.get(k, 0) & ~bit
         if v:
-            self._h.pred[k] = v
+            d[k] = v
         else:
-            self._h.pred.pop(k, None)
+            d.pop(k, None)
 
     def _expire(self, now: float) -> None:
         q = self._pred_queue
@@ -545,9 +552,10 @@ class PrefixIndex:
             if self._h.streams.get(st.name) is not st:
                 continue  # removed stream: its predictions went with it
             for k in keys:
-                e = sp.get(k)
+                d = sp[k >> PRED_SHIFT]
+                e = d.get(k)
                 if e is not None and e <= now:
-                    del sp[k]
+                    del d[k]
                     self._clear_pred_bit(k, st.bit)
 
     # ------------------------------------------------------------------ per-medium answers
@@ -599,6 +607,6 @@ class PrefixIndex:
             alive=st.alive, resets=st.resets, snapshots=st.snapshots, clears=st.clears,
             stores_without_tokens=st.no_tokens, unplaced_blocks=st.unplaced,
             orphan_stores=st.orphans, unknown_removes=st.unknown_removes, bad_events=st.bad,
-            predicted_blocks=len(st.pred), match_requests=requests,
+            predicted_blocks=sum(map(len, st.pred)), match_requests=requests,
             matched_requests=st.matched, suspect=suspect(st, requests),
         )

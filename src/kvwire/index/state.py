@@ -17,6 +17,20 @@ __all__ = ["StreamIndexStats", "StreamMatch"]
 
 #: Requests a stream must have seen, all without a single match, before it is called suspect.
 SUSPECT_AFTER = 20
+#: Predictions are kept in this many dicts, chosen by a key's top bits (``key >> PRED_SHIFT``;
+#: own keys are 64-bit hashes). They churn (a prompt's blocks in, expired or confirmed ones
+#: out), and CPython rebuilds a dict that churns in one go now and then, under the router's
+#: lock: one dict of 384k predictions held a route for 20-30 ms; a shard's rebuild is 1/64
+#: of that (docs/benchmarks.md, bench/index.py --predictions).
+PRED_SHARDS = 64
+PRED_SHIFT = 58
+
+
+def pred_shards() -> tuple[dict[int, Any], ...]:
+    """An empty prediction map: ``PRED_SHARDS`` dicts, key ``k`` in ``[k >> PRED_SHIFT]``."""
+    return tuple({} for _ in range(PRED_SHARDS))
+
+
 _SYNTH = 0x6B76_7769_7265_5F78  # seed for keys of blocks whose tokens are unknown
 
 class StreamMatch(msgspec.Struct, frozen=True, gc=False):
@@ -91,7 +105,7 @@ class _Stream:
         self.dups: dict[int, dict[int, int]] = {}
         self.ghosts: Any = _k.KeyMap()
         self.old_ghosts: Any = _k.KeyMap()
-        self.pred: dict[int, float] = {}
+        self.pred = pred_shards()  # own key -> expiry, sharded (PRED_SHARDS)
         self.events = self.batches = 0
         self.last_time: float | None = None
         self.alive = True

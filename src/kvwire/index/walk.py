@@ -10,7 +10,8 @@ Layout, chosen so that ``match`` does one dict lookup and two integer ops per pr
 ``keys: dict[own key, int]`` packs bit masks over *stream slots* (one slot per stream, ``W``
 slots per lane). Lane 0 = the stream holds the key in any tier; lane 1 = it holds it, but
 not in the best tier (so a GPU-only fleet never leaves the fast path); lane ``2 + t`` = it
-holds it in tier ``t``. ``pred: dict[own key, slot mask]`` are the predictions."""
+holds it in tier ``t``. ``pred`` are the predictions: own key -> slot mask, in
+``PRED_SHARDS`` dicts by the key's top bits (``pred[k >> PRED_SHIFT]``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ from typing import Any
 
 from . import keys as _k
 from .keys import Lanes
-from .state import StreamMatch, _as_scannable, _bits, _lazy_keys, _Stream
+from .state import (
+    PRED_SHIFT,
+    StreamMatch,
+    _as_scannable,
+    _bits,
+    _lazy_keys,
+    _Stream,
+    pred_shards,
+)
 
 try:  # the per-medium walk in C (_tiers.c); without it the Python walk, same answers
     if os.environ.get("KVWIRE_NO_NATIVE"):
@@ -50,7 +59,7 @@ class PrefixWalk:
         self.keys: dict[int, int] = {}
         # C mirror of lanes 0/1 of ``keys`` for the scan (while W == 64); None without C
         self.lanes: Any = Lanes() if Lanes is not None else None
-        self.pred: dict[int, int] = {}
+        self.pred: tuple[dict[int, int], ...] = pred_shards()
         # tiers: configured ones first, best credit first (index 0 is the best tier)
         self.tiers: list[str] = sorted(tier_credits, key=lambda t: -tier_credits[t])
         self.tier_idx: dict[str, int] = {t: i for i, t in enumerate(self.tiers)}
@@ -170,12 +179,11 @@ class PrefixWalk:
         changes; that block goes through ``_walk``, then the scan goes on. A prompt whose
         blocks keep changing (offload tiers, predictions) is walked in Python after a while."""
         kd = self.keys
-        pred = self.pred
         W = self.W
         i, k, stops = 0, seed, 0
         while alive and i < n:
-            j, k = _k.scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, pred,
-                                  self.lanes, fold)
+            j, k = _k.scan_tokens(token_ids, bs, n, i, k, kd, alive, alive << W, self.lanes,
+                                  fold)
             if j >= n:
                 return alive, n
             alive, i = self._walk((k,), alive, j, found, slow)
@@ -193,13 +201,13 @@ class PrefixWalk:
         not all in the best tier (or predicted) go to ``slow``, run-length coded."""
         kget = self.keys.get
         pred = self.pred
-        pget = pred.get
+        has_pred = any(pred)
         W = self.W
         not_best = alive << W  # lane 1 of the streams still matching
         for k in keys:
             v = kget(k, 0)
-            if pred:
-                p = pget(k, 0) & alive & ~v
+            if has_pred:
+                p = pred[k >> PRED_SHIFT].get(k, 0) & alive & ~v
                 hit = (v & alive) | p
             else:
                 p = 0
