@@ -5,7 +5,7 @@ engine's events store it) and holds the prediction for ``predict_ttl`` seconds a
 ``--rate`` requests/s of ``--blocks``-block prompts that is rate x ttl x blocks keys live
 (1,000/s x 3 s x 128 = 384k; more in a bench with no engine events to confirm them).
 
-Two measurements, each against a baseline in the same run:
+Three measurements, each against a baseline in the same run:
 
 * ``predict``: the wall time of each ``predict_keys`` call (one prompt) at steady state, on
   a simulated clock (``1 / rate`` per call), p50 / p99 / p99.9 / max and the calls over
@@ -17,6 +17,8 @@ Two measurements, each against a baseline in the same run:
   live, and with the churn's predictions live (none on the prompt). Before 2026-11-30 any
   live prediction took the C scan off its fast path (a dict probe per block); the baseline
   here is the same index with none live.
+* ``ingest``: 32-block stores with predictions live on every engine, and with none. Before
+  2026-11-30 a stream with any live prediction stored on the Python path.
 
     .venv/bin/python bench/predictions.py
     .venv/bin/python bench/predictions.py --rate 1000 --blocks 128 --ttl 3 --calls 20000
@@ -99,6 +101,26 @@ def cached(idx: PrefixIndex) -> list[int]:
     return toks
 
 
+def ingest_rate(live: bool, n_batches: int = 4000) -> float:
+    """M blocks/s of CPU applying 32-block stores (4 a batch, 8 engines), with predictions
+    live on every engine (none of them on the stored blocks) or none."""
+    rng = random.Random(1)
+    idx = PrefixIndex(predict_ttl=1e9, clock=lambda: 0.0)
+    if live:
+        for e in range(ENGINES):
+            idx.predict_keys(f"engine{e}", array("Q", (rng.getrandbits(64) for _ in range(128))))
+    batches = []
+    for b in range(n_batches):
+        evs = [BlockStored([(b * 4 + c) * 32 + i + 1 for i in range(32)], None,
+                           [rng.randrange(32_000) for _ in range(32 * BS)], BS, None, "GPU", None)
+               for c in range(4)]
+        batches.append(Batch(f"engine{b % ENGINES}", b // ENGINES, KVEventBatch(0.0, evs)))
+    t = time.process_time()
+    for bt in batches:
+        idx.apply(bt)
+    return n_batches * 4 * 32 / (time.process_time() - t) / 1e6
+
+
 def time_match(idx: PrefixIndex, prompt: list[int], n: int = 2000) -> tuple[float, float]:
     ws = []
     for _ in range(n):
@@ -139,6 +161,10 @@ def main() -> None:
                          f"p50 {quiet[0]:.0f} / p99 {quiet[1]:.0f} us"))
             rows.append(("", "+ predictions live",
                          f"p50 {busy[0]:.0f} / p99 {busy[1]:.0f} us"))
+            rates = {live: max(ingest_rate(live) for _ in range(3)) for live in (False, True)}
+            rows.append(("ingest 512k blocks (32-block stores), best of 3", "kvwire",
+                         f"{rates[False]:.2f} M blocks/s of CPU"))
+            rows.append(("", "+ predictions live", f"{rates[True]:.2f} M blocks/s of CPU"))
     w0 = max(len(r[0]) for r in rows)
     keys = "C keys" if NATIVE else f"pure-Python keys: {REASON}"
     print(f"kvwire prediction bench ({os.cpu_count()} cpus, {ENGINES} engines, {a.rate:g} "

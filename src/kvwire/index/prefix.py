@@ -318,14 +318,18 @@ class PrefixIndex:
         sp = st.pred
         pred = any(sp)
         dget = d.get
-        if t == 0 and not pred:
-            # the common case: new blocks in the best tier, no predictions to confirm
+        if t == 0:
+            # the common case: new blocks in the best tier, in C
             if type(hs) is not list:
                 hs = list(hs)
             done = insert_new(d, hs, keys)
             if done == len(hs):
                 for k in add_bits(kd, keys, bit | tb, ~nb, tb, lanes):
                     self._dup(st, t, k)
+                if pred:  # events confirm the predictions they store: they decide now
+                    for k in keys:
+                        if k in sp[k >> PRED_SHIFT]:
+                            self._unpredict(st, k)
                 return
             for h in hs[:done]:  # a hash known already (or twice in the event): undo,
                 del d[h]  # take the careful path
