@@ -95,6 +95,8 @@ def test_a_release_asked_of_its_owner_is_answered_once_and_asked_again_while_hel
     assert a.counts["releases_answered"] == 1
     a.receive(Report("B", 3, [["q", "r1", "A", -3]]), 0.7)  # (asked twice: held no more)
     assert released[-1] == ("r1", None) and a.counts["releases_not_held"] == 1
+    a.receive(Report("B", 4, [["q", 2, "A", None]]), 0.7)  # malformed: counted, not asked
+    assert len(released) == 2 and a.counts["bad"] == 1
     # A's release reaches B: nothing more is asked, and its load goes
     assert b.receive(Report("A", 3, [["x", "r1", 12]], live={"r2": ["e1", 4.0, 0.0]}),
                      0.8) == []
@@ -114,9 +116,11 @@ def test_a_peers_prediction_goes_to_its_callback_and_malformed_ones_are_counted(
     peers = PeerLoads(_tracker(), "me", ttl=2.0, on_predict=take)
     keys = (12345).to_bytes(8, "little") + (678).to_bytes(8, "little")
     peers.receive(Report("a", 1, [["p", "e0", keys], ["p", "unknown", keys],
-                                  ["p", "e0", keys[:5]], ["p", "e0", "not bytes"]]), 0.0)
-    assert got == [("e0", keys), ("unknown", keys)]
-    assert peers.counts["predictions"] == 1 and peers.counts["bad"] == 2
+                                  ["p", "e0", keys[:5]], ["p", "e0", "not bytes"],
+                                  ["p", 7, keys]]), 0.0)
+    assert got == [("e0", keys), ("unknown", keys)]  # (a stream named 7 never reaches it)
+    assert peers.counts["predictions"] == 1 and peers.counts["bad"] == 3
+    assert peers.counts["ops"] == 2  # the operations applied, well formed
 
 
 def test_predicted_keys_taken_by_another_index_match_as_the_prediction_does() -> None:
@@ -500,15 +504,15 @@ def test_proxy_replicas_share_a_streamed_requests_load_until_its_client_leaves(
         bridge.stop()
 
 
-def _pair(url: str, ttl: float) -> tuple[Any, Any, Any, Any]:
+def _pair(url: str, ttl: float, heartbeat: float = 0.2) -> tuple[Any, Any, Any, Any]:
     """Two RouterCores (no engines: the load tracker is what they share) in this process,
     each sharing through its own LoadShare on one subject; A's changes are pushed."""
     from kvwire.router.load_share import LoadShare
     from kvwire.router.service import RouterCore
 
     a, b = RouterCore([]), RouterCore([])
-    sa = LoadShare(a, url, "kvwire.load.T", replica="A", heartbeat=0.2, ttl=ttl)
-    sb = LoadShare(b, url, "kvwire.load.T", replica="B", heartbeat=0.2, ttl=ttl)
+    sa = LoadShare(a, url, "kvwire.load.T", replica="A", heartbeat=heartbeat, ttl=ttl)
+    sb = LoadShare(b, url, "kvwire.load.T", replica="B", heartbeat=heartbeat, ttl=ttl)
     sa.start()
     sb.start()
     a.share = sa.push
@@ -552,6 +556,49 @@ def test_a_long_queue_goes_in_several_reports_and_heartbeats_keep_peers_exact(
     finally:
         a.close()
         b.close()
+
+
+def test_a_change_reaches_the_peer_at_once_not_with_the_next_heartbeat(
+        nats_server: Any) -> None:
+    """What the request path pushes goes out within ``flush_interval`` (1 ms), not with
+    the next heartbeat: with heartbeats 30 s apart, each reservation, first token and release
+    at A is at B within 5 s (about 2 ms here), one after the other."""
+    a, b, sa, sb = _pair(nats_server.url, ttl=60.0, heartbeat=30.0)
+    try:
+        for i in range(5):
+            with a.lock:
+                a.loads.reserve(f"q{i}", "e0", 10.0, prefill=8.0)
+                a.share(["r", f"q{i}", "e0", 10.0, 8.0])
+            wait_for(lambda i=i: b.loads.amount(f"A:q{i}") == 10.0, timeout=5, interval=0.005,
+                     what=f"reservation {i} at B before any heartbeat")
+        with a.lock:
+            a.share(["f", "q0"])
+        wait_for(lambda: b.loads.prefill("A:q0") == 0, timeout=5, interval=0.005,
+                 what="the first token at B")
+        a.finish("q1", 3)
+        wait_for(lambda: b.loads.holder("A:q1") is None, timeout=5, interval=0.005,
+                 what="the release at B")
+        assert sb.peers.counts["ops"] == 7 and sb.peers.held() == 4
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    from kvwire.router.load_share import LoadShare
+    from kvwire.router.service import RouterCore
+
+    with pytest.raises(ValueError, match="ttl must be > 0"):
+        PeerLoads(_tracker(), "me", ttl=0)
+    core = RouterCore([])
+    with pytest.raises(ValueError, match="heartbeat < ttl"):
+        LoadShare(core, "nats://127.0.0.1:1", "s", heartbeat=2.0, ttl=2.0)
+    with pytest.raises(ValueError, match="heartbeat < ttl"):
+        LoadShare(core, "nats://127.0.0.1:1", "s", heartbeat=0, ttl=2.0)
+    with pytest.raises(ValueError, match="flush_interval < heartbeat"):
+        LoadShare(core, "nats://127.0.0.1:1", "s", heartbeat=0.5, flush_interval=0.5)
+    with pytest.raises(ValueError, match="flush_interval < heartbeat"):
+        LoadShare(core, "nats://127.0.0.1:1", "s", flush_interval=-1)
 
 
 def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stand() -> None:
