@@ -481,6 +481,54 @@ def test_predictions_are_spread_over_shards_and_leave_none_behind():
     assert not any(idx._h.pred) and not any(idx._h.streams["e"].pred)
 
 
+_FEW_KEYS = [0, 1, 2**58 - 1, 2**58, 2**63, 2**64 - 1, 12345 << 40]
+
+
+@pytest.mark.skipif(not keys_mod.NATIVE, reason=f"C keys not built: {keys_mod.REASON}")
+@settings(max_examples=150, deadline=None)
+@given(shards=st.sampled_from([1, 2, 64]),
+       ops=st.lists(st.tuples(
+           st.booleans(),
+           st.lists(st.sampled_from(_FEW_KEYS) | st.integers(0, 2**64 - 1), max_size=12),
+           st.sampled_from([0, 1, 5, 63, 64, 130]),  # slots past 64: masks past 64 bits
+           st.sampled_from([0.0, 1.0, 2.0, 2.5, 4.0])), max_size=25))
+def test_the_c_prediction_maps_change_as_the_python_ones_do(shards, ops):
+    """``pred_add`` / ``pred_expire`` (one C call per prompt) against their pure twins,
+    step by step: the same expiry and mask dicts, shard by shard."""
+    maps = {impl: (tuple({} for _ in range(shards)), tuple({} for _ in range(shards)))
+            for impl in ("c", "py")}
+    for add, keys, slot, t in ops:
+        for impl, (expiry, masks) in maps.items():
+            fn = ((keys_mod.pred_add if add else keys_mod.pred_expire) if impl == "c"
+                  else (keys_mod.py_pred_add if add else keys_mod.py_pred_expire))
+            fn(array("Q", keys), expiry, masks, t, 1 << slot)
+        assert maps["c"] == maps["py"]
+        for expiry, masks in maps.values():  # every key in its own shard
+            for m in (expiry, masks):
+                for i, d in enumerate(m):
+                    assert all((k >> (64 - (shards.bit_length() - 1)) if shards > 1 else 0) == i
+                               for k in d)
+
+
+def test_prediction_maps_refuse_what_they_cannot_hold():
+    if not keys_mod.NATIVE:
+        pytest.skip(f"C keys not built: {keys_mod.REASON}")
+    maps = tuple({} for _ in range(4))
+    with pytest.raises(TypeError, match="array"):
+        keys_mod.pred_add([1, 2], maps, maps, 1.0, 1)
+    with pytest.raises(TypeError, match="array"):
+        keys_mod.pred_add(array("q", [1]), maps, maps, 1.0, 1)
+    with pytest.raises(ValueError, match="2\\*\\*b"):
+        keys_mod.pred_add(array("Q", [1]), maps[:3], maps, 1.0, 1)
+    with pytest.raises(TypeError, match="tuples of dicts"):
+        keys_mod.pred_expire(array("Q", [1]), [{}], maps, 1.0, 1)
+    # PrefixIndex.predict_keys takes any iterable of keys (an array('Q') as is)
+    idx = PrefixIndex(predict_ttl=2.0, clock=Clock())
+    idx.predict("e", [0] * 16, block_size=16)
+    assert idx.predict_keys("e", [5, 2**64 - 1]) == 2
+    assert idx.streams()["e"].predicted_blocks == 3
+
+
 def test_predictions_and_matches_give_the_collector_nothing_to_walk():
     """A busy router predicts a prefix per request and holds it for the TTL: those keys must
     not sit in containers the cyclic GC walks (they made each full collection take tens of

@@ -802,6 +802,168 @@ or_andnot(PyObject *v, PyObject *s, PyObject *c)
 }
 #endif
 
+/* Predictions (PrefixIndex.predict_keys / _expire): a stream's own key -> expiry map and the
+ * index's own key -> slot mask map, each a tuple of 2**b dicts holding key k in the one at
+ * k >> (64 - b) (state.PRED_SHARDS). One call per prompt instead of a Python step per block. */
+static int
+pred_shards(PyObject *t, Py_ssize_t *n, int *shift)
+{
+    if (!PyTuple_CheckExact(t)) {
+        PyErr_SetString(PyExc_TypeError, "prediction maps are tuples of dicts");
+        return -1;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(t);
+    if (m < 1 || m > (1 << 16) || (m & (m - 1))) {
+        PyErr_SetString(PyExc_ValueError, "prediction maps hold 2**b dicts");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (!PyDict_CheckExact(PyTuple_GET_ITEM(t, i))) {
+            PyErr_SetString(PyExc_TypeError, "prediction maps are tuples of dicts");
+            return -1;
+        }
+    }
+    int b = 0;
+    while (((Py_ssize_t)1 << b) < m) b++;
+    *n = m;
+    *shift = 64 - b;
+    return 0;
+}
+
+static inline PyObject *
+pred_shard(PyObject *t, Py_ssize_t n, int shift, uint64_t k)
+{
+    return PyTuple_GET_ITEM(t, n == 1 ? 0 : (Py_ssize_t)(k >> shift));
+}
+
+/* the keys argument: a C-contiguous buffer of uint64 (array('Q')) */
+static int
+pred_keys(PyObject *o, Py_buffer *view)
+{
+    if (!PyObject_CheckBuffer(o)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be array('Q')");
+        return -1;
+    }
+    if (PyObject_GetBuffer(o, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (view->itemsize != 8 || !(f[0] == 'Q' || ((f[0] == '=' || f[0] == '<' || f[0] == '@')
+                                                 && f[1] == 'Q'))) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "keys must be array('Q')");
+        return -1;
+    }
+    return 0;
+}
+
+/* pred_add(keys, expiry, masks, exp, bit): for each key k, expiry[k] = exp and
+ * masks[k] = masks.get(k, 0) | bit (each map sharded as above). */
+static PyObject *
+pred_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pred_add(keys, expiry, masks, exp, bit)");
+        return NULL;
+    }
+    Py_ssize_t ne, nm;
+    int se, sm;
+    if (pred_shards(args[1], &ne, &se) < 0 || pred_shards(args[2], &nm, &sm) < 0) return NULL;
+    PyObject *exp = args[3], *bit = args[4];
+    Py_buffer view;
+    if (pred_keys(args[0], &view) < 0) return NULL;
+    const uint64_t *ks = (const uint64_t *)view.buf;
+    Py_ssize_t count = view.len / 8;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t k = ks[i];
+        PyObject *key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) goto fail;
+        if (PyDict_SetItem(pred_shard(args[1], ne, se, k), key, exp) < 0) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        PyObject *d = pred_shard(args[2], nm, sm, k);
+        PyObject *v = PyDict_GetItemWithError(d, key); /* borrowed */
+        PyObject *nv;
+        if (v == NULL) {
+            if (PyErr_Occurred()) { Py_DECREF(key); goto fail; }
+            nv = Py_NewRef(bit);
+        } else {
+            nv = PyNumber_Or(v, bit);
+            if (nv == NULL) { Py_DECREF(key); goto fail; }
+        }
+        int rc = PyDict_SetItem(d, key, nv);
+        Py_DECREF(nv);
+        Py_DECREF(key);
+        if (rc < 0) goto fail;
+    }
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+/* pred_expire(keys, expiry, masks, now, bit): for each key k whose expiry[k] is <= now,
+ * delete it and clear `bit` from masks[k] (the entry goes when no bit is left). A key
+ * predicted again since has a later expiry and stays. */
+static PyObject *
+pred_expire(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pred_expire(keys, expiry, masks, now, bit)");
+        return NULL;
+    }
+    Py_ssize_t ne, nm;
+    int se, sm;
+    if (pred_shards(args[1], &ne, &se) < 0 || pred_shards(args[2], &nm, &sm) < 0) return NULL;
+    double now = PyFloat_AsDouble(args[3]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *inv = PyNumber_Invert(args[4]);
+    if (inv == NULL) return NULL;
+    Py_buffer view;
+    if (pred_keys(args[0], &view) < 0) { Py_DECREF(inv); return NULL; }
+    const uint64_t *ks = (const uint64_t *)view.buf;
+    Py_ssize_t count = view.len / 8;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t k = ks[i];
+        PyObject *key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) goto fail;
+        PyObject *de = pred_shard(args[1], ne, se, k);
+        PyObject *e = PyDict_GetItemWithError(de, key); /* borrowed */
+        if (e == NULL) {
+            Py_DECREF(key);
+            if (PyErr_Occurred()) goto fail;
+            continue;
+        }
+        double ev = PyFloat_AsDouble(e);
+        if (ev == -1.0 && PyErr_Occurred()) { Py_DECREF(key); goto fail; }
+        if (ev > now) { Py_DECREF(key); continue; }
+        if (PyDict_DelItem(de, key) < 0) { Py_DECREF(key); goto fail; }
+        PyObject *dm = pred_shard(args[2], nm, sm, k);
+        PyObject *v = PyDict_GetItemWithError(dm, key); /* borrowed */
+        if (v == NULL) {
+            Py_DECREF(key);
+            if (PyErr_Occurred()) goto fail;
+            continue;
+        }
+        PyObject *nv = PyNumber_And(v, inv);
+        if (nv == NULL) { Py_DECREF(key); goto fail; }
+        int keep = PyObject_IsTrue(nv);
+        int rc = keep < 0 ? -1 : keep ? PyDict_SetItem(dm, key, nv) : PyDict_DelItem(dm, key);
+        Py_DECREF(nv);
+        Py_DECREF(key);
+        if (rc < 0) goto fail;
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(inv);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&view);
+    Py_DECREF(inv);
+    return NULL;
+}
+
 static PyObject *
 add_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1413,6 +1575,10 @@ static PyMethodDef methods[] = {
     {"scan_tokens", (PyCFunction)(void (*)(void))scan_tokens, METH_FASTCALL,
      "scan_tokens(tokens, bs, n, start, seed, masks, alive, not_best, lanes=None, "
      "fold=None) -> (i, key)"},
+    {"pred_add", (PyCFunction)(void (*)(void))pred_add, METH_FASTCALL,
+     "pred_add(keys, expiry, masks, exp, bit): predict keys (array('Q')) for a stream"},
+    {"pred_expire", (PyCFunction)(void (*)(void))pred_expire, METH_FASTCALL,
+     "pred_expire(keys, expiry, masks, now, bit): drop the stream's expired predictions"},
     {"add_bits", (PyCFunction)(void (*)(void))add_bits, METH_FASTCALL,
      "add_bits(masks, keys, setb, keep, tb) -> keys already holding tb"},
     {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,

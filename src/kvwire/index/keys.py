@@ -31,7 +31,8 @@ from ..wire.rfc1527 import standard_seed
 
 __all__ = [
     "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "add_bits", "bits64", "block_keys",
-    "chain_start", "chain_tokens", "insert_new", "root_seed", "scan_tokens", "standard_fold",
+    "chain_start", "chain_tokens", "insert_new", "pred_add", "pred_expire", "root_seed",
+    "scan_tokens", "standard_fold",
     "token_bytes",
 ]
 
@@ -169,6 +170,40 @@ def py_add_bits(masks: dict[int, int], keys: list[int], setb: int, keep: int,
     return dups
 
 
+def _shift(shards: tuple) -> int:
+    return 64 - (len(shards).bit_length() - 1)
+
+
+def py_pred_add(keys: Iterable[int], expiry: tuple[dict, ...], masks: tuple[dict, ...],
+                exp: float, bit: int) -> None:
+    """Predict ``keys`` for the stream of slot ``bit`` until ``exp``: ``expiry[k] = exp``,
+    ``masks[k] |= bit``, each map a tuple of 2**b dicts holding ``k`` in the one at
+    ``k >> (64 - b)`` (the pure twin of the C one)."""
+    se, sm = _shift(expiry), _shift(masks)
+    for k in keys:
+        expiry[k >> se][k] = exp
+        d = masks[k >> sm]
+        d[k] = d.get(k, 0) | bit
+
+
+def py_pred_expire(keys: Iterable[int], expiry: tuple[dict, ...], masks: tuple[dict, ...],
+                   now: float, bit: int) -> None:
+    """Drop the predictions of ``keys`` whose expiry is ``<= now`` (one predicted again since
+    stays), clearing ``bit`` from their masks (the pure twin of the C one)."""
+    se, sm = _shift(expiry), _shift(masks)
+    for k in keys:
+        d = expiry[k >> se]
+        e = d.get(k)
+        if e is not None and e <= now:
+            del d[k]
+            m = masks[k >> sm]
+            v = m.get(k, 0) & ~bit
+            if v:
+                m[k] = v
+            else:
+                m.pop(k, None)
+
+
 def py_insert_new(d: dict, hashes: list, keys: list) -> int:
     """``d[hashes[i]] = keys[i]`` in order while ``hashes[i]`` is new to ``d``; stops at the
     first one already there (or repeated) and returns how many it inserted (the pure twin)."""
@@ -186,6 +221,8 @@ REASON = ""
 chain_tokens = py_chain_tokens
 add_bits = py_add_bits
 insert_new = py_insert_new
+pred_add = py_pred_add
+pred_expire = py_pred_expire
 scan_tokens = None  # C only: PrefixIndex walks in Python without it
 Lanes = None  # C only: the scan's uint64 mirror of the masks' lanes 0/1
 bits64 = None  # C only: set bits of a 64-bit mask as a list
@@ -203,6 +240,8 @@ else:
             bits64,
             chain_tokens,
             insert_new,
+            pred_add,
+            pred_expire,
             scan_tokens,
         )
 

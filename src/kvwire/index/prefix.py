@@ -22,7 +22,16 @@ from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..wire.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from ..wire.rfc1527 import STANDARD_SEED
 from . import keys as _k
-from .keys import add_bits, chain_start, chain_tokens, insert_new, root_seed, standard_fold
+from .keys import (
+    add_bits,
+    chain_start,
+    chain_tokens,
+    insert_new,
+    pred_add,
+    pred_expire,
+    root_seed,
+    standard_fold,
+)
 from .state import (
     PRED_SHIFT,
     StreamIndexStats,
@@ -525,14 +534,9 @@ class PrefixIndex:
         now = self.clock()
         self._expire(now)
         exp = now + self.predict_ttl
-        pred = self._h.pred
-        bit = st.bit
-        sp = st.pred
-        for k in keys:
-            i = k >> PRED_SHIFT
-            sp[i][k] = exp
-            d = pred[i]
-            d[k] = d.get(k, 0) | bit
+        if type(keys) is not array or keys.typecode != "Q":
+            keys = array("Q", keys)
+        pred_add(keys, st.pred, self._h.pred, exp, st.bit)
         self._pred_queue.append((exp, st, keys))
         return len(keys)
 
@@ -552,15 +556,9 @@ class PrefixIndex:
         q = self._pred_queue
         while q and q[0][0] <= now:
             _, st, keys = q.popleft()
-            sp = st.pred
             if self._h.streams.get(st.name) is not st:
                 continue  # removed stream: its predictions went with it
-            for k in keys:
-                d = sp[k >> PRED_SHIFT]
-                e = d.get(k)
-                if e is not None and e <= now:
-                    del d[k]
-                    self._clear_pred_bit(k, st.bit)
+            pred_expire(keys, st.pred, self._h.pred, now, st.bit)
 
     # ------------------------------------------------------------------ per-medium answers
 
