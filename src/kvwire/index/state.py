@@ -20,8 +20,8 @@ SUSPECT_AFTER = 20
 #: Predictions are kept in this many dicts, chosen by a key's top bits (``key >> PRED_SHIFT``;
 #: own keys are 64-bit hashes). They churn (a prompt's blocks in, expired or confirmed ones
 #: out), and CPython rebuilds a dict that churns in one go now and then, under the router's
-#: lock: one dict of 384k predictions held a route for 20-30 ms; a shard's rebuild is 1/64
-#: of that (docs/benchmarks.md, bench/index.py --predictions).
+#: lock: one dict of 384k predictions held a route for 22 ms; a shard's rebuild is 1/64 of
+#: that (bench/predictions.py, docs/benchmarks.md).
 PRED_SHARDS = 64
 PRED_SHIFT = 58
 

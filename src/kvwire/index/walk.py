@@ -89,6 +89,7 @@ class PrefixWalk:
         found: dict[int, int] = {}  # slot -> matched blocks (ints only: nothing for the GC)
         detail: dict[int, tuple[int, dict[int, int] | None]] = {}
         scannable = type(token_ids) is list or type(token_ids) is tuple
+        pred = self.pred if any(self.pred) else None  # (looked at once per match)
         for bs, group in self.by_bs.items():
             n = ntok // bs
             if n == 0 or not group:
@@ -99,10 +100,10 @@ class PrefixWalk:
                 if not scannable:
                     token_ids = _as_scannable(token_ids)
                     scannable = True
-                alive, i = self._scan(token_ids, bs, n, seed, fold, group, found, slow)
+                alive, i = self._scan(token_ids, bs, n, seed, fold, group, found, slow, pred)
             else:
                 alive, i = self._walk(_lazy_keys(token_ids, bs, n, seed, fold), group, 0,
-                                      found, slow)
+                                      found, slow, pred)
             for s in _bits(alive):
                 found[s] = i
             if slow:
@@ -173,7 +174,8 @@ class PrefixWalk:
     def _scan(self, token_ids: Any, bs: int, n: int, seed: int | None, fold: int | None,
               alive: int,
               found: dict[int, int],
-              slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
+              slow: list[tuple[int, int, int, int]],
+              pred: tuple[dict[int, int], ...] | None) -> tuple[int, int]:
         """The C walk: ``scan_tokens`` hashes and looks up blocks while every stream in
         ``alive`` holds them in the best tier, and stops at the first block where something
         changes; that block goes through ``_walk``, then the scan goes on. A prompt whose
@@ -186,27 +188,27 @@ class PrefixWalk:
                                   fold)
             if j >= n:
                 return alive, n
-            alive, i = self._walk((k,), alive, j, found, slow)
+            alive, i = self._walk((k,), alive, j, found, slow, pred)
             stops += 1
             if stops >= self.max_stops and alive and i < n:
                 return self._walk(_k.chain_tokens(token_ids, bs, n, k, i, fold), alive, i, found,
-                                  slow)
+                                  slow, pred)
         return alive, i
 
     def _walk(self, keys: Iterable[int], alive: int, i: int,
               found: dict[int, int],
-              slow: list[tuple[int, int, int, int]]) -> tuple[int, int]:
+              slow: list[tuple[int, int, int, int]],
+              pred: tuple[dict[int, int], ...] | None) -> tuple[int, int]:
         """Follow the prompt's keys from block ``i`` while any stream in ``alive`` still
         matches; a stream that stops matching gets its matched length in ``found``. Blocks
-        not all in the best tier (or predicted) go to ``slow``, run-length coded."""
+        not all in the best tier (or predicted) go to ``slow``, run-length coded. ``pred``: the
+        predictions, None when there are none."""
         kget = self.keys.get
-        pred = self.pred
-        has_pred = any(pred)
         W = self.W
         not_best = alive << W  # lane 1 of the streams still matching
         for k in keys:
             v = kget(k, 0)
-            if has_pred:
+            if pred is not None:
                 p = pred[k >> PRED_SHIFT].get(k, 0) & alive & ~v
                 hit = (v & alive) | p
             else:
