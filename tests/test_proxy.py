@@ -598,6 +598,96 @@ def test_metrics_count_requests_retries_and_latencies(
         stub.close()
 
 
+class _Health(_LoopbackServer):
+    """An engine's ``/health`` only: answers ``status`` after ``delay`` seconds (both may be
+    changed while it runs), counting the probes and how many wait at once."""
+
+    def __init__(self, delay: float = 0.0, status: int = 200) -> None:
+        stub = self
+        self.delay, self.status = delay, status
+        self.release = threading.Event()
+        self.probes = self.waiting = self.most_waiting = 0
+        lock = threading.Lock()
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                with lock:
+                    stub.probes += 1
+                    stub.waiting += 1
+                    stub.most_waiting = max(stub.most_waiting, stub.waiting)
+                stub.release.wait(stub.delay)
+                with lock:
+                    stub.waiting -= 1
+                body = b'{"object":"list","data":[{"id":"m","parent":null}]}'
+                self.send_response(stub.status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                try:
+                    self.wfile.write(body)
+                except OSError:  # the prober gave up on it
+                    pass
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self._serve(H)
+
+
+def _probed_proxy(urls: dict[str, str], **cfg: Any) -> tuple[RouterCore, Proxy]:
+    core = RouterCore([EngineSpec(n, f"tcp://127.0.0.1:{i + 1}", url=u)
+                       for i, (n, u) in enumerate(urls.items())])
+    proxy = Proxy(core, load_tokenizer(None), config=ProxyConfig(probe_interval=0.1, **cfg))
+    proxy.start()
+    assert proxy.wait_probed(TIMEOUT)
+    return core, proxy
+
+
+def test_a_slow_health_answer_is_no_failure_and_one_past_the_timeout_is() -> None:
+    """A loaded engine answers /health in 1.5 s, with probes every 0.1 s and 2.5 s allowed:
+    it stays up, probed once at a time (until 2026-11-30 a probe timed out after
+    max(interval, 0.5 s) and marked it down). Past the timeout, a probe fails."""
+    slow = _Health(delay=1.5)
+    core, proxy = _probed_proxy({"s": slow.url}, probe_timeout=2.5)
+    try:
+        link = proxy.links["s"]
+        wait_for(lambda: slow.probes >= 3, timeout=TIMEOUT, interval=0.05,
+                 what="three probes of s")
+        assert link.http_up and link.breaker.up and proxy.counts["probe_failures"] == 0
+        assert slow.most_waiting == 1 and link.model_ids == frozenset({"m"})
+        slow.delay = 4.0
+        wait_for(lambda: not link.http_up, timeout=TIMEOUT, interval=0.05, what="s down")
+        assert proxy.counts["probe_failures"] >= 1
+    finally:
+        slow.release.set()  # (the probe under way ends now)
+        proxy.close()
+        core.close()
+        slow.close()
+
+
+def test_an_engine_whose_health_hangs_delays_no_other_engines_probe() -> None:
+    """Engine h's /health starts hanging (30 s allowed); engine f's then turns 500, and f is
+    down while h's probe still waits: engines are probed side by side, each once at a time
+    (one after another, f waited behind h)."""
+    hung, fast = _Health(), _Health()
+    core, proxy = _probed_proxy({"h": hung.url, "f": fast.url}, probe_timeout=30.0)
+    try:
+        h, f = proxy.links["h"], proxy.links["f"]
+        assert h.http_up and f.http_up
+        hung.delay = 30.0
+        wait_for(lambda: hung.waiting == 1, timeout=TIMEOUT, interval=0.01,
+                 what="a probe of h hanging")
+        fast.status = 500
+        wait_for(lambda: not f.http_up, timeout=10.0, interval=0.01, what="f down")
+        assert hung.waiting == 1 and hung.most_waiting == 1 and h.http_up
+    finally:
+        hung.release.set()
+        proxy.close()
+        core.close()
+        hung.close()
+        fast.close()
+
+
 def test_dp_rank_goes_in_vllms_header(make_stack: Callable[..., Stack]) -> None:
     """An engine with ranks=2: the chosen rank reaches the engine as X-data-parallel-rank
     (vLLM's header) and the client as x-kvwire-rank. (The recording stub answers.)"""

@@ -109,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it back")
     p.add_argument("--probe-interval", type=_positive(float), default=1.0,
                    help="proxy: seconds between engine /health probes")
+    p.add_argument("--probe-timeout", type=_positive(float), default=5.0,
+                   help="proxy: seconds an engine's /health may take before the probe fails "
+                        "and the engine is marked down (default 5)")
     p.add_argument("--first-byte-timeout", type=_positive(float), default=60.0,
                    help="proxy: seconds to wait for an engine's answer to begin")
     p.add_argument("--response-ids", type=_count, default=100_000, metavar="N",
@@ -360,6 +363,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
 
     return ProxyConfig(retries=args.retries, cooloff=args.cooloff,
                        probe_interval=args.probe_interval,
+                       probe_timeout=args.probe_timeout,
                        first_byte_timeout=args.first_byte_timeout,
                        stall_timeout=args.stall_timeout, response_ids=args.response_ids,
                        max_in_flight=args.max_in_flight)

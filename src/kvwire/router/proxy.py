@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ from .upstream import Pool, UpstreamError
 __all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 
 log = logging.getLogger("kvwire.router.proxy")
+#: Engines probed at once (more wait their turn, as do the rest while that many hang).
+PROBE_THREADS = 16
 
 _enc = msgspec.json.Encoder()
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -95,6 +98,9 @@ class ProxyConfig:
     retries: int = 2
     cooloff: float = 5.0
     probe_interval: float = 1.0
+    #: seconds an engine's /health may take: a loaded engine answers late, and one failed
+    #: probe marks it down for the cool-off (until 2026-11-30: max(probe_interval, 0.5))
+    probe_timeout: float = 5.0
     connect_timeout: float = 2.0
     first_byte_timeout: float = 60.0
     stall_timeout: float = 300.0
@@ -190,20 +196,44 @@ class Proxy:
     def close(self) -> None:
         self._stop.set()
         self._kick.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        if self._thread is not None:  # (a probe under way ends within probe_timeout)
+            self._thread.join(self.cfg.probe_timeout + 1.0)
 
     def _probe_loop(self) -> None:
-        with httpx.Client(timeout=httpx.Timeout(max(self.cfg.probe_interval, 0.5)),
-                          limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        """Every ``probe_interval``, probe each engine whose last probe has ended, in a pool
+        of threads: an engine slow to answer (up to ``probe_timeout``) delays nobody else's
+        probe, and is not probed twice at once."""
+        busy: set[str] = set()
+        pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="kvwire-probe")
+        client = httpx.Client(timeout=httpx.Timeout(self.cfg.probe_timeout),
+                              limits=httpx.Limits(max_keepalive_connections=0))
+
+        def probe(link: _Link, refresh: bool) -> None:
+            try:
+                self._probe(client, link, refresh)
+            finally:
+                with self._lock:
+                    busy.discard(link.name)
+
+        try:
             n = 0
             while not self._stop.is_set():
+                started = []
                 for link in list(self.links.values()):
-                    self._probe(client, link, refresh=n % 10 == 0)
+                    with self._lock:
+                        if link.name in busy:
+                            continue  # its last probe still waits for an answer
+                        busy.add(link.name)
+                    started.append(pool.submit(probe, link, n % 10 == 0))
+                if n == 0:
+                    wait(started)  # (wait_probed: every engine probed once)
                 self._probed.set()
                 n += 1
                 self._kick.wait(self.cfg.probe_interval)
                 self._kick.clear()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            client.close()
 
     # ------------------------------------------------------------------ membership
 
@@ -259,7 +289,8 @@ class Proxy:
                 data = client.get(link.url + "/v1/models").json()["data"]
                 link.models = [m for m in data if isinstance(m, dict) and "id" in m]
                 link.model_ids = frozenset(m["id"] for m in link.models)
-                self._models_gen += 1  # (only this thread writes it)
+                with self._lock:  # (the probe threads write it)
+                    self._models_gen += 1
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             ok = False
         now = time.monotonic()
@@ -270,8 +301,8 @@ class Proxy:
             if was != (link.breaker.up and ok):  # an engine lost is news; one back, less so
                 log.log(logging.INFO if ok else logging.WARNING, "engine %s is %s",
                         link.name, "up" if ok else "down")
-        if not ok:
-            self.counts["probe_failures"] += 1
+            if not ok:
+                self.counts["probe_failures"] += 1
 
     def wait_probed(self, timeout: float) -> bool:
         """Block until every engine has been probed once (tests, start-up)."""
