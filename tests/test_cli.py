@@ -167,6 +167,7 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     publisher's replay buffer; seq 15 shows the hole and the listener must replay it."""
     ref = ReferencePublisher(b"kv", legacy=legacy)
     n = 30
+    t0 = time.monotonic()
     proc = start_listen(ref.endpoint, "--replay", ref.replay_endpoint, "--topic", "kv",
                         "--json", "--count", str(n))
     out = Lines(proc)
@@ -207,7 +208,15 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     assert all(o["stream"] == ref.endpoint for o in objs)
     # The publisher saw exactly one replay after the catch-up: from our last seq (9, checked
     # to be the batch we had), answered with 9..15 (15 was already held live).
-    assert ref.requests[len(before):] == [(9, 7)]
+    new = ref.requests[len(before):]
+    if time.monotonic() - t0 < 9.0:
+        assert new == [(9, 7)]
+    else:
+        # A run this slow (beside a busy process; seen once) meets the listener's periodic
+        # check, every 10 s: a quiet stream asks a replay from its last seq itself, and what
+        # that answer lacks is asked past it. Replays from 9 or 10 then cover the gap.
+        assert new and new[0][0] in (9, 10), new
+        assert set(range(10, 15)) <= {s for a, k in new for s in range(a, a + k)}, new
     counts = summary(err)[ref.endpoint]
     replayed = counts.pop("replayed")
     assert counts == {"batches": n, "gaps": 1, "lost": 0}, err
