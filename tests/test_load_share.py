@@ -82,7 +82,7 @@ def test_a_release_asked_of_its_owner_is_answered_once_and_asked_again_while_hel
                                      ["r", "r2", "e1", 4.0, 0.0]]), 0.0) == []
     assert b.owner("r1") == "A" and b.owner("nope") is None
     ask = b.ask_release("A", "r1", 12)
-    assert ask == ["q", "r1", "A", 12]
+    assert ask == ["q", "r1", "A", 12] and b.counts["releases_asked"] == 1
     # the ask is lost: A's heartbeat still lists r1, so B asks again (r2 never asked)
     again = b.receive(Report("A", 2, [], live={"r1": ["e0", 10.0, 0.0],
                                                "r2": ["e1", 4.0, 0.0]}), 0.5)
@@ -582,11 +582,19 @@ def test_a_change_reaches_the_peer_at_once_not_with_the_next_heartbeat(
     finally:
         a.close()
         b.close()
+        for share in (sa, sb):  # close() ends the sharing thread
+            share.close()
+            assert share._thread is not None and not share._thread.is_alive()
 
 
 def test_bad_settings_are_refused_by_name() -> None:
+    from kvwire.nats.connect import NatsConnectError
     from kvwire.router.load_share import LoadShare
     from kvwire.router.service import RouterCore
+
+    share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "s", connect_timeout=0.5)
+    with pytest.raises(NatsConnectError, match="cannot connect to NATS at nats://127.0.0.1:1"):
+        share.start()  # nothing listens there: start() says so, it does not hang
 
     with pytest.raises(ValueError, match="ttl must be > 0"):
         PeerLoads(_tracker(), "me", ttl=0)
