@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -630,6 +631,56 @@ def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stan
     assert len(second.live) == MAX_OPS + 9 and "q0" not in second.live
     assert second.live["q1"] == ["e0", 2.0, 0.0] and second.live["q2"] == ["e0", 5.0, 3.0]
     assert len(share._report(False).ops) == 0
+
+
+def test_a_heartbeat_over_the_servers_max_payload_goes_without_its_reservations(
+        tmp_path: Any) -> None:
+    """A nats-server that takes 64 KB a message at most, and 3,000 reservations in flight at
+    A (about 90 KB as a heartbeat's list): the heartbeats are cut to fit and still sent (B
+    keeps hearing A, nothing fails to send); the reservations themselves went in reports
+    that fit."""
+    from nats_helpers import NatsServer
+
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    srv = NatsServer(tmp_path / "nats", extra_args=["-c", str(conf)]).start()
+    try:
+        a, b, sa, sb = _pair(srv.url, ttl=5.0)
+        try:
+            for chunk in range(30):
+                with a.lock:
+                    for i in range(chunk * 100, chunk * 100 + 100):
+                        a.loads.reserve(f"q{i}", "e0", 1.0)
+                        a.share(["r", f"q{i}", "e0", 1.0, 0.0])
+                wait_for(lambda c=chunk: sb.peers.held() == c * 100 + 100, timeout=30,
+                         interval=0.01, what=f"chunk {chunk} at B")
+            wait_for(lambda: sa.counts["heartbeats_cut"] >= 2, timeout=30, interval=0.02,
+                     what="heartbeats cut to fit")
+            heard = sb.peers.counts["reports"]
+            wait_for(lambda: sb.peers.counts["reports"] > heard, timeout=30, interval=0.02,
+                     what="B still hears A")
+            assert sa.counts["send_errors"] == 0 and sb.peers.held() == 3000
+        finally:
+            a.close()
+            b.close()
+            sa.close()
+            sb.close()
+    finally:
+        srv.stop()
+
+
+def test_a_heartbeat_leaves_out_own_reservations_expired_here() -> None:
+    """A reservation older than the load tracker's expiry (its release never came) is not
+    sent in heartbeats any more: the peers' copies then expire with the heartbeat's."""
+    from kvwire.router.load_share import LoadShare
+    from kvwire.router.service import RouterCore
+
+    share = LoadShare(RouterCore([], expiry_s=0.05), "nats://127.0.0.1:1", "s", replica="A")
+    share.push(["r", "old", "e0", 5.0, 0.0])
+    assert share._report(True).live == {"old": ["e0", 5.0, 0.0]}
+    time.sleep(0.1)  # (older than the expiry: load only makes it older)
+    share.push(["r", "new", "e0", 3.0, 0.0])
+    assert share._report(True).live == {"new": ["e0", 3.0, 0.0]}
 
 
 def test_predictions_are_cut_by_bytes_and_dropped_first_when_a_backlog_forms() -> None:
