@@ -40,8 +40,9 @@ def test_a_peers_operations_move_the_load_and_its_own_are_ignored() -> None:
     assert loads.loads() == {} and peers.held() == 0 and out == [40]
     # a gap in its sequence is counted; malformed operations are counted and skipped
     peers.receive(Report("a", 5, [["r", 7, "e0", 1.0, 0.0], ["r", "3", "e0", -1.0, 0.0],
-                                  ["q", "4"], ["r", "5"], ["r", "6", "e0", 3.0, 0.0]]), 0.3)
-    assert peers.counts["gaps"] == 1 and peers.counts["bad"] == 4
+                                  ["q", "4"], ["r", "5"], ["r", "6", "e0", 3.0, 0.0],
+                                  ["r", "8", 0, 1.0, 0.0]]), 0.3)
+    assert peers.counts["gaps"] == 1 and peers.counts["bad"] == 5
     assert loads.loads() == {"e0": 3.0}
     # a release for a reservation never seen (its report lost) is not an unknown release
     peers.receive(Report("a", 6, [["x", "zz", 1]]), 0.4)
