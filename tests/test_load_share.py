@@ -581,6 +581,8 @@ def test_a_change_reaches_the_peer_at_once_not_with_the_next_heartbeat(
         wait_for(lambda: b.loads.holder("A:q1") is None, timeout=5, interval=0.005,
                  what="the release at B")
         assert sb.peers.counts["ops"] == 7 and sb.peers.held() == 4
+        # (no heartbeat yet: every report A counts as sent is one B received)
+        assert sa.counts["sent"] == sb.peers.counts["reports"] and sa.counts["sent"] >= 1
     finally:
         a.close()
         b.close()
