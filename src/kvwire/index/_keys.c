@@ -855,24 +855,38 @@ pred_keys(PyObject *o, Py_buffer *view)
     return 0;
 }
 
+/* the arguments of pred_add and pred_expire: (keys, expiry, masks, exp or now, bit) */
+typedef struct {
+    Py_ssize_t ne, nm;  /* shards of expiry and of masks */
+    int se, sm;         /* their shifts */
+    Py_buffer view;     /* the keys (released by the caller) */
+} PredArgs;
+
+static int
+pred_args(PyObject *const *args, Py_ssize_t nargs, const char *sig, PredArgs *a)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, sig);
+        return -1;
+    }
+    if (pred_shards(args[1], &a->ne, &a->se) < 0 || pred_shards(args[2], &a->nm, &a->sm) < 0)
+        return -1;
+    return pred_keys(args[0], &a->view);
+}
+
 /* pred_add(keys, expiry, masks, exp, bit): for each key k, expiry[k] = exp and
  * masks[k] = masks.get(k, 0) | bit (each map sharded as above). */
 static PyObject *
 pred_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "pred_add(keys, expiry, masks, exp, bit)");
-        return NULL;
-    }
-    Py_ssize_t ne, nm;
-    int se, sm;
-    if (pred_shards(args[1], &ne, &se) < 0 || pred_shards(args[2], &nm, &sm) < 0) return NULL;
+    PredArgs a;
+    if (pred_args(args, nargs, "pred_add(keys, expiry, masks, exp, bit)", &a) < 0) return NULL;
+    Py_ssize_t ne = a.ne, nm = a.nm;
+    int se = a.se, sm = a.sm;
     PyObject *exp = args[3], *bit = args[4];
-    Py_buffer view;
-    if (pred_keys(args[0], &view) < 0) return NULL;
-    const uint64_t *ks = (const uint64_t *)view.buf;
-    Py_ssize_t count = view.len / 8;
+    const uint64_t *ks = (const uint64_t *)a.view.buf;
+    Py_ssize_t count = a.view.len / 8;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t k = ks[i];
         PyObject *key = PyLong_FromUnsignedLongLong(k);
@@ -896,10 +910,10 @@ pred_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(key);
         if (rc < 0) goto fail;
     }
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&a.view);
     Py_RETURN_NONE;
 fail:
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&a.view);
     return NULL;
 }
 
@@ -910,21 +924,16 @@ static PyObject *
 pred_expire(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "pred_expire(keys, expiry, masks, now, bit)");
+    PredArgs a;
+    if (pred_args(args, nargs, "pred_expire(keys, expiry, masks, now, bit)", &a) < 0)
         return NULL;
-    }
-    Py_ssize_t ne, nm;
-    int se, sm;
-    if (pred_shards(args[1], &ne, &se) < 0 || pred_shards(args[2], &nm, &sm) < 0) return NULL;
+    Py_ssize_t ne = a.ne, nm = a.nm;
+    int se = a.se, sm = a.sm;
     double now = PyFloat_AsDouble(args[3]);
-    if (now == -1.0 && PyErr_Occurred()) return NULL;
-    PyObject *inv = PyNumber_Invert(args[4]);
-    if (inv == NULL) return NULL;
-    Py_buffer view;
-    if (pred_keys(args[0], &view) < 0) { Py_DECREF(inv); return NULL; }
-    const uint64_t *ks = (const uint64_t *)view.buf;
-    Py_ssize_t count = view.len / 8;
+    PyObject *inv = now == -1.0 && PyErr_Occurred() ? NULL : PyNumber_Invert(args[4]);
+    if (inv == NULL) { PyBuffer_Release(&a.view); return NULL; }
+    const uint64_t *ks = (const uint64_t *)a.view.buf;
+    Py_ssize_t count = a.view.len / 8;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t k = ks[i];
         PyObject *key = PyLong_FromUnsignedLongLong(k);
@@ -955,11 +964,11 @@ pred_expire(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(key);
         if (rc < 0) goto fail;
     }
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&a.view);
     Py_DECREF(inv);
     Py_RETURN_NONE;
 fail:
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&a.view);
     Py_DECREF(inv);
     return NULL;
 }
