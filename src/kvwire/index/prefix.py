@@ -325,7 +325,10 @@ class PrefixIndex:
         kget = kd.get
         lanes = self._h.lanes
         sp = st.pred
-        pred = any(sp)
+        if any(sp):  # events confirm the predictions they store: they decide from now on
+            for k in keys:
+                if k in sp[k >> PRED_SHIFT]:
+                    self._unpredict(st, k)
         dget = d.get
         if t == 0:
             # the common case: new blocks in the best tier, in C
@@ -335,18 +338,12 @@ class PrefixIndex:
             if done == len(hs):
                 for k in add_bits(kd, keys, bit | tb, ~nb, tb, lanes):
                     self._dup(st, t, k)
-                if pred:  # events confirm the predictions they store: they decide now
-                    for k in keys:
-                        if k in sp[k >> PRED_SHIFT]:
-                            self._unpredict(st, k)
                 return
             for h in hs[:done]:  # a hash known already (or twice in the event): undo,
                 del d[h]  # take the careful path
         if t == 0:  # the best tier: any-lane and tier lane set, not-best lane cleared
             setb = bit | tb
             for h, k in zip(hs, keys):
-                if pred and k in sp[k >> PRED_SHIFT]:  # events confirm the prediction
-                    self._unpredict(st, k)
                 old = dget(h)
                 if old is not None:
                     if old != k:
@@ -363,8 +360,6 @@ class PrefixIndex:
         else:
             best = bit << (2 * W)
             for h, k in zip(hs, keys):
-                if pred and k in sp[k >> PRED_SHIFT]:
-                    self._unpredict(st, k)
                 old = dget(h)
                 if old is not None:
                     if old != k:
