@@ -25,10 +25,10 @@ from urllib.parse import parse_qs
 
 import msgspec
 
+from ..http1.client import Response, UpstreamError
 from .proxy_state import Lifecycle, Outcome, marks_down, should_retry
 from .responses import SCAN_LIMIT, addressed
 from .service import RouteError
-from .upstream import Response, UpstreamError
 
 if TYPE_CHECKING:
     from .front import Request
@@ -307,7 +307,7 @@ def _settle(proxy: Proxy, lc: Lifecycle, name: str, out_tokens: int | None) -> N
 
 class _Relay:
     """A started stream: the engine's chunks to the client as they come (a
-    :class:`~kvwire.router.upstream.Sink`). The first drops the prefill share; an engine
+    :class:`~kvwire.http1.client.Sink`). The first drops the prefill share; an engine
     failing or going silent mid-stream becomes an SSE error event and a clean end. From
     its start the relay owns the request's end: the request's task has returned (no
     await and no wake-up per stream for its end), so the relay settles the load, and a

@@ -31,6 +31,7 @@ import httpx
 import msgspec
 
 from ..consume.engine_spec import EngineSpec
+from ..http1.client import Pool, UpstreamError
 from ..tokenize.content import engine_template_kwargs
 from .forward import PASS, PATHS, BadRequest, handle, openai_error
 from .proxy_metrics import ProxyMetrics
@@ -38,7 +39,6 @@ from .proxy_state import Breaker, Lifecycle
 from .responses import PREFIX as RESPONSES_PREFIX
 from .responses import ResponseOwners, chat_request
 from .service import RouterCore
-from .upstream import Pool, UpstreamError
 
 __all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 
