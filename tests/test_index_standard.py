@@ -7,6 +7,7 @@ by a prompt that kvwire hashes itself."""
 from __future__ import annotations
 
 import json
+import struct
 import time
 from array import array
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from engine_helpers import import_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest as xxh3
 
 from kvwire.consume.stream import Batch
 from kvwire.index import PrefixIndex, block_keys
@@ -58,18 +60,108 @@ def test_fold_rules_without_dynamo() -> None:
         toks, 16, rfc1527.standard_seed("a", "ns"))
 
 
+def dynamo_roll(local: list[int]) -> list[int]:
+    """Sequence hashes as Dynamo rolls them over its local hashes (``compute_seq_hash_for_block``
+    of its kv-router protocols): ``seq[0] = local[0]``, then ``xxh3_64(le_u64(seq[i-1]) ||
+    le_u64(local[i]))`` with its fixed seed 1337, whatever seed the local hashes had."""
+    seq: list[int] = []
+    for h in local:
+        seq.append(h if not seq else xxh3(struct.pack("<QQ", seq[-1], h), 1337))
+    return seq
+
+
+#: tokens 0..47, blocks of 16, LoRA "sql", namespace "ns": Dynamo 1.6.1's
+#: compute_block_hash_for_seq (the local hashes), rolled by dynamo_roll
+SQL_NS_LOCAL = [4740659346401312339, 13579242105682076948, 14012102813559346700]
+SQL_NS_SEQ = [4740659346401312339, 17854500904795767951, 17711217977716770975]
+
+
+def test_lora_and_namespace_seed_the_local_hashes_only() -> None:
+    """Without Dynamo: the LoRA / namespace seed ``S`` is the local hashes' seed, and every
+    sequence hash chains with 1337 (a chain seeded by ``S`` matches nothing Dynamo or a
+    Mooncake publisher computes past the first block); C and pure keys alike."""
+    toks = list(range(48))
+    fold = rfc1527.standard_seed("sql", "ns")
+    assert rfc1527.standard_local_hashes(toks, 16, fold) == SQL_NS_LOCAL
+    assert dynamo_roll(SQL_NS_LOCAL) == SQL_NS_SEQ
+    assert rfc1527.standard_sequence_hashes(SQL_NS_LOCAL) == SQL_NS_SEQ
+    assert rfc1527.standard_block_hashes(toks, 16, fold) == SQL_NS_SEQ
+    assert block_keys(toks, 16, "sql", "ns") == SQL_NS_SEQ
+    assert keys_mod.py_chain_tokens(toks, 16, 3, None, 0, fold) == SQL_NS_SEQ
+    assert keys_mod.chain_tokens(toks, 16, 3, None, 0, fold) == SQL_NS_SEQ
+    for chain in (keys_mod.chain_tokens, keys_mod.py_chain_tokens):  # continuing a chain
+        assert chain(toks, 16, 3, SQL_NS_SEQ[0], 1, fold) == SQL_NS_SEQ[1:]
+        assert chain(array("q", toks), 16, 3, SQL_NS_SEQ[1], 2, fold) == SQL_NS_SEQ[2:]
+
+
 @settings(max_examples=300, deadline=None)
-@given(toks=st.lists(U32, max_size=130), bs=st.integers(1, 40), lora=NAMES, ns=NAMES)
-def test_equal_to_dynamo_compute_block_hash_for_seq(toks, bs, lora, ns) -> None:
+@given(data=st.data(), n=st.integers(0, 8), bs=st.integers(1, 24), lora=NAMES, ns=NAMES)
+def test_equal_to_dynamo_compute_block_hash_for_seq(data, n, bs, lora, ns) -> None:
+    """Whole chains (several blocks, a partial tail), with and without a LoRA name and a
+    namespace: local hashes equal Dynamo's, sequence hashes equal Dynamo's roll of them, in
+    the C keys and the pure-Python ones."""
     core = import_or_skip("dynamo._core", "ai-dynamo-runtime (ai-dynamo-runtime==1.6.1)")
-    want = core.compute_block_hash_for_seq(toks, bs, lora_name=lora, cache_namespace=ns)
-    seed = rfc1527.standard_seed(lora, ns)
-    assert rfc1527.standard_local_hashes(toks, bs, seed) == want
-    # the index's keys are the sequence hashes over those local hashes
-    keys = block_keys(toks, bs, lora, ns)
-    assert len(keys) == len(want)
-    if want:
-        assert keys[0] == want[0]
+    toks = data.draw(st.lists(U32, min_size=n * bs, max_size=n * bs + bs - 1))
+    local = core.compute_block_hash_for_seq(toks, bs, lora_name=lora, cache_namespace=ns)
+    assert len(local) == n
+    want = dynamo_roll(local)
+    fold = rfc1527.standard_seed(lora, ns)
+    assert keys_mod.standard_fold(lora, ns) == fold
+    assert rfc1527.standard_local_hashes(toks, bs, fold) == local
+    assert rfc1527.standard_sequence_hashes(local) == want
+    assert rfc1527.standard_block_hashes(toks, bs, fold) == want
+    # the index's keys: the default scheme (C when built), and the pure-Python path
+    assert block_keys(toks, bs, lora, ns) == want
+    assert keys_mod.py_chain_tokens(toks, bs, n, None, 0, fold) == want
+    assert keys_mod.chain_tokens(toks, bs, n, None, 0, fold) == want
+    if n:
+        mid = n // 2
+        prev = want[mid - 1] if mid else None
+        assert keys_mod.chain_tokens(toks, bs, n, prev, mid, fold) == want[mid:]
+        assert keys_mod.py_chain_tokens(toks, bs, n, prev, mid, fold) == want[mid:]
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_index_keys_lora_salted_prompts_as_dynamo(impl, monkeypatch) -> None:
+    """A LoRA + salted prompt stored with tokens (the salt on the first event only, as vLLM
+    sends it) and another announced by rfc1527 sequence hashes only: the index's keys are
+    Dynamo's sequence hashes, so a prompt hashed here, Dynamo's hashes and the C tier walk
+    that hashes as it goes all find every block; with the C keys and the pure ones."""
+    from kvwire.index import prefix as prefix_mod
+
+    if impl == "python":
+        monkeypatch.setattr(keys_mod, "NATIVE", False)  # read by index.walk at each match
+        monkeypatch.setattr(keys_mod, "chain_tokens", keys_mod.py_chain_tokens)
+        monkeypatch.setattr(prefix_mod, "chain_tokens", keys_mod.py_chain_tokens)
+        monkeypatch.setattr(keys_mod, "KeyMap", dict)
+    elif not keys_mod.NATIVE:
+        pytest.skip(f"C keys not built: {keys_mod.REASON}")
+    bs, n = 8, 6
+    prompt = [(i * 7919) % 50_000 for i in range(n * bs)]
+    fold = rfc1527.standard_seed("sql", "ns")
+    want = dynamo_roll(rfc1527.standard_local_hashes(prompt, bs, fold))
+    idx = PrefixIndex()
+    first = BlockStored([1, 2], None, prompt[: 2 * bs], bs, None, None, "sql",
+                        cache_salt="ns")
+    rest = BlockStored([3, 4, 5, 6], 2, prompt[2 * bs :], bs, None, None, "sql")
+    idx.apply(_batch("tokens", first, rest))
+    ann = BlockStored(want[:4], None, [], bs, None, "CPU",
+                      rfc1527=Rfc1527Fields(base_block_idx=0))
+    idx.apply(_batch("hashes", *_wire(ann)))
+    assert sorted(idx._h.keys) == sorted(want)
+    got = idx.match(prompt, "sql", "ns")
+    assert (got["tokens"].blocks, got["hashes"].blocks) == (n, 4)
+    assert idx.match(prompt, "sql")["tokens"].blocks == 0
+    walk = idx.walk
+    by_hash = walk.tier_prefixes(want, ["tokens", "hashes"])
+    assert (by_hash["tokens"][0], by_hash["hashes"][0]) == (n, 4)
+    if walk.c_walk and impl == "native":  # the indexer's walk, hashing the prompt in C
+        seed, chain_fold = keys_mod.chain_start("standard", "sql", "ns")
+        names = ["tokens", "hashes"]
+        flat = walk.walk_tokens(array("q", prompt), bs, n, seed, chain_fold,
+                                [walk.streams[s].slot for s in names])
+        assert walk.unflatten(flat, names, True) == walk.tier_prefixes(want, names,
+                                                                      cumulative=True)
 
 
 @native

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from waiting import wait_for  # noqa: E402
+from xxhash import xxh3_64_intdigest  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
@@ -37,6 +39,7 @@ from kvwire.wire.events import (  # noqa: E402
 from kvwire.wire.rfc1527 import (  # noqa: E402
     standard_block_hashes,
     standard_local_hashes,
+    standard_seed,
 )
 
 BS = 16
@@ -321,6 +324,27 @@ def test_cases_dynamos_indexer_gets_wrong(svc: Service) -> None:
     svc.pubs["w8"].publish(stored(toks, 1))
     svc.held("w8", toks, 64, cache_salt="w8a8")
     assert "w8" not in svc.query(model="m", token_ids=toks)["default"]
+
+
+def test_query_by_hash_of_a_lora_salted_prompt_as_dynamo_hashes_it(svc: Service) -> None:
+    """A LoRA + salted prompt (SGLang's dialect carries both): Dynamo's local hashes of it
+    (the LoRA name and the namespace are in their seed) and the sequence hashes rolled over
+    them as Dynamo rolls them (seed 1337 always) each find every block by hash."""
+    svc.publisher("ls", dialect="sglang")
+    svc.register("ls", instance_id="ls")
+    toks = tokens(9, 4)
+    svc.pubs["ls"].publish(stored(toks, 1, lora_name="sql", cache_salt="ns"))
+    svc.held("ls", toks, 64, lora_name="sql", cache_salt="ns")
+    local = standard_local_hashes(toks, BS, standard_seed("sql", "ns"))
+    seq = [local[0]]
+    for h in local[1:]:
+        seq.append(xxh3_64_intdigest(struct.pack("<QQ", seq[-1], h), 1337))
+    out = svc.query("/query_by_hash", model="m", lora_name="sql", cache_salt="ns",
+                    block_size=BS, seq_hashes=seq)
+    assert out["default"]["ls"]["longest_matched"] == 64, out
+    out = svc.query("/query_by_hash", model_name="m", lora_name="sql", cache_salt="ns",
+                    block_hashes=signed(local))
+    assert out["instances"]["ls"]["longest_matched"] == 64, out
 
 
 # --------------------------------------------------------------------------- bad input

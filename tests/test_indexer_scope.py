@@ -66,7 +66,7 @@ def test_local_hashes_chain_into_sequence_hashes() -> None:
     toks = list(range(64))
     for seed in (standard_seed(), standard_seed("lora-a", "ns")):
         local = standard_local_hashes(toks, 16, seed)
-        assert seq_from_local(local, seed) == standard_block_hashes(toks, 16, seed)
+        assert seq_from_local(local) == standard_block_hashes(toks, 16, seed)
 
 
 def test_registrations_file_is_replaced_whole(tmp_path, monkeypatch) -> None:

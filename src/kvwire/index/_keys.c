@@ -7,7 +7,8 @@
  * chain_tokens(tokens, block_size, n, prev, start=0, fold=None) with an int `fold`: the
  *   standard scheme (RFC #1527 sequence hashes, docs/index.md): tokens as little-endian u32,
  *   local = XXH3(block, fold), key = local when `prev` is None (no block before), else
- *   XXH3(le64(prev) || le64(local), fold), then prev = key.
+ *   XXH3(le64(prev) || le64(local), 1337), then prev = key: the chain's seed is always
+ *   Dynamo's 1337, a LoRA name or cache namespace (in `fold`) seeds the local hash only.
  *   Exactly what the pure-Python path computes (array('q') bytes + xxhash's xxh3_64), but
  *   reading the ints straight from the list: no intermediate bytes object, no slices.
  *
@@ -63,6 +64,9 @@ tok_value(PyObject *o, int64_t *out)
     return 0;
 }
 
+/* The standard scheme's chain seed (Dynamo's XXH3 seed), whatever the local hashes' seed. */
+#define STD_CHAIN_SEED 1337ULL
+
 /* The standard scheme's next key from `bs` u32 tokens (see the header). */
 static inline uint64_t
 std_next(int has_prev, uint64_t prev, const uint32_t *blk, Py_ssize_t bs, uint64_t fold)
@@ -70,7 +74,7 @@ std_next(int has_prev, uint64_t prev, const uint32_t *blk, Py_ssize_t bs, uint64
     uint64_t local = XXH3_64bits_withSeed(blk, (size_t)bs * 4, fold);
     if (!has_prev) return local;
     uint64_t pair[2] = {prev, local};
-    return XXH3_64bits_withSeed(pair, 16, fold);
+    return XXH3_64bits_withSeed(pair, 16, STD_CHAIN_SEED);
 }
 
 static inline int

@@ -10,9 +10,10 @@
  *   0..t for t = 1..nt-1: 1 + nt (+ nt - 1) ints per slot. Predictions are not counted.
  * tier_walk_tokens(tokens, bs, n, seed, fold, masks, slots, nt, cumulative)
  *   the same over the chained keys of the first n blocks of bs tokens of `tokens` (an
- *   int64 buffer): the standard scheme when `fold` is an int (`seed` then None), the
- *   kvwire scheme (XXH3 of the block's int64 bytes, seeded by the key before, `seed` first)
- *   when `fold` is None: what kvwire.index.keys.chain_tokens computes, key for key.
+ *   int64 buffer): the standard scheme when `fold` is an int (`seed` then None; `fold`
+ *   seeds the local hashes, the chain is always seeded by Dynamo's 1337), the kvwire
+ *   scheme (XXH3 of the block's int64 bytes, seeded by the key before, `seed` first) when
+ *   `fold` is None: what kvwire.index.keys.chain_tokens computes, key for key.
  *
  * Only CPython builds whose ints are 30-bit digits (3.10, 3.11) read the masks' lanes
  * straight from the int's digits; elsewhere the module has no functions and the Python
@@ -263,7 +264,7 @@ tier_walk_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             uint64_t local = XXH3_64bits_withSeed(b32, (size_t)bs * 4, fold);
             if (has_prev) {
                 uint64_t pair[2] = {k, local};
-                k = XXH3_64bits_withSeed(pair, 16, fold);
+                k = XXH3_64bits_withSeed(pair, 16, 1337ULL);  /* the chain's fixed seed */
             } else {
                 k = local;
                 has_prev = 1;

@@ -6,10 +6,11 @@ same way for events and for requests. Two schemes (docs/index.md, "Key schemes")
 
 * ``"standard"`` (the default): the RFC #1527 sequence hash as Dynamo computes it (tokens as
   little-endian u32, ``local = xxh3_64(block, S)``, ``key[0] = local[0]``, ``key[i] =
-  xxh3_64(le64(key[i-1]) || le64(local[i]), S)``) with ``S`` =
+  xxh3_64(le64(key[i-1]) || le64(local[i]), 1337)``) with ``S`` =
   :func:`kvwire.wire.rfc1527.standard_seed` of the LoRA name and the cache salt (as the
-  cache namespace): a publisher that announces blocks only by standard hashes is matched
-  by the same prompt. Token ids must fit in u32.
+  cache namespace); the chain's seed is always 1337, as Dynamo's: a publisher that
+  announces blocks only by standard hashes is matched by the same prompt. Token ids must
+  fit in u32.
 * ``"kvwire"`` (the earlier one): ``key[i] = xxh3_64(int64 bytes of block i, seed=key[i-1])``,
   the first block's seed mixing the LoRA name and the cache salt / extra keys.
 
@@ -27,7 +28,7 @@ from typing import Any
 import msgspec
 from xxhash import xxh3_64_intdigest
 
-from ..wire.rfc1527 import standard_seed
+from ..wire.rfc1527 import STANDARD_SEED, standard_seed
 
 __all__ = [
     "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "add_bits", "bits64", "block_keys",
@@ -97,14 +98,15 @@ def _std_u32(token_ids: Sequence[int]) -> bytes:
 def py_chain_std(token_ids: Sequence[int], block_size: int, n: int, prev: int | None,
                  fold: int, start: int = 0) -> Iterable[int]:
     """The standard scheme's keys of blocks ``start..n-1``, one at a time (``prev``: the key
-    of block ``start - 1``, None when there is none)."""
+    of block ``start - 1``, None when there is none). ``fold`` seeds the local hashes only;
+    the chain is seeded by 1337 (a LoRA or a salt reaches the keys through the locals)."""
     step = block_size * 4
     mv = memoryview(_std_u32(list(token_ids[start * block_size : n * block_size])))
     k = prev
     pack = _QQ.pack
     for off in range(0, (n - start) * step if n > start else 0, step):
         local = xxh3_64_intdigest(mv[off : off + step], fold)
-        k = local if k is None else xxh3_64_intdigest(pack(k, local), fold)
+        k = local if k is None else xxh3_64_intdigest(pack(k, local), STANDARD_SEED)
         yield k
 
 
@@ -134,7 +136,8 @@ def py_chain_tokens(token_ids: Sequence[int], block_size: int, n: int, seed: int
                     start: int = 0, fold: int | None = None) -> list[int]:
     """Keys of blocks ``start..n-1`` of ``token_ids``, chained from ``seed`` (the key of block
     ``start - 1``, or the root seed); the pure-Python twin of the C ``chain_tokens``. With
-    ``fold``: the standard scheme (``seed`` None: no block before)."""
+    ``fold``: the standard scheme, ``fold`` the local hashes' seed (``seed`` None: no block
+    before)."""
     if block_size <= 0 or n < 0 or start < 0:
         raise ValueError("block_size must be positive, n and start >= 0")
     if n > len(token_ids) // block_size:

@@ -96,8 +96,8 @@ class PrefixIndex:
         self.key_scheme = key_scheme
         self._std = key_scheme == "standard"
         # standard scheme: own key -> its seed S where S is not the plain 1337 (a LoRA or a
-        # salt), so that a continuation event, which may not repeat the salt, chains on with
-        # its parent's S; dropped with the key
+        # salt), so that a continuation event, which may not repeat the salt, hashes its
+        # blocks with its parent's S; dropped with the key
         self._folds: dict[int, int] = {}
         # (expiry, stream, keys): keys as an array, which the cyclic GC never walks (a list
         # per routed request, held for the TTL, made every full collection of a busy router

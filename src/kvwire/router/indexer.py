@@ -30,7 +30,7 @@ import msgspec
 
 from ..consume.subscriber import StreamSpec
 from ..index import block_keys
-from ..index.keys import chain_start, standard_fold
+from ..index.keys import chain_start
 from ..wire.endpoint import check_endpoint
 from .indexer_api import (
     MEDIA,
@@ -352,10 +352,12 @@ class Indexer:
         if len(seq) + len(local) > self.max_tokens:
             raise BadRequest(413, "more hashes than the token limit", "oversized_tokens")
 
+        # sequence hashes as given, or chained from the local ones (whose seed already holds
+        # the LoRA / namespace): either way the same keys for every block size and salt
+        keys = seq or seq_from_local(local)
+
         def keys_for(bs: int, salt: str | None) -> Sequence[int]:
-            if seq:  # already chained: the salt / LoRA are in them
-                return seq
-            return seq_from_local(local, standard_fold(scope.lora_name, salt))
+            return keys
 
         return _json(200, shape_answer(shape, scope,
                                        self._answer(scope, keys_for, req.block_size)))

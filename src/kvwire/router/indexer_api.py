@@ -10,14 +10,13 @@ clients ``block_hash``); Dynamo's indexer ``model_name``, integer instance ids a
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs
 
 import msgspec
-from xxhash import xxh3_64_intdigest
 
+from ..wire.rfc1527 import standard_sequence_hashes
 from .state_file import write_atomically
 
 __all__ = [
@@ -248,17 +247,10 @@ class QueryByHashBody(_QueryCommon):
                     or []), []
 
 
-_QQ = struct.Struct("<QQ")
-
-
-def seq_from_local(local: list[int], fold: int) -> list[int]:
-    """The standard rolling sequence hashes of local block hashes (seed ``fold``)."""
-    out: list[int] = []
-    prev = None
-    for h in local:
-        prev = h if prev is None else xxh3_64_intdigest(_QQ.pack(prev, h), fold)
-        out.append(prev)
-    return out
+def seq_from_local(local: list[int]) -> list[int]:
+    """The standard rolling sequence hashes of local block hashes: a LoRA name or a cache
+    namespace is already in the local hashes (their seed); the chain's seed is fixed."""
+    return standard_sequence_hashes(local)
 
 
 def pick_shape(dynamo_spelling: bool, qs: str) -> str:

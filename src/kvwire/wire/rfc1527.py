@@ -36,7 +36,8 @@ from xxhash import xxh3_64_intdigest
 from . import events as _ev
 
 __all__ = ["STANDARD_SEED", "decode_batch", "decode_event", "encode_batch",
-           "standard_block_hashes", "standard_local_hashes", "standard_seed"]
+           "standard_block_hashes", "standard_local_hashes", "standard_seed",
+           "standard_sequence_hashes"]
 
 U64 = (1 << 64) - 1
 _I64_MAX = (1 << 63) - 1
@@ -281,9 +282,11 @@ def encode_batch(batch: _ev.EventBatch) -> bytes:
 
 # --------------------------------------------------------------------------- block hash
 
-#: The seed Dynamo uses for the standard block hash (before folding in a LoRA name or a
-#: cache namespace, which the RFC leaves to the deployment).
+#: The seed Dynamo uses for the standard block hash: the sequence hashes' chain always, the
+#: local hashes before folding in a LoRA name or a cache namespace (which the RFC leaves to
+#: the deployment).
 STANDARD_SEED = 1337
+_QQ = struct.Struct("<QQ")
 
 
 def standard_seed(lora_name: str | None = None,
@@ -316,19 +319,27 @@ def standard_local_hashes(
     return [xxh3_64_intdigest(data[i * step : (i + 1) * step], seed) for i in range(n)]
 
 
+def standard_sequence_hashes(local: Sequence[int]) -> list[int]:
+    """The RFC #1527 rolling sequence hashes of a prompt's local block hashes, as Dynamo
+    chains them: ``seq[0] = local[0]``, ``seq[i] = XXH3_64(le_u64(seq[i-1]) ||
+    le_u64(local[i]), 1337)``. The chain's seed is always :data:`STANDARD_SEED`: a LoRA name
+    or a cache namespace is folded into the local hashes' seed only, so it reaches every
+    sequence hash through them."""
+    seq: list[int] = []
+    prev = None
+    pack = _QQ.pack
+    for h in local:
+        prev = h if prev is None else xxh3_64_intdigest(pack(prev, h), STANDARD_SEED)
+        seq.append(prev)
+    return seq
+
+
 def standard_block_hashes(
     token_ids: Sequence[int], block_size: int, seed: int = STANDARD_SEED
 ) -> list[int]:
     """The RFC #1527 sequence hash of each full block of a prompt: what an rfc1527
     ``BlockStored`` without tokens carries as its ``block_hashes`` (block ``i`` of the
     prompt is at depth ``i``, i.e. at ``rfc1527.base_block_idx + k`` for the ``k``-th hash
-    of an event). ``seq[0] = local[0]``, ``seq[i] = XXH3_64(le_u64(seq[i-1]) ||
-    le_u64(local[i]), seed)``."""
-    seq: list[int] = []
-    prev = None
-    for local in standard_local_hashes(token_ids, block_size, seed):
-        prev = local if prev is None else xxh3_64_intdigest(
-            struct.pack("<QQ", prev, local), seed
-        )
-        seq.append(prev)
-    return seq
+    of an event). ``seed`` is the local hashes' seed ``S`` (:func:`standard_seed`); the
+    chain over them uses 1337 whatever ``S`` is (:func:`standard_sequence_hashes`)."""
+    return standard_sequence_hashes(standard_local_hashes(token_ids, block_size, seed))
