@@ -24,7 +24,7 @@ def test_idle_reader_sleeps_and_wakes_fast() -> None:
     """After 1 s idle the reader process used < 1% of a core, and it is woken by the
     message (not by its 100 ms liveness timer). The 100 us wake target is below
     what this VM allows: a bare futex wake of a sleeping process already takes ~90 us here
-    and the woken vCPU runs its first Python slowly; docs/shm.md has the numbers. The
+    and the woken vCPU runs its first Python slowly; docs/benchmarks.md has the numbers. The
     bound here (20 ms median: 5 ms failed twice on 2026-11-28, at medians of 5.0 and 6.1 ms,
     once beside a second pytest process and once beside a spinning process on a slow box)
     still fails on lost or timer-driven wake-ups (the liveness timer would be 100 ms):
