@@ -1,4 +1,4 @@
-"""``kvwire engine`` targets (issue 23 section 5), one engine process on one core.
+"""``kvwire engine`` targets, one engine process on one core.
 
 Throughput (default): the engine pinned to CPU 0 with ``--speed`` high enough that the model
 is not the limit; a load generator pinned to CPU 1 keeps ``--conns`` keep-alive connections

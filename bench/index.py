@@ -29,7 +29,7 @@ Memory per indexed block: the RSS delta of ingesting the whole workload into eac
     .venv/bin/python bench/index.py --key-scheme kvwire   # the earlier key scheme
 
 Keys: the index's default scheme, the standard block hash (RFC #1527 sequence hashes, u32
-tokens), or ``--key-scheme kvwire`` (int64 tokens, one xxh3 per block); docs/index.md.
+tokens), or ``--key-scheme kvwire`` (int64 tokens, one xxh3 per block); docs/prefix-index.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark kvwire's NATS JetStream path (issue 12) beside the direct ZeroMQ path, same run.
+"""Benchmark kvwire's NATS JetStream path beside the direct ZeroMQ path, same run.
 
 Processes (2 cores shared by all of them): a reference engine (vLLM's publisher as the spec
 describes it: PUB + replay ROUTER, no epoch, no snapshots), ``kvwire bridge`` (a real

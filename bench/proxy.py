@@ -1,4 +1,4 @@
-"""OpenAI proxies in front of fast engines (issue 24 section 5): kvwire's proxy
+"""OpenAI proxies in front of fast engines: kvwire's proxy
 (``kvwire serve ... url=``) against SGLang's router (``sglang-router`` 0.3.2 from PyPI,
 ``--policy cache_aware``) and against sending the same requests straight to the engine,
 all measured in the same run, on this machine's 2 cores (nothing pinned but the load

@@ -1,4 +1,4 @@
-"""Routing that pays (issue 24 §5): the bundled trace replayed over HTTP against a real
+"""Routing that pays: the bundled trace replayed over HTTP against a real
 ``kvwire fleet``, through (a) ``kvwire serve`` with the kvwire policy, (b) the same with
 ``--policy round_robin``, (c) SGLang's router (``sglang-router``, ``--policy cache_aware``).
 Each condition gets a fresh fleet (cold caches) and the same requests at the same times.

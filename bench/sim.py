@@ -1,11 +1,11 @@
-"""Simulator throughput: N requests x all five policies, wall time (issue 10 §4 target:
+"""Simulator throughput: N requests x all five policies, wall time (target:
 12,000 requests x 5 policies within 5 minutes on 2 cores), and the routing-quality targets
-of §6 on the bundled trace (8 engines x 5,000 blocks).
+on the bundled trace (8 engines x 5,000 blocks).
 
     .venv/bin/python bench/sim.py                   # 12,000 requests (bundled trace x4, cut)
-    .venv/bin/python bench/sim.py --requests 3993   # the bundled trace once (the §6 run)
+    .venv/bin/python bench/sim.py --requests 3993   # the bundled trace once (the quality run)
     .venv/bin/python bench/sim.py --engine-model fifo   # the one-request-at-a-time model
-    .venv/bin/python bench/sim.py --compare         # issue 24: kvwire vs SGLang's cache_aware
+    .venv/bin/python bench/sim.py --compare         # kvwire vs SGLang's cache_aware, at 1x-4x
     .venv/bin/python bench/sim.py --ablate          # kvwire with and without its load rules
     .venv/bin/python bench/sim.py --compare --loads 3 --clairvoyant   # and clairvoyant (~9 min)
     .venv/bin/python bench/sim.py --replicas 4 --loads 3,4   # router replicas, load shared
@@ -25,8 +25,8 @@ from kvwire.sim.trace import bundled_trace_path, load_trace, repeat_trace
 def compare(loads: list[float], engines: int, capacity: int,
             clairvoyant: bool = False) -> None:
     """The bundled trace at each load (its arrival times divided by it), under kvwire's
-    default policy, its tail-first slack (32,768 tokens), the cost before issue 24
-    (load_weight 0.5, no slack), SGLang's cache_aware and round robin; issue 24's targets
+    default policy, its tail-first slack (32,768 tokens), the cost before the slack
+    (load_weight 0.5, no slack), SGLang's cache_aware and round robin; the routing targets
     checked for each load (kvwire's default); with ``clairvoyant``, the policy that runs
     every engine ahead to give each request its earliest first token (perfect knowledge of
     the engines, greedy); last, the floor no router can go below (kvwire.sim.floor)."""

@@ -43,7 +43,7 @@ CTX = mp.get_context("spawn")
 WORKLOADS = {
     "normal": ((64, 128, 256), (16, 160)),
     "small": ((32, 48), (16, 40)),  # fewer blocks per step: 100k batches in seconds
-    "wide": ((384,), (450, 650)),  # ~2.5 KB batches, as in issue 9's vLLM runs
+    "wide": ((384,), (450, 650)),  # ~2.5 KB batches, as in the vLLM runs that found the replay holes
 }
 
 
@@ -148,7 +148,7 @@ def engine_main(conn: Any, port: int, rport: int, seed: int, opts: dict) -> None
 def _ref_sockets(port: int, rport: int, opts: dict) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, opts.get("hwm", 100))  # vLLM 0.33 in the issue: hwm=100
+    pub.setsockopt(zmq.SNDHWM, opts.get("hwm", 100))  # vLLM 0.33's default: hwm=100
     router = ctx.socket(zmq.ROUTER)  # no ROUTER_MANDATORY: drops at its HWM, as vLLM's does
     router.setsockopt(zmq.SNDHWM, opts.get("router_hwm", 1000))
     if opts.get("per_send"):
@@ -173,7 +173,7 @@ def _ref_sockets(port: int, rport: int, opts: dict) -> tuple[zmq.Context, zmq.So
 
 
 def ref_engine_main(conn: Any, port: int, rport: int, seed: int, opts: dict) -> None:
-    """vLLM's ZmqEventPublisher as the spec (§3) describes it, written from the spec: one
+    """vLLM's ZmqEventPublisher as its transport spec describes it, written from the spec: one
     sending loop owns the PUB and the ROUTER; between two live sends it serves one waiting
     replay request, the whole answer at once (``per_send=None``, as vLLM does) or
     ``per_send`` messages of it per live send (the answer then follows the ring as it moves,

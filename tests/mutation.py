@@ -12,7 +12,7 @@ the tests miss a behaviour there, or the change is equivalent (a shortcut, a def
 worktree`` of HEAD (uncommitted changes are not in it), with the built C modules copied in,
 the ``.venv`` linked in (for tests that start ``kvwire`` processes) and ``PYTHONPATH``
 pointing at it, and removes it at the end. Exit 0 whatever survives: a
-report, not a gate. docs/testing.md ("Mutation sweeps") has what the sweeps found.
+report, not a gate. docs/testing.md ("Mutation sweeps") says how to read one.
 """
 
 from __future__ import annotations

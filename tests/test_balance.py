@@ -2,7 +2,7 @@
 ``cache_aware`` rebuilt as a baseline (kvwire.router.cache_aware), the simulator's load
 lifecycle (prefill share dropped at the first token). All pure and fast: the policies side
 by side on the bundled trace take minutes, so they are measured by bench/sim.py --compare
-and bench/routing.py, not here (docs/router.md has the numbers)."""
+and bench/routing.py, not here (docs/benchmarks.md has the numbers)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Docs that run: every ```python and every ```sh block of README.md and docs/*.md is
+"""Docs that run: every ```python and every ```sh block of README.md and docs/**/*.md is
 executed, so a renamed API, a renamed flag or a wrong argument in an example breaks the
 build instead of the reader.
 
@@ -64,7 +64,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # decisions/ too
 COMMENT = re.compile(r"^<!--\s*(?P<key>[\w-]+):\s*(?P<value>.+?)\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 RUN_LANGS = {"python": "python", "sh": "sh", "bash": "sh"}
@@ -358,7 +358,7 @@ def _run_file(md: Path, scratch: Path) -> tuple[list[Block], subprocess.Complete
 
 
 @pytest.mark.parametrize("md", [p for p in DOCS if any(b.kind for b in blocks(p.read_text()))],
-                         ids=lambda p: p.name)
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run(md: Path, tmp_path: Path) -> None:
     found, r = _run_file(md, tmp_path)
     skipped = [f"{md.name}:{b.line}: {b.no_run}" for b in found if b.no_run]
@@ -370,7 +370,7 @@ def test_examples_run(md: Path, tmp_path: Path) -> None:
         f"{md.name}: an example failed\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
 
 
-@pytest.mark.parametrize("md", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("md", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_block_says_whether_it_runs(md: Path) -> None:
     """A fence is python or sh (run), or text (never run); a bare fence would hide a command
     from the test, and a mark must be one this file knows."""

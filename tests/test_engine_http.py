@@ -414,7 +414,7 @@ def _rebuild(records: list[dict[str, Any]], stream: str, upto: int) -> Counter:
 
 
 def test_kvwire_listen_json_rebuilds_the_cache_dumps_of_a_loaded_engine():
-    """Issue 23's target as stated: the real ``kvwire listen ... --replay ... --json`` (a
+    """The rebuild target as stated: the real ``kvwire listen ... --replay ... --json`` (a
     subprocess) follows both DP ranks of an engine whose small cache evicts under load; the
     cache rebuilt from its JSON lines alone equals every ``GET /kvwire/cache`` dump at the
     dump's seq, exactly (multisets), for dumps taken mid-load (between two steps) and after."""

@@ -1,4 +1,4 @@
-"""kvwire inside SGLang 0.5.23 (issue 11): the plugin, with SGLang's own code and real sockets.
+"""kvwire inside SGLang 0.5.23: the plugin, with SGLang's own code and real sockets.
 
 SGLang has a general plugin group (``sglang.srt.plugins``), so this is the vLLM story with
 SGLang's factory (a JSON config string, ``attn_dp_rank``, ``bind``, ``describe_local_source``).

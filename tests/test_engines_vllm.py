@@ -1,4 +1,4 @@
-"""kvwire inside vLLM 0.33.0 (issue 11): the plugin, with vLLM's own code and real sockets.
+"""kvwire inside vLLM 0.33.0: the plugin, with vLLM's own code and real sockets.
 
 vLLM is imported once in this process (about 10 s of CPU) and once in one child
 (tests/engine_child.py) that loads the plugins as vLLM does

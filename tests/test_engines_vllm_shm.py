@@ -1,4 +1,4 @@
-"""kvwire's shm MessageQueue inside vLLM 0.33 (issue 11, the shm half).
+"""kvwire's shm MessageQueue inside vLLM 0.33 (the shm half of the plugin).
 
 The vLLM-dependent checks run in one subprocess (tests/_vllm_shm_broadcast.py): importing
 vLLM costs ~10 s CPU, so one driver imports it once and forks vLLM's 4-process broadcast

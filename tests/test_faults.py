@@ -315,7 +315,7 @@ def test_soak_randomized():
 
 
 # --------------------------------------------------------------------------- reference publisher
-# Issue 9 §1: vLLM's own publisher (written here from the spec: fault_helpers.ref_engine_main)
+# vLLM's own publisher (written here from the spec: fault_helpers.ref_engine_main)
 # serves replay from its sending loop and drops replay replies at its ROUTER's HWM. ~2.5 KB
 # batches, PUB hwm 20, ROUTER hwm 200 and 64 KiB kernel buffers on both sides, so a stalled
 # consumer overflows every buffer on the way (real drops of live and replayed messages).

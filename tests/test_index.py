@@ -638,7 +638,7 @@ def test_churn_memory_is_flat():
 
 
 def test_bytes_per_block_is_bounded():
-    """tracemalloc: the index's own memory per indexed block (documented in docs/index.md)."""
+    """tracemalloc: the index's own memory per indexed block (documented in docs/prefix-index.md)."""
     idx = PrefixIndex()
     evs = [BlockStored([i * 7919 + 2**40], None, list(range(i, i + 16)), 16, None, None, None)
            for i in range(20_000)]

@@ -45,7 +45,7 @@ def test_spec_reference_values() -> None:
 
 
 def test_fold_rules_without_dynamo() -> None:
-    """The fold as found against Dynamo (documented in docs/index.md), spelled out."""
+    """The fold as found against Dynamo (documented in docs/prefix-index.md), spelled out."""
     from xxhash import xxh3_64_intdigest as xxh3
 
     m = 2**64

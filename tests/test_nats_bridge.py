@@ -1,4 +1,4 @@
-"""``kvwire bridge`` (issue 12, writer side): real nats-server, real engine processes (kvwire
+"""``kvwire bridge`` (the writer side): real nats-server, real engine processes (kvwire
 and reference publishers on loopback), real bridge processes. Ground truth at the end of
 each test: the engine's own cache vs the state rebuilt from the JetStream subject, which
 must also keep the per-subject contract (tests/bridge_helpers.py: no gap, no duplicate)."""

@@ -1,4 +1,4 @@
-"""Issue 12's fault suite across the whole chain: real engines (kvwire and reference
+"""The fault suite across the whole JetStream chain: real engines (kvwire and reference
 publishers) -> ``kvwire bridge`` process -> real nats-server (file storage) -> consumer
 processes (``Subscriber([NatsStreams(url)])``). The bridge and the server are SIGKILLed and
 restarted and both engines restart while a consumer keeps reading; at the end the consumer's

@@ -1,7 +1,7 @@
 """LoadTracker's drained load: reserved prompts not yet at their first token are worked off
 at the engine's prefill rate, learned from the first tokens it delivered, so a long prompt
-whose prefill is mostly done stops hiding its engine from new ones (issue 24 §5; the
-simulator's numbers are in docs/router.md). Pure and fast; the proxy path through
+whose prefill is mostly done stops hiding its engine from new ones (the
+simulator's numbers are in docs/benchmarks.md). Pure and fast; the proxy path through
 RouterCore with engines that are never started (no sockets)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Publisher faults made visible (issue 9 §4, §5), each forced for real on a live publisher.
+"""Publisher faults made visible, each forced for real on a live publisher.
 
 * A stalled sender must not slow ``publish()``: its p99 is bounded the way bench/events.py
   measures it, and a synchronous stand-in fails the same bound (the test can fail).
@@ -99,7 +99,7 @@ def ask_snapshot(ctx: zmq.Context, pub: ZmqEventPublisher) -> tuple[str, Any]:
         d.close()
 
 
-# --------------------------------------------------------------------------- §4 stalled sender
+# --------------------------------------------------------------------------- stalled sender
 
 
 def publish_latencies(publish: Any, n: int = 400, every: int = 10) -> list[float]:
@@ -169,7 +169,7 @@ def test_a_synchronous_sender_fails_the_same_bound() -> None:
     assert p99 >= HOLD_S * 0.9 > P99_BOUND_S, p99
 
 
-# --------------------------------------------------------------------------- §5 the model
+# --------------------------------------------------------------------------- the model
 
 
 def test_half_applied_batch_makes_snapshots_unavailable_until_a_clear(pubs, ctx, caplog) -> None:
@@ -204,7 +204,7 @@ def test_half_applied_batch_makes_snapshots_unavailable_until_a_clear(pubs, ctx,
     assert pub.stats().snapshot_exact
 
 
-# --------------------------------------------------------------------------- §5 dead sender
+# --------------------------------------------------------------------------- dead sender
 
 
 def kill_sender(pub: ZmqEventPublisher) -> None:

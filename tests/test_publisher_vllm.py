@@ -1,4 +1,4 @@
-"""The publisher as vLLM's own kv_events tests use it (issue 9 §2), on real ZeroMQ sockets.
+"""The publisher as vLLM's own kv_events tests use it, on real ZeroMQ sockets.
 
 vLLM's tests publish their own tagged, array-like event type inside an ``EventBatch``
 subclass and decode it with a strict msgspec decoder; they publish batches without a rank

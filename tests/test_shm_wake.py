@@ -22,9 +22,9 @@ CTX = mp.get_context("spawn")
 
 def test_idle_reader_sleeps_and_wakes_fast() -> None:
     """After 1 s idle the reader process used < 1% of a core, and it is woken by the
-    message (not by its 100 ms liveness timer). The issue's 100 us wake target is below
+    message (not by its 100 ms liveness timer). The 100 us wake target is below
     what this VM allows: a bare futex wake of a sleeping process already takes ~90 us here
-    and the woken vCPU runs its first Python slowly; docs/shm.md has the numbers. The
+    and the woken vCPU runs its first Python slowly; docs/benchmarks.md has the numbers. The
     bound here (20 ms median: 5 ms failed twice on 2026-11-28, at medians of 5.0 and 6.1 ms,
     once beside a second pytest process and once beside a spinning process on a slow box)
     still fails on lost or timer-driven wake-ups (the liveness timer would be 100 ms):
@@ -97,7 +97,7 @@ def _stress(n: int, n_reader: int, seed: int, budget_s: float | None = None) -> 
 
 
 def test_no_lost_wakeups_random_pauses() -> None:
-    """Short in CI; KVWIRE_SHM_STRESS_N=1000000 runs the issue's 10^6 messages."""
+    """Short in CI; KVWIRE_SHM_STRESS_N=1000000 runs 10^6 messages."""
     n = int(os.environ.get("KVWIRE_SHM_STRESS_N", "30000"))
     _stress(n, 2, seed=n)
 
@@ -135,7 +135,7 @@ WAKE_SECONDS = float(os.environ.get("KVWIRE_WAKE_SECONDS", "8"))
 
 
 def test_no_lost_wakeups_three_readers_bounded() -> None:
-    """The issue's 3-reader stress, bounded for CI: WAKE_SECONDS of traffic (a 2-core box
+    """The 3-reader stress, bounded for CI: WAKE_SECONDS of traffic (a 2-core box
     moves tens of thousands of messages, each one possibly a sleep/wake on either side)."""
     sent = _stress(1_000_000, 3, seed=3, budget_s=WAKE_SECONDS)
     assert sent >= 1000, f"only {sent} messages in {WAKE_SECONDS:g} s"

@@ -391,7 +391,7 @@ def test_batched_load_follows_what_was_routed() -> None:
 
 
 def test_prefix_reuse_matches_dynamo_mocker() -> None:
-    """Cross-check (issue 23): Dynamo's mocker and kvwire's batched model on the bundled
+    """Cross-check: Dynamo's mocker and kvwire's batched model on the bundled
     trace, round robin over 8 workers, the same block size and cache size: the prefix reuse
     ratios agree within 10%. Runs where ai-dynamo-runtime installs; a loud skip elsewhere."""
     from engine_helpers import import_or_skip

@@ -1001,7 +1001,7 @@ def test_reference_tail_check_without_a_replay_buffer_changes_nothing():
 
 
 # ------------------------------------------------------------- edges a mutation sweep found
-# (docs/testing.md: behaviours of consume/stream.py and consume/recovery.py that one
+# (behaviours of consume/stream.py and consume/recovery.py that one
 # deleted or changed line could break with every test above still passing)
 
 _HB = encode_batch(KVEventBatch(1.0, [], None))

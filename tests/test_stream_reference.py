@@ -1,6 +1,6 @@
 """A reference stream (no INFO, no snapshots) must never lose what its publisher still holds.
 
-Issue 9 §1: vLLM's publisher serves a replay from its sending thread, between live sends,
+Why: vLLM's publisher serves a replay from its sending thread, between live sends,
 through a ROUTER that drops what does not fit under its HWM. So a replay answer interleaves
 with live messages, can have holes, can lose its end marker, can end before the live edge
 (new drops at the PUB's HWM meanwhile) and can lose its head to eviction while it is being
@@ -284,7 +284,7 @@ def test_ours_alone_back_is_not_a_loss():
 
 
 def _stalled_with_router_drops(per_send: int | None) -> RefSim:
-    """A fixed run of the issue's shape: a stall, live drops, a replay answer of 60 through
+    """A fixed run of the shape seen with vLLM: a stall, live drops, a replay answer of 60 through
     a 7-message pipe (holes, lost end), live arriving meanwhile."""
     pub = RefPublisher(random.Random(3), 10_000, per_send, 7)
     sim = RefSim(pub, CFG)

@@ -1,6 +1,6 @@
 """``kvwire index``: only the RFC #1403 indexer API (``/register``, ``/unregister``,
 ``/query``, ``/query_by_hash``, ``/dump``), on the lean HTTP server, on one core or several
-(``--workers``; docs/design.md says how the workers keep one index).
+(``--workers``; docs/indexer-api.md says how the workers keep one index).
 
 Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register` / :func:`run`;
 ``python -m kvwire.cli.index ...`` runs it directly.
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_workers, default=1,
                    help="processes serving the port, each with a full replica of the index "
                         "that follows every registered stream itself (default 1; "
-                        "docs/design.md)")
+                        "docs/indexer-api.md)")
     p.add_argument("--registrations", metavar="FILE", default=None,
                    help="keep the registrations in FILE, so a restart follows the same streams")
     add_log_level(p)

@@ -151,8 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per reference block, the policy's unit (default 16)")
     p.add_argument("--prefill-weight", type=_nonneg, default=1.0)
     p.add_argument("--load-weight", type=_nonneg, default=1.0,
-                   help="weight of reserved load past the slack (default 1.0; before issue "
-                        "24: 0.5 with --balance-slack 0; docs/router.md)")
+                   help="weight of reserved load past the slack (default 1.0; the earlier "
+                        "cost: 0.5 with --balance-slack 0; docs/router.md)")
     p.add_argument("--balance-slack", type=_nonneg, default=131_072.0, metavar="TOKENS",
                    help="load (in tokens of work) an engine may hold beyond the least-loaded "
                         "one's at no cost: cache first until then (default 131072; 32768: a "

@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-slack", type=float, default=None, metavar="TOKENS",
                    help="kvwire/oracle: load (tokens of work) past the least-loaded engine's "
                         "that costs nothing (default 131072; 0 with --load-weight 0.5: the "
-                        "cost before issue 24)")
+                        "cost before the balance slack)")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes running policies in parallel (default: one per CPU)")
     p.add_argument("--predict-ttl", type=_positive_float, default=None,

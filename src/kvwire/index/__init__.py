@@ -1,5 +1,5 @@
 """The prefix index: which stream (engine x DP rank) holds which prompt prefix, and in which
-tier, kept current by the subscriber's deliveries (see docs/index.md)."""
+tier, kept current by the subscriber's deliveries (see docs/prefix-index.md)."""
 
 from .keys import block_keys, root_seed
 from .prefix import (

@@ -5,7 +5,7 @@
  *   XXH3_64bits_withSeed(int64 native bytes of block i, seed = key[i-1]), key[start-1] = seed
  *   (so a walk can hash a first few blocks, and the rest only if it gets that far).
  * chain_tokens(tokens, block_size, n, prev, start=0, fold=None) with an int `fold`: the
- *   standard scheme (RFC #1527 sequence hashes, docs/index.md): tokens as little-endian u32,
+ *   standard scheme (RFC #1527 sequence hashes, docs/prefix-index.md): tokens as little-endian u32,
  *   local = XXH3(block, fold), key = local when `prev` is None (no block before), else
  *   XXH3(le64(prev) || le64(local), 1337), then prev = key: the chain's seed is always
  *   Dynamo's 1337, a LoRA name or cache namespace (in `fold`) seeds the local hash only.

@@ -2,7 +2,7 @@
 
 Engine block hashes cannot be recomputed by a consumer (SHA-256 of pickles, signed
 truncations, 32-byte digests, per-engine seeds), so the index hashes token ids itself, the
-same way for events and for requests. Two schemes (docs/index.md, "Key schemes"):
+same way for events and for requests. Two schemes (docs/prefix-index.md, "Keys"):
 
 * ``"standard"`` (the default): the RFC #1527 sequence hash as Dynamo computes it (tokens as
   little-endian u32, ``local = xxh3_64(block, S)``, ``key[0] = local[0]``, ``key[i] =

@@ -92,7 +92,7 @@ class PrefixIndex:
         self.remember_removed = max(0, int(remember_removed))
         # the pure part: own key -> slot masks, predictions, slots, and match's walk
         self._h = PrefixWalk(credits, key_scheme)
-        #: "standard" (RFC #1527 sequence hashes, the default) or "kvwire" (docs/index.md)
+        #: "standard" (RFC #1527 sequence hashes, the default) or "kvwire" (docs/prefix-index.md)
         self.key_scheme = key_scheme
         self._std = key_scheme == "standard"
         # standard scheme: own key -> its seed S where S is not the plain 1337 (a LoRA or a

@@ -1,4 +1,4 @@
-"""Reading kvwire's exact streams back from NATS JetStream (issue 12, the reader side).
+"""Reading kvwire's exact streams back from NATS JetStream (the reader side).
 
 :class:`NatsSource` (asyncio) pulls a JetStream consumer over ``<prefix>.>`` (or a narrower
 filter) and turns messages into the same items a ZeroMQ :class:`~kvwire.consume.Subscriber`

@@ -2,7 +2,7 @@
 
 Engine code written against vLLM's ``vllm.distributed.kv_events`` switches by changing the
 import: the class names, constructor arguments and factory behave the same. What differs is
-what happens under pressure (see docs/design.md):
+what happens under pressure (see docs/decisions/0002-publish-never-blocks.md):
 
 * ``publish()`` only assigns a seq and appends to a bounded deque (about a microsecond);
   encoding, the snapshot model and socket work happen on one background thread.

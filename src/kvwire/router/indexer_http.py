@@ -7,7 +7,7 @@ with one write (no task, no framework object per request), on uvloop when it is 
 the worker's ingest runs on the same loop (:mod:`kvwire.router.indexer_ingest`). A static
 2,048-token ``/query`` costs 24-46 us of CPU in all, kernel included (docs/benchmarks.md).
 
-**Several workers, one index (docs/design.md).** ``--workers N`` runs N processes; the parent
+**Several workers, one index (docs/indexer-api.md).** ``--workers N`` runs N processes; the parent
 listens and hands each connection to the worker with the fewest open ones
 (:mod:`kvwire.router.indexer_handout`: evenly, not by the kernel's hash). Each holds an exact
 replica of the index: it follows every registered stream itself, and the per-stream state

@@ -4,7 +4,7 @@ Replicas behind one load balancer read the same events, so they hold the same in
 each sees only the requests it routed: with four replicas each routes on a quarter of the
 fleet's load, and the balance the policy keeps is gone (the simulator at 3x the bundled
 trace's rate: TTFT p99 2.80 s with one router, 3.75 s with four that do not share; at 4x
-4.41 s and 7.64 s; docs/scale-out.md). So each replica tells the others what it reserves,
+4.41 s and 7.64 s; docs/benchmarks.md). So each replica tells the others what it reserves,
 what reached its first token and what it released, over core NATS (not JetStream: load is
 of the moment, nothing to keep), and each keeps every replica's reservations in its own
 :class:`~kvwire.router.policy.LoadTracker`: the load it routes on is the fleet's, and the

@@ -79,8 +79,8 @@ class SimConfig:
     seed: int = 0
     #: RoutingPolicy weights used by ``kvwire`` and ``oracle`` (same cost for both): a
     #: queue counts, block for block, once it exceeds the least-loaded engine's by
-    #: ``balance_slack_tokens`` (docs/router.md has the comparison). The weights before
-    #: issue 24: ``load_weight=0.5, balance_slack_tokens=0``.
+    #: ``balance_slack_tokens`` (docs/decisions/0008-cache-first-balance-slack.md). The earlier
+    #: weights: ``load_weight=0.5, balance_slack_tokens=0``.
     prefill_weight: float = 1.0
     load_weight: float = 1.0
     balance_slack_tokens: int = 131_072
@@ -168,7 +168,7 @@ class PolicyResult:
         return max(w) / mean if mean > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
-        """The six §4 keys (deterministic for a seed), then wall-clock extras."""
+        """The six headline keys (deterministic for a seed), then wall-clock extras."""
         ttft = sorted(self.ttft_s)
         lat = sorted(self.route_us)
         itl = sorted(self.itl_s)
@@ -202,7 +202,7 @@ class SimResult:
     results: dict[str, PolicyResult]
 
     def to_json(self) -> dict[str, Any]:
-        """The object ``kvwire sim --json`` prints: exactly the issue's shape, every value
+        """The object ``kvwire sim --json`` prints: one fixed shape, every value
         deterministic for a seed (route latencies, which measure this machine, are left to
         the table and the report)."""
         return {

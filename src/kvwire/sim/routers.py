@@ -135,7 +135,7 @@ class _Clairvoyant(_Router):
     to the request's first token; the earliest wins (within ``CLAIRVOYANT_TIE_S``, the one
     holding most of the prompt). It knows the engines perfectly but not later arrivals, and
     it is greedy: the best first token for each request alone, which is not the shortest
-    tail for all (it moves prompts off their caches, and later ones pay; docs/benchmarks.md).
+    tail for all (it moves prompts off their caches, and later ones pay; docs/sim.md).
     Batched engine model only."""
 
     #: first tokens this close count as a tie, broken by cached blocks, then engine order
