@@ -439,7 +439,9 @@ def test_on_a_running_loop_probes_run_there_kick_at_once_and_close_abandons() ->
         threads = threading.active_count()
         prober = _prober([t], interval=3600.0, timeout=3600.0)
         prober.start()
+        prober.start()  # (once is enough: no second prober)
         assert threading.active_count() == threads
+        assert sum("Prober._run" in repr(t.get_coro()) for t in asyncio.all_tasks()) == 1
         while not prober.probed.is_set():
             await asyncio.sleep(0.01)
         assert t.results == [(True, [{"id": "m"}])]

@@ -73,6 +73,9 @@ class Prober:
         self._stopped = False
 
     def start(self) -> None:
+        """Start probing (once: a second call changes nothing)."""
+        if self._task is not None or self._thread is not None:
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
