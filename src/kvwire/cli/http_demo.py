@@ -26,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from ..http1.client import Pool, UpstreamError, endpoint
 from ..sim.http_replay import (
     ReplayRecord,
     ReplaySummary,
@@ -194,24 +197,33 @@ class _Stack:
 
     def _wait_live(self, deadline: float) -> None:
         """Until the proxy follows every engine's events and sees every engine's HTTP."""
-        import httpx
+        if not asyncio.run(self._poll_live(deadline)):
+            raise DemoError(f"kvwire serve --policy {self.policy} did not see every "
+                            f"engine live within {START_TIMEOUT:g} s"
+                            + (self.serve.log() if self.serve else ""))
 
-        with httpx.Client(timeout=2.0, trust_env=False) as c:
+    async def _poll_live(self, deadline: float) -> bool:
+        """``GET /engines`` every 0.1 s until all are live (True) or ``deadline`` (False)."""
+        host, port, tls, base = endpoint(self.url)
+        pool = Pool(host, port, connect_timeout=2.0, ssl=tls)
+        try:
             while True:
                 try:
-                    st = c.get(self.url + "/engines").json()
+                    _, body = await pool.fetch(b"GET", base.encode() + b"/engines", 2.0)
+                    st = msgspec.json.decode(body)
                     if len(st) == self.cfg.engines and all(
                             e["http"]["http_up"] and all(r["alive"] and r["phase"] == "live"
                                                          for r in e["ranks"])
                             for e in st.values()):
-                        return
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                        return True
+                except (UpstreamError, asyncio.TimeoutError, ValueError, KeyError,
+                        TypeError, AttributeError):
                     pass
                 if time.monotonic() > deadline:
-                    raise DemoError(f"kvwire serve --policy {self.policy} did not see every "
-                                    f"engine live within {START_TIMEOUT:g} s"
-                                    + (self.serve.log() if self.serve else ""))
-                time.sleep(0.1)
+                    return False
+                await asyncio.sleep(0.1)
+        finally:
+            pool.close()
 
     @property
     def procs(self) -> list[_Proc]:

@@ -1,10 +1,15 @@
-"""A lean asyncio HTTP/1.1 client for the proxy's upstream requests: one keep-alive pool
-per engine, O(1) per request, an ``asyncio.Protocol`` per connection (httptools parses).
+"""kvwire's one HTTP/1.1 client (asyncio): the proxy's upstream requests, its engine health
+probes and the demo's replay client. One keep-alive :class:`Pool` per ``host:port``, O(1)
+per request, an ``asyncio.Protocol`` per connection (httptools parses).
 
 Why not streams: a streamed answer's chunks must cost microseconds each. Here the body is
 pushed as it arrives, either collected (:meth:`Response.read`) or handed to a *sink*
 (:meth:`Response.relay`) once per ``data_received`` with every chunk that read held: no
 task, future or timer per chunk, and chunks that arrive together leave together.
+
+A streamed body can also be handed to a plain callback, one piece at a time, inside the
+read that brought it (:meth:`Response.stream`): a clock read there is the arrival time,
+with no task switch between the socket and the measurement (the replay client's TTFT).
 
 asyncio sets TCP_NODELAY on its TCP transports. A connection goes back to its pool only
 after a complete response; one abandoned mid-answer is closed, which is how an engine
@@ -15,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl as _ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["Pool", "Response", "Sink", "UpstreamError"]
+__all__ = ["Pool", "Response", "Sink", "UpstreamError", "endpoint"]
 
 
 class UpstreamError(OSError):
@@ -131,6 +138,38 @@ class Response:
         if self._conn is None:
             sink.on_error(UpstreamError("engine closed the connection mid-body"))
 
+    async def stream(self, on_data: Callable[[bytes], Any], idle: float | None = None) -> None:
+        """Call ``on_data`` with each piece of the body as it arrives, inside the read that
+        brought it, until the body ends. ``on_data`` returning a true value stops early
+        (the connection closes: the server learns the client left), as does raising
+        (re-raised here). Raises UpstreamError if the server breaks the body off, and
+        asyncio.TimeoutError after ``idle`` s without a byte."""
+        conn = self._conn
+        loop = conn.loop if conn is not None else asyncio.get_running_loop()
+        fut = loop.create_future()
+        timer: list[asyncio.TimerHandle] = []
+
+        def check() -> None:
+            """No byte for ``idle`` s: time out; else look again when it could be so."""
+            if fut.done():
+                return
+            left = self.last_read + idle - loop.time() if self._conn is not None else 0.0
+            if left <= 0:
+                fut.set_exception(asyncio.TimeoutError())
+            else:
+                timer[:] = [loop.call_later(left, check)]
+
+        if idle is not None and not self.done:
+            timer.append(loop.call_later(idle, check))
+        try:
+            self.relay(_Each(on_data, fut))
+            await fut
+        finally:
+            if timer:
+                timer[0].cancel()
+            if not self.done:
+                self.close()
+
     def pause(self) -> None:
         """Stop reading from the engine (the client is slow): TCP pushes back to it."""
         if self._conn is not None and self._conn.transport is not None:
@@ -147,6 +186,36 @@ class Response:
         if conn is not None and not self.done:
             conn.response = None
             conn.close()
+
+
+class _Each:
+    """The sink of :meth:`Response.stream`: every piece to a callback, then the end."""
+
+    __slots__ = ("fn", "fut")
+
+    def __init__(self, fn: Callable[[bytes], Any], fut: asyncio.Future) -> None:
+        self.fn = fn
+        self.fut = fut
+
+    def on_chunks(self, chunks: list[bytes]) -> None:
+        fut = self.fut
+        for c in chunks:
+            if fut.done():
+                return
+            try:
+                if self.fn(c):
+                    fut.set_result(None)  # the caller has what it wanted
+            except Exception as e:  # (raised to the caller, never into the protocol)
+                fut.set_exception(e)
+
+    def on_end(self, chunks: list[bytes]) -> None:
+        self.on_chunks(chunks)
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+    def on_error(self, error: UpstreamError) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(error)
 
 
 class _Conn(asyncio.Protocol):
@@ -254,16 +323,33 @@ class _Conn(asyncio.Protocol):
         return self.transport is not None and not self.transport.is_closing()
 
 
+def endpoint(url: str) -> tuple[str, int, _ssl.SSLContext | None, str]:
+    """``http[s]://HOST[:PORT][/BASE]`` as (host, port, a TLS context for https or None,
+    base path without its trailing ``/``); ValueError naming what is wrong otherwise."""
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"not an http:// or https:// URL: {url!r}")
+    try:
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError as e:  # a port that is not a number, or out of range
+        raise ValueError(f"bad port in {url!r}: {e}") from None
+    tls = _ssl.create_default_context() if u.scheme == "https" else None
+    return u.hostname, port, tls, u.path.rstrip("/")
+
+
 class Pool:
-    """Keep-alive connections to one ``host:port``."""
+    """Keep-alive connections to one ``host:port`` (``ssl``: over TLS). ``max_idle`` = 0:
+    each connection closes after its answer."""
 
     def __init__(self, host: str, port: int, connect_timeout: float = 2.0,
-                 max_idle: int = 256) -> None:
+                 max_idle: int = 256, ssl: _ssl.SSLContext | None = None) -> None:
         self.host, self.port = host, port
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.ssl = ssl
         self._idle: deque[_Conn] = deque()
-        self._hostline = f"host: {host}:{port}\r\n".encode()
+        shown = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed
+        self._hostline = f"host: {shown}:{port}\r\n".encode()
         self.closed = False  # closed: connections given back are closed, not kept
 
     def put(self, conn: _Conn) -> None:
@@ -288,7 +374,8 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self), self.host, self.port),
+                loop.create_connection(lambda: _Conn(self), self.host, self.port,
+                                       ssl=self.ssl),
                 self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {e!r}") from None
@@ -327,3 +414,15 @@ class Pool:
             finally:
                 if timer is not None:
                     timer.cancel()
+
+    async def fetch(self, method: bytes, path: bytes, timeout: float,
+                    headers: list[tuple[bytes, bytes]] | None = None,
+                    body: bytes = b"") -> tuple[int, bytes]:
+        """One whole exchange, for what is not a hot path (health probes, polls): the
+        status and the body, each within ``timeout`` s (UpstreamError,
+        asyncio.TimeoutError)."""
+        r = await self.request(method, path, headers or [], body, timeout=timeout)
+        try:
+            return r.status, await r.read(timeout)
+        finally:
+            r.close()

@@ -23,17 +23,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import msgspec
 
 from ..consume.engine_spec import EngineSpec
 from ..http1.client import Pool, UpstreamError
 from ..tokenize.content import engine_template_kwargs
 from .forward import PASS, PATHS, BadRequest, handle, openai_error
+from .health import Prober, probe
 from .proxy_metrics import ProxyMetrics
 from .proxy_state import Breaker, Lifecycle
 from .responses import PREFIX as RESPONSES_PREFIX
@@ -43,8 +42,6 @@ from .service import RouterCore
 __all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 
 log = logging.getLogger("kvwire.router.proxy")
-#: Engines probed at once (more wait their turn, as do the rest while that many hang).
-PROBE_THREADS = 16
 
 _enc = msgspec.json.Encoder()
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -139,7 +136,7 @@ class _Link:
 
 
 class Proxy:
-    """The ``/v1`` ASGI handler and the engines' health prober (a daemon thread)."""
+    """The ``/v1`` handler and the engines' health prober (:mod:`.health`)."""
 
     #: what a request with no body of its own (``GET /v1/responses/{id}``) reads as
     no_body = _PassBody()
@@ -179,61 +176,21 @@ class Proxy:
         self.metrics = ProxyMetrics(self)
         for link in self.links.values():
             self._label(link)
-        self._lock = threading.Lock()  # breakers: the prober thread and the event loop
-        self._stop = threading.Event()
-        self._kick = threading.Event()  # probe now (an engine was added)
-        self._thread: threading.Thread | None = None
-        self._probed = threading.Event()
+        self._lock = threading.Lock()  # breakers: the prober's loop and the serving loop
+        self._prober = Prober(lambda: self.links.values(), self._probe,
+                              self.cfg.probe_interval)
 
     # ------------------------------------------------------------------ health probes
 
     def start(self) -> None:
-        """Start probing the engines' ``/health`` (and reading their ``/v1/models``)."""
-        self._thread = threading.Thread(target=self._probe_loop, name="kvwire-router-probe",
-                                        daemon=True)
-        self._thread.start()
+        """Start probing the engines' ``/health`` (and reading their ``/v1/models``): on
+        the running event loop if called from one (the serving loop), else on a loop of
+        its own in one thread."""
+        self._prober.start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._kick.set()
-        if self._thread is not None:  # (a probe under way ends within probe_timeout)
-            self._thread.join(self.cfg.probe_timeout + 1.0)
-
-    def _probe_loop(self) -> None:
-        """Every ``probe_interval``, probe each engine whose last probe has ended, in a pool
-        of threads: an engine slow to answer (up to ``probe_timeout``) delays nobody else's
-        probe, and is not probed twice at once."""
-        busy: set[str] = set()
-        pool = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="kvwire-probe")
-        client = httpx.Client(timeout=httpx.Timeout(self.cfg.probe_timeout),
-                              limits=httpx.Limits(max_keepalive_connections=0))
-
-        def probe(link: _Link, refresh: bool) -> None:
-            try:
-                self._probe(client, link, refresh)
-            finally:
-                with self._lock:
-                    busy.discard(link.name)
-
-        try:
-            n = 0
-            while not self._stop.is_set():
-                started = []
-                for link in list(self.links.values()):
-                    with self._lock:
-                        if link.name in busy:
-                            continue  # its last probe still waits for an answer
-                        busy.add(link.name)
-                    started.append(pool.submit(probe, link, n % 10 == 0))
-                if n == 0:
-                    wait(started)  # (wait_probed: every engine probed once)
-                self._probed.set()
-                n += 1
-                self._kick.wait(self.cfg.probe_interval)
-                self._kick.clear()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            client.close()
+        """Stop probing (a probe under way is abandoned, its connection closed)."""
+        self._prober.close(self.cfg.probe_timeout + 1.0)
 
     # ------------------------------------------------------------------ membership
 
@@ -252,7 +209,7 @@ class Proxy:
         link = _Link(spec, self.cfg.cooloff)
         self._label(link)
         name = spec.name
-        # copy-on-write: the prober thread and the status sampler iterate these; counts of
+        # copy-on-write: the prober and the status sampler iterate these; counts of
         # an earlier engine of the same name carry on (its requests may still be running)
         self.in_flight = {**self.in_flight, name: self.in_flight.get(name, 0)}
         self.prompt_tokens = {**self.prompt_tokens, name: self.prompt_tokens.get(name, 0)}
@@ -260,7 +217,7 @@ class Proxy:
         self.links = {**self.links, name: link}
         self._names = list(self.links)
         self._members_gen += 1
-        self._kick.set()
+        self._prober.kick()
         log.info("engine %s added (%s)", name, spec.url)
 
     def remove_engine(self, name: str) -> int | None:
@@ -282,17 +239,14 @@ class Proxy:
         log.info("engine %s removed (%d requests in flight there)", name, n)
         return n
 
-    def _probe(self, client: httpx.Client, link: _Link, refresh: bool) -> None:
-        try:
-            ok = client.get(link.url + "/health").status_code == 200
-            if ok and (refresh or not link.models):
-                data = client.get(link.url + "/v1/models").json()["data"]
-                link.models = [m for m in data if isinstance(m, dict) and "id" in m]
-                link.model_ids = frozenset(m["id"] for m in link.models)
-                with self._lock:  # (the probe threads write it)
-                    self._models_gen += 1
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            ok = False
+    async def _probe(self, link: _Link, refresh: bool) -> None:
+        ok, models = await probe(link.host, link.port, self.cfg.probe_timeout,
+                                 refresh or not link.models)
+        if models is not None:
+            link.models = models
+            link.model_ids = frozenset(m["id"] for m in models)
+            with self._lock:  # (the serving loop reads it)
+                self._models_gen += 1
         now = time.monotonic()
         with self._lock:
             was = link.breaker.up and link.http_up
@@ -306,7 +260,7 @@ class Proxy:
 
     def wait_probed(self, timeout: float) -> bool:
         """Block until every engine has been probed once (tests, start-up)."""
-        return self._probed.wait(timeout)
+        return self._prober.probed.wait(timeout)
 
     def healthy(self) -> tuple[bool, str]:
         """Live on both: HTTP health (breaker closed) and at least one live event stream."""

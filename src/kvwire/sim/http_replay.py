@@ -10,7 +10,8 @@ engine's own ``usage.prompt_tokens_details.cached_tokens``. The target can be ``
 serve``, SGLang's router, or an engine itself: only the URL changes.
 
 :func:`request_token_ids`, :func:`completion_body`, :class:`SseTally` and :func:`summarize`
-are pure; :func:`replay` and :func:`replay_many` (asyncio, httpx) are the I/O. ::
+are pure; :func:`replay` and :func:`replay_many` (asyncio, on kvwire's own HTTP client
+:mod:`kvwire.http1.client`) are the I/O. ::
 
     records = replay_sync("http://127.0.0.1:8000", load_trace(bundled_trace_path(), limit=50),
                           time_scale=0.1)   # a kvwire serve, an SGLang router, an engine
@@ -28,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from ..http1.client import Pool, endpoint
 from .quantile import percentile  # (re-exported: kvwire.sim.http_replay.percentile)
 from .trace import Request, prompt_tokens
 
@@ -218,28 +220,36 @@ class SseTally:
         return False
 
 
-async def _one(client: Any, url: str, index: int, payload: bytes, n_prompt: int,
-               scheduled: float, start: float, headers: Mapping[str, str]) -> ReplayRecord:
+async def _one(pool: Pool, path: bytes, index: int, payload: bytes, n_prompt: int,
+               scheduled: float, start: float, headers: list[tuple[bytes, bytes]],
+               timeout: float) -> ReplayRecord:
     sent = time.monotonic()
     status, engine, ttft, error = 0, None, None, None
     tally = SseTally()
+
+    def on_data(data: bytes) -> bool:
+        """A piece of the body, timed in the read that brought it; True: stop reading."""
+        nonlocal ttft
+        if tally.feed(data):
+            ttft = time.monotonic() - sent
+        return tally.error is not None
+
     try:
-        async with client.stream("POST", url, content=payload,
-                                 headers={"content-type": "application/json", **headers}) as resp:
-            status = resp.status_code
-            engine = resp.headers.get("x-kvwire-engine")
+        resp = await pool.request(b"POST", path, headers, payload, timeout=timeout)
+        try:
+            status = resp.status
+            name = resp.headers.get(b"x-kvwire-engine")
+            engine = name.decode("latin-1") if name is not None else None
             if status != 200:
-                text = (await resp.aread())[:300].decode("utf-8", "replace")
+                text = (await resp.read(timeout))[:300].decode("utf-8", "replace")
                 error = f"HTTP {status}: {text}"
             else:
-                async for data in resp.aiter_raw():
-                    if tally.feed(data):
-                        ttft = time.monotonic() - sent
-                    if tally.error:
-                        break
+                await resp.stream(on_data, idle=timeout)
                 error = tally.error
                 if error is None and not tally.done:
                     error = "the stream ended without data: [DONE]"
+        finally:
+            resp.close()
     except Exception as e:  # noqa: BLE001 - every failure is a record, never a crash
         error = f"{type(e).__name__}: {e}"
     end = time.monotonic()
@@ -267,33 +277,43 @@ async def replay_many(urls: Sequence[str], requests: Sequence[Request], *,
     compared in one call share the machine and whatever else loads it. ``time_scale`` < 1
     compresses the trace (engines run ``--speed 8`` want 1/8). A request that fails
     (refused, timeout, non-200, an SSE error event, no ``[DONE]``) is a record with
-    ``error`` set, never an exception. Bodies are built before the clock starts."""
-    import httpx
-
+    ``error`` set, never an exception; a URL that is not ``http[s]://HOST[:PORT]`` is a
+    ValueError before anything is sent. ``headers`` go with every request (``host`` and
+    ``content-length`` are the client's). Bodies are built before the clock starts."""
     if not time_scale > 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale!r}")
     if not requests or not urls:
         return [[] for _ in urls]
-    targets = [u.rstrip("/") + path for u in urls]
+    targets = []
+    for u in urls:  # a keep-alive pool per target; ValueError for a URL it cannot reach
+        host, port, tls, base = endpoint(u)
+        targets.append((Pool(host, port, connect_timeout=timeout, max_idle=512, ssl=tls),
+                        (base + path).encode()))
+    merged = {"content-type": "application/json"}
+    merged.update((k.lower(), v) for k, v in (headers or {}).items())
+    sent_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in merged.items()
+                    if k not in ("content-length", "host")]  # (the client writes those)
     t0 = requests[0].t
     plan = []
     for i, r in enumerate(requests):  # encoded now: bytes are ~5x smaller than int lists
         body = completion_body(r, i, model=model, max_output_tokens=max_output_tokens,
                                extra=extra_body)
         plan.append(((r.t - t0) * time_scale, _encode.encode(body), len(body["prompt"])))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits,
-                                 trust_env=False) as client:
+    try:
         start = time.monotonic()
         tasks: list[list[asyncio.Task[ReplayRecord]]] = [[] for _ in targets]
         for i, (at, payload, n_prompt) in enumerate(plan):
             delay = start + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            for k, target in enumerate(targets):
+            for k, (pool, target) in enumerate(targets):
                 tasks[k].append(asyncio.create_task(
-                    _one(client, target, i, payload, n_prompt, at, start, headers or {})))
+                    _one(pool, target, i, payload, n_prompt, at, start, sent_headers,
+                         timeout)))
         return [list(await asyncio.gather(*ts)) for ts in tasks]
+    finally:
+        for pool, _ in targets:
+            pool.close()
 
 
 async def replay(url: str, requests: Sequence[Request], **kw: Any) -> list[ReplayRecord]:
