@@ -39,7 +39,7 @@ from nats_helpers import NatsServer  # noqa: E402
 
 from kvwire.consume.engine_spec import EngineSpec  # noqa: E402
 from kvwire.router.load_share import LoadShare, Report  # noqa: E402
-from kvwire.router.service import RouterCore  # noqa: E402
+from kvwire.routing.core import RouterCore  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

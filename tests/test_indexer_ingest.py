@@ -23,7 +23,7 @@ from engine_helpers import TIMEOUT
 
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.router.indexer import Indexer
-from kvwire.router.slices import SNAPSHOT_SLICE
+from kvwire.routing.slices import SNAPSHOT_SLICE
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 BS = 4

@@ -25,7 +25,7 @@ from kvwire.router.indexer_api import (
     decode,
     seq_from_local,
 )
-from kvwire.router.service import RouterCore
+from kvwire.routing.core import RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 from kvwire.wire.rfc1527 import standard_block_hashes, standard_local_hashes, standard_seed
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.router.load_share import PeerLoads, Report
-from kvwire.router.policy import LoadTracker
+from kvwire.routing.load import LoadTracker
 
 ENGINES = ("e0", "e1", "e2")
 
@@ -510,7 +510,7 @@ def _pair(url: str, ttl: float, heartbeat: float = 0.2) -> tuple[Any, Any, Any, 
     """Two RouterCores (no engines: the load tracker is what they share) in this process,
     each sharing through its own LoadShare on one subject; A's changes are pushed."""
     from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.routing.core import RouterCore
 
     a, b = RouterCore([]), RouterCore([])
     sa = LoadShare(a, url, "kvwire.load.T", replica="A", heartbeat=heartbeat, ttl=ttl)
@@ -594,7 +594,7 @@ def test_a_change_reaches_the_peer_at_once_not_with_the_next_heartbeat(
 def test_bad_settings_are_refused_by_name() -> None:
     from kvwire.nats.connect import NatsConnectError
     from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.routing.core import RouterCore
 
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "s", connect_timeout=0.5)
     with pytest.raises(NatsConnectError, match="cannot connect to NATS at nats://127.0.0.1:1"):
@@ -618,7 +618,7 @@ def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stan
     at most MAX_OPS operations each, in order; a heartbeat's reservations are the ones
     reserved and not released, first tokens applied."""
     from kvwire.router.load_share import MAX_OPS, LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.routing.core import RouterCore
 
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
     for i in range(MAX_OPS + 10):
@@ -676,7 +676,7 @@ def test_a_heartbeat_leaves_out_own_reservations_expired_here() -> None:
     """A reservation older than the load tracker's expiry (its release never came) is not
     sent in heartbeats any more: the peers' copies then expire with the heartbeat's."""
     from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.routing.core import RouterCore
 
     share = LoadShare(RouterCore([], expiry_s=0.05), "nats://127.0.0.1:1", "s", replica="A")
     share.push(["r", "old", "e0", 5.0, 0.0])
@@ -691,7 +691,7 @@ def test_predictions_are_cut_by_bytes_and_dropped_first_when_a_backlog_forms() -
     the operation that crosses it); once PREDICTION_BACKLOG operations wait (NATS slow or
     down), new predictions are dropped, counted, while reservations still queue."""
     from kvwire.router.load_share import MAX_KEY_BYTES, PREDICTION_BACKLOG, LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.routing.core import RouterCore
 
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
     keys = bytes(32 * 1024)

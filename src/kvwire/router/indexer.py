@@ -9,7 +9,7 @@ string (``?shape=mooncake|dynamo``). ``handle`` is thread-safe and never raises:
 a 4xx naming what was wrong, counted in :attr:`Indexer.counts`. ``kvwire serve`` mounts it
 beside ``/route`` (one index); ``kvwire index`` serves it alone.
 
-Streams come from a :class:`~kvwire.router.service.RouterCore` (its subscriber thread owns the
+Streams come from a :class:`~kvwire.routing.core.RouterCore` (its subscriber thread owns the
 sockets and is the index's only writer; ``add_stream`` / ``remove_stream`` hand registrations
 to it). Both peers' spellings are accepted; which shape answers is chosen per request (see
 :func:`~kvwire.router.indexer_api.pick_shape`, docs/indexer-api.md).
@@ -31,6 +31,7 @@ import msgspec
 from ..consume.subscriber import StreamSpec
 from ..index import block_keys
 from ..index.keys import chain_start, standard_fold
+from ..routing.core import RouterCore
 from ..wire.endpoint import check_endpoint
 from .indexer_api import (
     MEDIA,
@@ -50,7 +51,6 @@ from .indexer_api import (
     seq_from_local,
     shape_answer,
 )
-from .service import RouterCore
 from .tokens import parse_route_body
 
 __all__ = ["INDEXER_PATHS", "Indexer"]

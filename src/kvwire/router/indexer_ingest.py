@@ -1,4 +1,4 @@
-"""``kvwire index``'s ingest on its HTTP event loop: a :class:`~kvwire.router.service.RouterCore`
+"""``kvwire index``'s ingest on its HTTP event loop: a :class:`~kvwire.routing.core.RouterCore`
 started without its thread (``start(thread=False)``), whose :meth:`~RouterCore.pump` the
 loop that answers the queries calls.
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .ingest import INGEST_NAP
-from .service import RouterCore
+from ..routing.core import RouterCore
+from ..routing.ingest import INGEST_NAP
 
 __all__ = ["PUMP_ITEMS", "LoopIngest"]
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from .policy import LoadTracker
+from ..routing.load import LoadTracker
 
 __all__ = ["LoadShare", "PeerLoads", "Report"]
 
@@ -235,7 +235,7 @@ class PeerLoads:
 
 class LoadShare:
     """Share this replica's reservations with the others on ``subject`` and apply theirs
-    to ``core.loads`` (a :class:`~kvwire.router.service.RouterCore`), from a thread of its
+    to ``core.loads`` (a :class:`~kvwire.routing.core.RouterCore`), from a thread of its
     own. :meth:`push` is what the request path calls: it appends to a bounded queue and
     wakes the thread at most once per burst."""
 

@@ -32,7 +32,7 @@ from typing import Any
 from ..engine.timing import StepCost
 from ..publish.publisher import ZmqEventPublisher
 from ..router.cache_aware import CacheAwareParams
-from ..router.policy import RoutingPolicy
+from ..routing.policy import RoutingPolicy
 from .engine import SimEngine, engine_keys
 from .quantile import nearest_rank
 from .routers import (  # noqa: F401 - re-exported: tests patch fleet._LeastLoad

@@ -22,7 +22,8 @@ from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..engine import EngineRequest
 from ..router.load_share import PeerLoads, Report
-from ..router.policy import Candidate, LoadTracker, request_load
+from ..routing.load import LoadTracker
+from ..routing.policy import Candidate, request_load
 from .engine import SimEngine
 from .trace import Request, prompt_array
 

@@ -1,0 +1,71 @@
+"""Names that moved to ``kvwire.routing`` keep working at their old places for one release:
+the same objects, with a DeprecationWarning naming the new place; and nothing of kvwire
+imports through the old places itself."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import kvwire.routing as routing
+from kvwire.routing import core, load, policy
+
+
+def _fresh(name: str):
+    """Import ``name`` again (a module warns when it is first imported)."""
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
+
+
+def test_router_policy_is_the_routing_policy_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="kvwire.routing.policy"):
+        old = _fresh("kvwire.router.policy")
+    for name in old.__all__:
+        new = getattr(load if name == "LoadTracker" else policy, name)
+        assert getattr(old, name) is new, name
+
+
+def test_router_service_is_the_routing_core_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="kvwire.routing.core"):
+        old = _fresh("kvwire.router.service")
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(core, name), name
+
+
+@pytest.mark.parametrize("name", ["RoutingPolicy", "Candidate", "Decision", "LoadTracker",
+                                  "request_load"])
+def test_the_router_package_names_warn_and_are_the_same(name: str) -> None:
+    import kvwire.router
+
+    with pytest.warns(DeprecationWarning, match=f"kvwire.routing.{name}"):
+        old = getattr(kvwire.router, name)
+    assert old is getattr(routing, name)
+    with pytest.raises(AttributeError):
+        kvwire.router.NoSuchName  # noqa: B018
+
+
+def test_importing_a_router_module_warns_about_nothing() -> None:
+    """The proxy, the indexer and the app are still under kvwire.router: importing them (and
+    kvwire's whole API) goes through no deprecated name."""
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "import kvwire, kvwire.router.proxy, kvwire.router.app, kvwire.router.indexer\n"
+            "import kvwire.cli.serve, kvwire.cli.index, kvwire.sim.fleet, kvwire.sim.routers\n"
+            "kvwire.RoutingPolicy\n"
+            "import sys\n"
+            "bad = [m for m in ('kvwire.router.policy', 'kvwire.router.service') "
+            "if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_new_names_import_without_warnings() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from kvwire.routing import RoutingPolicy  # noqa: F401
+        from kvwire.routing.core import RouterCore  # noqa: F401
