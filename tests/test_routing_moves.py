@@ -69,3 +69,26 @@ def test_the_new_names_import_without_warnings() -> None:
         warnings.simplefilter("error")
         from kvwire.routing import RoutingPolicy  # noqa: F401
         from kvwire.routing.core import RouterCore  # noqa: F401
+
+
+def test_the_indexer_holds_a_feed_not_a_router(tmp_path) -> None:
+    """``kvwire index`` follows its registrations with a Feed of its own (no router with no
+    engines); beside a router (``kvwire serve``) it holds the router's feed: one index, one
+    lock, and the router's engines' streams are not registrable."""
+    from kvwire.consume.engine_spec import EngineSpec
+    from kvwire.consume.subscriber import StreamSpec
+    from kvwire.router.indexer import Indexer
+    from kvwire.routing.feed import Feed
+
+    ix = Indexer.standalone(on_loop=True)
+    try:
+        assert type(ix.feed) is Feed and not ix.feed.owned
+    finally:
+        ix.close()
+    assert ix.feed.closed
+    router = core.RouterCore([EngineSpec("e0", "ipc:///nonexistent/e0")])
+    ix = Indexer(router, tmp_path / "regs.json")
+    assert ix.feed is router.feed and ix.feed.index is router.index
+    assert ix.feed.lock is router.lock
+    with pytest.raises(ValueError, match="already followed"):
+        ix.feed.add_stream(StreamSpec("e0/dp0", "ipc:///nonexistent/x"))
