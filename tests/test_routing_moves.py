@@ -54,6 +54,7 @@ def test_importing_a_router_module_warns_about_nothing() -> None:
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
             "import kvwire, kvwire.router.proxy, kvwire.router.app, kvwire.router.indexer\n"
             "import kvwire.cli.serve, kvwire.cli.index, kvwire.sim.fleet, kvwire.sim.routers\n"
+            "import kvwire.nats.load_channel\n"
             "kvwire.RoutingPolicy\n"
             "import sys\n"
             "bad = [m for m in ('kvwire.router.policy', 'kvwire.router.service') "
@@ -92,3 +93,30 @@ def test_the_indexer_holds_a_feed_not_a_router(tmp_path) -> None:
     assert ix.feed.lock is router.lock
     with pytest.raises(ValueError, match="already followed"):
         ix.feed.add_stream(StreamSpec("e0/dp0", "ipc:///nonexistent/x"))
+
+
+def test_routing_imports_no_http_no_asyncio_and_nothing_above_it() -> None:
+    """kvwire.routing is the routing without its faces: none of its modules imports
+    asyncio, an HTTP or NATS library, or a kvwire module above it (router/, the proxy, the
+    indexer, serve, cli, nats)."""
+    import ast
+    from pathlib import Path
+
+    banned = {"asyncio", "http", "httptools", "httpx", "fastapi", "uvicorn", "nats", "h11"}
+    above = ("router", "proxy", "indexer", "serve", "cli", "nats", "http1", "sim")
+    for path in sorted(Path(routing.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [(0, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.level, node.module or "")]
+            else:
+                continue
+            for level, name in names:
+                top = name.split(".")[0]
+                if level == 0:
+                    assert top not in banned, (path.name, name)
+                    assert not (top == "kvwire" and name.split(".")[1:2] and
+                                name.split(".")[1] in above), (path.name, name)
+                elif level == 2:  # from ..X: a sibling of routing
+                    assert top not in above, (path.name, name)

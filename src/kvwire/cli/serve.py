@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     share = None
     if args.nats is not None and args.share_load is not False:
-        from ..router.load_share import LoadShare
+        from ..nats.load_channel import LoadShare
 
         share = LoadShare(core, args.nats, f"kvwire.load.{args.stream}",
                           connect_timeout=args.connect_timeout)
