@@ -65,7 +65,7 @@ class Feed:
         # run-time streams (the indexer API's registrations): not an owner's
         self.extra: set[str] = set()
         self.on_new: Callable[[set[str]], None] | None = None
-        self.ingest = Ingest(self._open_subscriber, self._apply, on_fail=self._all_down)
+        self.ingest = Ingest(self._open_subscriber, self._apply, on_fail=self.all_down)
 
     # ------------------------------------------------------------------ the ingest
 
@@ -108,9 +108,6 @@ class Feed:
     def all_down(self) -> None:
         """Mark every stream down (the ingest failed: nothing is followed any more)."""
         self.alive = dict.fromkeys(self.alive, False)
-
-    def _all_down(self) -> None:
-        self.all_down()
 
     def _open_subscriber(self) -> Subscriber:
         return Subscriber([self.nats] if self.nats is not None else self.specs,
