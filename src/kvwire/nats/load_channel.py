@@ -21,7 +21,7 @@ from ..routing.sharing import Outbox, PeerLoads, Report, decode_report, encode_r
 
 __all__ = ["LoadShare"]
 
-log = logging.getLogger("kvwire.router.load_share")
+log = logging.getLogger("kvwire.router.load_share")  # (the name operators filter on)
 
 
 class LoadShare:
