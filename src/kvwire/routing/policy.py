@@ -9,7 +9,7 @@ Cost of sending a prompt to an engine (lower is better)::
 With ``balance_slack > 0`` (the default of ``kvwire serve`` and the simulator) an engine's
 queue costs nothing until it exceeds the least-loaded live engine's by the slack: cache first
 while queues are close, balance once one pulls ahead, so a prefix stays with its owner unless
-the owner's queue is that much longer (docs/router.md has the measurements).
+the owner's queue is that much longer (docs/decisions/0008-cache-first-balance-slack.md).
 
 ``credit`` is the engine's cached prefix in block units (sum of tier credit x matched blocks,
 i.e. ``PrefixIndex.match(...)[stream].credit``), so the first term is the prefill work the
