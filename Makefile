@@ -92,7 +92,7 @@ fuzz: $(STAMP) $(TORCH_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP)
 	  KVWIRE_FUZZ=1 $(PY) -m pytest -q -x -p no:cacheprovider -m hypothesis tests || exit 1; done
 
 # Mutation sweep of one file (docs/testing.md): which one-node changes no test notices.
-# make mutate SOURCE=src/kvwire/router/policy.py TESTS="tests/test_balance.py tests/test_router.py"
+# make mutate SOURCE=src/kvwire/routing/policy.py TESTS="tests/test_balance.py tests/test_router.py"
 mutate: $(STAMP)
 	@if [ -z "$(SOURCE)" ] || [ -z "$(TESTS)" ]; then echo "kvwire mutate: give SOURCE=FILE and TESTS=\"tests/...\"" >&2; exit 2; fi
 	$(PY) tests/mutation.py $(SOURCE) -- $(TESTS)

@@ -1,4 +1,4 @@
-"""Load sharing between router replicas (router/load_share.py) over a real nats-server on
+"""Load sharing between router replicas (nats/load_channel.py, routing/sharing.py) over a real nats-server on
 loopback: how long a reservation made at replica A takes to weigh on replica B's load, and
 what the sharing costs in CPU per operation, at several request rates.
 
@@ -38,8 +38,9 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server 
 from nats_helpers import NatsServer  # noqa: E402
 
 from kvwire.consume.engine_spec import EngineSpec  # noqa: E402
-from kvwire.router.load_share import LoadShare, Report  # noqa: E402
-from kvwire.router.service import RouterCore  # noqa: E402
+from kvwire.nats.load_channel import LoadShare  # noqa: E402
+from kvwire.routing.core import RouterCore  # noqa: E402
+from kvwire.routing.sharing import Report  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

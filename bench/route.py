@@ -213,7 +213,7 @@ def service_main(kind: str, where: str, engines: int, port: int) -> None:
 
     from kvwire.cli.serve import tune_process
     from kvwire.router.app import build_app, fast_app
-    from kvwire.router.service import EngineSpec, RouterCore
+    from kvwire.routing.core import EngineSpec, RouterCore
 
     specs = [EngineSpec(f"e{i}", f"ipc://{where}/e{i}.live", f"ipc://{where}/e{i}.replay")
              for i in range(engines)]
@@ -479,7 +479,7 @@ def core_cpu(kind: str, engines: int, prefixes: int, ntok: int) -> dict:
     """CPU time (process_time, so other load on the box barely counts) of RouterCore.route
     (index match + policy, no HTTP, no JSON) and of applying one churn batch, in-process."""
     from kvwire.consume.stream import Batch
-    from kvwire.router.service import EngineSpec, RouterCore
+    from kvwire.routing.core import EngineSpec, RouterCore
     from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch
 
     core = RouterCore([EngineSpec(f"e{i}", f"ipc:///nonexistent/e{i}")

@@ -1,7 +1,7 @@
 """Mutation sweep: does any test fail when one piece of a source file is changed?
 
-    .venv/bin/python tests/mutation.py src/kvwire/router/policy.py -- tests/test_balance.py
-    make mutate SOURCE=src/kvwire/router/policy.py TESTS="tests/test_balance.py tests/test_router.py"
+    .venv/bin/python tests/mutation.py src/kvwire/routing/policy.py -- tests/test_balance.py
+    make mutate SOURCE=src/kvwire/routing/policy.py TESTS="tests/test_balance.py tests/test_router.py"
 
 Each mutant changes one AST node of SOURCE (a comparison flipped at its boundary or negated,
 ``+``/``-`` and ``*``/``/`` swapped, ``and``/``or`` swapped, a ``not`` dropped, a number or

@@ -43,7 +43,7 @@ def test_a_name_loads_only_what_it_needs() -> None:
     # the policy is pure Python: using it must not drag in ZeroMQ or the subscriber
     loaded = _fresh("import sys, json, kvwire; kvwire.RoutingPolicy; "
                     "print(json.dumps(sorted(sys.modules)))")
-    assert "kvwire.router.policy" in loaded
+    assert "kvwire.routing.policy" in loaded
     assert not [m for m in loaded if m.split(".")[0] == "zmq" or m.startswith("kvwire.consume")]
 
 

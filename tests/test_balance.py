@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.router.cache_aware import CacheAwareParams, CacheAwarePolicy
-from kvwire.router.policy import Candidate, LoadTracker, RoutingPolicy, make_policy
+from kvwire.routing import Candidate, LoadTracker, RoutingPolicy, make_policy
 
 loads = st.floats(0, 1e5, allow_nan=False)
 credits = st.floats(0, 64, allow_nan=False)
@@ -339,7 +339,7 @@ def test_proxy_routes_a_new_prompt_to_the_engine_busy_least_lately() -> None:
     """RouterCore hands the load tracker's busy times to the policy: after e0 (or e1) held
     a request for 10 s, the next prompt with no cached prefix goes to the other one, for
     every seed (engines never started: all dead, so all compete; no sockets opened)."""
-    from kvwire.router.service import EngineSpec, RouterCore
+    from kvwire.routing.core import EngineSpec, RouterCore
 
     now = [0.0]
     for seed in range(8):
@@ -401,7 +401,7 @@ def test_least_load_ties_are_seeded_random() -> None:
 
 
 def test_make_policy_names_and_errors() -> None:
-    from kvwire.router.policy import (
+    from kvwire.routing.policy import (
         POLICIES,
         LeastLoadPolicy,
         RandomPolicy,

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import Batch
 from kvwire.router.engines_file import EngineChanges, EnginesFile
-from kvwire.router.service import RouterCore
+from kvwire.routing.core import RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,7 +108,7 @@ def test_a_withdrawn_engine_is_not_found_again_on_the_stream() -> None:
         return Batch(stream, 1, KVEventBatch(0.0, [BlockStored([7], None, list(range(16)),
                                                                16, None)], 0), 1)
 
-    core._apply([item("gone/dp0"), item("new/dp0")])
+    core.feed._apply([item("gone/dp0"), item("new/dp0")])
     assert [t.stream for t in core.targets] == ["new/dp0"]
     core.add_engine(EngineSpec.parse_named("gone"))  # added again: routed, no longer out
     assert [t.stream for t in core.targets] == ["new/dp0", "gone/dp0"]

@@ -29,7 +29,7 @@ from xxhash import xxh3_64_intdigest  # noqa: E402
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
 from kvwire.router.app import serve_in_thread  # noqa: E402
-from kvwire.router.service import RouterCore  # noqa: E402
+from kvwire.routing.core import RouterCore  # noqa: E402
 from kvwire.wire.events import (  # noqa: E402
     BlockRemoved,
     BlockStored,

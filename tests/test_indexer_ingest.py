@@ -23,7 +23,7 @@ from engine_helpers import TIMEOUT
 
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.router.indexer import Indexer
-from kvwire.router.slices import SNAPSHOT_SLICE
+from kvwire.routing.slices import SNAPSHOT_SLICE
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 BS = 4
@@ -61,7 +61,7 @@ def test_ingest_takes_turns_with_the_loop() -> None:
             "block_size": BS}).encode())
         assert st == 200, out
         ix.attach(loop)
-        keys = ix.core.index.walk.keys
+        keys = ix.feed.index.walk.keys
         sizes: list[int] = []
 
         async def watch(until) -> None:
@@ -69,9 +69,9 @@ def test_ingest_takes_turns_with_the_loop() -> None:
             deadline = time.monotonic() + TIMEOUT
             while not until():
                 assert time.monotonic() < deadline, f"timed out; sizes seen {sizes[-5:]}"
-                sizes.append(len(ix.core.index.walk.keys))
+                sizes.append(len(ix.feed.index.walk.keys))
                 await asyncio.sleep(0)
-            sizes.append(len(ix.core.index.walk.keys))
+            sizes.append(len(ix.feed.index.walk.keys))
 
         loop.run_until_complete(watch(lambda: len(keys) >= BACKLOG * PER_BATCH))
         steps = [b - a for a, b in zip(sizes, sizes[1:]) if b != a]
@@ -84,8 +84,8 @@ def test_ingest_takes_turns_with_the_loop() -> None:
         # unregistered: every block of it gone (after whatever was handed out for it)
         st, out = ix.handle("POST", "/unregister", b'{"instance_id": "1"}')
         assert st == 200, out
-        loop.run_until_complete(watch(lambda: not ix.core.index.walk.keys))
-        assert ix.core.pumps >= 3
+        loop.run_until_complete(watch(lambda: not ix.feed.index.walk.keys))
+        assert ix.feed.pumps >= 3
     finally:
         ix.close()
         loop.close()

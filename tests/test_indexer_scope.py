@@ -25,7 +25,7 @@ from kvwire.router.indexer_api import (
     decode,
     seq_from_local,
 )
-from kvwire.router.service import RouterCore
+from kvwire.routing.core import RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 from kvwire.wire.rfc1527 import standard_block_hashes, standard_local_hashes, standard_seed
 
@@ -94,7 +94,7 @@ def test_indexer_reads_its_file_at_start(tmp_path) -> None:
                                           "modelname": "m", "instance_id": "a"})[0] == 200
     again = Indexer(RouterCore([]), path)
     assert list(again.regs) == [("default", "a", 0)]
-    assert [s.name for s in again.core.specs] == ["a|default|0"]
+    assert [s.name for s in again.feed.specs] == ["a|default|0"]
 
 
 # --------------------------------------------------------------------------- scoping model
@@ -187,7 +187,7 @@ def test_answers_match_a_brute_force_model(regs: list[dict], queries: list[dict]
             hashes = [1000 * c + i for i in range(blocks)]  # engine hashes: ids only
             events.append(BlockStored(hashes, None, toks, r["bs"], None, medium, lora,
                                       cache_salt=salt))
-        ix.core.index.apply(Batch(stream, 0, KVEventBatch(0.0, events, 0)))
+        ix.feed.index.apply(Batch(stream, 0, KVEventBatch(0.0, events, 0)))
     for q in queries:
         body = {"model": q["model"], "tenant_id": q["tenant"], "token_ids": BASE[: q["ntok"]]}
         for name, key in (("instance_id", "instance"), ("lora_name", "lora"),
@@ -210,7 +210,7 @@ def test_a_file_that_cannot_be_written_changes_nothing(tmp_path) -> None:
     status, out = call(ix, "POST", "/register", {"endpoint": "ipc:///tmp/kvwire-nowhere",
                                                  "modelname": "m", "instance_id": "a"})
     assert status == 507 and "could not be written" in out["error"], out
-    assert ix.regs == {} and ix.core.specs == [] and ix.counts["bad_file"] == 1
+    assert ix.regs == {} and ix.feed.specs == [] and ix.counts["bad_file"] == 1
 
 
 def test_medium_prefixes_alone_and_cumulative() -> None:

@@ -1,4 +1,4 @@
-"""Router replicas that share their load (router/load_share.py).
+"""Router replicas that share their load (routing/sharing.py, nats/load_channel.py).
 
 The pure part (:class:`PeerLoads`) against a model under hypothesis, reports lost at random
 included; then real ``kvwire serve --nats`` replicas beside a real nats-server: what one
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.router.load_share import PeerLoads, Report
-from kvwire.router.policy import LoadTracker
+from kvwire.routing.load import LoadTracker
+from kvwire.routing.sharing import PeerLoads, Report
 
 ENGINES = ("e0", "e1", "e2")
 
@@ -509,8 +509,8 @@ def test_proxy_replicas_share_a_streamed_requests_load_until_its_client_leaves(
 def _pair(url: str, ttl: float, heartbeat: float = 0.2) -> tuple[Any, Any, Any, Any]:
     """Two RouterCores (no engines: the load tracker is what they share) in this process,
     each sharing through its own LoadShare on one subject; A's changes are pushed."""
-    from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.nats.load_channel import LoadShare
+    from kvwire.routing.core import RouterCore
 
     a, b = RouterCore([]), RouterCore([])
     sa = LoadShare(a, url, "kvwire.load.T", replica="A", heartbeat=heartbeat, ttl=ttl)
@@ -527,7 +527,7 @@ def test_a_long_queue_goes_in_several_reports_and_heartbeats_keep_peers_exact(
     at once reach the other side whole (in reports of at most MAX_OPS operations), half of
     them released reach it too, and A's heartbeats, which carry what it holds, then find
     nothing to put right."""
-    from kvwire.router.load_share import MAX_OPS
+    from kvwire.routing.sharing import MAX_OPS
 
     a, b, sa, sb = _pair(nats_server.url, ttl=5.0)
     try:
@@ -593,8 +593,8 @@ def test_a_change_reaches_the_peer_at_once_not_with_the_next_heartbeat(
 
 def test_bad_settings_are_refused_by_name() -> None:
     from kvwire.nats.connect import NatsConnectError
-    from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.nats.load_channel import LoadShare
+    from kvwire.routing.core import RouterCore
 
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "s", connect_timeout=0.5)
     with pytest.raises(NatsConnectError, match="cannot connect to NATS at nats://127.0.0.1:1"):
@@ -617,8 +617,9 @@ def test_a_report_carries_at_most_max_ops_and_the_live_reservations_as_they_stan
     """The queue as reports (no thread started: ``_report`` is what the thread calls):
     at most MAX_OPS operations each, in order; a heartbeat's reservations are the ones
     reserved and not released, first tokens applied."""
-    from kvwire.router.load_share import MAX_OPS, LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.nats.load_channel import LoadShare
+    from kvwire.routing.core import RouterCore
+    from kvwire.routing.sharing import MAX_OPS
 
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
     for i in range(MAX_OPS + 10):
@@ -675,8 +676,8 @@ def test_a_heartbeat_over_the_servers_max_payload_goes_without_its_reservations(
 def test_a_heartbeat_leaves_out_own_reservations_expired_here() -> None:
     """A reservation older than the load tracker's expiry (its release never came) is not
     sent in heartbeats any more: the peers' copies then expire with the heartbeat's."""
-    from kvwire.router.load_share import LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.nats.load_channel import LoadShare
+    from kvwire.routing.core import RouterCore
 
     share = LoadShare(RouterCore([], expiry_s=0.05), "nats://127.0.0.1:1", "s", replica="A")
     share.push(["r", "old", "e0", 5.0, 0.0])
@@ -690,8 +691,9 @@ def test_predictions_are_cut_by_bytes_and_dropped_first_when_a_backlog_forms() -
     """Predictions carry up to 32 KB of keys: a report holds MAX_KEY_BYTES of them (and
     the operation that crosses it); once PREDICTION_BACKLOG operations wait (NATS slow or
     down), new predictions are dropped, counted, while reservations still queue."""
-    from kvwire.router.load_share import MAX_KEY_BYTES, PREDICTION_BACKLOG, LoadShare
-    from kvwire.router.service import RouterCore
+    from kvwire.nats.load_channel import LoadShare
+    from kvwire.routing.core import RouterCore
+    from kvwire.routing.sharing import MAX_KEY_BYTES, PREDICTION_BACKLOG
 
     share = LoadShare(RouterCore([]), "nats://127.0.0.1:1", "kvwire.load.T", replica="A")
     keys = bytes(32 * 1024)

@@ -19,7 +19,7 @@ from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import StreamConfig
 from kvwire.consume.subscriber import StreamSpec
 from kvwire.router.app import serve_in_thread
-from kvwire.router.service import EngineConflict, RouterCore
+from kvwire.routing.core import EngineConflict, RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -141,8 +141,8 @@ def test_core_finds_engines_on_the_stream_only_when_told_to() -> None:
 
     for discover, want in ((False, ["a/dp0"]), (True, ["a/dp0", "z/dp0", "z/dp1", "z/dp2"])):
         core = RouterCore([EngineSpec.parse_named("a")], nats=object(), discover=discover)
-        core._apply([item("z/dp0"), item("not-a-rank-stream")])
-        core._apply([item("z/dp2"), item("z/dp1")])
+        core.feed._apply([item("z/dp0"), item("not-a-rank-stream")])
+        core.feed._apply([item("z/dp2"), item("z/dp1")])
         assert [t.stream for t in core.targets] == want
         assert "z/dp0" in core.index.streams()  # indexed either way
     assert core.discovered == 2 and [e.ranks for e in core.engines] == [1, 3]

@@ -274,7 +274,7 @@ def test_clean_exit_snapshot_covers_a_lane_whose_periodic_write_was_cut(nats_ser
     by wrapping write_snapshot (a timing that cannot be caused on demand for real)."""
     import kvwire.nats.bridge as B
     from kvwire.publish.publisher import ZmqEventPublisher
-    from kvwire.router.service import EngineSpec
+    from kvwire.routing.core import EngineSpec
     from kvwire.wire.events import BlockStored, KVEventBatch
 
     pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/e", replay_endpoint=f"ipc://{tmp_path}/r",
@@ -339,7 +339,7 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     from kvwire.consume.cache import BlockCache
     from kvwire.consume.items import Batch
     from kvwire.publish.publisher import ZmqEventPublisher
-    from kvwire.router.service import EngineSpec
+    from kvwire.routing.core import EngineSpec
     from kvwire.wire.events import BlockStored, KVEventBatch
 
     pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/e", replay_endpoint=f"ipc://{tmp_path}/r",

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.router.policy import Candidate, LoadTracker, RoutingPolicy
+from kvwire.routing import Candidate, LoadTracker, RoutingPolicy
 
 
 def test_load_drains_at_the_rate_learned_from_first_tokens() -> None:
@@ -148,7 +148,7 @@ def test_proxy_routes_past_a_queue_its_engine_has_worked_off() -> None:
     token: e_fast delivered 64 blocks in 1 s; later it takes a 200-block prompt and the
     other engine a 100-block one; 9.5 s on, a new prompt goes to the engine that has
     worked its prompt off, though it holds the larger reservation."""
-    from kvwire.router.service import EngineSpec, RouterCore
+    from kvwire.routing.core import EngineSpec, RouterCore
 
     now = [0.0]
     core = RouterCore([EngineSpec.parse(f"e{i}=tcp://127.0.0.1:9,url=http://127.0.0.1:9")

@@ -29,9 +29,9 @@ from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import StreamConfig
 from kvwire.engine import EngineConfig, StepCost
 from kvwire.router.app import serve_in_thread
-from kvwire.router.policy import RoundRobinPolicy, RoutingPolicy
 from kvwire.router.proxy import Proxy, ProxyConfig
-from kvwire.router.service import RouterCore
+from kvwire.routing.core import RouterCore
+from kvwire.routing.policy import RoundRobinPolicy, RoutingPolicy
 from kvwire.tokenize import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

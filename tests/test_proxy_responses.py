@@ -25,8 +25,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_proxy import TIMEOUT, Stack, _LoopbackServer, make_stack, wait_for  # noqa: F401
 
-from kvwire.router.policy import RoundRobinPolicy
 from kvwire.router.responses import ResponseOwners, addressed, chat_request
+from kvwire.routing.policy import RoundRobinPolicy
 from kvwire.tokenize import load_tokenizer
 from kvwire.tokenize.content import as_engine_messages, as_engine_tools, engine_template_kwargs
 
@@ -487,7 +487,7 @@ def test_responses_tokenize_as_vllm_renders_them(tmp_path: Any) -> None:
 
     from kvwire.consume.engine_spec import EngineSpec
     from kvwire.router.proxy import Proxy, _pass_dec
-    from kvwire.router.service import RouterCore
+    from kvwire.routing.core import RouterCore
 
     transformers = import_or_skip("transformers", "transformers")
     src = ROOT / "tests/data/tokenize/qwen3"

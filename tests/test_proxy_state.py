@@ -7,14 +7,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.router.policy import Candidate as C
-from kvwire.router.policy import (
+from kvwire.router.proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
+from kvwire.routing.load import LoadTracker
+from kvwire.routing.policy import Candidate as C
+from kvwire.routing.policy import (
     LeastLoadPolicy,
-    LoadTracker,
     RoundRobinPolicy,
     make_policy,
 )
-from kvwire.router.proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
 
 
 def test_lifecycle_drops_prefill_once_and_releases_once() -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvwire.router import Candidate, LoadTracker, RoutingPolicy, request_load
+from kvwire.routing import Candidate, LoadTracker, RoutingPolicy, request_load
 
 names = st.sampled_from([f"e{i}" for i in range(6)])
 finite = st.floats(min_value=0, max_value=1e4, allow_nan=False, allow_infinity=False)

@@ -29,9 +29,9 @@ from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
-from kvwire.router import RoutingPolicy  # noqa: E402
 from kvwire.router.app import serve_in_thread  # noqa: E402
-from kvwire.router.service import EngineSpec, RouterCore  # noqa: E402
+from kvwire.routing import RoutingPolicy  # noqa: E402
+from kvwire.routing.core import EngineSpec, RouterCore  # noqa: E402
 from kvwire.wire.events import BlockStored, KVEventBatch  # noqa: E402
 
 BS = 16
@@ -299,7 +299,7 @@ def test_nats_engine_spec_has_ranks_and_no_zeromq_endpoint() -> None:
     ``--engine``."""
     from kvwire.consume.engine_spec import EngineSpec as Moved
 
-    assert Moved is EngineSpec  # kvwire.router.service re-exports it
+    assert Moved is EngineSpec  # kvwire.routing.core re-exports it
     e = EngineSpec.parse_named("m:2")
     assert (e.name, e.endpoint, e.ranks, e.stream_names()) == ("m", None, 2,
                                                                 ["m/dp0", "m/dp1"])
@@ -464,8 +464,8 @@ def test_a_big_snapshot_is_applied_in_pieces_to_the_same_state() -> None:
     the index ends in the same state as applying it whole."""
     from kvwire.consume.stream import Snapshot
     from kvwire.index import PrefixIndex
-    from kvwire.router.slices import SNAPSHOT_SLICE
-    from kvwire.router.slices import pieces as cut_in_pieces
+    from kvwire.routing.slices import SNAPSHOT_SLICE
+    from kvwire.routing.slices import pieces as cut_in_pieces
 
     prompts = [tokens(100 + i, 3) for i in range(SNAPSHOT_SLICE // 2)]  # 1.5 x SLICE blocks
     evs = [stored(p, 10 * i).events[0] for i, p in enumerate(prompts)]
@@ -491,7 +491,7 @@ def test_deliveries_are_applied_64_to_a_lock_hold_in_order() -> None:
     a route waits behind at most that many), in order, none lost; a big snapshot among them
     starts pieces of its own and the deliveries after it go on in a new one."""
     from kvwire.consume.stream import Batch, Snapshot
-    from kvwire.router.slices import pieces as cut_in_pieces
+    from kvwire.routing.slices import pieces as cut_in_pieces
 
     small = [Batch("e/dp0", i, stored(tokens(i, 1), 10 * i), 0) for i in range(150)]
     pieces = cut_in_pieces(small)
@@ -505,7 +505,7 @@ def test_deliveries_are_applied_64_to_a_lock_hold_in_order() -> None:
     assert pieces[0] == small[:10] and pieces[3] == small[10:20]
     # at the limit: a snapshot of exactly SNAPSHOT_SLICE blocks stays whole; one more block
     # and it is cut after exactly SNAPSHOT_SLICE (one-block events here)
-    from kvwire.router.slices import SNAPSHOT_SLICE
+    from kvwire.routing.slices import SNAPSHOT_SLICE
 
     ones = [stored(tokens(5000 + i, 1), 50_000 + i).events[0] for i in range(SNAPSHOT_SLICE + 1)]
     assert len(cut_in_pieces([Snapshot("e/dp0", 1, ones[:-1], epoch=0)])) == 1
@@ -664,7 +664,7 @@ def test_fast_token_parser_agrees_with_strict_decode(toks, seps, lora, odd, pre,
     decode does: the same fields, or the same named error, for any spacing, any odd
     element, other members before or after, and broken endings."""
     from kvwire.router import app as app_mod
-    from kvwire.router.service import RouteError
+    from kvwire.routing.core import RouteError
 
     a, b, c, d = seps
     items = [str(t) for t in toks] + ([odd] if odd else [])

@@ -1,6 +1,6 @@
 """The simulator's router replicas (``SimConfig.replicas``): requests spread over several
 kvwire routers in turn, each with its own load, sharing it through the same
-:class:`~kvwire.router.load_share.PeerLoads` that ``kvwire serve --nats`` replicas use."""
+:class:`~kvwire.routing.sharing.PeerLoads` that ``kvwire serve --nats`` replicas use."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from waiting import wait_for  # noqa: E402
 from kvwire.consume.stream import Batch, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
 from kvwire.publish.publisher import ZmqEventPublisher
-from kvwire.router.service import EngineSpec, RouteError, RouterCore
+from kvwire.routing.core import EngineSpec, RouteError, RouterCore
 from kvwire.wire.endpoint import EndpointError
 from kvwire.wire.events import BlockStored, KVEventBatch
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwire.router.policy import RoundRobinPolicy
+from kvwire.routing.policy import RoundRobinPolicy
 from kvwire.tokenize import TokenizerError, load_tokenizer
 from kvwire.tokenize.builtin import CHATML_TEMPLATE
 from kvwire.tokenize.content import (

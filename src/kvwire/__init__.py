@@ -35,7 +35,7 @@ _API: dict[str, str] = {
     "Snapshot": "kvwire.consume.stream",
     "BlockCache": "kvwire.consume.cache",
     "PrefixIndex": "kvwire.index.prefix",
-    "RoutingPolicy": "kvwire.router.policy",
+    "RoutingPolicy": "kvwire.routing.policy",
     # one-to-many IPC in shared memory
     "MessageQueue": "kvwire.shm.queue",
 }
@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from kvwire.consume.subscriber import StreamSpec, Subscriber
     from kvwire.index.prefix import PrefixIndex
     from kvwire.publish.publisher import ZmqEventPublisher
-    from kvwire.router.policy import RoutingPolicy
+    from kvwire.routing.policy import RoutingPolicy
     from kvwire.shm.queue import MessageQueue
     from kvwire.wire.events import (
         AllBlocksCleared,

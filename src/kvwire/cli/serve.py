@@ -228,9 +228,9 @@ def run(args: argparse.Namespace) -> int:
         from ..consume.stream import StreamConfig
         from ..router.app import build_app, fast_app
         from ..router.indexer import Indexer
-        from ..router.policy import make_policy
         from ..router.proxy import Proxy
-        from ..router.service import RouterCore
+        from ..routing.core import RouterCore
+        from ..routing.policy import make_policy
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
         return EXIT_USAGE
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     share = None
     if args.nats is not None and args.share_load is not False:
-        from ..router.load_share import LoadShare
+        from ..nats.load_channel import LoadShare
 
         share = LoadShare(core, args.nats, f"kvwire.load.{args.stream}",
                           connect_timeout=args.connect_timeout)

@@ -1,7 +1,7 @@
 """Which engines to follow: :class:`EngineSpec` and its parsers, for every command that names
 engines (``serve --engine``, ``serve --nats-engine``, ``bridge --engine``).
 
-It lives on the consumer side because the router (:mod:`kvwire.router.service`) and the NATS
+It lives on the consumer side because the router (:mod:`kvwire.routing.core`) and the NATS
 bridge (:mod:`kvwire.nats.bridge`) both follow engines: neither imports the other for it.
 
 One name rule everywhere: 1-64 of letters, digits, ``_`` and ``-``. A name becomes a NATS

@@ -1,6 +1,27 @@
-"""Cache-aware routing: the pure policy (:mod:`.policy`) and the HTTP service (:mod:`.service`,
-needs the ``serve`` extra; imported lazily so the policy stays dependency-free)."""
+"""The HTTP side of routing (the proxy, the indexer API, the decision API); the routing
+itself is :mod:`kvwire.routing`.
 
-from .policy import Candidate, Decision, LoadTracker, RoutingPolicy, request_load
+Deprecated here: ``from kvwire.router import RoutingPolicy`` (and ``Candidate``,
+``Decision``, ``LoadTracker``, ``request_load``) keeps working for one release, with a
+DeprecationWarning; import them from :mod:`kvwire.routing`. (Resolved on use, so importing
+a module of this package warns about nothing.)"""
+
+from typing import Any
+
+_MOVED = {"Candidate": "kvwire.routing.policy", "Decision": "kvwire.routing.policy",
+          "LoadTracker": "kvwire.routing.load", "RoutingPolicy": "kvwire.routing.policy",
+          "request_load": "kvwire.routing.policy"}
 
 __all__ = ["Candidate", "Decision", "LoadTracker", "RoutingPolicy", "request_load"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvwire.router' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(f"kvwire.router.{name} moved to kvwire.routing.{name}; the old name goes "
+                  "in the next release", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

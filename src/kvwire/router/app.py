@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..routing.core import RouteError, RouterCore
 from .indexer import INDEXER_PATHS, Indexer
 from .membership import add_membership_routes
-from .service import RouteError, RouterCore
 from .status_feed import StatusFeed
 from .status_page import STATUS_HTML
 from .tokens import parse_route_body

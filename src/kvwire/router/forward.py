@@ -26,9 +26,9 @@ from urllib.parse import parse_qs
 import msgspec
 
 from ..http1.client import Response, UpstreamError
+from ..routing.core import RouteError
 from .proxy_state import Lifecycle, Outcome, marks_down, should_retry
 from .responses import SCAN_LIMIT, addressed
-from .service import RouteError
 
 if TYPE_CHECKING:
     from .front import Request

@@ -9,9 +9,9 @@ string (``?shape=mooncake|dynamo``). ``handle`` is thread-safe and never raises:
 a 4xx naming what was wrong, counted in :attr:`Indexer.counts`. ``kvwire serve`` mounts it
 beside ``/route`` (one index); ``kvwire index`` serves it alone.
 
-Streams come from a :class:`~kvwire.router.service.RouterCore` (its subscriber thread owns the
-sockets and is the index's only writer; ``add_stream`` / ``remove_stream`` hand registrations
-to it). Both peers' spellings are accepted; which shape answers is chosen per request (see
+Streams come from a :class:`~kvwire.routing.feed.Feed` (its ingest owns the sockets and is
+the index's only writer; ``add_stream`` / ``remove_stream`` hand registrations to it): its
+own, or a router's (``kvwire serve``: one index for both). Both peers' spellings are accepted; which shape answers is chosen per request (see
 :func:`~kvwire.router.indexer_api.pick_shape`, docs/indexer-api.md).
 """
 
@@ -31,6 +31,8 @@ import msgspec
 from ..consume.subscriber import StreamSpec
 from ..index import block_keys
 from ..index.keys import chain_start
+from ..routing.core import RouterCore
+from ..routing.feed import Feed
 from ..wire.endpoint import check_endpoint
 from .indexer_api import (
     MEDIA,
@@ -50,7 +52,6 @@ from .indexer_api import (
     seq_from_local,
     shape_answer,
 )
-from .service import RouterCore
 from .tokens import parse_route_body
 
 __all__ = ["INDEXER_PATHS", "Indexer"]
@@ -74,15 +75,16 @@ def _json(status: int, obj: Any) -> tuple[int, bytes]:
 
 
 class Indexer:
-    """Registrations + the RFC #1403 answers over ``core``'s index (see module doc).
+    """Registrations + the RFC #1403 answers over ``feed``'s index (see module doc); given a
+    router, its feed (the router's engines' streams are then ``owned``: not registrable).
 
     ``registrations``: a JSON file rewritten atomically on every change and read here, so a
     restarted indexer follows the same streams (their blocks come back from each engine's
     replay / snapshot). ``max_tokens`` bounds a query."""
 
-    def __init__(self, core: RouterCore, registrations: str | Path | None = None,
+    def __init__(self, feed: Feed | RouterCore, registrations: str | Path | None = None,
                  max_tokens: int = 1 << 20) -> None:
-        self.core = core
+        self.feed: Feed = feed.feed if isinstance(feed, RouterCore) else feed
         self.max_tokens = max_tokens
         self.file = None if registrations is None else RegistrationFile(Path(registrations))
         self._lock = threading.Lock()  # registry changes (and the file) one at a time
@@ -91,7 +93,7 @@ class Indexer:
         self.counts: dict[str, int] = {}
         #: streams whose events use another block size than registered (warned once each)
         self.size_mismatch: dict[str, tuple[int, int]] = {}
-        self._owns_core = False
+        self._owns_feed = False
         self._ingest: Any = None  # a LoopIngest when made standalone(on_loop=True)
         #: /query token ids parsed in C when ``_tokens.c`` is built (False: msgspec's list of
         #: ints, the reference the C path is checked against; same answers, slower)
@@ -113,22 +115,22 @@ class Indexer:
 
     @classmethod
     def standalone(cls, registrations: str | Path | None = None, *, on_loop: bool = False,
-                   **core_kw: Any) -> Indexer:
-        """An indexer with its own started RouterCore (no routing engines); ``close()`` stops
-        it. ``on_loop``: no subscriber thread; the ingest runs on the event loop given to
-        :meth:`attach` (router/indexer_ingest.py says why)."""
-        core = RouterCore([], **core_kw)
-        core.start(thread=not on_loop)
+                   **feed_kw: Any) -> Indexer:
+        """An indexer with its own started :class:`~kvwire.routing.feed.Feed` (``feed_kw``:
+        its options); ``close()`` stops it. ``on_loop``: no subscriber thread; the ingest
+        runs on the event loop given to :meth:`attach` (router/indexer_ingest.py says why)."""
+        feed = Feed(**feed_kw)
+        feed.start(thread=not on_loop)
         try:
-            ix = cls(core, registrations)
+            ix = cls(feed, registrations)
         except BaseException:
-            core.close()
+            feed.close()
             raise
-        ix._owns_core = True
+        ix._owns_feed = True
         if on_loop:
             from .indexer_ingest import LoopIngest
 
-            ix._ingest = LoopIngest(core)
+            ix._ingest = LoopIngest(feed)
         return ix
 
     def attach(self, loop: Any) -> None:
@@ -138,11 +140,11 @@ class Indexer:
             self._ingest.attach(loop)
 
     def close(self) -> None:
-        """Stop the core (and the loop's ingest) if this indexer made it (``standalone``)."""
+        """Stop the feed (and the loop's ingest) if this indexer made it (``standalone``)."""
         if self._ingest is not None:
             self._ingest.stop()
-        if self._owns_core:
-            self.core.close()
+        if self._owns_feed:
+            self.feed.close()
 
     # ------------------------------------------------------------------ HTTP face
 
@@ -190,7 +192,7 @@ class Indexer:
                 # the file first: if it cannot be written, nothing has changed
                 self._save({**self.regs, reg.key: reg})
                 if old is not None:
-                    self.core.remove_stream(old.stream)
+                    self.feed.remove_stream(old.stream)
                 self._follow(reg)
                 self.regs[reg.key] = reg
                 self._version += 1
@@ -202,7 +204,7 @@ class Indexer:
 
     def _follow(self, reg: Registration) -> None:
         # Mooncake Store's publisher numbers a run from 1 (RFC #1527), the engines from 0
-        self.core.add_stream(StreamSpec(reg.stream, reg.endpoint, reg.topic,
+        self.feed.add_stream(StreamSpec(reg.stream, reg.endpoint, reg.topic,
                                         reg.replay_endpoint,
                                         first_seq=1 if reg.type == "Mooncake" else 0))
 
@@ -217,7 +219,7 @@ class Indexer:
             if gone:
                 self._save({k: r for k, r in self.regs.items() if k not in gone})
             for k in gone:
-                self.core.remove_stream(self.regs.pop(k).stream)
+                self.feed.remove_stream(self.regs.pop(k).stream)
                 self.size_mismatch.pop(Registration.stream_name(*k), None)
             self._version += 1
         if not gone:
@@ -240,16 +242,16 @@ class Indexer:
 
     def _registrations(self, body: bytes, qs: str) -> tuple[int, bytes]:
         """Every registration, with its stream's name and whether it is live now."""
-        alive = self.core.alive
+        alive = self.feed.alive
         return _json(200, [{**msgspec.to_builtins(r), "stream": r.stream,
                             "alive": bool(alive.get(r.stream))}
                            for r in list(self.regs.values())])
 
     def _health(self, body: bytes, qs: str) -> tuple[int, bytes]:
-        alive = self.core.alive
+        alive = self.feed.alive
         regs = list(self.regs.values())
         live = sum(1 for r in regs if alive.get(r.stream))
-        failed, last = self.core.stream_problems()
+        failed, last = self.feed.stream_problems()
         return _json(200, {"ok": True, "registered": len(regs), "live": live,
                            "stream_errors": failed, "last_stream_error": last})
 
@@ -275,7 +277,7 @@ class Indexer:
             toks = req.token_ids
 
         def keys_for(bs: int, salt: str | None) -> Sequence[int]:
-            return block_keys(toks, bs, scope.lora_name, salt, self.core.index.key_scheme)
+            return block_keys(toks, bs, scope.lora_name, salt, self.feed.index.key_scheme)
 
         return _json(200, shape_answer(shape, scope, self._answer(scope, keys_for, None)))
 
@@ -317,16 +319,16 @@ class Indexer:
         plan = self._plan(scope)
         if not plan.regs:
             return None
-        walk = getattr(self.core.index, "walk", None)
+        walk = getattr(self.feed.index, "walk", None)
         if walk is None:
             return None
-        lock = self.core.lock
-        if not lock.acquire(timeout=self.core.lock_timeout):
+        lock = self.feed.lock
+        if not lock.acquire(timeout=self.feed.lock_timeout):
             raise BadRequest(503, "index busy (applying a large snapshot); retry", "busy")
         try:
             fast = plan.fast.get((walk.shape, shape, scope.lora_name))
             if fast is None:
-                fast = plan.make_fast(self.core.index, scope, shape)
+                fast = plan.make_fast(self.feed.index, scope, shape)
             if not fast:
                 return None
             for r, bs in fast.mismatched:
@@ -342,7 +344,7 @@ class Indexer:
 
     def _query_by_hash(self, body: bytes, qs: str) -> tuple[int, bytes]:
         req = decode(body, QueryByHashBody)
-        if getattr(self.core.index, "key_scheme", "standard") != "standard":
+        if getattr(self.feed.index, "key_scheme", "standard") != "standard":
             raise BadRequest(409, "this index keys blocks by the 'kvwire' scheme: sequence "
                              "hashes cannot be matched (run with the standard key scheme)",
                              "key_scheme")
@@ -370,7 +372,7 @@ class Indexer:
         if not plan.regs:
             self._count("empty_scope")
             return empty_answer(scope)
-        index = self.core.index
+        index = self.feed.index
         out: dict[str, dict[str, Any]] = {}
         with self._index_lock():
             size_of = index.block_size_of
@@ -407,10 +409,10 @@ class Indexer:
 
     @contextmanager
     def _index_lock(self) -> Iterator[None]:
-        """The index, or 503 after the core's ``lock_timeout`` (a large snapshot being
+        """The index, or 503 after the feed's ``lock_timeout`` (a large snapshot being
         applied): a caller is never kept waiting unbounded."""
-        lock = self.core.lock
-        if not lock.acquire(timeout=self.core.lock_timeout):
+        lock = self.feed.lock
+        if not lock.acquire(timeout=self.feed.lock_timeout):
             raise BadRequest(503, "index busy (applying a large snapshot); retry", "busy")
         try:
             yield
@@ -430,7 +432,7 @@ class Indexer:
     def _dump(self, body: bytes, qs: str) -> tuple[int, bytes]:
         """Registrations and, per registered stream, the own keys (standard sequence
         hashes) it holds per medium: what a late replica needs to answer at once."""
-        index = self.core.index
+        index = self.feed.index
         streams = {}
         with self._index_lock():
             regs = list(self.regs.values())

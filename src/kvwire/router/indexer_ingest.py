@@ -1,13 +1,13 @@
-"""``kvwire index``'s ingest on its HTTP event loop: a :class:`~kvwire.router.service.RouterCore`
-started without its thread (``start(thread=False)``), whose :meth:`~RouterCore.pump` the
-loop that answers the queries calls.
+"""``kvwire index``'s ingest on its HTTP event loop: a :class:`~kvwire.routing.feed.Feed`
+started without its thread (``start(thread=False)``), whose :meth:`~Feed.pump` the loop that
+answers the queries calls.
 
 Why: with a subscriber thread, each wake-up of the ingest takes the GIL from the HTTP loop
 and hands it back (at 10,000 batches/s and 16 busy connections, a query then waited up to
 Python's 5 ms switch interval behind the ingest, and the hand-offs cost CPU on both sides).
 On the loop, ingest and queries simply take turns: every ``INGEST_NAP`` the loop takes what
 the subscriber has ready (at most ``PUMP_ITEMS`` deliveries) and applies one piece of it per
-turn, a piece as RouterCore's thread holds its lock for (at most ``APPLY_SLICE`` deliveries,
+turn, a piece as the feed's thread holds its lock for (at most ``APPLY_SLICE`` deliveries,
 or about ``SNAPSHOT_SLICE`` blocks of a snapshot); more waiting: the next turn comes right
 after the requests already read. So a query waits for at most one bounded piece, and a
 burst (an engine's snapshot, a replay) is applied in turns between queries, never in one
@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .ingest import INGEST_NAP
-from .service import RouterCore
+from ..routing.feed import Feed
+from ..routing.ingest import INGEST_NAP
 
 __all__ = ["PUMP_ITEMS", "LoopIngest"]
 
@@ -34,13 +34,13 @@ PUMP_ITEMS = 64
 
 
 class LoopIngest:
-    """Drives ``core``'s ingest (a RouterCore started with ``thread=False``) from an asyncio
-    loop: one :meth:`RouterCore.pump` per turn while there is more, else one per
-    ``INGEST_NAP``. Until :meth:`attach` nothing is polled (publishers' batches wait in the
-    sockets); :meth:`stop` ends it (the core's ``close`` closes the sockets)."""
+    """Drives ``feed``'s ingest (a Feed started with ``thread=False``) from an asyncio loop:
+    one :meth:`Feed.pump` per turn while there is more, else one per ``INGEST_NAP``. Until
+    :meth:`attach` nothing is polled (publishers' batches wait in the sockets); :meth:`stop`
+    ends it (the feed's ``close`` closes the sockets)."""
 
-    def __init__(self, core: RouterCore) -> None:
-        self.core = core
+    def __init__(self, feed: Feed) -> None:
+        self.feed = feed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.Handle | None = None
 
@@ -55,16 +55,16 @@ class LoopIngest:
             self._handle = None
 
     def _turn(self) -> None:
-        core, loop = self.core, self._loop
+        feed, loop = self.feed, self._loop
         if loop is None:
             return
         try:
-            more = core.pump(PUMP_ITEMS)
+            more = feed.pump(PUMP_ITEMS)
         except Exception:  # as the thread: logged, the streams reported dead, no more ingest
             log.exception("indexer ingest failed")
-            core.alive = dict.fromkeys(core.alive, False)
+            feed.all_down()
             return
-        if core.closed:
+        if feed.closed:
             return
         if more:  # more to do: right after the requests already read
             self._handle = loop.call_soon(self._turn)

@@ -25,8 +25,8 @@ from fastapi.responses import Response
 from prometheus_client import Counter
 
 from ..consume.engine_spec import EngineSpec
+from ..routing.core import EngineConflict, RouterCore
 from .engines_file import EngineChanges, EnginesFile
-from .service import EngineConflict, RouterCore
 
 __all__ = ["TOKEN_ENV", "add_membership_routes"]
 

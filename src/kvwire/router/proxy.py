@@ -5,7 +5,7 @@ tokenize, detokenize) forwarded by load, except the Responses API (:mod:`.respon
 a new conversation is routed by the cache as the chat it renders to, and what names a
 stored response goes to the engine holding it. The I/O layer only: decisions (breakers,
 retries, the load lifecycle) live in :mod:`.proxy_state`, routing in
-:class:`~kvwire.router.service.RouterCore`.
+:class:`~kvwire.routing.core.RouterCore`.
 
 Per request: decode the few fields routing needs (the body is forwarded unchanged),
 tokenize (``--tokenizer``), route, then :mod:`.forward` sends it to the engine over a
@@ -30,6 +30,7 @@ import msgspec
 
 from ..consume.engine_spec import EngineSpec
 from ..http1.client import Pool, UpstreamError
+from ..routing.core import RouterCore
 from ..tokenize.content import engine_template_kwargs
 from .forward import PASS, PATHS, BadRequest, handle, openai_error
 from .health import Prober, probe
@@ -37,7 +38,6 @@ from .proxy_metrics import ProxyMetrics
 from .proxy_state import Breaker, Lifecycle
 from .responses import PREFIX as RESPONSES_PREFIX
 from .responses import ResponseOwners, chat_request
-from .service import RouterCore
 
 __all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 

@@ -32,7 +32,7 @@ from typing import Any
 from ..engine.timing import StepCost
 from ..publish.publisher import ZmqEventPublisher
 from ..router.cache_aware import CacheAwareParams
-from ..router.policy import RoutingPolicy
+from ..routing.policy import RoutingPolicy
 from .engine import SimEngine, engine_keys
 from .quantile import nearest_rank
 from .routers import (  # noqa: F401 - re-exported: tests patch fleet._LeastLoad
@@ -103,7 +103,7 @@ class SimConfig:
     sync_timeout: float = 30.0
     #: ``kvwire`` only: router replicas the requests are spread over in turn (each with
     #: its own load tracker, as ``kvwire serve --nats`` replicas behind a load balancer),
-    #: and whether they share their load (router/load_share.py's PeerLoads, each report
+    #: and whether they share their load (routing/sharing.py's PeerLoads, each report
     #: arriving ``share_delay`` virtual seconds after it was sent).
     replicas: int = 1
     share_load: bool = True

@@ -21,8 +21,9 @@ from ..consume.config import StreamConfig
 from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..engine import EngineRequest
-from ..router.load_share import PeerLoads, Report
-from ..router.policy import Candidate, LoadTracker, request_load
+from ..routing.load import LoadTracker
+from ..routing.policy import Candidate, request_load
+from ..routing.sharing import PeerLoads, Report
 from .engine import SimEngine
 from .trace import Request, prompt_array
 
@@ -267,7 +268,7 @@ class _KvwireReplicas(_Kvwire):
     turn: one index (all read the same events), a LoadTracker each. With ``share_load``
     each tells the others what it reserved, what reached its first token and what it
     released (the reports ``kvwire serve --nats`` replicas send, applied by the same
-    :class:`~kvwire.router.load_share.PeerLoads`), each arriving ``share_delay`` later."""
+    :class:`~kvwire.routing.sharing.PeerLoads`), each arriving ``share_delay`` later."""
 
     def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)

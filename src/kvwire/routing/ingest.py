@@ -1,4 +1,4 @@
-"""The subscriber side of :class:`~kvwire.router.service.RouterCore`: who takes the
+"""The subscriber side of :class:`~kvwire.routing.core.RouterCore`: who takes the
 deliveries off the engines' streams and when.
 
 Either a thread of its own owns the subscriber (``kvwire serve``), or the caller drives the

@@ -1,4 +1,6 @@
-"""Router replicas that share their load (``kvwire serve --nats``, on by default).
+"""Router replicas that share their load (``kvwire serve --nats``, on by default): the pure
+half (reports in, reservations out; reports out of what this replica did). The NATS I/O is
+:mod:`kvwire.nats.load_channel`.
 
 Replicas behind one load balancer read the same events, so they hold the same index, but
 each sees only the requests it routed: with four replicas each routes on a quarter of the
@@ -7,40 +9,36 @@ trace's rate: TTFT p99 2.80 s with one router, 3.75 s with four that do not shar
 4.41 s and 7.64 s; docs/benchmarks.md). So each replica tells the others what it reserves,
 what reached its first token and what it released, over core NATS (not JetStream: load is
 of the moment, nothing to keep), and each keeps every replica's reservations in its own
-:class:`~kvwire.router.policy.LoadTracker`: the load it routes on is the fleet's, and the
+:class:`~kvwire.routing.load.LoadTracker`: the load it routes on is the fleet's, and the
 prefill rate it learns comes from every replica's first tokens. The same reports carry the
 index's predictions (a prompt counted as held by the engine it went to, until that engine's
 events store it) and the ``/release``s that reached a replica other than the one that
 routed the request.
 
-:class:`PeerLoads` is the pure part (reports in, reservations out, no I/O): a peer's
-reservation ids are prefixed with its name; a heartbeat carries the peer's live reservations
-whole, so whatever a lost message left wrong (a reservation missing, one released, a first
-token) is put right at the next heartbeat; a peer silent for ``ttl``
-(stopped, killed, cut off) has all its reservations dropped. :class:`LoadShare` is the thin
-I/O part: a thread with its own event loop and NATS connection, which sends what the
-request path queued (never waiting on the network: a bounded queue, drops counted) and
-applies what the others send under the router's lock.
+:class:`PeerLoads` (reports in, reservations out, no I/O): a peer's reservation ids are
+prefixed with its name; a heartbeat carries the peer's live reservations whole, so whatever a
+lost message left wrong (a reservation missing, one released, a first token) is put right at
+the next heartbeat; a peer silent for ``ttl`` (stopped, killed, cut off) has all its
+reservations dropped. :class:`Outbox` (this replica's operations as reports, no I/O): a
+bounded queue the request path appends to (drops counted by the caller), cut into reports
+of at most ``MAX_OPS`` operations, a heartbeat with this replica's live reservations.
+:class:`~kvwire.nats.load_channel.LoadShare` is the thin I/O part: a thread with its own
+event loop and NATS connection, which sends what the request path queued (never waiting on
+the network) and applies what the others send under the router's lock.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import logging
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from .policy import LoadTracker
+from .load import LoadTracker
 
-__all__ = ["LoadShare", "PeerLoads", "Report"]
-
-log = logging.getLogger("kvwire.router.load_share")
+__all__ = ["MAX_KEY_BYTES", "MAX_OPS", "PREDICTION_BACKLOG", "Outbox", "PeerLoads", "Report",
+           "decode_report", "encode_report"]
 
 
 class Report(msgspec.Struct, array_like=True):
@@ -68,8 +66,9 @@ MAX_KEY_BYTES = 256 * 1024
 #: Queued operations past which predictions are dropped (bounds their memory to 32 MB)
 PREDICTION_BACKLOG = 1000
 
-_decode = msgspec.msgpack.Decoder(Report).decode
-_encode = msgspec.msgpack.Encoder().encode
+#: A report's bytes on the wire (msgpack), and back (msgspec.DecodeError if malformed).
+decode_report = msgspec.msgpack.Decoder(Report).decode
+encode_report = msgspec.msgpack.Encoder().encode
 
 
 class _Peer:
@@ -233,193 +232,39 @@ class PeerLoads:
         return sum(len(p.ids) for p in self.peers.values())
 
 
-class LoadShare:
-    """Share this replica's reservations with the others on ``subject`` and apply theirs
-    to ``core.loads`` (a :class:`~kvwire.router.service.RouterCore`), from a thread of its
-    own. :meth:`push` is what the request path calls: it appends to a bounded queue and
-    wakes the thread at most once per burst."""
+class Outbox:
+    """This replica's operations for the others, as reports (no I/O, no clock of its own):
+    :meth:`put` on the request path, :meth:`report` in the sending thread. ``live``: own
+    reservations as sent (id -> [engine, amount, prefill, when]), which a heartbeat carries
+    whole (those older than the load tracker's ``expiry_s`` left out: expired here)."""
 
-    def __init__(self, core: Any, url: str, subject: str, *, replica: str | None = None,
-                 heartbeat: float = 0.5, ttl: float = 2.0, max_queue: int = 100_000,
-                 flush_interval: float = 0.001, connect_timeout: float = 10.0) -> None:
-        if not 0 < heartbeat < ttl:
-            raise ValueError(f"need 0 < heartbeat < ttl, got {heartbeat!r} and {ttl!r}")
-        self.core, self.url, self.subject = core, url, subject
-        self.replica = replica or f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.heartbeat, self.connect_timeout = float(heartbeat), float(connect_timeout)
-        if not 0 <= flush_interval < heartbeat:
-            raise ValueError(f"need 0 <= flush_interval < heartbeat, got {flush_interval!r}")
-        self.flush_interval = float(flush_interval)
-        self.peers = PeerLoads(core.loads, self.replica, ttl, on_output=core.learn_output,
-                               on_release=core.release_asked,
-                               on_predict=core.predicted_by_peer)
-        self._out: collections.deque[list[Any]] = collections.deque()
+    def __init__(self, replica: str, max_queue: int = 100_000) -> None:
+        self.replica = replica
         self.max_queue = max_queue
-        # own reservations sent, as sent: id -> [engine, amount, prefill, when] (the thread's)
-        self._live: dict[str, list[Any]] = {}
-        self._seq = 0
-        self._waking = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._fast: Any = None  # kvwire.nats.client_internals: straight to the socket
-        self._subject_b = subject.encode()
-        self._beat_due = False
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.counts = {"sent": 0, "send_errors": 0, "dropped": 0, "heartbeats_cut": 0}
+        self.ops: collections.deque[list[Any]] = collections.deque()
+        self.live: dict[str, list[Any]] = {}
+        self.seq = 0
 
-    # ---------------------------------------------------------------- the request path
-
-    def push(self, op: list[Any]) -> None:
-        """Queue one operation for the others (any thread; never waits). A full queue (the
-        NATS connection down for long) drops it, counted: the next heartbeat corrects it.
-        A prediction is dropped as soon as a backlog forms (``PREDICTION_BACKLOG``): it is
-        of the moment, and up to 32 KB."""
-        n = len(self._out)
+    def put(self, op: list[Any]) -> bool:
+        """Queue one operation (any thread; never waits); False if it was dropped: the queue
+        is full (the connection down for long: the next heartbeat corrects it), or it is a
+        prediction and a backlog has formed (``PREDICTION_BACKLOG``: a prediction is of the
+        moment, and up to 32 KB)."""
+        n = len(self.ops)
         if n >= self.max_queue or (n >= PREDICTION_BACKLOG and op[0] == "p"):
-            self.counts["dropped"] += 1
-            return
-        self._out.append(op)
-        if not self._waking and self._loop is not None:
-            self._waking = True
-            try:
-                self._loop.call_soon_threadsafe(self._woken)
-            except RuntimeError:  # the loop closed: stopping
-                pass
+            return False
+        self.ops.append(op)
+        return True
 
-    def _woken(self) -> None:
-        """In the sharing thread, once per burst of pushes: send what is queued
-        ``flush_interval`` from now, so that the pushes meanwhile go in the same report
-        without waking the thread again."""
-        if self._loop is not None:
-            self._loop.call_later(self.flush_interval, self._flush)
+    def __len__(self) -> int:
+        return len(self.ops)
 
-    def _flush(self) -> None:
-        """Send what is queued: straight to the socket when nothing of nats-py's is queued
-        ahead (no task switch), else through the sending task."""
-        self._waking = False  # (before the queue is read: a push from now on wakes again)
-        if self._out and self._fast is not None and self._fast.can_write_now():
-            self._fast.write_now(self._command(self._report(beat=False)))
-            self.counts["sent"] += 1
-        if self._out and self._wake is not None:  # (not sent, or more than one report)
-            self._wake.set()
-
-    def forward_release(self, rid: str, output_tokens: int | None) -> tuple[str, str] | None:
-        """A ``/release`` for a reservation another replica made: ask that replica (under
-        the router's lock; never waits). The owner and the engine, or None if no peer
-        holds ``rid``."""
-        owner = self.peers.owner(rid)
-        if owner is None:
-            return None
-        engine = self.core.loads.holder(f"{owner}:{rid}")
-        self.push(self.peers.ask_release(owner, rid, output_tokens))
-        return owner, engine
-
-    # ---------------------------------------------------------------- the thread
-
-    def start(self, timeout: float = 15.0) -> None:
-        """Connect and subscribe; raises what the thread could not do (NatsConnectError)."""
-        self._thread = threading.Thread(target=self._main, name="kvwire-load-share",
-                                        daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise RuntimeError("load sharing did not start")
-        if self.error is not None:
-            raise self.error
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._run(loop))
-        except BaseException as e:  # noqa: BLE001 - reported to start(), or logged
-            if not self._ready.is_set():
-                self.error = e
-            else:
-                log.error("load sharing stopped: %s: %s", type(e).__name__, e)
-        finally:
-            self._ready.set()
-            self._loop = None
-            loop.close()
-
-    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        from ..nats.client_internals import internals
-        from ..nats.connect import connect
-        from ..nats.inbox import subscribe_inline
-
-        nc = await connect(self.url, timeout=self.connect_timeout,
-                           name=f"kvwire-serve-load-{self.replica}")
-        try:
-            self._wake = wake = asyncio.Event()
-            self._fast = internals(nc)  # (None: nats-py's own publish only)
-            # (in nats-py's read loop: no task per message)
-            await subscribe_inline(nc, self.subject, self._on_msg)
-            self._loop = loop
-            self._ready.set()
-            log.info("sharing load with the other replicas on %s as %s", self.subject,
-                     self.replica)
-            beat = loop.call_later(self.heartbeat, self._beat, wake)
-            try:
-                while not self._stop.is_set():
-                    await wake.wait()
-                    wake.clear()
-                    due, self._beat_due = self._beat_due, False
-                    # what is queued now, in reports of MAX_OPS (or MAX_KEY_BYTES), then
-                    # the heartbeat is rescheduled, however fast the request path pushes
-                    left, first = len(self._out), True
-                    while left > 0 or (due and first):
-                        report = self._report(due and first)
-                        first, left = False, left - max(len(report.ops), 1)
-                        await self._publish(nc, report)
-                    if due:
-                        with self.core.lock:
-                            self.peers.expire(self.core.clock())
-                        beat = loop.call_later(self.heartbeat, self._beat, wake)
-            finally:
-                beat.cancel()
-        finally:
-            self._fast = None
-            try:
-                await asyncio.wait_for(nc.close(), 2)
-            except Exception:  # noqa: BLE001 - closing on the way out
-                pass
-
-    async def _publish(self, nc: Any, report: Report) -> None:
-        data = _encode(report)
-        if report.live is not None and len(data) > nc.max_payload:
-            # (tens of thousands of requests in flight here: the heartbeat goes without its
-            # reservations; peers still hear this replica, and lost messages stay lost)
-            self.counts["heartbeats_cut"] += 1
-            data = _encode(Report(report.replica, report.seq, report.ops))
-        try:
-            await nc.publish(self.subject, data)
-            self.counts["sent"] += 1
-        except Exception as e:  # noqa: BLE001 - disconnected: the next heartbeat catches up
-            self.counts["send_errors"] += 1
-            log.debug("load report not sent: %s", e)
-
-    def _beat(self, wake: asyncio.Event) -> None:
-        self._beat_due = True
-        wake.set()
-
-    def _report(self, beat: bool) -> Report:
-        """What is queued, as one report (in the sharing thread); with ``beat``, this
-        replica's live reservations too (own ones that expired here left out)."""
+    def report(self, beat: bool, now: float, expiry_s: float) -> Report:
+        """What is queued, as one report (at most ``MAX_OPS`` operations and about
+        ``MAX_KEY_BYTES`` of predicted keys); with ``beat``, this replica's live reservations
+        too (own ones older than ``expiry_s``, expired here, left out)."""
         ops = []
-        out, live = self._out, self._live
-        now = time.monotonic()
+        out, live = self.ops, self.live
         key_bytes = 0
         while out and len(ops) < MAX_OPS and key_bytes < MAX_KEY_BYTES:
             op = out.popleft()
@@ -434,24 +279,9 @@ class LoadShare:
             elif kind == "x":
                 live.pop(op[1], None)
         if beat:
-            old = now - self.core.loads.expiry_s
+            old = now - expiry_s
             for rid in [r for r, e in live.items() if e[3] < old]:
                 del live[rid]
-        self._seq += 1
+        self.seq += 1
         whole = {r: e[:3] for r, e in live.items()} if beat else None
-        return Report(self.replica, self._seq, ops, whole)
-
-    def _command(self, report: Report) -> bytes:
-        payload = _encode(report)
-        return b"PUB %s %d\r\n%s\r\n" % (self._subject_b, len(payload), payload)
-
-    def _on_msg(self, msg: Any) -> None:
-        try:
-            report = _decode(msg.data)
-        except msgspec.DecodeError:
-            self.peers.counts["bad"] += 1
-            return
-        with self.core.lock:
-            again = self.peers.receive(report, self.core.clock())
-        for op in again:
-            self.push(op)
+        return Report(self.replica, self.seq, ops, whole)

@@ -1,0 +1,668 @@
+"""The routing core behind ``kvwire serve``: a :class:`~.feed.Feed` (a subscriber feeding a
+PrefixIndex), the pure :class:`~kvwire.routing.policy.RoutingPolicy` and the load it weighs
+(:class:`~kvwire.routing.load.LoadTracker`). One decision (:meth:`RouterCore.decide`) answers
+both the decision API (``route()``) and the proxy (``route_proxy()``).
+
+HTTP lives in :mod:`kvwire.router.app`; this module has no web dependency, so it can be
+embedded (and tested) on its own.
+
+Units: the policy compares all streams in *reference blocks* of ``block_size`` tokens
+(default 16). A stream whose engine uses another block size has its credit rescaled by the
+fraction of the prompt it holds, so engines with different block sizes compete fairly. A
+routed request reserves its uncached reference blocks, plus its expected decode work
+``decode_share`` x expected output blocks (the mean ``output_tokens`` reported on ``release``
+so far; the simulator's model, where decode_share = prefill rate / decode rate), plus
+``decode_load`` (default 1 block: a fully cached request still occupies the engine) on the
+chosen engine until ``release`` (or ``expiry_s``). Without that constant, a hot prefix would cost nothing after
+its first request (predicted entries make every repeat a full hit) and pile onto one engine.
+
+Concurrency: the feed's ingest is the index's only writer; it applies deliveries in small
+slices under the feed's lock (``RouterCore.lock``), so a route waits at most one slice (plus,
+after a restart, one snapshot), and gives up with :class:`RouteError` 503 after
+``lock_timeout``. Besides this module, the lock is taken by the indexer API (its queries read
+the index: router/indexer.py), the decision API's metrics (router/app.py), and the load
+sharing between replicas (applying the peers' reports: nats/load_channel.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..consume.engine_spec import EngineSpec
+from ..consume.stream import StreamConfig
+from ..consume.subscriber import StreamSpec
+from .feed import Feed
+from .ingest import Ingest
+from .load import LoadTracker
+from .policy import Candidate, Decision, RoutingPolicy, request_load
+from .targets import Target, found_ranks, targets_of
+
+__all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
+
+log = logging.getLogger("kvwire.router")
+
+#: A prediction shared with other replicas names at most its first this many blocks (the
+#: prefix is what later prompts match; 32 KB in a report at the most).
+SHARED_PREDICTION_KEYS = 4096
+
+
+_PROXY_IDS = itertools.count()  # route_proxy's request ids: p0, p1, ...
+
+
+class EngineConflict(ValueError):
+    """An engine added at run time whose name (or one of its stream names) is in use."""
+
+
+class RouteError(ValueError):
+    """A request the router cannot serve; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A proxied request's route: where it goes and the load it reserved (``prefill`` is
+    the part dropped at its first token)."""
+
+    request_id: str
+    engine: str
+    rank: int
+    label: str
+    prefill: float
+    overlap: float
+
+
+class RouterCore:
+    """Feed + policy + load: everything ``kvwire serve`` answers from.
+
+    One state under one lock (the index, the engines and their streams' liveness, the load),
+    with three faces: the feed (held, :class:`~.feed.Feed`) writes the index, the run-time
+    membership changes the engines, the routing reads both and reserves load. The feed's
+    state is also reachable here by its old names (``index``, ``lock``, ``alive``, ...)."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineSpec],
+        *,
+        policy: RoutingPolicy | None = None,
+        block_size: int = 16,
+        max_tokens: int = 1 << 20,
+        expiry_s: float = 600.0,
+        predict_ttl: float = 3.0,
+        decode_load: float = 1.0,
+        decode_share: float = 50.0,
+        stream_config: StreamConfig | None = None,
+        lock_timeout: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        index: Any = None,
+        nats: Any = None,
+        discover: bool = False,
+        withdrawn: Iterable[str] = (),
+    ) -> None:
+        names = [e.name for e in engines]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"engine names must be unique: {sorted(dup)} given twice")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.engines = list(engines)
+        self.policy = policy or RoutingPolicy(load_weight=0.5)
+        if not decode_load >= 0 or not decode_share >= 0:
+            raise ValueError(f"decode_load and decode_share must be >= 0, got "
+                             f"{decode_load}, {decode_share}")
+        self.decode_share = float(decode_share)
+        self._out_sum = 0
+        self._out_n = 0
+        self.block_size = block_size
+        self.decode_load = float(decode_load)
+        self.max_tokens = max_tokens
+        self.lock_timeout = lock_timeout
+        self.clock = clock
+        specs: list[StreamSpec] = []
+        for e in self.engines:
+            if nats is None:  # (with nats, the engines' streams come from JetStream)
+                specs += e.streams()
+        # the index (a kvwire.index.PrefixIndex or one with its API), its lock, the streams
+        self.feed = Feed(specs, index=index, predict_ttl=predict_ttl,
+                         stream_config=stream_config, nats=nats, lock_timeout=lock_timeout,
+                         clock=clock)
+        self.loads = LoadTracker(expiry_s=expiry_s, clock=clock)
+        self._set_targets([t for e in self.engines for t in targets_of(e)])
+        # --nats without --nats-engine: engines that appear on the stream later are routed
+        # to as well (_discover); those an operator removed stay out until added again
+        # (``withdrawn``: removed before a restart, kvwire serve --engines-file)
+        self.discover = bool(discover) and nats is not None
+        self.discovered = 0
+        self._withdrawn: set[str] = set(withdrawn)
+        if self.discover:
+            self.feed.on_new = self._discover
+        self.feed.alive.update((t.stream, False) for t in self.targets)
+        self.feed.resets.update((t.stream, 0) for t in self.targets)
+        self.counts: dict[str, int] = {"routes": 0, "scores": 0, "releases": 0}
+        self.on_route: Callable[[str, float, float], None] | None = None  # metrics hook
+        # replicas that share their load (nats/load_channel.py): each reservation change
+        # is handed to ``share`` (LoadShare.push), called under ``lock``, never waits
+        self.share: Callable[[list], None] | None = None
+        self.load_share: Any = None  # the LoadShare itself (its counters, for /metrics)
+
+    # ------------------------------------------------------------------ the feed's state
+
+    @property
+    def index(self) -> Any:
+        """The feed's index."""
+        return self.feed.index
+
+    @property
+    def lock(self) -> Any:
+        """The one lock over the index, the streams' liveness, the engines and the load."""
+        return self.feed.lock
+
+    @property
+    def ingest(self) -> Ingest:
+        return self.feed.ingest
+
+    @property
+    def alive(self) -> dict[str, bool]:
+        """Stream -> whether it is live."""
+        return self.feed.alive
+
+    @alive.setter
+    def alive(self, value: dict[str, bool]) -> None:
+        self.feed.alive = value
+
+    @property
+    def resets(self) -> dict[str, int]:
+        return self.feed.resets
+
+    @property
+    def last_item(self) -> dict[str, float]:
+        return self.feed.last_item
+
+    @property
+    def deliveries(self) -> int:
+        return self.feed.deliveries
+
+    @property
+    def apply_errors(self) -> int:
+        return self.feed.apply_errors
+
+    @property
+    def extra(self) -> set[str]:
+        """Run-time streams (the indexer API's registrations): not routing targets."""
+        return self.feed.extra
+
+    @property
+    def specs(self) -> list[StreamSpec]:
+        return self.feed.specs
+
+    @property
+    def stream_config(self) -> StreamConfig | None:
+        return self.feed.stream_config
+
+    @property
+    def nats(self) -> Any:
+        """A kvwire.nats.NatsStreams when the engines' streams come from JetStream."""
+        return self.feed.nats
+
+    # ------------------------------------------------------------------ the ingest
+
+    def start(self, timeout: float = 10.0, *, thread: bool = True) -> None:
+        """Start following the streams (:meth:`.feed.Feed.start`)."""
+        self.feed.start(timeout, thread=thread)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the ingest and close its sockets, and the load sharing with other replicas
+        if any."""
+        share, self.share, self.load_share = self.load_share, None, None
+        if share is not None:
+            share.close()
+        self.feed.close(timeout)
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called."""
+        return self.feed.closed
+
+    @property
+    def sub_stats(self) -> dict[str, Any]:
+        """The subscriber's per-stream stats (refreshed every 0.25 s)."""
+        return self.feed.sub_stats
+
+    @property
+    def pumps(self) -> int:
+        """Caller-driven ingest turns that applied a piece."""
+        return self.feed.pumps
+
+    def pump(self, max_items: int) -> bool:
+        """One bounded turn of a caller-driven ingest (:meth:`.feed.Feed.pump`)."""
+        return self.feed.pump(max_items)
+
+    # ------------------------------------------------------------------ run-time streams
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        """Follow one more stream, not a routing target (:meth:`.feed.Feed.add_stream`)."""
+        self.feed.add_stream(spec)
+
+    def remove_stream(self, name: str) -> bool:
+        """Stop following a stream added by :meth:`add_stream`
+        (:meth:`.feed.Feed.remove_stream`)."""
+        return self.feed.remove_stream(name)
+
+    # ------------------------------------------------------------------ run-time engines
+
+    def _set_targets(self, targets: list[Target]) -> None:
+        # Copy-on-write: a reader that took ``targets`` (or, under the lock, the maps)
+        # keeps a consistent set while an engine is added or removed.
+        self.targets = targets
+        self._by_label = {t.label: t for t in targets}
+        self._by_stream = {t.stream for t in targets}
+        self.feed.owned = self._by_stream
+
+    def routes_to(self, name: str) -> bool:
+        """Whether an engine of this name is routed to now."""
+        return any(e.name == name for e in self.engines)
+
+    def check_unused(self, name: str) -> None:
+        """:class:`EngineConflict` if an engine of this name is routed to already."""
+        if self.routes_to(name):
+            raise EngineConflict(f"engine {name!r} is already routed to")
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        """Route to one more engine from now on (any thread). Its streams are followed from
+        the subscriber's next poll; until one is live the engine is a candidate of last
+        resort, as any engine whose stream is down. With ``--nats`` the engine has no
+        endpoint (``EngineSpec.parse_named``): JetStream already carries every engine's
+        streams, so its blocks and liveness are known at once if its bridge is writing.
+        :class:`EngineConflict` for a name in use; ValueError for an endpoint under
+        ``--nats`` or none without it."""
+        if self.nats is not None and spec.endpoint is not None:
+            raise ValueError(f"engine {spec.name!r}: with --nats the engines' streams come "
+                             "from JetStream: give NAME[:RANKS][,url=URL], no endpoint")
+        specs = spec.streams() if self.nats is None else []
+        new = targets_of(spec)
+        with self.ingest.lock:
+            self.check_unused(spec.name)
+            taken = sorted(t.stream for t in new if t.stream in self.extra
+                           or t.stream in self._by_stream)
+            if taken:
+                raise EngineConflict(f"stream {taken[0]!r} is already followed (registered "
+                                     "through the indexer API, or another engine's)")
+            with self.lock:
+                # (with --nats: what JetStream said of its streams so far, if anything)
+                self._install(spec, fresh=self.nats is None)
+                self._withdrawn.discard(spec.name)
+            feed = self.feed
+            if self.ingest.sub is None:
+                feed.specs = [*feed.specs, *specs]
+                return
+            added: list[str] = []
+            try:
+                for st in specs:
+                    self.ingest.sub.add(st)
+                    added.append(st.name)
+            except BaseException:  # (a closed subscriber): leave no half-added engine
+                self._drop_engine(spec.name)
+                for name in added:
+                    self.ingest.sub.remove(name, then=feed.forget)
+                raise
+
+    def remove_engine(self, name: str) -> bool:
+        """Stop routing to engine ``name`` (any thread): no later decision picks it, its
+        streams are let go and their blocks dropped from the index (in the subscriber's
+        thread, after every item of them handed out before). Reservations of requests
+        already sent there stay until those requests end. False if no such engine. With
+        ``--nats`` its streams keep coming from JetStream with the rest, so its blocks stay
+        indexed (and are there at once if it is added again)."""
+        with self.ingest.lock:
+            gone = self._drop_engine(name)
+            if gone is None:
+                return False
+            if self.nats is not None:
+                return True
+            feed = self.feed
+            for t in gone:
+                if self.ingest.sub is None:
+                    feed.specs = [s for s in feed.specs if s.name != t.stream]
+                    feed.forget(t.stream)
+                    continue
+                try:
+                    self.ingest.sub.remove(t.stream, then=feed.forget)
+                except RuntimeError:  # the subscriber closed (stopping): nothing to let go
+                    feed.forget(t.stream)
+        return True
+
+    def _install(self, spec: EngineSpec, fresh: bool) -> None:
+        """Route to ``spec`` in place of any engine of its name (the caller holds ``lock``);
+        ``fresh``: its streams start unknown, else they keep what was seen of them."""
+        new = targets_of(spec)
+        self.engines = [*(e for e in self.engines if e.name != spec.name), spec]
+        self._set_targets([*(t for t in self.targets if t.engine != spec.name), *new])
+        for t in new:
+            if fresh:
+                self.alive[t.stream] = False
+            else:
+                self.alive.setdefault(t.stream, False)
+            self.resets.setdefault(t.stream, 0)
+
+    def _drop_engine(self, name: str) -> list[Target] | None:
+        if not self.routes_to(name):
+            return None
+        with self.lock:
+            if self.discover:
+                self._withdrawn.add(name)
+            gone = [t for t in self.targets if t.engine == name]
+            self.engines = [e for e in self.engines if e.name != name]
+            self._set_targets([t for t in self.targets if t.engine != name])
+        return gone
+
+    def stream_problems(self) -> tuple[int, str]:
+        """Run-time stream changes the subscriber could not apply (e.g. a collector
+        endpoint it could not bind), and the last reason."""
+        return self.feed.stream_problems()
+
+    def _discover(self, streams: set[str]) -> None:
+        """Route to engines that appear on the JetStream stream after start (a late start,
+        a fleet that grows), from their first item, with the DP ranks seen so far; a rank
+        seen later widens its engine (its targets are then labelled NAME/dpR). ``streams``:
+        what the feed delivered from that is neither routed to nor registered."""
+        for name, ranks in found_ranks(streams, self._withdrawn).items():
+            with self.ingest.lock, self.lock:
+                old = next((e for e in self.engines if e.name == name), None)
+                if old is not None and old.ranks >= ranks:
+                    continue
+                self._install(EngineSpec(name, None, ranks=ranks) if old is None
+                              else replace(old, ranks=ranks), fresh=False)
+                self.discovered += 1
+            log.info("engine %s %s on the stream (%d DP rank%s)", name,
+                     "found" if old is None else "widened", ranks, "" if ranks == 1 else "s")
+
+    # ------------------------------------------------------------------ routing
+
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """Reject empty or oversized prompts with the reason."""
+        if not token_ids:
+            raise RouteError(422, "token_ids is empty: nothing to route", "empty_tokens")
+        if len(token_ids) > self.max_tokens:
+            raise RouteError(413, f"token_ids has {len(token_ids)} tokens, more than the "
+                             f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
+
+    def route(self, token_ids: Sequence[int], lora_name: str | None = None,
+              salt: str | None = None, reserve: bool = True) -> dict[str, Any]:
+        """Choose an engine for the prompt; with ``reserve`` (``/route``) its load is
+        reserved under the returned ``request_id`` and its prefix predicted on the engine."""
+        self.check_tokens(token_ids)
+        if not self.targets:
+            raise RouteError(503, "no engine on the JetStream stream yet (each is routed to "
+                             "as it appears)" if self.discover else "no engine to route to: "
+                             "this kvwire serve has no --engine (it answers the indexer API "
+                             "only)", "no_engine")
+        blocks: dict[str, int] = {}
+        d, target, rid, _ = self.decide(token_ids, lora_name, salt, reserve=reserve,
+                                        blocks=blocks)
+        out: dict[str, Any] = {"engine": target.engine, "rank": target.rank}
+        if rid is not None:
+            out["request_id"] = rid
+        out["overlap"] = blocks
+        out["cost"] = d.cost
+        return out
+
+    def route_proxy(self, token_ids: Sequence[int], lora_name: str | None,
+                    salt: str | None, usable: Callable[[str], bool],
+                    up: Callable[[str], bool]) -> Routed:
+        """Route a proxied request among the engines ``usable(engine)`` allows (HTTP url,
+        breaker closed, not already tried); ``up(engine)``: its HTTP health, which with the
+        event stream makes a candidate alive. Empty ``token_ids`` (no tokenizer): by load
+        only. Reserves like ``route``; RouteError 503 when no engine is usable."""
+        if len(token_ids) > self.max_tokens:
+            raise RouteError(413, f"the prompt has {len(token_ids)} tokens, more than the "
+                             f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
+        d, target, rid, prefill = self.decide(token_ids, lora_name, salt, usable=usable, up=up,
+                                              proxied=True)
+        return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
+
+    def decide(self, token_ids: Sequence[int], lora_name: str | None, salt: str | None, *,
+               usable: Callable[[str], bool] | None = None,
+               up: Callable[[str], bool] | None = None, reserve: bool = True,
+               proxied: bool = False, blocks: dict[str, int] | None = None,
+               ) -> tuple[Decision, Target, Any, float]:
+        """The one routing decision (under ``lock``, given up with RouteError 503 after
+        ``lock_timeout``): match the prompt, weigh every target ``usable(engine)`` allows
+        (all if None; RouteError 503 if none) with ``up(engine)`` as its HTTP health, let
+        the policy choose, and with ``reserve`` reserve the request's load on the choice and
+        predict its prefix there. Returns the decision, the chosen target, the request id
+        (None without ``reserve``) and the prefill share reserved. ``blocks``, if given,
+        gets each target's matched blocks in its own block size (where credited).
+
+        ``proxied`` is the one difference between the proxy's requests and the decision
+        API's (``route``):
+
+        * ids: ``p0, p1, ...`` (internal, never shown; no urandom per request), not a uuid;
+        * the reservation holds the uncached blocks as a prefill share, which the first
+          token drops (:meth:`first_token`): a proxy sees first tokens, ``/route`` does not;
+        * a prompt under one reference block (or none: no tokenizer) is routed by load
+          alone, neither matched nor predicted; the decision API matches it (an engine with
+          smaller blocks may hold it);
+        * the prefix is predicted on the chosen engine unless its matched blocks (any
+          tier) cover the prompt; for the decision API, unless its *credited* matched
+          blocks do (blocks held only in tiers worth no credit still get predicted)."""
+        prompt_blocks = len(token_ids) // self.block_size
+        if not self.lock.acquire(timeout=self.lock_timeout):
+            raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
+        try:
+            # (under the lock: the targets and _by_label of one membership)
+            targets = self.targets
+            if usable is not None:
+                targets = [t for t in targets if usable(t.engine)]
+                if not targets:
+                    raise RouteError(503, "no engine is available (all down or already "
+                                     "tried)", "no_engine")
+            now = self.clock()
+            matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
+                       if prompt_blocks or not proxied else {})
+            self.loads.expire(now)
+            if not proxied and blocks is None:
+                blocks = {}
+            d = self.policy.choose(prompt_blocks, self._candidates(
+                targets, matches, prompt_blocks, now, up, blocks))
+            target = self._by_label[d.name]
+            rid = None
+            prefill = 0.0
+            if reserve:
+                overlap = d.overlap[d.name]
+                if proxied:
+                    rid = f"p{next(_PROXY_IDS)}"  # internal (never shown)
+                    prefill = max(prompt_blocks - overlap, 0.0)
+                else:
+                    rid = uuid.uuid4().hex
+                expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
+                amount = request_load(prompt_blocks, overlap, expect,
+                                      self.decode_share) + self.decode_load
+                self._reserve(rid, d.name, amount, now, prefill)
+                m = matches.get(target.stream)
+                if proxied:
+                    short = prompt_blocks and (m is None or m.prompt_blocks == 0
+                                               or m.blocks < m.prompt_blocks)
+                else:  # (blocks: the credited matched blocks, see _candidates)
+                    short = (m is None or m.prompt_blocks == 0
+                             or blocks[d.name] < m.prompt_blocks)
+                if short:  # only a prefix the engine does not already hold needs predicting
+                    self._predict(target.stream, token_ids, lora_name, salt)
+                self.counts["routes"] += 1
+            else:
+                self.counts["scores"] += 1
+        finally:
+            self.lock.release()
+        if self.on_route is not None:
+            self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
+        return d, target, rid, prefill
+
+    def _candidates(self, targets: list[Target], matches: dict[str, Any], prompt_blocks: int,
+                    now: float, up: Callable[[str], bool] | None = None,
+                    blocks: dict[str, int] | None = None) -> list[Candidate]:
+        """What the policy weighs, per target (under ``lock``): the prompt's blocks it
+        holds, as a share of the prompt (engines with another block size compete fairly),
+        its load, whether it is live (``up``: and healthy over HTTP), how busy lately.
+        ``blocks``, if given, gets each target's matched blocks in its own block size."""
+        load, busy, alive = self.loads.load, self.loads.busy, self.alive
+        out = []
+        for t in targets:
+            m = matches.get(t.stream)
+            credit = 0.0
+            held = 0
+            if m is not None and m.credit and m.prompt_blocks:
+                credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+                held = m.blocks
+            if blocks is not None:
+                blocks[t.label] = held
+            live = alive.get(t.stream, False) and (up is None or up(t.engine))
+            out.append(Candidate(t.label, credit, load(t.label, now), live, busy(t.label, now)))
+        return out
+
+    def _predict(self, stream: str, token_ids: Sequence[int], lora_name: str | None,
+                 salt: str | None) -> None:
+        """Count the prompt as held by ``stream`` until its events confirm it (under
+        ``lock``); shared, the other replicas count it too (their next prompt with this
+        prefix goes where this one went, not where the load alone says)."""
+        keys = self.index.prompt_keys(stream, token_ids, lora_name, salt)
+        if self.index.predict_keys(stream, keys) and self.share is not None:
+            self.share(["p", stream, keys[:SHARED_PREDICTION_KEYS].tobytes()])
+
+    def predicted_by_peer(self, stream: str, keys: bytes) -> bool:
+        """Another replica predicted these own keys (8 bytes each) on ``stream`` (under
+        ``lock``, from the load sharing's thread); False if it is not a stream routed to
+        here or the keys are malformed."""
+        if stream not in self._by_stream or len(keys) % 8:
+            return False
+        k = array("Q")
+        k.frombytes(keys)
+        self.index.predict_keys(stream, k)
+        return True
+
+    def _reserve(self, rid: str, label: str, amount: float, now: float,
+                 prefill: float) -> None:
+        """Reserve on ``label`` and tell the other replicas, if shared (under ``lock``)."""
+        self.loads.reserve(rid, label, amount, now, prefill=prefill)
+        if self.share is not None:
+            self.share(["r", rid, label, amount, prefill])
+
+    def first_token(self, request_id: str, prefill: float) -> float:
+        """Drop a proxied request's prefill share from its reservation (its first token
+        came: the prompt is computed); returns what was dropped."""
+        with self.lock:
+            taken = self.loads.reduce(request_id, prefill)
+            if taken and self.share is not None:
+                self.share(["f", request_id])
+            return taken
+
+    def finish(self, request_id: str, output_tokens: int | None) -> bool:
+        """Release a proxied request's reservation (ended, failed or abandoned); False if
+        it was already gone (expired). Never raises: the proxy calls it from finally."""
+        with self.lock:
+            ok = self._release(request_id, output_tokens)
+        if ok:
+            self.counts["releases"] += 1
+        return ok
+
+    def _release(self, request_id: str, output_tokens: int | None) -> bool:
+        ok = self.loads.release(request_id)
+        if ok:
+            if output_tokens is not None:
+                self.learn_output(output_tokens)
+            if self.share is not None:
+                self.share(["x", request_id, output_tokens])
+        return ok
+
+    def learn_output(self, tokens: int) -> None:
+        """A request ended with ``tokens`` output tokens (here or, shared, at another
+        replica): the expected decode work of the next ones (under ``lock``)."""
+        self._out_sum += tokens
+        self._out_n += 1
+
+    def release(self, request_id: str, output_tokens: int | None = None) -> dict[str, Any]:
+        """Release a routed request's load; 404 RouteError if the id is unknown or expired.
+        ``output_tokens`` (optional) teaches the expected decode work of later requests.
+        A request another replica routed (replicas that share their load) is released by
+        asking that replica; the answer then names it (``replica``)."""
+        out: dict[str, Any] = {"released": request_id}
+        # (the proxy's own ids, p0, p1, ..., are not the decision API's to release)
+        ok = not request_id.startswith("p")
+        with self.lock:
+            if ok:
+                name = self.loads.holder(request_id)
+                ok = self._release(request_id, output_tokens)
+                if not ok and self.load_share is not None:
+                    fwd = self.load_share.forward_release(request_id, output_tokens)
+                    if fwd is not None:
+                        ok = True
+                        out["replica"], name = fwd
+        if not ok:
+            raise RouteError(404, f"unknown request_id {request_id[:80]!r} (never routed, "
+                             "already released, or expired)", "unknown_request_id")
+        self.counts["releases"] += 1
+        out["engine"] = name
+        return out
+
+    def release_asked(self, request_id: str, output_tokens: int | None) -> bool:
+        """Another replica got the ``/release`` of a request this one routed (under
+        ``lock``, from the load sharing's thread); False if it is not held (any more)."""
+        return self._release(request_id, output_tokens)  # (counted as load reports)
+
+    # ------------------------------------------------------------------ status
+
+    def engines_status(self) -> dict[str, Any]:
+        """Per engine and rank: stream state, blocks per tier, events applied, ages, alive."""
+        with self.lock:
+            idx = self.index.streams()
+            loads = self.loads.loads()
+        now = self.clock()
+        sub = self.sub_stats
+        out: dict[str, Any] = {}
+        for t in self.targets:
+            st = idx.get(t.stream)
+            ss = sub.get(t.stream)
+            proto = ss.stream if ss is not None else None
+            last = self.last_item.get(t.stream)
+            row: dict[str, Any] = {
+                "stream": t.stream,
+                "rank": t.rank,
+                "alive": self.alive.get(t.stream, False),
+                "phase": getattr(proto, "phase", "idle"),
+                "mode": getattr(proto, "mode", "unknown"),
+                "epoch": getattr(proto, "epoch", None),
+                "blocks": dict(getattr(st, "tiers", {}) or {}),
+                "events_applied": getattr(st, "events_applied", 0),
+                "batches_applied": getattr(st, "batches_applied", 0),
+                "block_size": getattr(st, "block_size", None),
+                "last_event_age_s": None if last is None else round(now - last, 3),
+                "resets": self.resets.get(t.stream, 0),
+                "load": loads.get(t.label, 0.0),
+                "suspect": getattr(st, "suspect", None),
+            }
+            out.setdefault(t.engine, {"ranks": []})["ranks"].append(row)
+        return out
+
+    def healthy(self) -> tuple[bool, str]:
+        """At least one stream live and caught up (phase ``live`` and not silent)."""
+        live = [t.stream for t in self.targets
+                if self.alive.get(t.stream)
+                and getattr(getattr(self.sub_stats.get(t.stream), "stream", None),
+                            "phase", None) == "live"]
+        if not self.ingest.running:
+            return False, "subscriber thread not running"
+        if not self.targets and self.discover:
+            return False, "no engine on the JetStream stream yet"
+        if not self.targets:  # the indexer API alone: its streams come and go
+            return True, f"no routing engines; {len(self.extra)} registered streams"
+        if not live:
+            return False, "no stream is live and caught up"
+        return True, f"{len(live)}/{len(self.targets)} streams live"
