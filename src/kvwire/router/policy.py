@@ -210,8 +210,9 @@ class RandomPolicy(_Baseline):
         return pool[self._rng.randrange(len(pool))]
 
 
-#: ``serve --policy`` names.
-POLICIES = ("kvwire", "round_robin", "least_load", "random")
+#: ``serve --policy`` names: kvwire's own first, then the baselines. The one list of policy
+#: names: the simulator's and the HTTP demo's are taken from it, in this order.
+POLICIES = ("kvwire", "random", "round_robin", "least_load")
 
 
 def make_policy(name: str, prefill_weight: float = 1.0, load_weight: float = 0.5,
