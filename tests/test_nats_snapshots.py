@@ -12,7 +12,7 @@ import time
 import nats
 import pytest
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.nats import snapshots
 from kvwire.nats.snapshots import (
     SnapshotReadError,

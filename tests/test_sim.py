@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.cli import sim as sim_cli
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.sim.fifo import FifoSim, engine_keys, token_range
 from kvwire.sim.fleet import POLICIES, SimConfig, run_sim

@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def moved(old: str, new: str, names: Iterable[str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``old``: each of ``names`` is ``new``'s object."""
-    known = frozenset(names)
+def moved(old: str, new: str, names: Iterable[str] | None = None) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``old``: each of ``names`` (None: every public name of
+    ``new``) is ``new``'s object."""
+    known = None if names is None else frozenset(names)
 
     def __getattr__(name: str) -> Any:
-        if name not in known:
+        if name.startswith("_") if known is None else name not in known:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
         warnings.warn(f"{old} moved to {new}: import {name} from there ({old} goes in the "
                       "next release)", DeprecationWarning, stacklevel=2)

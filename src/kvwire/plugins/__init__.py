@@ -1,5 +1,5 @@
-"""kvwire inside real engines, without code changes: plugins for vLLM (``engines.vllm``)
-and SGLang (``engines.sglang``), loaded through the engines' own entry point groups.
+"""kvwire inside real engines, without code changes: plugins for vLLM (``plugins.vllm``)
+and SGLang (``plugins.sglang``), loaded through the engines' own entry point groups.
 
 Each plugin is inert unless its environment switch is on (see docs/engines.md). This
 package only holds what both plugins share: reading a switch, and the engines' socket
@@ -38,7 +38,7 @@ def switch(name: str, log: logging.Logger | None = None) -> bool:
     if value in _ON:
         return True
     if value not in _OFF:
-        (log or logging.getLogger("kvwire.engines")).warning(
+        (log or logging.getLogger("kvwire.plugins")).warning(
             "%s=%r is not one of 1/true/yes/on or 0/false/no/off: treated as off", name, raw)
     return False
 

@@ -9,7 +9,7 @@ It does nothing at all unless a switch is on:
   sends them, plus kvwire's non-blocking ``publish()``, replay, INFO (epochs), heartbeats
   and snapshots.
 * ``KVWIRE_VLLM_SHM=1``: vLLM's shared-memory ``MessageQueue`` becomes kvwire's
-  (:mod:`kvwire.engines.vllm_shm`).
+  (:mod:`kvwire.plugins.vllm_shm`).
 
 A switch that cannot take effect (vLLM's modules missing, a bug) is logged as an error and
 vLLM keeps its own implementation: a plugin must never stop the engine from starting.
@@ -51,7 +51,7 @@ def _logger() -> logging.Logger:
 
         return init_logger("vllm.kvwire")
     except Exception:  # vLLM absent or broken: still say what happens
-        return logging.getLogger("kvwire.engines.vllm")
+        return logging.getLogger("kvwire.plugins.vllm")
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """Swap vLLM's shared-memory ``MessageQueue`` for ``kvwire.shm.MessageQueue`` (opt-in).
 
-vLLM's plugin hook (``kvwire.engines.vllm.register``) calls :func:`install` in every vLLM
+vLLM's plugin hook (``kvwire.plugins.vllm.register``) calls :func:`install` in every vLLM
 process when ``KVWIRE_VLLM_SHM=1``; nothing here runs otherwise. The swap replaces the
 name ``MessageQueue`` in ``vllm.distributed.device_communicators.shm_broadcast`` (read
 lazily by ``parallel_state``) and in every already-imported module that bound the name

@@ -1,0 +1,6 @@
+"""Deprecated path: :mod:`kvwire.plugins.sglang` (the engine plugins are ``kvwire.plugins`` now);
+this name goes in the next release."""
+
+from .._moved import moved
+
+__getattr__ = moved(__name__, "kvwire.plugins.sglang")
