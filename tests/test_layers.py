@@ -44,12 +44,18 @@ ROOMS: list[dict[str, list[str]]] = [
     # publishers); the model engine and the `kvwire engine` server (it publishes); the
     # vLLM / SGLang plugins (they publish, and put the shm queue in vLLM).
     {"nats": ["nats"], "engine": ["engine"], "plugins": ["engines", "plugins"]},
-    # The routing core, the proxy, the indexer, the decision API and the status page: one
-    # folder today, being split into routing/ <- {proxy/, indexer/} <- serve/.
+    # Routing without HTTP or asyncio: policy, load, the feed of an index, the core.
+    {"routing": ["routing"]},
+    # What answers HTTP on top of it: the OpenAI proxy, the RFC #1403 indexer, the endpoint
+    # picker.
+    {"proxy": ["proxy"], "indexer": ["indexer"], "epp": ["epp"]},
+    # What is left of router/ (one folder today, being split into the rooms around it):
+    # one room between routing and serve until it is empty.
     {"router": ["router"]},
-    # Engines without a GPU: the late-join demo and the fleet simulator (it runs the router's
-    # policy and load sharing against the model engine).
-    {"sim": ["sim"]},
+    # The `kvwire serve` application; beside it, engines without a GPU: the late-join demo
+    # and the fleet simulator (it runs the router's policy and load sharing against the
+    # model engine).
+    {"serve": ["serve"], "sim": ["sim"]},
     # The command line.
     {"cli": ["cli", "__main__"]},
 ]

@@ -1,4 +1,4 @@
-"""The processes of bench/nats.py (spawned; imported by name in the children): a reference
+"""The processes of bench/jetstream.py (spawned; imported by name in the children): a reference
 engine, consumers (kvwire Subscriber, raw nats-py), a bootstrapping consumer, and the CPU
 sampler and small helpers the orchestration uses."""
 
