@@ -57,7 +57,7 @@ class SimConfig:
     #: RoutingPolicy weights used by ``kvwire`` and ``oracle`` (same cost for both): a
     #: queue counts, block for block, once it exceeds the least-loaded engine's by
     #: ``balance_slack_tokens`` (docs/router.md has the comparison). The weights before
-    #: issue 24: ``load_weight=0.5, balance_slack_tokens=0``.
+    #: the slack existed: ``load_weight=0.5, balance_slack_tokens=0``.
     prefill_weight: float = 1.0
     load_weight: float = 1.0
     balance_slack_tokens: int = 131_072
