@@ -6,7 +6,7 @@ files of one room. The source is read (ast), nothing is imported.
 What counts as an import: every ``import`` / ``from ... import`` of a kvwire module, at
 module level and inside functions alike. A function's import runs the first time the
 function does, so it is the same dependency, only later: an upward or circular one there
-fails as it would at the top of the file (the cycles this test was written against all ran
+fails as it would at the top of the file (most cycles this test was written against ran
 through such imports). Importing ``kvwire.a.b`` also runs the package ``kvwire.a``'s
 ``__init__``, so it counts as importing that package too. What does not count: imports
 under ``if TYPE_CHECKING:`` (never run), the top-level package ``kvwire`` (its
