@@ -108,7 +108,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	$(PY) bench/predictions.py
 	$(PY) bench/route.py
 	$(PY) bench/sim.py
-	$(PY) bench/nats.py
+	$(PY) bench/jetstream.py
 	$(PY) bench/engine.py
 	$(PY) bench/tokenizer.py
 	$(PY) bench/proxy.py

@@ -12,7 +12,7 @@ import msgspec
 
 from kvwire.consume.items import Batch, Reset, Snapshot
 from kvwire.consume.subscriber import Subscriber
-from kvwire.nats.consumer import NatsStreams
+from kvwire.nats.streams import NatsStreams
 from kvwire.wire.events import encode_batch
 
 _enc = msgspec.msgpack.Encoder()

@@ -67,12 +67,12 @@ def switch_on() -> str:
         vllm.plugins.load_general_plugins()
         return "entry point"
     try:  # the plugin is not registered in this install: call its hook directly
-        from kvwire.engines.vllm import register
+        from kvwire.plugins.vllm import register
     except ImportError:
-        from kvwire.engines.vllm_shm import install
+        from kvwire.plugins.vllm_shm import install
 
         install()
-        return "install() (no kvwire.engines.vllm plugin)"
+        return "install() (no kvwire.plugins.vllm plugin)"
     register()
     return "register() (entry point not registered)"
 
@@ -302,7 +302,7 @@ def parent_checks(sb: Any) -> dict[str, Any]:
     sys.modules[mpe.__name__] = mpe
 
     import kvwire.shm
-    from kvwire.engines import vllm_shm
+    from kvwire.plugins import vllm_shm
 
     original = sb.MessageQueue
     res: dict[str, Any] = {"signature_gaps": signature_gaps(original, kvwire.shm.MessageQueue)}

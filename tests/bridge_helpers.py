@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.nats import subjects as S
 from kvwire.wire.events import BlockStored, decode_batch
 

@@ -246,9 +246,9 @@ def assert_off_phase(c: Child, engine: str) -> None:
     registry, its modules' and classes' attributes, environment and threads are as before."""
     off = c.read()
     assert off["phase"] == "off"
-    assert off["entry_point"] == [f"kvwire.engines.{engine}:register"]  # it was loaded
+    assert off["entry_point"] == [f"kvwire.plugins.{engine}:register"]  # it was loaded
     assert off["changed"] == [], off
-    assert off["kvwire_modules"] == ["kvwire", "kvwire.engines", f"kvwire.engines.{engine}"]
+    assert off["kvwire_modules"] == ["kvwire", "kvwire.plugins", f"kvwire.plugins.{engine}"]
 
 
 def plugin_switched_on(plugin: Any, k: Any, switch: str,

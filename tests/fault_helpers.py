@@ -30,9 +30,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.sim.demo import DemoEngine
 from kvwire.wire.events import KVEventBatch, encode_batch

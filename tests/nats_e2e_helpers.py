@@ -16,7 +16,7 @@ import msgspec
 from fault_helpers import Child, Rebuild
 
 from kvwire.consume.subscriber import Subscriber
-from kvwire.nats.consumer import NatsStreams
+from kvwire.nats.streams import NatsStreams
 
 
 def nats_consumer_main(conn: Any, url: str, durable: str | None) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.items import Batch, Reset, Snapshot
+from kvwire.index.cache import BlockCache
 from kvwire.nats import subjects as S
 from kvwire.nats.snapshots import snapshot_of, write_snapshot
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch

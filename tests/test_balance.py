@@ -1,5 +1,5 @@
 """The balance slack of RoutingPolicy (cache first until a queue pulls ahead), SGLang's
-``cache_aware`` rebuilt as a baseline (kvwire.router.cache_aware), the simulator's load
+``cache_aware`` rebuilt as a baseline (kvwire.sim.baselines), the simulator's load
 lifecycle (prefill share dropped at the first token). All pure and fast: the policies side
 by side on the bundled trace take minutes, so they are measured by bench/sim.py --compare
 and bench/routing.py, not here (docs/benchmarks.md has the numbers)."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.router.cache_aware import CacheAwareParams, CacheAwarePolicy
 from kvwire.routing import Candidate, LoadTracker, RoutingPolicy, make_policy
+from kvwire.sim.baselines import CacheAwareParams, CacheAwarePolicy
 
 loads = st.floats(0, 1e5, allow_nan=False)
 credits = st.floats(0, 64, allow_nan=False)
@@ -244,13 +244,13 @@ def test_cache_aware_evicts_once_an_interval_and_only_past_the_size() -> None:
 
 
 def test_sim_router_drops_the_prefill_share_at_the_first_token() -> None:
-    from kvwire.sim.batched import BatchedEngine, engine_config
+    from kvwire.sim.batched import BatchedSim, engine_config
     from kvwire.sim.fleet import SimConfig
     from kvwire.sim.routers import _LeastLoad
     from kvwire.sim.trace import Request
 
     cfg = SimConfig(engines=2, capacity=100)
-    engines = [BatchedEngine(f"engine{i}", engine_config(cfg), None) for i in range(2)]
+    engines = [BatchedSim(f"engine{i}", engine_config(cfg), None) for i in range(2)]
     r = _LeastLoad(engines, cfg)
     req = Request(0.0, 4 * 512, 10, (1, 2, 3, 4))
     e = r.route("r0", req, [1, 2, 3, 4], 0.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwire.consume.cache import BlockCache, CachedBlock, medium_key
+from kvwire.index.cache import BlockCache, CachedBlock, medium_key
 from kvwire.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 D1 = bytes(range(32))
@@ -136,7 +136,7 @@ def test_items_and_blocks_are_point_in_time_copies() -> None:
 
 
 def test_chain_events_regroups_runs_and_rebuilds_exactly() -> None:
-    from kvwire.consume.cache import chain_events
+    from kvwire.index.cache import chain_events
 
     c = BlockCache()
     a = BlockStored([1, 2, 3, 4], None, list(range(16)), 4, None, "GPU",
@@ -157,7 +157,7 @@ def test_chunked_snapshot_of_tiers_and_restored_blocks_rebuilds_exactly() -> Non
     """raw_copy() cut into chunks, each through chain_events with one shared positions
     cache (as the publisher sends a snapshot): several tiers, an event split across chunks,
     and a block re-stored by a later event."""
-    from kvwire.consume.cache import chain_events
+    from kvwire.index.cache import chain_events
 
     c = BlockCache()
     long = BlockStored(list(range(100, 130)), None, list(range(60)), 2, None, None)

@@ -18,7 +18,7 @@ import zmq
 from cli_helpers import KVWIRE, listen_while_publishing, sigint_default, start_listen
 
 from kvwire.cli.main import RICH_HINT, build_parser
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.sim.demo import run_demo
 from kvwire.wire import protocol

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwire.consume.subscriber import StreamSpec, Subscriber
-from kvwire.engines import sglang as plugin
+from kvwire.plugins import sglang as plugin
 
 WHEEL = "sglang (sglang==0.5.23)"
 
@@ -195,7 +195,7 @@ def test_off_in_a_fresh_sglang_process(child) -> None:
 def test_loaded_by_sglang_publishes_to_subscriber_and_decoder(child, k, ctx) -> None:
     c, ep, rep = child
     on = read_phase(c, "on")
-    assert on["registry"] == "kvwire.engines.sglang.KvwireSglangPublisher", on
+    assert on["registry"] == "kvwire.plugins.sglang.KvwireSglangPublisher", on
     active = [ln for ln in on["lines"] if "active in SGLang" in ln]
     assert len(active) == 1 and "KVWIRE_SGLANG_EVENTS=1" in active[0], on["lines"]
     assert on["source"]["endpoint"] == ep and on["source"]["replay_endpoint"] == rep

@@ -42,7 +42,7 @@ def test_switch_on_without_the_engine_logs_and_returns() -> None:
         "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
         "for m in ('vllm', 'sglang'):\n"
         "    sys.modules[m] = None\n"
-        "from kvwire.engines import sglang, vllm\n"
+        "from kvwire.plugins import sglang, vllm\n"
         "vllm.register(); sglang.register()\n"
         "print('returned')\n"
     )

@@ -45,7 +45,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwire.consume.subscriber import StreamSpec, Subscriber
-from kvwire.engines import vllm as plugin
+from kvwire.plugins import vllm as plugin
 
 WHEEL = "vllm (vllm==0.33.0)"
 
@@ -139,7 +139,7 @@ def test_factory_builds_kvwire_publisher_from_vllms_config(plugin_on, k, vllm_co
                       max_queue_size=2000, topic="kv")
     pub = k.EventPublisherFactory.create(cfg, 0)
     made.append(pub)
-    assert type(pub) is plugin_on and type(pub).__module__ == "kvwire.engines.vllm"
+    assert type(pub) is plugin_on and type(pub).__module__ == "kvwire.plugins.vllm"
     assert isinstance(pub, k.EventPublisher)  # what vLLM's scheduler holds
     got = pub.get_publisher_config()
     assert type(got) is vllm_config and got == cfg  # resolved, as vLLM's own returns it
@@ -308,7 +308,7 @@ def test_loaded_by_vllm_publishes_to_subscriber_decoder_and_listen(child, k, ctx
     protocol) and ``kvwire listen``, which reports mode kvwire."""
     c, ep, rep = child
     on = read_phase(c, "on")
-    assert on["registry"] == "kvwire.engines.vllm.KvwireVllmPublisher", on
+    assert on["registry"] == "kvwire.plugins.vllm.KvwireVllmPublisher", on
     assert on["type"] == "KvwireVllmPublisher"
     active = [ln for ln in on["lines"] if "kvwire" in ln and "active in vLLM" in ln]
     assert len(active) == 1 and "KVWIRE_VLLM_EVENTS=1" in active[0], on["lines"]

@@ -152,7 +152,7 @@ def test_install_swaps_everywhere_idempotent_and_uninstalls(vllm_run: dict[str, 
 def test_install_without_vllm_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced fault: vLLM is installed here, so its absence is simulated the way Python
     marks a module as unimportable (None in sys.modules)."""
-    from kvwire.engines import vllm_shm
+    from kvwire.plugins import vllm_shm
 
     monkeypatch.setitem(sys.modules, vllm_shm.SHM_MODULE, None)
     with pytest.raises(ImportError, match="shm_broadcast"):

@@ -20,7 +20,6 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 
-from kvwire.consume.cache import BlockCache  # noqa: E402
 from kvwire.consume.replies import InfoReply  # noqa: E402
 from kvwire.consume.stream import (  # noqa: E402
     Batch,
@@ -29,6 +28,7 @@ from kvwire.consume.stream import (  # noqa: E402
     SendSnapshot,
     StreamMachine,
 )
+from kvwire.index.cache import BlockCache  # noqa: E402
 from kvwire.nats.snapshots import read_snapshot  # noqa: E402
 from kvwire.nats.subjects import msg_id  # noqa: E402
 from kvwire.nats.writer import H_EXPECT, Lane, marker_entries  # noqa: E402

@@ -371,7 +371,8 @@ def test_a_consumer_that_cannot_connect_says_why_and_stops_when_asked(
     import logging
 
     from kvwire.consume.subscriber import Subscriber
-    from kvwire.nats.consumer import CONNECT_TRY, NatsStreams
+    from kvwire.nats.consumer import CONNECT_TRY
+    from kvwire.nats.streams import NatsStreams
 
     want = (f"cannot connect to NATS at {refused_url}: connection refused (gave up after "
             f"{CONNECT_TRY:g}s)")

@@ -18,7 +18,7 @@ from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.items import Batch, Reset, Snapshot  # noqa: E402
 from kvwire.consume.subscriber import Subscriber  # noqa: E402
-from kvwire.nats.consumer import NatsStreams  # noqa: E402
+from kvwire.nats.streams import NatsStreams  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("nats_api")
 
@@ -267,7 +267,7 @@ def test_durable_consumer_killed_and_restarted_resumes_exactly(
     # kill's uncommitted tail, applied once) rebuild both engines' caches exactly.
     import msgspec
 
-    from kvwire.consume.cache import BlockCache
+    from kvwire.index.cache import BlockCache
     from kvwire.wire.events import BlockStored, decode_batch
 
     caches: dict[str, BlockCache] = {}

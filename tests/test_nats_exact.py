@@ -12,8 +12,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.items import Batch, Reset, Snapshot
+from kvwire.index.cache import BlockCache
 from kvwire.nats import subjects as S
 from kvwire.nats.exact import _PER_SUBJECT, BadMessage, Gap, Tracker, decode_snapshot_body
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_nats_pack import engine
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.nats.lane import H_EXPECT
 from kvwire.nats.subjects import H_EPOCH, H_FIRST_SEQ, H_KIND, H_MSG_ID, H_SEQ, run_msg_id
 from kvwire.nats.writer import Lane, marker_entries

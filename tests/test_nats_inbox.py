@@ -19,7 +19,7 @@ nats = pytest.importorskip("nats")
 from nats_api import nats_api_fixture  # noqa: E402, F401 - the nats_api fixture
 from waiting import until  # noqa: E402
 
-from kvwire.consume.cache import BlockCache  # noqa: E402
+from kvwire.index.cache import BlockCache  # noqa: E402
 from kvwire.nats import client_internals as CI  # noqa: E402
 from kvwire.nats.bridge_config import BridgeConfig, ensure_stream  # noqa: E402
 from kvwire.nats.inbox import inline_supported, subscribe_inline  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.items import Batch, Reset, Snapshot
+from kvwire.index.cache import BlockCache
 from kvwire.nats import subjects as S
 from kvwire.nats.bridge import last_batch_body
 from kvwire.nats.exact import BadMessage, Gap, Tracker

@@ -250,7 +250,7 @@ def test_packed_stream_durable_consumer_killed_and_restarted(nats_server, tmp_pa
     assert 0 <= repeats <= 7 + 16, repeats
     import msgspec
 
-    from kvwire.consume.cache import BlockCache
+    from kvwire.index.cache import BlockCache
     from kvwire.wire.events import BlockStored, decode_batch
 
     cache, last = BlockCache(), -1
@@ -336,8 +336,8 @@ def test_a_follower_failing_mid_read_leaves_nothing_held(nats_server, tmp_path):
     The writer's watch sends them (``late_pumps``: the one mechanism, the follower does
     nothing on exit), the restarted follower resumes after them, every batch lands once."""
     import kvwire.nats.bridge as B
-    from kvwire.consume.cache import BlockCache
     from kvwire.consume.items import Batch
+    from kvwire.index.cache import BlockCache
     from kvwire.publish.publisher import ZmqEventPublisher
     from kvwire.routing.core import EngineSpec
     from kvwire.wire.events import BlockStored, KVEventBatch

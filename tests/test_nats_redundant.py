@@ -21,11 +21,11 @@ nats = pytest.importorskip("nats")
 
 from waiting import until  # noqa: E402
 
-from kvwire.consume.cache import BlockCache  # noqa: E402
 from kvwire.consume.items import Batch  # noqa: E402
 from kvwire.consume.subscriber import Subscriber  # noqa: E402
+from kvwire.index.cache import BlockCache  # noqa: E402
 from kvwire.nats.bridge_config import BridgeConfig, ensure_stream  # noqa: E402
-from kvwire.nats.consumer import NatsStreams  # noqa: E402
+from kvwire.nats.streams import NatsStreams  # noqa: E402
 from kvwire.nats.subjects import H_FIRST_SEQ, H_SEQ  # noqa: E402
 from kvwire.nats.writer import JsWriter, marker_entries  # noqa: E402
 from kvwire.wire import events as E  # noqa: E402

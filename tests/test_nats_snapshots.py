@@ -2,7 +2,7 @@
 
 The bridge replaces an engine's snapshot object on a schedule; replacing purges the old
 version's chunks. A reader that looked up the old version then waits for chunks that will
-never come: it used to wait forever (found by bench/nats.py hanging 8 minutes)."""
+never come: it used to wait forever (found by bench/jetstream.py hanging 8 minutes)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import nats
 import pytest
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.nats import snapshots
 from kvwire.nats.snapshots import (
     SnapshotReadError,

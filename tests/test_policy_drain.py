@@ -175,16 +175,16 @@ def test_simulator_learns_the_engine_models_prefill_rate() -> None:
     token, so the tracker learns the batched engine model's prefill rate: 8,192-token
     chunks of 512-token blocks at 5 ms + 50 us a token = 38.6 blocks/s (a little less
     with the decode steps in between). The oracle router, no publishers: no sockets."""
-    from kvwire.sim.batched import BatchedEngine, engine_config, run_batched
-    from kvwire.sim.fleet import PolicyResult, SimConfig, _Progress
+    from kvwire.sim.batched import BatchedSim, engine_config, run_batched
+    from kvwire.sim.fleet import PolicyResult, Progress, SimConfig
     from kvwire.sim.routers import _Oracle
     from kvwire.sim.trace import bundled_trace_path, load_trace
 
     cfg = SimConfig(engines=2)
     reqs = load_trace(bundled_trace_path(), limit=120)
-    engines = [BatchedEngine(f"engine{i}", engine_config(cfg), None) for i in range(2)]
+    engines = [BatchedSim(f"engine{i}", engine_config(cfg), None) for i in range(2)]
     router = _Oracle(engines, cfg)
-    run_batched(reqs, engines, router, cfg, _Progress("", len(reqs), False), PolicyResult(""))
+    run_batched(reqs, engines, router, cfg, Progress("", len(reqs), False), PolicyResult(""))
     true_rate = 8192 / 512 / (5e-3 + 8192 * 50e-6)
     for e in engines:
         assert 0.9 * true_rate <= router.loads.prefill_rate(e.name) <= true_rate

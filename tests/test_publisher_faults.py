@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 from waiting import wait_for  # noqa: E402
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.wire import protocol
 from kvwire.wire.events import (

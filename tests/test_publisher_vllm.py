@@ -19,7 +19,7 @@ import pytest
 import zmq
 from waiting import wait_for  # noqa: E402
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.publish.config import KVEventsConfig
 from kvwire.publish.publisher import EventPublisherFactory, NullEventPublisher, ZmqEventPublisher
 from kvwire.wire import protocol

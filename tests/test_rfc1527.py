@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mooncake_like import MooncakeLike
 
-from kvwire.consume.cache import BlockCache, chain_events
+from kvwire.index.cache import BlockCache, chain_events
 from kvwire.publish.config import KVEventsConfig
 from kvwire.wire import rfc1527
 from kvwire.wire.events import (

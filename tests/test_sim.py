@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.cli import sim as sim_cli
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Snapshot
 from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
-from kvwire.sim.engine import SimEngine, engine_keys, token_range
+from kvwire.sim.fifo import FifoSim, engine_keys, token_range
 from kvwire.sim.fleet import POLICIES, SimConfig, run_sim
 from kvwire.sim.floor import ttft_floor
 from kvwire.sim.trace import (
@@ -135,7 +135,7 @@ def test_engine_events_rebuild_its_cache(tmp_path: Path) -> None:
     """Every store and eviction goes out on the wire: a subscriber rebuilds the LRU exactly."""
     pub = ZmqEventPublisher(endpoint=f"ipc://{tmp_path}/e", replay_endpoint=f"ipc://{tmp_path}/r",
                             heartbeat_interval=None)
-    eng = SimEngine("e0", capacity=40, block_size=64, publisher=pub)
+    eng = FifoSim("e0", capacity=40, block_size=64, publisher=pub)
     reqs = load_trace(bundled_trace_path(), limit=60)
     rebuilt = BlockCache()
     try:
@@ -174,7 +174,7 @@ def test_engine_lru_state_machine(paths: list[list[int]], capacity: int, bs: int
     """Any sequence of commits: the events replayed from empty give exactly the cache, which
     stays within capacity, prefix-closed, and holds the last request's blocks."""
     ids: dict[tuple[int, ...], int] = {}
-    eng = SimEngine("e", capacity, bs, publisher=None)
+    eng = FifoSim("e", capacity, bs, publisher=None)
     rebuilt = BlockCache()
     parent: dict[int, int] = {}
     for i, path in enumerate(paths):

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from kvwire.engine import EngineConfig, EngineModel, EngineRequest
-from kvwire.sim.batched import BatchedEngine, engine_config, make_request
+from kvwire.sim.batched import BatchedSim, engine_config, make_request
 from kvwire.sim.fleet import SimConfig, SimError, simulate_policy
 from kvwire.sim.floor import ttft_floor
-from kvwire.sim.routers import _ROUTERS
+from kvwire.sim.routers import ROUTERS
 from kvwire.sim.trace import Request, bundled_trace_path, load_trace
 
 
@@ -42,9 +42,9 @@ def test_a_fork_runs_ahead_alone_and_as_the_engine_would() -> None:
     assert same.first_token_t == probe.first_token_t is not None
 
 
-def _fleet(n: int) -> tuple[list[BatchedEngine], SimConfig]:
+def _fleet(n: int) -> tuple[list[BatchedSim], SimConfig]:
     cfg = SimConfig(engines=n, capacity=400, block_tokens=512)
-    return [BatchedEngine(f"engine{i}", engine_config(cfg), None) for i in range(n)], cfg
+    return [BatchedSim(f"engine{i}", engine_config(cfg), None) for i in range(n)], cfg
 
 
 def _route(router, i: int, req: Request, cfg: SimConfig) -> tuple[int, EngineRequest]:
@@ -57,7 +57,7 @@ def test_clairvoyant_takes_the_earliest_first_token_and_then_the_cache() -> None
     """Two engines: a prompt cached on a busy engine goes to the idle one when the idle one
     answers first; with both idle, to the engine holding it. Routing moves no engine on."""
     engines, cfg = _fleet(2)
-    router = _ROUTERS["clairvoyant"](engines, cfg)
+    router = ROUTERS["clairvoyant"](engines, cfg)
     shared = tuple(range(8))  # 8 blocks of 512 tokens
     warm = Request(0.0, 8 * 512, 1, shared)
     e, er = _route(router, 0, warm, cfg)

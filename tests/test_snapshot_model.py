@@ -11,7 +11,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import PublisherStats, ZmqEventPublisher
 from kvwire.publish.snapshot import SnapshotModel, follow_event
 from kvwire.wire import protocol

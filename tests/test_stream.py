@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import (
     Batch,
     ErrorReply,
@@ -38,6 +37,7 @@ from kvwire.consume.stream import (
     parse_live,
     parse_reply,
 )
+from kvwire.index.cache import BlockCache
 from kvwire.wire import protocol
 from kvwire.wire.events import (
     AllBlocksCleared,

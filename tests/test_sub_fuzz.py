@@ -31,9 +31,9 @@ import pytest
 import zmq
 from fault_helpers import Rebuild
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.index.cache import BlockCache
 from kvwire.wire import protocol
 from kvwire.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 

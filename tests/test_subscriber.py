@@ -18,9 +18,9 @@ import pytest
 import zmq
 from waiting import wait_for  # noqa: E402
 
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from kvwire.consume.subscriber import StreamSpec, Subscriber
+from kvwire.index.cache import BlockCache
 from kvwire.publish.publisher import ZmqEventPublisher
 from kvwire.wire import protocol
 from kvwire.wire.events import (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from kvwire.cli.view import COLUMNS, StreamTally, format_batch, record
-from kvwire.consume.cache import BlockCache
 from kvwire.consume.stream import Batch, Liveness, Reset, Snapshot
+from kvwire.index.cache import BlockCache
 from kvwire.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 

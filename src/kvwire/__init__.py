@@ -33,7 +33,7 @@ _API: dict[str, str] = {
     "Batch": "kvwire.consume.stream",
     "Reset": "kvwire.consume.stream",
     "Snapshot": "kvwire.consume.stream",
-    "BlockCache": "kvwire.consume.cache",
+    "BlockCache": "kvwire.index.cache",
     "PrefixIndex": "kvwire.index.prefix",
     "RoutingPolicy": "kvwire.routing.policy",
     # one-to-many IPC in shared memory
@@ -50,9 +50,9 @@ __all__ = [
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on use
     from typing import Any
 
-    from kvwire.consume.cache import BlockCache
     from kvwire.consume.stream import Batch, Reset, Snapshot
     from kvwire.consume.subscriber import StreamSpec, Subscriber
+    from kvwire.index.cache import BlockCache
     from kvwire.index.prefix import PrefixIndex
     from kvwire.publish.publisher import ZmqEventPublisher
     from kvwire.routing.policy import RoutingPolicy

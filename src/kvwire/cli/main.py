@@ -93,7 +93,7 @@ def _streams(args: argparse.Namespace) -> list:
     specs: list = []
     for i, ep in enumerate(args.endpoint):
         if ep.startswith("nats://"):  # every engine stream on a JetStream stream
-            from ..nats.consumer import NatsStreams
+            from ..nats.streams import NatsStreams
 
             specs.append(NatsStreams(ep, stream=args.stream, subject=args.subject,
                                      durable=args.durable))

@@ -23,7 +23,7 @@ def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     the bridge that creates it), and stderr names the streams that do exist, so a misspelt
     ``--stream`` is seen at once."""
     from ..consume.engine_spec import EngineSpec
-    from ..nats.consumer import NatsStreams
+    from ..nats.streams import NatsStreams
 
     if args.engine:
         raise ValueError("--engine and --nats exclude each other (with --nats the engines' "

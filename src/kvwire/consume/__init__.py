@@ -1,2 +1,2 @@
 """The consumer side: the pure stream state machine, the subscriber (sync + asyncio faces),
-the block cache."""
+the block cache (kvwire.index.cache)."""

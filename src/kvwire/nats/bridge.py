@@ -41,9 +41,9 @@ from typing import Any
 import msgspec
 import zmq.asyncio
 
-from ..consume.cache import BlockCache, chain_events
 from ..consume.stream import Batch, Liveness, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
+from ..index.cache import BlockCache, chain_events
 from ..wire.events import encode_batch
 from .bridge_config import BridgeConfig, BridgeError, ensure_stream
 from .connect import connect as connect_nats

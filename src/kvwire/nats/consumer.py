@@ -33,17 +33,25 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._moved import moved
 from ..consume.items import Delivery
 from . import subjects as S
 from .client_internals import internals
 from .connect import connect as connect_nats
 from .exact import BadMessage, Gap, Tracker
 from .inbox import subscribe_inline
-from .streams import NatsStats, NatsStreams
+from .stats import NatsStats
 
-__all__ = ["NatsSource", "NatsStats", "NatsStreams"]
+if TYPE_CHECKING:
+    from .streams import NatsStreams
+
+__all__ = ["NatsSource", "NatsStats"]
+
+# ``NatsStreams`` was importable from here; its home is kvwire.nats.streams (which opens the
+# link that runs this reader, so this module cannot import it back).
+__getattr__ = moved(__name__, "kvwire.nats.streams", ["NatsStreams"])
 
 log = logging.getLogger("kvwire.nats.consumer")
 

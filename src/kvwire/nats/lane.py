@@ -1,6 +1,6 @@
 """What the bridge's writer sends on one subject: :class:`Entry` messages (a batch, a run of
 batches, a reset marker, a snapshot marker chunk) and the :class:`Lane` that orders them and
-holds the subject's acknowledged state (its :class:`~kvwire.consume.cache.BlockCache`, the
+holds the subject's acknowledged state (its :class:`~kvwire.index.cache.BlockCache`, the
 source of object-store snapshots)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from ..consume.cache import BlockCache
+from ..index.cache import BlockCache
 from ..wire.events import BlockStored, KVEventBatch
 from .subjects import (
     H_CHUNK,

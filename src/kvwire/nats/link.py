@@ -13,10 +13,14 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..consume.items import Delivery
-from .consumer import Handout, NatsSource, NatsStats, NatsStreams
+from .consumer import Handout, NatsSource
+from .stats import NatsStats
+
+if TYPE_CHECKING:
+    from .streams import NatsStreams
 
 __all__ = ["NatsLink"]
 

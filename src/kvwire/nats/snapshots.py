@@ -8,7 +8,7 @@ coordination, and exact because ``js_seq`` is the PubAck of the last message it 
 
 Format (fast to decode: a consumer loads 10^6 blocks in well under the 3 s target): one
 msgpack document, ``[version, engine, rank, epoch, seq, js_seq, exact, created, blocks,
-events]``, where ``events`` are ``BlockStored`` chains (:func:`kvwire.consume.cache.chain_events`:
+events]``, where ``events`` are ``BlockStored`` chains (:func:`kvwire.index.cache.chain_events`:
 blocks stored together go back out as one event, so the size is about that of the batches
 that built them). msgspec decodes it straight into typed structs.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from ..consume.cache import BlockCache, chain_events
+from ..index.cache import BlockCache, chain_events
 from ..wire.events import BlockStored
 from .subjects import DEFAULT_SNAPSHOT_BUCKET, check_token, snapshot_object
 

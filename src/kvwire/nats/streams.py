@@ -1,6 +1,9 @@
 """What a NATS JetStream source of kvwire streams is (:class:`NatsStreams`, given to a
 :class:`~kvwire.consume.Subscriber` beside ZeroMQ ``StreamSpec``s) and what it counts
-(:class:`NatsStats`); the reader itself is :mod:`kvwire.nats.consumer`."""
+(:class:`NatsStats`, defined in :mod:`.stats`); the reader itself is
+:mod:`kvwire.nats.consumer`, run for a Subscriber by :mod:`kvwire.nats.link`, which
+:meth:`NatsStreams.open_link` opens: the one module that reaches up to the reader (the
+reader and the link do not import this one at run time)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 import msgspec
 
 from . import subjects as S
+from .stats import NatsStats
 
 __all__ = ["NatsStats", "NatsStreams"]
 
@@ -44,28 +48,3 @@ class NatsStreams(msgspec.Struct, frozen=True):
         from .link import NatsLink
 
         return NatsLink(self, ctx)
-
-
-class NatsStats(msgspec.Struct, frozen=True):
-    """Counters of one NATS source (all subjects)."""
-
-    connected: bool
-    messages: int
-    batches: int
-    resets: int
-    snapshots: int
-    skipped: int
-    duplicates: int
-    gaps: int
-    resyncs: int
-    inexact: int
-    bad_messages: int
-    bad_events: int
-    reconnects: int
-    repositions: int
-    acked: int
-    unverified_resumes: int
-    caught_up: int  # subjects that caught up on their own history at bootstrap
-    last_error: str | None
-    #: failed tries at setting up the consumer (its stream missing yet, a server restarting)
-    setup_failures: int = 0

@@ -15,7 +15,7 @@ subject, in one of two modes.
   subject since: two writers can cut different runs but never store a batch twice.
 
 A lane applies what JetStream acknowledged, in subject order, to its
-:class:`~kvwire.consume.cache.BlockCache` (the state its object-store snapshots are taken
+:class:`~kvwire.index.cache.BlockCache` (the state its object-store snapshots are taken
 from, with the PubAck's stream sequence).
 
 When an ack fails or times out (server restarted, JetStream not ready yet, a guard refused),

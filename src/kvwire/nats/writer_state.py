@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from ..consume.cache import chain_events
+from ..index.cache import chain_events
 from .lag import Lag
 from .lane import ACKED, FAILED, PENDING, Entry, Lane, apply_entry_effect, marker_entries
 from .subjects import H_CHUNK, H_EPOCH, H_KIND, H_SEQ, header_int

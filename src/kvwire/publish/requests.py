@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ..consume.cache import chain_events
+from ..index.cache import chain_events
 from ..wire import protocol
 from ..wire.events import BlockStored, KVEventBatch
 from .replay import ReplayJob, ReplayRing

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from ..consume.cache import BlockCache
+from ..index.cache import BlockCache
 from ..wire.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 __all__ = ["SnapshotModel", "event_kind", "follow_event"]

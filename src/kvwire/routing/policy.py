@@ -208,7 +208,7 @@ class RandomPolicy(_Baseline):
 
 
 #: ``serve --policy`` names.
-POLICIES = ("kvwire", "round_robin", "least_load", "random")
+POLICIES = ("kvwire", "random", "round_robin", "least_load")
 
 
 def make_policy(name: str, prefill_weight: float = 1.0, load_weight: float = 0.5,

@@ -8,6 +8,8 @@ peer raises a typed error instead of hanging. See docs/shm.md.
 setup.py when a compiler is there; ``KVWIRE_SHM_PURE=1`` turns it off) or in Python.
 """
 
+# The sides: importing each registers it with MessageQueue, whose constructors build them.
+from . import reader, remote_reader, writer  # noqa: F401
 from ._native import NATIVE
 from .buffer import ShmRingBuffer, shm_free_bytes
 from .errors import (

@@ -61,7 +61,7 @@ def _local_shutdown_env() -> bool:
     """``KVWIRE_SHM_LOCAL_SHUTDOWN=1``: vLLM's semantics (a writer's shutdown() stays local).
 
     Unset or empty: the process default (kvwire's semantics unless
-    ``set_local_shutdown_default(True)``, as ``kvwire.engines.vllm_shm.install()`` does).
+    ``set_local_shutdown_default(True)``, as ``kvwire.plugins.vllm_shm.install()`` does).
     """
     v = os.environ.get("KVWIRE_SHM_LOCAL_SHUTDOWN", "").strip().lower()
     if not v:

@@ -1,4 +1,6 @@
-"""Building queues over a process group: torch.distributed (gloo) or kvwire's own.
+"""Process groups that queues are built over (``MessageQueue.create_from_process_group``):
+torch.distributed (gloo) or kvwire's own, and the node key that tells which ranks can
+share a ring.
 
 ``StatelessGroup`` is a minimal collective group over ZeroMQ TCP (rank 0 is the
 hub) that encodes with msgpack, never pickle, so exchanging handles through it
@@ -17,7 +19,6 @@ import msgspec
 import zmq
 
 from .handle import Handle, as_handle
-from .queue import MessageQueue
 
 
 class StatelessGroup:
@@ -95,7 +96,7 @@ def node_key() -> str:
 
 
 @dataclass
-class _Ops:
+class GroupOps:
     rank: int  # rank in the group
     world_size: int
     stateless: bool
@@ -127,69 +128,10 @@ class _Ops:
         return as_handle(obj)  # a clear error for a handle of vLLM's own queue
 
 
-def _ops(pg: Any) -> _Ops:
+def group_ops(pg: Any) -> GroupOps:
     if isinstance(pg, StatelessGroup) or (hasattr(pg, "all_gather_obj")
                                           and hasattr(pg, "world_size")):
-        return _Ops(pg.rank, pg.world_size, True, pg, pg.rank)
+        return GroupOps(pg.rank, pg.world_size, True, pg, pg.rank)
     import torch.distributed as dist
 
-    return _Ops(dist.get_rank(pg), dist.get_world_size(pg), False, pg, dist.get_rank())
-
-
-def create_from_process_group(pg: Any, max_chunk_bytes: int, max_chunks: int,
-                              writer_rank: int = 0,
-                              external_writer_handle: Handle | None = None,
-                              blocking: bool = True) -> MessageQueue:
-    """Group rank ``writer_rank`` writes; all other ranks read (local if on the writer's node).
-
-    Reader ranks are group ranks. As in vLLM 0.33, ``external_writer_handle`` counts on
-    group rank ``writer_rank`` only (other ranks may pass None): that rank hands it to the
-    others and every group rank, ``writer_rank`` included, joins that queue as a reader
-    with its group rank. Collective; ``blocking`` also waits until ready.
-    """
-    ops = _ops(pg)
-    mine = external_writer_handle if ops.rank == writer_rank else None
-    gathered = ops.all_gather((node_key(), mine))  # one round: node keys and the handle
-    keys = [k for k, _ in gathered]
-    external = ops.handle(gathered[writer_rank][1])
-    if external is not None:
-        mq = MessageQueue.create_from_handle(external, ops.rank)
-        if blocking:
-            mq.wait_until_ready()
-        return mq
-    readers = [r for r in range(ops.world_size) if r != writer_rank]
-    local = [r for r in readers if keys[r] == keys[writer_rank]]
-    remote = [r for r in readers if r not in local]
-    handle = None
-    if ops.rank == writer_rank:
-        mq = MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
-                          remote_reader_ranks=remote)
-        handle = mq.export_handle()
-    handles = ops.all_gather(handle)
-    if ops.rank != writer_rank:
-        mq = MessageQueue.create_from_handle(ops.handle(handles[writer_rank]), ops.rank)
-    if blocking:
-        mq.wait_until_ready()
-    return mq
-
-
-def create_from_process_group_single_reader(pg: Any, max_chunk_bytes: int, max_chunks: int,
-                                            reader_rank: int = 0, blocking: bool = False
-                                            ) -> tuple[MessageQueue, list[Handle]]:
-    """Each rank creates a queue it writes, read by ``reader_rank`` (reader rank 0 in
-    every handle). The reader gets all handles, in group order (others get []), and joins
-    them with ``MessageQueue.create_from_handle(h, 0)``.
-
-    As in vLLM 0.33, ``reader_rank`` is a global rank (``torch.distributed.get_rank()``)
-    for a torch group; for a stateless group it is the group rank."""
-    ops = _ops(pg)
-    reader = ops.group_rank(reader_rank)
-    keys = ops.all_gather(node_key())
-    same = keys[ops.rank] == keys[reader]
-    mq = MessageQueue(1, 1 if same else 0, None, max_chunk_bytes, max_chunks)
-    handles = ops.all_gather(mq.export_handle())
-    if blocking:
-        mq.wait_until_ready()
-    if ops.global_rank == reader_rank:
-        return mq, [ops.handle(h) for h in handles]
-    return mq, []
+    return GroupOps(dist.get_rank(pg), dist.get_world_size(pg), False, pg, dist.get_rank())

@@ -14,7 +14,9 @@ into a typed error instead of a hang.
 This module holds what every side shares (set-up, the wait engine, lifecycle). Each
 side is a subclass with its own hot path: ``MessageQueue(...)`` builds a
 ``writer.WriterQueue``; ``create_from_handle`` a ``reader.LocalReaderQueue`` or a
-``remote_reader.RemoteReaderQueue``. All are ``MessageQueue`` instances.
+``remote_reader.RemoteReaderQueue``. All are ``MessageQueue`` instances. The sides import
+this module, never the reverse: each registers itself by name (``side=`` in its class
+statement) and the constructors look it up.
 
 The per-message steps run in C (``_ring.c``: ``Writer.put``, ``Reader.get`` /
 ``wait_get``) when that module is built and ``KVWIRE_SHM_PURE`` is not set; otherwise
@@ -44,12 +46,17 @@ from ._common import (
 from .buffer import ShmRingBuffer
 from .errors import QueueShutdownError, ShmQueueError
 from .fence import publish_fence, register_process, sleep_fence
+from .group import group_ops, node_key
 from .handle import Handle, as_handle
 from .remote import RemotePublisher, RemoteSubscriber
 from .serializer import PickleSerializer, Serializer, default_serializer
 from .wake import futex_wait, futex_wake
 
 __all__ = ["DEFAULT_MAX_CHUNKS", "DEFAULT_MAX_CHUNK_BYTES", "MessageQueue"]
+
+#: The sides by name ("writer", "local_reader", "remote_reader"): each registers itself when
+#: its module is imported (MessageQueue.__init_subclass__).
+_SIDES: dict[str, type[MessageQueue]] = {}
 
 
 class MessageQueue:
@@ -64,11 +71,17 @@ class MessageQueue:
 
     _is_writer = _is_local_reader = _is_remote_reader = False
 
+    def __init_subclass__(cls, side: str | None = None, **kwargs: Any) -> None:
+        """A side names itself (``class WriterQueue(MessageQueue, side="writer")``), so
+        that the constructors here build it without importing its module (which imports
+        this one). The package imports every side (kvwire/shm/__init__.py)."""
+        super().__init_subclass__(**kwargs)
+        if side is not None:
+            _SIDES[side] = cls
+
     def __new__(cls, *args: Any, **kwargs: Any) -> MessageQueue:
         if cls is MessageQueue:  # the public constructor builds the writer side
-            from .writer import WriterQueue
-
-            cls = WriterQueue
+            cls = _SIDES["writer"]
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - sides define it
@@ -170,14 +183,8 @@ class MessageQueue:
         ser = serializer or default_serializer(handle.serializer)
         if ser.name != handle.serializer:
             raise ValueError(f"writer uses serializer {handle.serializer!r}, got {ser.name!r}")
-        if rank in handle.local_reader_ranks:
-            from .reader import LocalReaderQueue
-
-            self: MessageQueue = object.__new__(LocalReaderQueue)
-        else:
-            from .remote_reader import RemoteReaderQueue
-
-            self = object.__new__(RemoteReaderQueue)
+        side = "local_reader" if rank in handle.local_reader_ranks else "remote_reader"
+        self: MessageQueue = object.__new__(_SIDES[side])
         self._setup_common(ser, spin_s, liveness_interval, warn_interval)
         self.n_reader = handle.n_reader
         self.handle = handle
@@ -362,18 +369,56 @@ class MessageQueue:
     def create_from_process_group(pg: Any, max_chunk_bytes: int, max_chunks: int,
                                   writer_rank: int = 0, external_writer_handle: Handle | None = None,
                                   blocking: bool = True) -> MessageQueue:
-        """One writer in ``pg`` (or an external one), every other rank a reader."""
-        from .group import create_from_process_group
+        """Group rank ``writer_rank`` writes; all other ranks read (local if on the writer's node).
 
-        return create_from_process_group(pg, max_chunk_bytes, max_chunks, writer_rank,
-                                         external_writer_handle, blocking)
+        Reader ranks are group ranks. As in vLLM 0.33, ``external_writer_handle`` counts on
+        group rank ``writer_rank`` only (other ranks may pass None): that rank hands it to the
+        others and every group rank, ``writer_rank`` included, joins that queue as a reader
+        with its group rank. Collective; ``blocking`` also waits until ready.
+        """
+        ops = group_ops(pg)
+        mine = external_writer_handle if ops.rank == writer_rank else None
+        gathered = ops.all_gather((node_key(), mine))  # one round: node keys and the handle
+        keys = [k for k, _ in gathered]
+        external = ops.handle(gathered[writer_rank][1])
+        if external is not None:
+            mq = MessageQueue.create_from_handle(external, ops.rank)
+            if blocking:
+                mq.wait_until_ready()
+            return mq
+        readers = [r for r in range(ops.world_size) if r != writer_rank]
+        local = [r for r in readers if keys[r] == keys[writer_rank]]
+        remote = [r for r in readers if r not in local]
+        handle = None
+        if ops.rank == writer_rank:
+            mq = MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
+                              remote_reader_ranks=remote)
+            handle = mq.export_handle()
+        handles = ops.all_gather(handle)
+        if ops.rank != writer_rank:
+            mq = MessageQueue.create_from_handle(ops.handle(handles[writer_rank]), ops.rank)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
 
     @staticmethod
     def create_from_process_group_single_reader(
             pg: Any, max_chunk_bytes: int, max_chunks: int, reader_rank: int = 0,
             blocking: bool = False) -> tuple[MessageQueue, list[Handle]]:
-        """Every rank writes its own queue read by ``reader_rank``; it gets all handles."""
-        from .group import create_from_process_group_single_reader
+        """Each rank creates a queue it writes, read by ``reader_rank`` (reader rank 0 in
+        every handle). The reader gets all handles, in group order (others get []), and joins
+        them with ``MessageQueue.create_from_handle(h, 0)``.
 
-        return create_from_process_group_single_reader(pg, max_chunk_bytes, max_chunks,
-                                                       reader_rank, blocking)
+        As in vLLM 0.33, ``reader_rank`` is a global rank (``torch.distributed.get_rank()``)
+        for a torch group; for a stateless group it is the group rank."""
+        ops = group_ops(pg)
+        reader = ops.group_rank(reader_rank)
+        keys = ops.all_gather(node_key())
+        same = keys[ops.rank] == keys[reader]
+        mq = MessageQueue(1, 1 if same else 0, None, max_chunk_bytes, max_chunks)
+        handles = ops.all_gather(mq.export_handle())
+        if blocking:
+            mq.wait_until_ready()
+        if ops.global_rank == reader_rank:
+            return mq, [ops.handle(h) for h in handles]
+        return mq, []

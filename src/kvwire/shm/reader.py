@@ -47,7 +47,7 @@ from .queue import MessageQueue
 _RELEASED = (ValueError, AttributeError, TypeError)  # what a released/unmapped view raises
 
 
-class LocalReaderQueue(MessageQueue):
+class LocalReaderQueue(MessageQueue, side="local_reader"):
     """A reader on the writer's host: ``create_from_handle`` builds one for a local rank."""
 
     _is_local_reader = True

@@ -19,7 +19,7 @@ from .queue import MessageQueue
 from .remote import KIND_READY, KIND_SHUTDOWN, RemoteSubscriber
 
 
-class RemoteReaderQueue(MessageQueue):
+class RemoteReaderQueue(MessageQueue, side="remote_reader"):
     """A reader on another host: ``create_from_handle`` builds one for a non-local rank."""
 
     _is_remote_reader = True

@@ -43,7 +43,7 @@ from .serializer import Serializer
 from .tensors import queue_dumps
 
 
-class WriterQueue(MessageQueue):
+class WriterQueue(MessageQueue, side="writer"):
     """The writer: ``MessageQueue(n_reader, n_local_reader, ...)`` builds one."""
 
     _is_writer = True

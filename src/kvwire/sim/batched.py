@@ -16,17 +16,15 @@ import random
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ..engine import EngineConfig, EngineModel, EngineRequest, StepResult, block_hashes
 from ..publish.publisher import ZmqEventPublisher
 from ..wire.events import Event, KVEventBatch
+from .routers import SimRouter
 from .trace import Request, prompt_array
+from .types import PolicyResult, Progress, SimConfig, SimError
 
-if TYPE_CHECKING:
-    from .fleet import PolicyResult, SimConfig, _Progress, _Router
-
-__all__ = ["BatchedEngine", "engine_config", "make_request", "run_batched"]
+__all__ = ["BatchedSim", "engine_config", "make_request", "run_batched"]
 
 
 def engine_config(cfg: SimConfig) -> EngineConfig:
@@ -37,8 +35,9 @@ def engine_config(cfg: SimConfig) -> EngineConfig:
                         cost=cfg.step_cost, seed=cfg.seed)
 
 
-class BatchedEngine:
-    """One engine model and its publisher, with the counters the routers read."""
+class BatchedSim:
+    """The simulator's ``batched`` engine model (``--engine-model batched``): one
+    :class:`~kvwire.engine.EngineModel` and its publisher, with the counters the routers read."""
 
     def __init__(self, name: str, cfg: EngineConfig,
                  publisher: ZmqEventPublisher | None) -> None:
@@ -72,17 +71,16 @@ def make_request(i: int, req: Request, block_size: int) -> tuple[EngineRequest, 
     return er, req.cacheable_tokens // block_size
 
 
-def run_batched(reqs: Sequence[Request], engines: list[BatchedEngine], router: _Router,
-                cfg: SimConfig, bar: _Progress, res: PolicyResult) -> PolicyResult:
+def run_batched(reqs: Sequence[Request], engines: list[BatchedSim], router: SimRouter,
+                cfg: SimConfig, bar: Progress, res: PolicyResult) -> PolicyResult:
     """Replay the trace; fill ``res`` (hits at admission, TTFT, ITL, end-to-end, work)."""
-    from .fleet import SimError
 
     bs = cfg.block_tokens
     pending: list[deque[StepResult]] = [deque() for _ in engines]
     trace_of: dict[str, Request] = {}
     ereqs: list[tuple[EngineRequest, int, float]] = []
 
-    def deliver(eng: BatchedEngine, r: StepResult) -> None:
+    def deliver(eng: BatchedSim, r: StepResult) -> None:
         router.now = r.end
         if r.events:
             eng.publish(r.events, r.end)

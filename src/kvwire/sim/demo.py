@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from ..consume.cache import BlockCache
 from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
+from ..index.cache import BlockCache
 from ..publish.publisher import ZmqEventPublisher
 from ..wire.events import BlockRemoved, BlockStored, KVEventBatch
 

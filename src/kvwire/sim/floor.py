@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 
 from ..engine import EngineModel
 from .batched import engine_config, make_request
-from .fleet import SimConfig
 from .quantile import percentile
 from .trace import Request
+from .types import SimConfig
 
 __all__ = ["Floor", "ttft_floor"]
 

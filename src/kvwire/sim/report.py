@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .fleet import SimResult
+from .types import SimResult
 
 __all__ = ["ReportUnavailable", "write_report"]
 

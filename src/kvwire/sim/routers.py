@@ -2,11 +2,11 @@
 
 ``kvwire`` sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy (the objects
 ``kvwire serve`` uses); ``oracle`` reads the caches directly with the same cost; ``sglang`` is
-SGLang's ``cache_aware`` (:mod:`kvwire.router.cache_aware`), which sees only what it sent;
+SGLang's ``cache_aware`` (:mod:`kvwire.sim.baselines`), which sees only what it sent;
 ``clairvoyant`` runs every engine ahead to pick each request's earliest first token (perfect
 knowledge of the engines, which no router has); the rest ignore the cache. Routers are told
-when a request's first token comes (:meth:`_Router.first_token`) and when it finishes
-(:meth:`_Router.release`), as the proxy is.
+when a request's first token comes (:meth:`SimRouter.first_token`) and when it finishes
+(:meth:`SimRouter.release`), as the proxy is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import heapq
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..consume.config import StreamConfig
 from ..consume.stream import Batch, Reset, Snapshot
@@ -24,24 +24,20 @@ from ..engine import EngineRequest
 from ..routing.load import LoadTracker
 from ..routing.policy import Candidate, request_load
 from ..routing.sharing import PeerLoads, Report
-from .engine import SimEngine
+from .baselines import CacheAwarePolicy
+from .fifo import FifoSim
 from .trace import Request, prompt_array
-
-if TYPE_CHECKING:
-    from .fleet import SimConfig
+from .types import SimConfig, SimError
 
 
-class SimError(RuntimeError):
-    """The simulation could not proceed (e.g. the subscriber never caught up)."""
-
-class _Router:
+class SimRouter:
     """Base: chooses an engine index for a request at virtual time ``now``."""
 
     events_applied = 0
     #: the engine request being routed (batched model: run_batched sets it before a route)
     request: EngineRequest | None = None
 
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+    def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         self.engines = engines
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
@@ -89,12 +85,12 @@ class _Router:
         pass
 
 
-class _Random(_Router):
+class _Random(SimRouter):
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         return self.rng.randrange(len(self.engines))
 
 
-class _RoundRobin(_Router):
+class _RoundRobin(SimRouter):
     n = 0
 
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
@@ -103,7 +99,7 @@ class _RoundRobin(_Router):
         return e
 
 
-class _LeastLoad(_Router):
+class _LeastLoad(SimRouter):
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         loads = [self.loads.load(e.name) for e in self.engines]
         low = min(loads)
@@ -113,10 +109,10 @@ class _LeastLoad(_Router):
         return e
 
 
-class _Oracle(_Router):
+class _Oracle(SimRouter):
     """The same cost as kvwire, with each engine's cache read directly (no events)."""
 
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+    def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
         self.policy = cfg.routing_policy()
         self.index = {e.name: i for i, e in enumerate(engines)}
@@ -130,13 +126,13 @@ class _Oracle(_Router):
         return e
 
 
-class _Clairvoyant(_Router):
+class _Clairvoyant(SimRouter):
     """What no router can be: it reads every engine's exact state and, for each engine, runs
     a copy of it ahead (:meth:`~kvwire.engine.EngineModel.fork`) with the request added,
     to the request's first token; the earliest wins (within ``CLAIRVOYANT_TIE_S``, the one
     holding most of the prompt). It knows the engines perfectly but not later arrivals, and
     it is greedy: the best first token for each request alone, which is not the shortest
-    tail for all (it moves prompts off their caches, and later ones pay; docs/sim.md).
+    tail for all (it moves prompts off their caches, and later ones pay; docs/benchmarks.md).
     Batched engine model only."""
 
     #: first tokens this close count as a tie, broken by cached blocks, then engine order
@@ -168,10 +164,10 @@ class _Clairvoyant(_Router):
                    key=lambda c: (c[1], c[0], c[2]))[2]
 
 
-class _Kvwire(_Router):
+class _Kvwire(SimRouter):
     """Sees the fleet only through Subscriber -> PrefixIndex -> RoutingPolicy."""
 
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+    def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
         from ..index import PrefixIndex  # helper E's package; imported when used
 
@@ -270,7 +266,7 @@ class _KvwireReplicas(_Kvwire):
     released (the reports ``kvwire serve --nats`` replicas send, applied by the same
     :class:`~kvwire.routing.sharing.PeerLoads`), each arriving ``share_delay`` later."""
 
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+    def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
         self.trackers = [self.loads] + [
             LoadTracker(expiry_s=1e12, clock=lambda: self.now, busy_window=cfg.busy_window,
@@ -331,13 +327,11 @@ class _KvwireReplicas(_Kvwire):
         self._send(r, ["x", rid, None])
 
 
-class _CacheAware(_Router):
+class _CacheAware(SimRouter):
     """SGLang's router ``cache_aware``: its own tree of what it sent, in-flight counts."""
 
-    def __init__(self, engines: list[SimEngine], cfg: SimConfig) -> None:
+    def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
-        from ..router.cache_aware import CacheAwarePolicy
-
         self.index = {e.name: i for i, e in enumerate(engines)}
         self.policy = CacheAwarePolicy([e.name for e in engines], cfg.cache_aware,
                                        unit=cfg.block_tokens)
@@ -353,11 +347,11 @@ class _CacheAware(_Router):
         self.policy.complete(self.holder.pop(rid))
 
 
-def _kvwire(engines: list[SimEngine], cfg: SimConfig) -> _Router:
+def _kvwire(engines: list[FifoSim], cfg: SimConfig) -> SimRouter:
     return _KvwireReplicas(engines, cfg) if cfg.replicas > 1 else _Kvwire(engines, cfg)
 
 
-_ROUTERS: dict[str, Callable[[list[SimEngine], SimConfig], _Router]] = {
+ROUTERS: dict[str, Callable[[list[FifoSim], SimConfig], SimRouter]] = {
     "kvwire": _kvwire, "oracle": _Oracle, "random": _Random, "round_robin": _RoundRobin,
     "least_load": _LeastLoad, "sglang": _CacheAware, "clairvoyant": _Clairvoyant,
 }

@@ -6,10 +6,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from kvwire.tokenize.errors import TokenizerError
 
-class TokenizerError(ValueError):
-    """A tokenizer could not be loaded or a chat could not be rendered; the message says
-    which path, file or template and what was wrong."""
+__all__ = ["Tokenizer", "TokenizerError"]
 
 
 class Tokenizer(ABC):

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import jinja2
 import jinja2.nodes
 
-from kvwire.tokenize.base import TokenizerError
+from kvwire.tokenize.errors import TokenizerError
 from kvwire.tokenize.template import compile_template
 
 __all__ = ["TEXT_PARTS", "as_engine_messages", "as_engine_tools", "content_format",

@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvwire.tokenize.base import TokenizerError
+from kvwire.tokenize.errors import TokenizerError
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -1,4 +1,5 @@
-"""What is on the wire: event types and their dialects (:mod:`.events`), ZeroMQ frames
+"""What is on the wire: event types (:mod:`.event_types`) and their dialects (:mod:`.events`,
+:mod:`.rfc1527`), ZeroMQ frames
 (:mod:`.frames`), endpoints (:mod:`.endpoint`), CurveZMQ (:mod:`.curve`), and the frame layout
 of the transport and of kvwire's control extension (:mod:`.protocol`).
 

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 from xxhash import xxh3_64_intdigest
 
-from . import events as _ev
+from . import event_types as _ev
 
 __all__ = ["STANDARD_SEED", "decode_batch", "decode_event", "encode_batch",
            "standard_block_hashes", "standard_local_hashes", "standard_seed",

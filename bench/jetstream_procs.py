@@ -1,4 +1,4 @@
-"""The processes of bench/nats.py (spawned; imported by name in the children): a reference
+"""The processes of bench/jetstream.py (spawned; imported by name in the children): a reference
 engine, consumers (kvwire Subscriber, raw nats-py), a bootstrapping consumer, and the CPU
 sampler and small helpers the orchestration uses."""
 
@@ -136,7 +136,7 @@ def consumer_main(conn: Any, kind: str, target: Any) -> None:
     """Counts delivered batches on command: ("count", n, latencies?) -> (t_end, lat, info)."""
     logging.getLogger("kvwire").setLevel(logging.ERROR)
     if kind == "nats":
-        from kvwire.nats.consumer import NatsStreams
+        from kvwire.nats.streams import NatsStreams
 
         spec: Any = NatsStreams(target)
     else:
@@ -203,7 +203,7 @@ def raw_consumer_main(conn: Any, url: str, n: int) -> None:
 
 def bootstrap_main(conn: Any, url: str) -> None:
     """A new consumer joining: time to its Snapshot and to the first live Batch after it."""
-    from kvwire.nats.consumer import NatsStreams
+    from kvwire.nats.streams import NatsStreams
 
     logging.getLogger("kvwire").setLevel(logging.ERROR)
     t0 = time.perf_counter()

@@ -1,4 +1,6 @@
-"""A simulated engine: an LRU prefix cache that publishes every store and eviction.
+"""The simulator's ``fifo`` engine model (``--engine-model fifo``): an LRU prefix cache that
+publishes every store and eviction; the fleet loop (fleet.py) serves its requests one at a
+time.
 
 The cache holds ``capacity`` blocks of ``block_tokens`` tokens. Its block hashes are opaque
 ids (as real engines' are): engine block ``j`` of a request ends at token ``(j+1)*B``; that
@@ -18,7 +20,7 @@ from ..publish.publisher import ZmqEventPublisher
 from ..wire.events import BlockRemoved, BlockStored, KVEventBatch
 from .trace import MOONCAKE_BLOCK_TOKENS, Request, block_tokens
 
-__all__ = ["SimEngine", "engine_keys", "token_range"]
+__all__ = ["FifoSim", "engine_keys", "token_range"]
 
 
 def engine_keys(req: Request, block_size: int) -> list[int]:
@@ -44,7 +46,7 @@ def token_range(req: Request, start: int, end: int) -> list[int]:
     return arr[start - off : end - off].tolist()
 
 
-class SimEngine:
+class FifoSim:
     """One engine's prefix cache (LRU, prefix-closed) and its event publisher."""
 
     def __init__(self, name: str, capacity: int, block_size: int,

@@ -24,8 +24,8 @@ tokens + one 4-hash BlockRemoved), ``ts`` set right before the send.
 * raw nats-py rows: what the client library itself does with the same bytes (no kvwire), one
   batch per JetStream message and 8 packed per message: per-message costs set the ceiling.
 
-    .venv/bin/python bench/nats.py            # about 2 minutes
-    .venv/bin/python bench/nats.py --quick    # smaller counts, 200k-block bootstrap
+    .venv/bin/python bench/jetstream.py            # about 2 minutes
+    .venv/bin/python bench/jetstream.py --quick    # smaller counts, 200k-block bootstrap
 """
 
 from __future__ import annotations
@@ -41,15 +41,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-# `python bench/nats.py` puts bench/ first on sys.path, where this file would shadow nats-py.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+# Named jetstream.py, not nats.py: a bench/jetstream.py on sys.path shadowed nats-py (and its
+# process module's `import nats` read as importing it back).
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "tests"))  # nats_helpers: the nats-server the tests use
-sys.path.append(str(HERE))  # nats_procs (after site-packages: `nats` stays nats-py)
 
 from children import recv, spawn  # noqa: E402
 from host import Steal  # noqa: E402
-from nats_procs import (  # noqa: E402
+from jetstream_procs import (  # noqa: E402
     PACINGS,
     Cpu,
     bootstrap_main,
@@ -372,7 +371,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: raw,bootstrap")
     ap.add_argument("--packs", default="256,1", help="bridge --pack values to run (comma list)")
     ap.add_argument("--pacing", default="burst10", choices=PACINGS,
-                    help="how the 1,000 batches/s runs space batches (bench/nats_procs.py)")
+                    help="how the 1,000 batches/s runs space batches (bench/jetstream_procs.py)")
     args = ap.parse_args()
     packs = [int(x) for x in args.packs.split(",") if x]
     n = args.n or (20_000 if args.quick else 100_000)
