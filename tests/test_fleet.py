@@ -155,7 +155,7 @@ def test_fleet_serves_and_stops_everything(how):
 @pytest.mark.parametrize("flags,says", [
     (["--port", "9"], "--port is set per engine"),
     (["--no-such-flag"], "unknown engine flag(s): --no-such-flag"),
-    (["--speed", "-1"], "argument --speed: must be a finite number >= 0"),
+    (["--speed", "-1"], "argument --speed: must be a finite number > 0"),
     (["--dp-size", "x"], "argument --dp-size: not an integer"),
     (["--tokenizer", "/nonexistent/tok"], "/nonexistent/tok"),
     (["--lora", "kvwire-engine"], "model and LoRA names must differ"),
