@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, port
+from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, port, positive_int
 
 __all__ = ["engine_args", "main", "register", "run"]
 
@@ -101,7 +101,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _add(p: argparse.ArgumentParser) -> None:
-    p.add_argument("n", type=int, metavar="N", help="number of engines")
+    p.add_argument("n", type=positive_int, metavar="N", help="number of engines")
     p.add_argument("--base-port", type=port, default=8000, metavar="P",
                    help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i)")
     p.add_argument("--host", default="127.0.0.1",
