@@ -340,6 +340,9 @@ REFUSED: dict[str, tuple[list[str], str]] = {
     "bridge": (["bridge", "--nats", "nats://127.0.0.1:1", "--engine", "e=tcp://127.0.0.1:1"],
                "nats"),
     "listen-nats": (["listen", "--duration", "5", "nats://127.0.0.1:1"], "nats"),
+    "listen-metrics": (["listen", "--metrics", "0", "--duration", "5", "tcp://127.0.0.1:1"],
+                       "metrics"),
+    "serve-nats": (["serve", "--nats", "nats://127.0.0.1:1"], "nats"),
     "sim-report": (["sim", "--limit", "5", "--report", "r.png"], "sim"),
     "engine-tokenizer": (["engine", "--port", "0", "--tokenizer", str(TOKENIZER)], "tokenize"),
 }
@@ -348,9 +351,10 @@ REFUSED: dict[str, tuple[list[str], str]] = {
 VENVS: dict[str, tuple[list[Callable[[Venv], None]], list[str]]] = {
     "core": ([job_help, job_keys, job_engine_and_listen, job_index, job_fleet, job_sim,
               job_demo_late_join],
-             ["serve", "serve-proxy", "demo", "bridge", "listen-nats", "sim-report",
-              "engine-tokenizer"]),
-    "serve": ([job_serve_decision_api, job_serve_proxy], ["bridge", "sim-report"]),
+             ["serve", "serve-proxy", "demo", "bridge", "listen-nats", "listen-metrics",
+              "sim-report", "engine-tokenizer"]),
+    "serve": ([job_serve_decision_api, job_serve_proxy], ["bridge", "serve-nats",
+                                                          "sim-report"]),
     "sim": ([job_sim_report], ["serve", "engine-tokenizer"]),
     "nats": ([job_bridge], ["serve"]),
     "tokenize": ([job_engine_tokenizer], ["serve", "sim-report"]),

@@ -47,7 +47,7 @@ def _tokenizer_dir(args: argparse.Namespace) -> bool:
 
 #: Per command, the extras it needs (a command not named needs only the core).
 NEEDS: dict[str, tuple[Need, ...]] = {
-    "serve": (Need("serve"),),
+    "serve": (Need("serve"), Need("nats", "--nats", lambda a: a.nats is not None)),
     "bridge": (Need("nats"),),
     "demo": (Need("serve", "the HTTP fleet story (the default; not --sim or --late-join)",
                   lambda a: not (a.sim or a.late_join)),),
