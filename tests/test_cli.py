@@ -737,3 +737,23 @@ def test_one_set_of_number_converters() -> None:
             src = path.read_text()
             assert "ArgumentTypeError(f\"must be" not in src, path.name
             assert "argparse.ArgumentParser(" not in src, path.name  # options.Parser only
+
+
+def test_a_module_missing_while_running_names_its_extra() -> None:
+    """The guard behind the check before start: a ModuleNotFoundError a command raises is
+    one line when an extra brings the module (the command's own extra first), and left as
+    a traceback when none does (a broken install: the traceback says where)."""
+    from kvwire.cli import extras
+
+    assert extras.module_line("serve", "prometheus_client") == (
+        "kvwire serve: needs the 'serve' extra (no module 'prometheus_client'): "
+        "pip install 'kvwire[serve]'")
+    assert "'metrics' extra" in extras.module_line("listen", "prometheus_client")
+    assert "'tokenize' extra" in extras.module_line("engine", "tokenizers")
+    assert extras.module_line("engine", "jinja2") is None  # a core dependency
+    code = ("import sys; sys.modules['tokenizers'] = None\n"
+            "from kvwire.cli.main import main\n"
+            "sys.exit(main(['engine', '--port', '0', '--tokenizer', '/nonexistent']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "pip install 'kvwire[tokenize]'" in r.stderr, r.stderr
