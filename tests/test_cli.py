@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pty
@@ -624,3 +625,135 @@ def test_exit_codes_are_in_the_help_and_the_docs() -> None:
         h = subprocess.run([*KVWIRE, cmd, "--help"], capture_output=True, text=True,
                            timeout=60)
         assert h.returncode == 0 and "exit status:" in h.stdout, (cmd, h.stdout)
+
+
+# One bad flag per command: each says what was wrong in one line, exit 2, no usage.
+BAD_FLAGS = [
+    (["listen", "tcp://127.0.0.1:1", "--count", "0"], "argument --count: must be >= 1, got 0"),
+    (["keys", "dir"], "the following arguments are required: name"),
+    (["demo", "--speed", "fast"], "argument --speed: not a number: 'fast'"),
+    (["sim", "--engines", "0"], "argument --engines: must be >= 1, got 0"),
+    (["serve", "--port", "70000"], "argument --port: must be in 0..65535, got 70000"),
+    (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["serve", "--retries", "-1"], "argument --retries: must be >= 0, got -1"),
+    (["bridge", "--nats", "nats://127.0.0.1:1", "--engine", "e=tcp://127.0.0.1:1", "--pack",
+      "0"], "argument --pack: must be >= 1, got 0"),
+    (["engine", "--num-gpu-blocks", "0"], "argument --num-gpu-blocks: must be >= 1, got 0"),
+    (["engine", "--step-prefill-token-us", "nan"],
+     "argument --step-prefill-token-us: must be a finite number >= 0, got nan"),
+    (["index", "--workers", "65"], "argument --workers: must be in 1..64, got 65"),
+    (["fleet", "0"], "argument N: must be >= 1, got 0"),
+    (["fleet", "2", "--base-port", "-1"], "--base-port: must be in 0..65535, got -1"),
+    (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ([], "the following arguments are required: COMMAND"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), BAD_FLAGS,
+                         ids=[" ".join(a[:1] + a[-2:]) or "none" for a, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_naming_it(argv: list[str], says: str, capsys) -> None:
+    """Every command's parser: the flag and the reason on one line (prefixed by the command),
+    exit 2; never the usage first (it was 26 lines of it for ``kvwire serve``)."""
+    from kvwire.cli.main import main
+
+    try:
+        rc = main(argv)  # (kvwire fleet checks the engine flags it passes on itself)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    # (unknown flags are collected by the top parser, which names them)
+    prog = "kvwire" if not argv or says.startswith("unrecognized") else f"kvwire {argv[0]}"
+    assert err.startswith(f"{prog}: ") and "usage:" not in err, err
+
+
+def test_the_issue_s_bad_serve_flags_as_processes() -> None:
+    for flags, says in ((["--port", "70000"], "argument --port: must be in 0..65535"),
+                        (["--log-level", "loud"], "argument --log-level: invalid choice")):
+        r = subprocess.run([*KVWIRE, "serve", *flags], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and r.stdout == "", r
+        assert r.stderr.startswith("kvwire serve: ") and r.stderr.count("\n") == 1, r.stderr
+        assert says in r.stderr, r.stderr
+
+
+def test_help_still_prints_the_usage(capsys) -> None:
+    from kvwire.cli.main import main
+
+    for argv in (["--help"], ["serve", "--help"], ["fleet", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+        assert "usage: kvwire" in capsys.readouterr().out
+
+
+def test_kvwire_help_lists_every_command_in_plain_text() -> None:
+    """One line per command with its purpose, all of them (the parser's own list), and no
+    reST markup from a docstring; each command's --help names the extra it needs."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    assert len(commands) == 9
+    r = subprocess.run([*KVWIRE, "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    for name in commands:
+        assert re.search(rf"^  {name} +\S.{{10,}}$", r.stdout, re.M), (name, r.stdout)
+    for markup in ("``", ":mod:", ":class:", ":func:"):
+        assert markup not in r.stdout
+    for name, needs in (("serve", "pip install 'kvwire[serve]'"),
+                        ("bridge", "pip install 'kvwire[nats]'"),
+                        ("sim", "pip install 'kvwire[sim]' for --report")):
+        h = commands[name].format_help()
+        assert needs in " ".join(h.split()) and "``" not in h, h
+
+
+@pytest.mark.parametrize(("conv", "text", "says"), [
+    ("integer(1)", "0", "must be >= 1, got 0"),
+    ("integer(1)", "x", "not an integer: 'x'"),
+    ("integer(0, 9)", "10", "must be in 0..9, got 10"),
+    ("number(0, strict=True)", "0", "must be a finite number > 0, got 0"),
+    ("number(0)", "-1", "must be a finite number >= 0, got -1"),
+    ("number(0)", "inf", "must be a finite number >= 0, got inf"),
+    ("number(0)", "x", "not a number: 'x'"),
+    ("port", "http", "not a port number: 'http'"),
+    ("port", "65536", "must be in 0..65535, got 65536"),
+])
+def test_the_cli_number_converters(conv: str, text: str, says: str) -> None:
+    from kvwire.cli import options
+
+    f = eval(conv, vars(options))  # noqa: S307 - a converter expression from this table
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+        f(text)
+
+
+def test_one_set_of_number_converters() -> None:
+    """Defined once, in kvwire/cli/options.py: no command module defines its own."""
+    from pathlib import Path
+
+    cli = Path(__file__).parent.parent / "src" / "kvwire" / "cli"
+    for path in cli.glob("*.py"):
+        if path.name != "options.py":
+            src = path.read_text()
+            assert "ArgumentTypeError(f\"must be" not in src, path.name
+            assert "argparse.ArgumentParser(" not in src, path.name  # options.Parser only
+
+
+def test_a_module_missing_while_running_names_its_extra() -> None:
+    """The guard behind the check before start: a ModuleNotFoundError a command raises is
+    one line when an extra brings the module (the command's own extra first), and left as
+    a traceback when none does (a broken install: the traceback says where)."""
+    from kvwire.cli import extras
+
+    assert extras.module_line("serve", "prometheus_client") == (
+        "kvwire serve: needs the 'serve' extra (no module 'prometheus_client'): "
+        "pip install 'kvwire[serve]'")
+    assert "'metrics' extra" in extras.module_line("listen", "prometheus_client")
+    assert "'tokenize' extra" in extras.module_line("engine", "tokenizers")
+    assert extras.module_line("engine", "jinja2") is None  # a core dependency
+    code = ("import sys; sys.modules['tokenizers'] = None\n"
+            "from kvwire.cli.main import main\n"
+            "sys.exit(main(['engine', '--port', '0', '--tokenizer', '/nonexistent']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "pip install 'kvwire[tokenize]'" in r.stderr, r.stderr

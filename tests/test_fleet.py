@@ -81,12 +81,16 @@ def _start(n: int, *extra: str):
         sel.register(fd, selectors.EVENT_READ)
     specs: list[str] = []
     pids: list[int] = []
+    seen_err: list[bytes] = []
     deadline = time.monotonic() + TIMEOUT
     while len(specs) < n or not pids:
         assert time.monotonic() < deadline, f"fleet never came up: {bufs}"
         assert proc.poll() is None, f"fleet exited {proc.returncode}: {bufs}"
         for key, _ in sel.select(0.5):
-            bufs[key.fd] += os.read(key.fd, 65536)
+            data = os.read(key.fd, 65536)
+            bufs[key.fd] += data
+            if key.fd == proc.stderr.fileno():
+                seen_err.append(data)
             *lines, bufs[key.fd] = bufs[key.fd].split(b"\n")
             for line in map(bytes.decode, lines):
                 if line.startswith("--engine "):
@@ -96,6 +100,7 @@ def _start(n: int, *extra: str):
                     pids = [int(p) for p in m.group(1).split()]
     sel.close()
     proc.stderr_head = bufs[proc.stderr.fileno()]  # read so far, not yet a whole line
+    proc.stderr_seen = b"".join(seen_err)  # everything read so far
     return proc, specs, pids
 
 
@@ -155,7 +160,7 @@ def test_fleet_serves_and_stops_everything(how):
 @pytest.mark.parametrize("flags,says", [
     (["--port", "9"], "--port is set per engine"),
     (["--no-such-flag"], "unknown engine flag(s): --no-such-flag"),
-    (["--speed", "-1"], "argument --speed: must be a finite number >= 0"),
+    (["--speed", "-1"], "argument --speed: must be a finite number > 0"),
     (["--dp-size", "x"], "argument --dp-size: not an integer"),
     (["--tokenizer", "/nonexistent/tok"], "/nonexistent/tok"),
     (["--lora", "kvwire-engine"], "model and LoRA names must differ"),
@@ -189,3 +194,47 @@ def test_fleet_stops_started_engines_when_one_cannot_start():
         finally:
             for p in _group(proc.pid):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("everywhere", [False, True], ids=["default", "--all-interfaces"])
+def test_fleet_binds_kv_events_on_its_host_unless_asked(everywhere):
+    """A test fleet's KV events carry prompts' token ids: by default every engine binds its
+    event and replay ports on --host (loopback) alone, and no engine warns; with
+    --all-interfaces they bind every interface and each engine says so."""
+    import psutil
+
+    proc, specs, pids = _start(1, *(["--all-interfaces"] if everywhere else []))
+    try:
+        m = re.fullmatch(r"engine0=tcp://127\.0\.0\.1:(\d+),replay=tcp://127\.0\.0\.1:(\d+),"
+                         r"url=http://127\.0\.0\.1:\d+", specs[0])
+        assert m, specs[0]
+        engine = psutil.Process(pids[0])
+        listening = {c.laddr.port: c.laddr.ip for c in engine.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        for port in map(int, m.groups()):
+            if everywhere:
+                assert listening[port] in ("0.0.0.0", "::"), listening
+            else:
+                assert listening[port] in ("127.0.0.1", "::ffff:127.0.0.1"), listening
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 0
+        err = (proc.stderr_seen + proc.stderr.read()).decode()
+        assert ("KV events bound on all interfaces" in err) == everywhere, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(TIMEOUT)
+
+
+def test_fleet_bind_host():
+    from kvwire.cli.fleet import bind_host, engine_args
+
+    assert bind_host("127.0.0.1", True) == "*" and bind_host("0.0.0.0", False) == "*"
+    assert bind_host("::1", False) == "[::1]"
+    bind = bind_host("127.0.0.1", False)
+    assert bind in ("[::ffff:127.0.0.1]", "*")  # "*" only where IPv6 sockets are missing
+    flags, spec = engine_args(1, 8000, "127.0.0.1", 2, bind)
+    assert flags[flags.index("--events") + 1] == f"tcp://{bind}:9002"
+    assert flags[flags.index("--replay") + 1] == f"tcp://{bind}:10002"
+    assert spec == ("engine1=tcp://127.0.0.1:9002,replay=tcp://127.0.0.1:10002,ranks=2,"
+                    "url=http://127.0.0.1:8001")

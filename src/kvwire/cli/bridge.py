@@ -21,26 +21,17 @@ from .options import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    Parser,
     add_connect_timeout,
     add_log_level,
     configure_logging,
     engine,
+    nonnegative,
+    positive,
+    positive_int,
 )
 
 __all__ = ["add_arguments", "main", "register", "run"]
-
-
-def _number(kind: type, *, allow_zero: bool = False):
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not (v >= 0 if allow_zero else v > 0) or v != v or v in (float("inf"),):
-            raise argparse.ArgumentTypeError(
-                f"{text!r} must be a finite number {'>=' if allow_zero else '>'} 0")
-        return v
-    return conv
 
 
 def _nats_url(text: str) -> str:
@@ -63,32 +54,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", default=DEFAULT_STREAM, help="JetStream stream name")
     p.add_argument("--prefix", default=DEFAULT_PREFIX,
                    help="subject prefix: subjects are PREFIX.ENGINE.RANK")
-    p.add_argument("--max-age", type=_number(float), metavar="S",
+    p.add_argument("--max-age", type=positive, metavar="S",
                    help="discard messages older than S seconds (default: keep)")
-    p.add_argument("--max-bytes", type=_number(int), metavar="B",
+    p.add_argument("--max-bytes", type=positive_int, metavar="B",
                    help="stream size limit in bytes, oldest discarded (default: none)")
-    p.add_argument("--max-msgs-per-subject", type=_number(int), metavar="N",
+    p.add_argument("--max-msgs-per-subject", type=positive_int, metavar="N",
                    help="history kept per engine rank (default: all)")
-    p.add_argument("--duplicate-window", type=_number(float), default=120.0, metavar="S",
+    p.add_argument("--duplicate-window", type=positive, default=120.0, metavar="S",
                    help="Nats-Msg-Id dedupe window (default 120 s; <= --max-age)")
-    p.add_argument("--snapshot-interval", type=_number(float, allow_zero=True), default=30.0,
+    p.add_argument("--snapshot-interval", type=nonnegative, default=30.0,
                    metavar="S", help="object-store snapshot period (default 30 s; 0: none)")
     p.add_argument("--share", action="store_true",
                    help="split engines among bridges by leases (default: every bridge "
                         "follows every engine, deduplicated)")
-    p.add_argument("--lease-ttl", type=_number(float), default=10.0, metavar="S",
+    p.add_argument("--lease-ttl", type=positive, default=10.0, metavar="S",
                    help="lease lifetime (--share): a dead bridge's engines move after S s")
-    p.add_argument("--max-inflight", type=_number(int), default=4096, metavar="N",
+    p.add_argument("--max-inflight", type=positive_int, default=4096, metavar="N",
                    help="unacknowledged publishes at most (default 4096)")
-    p.add_argument("--ack-timeout", type=_number(float), default=5.0, metavar="S")
-    p.add_argument("--pack", type=_number(int), default=256, metavar="N",
+    p.add_argument("--ack-timeout", type=positive, default=5.0, metavar="S")
+    p.add_argument("--pack", type=positive_int, default=256, metavar="N",
                    help="one message in flight per engine rank, guarded by "
                         "Nats-Expected-Last-Subject-Sequence; what arrives meanwhile goes "
                         "as one run of up to N batches (default 256; never waits to fill "
                         "one). 1: one message per batch, pipelined, deduplicated by "
                         "Nats-Msg-Id alone")
     add_connect_timeout(p, "NATS")
-    p.add_argument("--log-interval", type=_number(float, allow_zero=True), default=10.0,
+    p.add_argument("--log-interval", type=nonnegative, default=10.0,
                    metavar="S", help="one-line stats every S seconds (0: none)")
     add_log_level(p)
 
@@ -196,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvwire bridge`` as a standalone entry point."""
-    p = argparse.ArgumentParser(prog="kvwire bridge", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvwire bridge", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

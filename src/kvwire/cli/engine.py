@@ -17,42 +17,18 @@ from .options import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    Parser,
     add_chat_template,
     add_log_level,
     configure_logging,
+    count,
+    nonnegative,
     port,
+    positive,
+    positive_int,
 )
 
 __all__ = ["add_arguments", "main", "options_from_args", "register", "run"]
-
-
-def _pos_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _nonneg(kind: type):
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
-        if not v >= 0 or v != v or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-        return v
-    return conv
-
-
-def _pos_float(text: str) -> float:
-    v = _nonneg(float)(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,21 +52,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_chat_template(p, "the engine")
     p.add_argument("--lora", action="append", default=[], metavar="NAME",
                    help="a LoRA adapter name to serve (repeat); its blocks hash apart")
-    p.add_argument("--dp-size", type=_pos_int, default=1, metavar="N",
+    p.add_argument("--dp-size", type=positive_int, default=1, metavar="N",
                    help="data-parallel ranks (one engine model and publisher each)")
-    p.add_argument("--speed", type=_pos_float, default=1.0, metavar="X",
+    p.add_argument("--speed", type=positive, default=1.0, metavar="X",
                    help="run the model's clock X times faster than wall time (default 1)")
     m = p.add_argument_group("model")
-    m.add_argument("--num-gpu-blocks", type=_pos_int, default=28_000)
-    m.add_argument("--block-size", type=_pos_int, default=16)
-    m.add_argument("--max-model-len", type=_pos_int, default=32768)
-    m.add_argument("--max-num-batched-tokens", type=_pos_int, default=8192)
-    m.add_argument("--max-num-seqs", type=_pos_int, default=256)
-    m.add_argument("--cpu-blocks", type=_nonneg(int), default=0, help="CPU offload tier")
-    m.add_argument("--step-base-ms", type=_pos_float, default=5.0)
-    m.add_argument("--step-prefill-token-us", type=_nonneg(float), default=50.0)
-    m.add_argument("--step-decode-seq-us", type=_nonneg(float), default=30.0)
-    m.add_argument("--step-context-token-ns", type=_nonneg(float), default=0.0)
+    m.add_argument("--num-gpu-blocks", type=positive_int, default=28_000)
+    m.add_argument("--block-size", type=positive_int, default=16)
+    m.add_argument("--max-model-len", type=positive_int, default=32768)
+    m.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    m.add_argument("--max-num-seqs", type=positive_int, default=256)
+    m.add_argument("--cpu-blocks", type=count, default=0, help="CPU offload tier")
+    m.add_argument("--step-base-ms", type=positive, default=5.0)
+    m.add_argument("--step-prefill-token-us", type=nonnegative, default=50.0)
+    m.add_argument("--step-decode-seq-us", type=nonnegative, default=30.0)
+    m.add_argument("--step-context-token-ns", type=nonnegative, default=0.0)
     m.add_argument("--seed", type=int, default=0)
     add_log_level(p)
 
@@ -117,7 +93,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``engine`` subcommand to ``kvwire``'s subparsers."""
     p = subparsers.add_parser(
         "engine", help="the engine model behind vLLM's HTTP API, publishing KV events",
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog="exit status: 0 stopped by SIGINT/SIGTERM; 1 cannot listen or bind; 2 a bad "
         "flag or tokenizer")
     add_arguments(p)
@@ -180,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvwire engine", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvwire engine", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -2,7 +2,10 @@
 arguments a router needs to follow them; Ctrl-C or SIGTERM stops them all.
 
 Engine ``i`` serves HTTP at ``--base-port + i``, publishes KV events at ``base + 1000 +
-i * dp`` and answers replay at ``base + 2000 + i * dp`` (DP rank ``r`` adds ``r``). Other
+i * dp`` and answers replay at ``base + 2000 + i * dp`` (DP rank ``r`` adds ``r``), all on
+``--host`` only (loopback by default): a test fleet's events carry prompts' token ids, so
+they are not open to the network unless ``--all-interfaces`` asks (the publishers then warn).
+Other
 flags are passed to every engine unchanged, after the fleet has checked them (a bad one:
 one line, exit 2, nothing started). On Ctrl-C or SIGTERM the fleet stops every engine
 itself (SIGTERM, SIGKILL after ``STOP_TIMEOUT``), relays each one's ``stopped`` line and
@@ -13,15 +16,17 @@ exits only when all are gone; if it is killed outright, the children still die w
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
-from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, port
+from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, port, positive_int
 
 __all__ = ["engine_args", "main", "register", "run"]
 
@@ -39,12 +44,44 @@ def _die_with_parent() -> None:  # runs in the child before exec
         pass
 
 
-def engine_args(i: int, base: int, host: str, dp: int) -> tuple[list[str], str]:
-    """Engine ``i``'s own flags and the router's ``--engine`` value for it."""
+def bind_host(host: str, all_interfaces: bool) -> str:
+    """The host part of the engines' tcp bind endpoints for an HTTP ``host``.
+
+    A publisher binds only an endpoint with ``*`` or ``::`` (vLLM's rule; a plain address
+    means connect), so an IPv4 address is written IPv4-mapped, ``[::ffff:127.0.0.1]``: that
+    binds this one address. ``*`` (every interface) when asked, for a wildcard ``host``, or
+    where that form cannot bind (no IPv6 sockets): the fleet says so."""
+    if all_interfaces or host in ("", "*", "0.0.0.0", "::"):
+        return "*"
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:  # a name: its IPv4 address
+        try:
+            addr = ipaddress.ip_address(socket.gethostbyname(host))
+        except OSError:
+            return "*"
+    if addr.version == 6:
+        text = addr.compressed
+        return f"[{text}]" if "::" in text else "*"
+    mapped = f"::ffff:{addr}"
+    try:  # the form binds where IPv6 sockets exist; check once, here, on a free port
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind((mapped, 0))
+    except OSError as e:
+        print(f"kvwire fleet: cannot bind {host} alone for the KV events here ({e}): they "
+              "bind every interface", file=sys.stderr, flush=True)
+        return "*"
+    return f"[{mapped}]"
+
+
+def engine_args(i: int, base: int, host: str, dp: int,
+                bind: str = "*") -> tuple[list[str], str]:
+    """Engine ``i``'s own flags and the router's ``--engine`` value for it; ``bind`` is
+    :func:`bind_host`'s answer."""
     http, events, replay = base + i, base + 1000 + i * dp, base + 2000 + i * dp
-    # A concrete tcp host means "connect" to a publisher (the engines' rule): bind *.
-    flags = ["--host", host, "--port", str(http), "--events", f"tcp://*:{events}",
-             "--replay", f"tcp://*:{replay}"]
+    flags = ["--host", host, "--port", str(http), "--events", f"tcp://{bind}:{events}",
+             "--replay", f"tcp://{bind}:{replay}"]
     spec = (f"engine{i}=tcp://{host}:{events},replay=tcp://{host}:{replay}"
             + (f",ranks={dp}" if dp > 1 else "") + f",url=http://{host}:{http}")
     return flags, spec
@@ -64,10 +101,15 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _add(p: argparse.ArgumentParser) -> None:
-    p.add_argument("n", type=int, metavar="N", help="number of engines")
+    p.add_argument("n", type=positive_int, metavar="N", help="number of engines")
     p.add_argument("--base-port", type=port, default=8000, metavar="P",
                    help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i)")
-    p.add_argument("--host", default="127.0.0.1", help="address every engine binds")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every engine binds, HTTP and KV events (default loopback)")
+    p.add_argument("--all-interfaces", action="store_true",
+                   help="bind the KV event and replay ports on every interface (tcp://*), "
+                        "where anyone who reaches them reads the prompts' token ids (each "
+                        "engine warns)")
     p.add_argument("engine_flags", nargs=argparse.REMAINDER,
                    help="flags for every engine (see kvwire engine --help)")
 
@@ -76,7 +118,7 @@ class _FlagError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     """Raises argparse's message instead of printing usage and exiting."""
 
     def error(self, message: str):
@@ -90,6 +132,9 @@ def _check(args: argparse.Namespace) -> str | None:
     it = iter(a for a in args.engine_flags if a != "--")
     for a in it:  # fleet's own flags given after N land here too
         key, eq, val = a.partition("=")
+        if key == "--all-interfaces":
+            args.all_interfaces = True
+            continue
         if key in ("--base-port", "--host"):
             val = val if eq else next(it, "")
             if key == "--host":
@@ -143,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         specs = []
+        bind = bind_host(args.host, args.all_interfaces)
         for i in range(args.n):
-            flags, spec = engine_args(i, args.base_port, args.host, args.dp)
+            flags, spec = engine_args(i, args.base_port, args.host, args.dp, bind)
             specs.append(spec)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvwire.cli.engine", *flags, *args.engine_flags],
@@ -228,7 +274,7 @@ def _stop_all(procs: list[subprocess.Popen], relays: list[threading.Thread]) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvwire fleet", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvwire fleet", description=__doc__.splitlines()[0])
     _add(p)
     return run(p.parse_args(argv))
 

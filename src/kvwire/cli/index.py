@@ -15,26 +15,25 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_log_level, configure_logging, port
+from .options import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    Parser,
+    add_log_level,
+    configure_logging,
+    integer,
+    port,
+)
 
 __all__ = ["add_arguments", "main", "make_handle", "register", "run"]
-
-
-def _workers(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= v <= 64:
-        raise argparse.ArgumentTypeError(f"must be in 1..64, got {v}")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8090,
                    help="HTTP port (default 8090, as Dynamo's indexer; 0: any free one)")
-    p.add_argument("--workers", type=_workers, default=1,
+    p.add_argument("--workers", type=integer(1, 64), default=1,
                    help="processes serving the port, each with a full replica of the index "
                         "that follows every registered stream itself (default 1; "
                         "docs/indexer-api.md)")
@@ -59,7 +58,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``index`` subcommand to ``kvwire``'s subparsers."""
     p = subparsers.add_parser(
         "index", help="the RFC #1403 KV indexer API alone (Dynamo's indexer, Mooncake's "
-        "Conductor)", description=__doc__.splitlines()[0],
+        "Conductor)", description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog="exit status: 0 stopped by SIGINT/SIGTERM; 1 cannot listen, or a worker died; "
         "2 a bad flag")
     add_arguments(p)
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvwire index", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvwire index", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

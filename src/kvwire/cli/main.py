@@ -1,4 +1,9 @@
-"""``kvwire`` command line: ``listen`` to any engine's KV events, ``demo``, ``sim``, ``serve``."""
+"""The ``kvwire`` command: one subcommand per job (``kvwire --help`` lists them all).
+
+Each subcommand lives in its own module here (``register`` adds it, ``run`` runs it), except
+``listen``, ``keys`` and ``demo``, defined below. :func:`main` checks the pip extra the
+command needs first (:mod:`kvwire.cli.extras`).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,21 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .. import __version__
+from . import extras
 from .options import (
     EXIT_FAILURE,
     EXIT_MISSED,
     EXIT_OK,
     EXIT_USAGE,
+    Parser,
     add_connect_timeout,
     configure_logging,
+    integer,
+    number,
+    port,
 )
 
 __all__ = ["main"]
@@ -42,38 +52,6 @@ def _install(signum: int, handler: object) -> dict[int, object]:
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {signum: signal.signal(signum, handler)}
-
-
-def _integer(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an int in [lo, hi]; the error names the bound, argparse the flag."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            want = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-            raise argparse.ArgumentTypeError(f"must be {want}, got {v}")
-        return v
-
-    return parse
-
-
-def _number(lo: float, *, strict: bool) -> Callable[[str], float]:
-    """An argparse type: a finite float > lo (``strict``) or >= lo."""
-
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not math.isfinite(v) or v < lo or (strict and v == lo):
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number {'>' if strict else '>='} {lo:g}, got {text}")
-        return v
-
-    return parse
 
 
 def _streams(args: argparse.Namespace) -> list:
@@ -305,13 +283,18 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvwire", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
-    p.add_argument("--version", action="version", version=f"kvwire {__version__}",
-                   help="print kvwire's version and exit")
-    sub = p.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+KV-cache event streams of LLM inference engines: follow them, publish them from an engine
+model, route requests by them, simulate a fleet routed by them.
 
+commands:
+{commands}
+
+'kvwire COMMAND --help' gives a command's flags, its exit statuses and the pip extra it
+needs, if any ('pip install kvwire' runs the rest)."""
+
+
+def _add_listen(sub) -> None:
     ls = sub.add_parser(
         "listen", help="follow the KV events of one or more publishers",
         description="Follow publishers reliably: bootstrap from snapshots (kvwire publishers), "
@@ -338,14 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     ls.add_argument("--json", action="store_true",
                     help="one JSON object per line: batches, resets, snapshots (field kind)")
-    ls.add_argument("--count", type=_integer(1), metavar="N", help="exit 0 after N batches")
-    ls.add_argument("--duration", type=_number(0, strict=True), metavar="S",
+    ls.add_argument("--count", type=integer(1), metavar="N", help="exit 0 after N batches")
+    ls.add_argument("--duration", type=number(0, strict=True), metavar="S",
                     help="stop after S seconds")
     ls.add_argument("--view", action=argparse.BooleanOptionalAction, default=None,
                     help="live per-stream table (default: when stdout is a terminal)")
-    ls.add_argument("--replay-timeout", type=_number(0, strict=True), default=2.0, metavar="S",
+    ls.add_argument("--replay-timeout", type=number(0, strict=True), default=2.0, metavar="S",
                     help="give up on a replay/snapshot answer after S seconds of silence")
-    ls.add_argument("--metrics", type=_integer(0, 65535), metavar="PORT",
+    ls.add_argument("--metrics", type=port, metavar="PORT",
                     help="serve Prometheus metrics on PORT (0: any free port)")
     ls.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
     ls.add_argument("--curve-secret", metavar="FILE", help="this client's CurveZMQ secret key")
@@ -353,11 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_connect_timeout(ls, "a nats:// endpoint")
     ls.set_defaults(func=_cmd_listen)
 
+
+def _add_keys(sub) -> None:
     ks = sub.add_parser("keys", help="generate a CurveZMQ key pair (NAME.key, NAME.key_secret)")
     ks.add_argument("directory")
     ks.add_argument("name")
     ks.set_defaults(func=_cmd_keys)
 
+
+def _add_demo(sub) -> None:
     dm = sub.add_parser(
         "demo", help="the fleet story: a trace routed by cache over real HTTP, vs round robin",
         description="Default: start two `kvwire fleet`s of engines, each behind a `kvwire serve` "
@@ -371,39 +358,55 @@ def build_parser() -> argparse.ArgumentParser:
         "max/mean, no failed request; --sim: kvwire's hit ratio vs the oracle's and random's, "
         "its work max/mean; --late-join: the rebuilt cache differs); 1 a process of the demo "
         "failed to start; 2 a bad flag")
-    dm.add_argument("--engines", type=_integer(1), default=None,
+    dm.add_argument("--engines", type=integer(1), default=None,
                     help="engines per fleet (default 4; --sim: 8)")
-    dm.add_argument("--capacity", type=_integer(1), default=None,
+    dm.add_argument("--capacity", type=integer(1), default=None,
                     help="engine cache size in blocks (default 28000 of 16 tokens; --sim: 5000 "
                     "of 512; --late-join: 4096)")
     dm.add_argument("--report", default="report.png", metavar="FILE.png",
                     help="where the fleet story's PNG goes")
-    dm.add_argument("--start", type=_integer(0), default=3000, metavar="N",
+    dm.add_argument("--start", type=integer(0), default=3000, metavar="N",
                     help="the trace request the HTTP replay starts at (default 3000: the "
                     "trace's first requests share almost no prefixes)")
-    dm.add_argument("--limit", type=_integer(1), default=None, metavar="N",
+    dm.add_argument("--limit", type=integer(1), default=None, metavar="N",
                     help="replay N requests (default 300; --sim: the whole trace)")
-    dm.add_argument("--speed", type=_number(0, strict=True), default=4.0, metavar="X",
+    dm.add_argument("--speed", type=number(0, strict=True), default=4.0, metavar="X",
                     help="engines and trace run X times faster than real time (default 4)")
     dm.add_argument("--sim", action="store_true",
                     help="the simulated fleet story (every policy, virtual time) instead")
     dm.add_argument("--late-join", action="store_true",
                     help="the single-engine late-joiner check instead of the fleet story")
-    dm.add_argument("--steps", type=_integer(1), default=3000,
+    dm.add_argument("--steps", type=integer(1), default=3000,
                     help="engine steps to run (--late-join)")
-    dm.add_argument("--rate", type=_number(0, strict=False), default=1000.0,
+    dm.add_argument("--rate", type=number(0, strict=False), default=1000.0,
                     help="engine steps per second, 0: as fast as possible (--late-join)")
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=_cmd_demo)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand, each listed with its one-line purpose in ``kvwire --help``."""
     from . import bridge, engine, fleet, index, serve, sim  # own modules (light imports)
 
-    sim.register(sub)
-    serve.register(sub)
-    bridge.register(sub)
-    engine.register(sub)
-    index.register(sub)
-    fleet.register(sub)
+    p = Parser(prog="kvwire", usage="kvwire [-h] [-v] [--version] COMMAND ...",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    p.add_argument("--version", action="version", version=f"kvwire {__version__}",
+                   help="print kvwire's version and exit")
+    # The commands are listed in the description (one line each); argparse's own listing of
+    # a subparsers group would repeat them in a {a,b,...} line.
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="kvwire",
+                           help=argparse.SUPPRESS)
+    for add in (_add_listen, engine.register, fleet.register, serve.register, index.register,
+                bridge.register, _add_keys, sim.register, _add_demo):
+        add(sub)
+    width = max(len(a.dest) for a in sub._choices_actions)
+    p.description = DESCRIPTION.format(commands="\n".join(
+        f"  {a.dest:<{width}}  {a.help}" for a in sub._choices_actions))
+    for name, cp in sub.choices.items():
+        install = extras.needs_text(name)
+        if install:
+            cp.epilog = f"{cp.epilog}; {install}" if cp.epilog else install
     return p
 
 
@@ -411,8 +414,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse, set up logging (``serve`` and ``bridge`` redo it from their ``--log-level``),
     run the subcommand; its exit status (docs/operations.md)."""
     args = build_parser().parse_args(argv)
+    line = extras.missing(args.command, args)
+    if line is not None:  # before anything starts: one line naming the extra, exit 2
+        print(line, file=sys.stderr, flush=True)
+        return EXIT_USAGE
     configure_logging(args)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as e:  # an optional module the table above missed
+        line = extras.module_line(args.command, (e.name or "").partition(".")[0])
+        if line is None:  # no extra brings it: a broken install, the traceback says where
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ import argparse
 import logging
 import math
 import sys
+from collections.abc import Callable
 
 __all__ = [
     "EXIT_FAILURE", "EXIT_MISSED", "EXIT_OK", "EXIT_USAGE", "LOG_LEVELS", "add_connect_timeout",
-    "add_log_level", "configure_logging", "engine", "port", "positive_seconds",
+    "add_log_level", "configure_logging", "count", "engine", "integer", "nonnegative", "number",
+    "Parser", "port", "positive", "positive_int", "positive_seconds", "seconds",
 ]
 
 EXIT_OK = 0
@@ -27,38 +29,78 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 CONNECT_TIMEOUT = 10.0
 
 
+class Parser(argparse.ArgumentParser):
+    """Every ``kvwire`` parser (subcommands inherit the class): a bad flag is ONE line naming
+    the flag and the reason, exit 2, instead of the whole usage before it; ``--help`` still
+    prints the usage. Descriptions taken from a module's docstring lose their reST quotes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        if isinstance(kwargs.get("description"), str):
+            kwargs["description"] = kwargs["description"].replace("``", "")
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see: {self.prog} --help)\n")
+
+
+# The number converters of every command (argparse types). Their errors name the bound;
+# argparse adds the flag: "argument --port: must be in 0..65535, got 70000".
+
+def integer(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    """An int in [lo, hi] (either bound may be None: unbounded)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            want = (f"in {lo}..{hi}" if lo is not None and hi is not None
+                    else f">= {lo}" if lo is not None else f"<= {hi}")
+            raise argparse.ArgumentTypeError(f"must be {want}, got {v}")
+        return v
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(lo: float, *, strict: bool = False) -> Callable[[str], float]:
+    """A finite float > lo (``strict``) or >= lo."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or v < lo or (strict and v == lo):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if strict else '>='} {lo:g}, got {text}")
+        return v
+
+    parse.__name__ = "number"
+    return parse
+
+
+_port = integer(0, 65535)
+
+
 def port(text: str) -> int:
-    """An argparse type: a TCP port, 0..65535 (0: any free one)."""
+    """A TCP port, 0..65535 (0: any free one)."""
     try:
-        v = int(text)
+        int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
-    return v
+    return _port(text)
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    v = _number(text)
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0 (0: none, at once)."""
-    v = _number(text)
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+#: A whole number >= 1 / >= 0.
+positive_int = integer(1)
+count = integer(0)
+#: A finite number > 0 / >= 0 (seconds: 0 is none, at once).
+positive = number(0, strict=True)
+nonnegative = number(0)
+positive_seconds = positive
+seconds = nonnegative
 
 
 def engine(text: str):

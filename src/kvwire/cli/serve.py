@@ -20,12 +20,17 @@ from .options import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    Parser,
     add_chat_template,
     add_connect_timeout,
     add_log_level,
     configure_logging,
+    count,
     engine,
+    nonnegative,
     port,
+    positive,
+    positive_int,
     seconds,
 )
 
@@ -58,34 +63,6 @@ def _nats_url(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(kind: type):
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-        return v
-    return conv
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 0")
-    return int(text)
-
-
-def _nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", type=engine, default=[],
                    metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]"
@@ -102,26 +79,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'engine' (an engine's /tokenize) or 'builtin' (kvwire engine's "
                         "default); none: routed by load only")
     add_chat_template(p, "the proxy (with --tokenizer DIR|builtin)")
-    p.add_argument("--retries", type=_count, default=2,
+    p.add_argument("--retries", type=count, default=2,
                    help="proxy: other engines tried after a failure before the first byte")
-    p.add_argument("--cooloff", type=_positive(float), default=5.0,
+    p.add_argument("--cooloff", type=positive, default=5.0,
                    help="proxy: seconds a failed engine stays down before probes may bring "
                         "it back")
-    p.add_argument("--probe-interval", type=_positive(float), default=1.0,
+    p.add_argument("--probe-interval", type=positive, default=1.0,
                    help="proxy: seconds between engine /health probes")
-    p.add_argument("--probe-timeout", type=_positive(float), default=5.0,
+    p.add_argument("--probe-timeout", type=positive, default=5.0,
                    help="proxy: seconds an engine's /health may take before the probe fails "
                         "and the engine is marked down (default 5)")
-    p.add_argument("--first-byte-timeout", type=_positive(float), default=60.0,
+    p.add_argument("--first-byte-timeout", type=positive, default=60.0,
                    help="proxy: seconds to wait for an engine's answer to begin")
-    p.add_argument("--response-ids", type=_count, default=100_000, metavar="N",
+    p.add_argument("--response-ids", type=count, default=100_000, metavar="N",
                    help="proxy: stored responses (/v1/responses) whose engine is remembered, "
                         "so that what names one goes there (default 100000; 0: none, each "
                         "is looked for on every engine)")
-    p.add_argument("--stall-timeout", type=_positive(float), default=300.0,
+    p.add_argument("--stall-timeout", type=positive, default=300.0,
                    help="proxy: seconds a started stream may stay silent before it is ended "
                         "with an error event")
-    p.add_argument("--max-in-flight", metavar="N", type=_count, default=4096,
+    p.add_argument("--max-in-flight", metavar="N", type=count, default=4096,
                    help="proxy: requests answered at once; more are refused with 429 and "
                         "Retry-After, counted (default 4096; 0: no limit)")
     p.add_argument("--shutdown-timeout", metavar="S", type=seconds, default=30.0,
@@ -147,29 +124,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_connect_timeout(p, "--nats")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     p.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free one)")
-    p.add_argument("--block-size", type=_positive(int), default=16,
+    p.add_argument("--block-size", type=positive_int, default=16,
                    help="tokens per reference block, the policy's unit (default 16)")
-    p.add_argument("--prefill-weight", type=_nonneg, default=1.0)
-    p.add_argument("--load-weight", type=_nonneg, default=1.0,
+    p.add_argument("--prefill-weight", type=nonnegative, default=1.0)
+    p.add_argument("--load-weight", type=nonnegative, default=1.0,
                    help="weight of reserved load past the slack (default 1.0; the earlier "
                         "cost: 0.5 with --balance-slack 0; docs/router.md)")
-    p.add_argument("--balance-slack", type=_nonneg, default=131_072.0, metavar="TOKENS",
+    p.add_argument("--balance-slack", type=nonnegative, default=131_072.0, metavar="TOKENS",
                    help="load (in tokens of work) an engine may hold beyond the least-loaded "
                         "one's at no cost: cache first until then (default 131072; 32768: a "
                         "shorter tail, fewer hits; 0: every block of load counts, the old cost)")
-    p.add_argument("--temperature", type=_nonneg, default=0.0,
+    p.add_argument("--temperature", type=nonnegative, default=0.0,
                    help="> 0: sample engines by softmax(-cost/T) instead of the minimum")
     p.add_argument("--seed", type=int, default=None, help="seed of tie-breaks and sampling")
-    p.add_argument("--max-tokens", type=_positive(int), default=1 << 20,
+    p.add_argument("--max-tokens", type=positive_int, default=1 << 20,
                    help="longest prompt accepted (longer ones get 413)")
-    p.add_argument("--expiry", type=_positive(float), default=600.0,
+    p.add_argument("--expiry", type=positive, default=600.0,
                    help="seconds after which an unreleased request's load is dropped")
-    p.add_argument("--predict-ttl", type=_nonneg, default=3.0,
+    p.add_argument("--predict-ttl", type=nonnegative, default=3.0,
                    help="seconds a routed prefix counts for its engine before events confirm")
-    p.add_argument("--decode-load", type=_nonneg, default=1.0,
+    p.add_argument("--decode-load", type=nonnegative, default=1.0,
                    help="blocks of load a request reserves beyond its uncached prompt blocks "
                         "(its decode; default 1)")
-    p.add_argument("--decode-share", type=_nonneg, default=0.6,
+    p.add_argument("--decode-share", type=nonnegative, default=0.6,
                    help="load per expected output block, in prefill blocks; the output "
                         "length is learned from /release's output_tokens (default 0.6: a "
                         "decoding sequence's share of a batched step over a prefilled "
@@ -188,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow POST /engines and DELETE /engines/NAME (engines added and "
                         "removed at run time) to callers sending 'Authorization: Bearer "
                         "TOKEN'; default: $KVWIRE_ADMIN_TOKEN; unset: off (403)")
-    p.add_argument("--dead-after", type=_positive(float), default=None,
+    p.add_argument("--dead-after", type=positive, default=None,
                    help="silence (s) after which a stream is dead (default 3 heartbeats)")
     add_log_level(p)
 
@@ -452,7 +429,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvwire serve`` as a standalone entry point."""
-    p = argparse.ArgumentParser(prog="kvwire serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvwire serve", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

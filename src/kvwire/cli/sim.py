@@ -11,28 +11,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .options import Parser, count, nonnegative, positive, positive_int
+
 __all__ = ["add_arguments", "main", "register", "run"]
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
-    return v
-
-
-def _seconds(s: str) -> float:
-    v = float(s)
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,10 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("trace", metavar="TRACE", nargs="?", default="bundled",
                    help="Mooncake JSONL trace (default: 'bundled', the packaged synthetic trace)")
-    p.add_argument("--engines", type=_positive_int, default=8)
-    p.add_argument("--capacity", type=_positive_int, default=5000,
+    p.add_argument("--engines", type=positive_int, default=8)
+    p.add_argument("--capacity", type=positive_int, default=5000,
                    help="blocks each engine's prefix cache holds")
-    p.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per block")
+    p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per block")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated subset of {','.join(ALL_POLICIES)} (default: "
                         f"{','.join(POLICIES)}; sglang: SGLang router's cache_aware; "
@@ -53,13 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     p.add_argument("--report", metavar="FILE.png", help="write a PNG report (matplotlib)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-rate", type=_positive_float, default=20_000.0,
+    p.add_argument("--prefill-rate", type=positive, default=20_000.0,
                    help="prefill tokens/s per engine")
-    p.add_argument("--decode-rate", type=_positive_float, default=400.0,
+    p.add_argument("--decode-rate", type=positive, default=400.0,
                    help="decode tokens/s per engine (per request, FIFO server)")
-    p.add_argument("--repeat", type=_positive_int, default=1,
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="replay the trace this many times back to back (fresh prefixes)")
-    p.add_argument("--limit", type=_positive_int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="use only the first N requests of the trace")
     p.add_argument("--load-weight", type=float, default=None,
                    help="kvwire/oracle RoutingPolicy load_weight (default: the sim's tuned one)")
@@ -67,28 +48,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvwire/oracle: load (tokens of work) past the least-loaded engine's "
                         "that costs nothing (default 131072; 0 with --load-weight 0.5: the "
                         "cost before the balance slack)")
-    p.add_argument("--workers", type=_positive_int, default=None,
+    p.add_argument("--workers", type=positive_int, default=None,
                    help="processes running policies in parallel (default: one per CPU)")
-    p.add_argument("--predict-ttl", type=_positive_float, default=None,
+    p.add_argument("--predict-ttl", type=positive, default=None,
                    help="virtual seconds a routed prefix counts before events confirm it")
-    p.add_argument("--replicas", type=_positive_int, default=1,
+    p.add_argument("--replicas", type=positive_int, default=1,
                    help="kvwire: router replicas the requests are spread over in turn, each "
                         "with its own load (as kvwire serve --nats replicas; default 1)")
     p.add_argument("--share-load", action=argparse.BooleanOptionalAction, default=True,
                    help="--replicas: the replicas share their load, as kvwire serve --nats "
                         "does by default (--no-share-load: each routes on its own)")
-    p.add_argument("--share-delay", type=_seconds, default=0.002, metavar="S",
+    p.add_argument("--share-delay", type=nonnegative, default=0.002, metavar="S",
                    help="--replicas: virtual seconds a load report takes (default 0.002)")
     p.add_argument("--engine-model", choices=("batched", "fifo"), default="batched",
                    help="batched: continuous batching + paged cache (kvwire.engine); fifo: "
                         "one request at a time (docs/sim.md)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier (blocks)")
-    p.add_argument("--step-base-ms", type=_positive_float, default=5.0)
-    p.add_argument("--step-prefill-token-us", type=float, default=50.0)
-    p.add_argument("--step-decode-seq-us", type=float, default=30.0)
-    p.add_argument("--step-context-token-ns", type=float, default=0.0)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--cpu-blocks", type=count, default=0, help="CPU offload tier (blocks)")
+    p.add_argument("--step-base-ms", type=positive, default=5.0)
+    p.add_argument("--step-prefill-token-us", type=nonnegative, default=50.0)
+    p.add_argument("--step-decode-seq-us", type=nonnegative, default=30.0)
+    p.add_argument("--step-context-token-ns", type=nonnegative, default=0.0)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -165,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvwire sim`` as a standalone entry point."""
-    p = argparse.ArgumentParser(prog="kvwire sim", description=__doc__.splitlines()[0])
+    p = Parser(prog="kvwire sim", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 
