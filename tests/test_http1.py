@@ -1,5 +1,5 @@
-"""The HTTP/1.1 pieces the three lean servers share (:mod:`kvwire.http1`), checked on each
-server over real loopback sockets: bad HTTP gets a 400 JSON answer and the connection is
+"""kvwire's one HTTP/1.1 server (:mod:`kvwire.http1.server`), checked under each of its route
+tables (the engine's, the router's, the indexer's) over real loopback sockets: bad HTTP gets a 400 JSON answer and the connection is
 closed; pipelined requests are answered in order on one connection; a body over the cap
 gets 413; ``Connection: close`` is honoured. Plus :class:`InOrder` alone."""
 
@@ -9,21 +9,19 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvwire import http1
-from kvwire.engine import http as engine_http
-from kvwire.router.front import HttpProtocol as FrontProtocol
-from kvwire.router.front import Server
-from kvwire.router.indexer_http import IndexHttp, IndexProtocol
+from kvwire.http1.server import Request, Routes, Server
+from kvwire.router.indexer_http import IndexHttp
 
 TIMEOUT = 10.0
 
 
-def _engine_app(conn: engine_http.Conn) -> None:
+def _engine_app(conn: Request) -> None:
     conn.respond(200, b'{"path":"%s"}' % conn.path)
 
 
@@ -31,32 +29,28 @@ def _index_handle(method: str, path: str, body: bytes) -> tuple[int, bytes]:
     return 200, b'{"path":"%s"}' % path.encode()
 
 
-async def _asgi(scope: dict, receive: Callable, send: Callable) -> None:
-    await receive()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body",
-                "body": b'{"path":"%s"}' % scope["path"].encode()})
-
-
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, int]]:
-    """The engine's, the proxy front's and the indexer's servers on one loop in a thread."""
+    """The server under the engine's, the router's and the indexer's route tables, on one
+    loop in a thread."""
     loop = asyncio.new_event_loop()
     ports: dict[str, int] = {}
     up = threading.Event()
-    front = Server(_asgi)
+    front = Routes(headers=True, fallback=_engine_app)
+    front.claim((b"/v1/completions",), _engine_app, prefix=b"/v1/responses",
+                render=http1.HttpError.openai, cap=lambda: 1 << 20)
 
     async def main() -> None:
-        front.loop = loop
         made = {
-            "engine": lambda: engine_http.HttpProtocol(_engine_app),
-            "front": lambda: FrontProtocol(front),
-            "indexer": lambda: IndexProtocol(IndexHttp(_index_handle)),
+            "engine": Routes(render=http1.HttpError.openai, headers=(b"x-data-parallel-rank",),
+                             fallback=_engine_app, fail_started="end"),
+            "front": front,
+            "indexer": IndexHttp(_index_handle),
         }
-        for name, factory in made.items():
-            srv = await loop.create_server(factory, "127.0.0.1", 0)
-            ports[name] = srv.sockets[0].getsockname()[1]
+        for name, routes in made.items():
+            srv = Server(routes)
+            await srv.start(host="127.0.0.1", port=0)
+            ports[name] = srv.port
         up.set()
 
     t = threading.Thread(target=lambda: (loop.run_until_complete(main()), loop.run_forever()),
@@ -122,12 +116,9 @@ def test_a_body_over_the_cap_is_read_on_answered_413_and_the_connection_goes_on(
         servers: dict[str, int], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """(The cap is lowered for the test.) Closing at once with the body still arriving
     would reset the connection before the client read its 413 (it did, now and then)."""
-    import kvwire.engine.http as eh
-    import kvwire.router.front as fr
-    import kvwire.router.indexer_http as ih
+    import kvwire.http1.server as hs
 
-    for mod in (eh, fr, ih):
-        monkeypatch.setattr(mod, "MAX_BODY", 1000)
+    monkeypatch.setattr(hs, "MAX_BODY", 1000)
     body = b"x" * 200_000
     with socket.create_connection(("127.0.0.1", servers[name]), timeout=TIMEOUT) as s:
         s.sendall(b"POST /big HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"

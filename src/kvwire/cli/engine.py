@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace):
     """The :class:`EngineOptions` the flags say (ValueError on a bad combination)."""
     from ..engine import EngineConfig, StepCost
-    from ..engine.app import EngineOptions
+    from ..engine.server.app import EngineOptions
 
     cost = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
                     args.step_decode_seq_us * 1e-6, args.step_context_token_ns * 1e-9)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
         tok = load_tokenizer(args.tokenizer, chat_template=args.chat_template,
                              content_format=args.chat_template_content_format)
-        from ..engine.app import EngineApp
+        from ..engine.server.app import EngineApp
 
         app = EngineApp(opts, tok)
     except ValueError as e:  # TokenizerError too

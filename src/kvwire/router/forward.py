@@ -1,7 +1,7 @@
 """One proxied generation request, end to end: check, tokenize and route (through the
 :class:`~kvwire.router.proxy.Proxy`), send to the chosen engine, retry on the next-best
 one before the client got a byte, and pass the answer back on the client's
-:class:`~kvwire.router.front.Request`.
+:class:`~kvwire.http1.server.Request`.
 
 The hot path costs one task per request and nothing per streamed chunk beyond the bytes:
 the engine's connection pushes each read's chunks to a :class:`_Relay`, which writes them
@@ -31,7 +31,7 @@ from .responses import SCAN_LIMIT, addressed
 from .service import RouteError
 
 if TYPE_CHECKING:
-    from .front import Request
+    from ..http1.server import Request
     from .proxy import Proxy, _Link
 
 __all__ = ["PASS", "PATHS", "BadRequest", "handle", "openai_error"]

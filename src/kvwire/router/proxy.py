@@ -10,7 +10,7 @@ retries, the load lifecycle) live in :mod:`.proxy_state`, routing in
 Per request: decode the few fields routing needs (the body is forwarded unchanged),
 tokenize (``--tokenizer``), route, then :mod:`.forward` sends it to the engine over a
 keep-alive pool and passes the answer back chunk by chunk as it arrives, on the lean
-server of :mod:`.front`. A client that goes away cancels the upstream request, which
+server of :mod:`kvwire.http1.server`. A client that goes away cancels the upstream request, which
 closes its connection: the engine aborts it.
 """
 
@@ -340,7 +340,7 @@ class Proxy:
                 or path.startswith(RESPONSES_PREFIX))
 
     def handle(self, req: Any) -> None:
-        """Answer a :class:`~kvwire.router.front.Request` for a path :meth:`handles`."""
+        """Answer a :class:`~kvwire.http1.server.Request` for a path :meth:`handles`."""
         handle(self, req)
 
     def ended(self) -> None:

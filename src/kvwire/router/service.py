@@ -34,6 +34,7 @@ from typing import Any
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
+from ..http1 import HttpError
 from .ingest import Ingest
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 from .slices import pieces
@@ -55,13 +56,9 @@ class EngineConflict(ValueError):
     """An engine added at run time whose name (or one of its stream names) is in use."""
 
 
-class RouteError(ValueError):
-    """A request the router cannot serve; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
+#: A request the router cannot serve: kvwire's one HTTP error, ``RouteError(status, message,
+#: reason)``.
+RouteError = HttpError
 
 
 @dataclass(frozen=True, slots=True)
