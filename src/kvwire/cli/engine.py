@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         import uvloop
 
         runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+    except ImportError:  # pragma: no cover - uvloop comes with the serve and fast extras
         runner = asyncio.run
     return runner(_serve(app, args.host, args.port))
 

@@ -206,9 +206,11 @@ def tune_process() -> None:
 
     * A 0.5 ms GIL switch interval (not 5 ms): the subscriber thread ingests while the event
       loop answers, and this bounds how long a request waits behind an ingest burst.
-    * ``gc.freeze()``: the ~55,000 objects of the imports and the app (FastAPI, pydantic,
-      uvicorn) move out of the cyclic collector's sight. Full collections had to walk them
-      all and took 50-90 ms each: a few per minute under load, each one a p99 outlier.
+    * ``gc.freeze()``: the ~40,000 objects of the imports and the app (prometheus_client,
+      httpx, msgspec's types, the index) move out of the cyclic collector's sight. Full
+      collections had to walk them all (tens of ms each, 2026-12 on the 2-core box: still
+      worth it after FastAPI, pydantic and uvicorn left): a few per minute under load, each
+      one a p99 outlier.
     * A larger first-generation threshold: a routed request makes a few dozen short-lived
       containers, so the default 700 ran a young collection every ~20 requests.
     """
