@@ -186,3 +186,107 @@ def test_in_order_lost_tells_the_current_request_once_and_survives_its_error(
     (299, b"HTTP/1.1 299 Unknown\r\n")])
 def test_status_lines(status: int, line: bytes) -> None:
     assert http1.status_line(status) == line
+
+
+# --------------------------------------------------------------------------- the route table
+
+
+@pytest.fixture(scope="module")
+def routed() -> Iterator[int]:
+    """A route table with each kind of route, served in a thread."""
+    from kvwire.http1.server import serve_in_thread
+
+    r = Routes(headers=(b"x-keep",))
+    r.add("GET", "/plain", lambda q: q.respond(200, b'{"x-keep":"%s","other":"%s"}' % (
+        q.header(b"x-keep") or b"", q.header(b"x-other") or b"")))
+    r.add("DELETE", "/things/{name}", lambda q: q.respond(200, json.dumps(q.params).encode()))
+
+    async def later(q: Request) -> None:
+        await asyncio.sleep(0)
+        raise http1.HttpError(409, "taken", "conflict")
+
+    r.add("POST", "/later", later)
+    r.add("GET", "/boom", lambda q: 1 / 0)
+    r.claim((b"/v1/x",), lambda q: q.respond(200, b"%d" % q.too_large), prefix=b"/v1/p/",
+            render=http1.HttpError.openai, cap=lambda: 10)
+    seen: list[str] = []
+    r.on_error = lambda q, e: seen.append(e.reason)
+    server, thread, port = serve_in_thread(r)
+    yield port
+    server.should_exit = True
+    thread.join(TIMEOUT)
+
+
+def _ask(port: int, raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+        s.sendall(raw)
+        return _responses(_read_all(s))
+
+
+def test_routes_answer_404_405_in_kvwire_shape_and_patterns_capture(routed: int) -> None:
+    close = b"host: x\r\nconnection: close\r\n\r\n"
+    [(st, _, body)] = _ask(routed, b"GET /nowhere HTTP/1.1\r\n" + close)
+    assert st == 404 and json.loads(body) == {"error": "Not Found: GET /nowhere",
+                                              "reason": "http_404"}
+    [(st, _, body)] = _ask(routed, b"POST /plain HTTP/1.1\r\ncontent-length: 0\r\n" + close)
+    assert st == 405 and json.loads(body)["reason"] == "http_405"
+    [(st, _, body)] = _ask(routed, b"GET /things/a%20b HTTP/1.1\r\n" + close)
+    assert st == 405  # the pattern's path, another method
+    [(st, _, body)] = _ask(routed, b"DELETE /things/a%20b HTTP/1.1\r\n" + close)
+    assert st == 200 and json.loads(body) == {"name": "a b"}
+
+
+def test_only_the_headers_asked_for_are_kept(routed: int) -> None:
+    [(st, _, body)] = _ask(routed, b"GET /plain HTTP/1.1\r\nX-Keep: 1\r\nX-Other: 2\r\n"
+                           b"host: x\r\nconnection: close\r\n\r\n")
+    assert st == 200 and json.loads(body) == {"x-keep": "1", "other": ""}
+
+
+def test_errors_of_async_and_failing_handlers(routed: int) -> None:
+    close = b"host: x\r\nconnection: close\r\n\r\n"
+    [(st, _, body)] = _ask(routed, b"POST /later HTTP/1.1\r\ncontent-length: 0\r\n" + close)
+    assert st == 409 and json.loads(body) == {"error": "taken", "reason": "conflict"}
+    [(st, _, body)] = _ask(routed, b"GET /boom HTTP/1.1\r\n" + close)
+    assert st == 500 and json.loads(body)["reason"] == "internal"
+
+
+def test_claimed_paths_have_their_cap_and_rendering(routed: int) -> None:
+    """A claimed path's body over its own cap is its handler's to answer; an error on a
+    path under its prefix is rendered OpenAI's way."""
+    close = b"host: x\r\nconnection: close\r\n\r\n"
+    [(st, _, body)] = _ask(routed, b"POST /v1/x HTTP/1.1\r\ncontent-length: 11\r\n" + close[:-2]
+                           + b"\r\n" + b"x" * 11)
+    assert st == 200 and body == b"1"
+    [(st, _, body)] = _ask(routed, b"POST /v1/x HTTP/1.1\r\ncontent-length: 10\r\n" + close[:-2]
+                           + b"\r\n" + b"x" * 10)
+    assert st == 200 and body == b"0"
+    with socket.create_connection(("127.0.0.1", routed), timeout=TIMEOUT) as s:
+        s.sendall(b"GET /v1/p/q HTTP/1.1\r\nhost: x\r\n\r\n"
+                  b"GET /v1/p/q HTTP/1.1\r\nno colon here\r\n\r\n")
+        raw = _read_all(s)
+    (st, _, body), (bad, _, err) = _responses(raw)
+    assert st == 200 and bad == 400 and json.loads(err)["error"]["type"] == "BadRequestError"
+    [(bad, _, err)] = _ask(routed, b"GET /plain HTTP/1.1\r\nno colon here\r\n\r\n")
+    assert bad == 400 and json.loads(err)["reason"] == "bad_http"
+
+
+def test_http_error_renders_two_ways() -> None:
+    e = http1.HttpError(404, 'no "x"', "unknown", param="model", type="NotFoundError")
+    assert json.loads(e.kvwire()) == {"error": 'no "x"', "reason": "unknown"}
+    assert json.loads(e.openai()) == {"error": {"message": 'no "x"', "type": "NotFoundError",
+                                                "param": "model", "code": 404}}
+    assert json.loads(http1.HttpError(400, "m").openai())["error"]["type"] == "BadRequestError"
+
+
+def test_serve_imports_no_framework() -> None:
+    """kvwire serve's whole HTTP face loads without FastAPI, starlette, pydantic, uvicorn."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvwire.router.app import build_app; import kvwire.cli.serve; "
+            "import kvwire.engine.server.app; import kvwire.router.indexer_http; "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'pydantic', 'uvicorn') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"

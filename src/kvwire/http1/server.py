@@ -248,19 +248,17 @@ class Routes:
         self.on_lost: Callable[[], None] | None = None
 
     def add(self, method: str | bytes, path: str | bytes, handler: Handler) -> None:
-        """``handler`` for ``method path`` (a GET route answers HEAD too); a path ending in
-        a ``{name}`` segment matches any one segment there (in ``req.params``)."""
+        """``handler`` for ``method path``; a path ending in a ``{name}`` segment matches any
+        one segment there (in ``req.params``). (No HEAD for a GET unless added: the
+        framework kvwire serve ran on before answered HEAD 405.)"""
         m = method.encode() if isinstance(method, str) else method
         p = path.encode() if isinstance(path, str) else path
         h = _wrap(handler)
         if p.endswith(b"}"):
             head, _, name = p.rpartition(b"/")
-            for mm in (m, b"HEAD") if m == b"GET" else (m,):
-                self.patterns.append((mm, head + b"/", name.strip(b"{}").decode(), h))
+            self.patterns.append((m, head + b"/", name.strip(b"{}").decode(), h))
             return
         self.exact[(m, p)] = h
-        if m == b"GET":
-            self.exact.setdefault((b"HEAD", p), h)
         self.paths.add(p)
 
     def route(self, method: str, path: str) -> Callable[[Handler], Handler]:

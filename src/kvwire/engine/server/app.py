@@ -253,8 +253,8 @@ class EngineApp:
                        "NotFoundError")
 
     def _refused(self, conn: Request, e: HttpError) -> None:
-        if e.status == 413:  # (refused before routing: not a bad request of the API's)
-            return
+        if e.status == 413 or e.reason == "internal":  # (refused before routing, or a
+            return  # failure of ours, logged: not a bad request of the API's)
         self.errors[e.status] += 1
         log.debug("%s %s -> %d %s", conn.method, conn.path, e.status, e.message)
 
