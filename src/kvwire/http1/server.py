@@ -50,9 +50,17 @@ class Request:
     socket buffer fills / drains; ``on_done`` once when the request is over either way
     (answered, aborted or its client gone)."""
 
-    __slots__ = ("proto", "method", "path", "query", "headers", "body", "keep_alive",
-                 "too_large", "t0", "on_close", "on_pause", "on_resume", "on_done", "done",
-                 "started", "_head", "params")
+    # (no __slots__: the attributes most requests never set are class defaults, and an
+    # instance is made faster without them; one is made per request)
+    on_close: Callable[[], None] | None = None
+    on_pause: Callable[[], None] | None = None
+    on_resume: Callable[[], None] | None = None
+    on_done: Callable[[], None] | None = None
+    done = False
+    started = False
+    _head = b""  # a started answer's head not yet written (see start)
+    #: a pattern route's captured path segment (``/engines/{name}``), decoded
+    params: dict[str, str] | None = None
 
     def __init__(self, proto: HttpProtocol, method: bytes, path: bytes, query: bytes,
                  headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool,
@@ -69,17 +77,9 @@ class Request:
         self.keep_alive = keep_alive
         #: the body was over the cap (read and dropped)
         self.too_large = too_large
-        #: ``time.perf_counter()`` when the request began to arrive
+        #: ``time.perf_counter()`` when the request began to arrive (0 unless the routes
+        #: are :attr:`Routes.timed`)
         self.t0 = t0
-        self.on_close: Callable[[], None] | None = None
-        self.on_pause: Callable[[], None] | None = None
-        self.on_resume: Callable[[], None] | None = None
-        self.on_done: Callable[[], None] | None = None
-        self.done = False
-        self.started = False
-        self._head = b""  # a started answer's head not yet written (see start)
-        #: a pattern route's captured path segments (``/engines/{name}``), decoded
-        self.params: dict[str, str] | None = None
 
     @property
     def closed(self) -> bool:
@@ -121,12 +121,18 @@ class Request:
             return
         t = self.proto.transport
         if t is not None:
-            extra = b"".join([k + b": " + v + b"\r\n" for k, v in headers]) if headers else b""
-            t.write(b"".join((
-                status_line(status),
-                b"" if ctype is None else b"content-type: " + ctype + b"\r\n",
-                extra, b"content-length: %d\r\n" % len(body), self._conn_header(), b"\r\n",
-                b"" if self.method == b"HEAD" else body)))
+            head = _HEADS.get((status, ctype)) if not headers else None
+            if head is None:
+                head = b"".join((
+                    status_line(status),
+                    b"" if ctype is None else b"content-type: " + ctype + b"\r\n",
+                    *[k + b": " + v + b"\r\n" for k, v in headers], b"content-length: "))
+                if not headers and len(_HEADS) < 64:
+                    _HEADS[(status, ctype)] = head
+            conn = (b"" if self.keep_alive and not self.proto.server.draining
+                    else b"connection: close\r\n")
+            t.write(b"%s%d\r\n%s\r\n%s" % (head, len(body), conn,
+                                            b"" if self.method == b"HEAD" else body))
         self._finish()
 
     def start(self, status: int, headers: Iterable[tuple[bytes, bytes]],
@@ -205,13 +211,21 @@ class Request:
 
     def _finish(self) -> None:
         self.done = True
-        self.on_close = self.on_pause = self.on_resume = None
+        if self.on_close is not None:
+            self.on_close = None
+        if self.on_pause is not None or self.on_resume is not None:
+            self.on_pause = self.on_resume = None
         if self.on_done is not None:
             self.over()
-        self.proto._finished(self)
+        proto = self.proto
+        if proto.server.draining:
+            self.keep_alive = False  # the connection closes after this answer
+        proto.order.finished(self, proto.transport)
 
 
 Handler = Callable[[Request], Any]
+#: an answer's head up to its content-length's value, per (status, content type)
+_HEADS: dict[tuple[int, bytes | None], bytes] = {}
 
 
 class Routes:
@@ -224,7 +238,8 @@ class Routes:
     ``render(err) -> bytes``: the error body (OpenAI's shape or kvwire's, see
     :class:`~kvwire.http1.HttpError`); ``headers``: which request headers handlers read
     (None: none, True: all, or a set of lower-case names: the parser then skips the rest);
-    ``on_error(req, err)``: told of every error answer (counters); ``fail_started``:
+    ``timed``: stamp each request's arrival (``req.t0``); ``on_error(req, err)``: told of
+    every error answer (counters); ``fail_started``:
     ``"end"`` ends, ``"abort"`` drops a started answer whose handler raised; ``on_lost``:
     called when a connection closes."""
 
@@ -235,9 +250,12 @@ class Routes:
         self.paths: set[bytes] = set()
         self.anymethod: dict[bytes, Handler] = {}
         self.patterns: list[tuple[bytes, bytes, str, Handler]] = []
-        #: claimed paths with their own rendering and body cap: (path, prefix?, render, cap)
-        self.own: list[tuple[bytes, bool, Callable[[HttpError], bytes] | None,
-                             Callable[[], int] | None]] = []
+        #: claimed paths with their own rendering and body cap: path -> (render, cap), and
+        #: the same for prefixes
+        self.own: dict[bytes, tuple[Callable[[HttpError], bytes] | None,
+                                    Callable[[], int] | None]] = {}
+        self.own_prefixes: list[tuple[bytes, tuple[Callable[[HttpError], bytes] | None,
+                                                   Callable[[], int] | None]]] = []
         self.render = render or HttpError.kvwire
         self.headers: bool | frozenset[bytes] | None = (
             headers if headers is None or isinstance(headers, bool)
@@ -246,6 +264,8 @@ class Routes:
         self.fail_started = fail_started
         self.on_error: Callable[[Request, HttpError], None] | None = None
         self.on_lost: Callable[[], None] | None = None
+        self.timed = False
+        self.capped = False  # some path has its own body cap
 
     def add(self, method: str | bytes, path: str | bytes, handler: Handler) -> None:
         """``handler`` for ``method path``; a path ending in a ``{name}`` segment matches any
@@ -275,27 +295,31 @@ class Routes:
         answers their methods itself; their errors rendered by ``render``; their bodies
         capped at ``cap()`` (a body over it is the handler's to answer: ``req.too_large``)."""
         h = _wrap(handler)
+        self.capped = self.capped or cap is not None
         for p in paths:
             self.anymethod[p] = h
             if render is not None or cap is not None:
-                self.own.append((p, False, render, cap))
+                self.own[p] = (render, cap)
         if prefix is not None:
             self.patterns.append((b"*", prefix, "", h))
-            self.own.append((prefix, True, render, cap))
+            self.own_prefixes.append((prefix, (render, cap)))
 
     def _own(self, path: bytes) -> tuple | None:
-        for o in self.own:
-            if path.startswith(o[0]) if o[1] else path == o[0]:
+        o = self.own.get(path)
+        if o is not None:
+            return o
+        for p, o in self.own_prefixes:
+            if path.startswith(p):
                 return o
         return None
 
     def cap(self, path: bytes) -> int:
-        o = self._own(path) if self.own else None
-        return MAX_BODY if o is None or o[3] is None else o[3]()
+        o = self._own(path)
+        return MAX_BODY if o is None or o[1] is None else o[1]()
 
     def renderer(self, path: bytes) -> Callable[[HttpError], bytes]:
-        o = self._own(path) if self.own else None
-        return self.render if o is None or o[2] is None else o[2]
+        o = self._own(path)
+        return self.render if o is None or o[0] is None else o[0]
 
     def find(self, req: Request) -> Handler:
         """The handler of ``req`` (raises HttpError 404/405 when there is none)."""
@@ -331,7 +355,7 @@ class Routes:
 
     def __call__(self, req: Request) -> None:
         try:
-            if req.too_large and (self._own(req.path) or (0, 0, 0, None))[3] is None:
+            if req.too_large and (self._own(req.path) or (None, None))[1] is None:
                 raise HttpError(413, TOO_LARGE.decode(), "too_large", param="body")
             self.find(req)(req)
         except HttpError as e:
@@ -392,13 +416,13 @@ class HttpProtocol(asyncio.Protocol):
         self.routes = routes = server.routes
         self.transport: asyncio.Transport | None = None
         self._url = b""
-        self._headers: list[tuple[bytes, bytes]] = []
+        self._headers: list[tuple[bytes, bytes]] = []  # (shared when none are kept)
         self._body: list[bytes] = []
         self._size = 0
         self._cap = MAX_BODY
         self._too_large = False
         self._t0 = 0.0
-        self.order = InOrder(self._run)
+        self.order = InOrder(routes)
         self._paused = False
         # httptools calls on_header only when the object has it: a server whose handlers
         # read no header (the indexer) pays nothing per header
@@ -408,7 +432,7 @@ class HttpProtocol(asyncio.Protocol):
         elif want:
             self._want = want
             self.on_header = self._some_headers
-        if any(o[3] is not None for o in routes.own):  # a path's own cap: known with the URL
+        if routes.capped:  # a path's own cap: known once its URL is
             self.on_headers_complete = self._pick_cap
         self.parser = httptools.HttpRequestParser(self)
 
@@ -452,9 +476,12 @@ class HttpProtocol(asyncio.Protocol):
 
     # httptools
     def on_message_begin(self) -> None:
-        self._t0 = time.perf_counter()
+        routes = self.routes
+        if routes.timed:
+            self._t0 = time.perf_counter()
         self._url = b""
-        self._headers = []
+        if routes.headers:
+            self._headers = []
         self._body = []
         self._size = 0
         self._too_large = False
@@ -489,13 +516,6 @@ class HttpProtocol(asyncio.Protocol):
                                b[0] if len(b) == 1 else b"".join(b),
                                p.should_keep_alive(), self._too_large, self._t0))
 
-    def _run(self, req: Request) -> None:
-        self.routes(req)
-
-    def _finished(self, req: Request) -> None:
-        if self.server.draining:
-            req.keep_alive = False  # the connection closes after this answer
-        self.order.finished(req, self.transport)
 
 
 class Server:

@@ -301,6 +301,7 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
 
         app.claim((*PATHS, *PASS, b"/v1/models"), proxy.handle, prefix=RESPONSES_PREFIX,
                   render=HttpError.openai, cap=lambda: proxy.cfg.max_body)
+        app.timed = True  # (its latency histograms start at the request's arrival)
     return app
 
 
