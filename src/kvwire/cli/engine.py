@@ -170,13 +170,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # TokenizerError too
         print(f"kvwire engine: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    try:
-        import uvloop
+    from ..http1.server import run_loop
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop comes with the serve and fast extras
-        runner = asyncio.run
-    return runner(_serve(app, args.host, args.port))
+    return run_loop(_serve(app, args.host, args.port))  # (on uvloop when installed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
