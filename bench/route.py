@@ -6,7 +6,7 @@ Three kinds of process, like production:
   ``--prefixes`` distinct prompts of ``--prompt-tokens`` tokens (16-token blocks), then
   churning at ``--ingest`` batches/s in total (each batch: store one new block, remove the
   one stored ``--window`` batches before, so the index size stays constant);
-* the service process: RouterCore + uvicorn, as ``kvwire serve`` runs it (one process);
+* the service process: RouterCore on kvwire's HTTP server, as ``kvwire serve`` runs it (one process);
 * the client (this process): asyncio, raw HTTP/1.1 over ``--concurrency`` keep-alive
   connections, bodies pre-encoded, each prompt = one stored prefix + a few fresh tokens.
 
@@ -209,17 +209,16 @@ class NaiveIndex:
 
 
 def service_main(kind: str, where: str, engines: int, port: int) -> None:
-    import uvicorn
-
     from kvwire.cli.serve import tune_process
-    from kvwire.router.app import build_app, fast_app
+    from kvwire.http1.server import Server, listen
+    from kvwire.router.app import build_app
     from kvwire.routing.core import EngineSpec, RouterCore
 
     specs = [EngineSpec(f"e{i}", f"ipc://{where}/e{i}.live", f"ipc://{where}/e{i}.replay")
              for i in range(engines)]
     core = RouterCore(specs, block_size=BS, index=NaiveIndex() if kind == "naive" else None)
     core.start()
-    app = fast_app(build_app(core))
+    app = build_app(core)
     if not os.environ.get("KVW_NO_TUNE"):
         tune_process()  # what `kvwire serve` does: switch interval, gc.freeze, gc threshold
     if os.environ.get("KVW_GC_LOG"):  # diagnostics: collector pauses, written at SIGTERM
@@ -249,10 +248,7 @@ def service_main(kind: str, where: str, engines: int, port: int) -> None:
             os._exit(0)
 
         signal.signal(signal.SIGTERM, dump)
-    loop = "uvloop" if _has("uvloop") else "asyncio"
-    http = "httptools" if _has("httptools") else "h11"
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
-                access_log=False, lifespan="off", loop=loop, http=http, proxy_headers=False)
+    Server(app).run(sockets=[listen("127.0.0.1", port)])
 
 
 def _has(mod: str) -> bool:

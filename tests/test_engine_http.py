@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from kvwire.engine import EngineConfig, StepCost
-from kvwire.engine.app import EngineApp, EngineOptions
+from kvwire.engine.server.app import EngineApp, EngineOptions
 from kvwire.tokenize import load_tokenizer
 from kvwire.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 

@@ -1,5 +1,5 @@
-"""The HTTP/1.1 pieces the three lean servers share (:mod:`kvwire.http1`), checked on each
-server over real loopback sockets: bad HTTP gets a 400 JSON answer and the connection is
+"""kvwire's one HTTP/1.1 server (:mod:`kvwire.http1.server`), checked under each of its route
+tables (the engine's, the router's, the indexer's) over real loopback sockets: bad HTTP gets a 400 JSON answer and the connection is
 closed; pipelined requests are answered in order on one connection; a body over the cap
 gets 413; ``Connection: close`` is honoured. Plus :class:`InOrder` alone."""
 
@@ -9,21 +9,19 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvwire import http1
-from kvwire.engine import http as engine_http
-from kvwire.router.front import HttpProtocol as FrontProtocol
-from kvwire.router.front import Server
-from kvwire.router.indexer_http import IndexHttp, IndexProtocol
+from kvwire.http1.server import Request, Routes, Server
+from kvwire.router.indexer_http import IndexHttp
 
 TIMEOUT = 10.0
 
 
-def _engine_app(conn: engine_http.Conn) -> None:
+def _engine_app(conn: Request) -> None:
     conn.respond(200, b'{"path":"%s"}' % conn.path)
 
 
@@ -31,32 +29,28 @@ def _index_handle(method: str, path: str, body: bytes) -> tuple[int, bytes]:
     return 200, b'{"path":"%s"}' % path.encode()
 
 
-async def _asgi(scope: dict, receive: Callable, send: Callable) -> None:
-    await receive()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body",
-                "body": b'{"path":"%s"}' % scope["path"].encode()})
-
-
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, int]]:
-    """The engine's, the proxy front's and the indexer's servers on one loop in a thread."""
+    """The server under the engine's, the router's and the indexer's route tables, on one
+    loop in a thread."""
     loop = asyncio.new_event_loop()
     ports: dict[str, int] = {}
     up = threading.Event()
-    front = Server(_asgi)
+    front = Routes(headers=True, fallback=_engine_app)
+    front.claim((b"/v1/completions",), _engine_app, prefix=b"/v1/responses",
+                render=http1.HttpError.openai, cap=lambda: 1 << 20)
 
     async def main() -> None:
-        front.loop = loop
         made = {
-            "engine": lambda: engine_http.HttpProtocol(_engine_app),
-            "front": lambda: FrontProtocol(front),
-            "indexer": lambda: IndexProtocol(IndexHttp(_index_handle)),
+            "engine": Routes(render=http1.HttpError.openai, headers=(b"x-data-parallel-rank",),
+                             fallback=_engine_app, fail_started="end"),
+            "front": front,
+            "indexer": IndexHttp(_index_handle),
         }
-        for name, factory in made.items():
-            srv = await loop.create_server(factory, "127.0.0.1", 0)
-            ports[name] = srv.sockets[0].getsockname()[1]
+        for name, routes in made.items():
+            srv = Server(routes)
+            await srv.start(host="127.0.0.1", port=0)
+            ports[name] = srv.port
         up.set()
 
     t = threading.Thread(target=lambda: (loop.run_until_complete(main()), loop.run_forever()),
@@ -122,12 +116,9 @@ def test_a_body_over_the_cap_is_read_on_answered_413_and_the_connection_goes_on(
         servers: dict[str, int], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """(The cap is lowered for the test.) Closing at once with the body still arriving
     would reset the connection before the client read its 413 (it did, now and then)."""
-    import kvwire.engine.http as eh
-    import kvwire.router.front as fr
-    import kvwire.router.indexer_http as ih
+    import kvwire.http1.server as hs
 
-    for mod in (eh, fr, ih):
-        monkeypatch.setattr(mod, "MAX_BODY", 1000)
+    monkeypatch.setattr(hs, "MAX_BODY", 1000)
     body = b"x" * 200_000
     with socket.create_connection(("127.0.0.1", servers[name]), timeout=TIMEOUT) as s:
         s.sendall(b"POST /big HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
@@ -195,3 +186,107 @@ def test_in_order_lost_tells_the_current_request_once_and_survives_its_error(
     (299, b"HTTP/1.1 299 Unknown\r\n")])
 def test_status_lines(status: int, line: bytes) -> None:
     assert http1.status_line(status) == line
+
+
+# --------------------------------------------------------------------------- the route table
+
+
+@pytest.fixture(scope="module")
+def routed() -> Iterator[int]:
+    """A route table with each kind of route, served in a thread."""
+    from kvwire.http1.server import serve_in_thread
+
+    r = Routes(headers=(b"x-keep",))
+    r.add("GET", "/plain", lambda q: q.respond(200, b'{"x-keep":"%s","other":"%s"}' % (
+        q.header(b"x-keep") or b"", q.header(b"x-other") or b"")))
+    r.add("DELETE", "/things/{name}", lambda q: q.respond(200, json.dumps(q.params).encode()))
+
+    async def later(q: Request) -> None:
+        await asyncio.sleep(0)
+        raise http1.HttpError(409, "taken", "conflict")
+
+    r.add("POST", "/later", later)
+    r.add("GET", "/boom", lambda q: 1 / 0)
+    r.claim((b"/v1/x",), lambda q: q.respond(200, b"%d" % q.too_large), prefix=b"/v1/p/",
+            render=http1.HttpError.openai, cap=lambda: 10)
+    seen: list[str] = []
+    r.on_error = lambda q, e: seen.append(e.reason)
+    server, thread, port = serve_in_thread(r)
+    yield port
+    server.should_exit = True
+    thread.join(TIMEOUT)
+
+
+def _ask(port: int, raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+        s.sendall(raw)
+        return _responses(_read_all(s))
+
+
+def test_routes_answer_404_405_in_kvwire_shape_and_patterns_capture(routed: int) -> None:
+    close = b"host: x\r\nconnection: close\r\n\r\n"
+    [(st, _, body)] = _ask(routed, b"GET /nowhere HTTP/1.1\r\n" + close)
+    assert st == 404 and json.loads(body) == {"error": "Not Found: GET /nowhere",
+                                              "reason": "http_404"}
+    [(st, _, body)] = _ask(routed, b"POST /plain HTTP/1.1\r\ncontent-length: 0\r\n" + close)
+    assert st == 405 and json.loads(body)["reason"] == "http_405"
+    [(st, _, body)] = _ask(routed, b"GET /things/a%20b HTTP/1.1\r\n" + close)
+    assert st == 405  # the pattern's path, another method
+    [(st, _, body)] = _ask(routed, b"DELETE /things/a%20b HTTP/1.1\r\n" + close)
+    assert st == 200 and json.loads(body) == {"name": "a b"}
+
+
+def test_only_the_headers_asked_for_are_kept(routed: int) -> None:
+    [(st, _, body)] = _ask(routed, b"GET /plain HTTP/1.1\r\nX-Keep: 1\r\nX-Other: 2\r\n"
+                           b"host: x\r\nconnection: close\r\n\r\n")
+    assert st == 200 and json.loads(body) == {"x-keep": "1", "other": ""}
+
+
+def test_errors_of_async_and_failing_handlers(routed: int) -> None:
+    close = b"host: x\r\nconnection: close\r\n\r\n"
+    [(st, _, body)] = _ask(routed, b"POST /later HTTP/1.1\r\ncontent-length: 0\r\n" + close)
+    assert st == 409 and json.loads(body) == {"error": "taken", "reason": "conflict"}
+    [(st, _, body)] = _ask(routed, b"GET /boom HTTP/1.1\r\n" + close)
+    assert st == 500 and json.loads(body)["reason"] == "internal"
+
+
+def test_claimed_paths_have_their_cap_and_rendering(routed: int) -> None:
+    """A claimed path's body over its own cap is its handler's to answer; an error on a
+    path under its prefix is rendered OpenAI's way."""
+    close = b"host: x\r\nconnection: close\r\n\r\n"
+    [(st, _, body)] = _ask(routed, b"POST /v1/x HTTP/1.1\r\ncontent-length: 11\r\n" + close[:-2]
+                           + b"\r\n" + b"x" * 11)
+    assert st == 200 and body == b"1"
+    [(st, _, body)] = _ask(routed, b"POST /v1/x HTTP/1.1\r\ncontent-length: 10\r\n" + close[:-2]
+                           + b"\r\n" + b"x" * 10)
+    assert st == 200 and body == b"0"
+    with socket.create_connection(("127.0.0.1", routed), timeout=TIMEOUT) as s:
+        s.sendall(b"GET /v1/p/q HTTP/1.1\r\nhost: x\r\n\r\n"
+                  b"GET /v1/p/q HTTP/1.1\r\nno colon here\r\n\r\n")
+        raw = _read_all(s)
+    (st, _, body), (bad, _, err) = _responses(raw)
+    assert st == 200 and bad == 400 and json.loads(err)["error"]["type"] == "BadRequestError"
+    [(bad, _, err)] = _ask(routed, b"GET /plain HTTP/1.1\r\nno colon here\r\n\r\n")
+    assert bad == 400 and json.loads(err)["reason"] == "bad_http"
+
+
+def test_http_error_renders_two_ways() -> None:
+    e = http1.HttpError(404, 'no "x"', "unknown", param="model", type="NotFoundError")
+    assert json.loads(e.kvwire()) == {"error": 'no "x"', "reason": "unknown"}
+    assert json.loads(e.openai()) == {"error": {"message": 'no "x"', "type": "NotFoundError",
+                                                "param": "model", "code": 404}}
+    assert json.loads(http1.HttpError(400, "m").openai())["error"]["type"] == "BadRequestError"
+
+
+def test_serve_imports_no_framework() -> None:
+    """kvwire serve's whole HTTP face loads without FastAPI, starlette, pydantic, uvicorn."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvwire.router.app import build_app; import kvwire.cli.serve; "
+            "import kvwire.engine.server.app; import kvwire.router.indexer_http; "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'pydantic', 'uvicorn') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+pytest.importorskip("httptools")
 httpx = pytest.importorskip("httpx")
 
 from waiting import wait_for  # noqa: E402

@@ -29,7 +29,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvwire"
 #: to the room of its longest listed prefix (``kvwire.`` left out).
 ROOMS: list[dict[str, list[str]]] = [
     # Leaves anyone may use: they import no other room.
-    {"http1": ["http1"], "tokenize": ["tokenize"], "metrics": ["metrics"],
+    {"http1": ["http1"], "tokenize": ["tokenize"], "metrics": ["metrics"], "errors": ["errors"],
      "moved": ["_moved"]},  # the helper of the DEPRECATED paths below
     # What is on the wire: event types, dialect codecs, frames, endpoints, CurveZMQ.
     {"wire": ["wire"]},

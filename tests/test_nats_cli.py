@@ -76,7 +76,7 @@ def test_kvwire_serve_nats_routes_by_a_cache_that_came_through_jetstream(
     import sys
 
     httpx = pytest.importorskip("httpx")
-    pytest.importorskip("uvicorn")
+    pytest.importorskip("httptools")
 
     bs = BS
     toks = _toks
@@ -398,7 +398,7 @@ def test_kvwire_serve_nats_with_registrations_follows_both(nats_server: Any, tmp
     import sys
 
     httpx = pytest.importorskip("httpx")
-    pytest.importorskip("uvicorn")
+    pytest.importorskip("httptools")
     from test_indexer_api import _stop, _url, stored
 
     from kvwire.publish.publisher import ZmqEventPublisher

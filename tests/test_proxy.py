@@ -1,6 +1,6 @@
 """``kvwire serve``'s OpenAI proxy over real HTTP and ZeroMQ on loopback: in-thread
 ``kvwire engine``s (the same EngineApp the CLI runs) behind a RouterCore + Proxy served by
-uvicorn, and at the end real ``kvwire engine`` and ``kvwire serve`` processes (SIGKILL and
+kvwire's HTTP server, and at the end real ``kvwire engine`` and ``kvwire serve`` processes (SIGKILL and
 restart). The one stand-in: a tiny HTTP server that answers 500 or records headers, for the
 engine faults and the header check a kvwire engine cannot be made to show."""
 
@@ -50,7 +50,7 @@ def _engine(**kw: Any) -> EngineThread:
 
 
 class Stack:
-    """Engines + RouterCore + Proxy + uvicorn, all in this process, on loopback."""
+    """Engines + RouterCore + Proxy + the HTTP server, all in this process, on loopback."""
 
     def __init__(self, engines: list[Any], urls: list[str] | None = None,
                  tokenizer: Any = "builtin", policy: Any = None,

@@ -1,4 +1,4 @@
-"""``kvwire serve`` over real HTTP (uvicorn on a loopback port) fed by real ZmqEventPublishers:
+"""``kvwire serve`` over real HTTP (kvwire's HTTP server on a loopback port) fed by real ZmqEventPublishers:
 requests follow the cache, a killed engine stops getting traffic, a restarted one is rebuilt,
 bad input gets 4xx; the status page is checked in a real headless chromium."""
 
@@ -21,8 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+pytest.importorskip("httptools")
 httpx = pytest.importorskip("httpx")
 
 from waiting import wait_for  # noqa: E402
@@ -79,7 +78,7 @@ class Fleet:
 
 @contextlib.contextmanager
 def running_fleet(where) -> Iterator[Fleet]:
-    """Two engines' publishers, the router core and uvicorn on a free loopback port."""
+    """Two engines' publishers, the router core and its HTTP server on a free loopback port."""
     pubs = {n: publisher(where, n) for n in ("a", "b")}
     engines = [EngineSpec(n, p.endpoint, p.replay_endpoint) for n, p in pubs.items()]
     # dead after 2 s of silence (10 missed 0.2 s heartbeats): no false deaths on a busy box

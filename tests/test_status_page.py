@@ -27,7 +27,7 @@ from kvwire.router.status_series import (
 )
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
+pytest.importorskip("httptools")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_proxy import ROOT, TIMEOUT, EngineProc, wait_for  # noqa: E402

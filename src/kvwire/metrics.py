@@ -128,9 +128,34 @@ def register(collector: StatsCollector, registry: Any = None) -> StatsCollector:
     return collector
 
 
-def start_exporter(port: int, addr: str = "127.0.0.1", registry: Any = None) -> Any:
-    """Serve ``/metrics`` over HTTP on ``addr:port`` (loopback by default); returns the server."""
-    from prometheus_client import REGISTRY, start_http_server
+class Exporter:
+    """``/metrics`` on kvwire's HTTP server in a daemon thread (what :func:`start_exporter`
+    returns): ``server_address`` is ``(host, port)``; :meth:`shutdown` stops it."""
 
-    server, _thread = start_http_server(port, addr=addr, registry=registry or REGISTRY)
-    return server
+    def __init__(self, registry: Any, addr: str, port: int) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        from .http1.server import Routes, serve_in_thread
+
+        ctype = CONTENT_TYPE_LATEST.encode()
+
+        def scrape(req: Any) -> None:  # (any GET path, as prometheus_client's own server)
+            if req.method not in (b"GET", b"HEAD"):
+                req.respond(405, b"", ctype=None)
+            else:
+                req.respond(200, generate_latest(registry), ctype=ctype)
+
+        self.server, self.thread, port = serve_in_thread(Routes(fallback=scrape), addr, port,
+                                                         name="kvwire-metrics")
+        self.server_address = (addr, port)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_exporter(port: int, addr: str = "127.0.0.1", registry: Any = None) -> Exporter:
+    """Serve ``/metrics`` over HTTP on ``addr:port`` (loopback by default); returns the server."""
+    from prometheus_client import REGISTRY
+
+    return Exporter(registry or REGISTRY, addr, port)

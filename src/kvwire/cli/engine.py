@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace):
     """The :class:`EngineOptions` the flags say (ValueError on a bad combination)."""
     from ..engine import EngineConfig, StepCost
-    from ..engine.app import EngineOptions
+    from ..engine.server.app import EngineOptions
 
     cost = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
                     args.step_decode_seq_us * 1e-6, args.step_context_token_ns * 1e-9)
@@ -140,19 +140,15 @@ def run(args: argparse.Namespace) -> int:
 
         tok = load_tokenizer(args.tokenizer, chat_template=args.chat_template,
                              content_format=args.chat_template_content_format)
-        from ..engine.app import EngineApp
+        from ..engine.server.app import EngineApp
 
         app = EngineApp(opts, tok)
     except ValueError as e:  # TokenizerError too
         print(f"kvwire engine: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    try:
-        import uvloop
+    from ..http1.server import run_loop
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
-        runner = asyncio.run
-    return runner(_serve(app, args.host, args.port))
+    return run_loop(_serve(app, args.host, args.port))  # (on uvloop when installed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ __all__ = ["EXTRA_MODULES", "NEEDS", "Need", "extra_for_module", "install_hint",
 #: The top-level modules kvwire imports from each extra (a subset of its distributions:
 #: what is there when the extra is installed).
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "serve": ("fastapi", "uvicorn", "prometheus_client", "tokenizers"),
+    "serve": ("prometheus_client", "tokenizers"),
     "nats": ("nats",),
     "sim": ("matplotlib",),
     "tokenize": ("tokenizers",),

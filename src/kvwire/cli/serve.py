@@ -7,7 +7,6 @@ Wired into ``kvwire`` by :mod:`kvwire.cli.main` through :func:`register` / :func
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import os
@@ -184,9 +183,11 @@ def tune_process() -> None:
 
     * A 0.5 ms GIL switch interval (not 5 ms): the subscriber thread ingests while the event
       loop answers, and this bounds how long a request waits behind an ingest burst.
-    * ``gc.freeze()``: the ~55,000 objects of the imports and the app (FastAPI, pydantic,
-      uvicorn) move out of the cyclic collector's sight. Full collections had to walk them
-      all and took 50-90 ms each: a few per minute under load, each one a p99 outlier.
+    * ``gc.freeze()``: the ~40,000 objects of the imports and the app (prometheus_client,
+      httpx, msgspec's types, the index) move out of the cyclic collector's sight. Full
+      collections had to walk them all (tens of ms each, 2026-12 on the 2-core box: still
+      worth it after FastAPI, pydantic and uvicorn left): a few per minute under load, each
+      one a p99 outlier.
     * A larger first-generation threshold: a routed request makes a few dozen short-lived
       containers, so the default 700 ran a young collection every ~20 requests.
     """
@@ -197,13 +198,12 @@ def tune_process() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the subscriber thread and uvicorn; blocks until interrupted. Exit statuses:
+    """Start the subscriber thread and the HTTP server; blocks until interrupted. Exit statuses:
     0 stopped, 1 cannot connect (--nats) or listen, 2 bad configuration or no extra."""
     try:
-        import uvicorn
-
         from ..consume.stream import StreamConfig
-        from ..router.app import build_app, fast_app
+        from ..http1.server import Server
+        from ..router.app import build_app
         from ..router.indexer import Indexer
         from ..router.proxy import Proxy
         from ..routing.core import RouterCore
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
         return EXIT_USAGE
-    level = configure_logging(args, stamped=True)
+    configure_logging(args, stamped=True)
     try:
         nats = None
         engines = args.engine
@@ -291,8 +291,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if proxy is not None:
         proxy.start()  # (it logged already if it routes by load only: no --tokenizer)
-    # Bind here, not in uvicorn: `--port 0` then prints the port the OS gave, and a port in
-    # use is one clear line instead of uvicorn's traceback.
+    # Bind here, before the server starts: `--port 0` then prints the port the OS gave, and
+    # a port in use is one clear line.
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -306,21 +306,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
           file=sys.stderr, flush=True)
     try:
-        app = fast_app(build_app(core, proxy, indexer, admin_token=_admin_token(args),
-                                 engines_file=kept))
+        app = build_app(core, proxy, indexer, admin_token=_admin_token(args),
+                        engines_file=kept)
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
-        if proxy is not None:  # /v1 on the lean server (router/front.py), the rest bridged
-            from ..router.front import Server
-
-            Server(app, proxy, drain_timeout=args.shutdown_timeout).run(sockets=[sock])
-        else:
-            config = uvicorn.Config(app, log_level=level,
-                                    access_log=False, lifespan="off",
-                                    proxy_headers=False,  # no X-Forwarded-* rewriting
-                                    timeout_graceful_shutdown=args.shutdown_timeout)
-            _uvicorn_server()(config).run(sockets=[sock])
+        Server(app, drain_timeout=args.shutdown_timeout,
+               on_stop=proxy.close_pools if proxy is not None else None).run(sockets=[sock])
     finally:
         sock.close()
         if proxy is not None:
@@ -357,25 +349,6 @@ def _tokenizer(args: argparse.Namespace):
     return load_tokenizer(None if spec == "builtin" else spec,
                           chat_template=args.chat_template,
                           content_format=args.chat_template_content_format)
-
-
-def _uvicorn_server() -> type:
-    import uvicorn
-
-    class Quiet(uvicorn.Server):
-        """uvicorn raises the signal that stopped it again once it has shut down, so the
-        process would die by it: no cleanup after, and -15 for the exit status 0 that
-        kvwire serve documents for a stop. Here the stop ends :func:`run` normally."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    self._captured_signals.clear()  # (read by the super's exit)
-
-    return Quiet
 
 
 def _kept_engines(path: str, engines: list, nats: Any) -> tuple[Any, list, set[str]]:

@@ -1,13 +1,8 @@
-"""HTTP/1.1 pieces shared by kvwire's three lean servers: the engine (:mod:`kvwire.engine.http`),
-the proxy's front (:mod:`kvwire.router.front`) and the indexer (:mod:`kvwire.router.indexer_http`).
-In each, httptools parses and an ``asyncio.Protocol`` per connection writes.
-
-Why each keeps its own Protocol: their hot paths read different parts of a request (the
-proxy every header, the engine one, the indexer none; httptools calls ``on_header`` only on
-an object that has it) and answer in different ways (a stream, a held head, one write). What
-is the same lives here: status lines, the answer to bad HTTP (:func:`feed`, :func:`refuse`),
-the body cap (:data:`MAX_BODY`), and the order of requests on a keep-alive connection
-(:class:`InOrder`).
+"""kvwire's one HTTP/1.1 stack: the server (:mod:`kvwire.http1.server`, under the engine, the
+router, the indexer and ``listen --metrics``) and the upstream client pool
+(:mod:`kvwire.http1.client`). Here, what both use: status lines, the answer to bad HTTP
+(:func:`feed`, :func:`refuse`), the body cap (:data:`MAX_BODY`), the order of requests on a
+keep-alive connection (:class:`InOrder`) and the one error type (:class:`HttpError`).
 """
 
 from __future__ import annotations
@@ -20,7 +15,10 @@ from typing import Any, Protocol
 
 import httptools
 
-__all__ = ["MAX_BODY", "TOO_LARGE", "InOrder", "feed", "reason", "refuse", "status_line"]
+from ..errors import HttpError
+
+__all__ = ["MAX_BODY", "TOO_LARGE", "HttpError", "InOrder", "feed", "reason", "refuse",
+           "status_line"]
 
 log = logging.getLogger("kvwire.http1")
 
@@ -31,6 +29,10 @@ log = logging.getLogger("kvwire.http1")
 MAX_BODY = 64 << 20
 #: The message of that 413.
 TOO_LARGE = b"request body too large"
+
+
+
+
 
 
 def reason(status: int) -> bytes:

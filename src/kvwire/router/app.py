@@ -1,4 +1,5 @@
-"""``kvwire serve``'s HTTP face (FastAPI + uvicorn; ``pip install kvwire[serve]``).
+"""``kvwire serve``'s HTTP face: its routes on kvwire's one HTTP server
+(:mod:`kvwire.http1.server`), the proxy's ``/v1`` paths among them.
 
 Bodies are decoded with msgspec, not pydantic: a 2k-token prompt decodes in microseconds, and
 its errors name the offending field (``Expected `int`, got `str` - at `$.token_ids[3]```).
@@ -9,28 +10,26 @@ Every bad request is answered 4xx with ``{"error": ..., "reason": ...}`` and cou
 from __future__ import annotations
 
 import math
-import socket
 import threading
 import time
 from array import array
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..routing.core import RouteError, RouterCore
+from ..http1 import HttpError
+from ..http1.server import Request, Routes, Server
+from ..http1.server import serve_in_thread as _serve_in_thread
+from ..routing.core import RouterCore
 from .indexer import INDEXER_PATHS, Indexer
 from .membership import add_membership_routes
 from .status_feed import StatusFeed
 from .status_page import STATUS_HTML
 from .tokens import parse_route_body
 
-__all__ = ["build_app", "fast_app", "serve_in_thread"]
+__all__ = ["RouterApp", "build_app", "serve_in_thread"]
 
 #: Token ids are vocabulary indices: non-negative and below 2^32.
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
@@ -177,19 +176,38 @@ class _IndexerCollector:
         yield from (c, g)
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(_enc.encode(obj), status_code=status, media_type="application/json")
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+_HTML = b"text/html; charset=utf-8"
+#: refusals the bad-request counter does not count: a handler's failure (logged), and a
+#: body over the cap (refused by the server before any route)
+_UNCOUNTED = frozenset(("internal", "too_large"))
+
+
+class RouterApp(Routes):
+    """``kvwire serve``'s route table, with the objects its routes answer from."""
+
+    core: RouterCore
+    proxy: Any
+    metrics: _Metrics
+    indexer: Indexer
+    status_feed: StatusFeed
 
 
 def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = None,
-              admin_token: str | None = None, engines_file: Any = None) -> FastAPI:
-    """The FastAPI app over ``core`` (whose subscriber thread the caller starts/stops);
-    with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), ``fast_app`` also serves
-    ``/v1`` and ``/health`` needs an engine live on both HTTP and events. With
-    ``admin_token``, ``POST /engines`` and ``DELETE /engines/{name}`` change the engines
+              admin_token: str | None = None, engines_file: Any = None) -> RouterApp:
+    """The routes over ``core`` (whose subscriber thread the caller starts/stops): ``POST
+    /route``, ``/score``, ``/release``, ``GET /engines``, ``/health``, ``/metrics``, the
+    status page (``/``, ``/status.json``), the RFC #1403 indexer API over the same index;
+    with ``proxy`` (a :class:`~kvwire.router.proxy.Proxy`), its ``/v1`` paths too and
+    ``/health`` needs an engine live on both HTTP and events. With ``admin_token``, ``POST
+    /engines`` and ``DELETE /engines/{name}`` change the engines
     (:mod:`~kvwire.router.membership`); without, they answer 403. With ``engines_file``
-    (an :class:`~kvwire.router.engines_file.EnginesFile`) those changes are kept there."""
-    app = FastAPI(title="kvwire router", docs_url=None, redoc_url=None, openapi_url=None)
+    (an :class:`~kvwire.router.engines_file.EnginesFile`) those changes are kept there.
+
+    ``/route``, ``/score`` and ``/release`` are answered in the request's own callback: no
+    task, no framework object; their body's ``token_ids`` parsed by a small C parser."""
+    app = RouterApp(render=HttpError.kvwire,
+                    headers=True if proxy is not None else (b"authorization",))
     metrics = _Metrics(core, proxy)
     feed = StatusFeed(core, proxy)  # the status page's charts, sampled once a second
 
@@ -199,187 +217,104 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
 
     core.on_route = on_route
     feed.start()
-    app.state.status_feed = feed
-    app.state.core = core
-    app.state.proxy = proxy
-    app.state.metrics = metrics
-    # the RFC #1403 indexer API over the same index (fast_app answers its paths)
-    app.state.indexer = indexer = (indexer if indexer is not None
-                                   else Indexer(core, max_tokens=core.max_tokens))
+    app.status_feed = feed
+    app.core = core
+    app.proxy = proxy
+    app.metrics = metrics
+    # the RFC #1403 indexer API over the same index
+    app.indexer = indexer = (indexer if indexer is not None
+                             else Indexer(core, max_tokens=core.max_tokens))
     metrics.registry.register(_IndexerCollector(indexer))
+    bad = metrics.bad
 
-    def bad(status: int, message: str, reason: str) -> Response:
-        metrics.bad.labels(reason).inc()
-        return _json({"error": message, "reason": reason}, status)
+    def counted(req: Request, e: HttpError) -> None:
+        if e.reason not in _UNCOUNTED:
+            bad.labels(e.reason).inc()
 
-    @app.exception_handler(RouteError)
-    async def _route_error(request: Request, exc: RouteError) -> Response:
-        return bad(exc.status, str(exc), exc.reason)
+    app.on_error = counted
+    latency = {True: metrics.latency.labels("route"), False: metrics.latency.labels("score")}
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return bad(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                   "http_" + str(exc.status_code))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return bad(422, str(exc.errors())[:500], "validation")
-
-    async def decode(request: Request, dec: msgspec.json.Decoder) -> Any:
-        return _decode_body(await request.body(), dec)
-
-    async def _answer(request: Request, reserve: bool) -> Response:
+    def answer(req: Request, reserve: bool) -> None:
         t0 = time.perf_counter()
-        body = _decode_route(await request.body())
+        body = _decode_route(req.body)
         out = core.route(body.token_ids, body.lora_name, body.salt, reserve=reserve)
-        metrics.latency.labels("route" if reserve else "score").observe(
-            time.perf_counter() - t0)
-        return _json(out)
+        latency[reserve].observe(time.perf_counter() - t0)
+        req.respond(200, _enc.encode(out))
 
-    @app.post("/route")
-    async def route(request: Request) -> Response:
-        """Choose an engine and reserve load under the returned request_id."""
-        return await _answer(request, True)
+    # Choose an engine and reserve load under the returned request_id.
+    app.add("POST", "/route", lambda req: answer(req, True))
+    # The same answer as /route, reserving nothing.
+    app.add("POST", "/score", lambda req: answer(req, False))
 
-    @app.post("/score")
-    async def score(request: Request) -> Response:
-        """The same answer as /route, reserving nothing."""
-        return await _answer(request, False)
+    @app.route("POST", "/release")
+    def release(req: Request) -> None:
+        rel = _decode_body(req.body, _release_dec)
+        req.respond(200, _enc.encode(core.release(rel.request_id, rel.output_tokens)))
 
-    @app.post("/release")
-    async def release(request: Request) -> Response:
-        body = await decode(request, _release_dec)
-        return _json(core.release(body.request_id, body.output_tokens))
+    def indexer_api(req: Request) -> None:
+        target = req.path.decode() + ("?" + req.query.decode("latin-1") if req.query else "")
+        req.respond(*indexer.handle(req.method.decode(), target, req.body))
 
-    @app.get("/engines")
-    async def engines() -> Response:
+    app.claim(INDEXER_PATHS, indexer_api)
+
+    @app.route("GET", "/engines")
+    def engines(req: Request) -> None:
         out = core.engines_status()
         if proxy is not None:
             for name, st in proxy.status().items():
                 if name in out:
                     out[name]["http"] = st
-        return _json(out)
+        req.respond(200, _enc.encode(out))
 
-    add_membership_routes(app, core, proxy, admin_token, _json, bad, kept=engines_file)
+    add_membership_routes(app, core, proxy, admin_token, kept=engines_file)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.route("GET", "/health")
+    def health(req: Request) -> None:
         ok, why = core.healthy()
         if proxy is not None and ok:
             ok, why = proxy.healthy()
-        return _json({"ok": ok, "detail": why}, 200 if ok else 503)
+        req.respond(200 if ok else 503, _enc.encode({"ok": ok, "detail": why}))
 
-    @app.get("/metrics")
-    async def metrics_page() -> Response:
-        return Response(generate_latest(metrics.registry),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+    @app.route("GET", "/metrics")
+    def metrics_page(req: Request) -> None:
+        req.respond(200, generate_latest(metrics.registry), ctype=_METRICS_TYPE)
 
-    @app.get("/status.json")
-    async def status_json(seconds: str = "300") -> Response:
+    @app.route("GET", "/status.json")
+    def status_json(req: Request) -> None:
         """The status page's charts: per engine, one point a second for ``seconds``."""
+        seconds = req.args().get("seconds", "300")
         try:
             window = float(seconds)
         except ValueError:
             window = math.nan
         if not 1 <= window <= feed.series.capacity * feed.interval:
-            return bad(400, f"seconds must be a number from 1 to "
-                       f"{feed.series.capacity * feed.interval:g}, got {seconds[:40]!r}",
-                       "bad_seconds")
-        return _json(feed.window(window))
+            raise HttpError(400, f"seconds must be a number from 1 to "
+                            f"{feed.series.capacity * feed.interval:g}, got {seconds[:40]!r}",
+                            "bad_seconds")
+        req.respond(200, _enc.encode(feed.window(window)))
 
-    @app.get("/")
-    async def status_page() -> HTMLResponse:
-        return HTMLResponse(STATUS_HTML)
+    app.add("GET", "/", lambda req: req.respond(200, _STATUS_PAGE, ctype=_HTML))
 
+    if proxy is not None:  # the OpenAI paths: the proxy answers them (its errors OpenAI's)
+        from .forward import PASS, PATHS
+        from .responses import PREFIX as RESPONSES_PREFIX
+
+        app.claim((*PATHS, *PASS, b"/v1/models"), proxy.handle, prefix=RESPONSES_PREFIX,
+                  render=HttpError.openai, cap=lambda: proxy.cfg.max_body)
+        app.timed = True  # (its latency histograms start at the request's arrival)
     return app
 
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-def fast_app(app: FastAPI) -> Any:
-    """An ASGI app answering ``POST /route``, ``/score`` and ``/release`` directly (the hot
-    path: no routing table, no Request/Response objects; several times less overhead per
-    request than going through FastAPI) and passing everything else to ``app``. (The
-    proxy's ``/v1`` paths are served by :class:`~kvwire.router.front.Server`, not here.)
-
-    Same answers and errors as the FastAPI routes (which stay registered for the rest)."""
-    core: RouterCore = app.state.core
-    metrics: _Metrics = app.state.metrics
-    indexer: Indexer = app.state.indexer
-    latency = {b"/route": metrics.latency.labels("route"),
-               b"/score": metrics.latency.labels("score")}
-
-    async def asgi(scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("raw_path") or scope.get("path", "").encode()
-        if path in INDEXER_PATHS and scope["type"] == "http":
-            await _indexer_answer(indexer, scope, receive, send, path)
-            return
-        if scope["type"] != "http" or scope["method"] != "POST" or path not in _FAST:
-            await app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        body = await _read_body(receive)
-        if body is None:
-            return  # client went away
-        status = 200
-        try:
-            if path == b"/release":
-                rel = _decode_body(body, _release_dec)
-                out = core.release(rel.request_id, rel.output_tokens)
-            else:
-                req = _decode_route(body)
-                out = core.route(req.token_ids, req.lora_name, req.salt,
-                                 reserve=path == b"/route")
-                latency[path].observe(time.perf_counter() - t0)
-        except RouteError as e:
-            metrics.bad.labels(e.reason).inc()
-            status, out = e.status, {"error": str(e), "reason": e.reason}
-        payload = _enc.encode(out)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*_JSON_HEADERS,
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
-
-    return asgi
-
-
-_FAST = frozenset((b"/route", b"/score", b"/release"))
-
-
-async def _read_body(receive: Any) -> bytes | None:
-    """The ASGI request's whole body (None: the client went away first)."""
-    chunks = []
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            return None
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _indexer_answer(indexer: Indexer, scope: dict, receive: Any, send: Any,
-                          path: bytes) -> None:
-    """An indexer API request, answered by ``Indexer.handle`` (kvwire.router.indexer)."""
-    body = await _read_body(receive)
-    if body is None:
-        return  # client went away
-    qs = scope.get("query_string") or b""
-    target = path.decode() + ("?" + qs.decode("latin-1") if qs else "")
-    status, payload = indexer.handle(scope["method"], target, body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
+_STATUS_PAGE = STATUS_HTML.encode()
 
 
 def _decode_body(body: bytes, dec: msgspec.json.Decoder) -> Any:
     try:
         return dec.decode(body)
     except msgspec.ValidationError as e:
-        raise RouteError(422, f"invalid request body: {e}", "wrong_type") from None
+        raise HttpError(422, f"invalid request body: {e}", "wrong_type") from None
     except msgspec.DecodeError as e:
-        raise RouteError(400, f"malformed JSON body: {e}", "malformed_json") from None
+        raise HttpError(400, f"malformed JSON body: {e}", "malformed_json") from None
 
 
 def _decode_route(body: bytes) -> Any:
@@ -404,35 +339,11 @@ def _decode_route(body: bytes) -> Any:
 def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                     timeout: float = 10.0, proxy: Any = None,
                     admin_token: str | None = None,
-                    engines_file: Any = None) -> tuple[Any, threading.Thread, int]:
-    """Run the app with uvicorn (with ``proxy``: :class:`~kvwire.router.front.Server`) in
-    a daemon thread (tests, docs, embedding).
+                    engines_file: Any = None) -> tuple[Server, threading.Thread, int]:
+    """Serve :func:`build_app`'s routes in a daemon thread (tests, docs, embedding).
 
     Returns ``(server, thread, port)``; stop with ``server.should_exit = True;
     thread.join()``. ``port=0`` picks a free port (the socket is bound here first)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    port = sock.getsockname()[1]
-    if proxy is not None:  # the proxy's hot paths on the lean server, the rest bridged
-        from .front import Server
-
-        server: Any = Server(fast_app(build_app(core, proxy, admin_token=admin_token,
-                                                engines_file=engines_file)), proxy)
-    else:
-        config = uvicorn.Config(fast_app(build_app(core, proxy, admin_token=admin_token,
-                                                   engines_file=engines_file)),
-                                log_level="warning",
-                                access_log=False, lifespan="off", proxy_headers=False)
-        server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name="kvwire-router-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    return server, thread, port
+    routes = build_app(core, proxy, admin_token=admin_token, engines_file=engines_file)
+    server = Server(routes, on_stop=proxy.close_pools if proxy is not None else None)
+    return _serve_in_thread(routes, host, port, timeout, server, name="kvwire-router-http")

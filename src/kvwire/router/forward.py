@@ -1,7 +1,7 @@
 """One proxied generation request, end to end: check, tokenize and route (through the
 :class:`~kvwire.router.proxy.Proxy`), send to the chosen engine, retry on the next-best
 one before the client got a byte, and pass the answer back on the client's
-:class:`~kvwire.router.front.Request`.
+:class:`~kvwire.http1.server.Request`.
 
 The hot path costs one task per request and nothing per streamed chunk beyond the bytes:
 the engine's connection pushes each read's chunks to a :class:`_Relay`, which writes them
@@ -25,13 +25,14 @@ from urllib.parse import parse_qs
 
 import msgspec
 
+from ..http1 import HttpError
 from ..http1.client import Response, UpstreamError
 from ..routing.core import RouteError
 from .proxy_state import Lifecycle, Outcome, marks_down, should_retry
 from .responses import SCAN_LIMIT, addressed
 
 if TYPE_CHECKING:
-    from .front import Request
+    from ..http1.server import Request
     from .proxy import Proxy, _Link
 
 __all__ = ["PASS", "PATHS", "BadRequest", "handle", "openai_error"]
@@ -66,11 +67,9 @@ def openai_error(status: int, message: str, type_: str = "BadRequestError",
                                   "code": status}})
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.param, self.type = status, param, type_
+#: The proxy's refusals are kvwire's one HTTP error, rendered OpenAI's way
+#: (:meth:`~kvwire.http1.HttpError.openai`: ``param``, ``type``).
+BadRequest = HttpError
 
 
 def handle(proxy: Proxy, req: Request) -> None:
@@ -84,16 +83,16 @@ def handle(proxy: Proxy, req: Request) -> None:
         return
     rid = addressed(path)
     if rid == "":
-        _bad(proxy, req, BadRequest(404, f"no such path: {path.decode('latin-1')} (under "
-                                         "/v1/responses/: {id}, {id}/cancel, {id}/input_items)",
-                                    None, "NotFoundError"))
+        _bad(proxy, req, HttpError(404, f"no such path: {path.decode('latin-1')} (under "
+                                        "/v1/responses/: {id}, {id}/cancel, {id}/input_items)",
+                                   type="NotFoundError"))
         return
     if method != b"POST" and (rid is None or method not in (b"GET", b"DELETE")):
         req.respond(405, openai_error(405, "Method Not Allowed", "MethodNotAllowed"))
         return
     if req.too_large:
-        _bad(proxy, req, BadRequest(413, f"request body over {proxy.cfg.max_body} bytes",
-                                    "body"))
+        _bad(proxy, req, HttpError(413, f"request body over {proxy.cfg.max_body} bytes",
+                                   param="body"))
         return
     cap = proxy.cfg.max_in_flight
     if cap and proxy.active >= cap:  # refused whole, before any work: the client retries
@@ -115,10 +114,10 @@ def handle(proxy: Proxy, req: Request) -> None:
     req.on_close = gone
 
 
-def _bad(proxy: Proxy, req: Request, e: BadRequest) -> None:
+def _bad(proxy: Proxy, req: Request, e: HttpError) -> None:
     proxy.counts["bad_requests"] += 1
     proxy.requests["none", e.status] += 1
-    req.respond(e.status, openai_error(e.status, str(e), e.type, e.param))
+    req.respond(e.status, e.openai())
 
 
 async def _serve(proxy: Proxy, req: Request, chat: bool | None,
@@ -138,7 +137,7 @@ async def _serve(proxy: Proxy, req: Request, chat: bool | None,
         else:
             body = proxy._check(req.body, chat)
             tokens = await proxy._tokens(body, chat)
-    except BadRequest as e:
+    except HttpError as e:
         _bad(proxy, req, e)
         return
     known = proxy._known_models()

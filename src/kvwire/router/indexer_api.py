@@ -16,6 +16,7 @@ from urllib.parse import parse_qs
 
 import msgspec
 
+from ..http1 import HttpError
 from ..wire.rfc1527 import standard_sequence_hashes
 from .state_file import write_atomically
 
@@ -43,13 +44,9 @@ InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | Annota
 _U64_END = 1 << 64
 
 
-class BadRequest(ValueError):
-    """A request the indexer refuses: ``status`` (4xx) and a ``reason`` for the counter."""
-
-    def __init__(self, status: int, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
+#: A request the indexer refuses, ``BadRequest(status, message, reason)``: kvwire's one HTTP
+#: error (``reason`` labels the counter).
+BadRequest = HttpError
 
 
 def decode(body: bytes, tp: type) -> Any:

@@ -2,8 +2,8 @@
 
 The indexer's logic is a pure ``handle(method, path, body) -> (status, body)``
 (:mod:`kvwire.router.indexer`); this module only carries requests to it, as fast as Python
-allows: httptools parses, :class:`IndexProtocol` answers each request in its own callback
-with one write (no task, no framework object per request), on uvloop when it is installed;
+allows: kvwire's one HTTP server (:mod:`kvwire.http1.server`) answers each request in its
+own callback with one write (no task per request), on uvloop when it is installed;
 the worker's ingest runs on the same loop (:mod:`kvwire.router.indexer_ingest`). A static
 2,048-token ``/query`` costs 24-46 us of CPU in all, kernel included (docs/benchmarks.md).
 
@@ -29,16 +29,15 @@ import os
 import signal
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-import httptools
+from ..http1 import HttpError
+from ..http1.server import Request, Routes, Server
+from ..http1.server import event_loop as _event_loop
+from ..http1.server import listen as listen_socket
 
-from ..engine.http import Conn
-from ..http1 import MAX_BODY, TOO_LARGE, feed, refuse, status_line
-
-__all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "IndexProtocol", "Sequencer", "WorkerLink",
+__all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "Sequencer", "WorkerLink",
            "listen_socket", "run_workers", "serve_forever"]
 
 log = logging.getLogger("kvwire.router.indexer_http")
@@ -62,145 +61,40 @@ def _text(cache: dict[bytes, str], raw: bytes) -> str:
     return s
 
 
-class IndexHttp:
-    """The per-request app: ``handle`` answers at once; control requests go through
-    ``link`` (a :class:`WorkerLink`) when there are several workers."""
-
-    __slots__ = ("handle", "link", "requests", "on_close")
+class IndexHttp(Routes):
+    """The indexer's routes on the one HTTP server: every request goes to ``handle``, which
+    routes it (no header is read: the parser skips them); control requests go through
+    ``link`` (a :class:`WorkerLink`) when there are several workers, and are answered when
+    every worker has applied them (pipelined requests behind one wait for its answer)."""
 
     def __init__(self, handle: Handle, link: WorkerLink | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(render=HttpError.kvwire, headers=None)
         self.handle = handle
         self.link = link
         self.requests = 0
         #: called when a connection closes (a worker tells the parent's handout)
-        self.on_close = on_close
+        self.on_lost = on_close
 
-    def answer(self, method: bytes, path: bytes, query: bytes, body: bytes) -> tuple[int, bytes]:
-        """``handle``'s answer to a request that is not sequenced (see :meth:`sequenced`)."""
-        self.requests += 1
-        text = _text(_PATHS, path) if not query else (path + b"?" + query).decode("latin-1")
-        return self.handle(_text(_METHODS, method), text, body)
-
-    def sequenced(self, method: bytes, path: bytes) -> bool:
-        """A control request that goes through the parent (several workers)."""
-        return self.link is not None and path in CONTROL_PATHS and method == b"POST"
-
-
-#: a response's head up to its content-length's value, per status
-_HEADS: dict[int, bytes] = {}
-
-
-def _head(status: int) -> bytes:
-    h = _HEADS.get(status)
-    if h is None:
-        h = _HEADS[status] = (status_line(status) + b"content-type: application/json\r\n"
-                              b"content-length: ")
-    return h
-
-
-class IndexProtocol(asyncio.Protocol):
-    """One connection of the indexer's lean server: httptools parses (no header callback:
-    the indexer reads none), each request is answered in its own callback with one write,
-    in order (pipelined requests behind a sequenced one wait for its answer). The engine's
-    server (:mod:`kvwire.engine.http`) does more per request than this API needs: a
-    ``Conn`` object, the header scan for vLLM's DP rank header, streaming. Malformed HTTP
-    gets 400 and the connection is closed; a body over ``MAX_BODY`` is read on and answered
-    413."""
-
-    __slots__ = ("app", "transport", "parser", "_url", "_body", "_size", "_current",
-                 "_queue")
-
-    def __init__(self, app: IndexHttp) -> None:
-        self.app = app
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self._url = b""
-        self._body: list[bytes] = []
-        self._size = 0
-        #: a sequenced request not answered yet (a Conn, answered by the WorkerLink)
-        self._current: Conn | None = None
-        self._queue: deque[tuple[bytes, bytes, bytes | None, bool]] = deque()
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def connection_lost(self, exc) -> None:
-        self.transport = None
-        self._current = None
-        self._queue.clear()
-        if self.app.on_close is not None:
-            self.app.on_close()
-
-    def data_received(self, data: bytes) -> None:
-        bad = feed(self.parser, data)
-        if bad is not None:
-            refuse(self.transport, bad[0], _error(bad[0], bad[1].decode("latin-1")))
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self._url = b""
-        self._body = []
-        self._size = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > MAX_BODY:
-            self._body = []  # read on, keep nothing: answered 413 at the end (see MAX_BODY)
-        else:
-            self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        p = self.parser
-        body = self._body
-        req = (p.get_method(), self._url,
-               None if self._size > MAX_BODY else body[0] if len(body) == 1 else b"".join(body),
-               p.should_keep_alive())
-        if self._current is None and not self._queue:
-            self._serve(*req)
-        else:
-            self._queue.append(req)
-
-    def _serve(self, method: bytes, url: bytes, body: bytes | None, keep_alive: bool) -> None:
-        path, _, query = url.partition(b"?")
-        app = self.app
-        if body is None:  # over MAX_BODY
-            status, out = 413, _error(413, TOO_LARGE.decode())
-        elif app.sequenced(method, path):
-            conn = self._current = Conn(self, method, path, body, keep_alive,  # type: ignore[arg-type]
-                                        None, query)
-            app.requests += 1
-            app.link.submit(conn)  # type: ignore[union-attr]
+    def __call__(self, req: Request) -> None:
+        """(The table has one route: straight to it, in one call on the hot path.)"""
+        if req.too_large:
+            self.fail(req, HttpError(413, "request body too large", "too_large"))
             return
-        else:
-            try:
-                status, out = app.answer(method, path, query, body)
-            except Exception:  # handle never raises; if it does, this request gets a 500
-                log.exception("indexer failed for %s %s", method, path)
-                status, out = 500, _error(500, "internal error")
-        t = self.transport
-        if t is not None:
-            if keep_alive:
-                t.write(b"%s%d\r\n\r\n%s" % (_head(status), len(out), out))
-            else:
-                t.write(b"%s%d\r\nconnection: close\r\n\r\n%s" % (_head(status), len(out),
-                                                                      out))
-                t.close()
-
-    def _finished(self, conn: Conn) -> None:
-        """A sequenced request was answered (``Conn.respond``): on to the ones behind it."""
-        if conn is not self._current:
+        path, method = req.path, req.method
+        try:
+            if self.link is not None and path in CONTROL_PATHS and method == b"POST":
+                self.requests += 1
+                self.link.submit(req)
+                return
+            self.requests += 1
+            query = req.query
+            text = _text(_PATHS, path) if not query else (path + b"?" + query).decode("latin-1")
+            status, out = self.handle(_text(_METHODS, method), text, req.body)
+        except Exception:  # handle never raises; if it does, this request gets a 500
+            self.crashed(req)
             return
-        self._current = None
-        if not conn.keep_alive:
-            if self.transport is not None:
-                self.transport.close()
-            return
-        while self._queue and self._current is None and self.transport is not None:
-            self._serve(*self._queue.popleft())
+        req.respond(status, out)
 
 
 def _error(status: int, message: str) -> bytes:
@@ -217,14 +111,14 @@ class WorkerLink:
         self.handle = handle
         self.worker = worker
         self._next = 0
-        self._waiting: dict[int, tuple[Conn, tuple[int, bytes] | None, float]] = {}
+        self._waiting: dict[int, tuple[Request, tuple[int, bytes] | None, float]] = {}
         self.applied = 0
         self.timeouts = 0
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.add_reader(self.conn.fileno(), self._readable)
 
-    def submit(self, conn: Conn) -> None:
+    def submit(self, conn: Request) -> None:
         self._next += 1
         op = self._next
         self._waiting[op] = (conn, None, time.monotonic() + CONTROL_TIMEOUT)
@@ -293,24 +187,6 @@ class Sequencer:
                 self.conns[origin].send(("done", op))
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (one listener: with several workers the parent's,
-    which hands the connections out)."""
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(fam, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    return s
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # optional (kvwire[fast]); the stdlib loop answers the same, slower
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 def serve_forever(handle: Handle, sock: socket.socket | None, *,
                   link_conn: Connection | None = None, worker: int = 0,
                   ready: Callable[[], None] | None = None,
@@ -322,12 +198,13 @@ def serve_forever(handle: Handle, sock: socket.socket | None, *,
     asyncio.set_event_loop(loop)
     link = WorkerLink(link_conn, handle, worker) if link_conn is not None else None
     app = IndexHttp(handle, link)
+    server = Server(app)
     intake = None
     if handout is not None:
         from .indexer_handout import Intake
 
-        intake = Intake(handout, lambda: IndexProtocol(app))
-        app.on_close = intake.closed
+        intake = Intake(handout, server.protocol)
+        app.on_lost = intake.closed
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -336,11 +213,9 @@ def serve_forever(handle: Handle, sock: socket.socket | None, *,
         # what exists now (the index's tables, modules) lives as long as the process: out of
         # the collector's sight, so a full collection between requests stays short (p99)
         gc.freeze()
-        server = None
         if sock is not None:
-            sock.listen(1024)
             sock.setblocking(False)
-            server = await loop.create_server(lambda: IndexProtocol(app), sock=sock)
+        await server.start([sock] if sock is not None else [], backlog=1024)
         # an indexer that ingests on this loop (Indexer.standalone(on_loop=True), as
         # kvwire index makes it) starts doing so
         attach = getattr(getattr(handle, "__self__", None), "attach", None)
@@ -353,8 +228,7 @@ def serve_forever(handle: Handle, sock: socket.socket | None, *,
         if ready is not None:
             ready()
         await stop.wait()
-        if server is not None:
-            server.close()
+        server.close()
 
     try:
         loop.run_until_complete(main())

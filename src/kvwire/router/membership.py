@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from prometheus_client import Counter
 
 from ..consume.engine_spec import EngineSpec
+from ..http1 import HttpError
+from ..http1.server import Request, Routes
 from ..routing.core import EngineConflict, RouterCore
 from .engines_file import EngineChanges, EnginesFile
 
@@ -44,46 +43,44 @@ class AddBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _add_dec = msgspec.json.Decoder(AddBody)
+_enc = msgspec.json.Encoder()
 
 
-def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str | None,
-                          answer: Callable[..., Response],
-                          bad: Callable[[int, str, str], Response],
+def add_membership_routes(app: Routes, core: RouterCore, proxy: Any, token: str | None,
                           kept: EnginesFile | None = None) -> None:
-    """Register the two admin routes on ``app``. ``answer(obj, status)`` and
-    ``bad(status, message, reason)`` answer (and count a refusal) as the app's other routes
-    do. With ``kept`` (``--engines-file``) each change is written there before it is made:
-    one that cannot be written is refused (507) and nothing changes."""
+    """Register the two admin routes on ``app`` (whose ``metrics.registry`` takes their
+    counter). A refusal is an :class:`~kvwire.http1.HttpError`, answered and counted as the
+    app's other bad requests are. With ``kept`` (``--engines-file``) each change is written
+    there before it is made: one that cannot be written is refused (507) and nothing
+    changes."""
     changes = Counter("kvwire_router_engine_changes", "Engines added and removed at run "
                       "time (POST/DELETE /engines)", ["op"],
-                      registry=app.state.metrics.registry)
+                      registry=app.metrics.registry)  # type: ignore[attr-defined]
     want = token.encode() if token else None
 
-    def refused(request: Request) -> Response | None:
+    def check(request: Request) -> None:
         if want is None:
-            return bad(403, "changing engines at run time is off: start kvwire serve with "
-                       f"--admin-token (or {TOKEN_ENV}) to allow it", "admin_off")
-        got = request.headers.get("authorization", "")
+            raise HttpError(403, "changing engines at run time is off: start kvwire serve "
+                            f"with --admin-token (or {TOKEN_ENV}) to allow it", "admin_off")
+        got = (request.header(b"authorization") or b"").decode("latin-1")
         scheme, _, value = got.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), want):
-            return bad(401, "this needs the admin token: Authorization: Bearer TOKEN",
-                       "admin_token")
-        return None
+            raise HttpError(401, "this needs the admin token: Authorization: Bearer TOKEN",
+                            "admin_token")
 
     # With a file, each change is written (fsync included) in a thread, so the requests in
     # flight on this loop do not wait for the disk; the lock keeps one change at a time
     # between its checks, its write and its making.
     lock = asyncio.Lock()
 
-    async def keep(new: EngineChanges) -> Response | None:
-        """Write the changes to come; a 507 answer if they cannot be written."""
+    async def keep(new: EngineChanges) -> None:
+        """Write the changes to come; HttpError 507 if they cannot be written."""
         assert kept is not None
         try:
             await asyncio.to_thread(kept.commit, new)
         except OSError as e:
-            return bad(507, f"engines file {kept.path} could not be written ({e}): nothing "
-                       "changed", "engines_file")
-        return None
+            raise HttpError(507, f"engines file {kept.path} could not be written ({e}): "
+                            "nothing changed", "engines_file") from None
 
     async def unkeep(old: EngineChanges | None) -> None:
         """A change written but not made after all: the file says what is true again."""
@@ -95,24 +92,22 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             log.error("engines file %s could not be written back (%s): it names a change "
                       "that was not made", kept.path, e)
 
-    @app.post("/engines")
-    async def add_engine(request: Request) -> Response:
+    @app.route("POST", "/engines")
+    async def add_engine(request: Request) -> None:
         """Route to one more engine: ``{"engine": "NAME=EVENTS[,replay=..][,url=..]"}``
         (with ``--nats``: ``"NAME[:RANKS][,url=URL]"``, ``--nats-engine``'s syntax)."""
-        if (no := refused(request)) is not None:
-            return no
-        raw = await request.body()
+        check(request)
         async with lock:
-            return await _add(raw)
+            await _add(request, request.body)
 
-    async def _add(raw: bytes) -> Response:
+    async def _add(request: Request, raw: bytes) -> None:
         try:
             body = _add_dec.decode(raw)
         except msgspec.DecodeError as e:  # (ValidationError included)
             syntax = ("NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]"
                       if core.nats is None else "NAME[:RANKS][,url=URL]")
-            return bad(400, f"invalid body: {e}; expected {{\"engine\": \"{syntax}\"}}",
-                       "bad_engine")
+            raise HttpError(400, f"invalid body: {e}; expected {{\"engine\": \"{syntax}\"}}",
+                            "bad_engine") from None
         try:
             spec = (EngineSpec.parse(body.engine) if core.nats is None
                     else EngineSpec.parse_named(body.engine, "engine"))
@@ -124,8 +119,7 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
             if kept is not None:
                 core.check_unused(spec.name)  # (refused before the file is written)
                 old = kept.changes
-                if (no := await keep(old.add(spec.name, body.engine))) is not None:
-                    return no
+                await keep(old.add(spec.name, body.engine))
             try:
                 if proxy is not None:
                     proxy.add_engine(spec)
@@ -135,39 +129,40 @@ def add_membership_routes(app: FastAPI, core: RouterCore, proxy: Any, token: str
                 await unkeep(old)
                 raise
         except EngineConflict as e:
-            return bad(409, str(e), "engine_exists")
+            raise HttpError(409, str(e), "engine_exists") from None
+        except HttpError:
+            raise
         except ValueError as e:
-            return bad(400, str(e), "bad_engine")
+            raise HttpError(400, str(e), "bad_engine") from None
         except RuntimeError as e:  # the subscriber closed: the router is stopping
-            return bad(503, f"engine {spec.name!r} not added, the router is stopping ({e})",
-                       "stopping")
+            raise HttpError(503, f"engine {spec.name!r} not added, the router is stopping "
+                            f"({e})", "stopping") from None
         changes.labels("add").inc()
         log.info("engine %s added at run time: %s", spec.name, body.engine)
-        return answer({"added": spec.name, "streams": spec.stream_names(),
-                       "url": spec.url}, 201)
+        request.respond(201, _enc.encode({"added": spec.name, "streams": spec.stream_names(),
+                                          "url": spec.url}))
 
-    @app.delete("/engines/{name}")
-    async def remove_engine(request: Request, name: str) -> Response:
+    @app.route("DELETE", "/engines/{name}")
+    async def remove_engine(request: Request) -> None:
         """Stop routing to an engine; requests already sent there run to their end."""
-        if (no := refused(request)) is not None:
-            return no
+        check(request)
         async with lock:
-            return await _remove(name)
+            await _remove(request, (request.params or {})["name"])
 
-    async def _remove(name: str) -> Response:
+    async def _remove(request: Request, name: str) -> None:
         old = None
         if kept is not None and core.routes_to(name):
             old = kept.changes
-            if (no := await keep(old.remove(name))) is not None:
-                return no
+            await keep(old.remove(name))
         if proxy is not None:
             in_flight = proxy.remove_engine(name)
             gone = in_flight is None
         else:
             in_flight, gone = 0, not core.remove_engine(name)
         if gone:  # (never after routes_to(): engines leave only here, under the lock)
-            return bad(404, f"no engine named {name[:80]!r} is routed to", "unknown_engine")
+            raise HttpError(404, f"no engine named {name[:80]!r} is routed to",
+                            "unknown_engine")
         changes.labels("remove").inc()
         log.info("engine %s removed at run time (%d requests in flight there)", name,
                  in_flight)
-        return answer({"removed": name, "in_flight": in_flight})
+        request.respond(200, _enc.encode({"removed": name, "in_flight": in_flight}))

@@ -10,7 +10,7 @@ retries, the load lifecycle) live in :mod:`.proxy_state`, routing in
 Per request: decode the few fields routing needs (the body is forwarded unchanged),
 tokenize (``--tokenizer``), route, then :mod:`.forward` sends it to the engine over a
 keep-alive pool and passes the answer back chunk by chunk as it arrives, on the lean
-server of :mod:`.front`. A client that goes away cancels the upstream request, which
+server of :mod:`kvwire.http1.server`. A client that goes away cancels the upstream request, which
 closes its connection: the engine aborts it.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from ..consume.engine_spec import EngineSpec
+from ..http1 import HttpError
 from ..http1.client import Pool, UpstreamError
 from ..routing.core import RouterCore
 from ..tokenize.content import engine_template_kwargs
@@ -294,7 +295,7 @@ class Proxy:
                 or path.startswith(RESPONSES_PREFIX))
 
     def handle(self, req: Any) -> None:
-        """Answer a :class:`~kvwire.router.front.Request` for a path :meth:`handles`."""
+        """Answer a :class:`~kvwire.http1.server.Request` for a path :meth:`handles`."""
         handle(self, req)
 
     def ended(self) -> None:
@@ -320,9 +321,9 @@ class Proxy:
     def _check(self, body: bytes, chat: bool) -> _Body:
         req = _decode(_body_dec, body)
         if chat and req.messages is None:
-            raise BadRequest(400, "`messages` is required", "messages")
+            raise HttpError(400, "`messages` is required", param="messages")
         if not chat and req.prompt is None:
-            raise BadRequest(400, "`prompt` is required", "prompt")
+            raise HttpError(400, "`prompt` is required", param="prompt")
         self._check_model(req.model)
         return req
 
@@ -337,8 +338,8 @@ class Proxy:
         if model is not None:
             known = self._known_models()
             if known and model not in known:
-                raise BadRequest(404, f"The model `{model}` does not exist.", "model",
-                                 "NotFoundError")
+                raise HttpError(404, f"The model `{model}` does not exist.", param="model",
+                                type="NotFoundError")
 
     def _known_models(self) -> dict[str, str | None]:
         """Model id -> parent (LoRA adapters) over the engines; rebuilt only after a probe
@@ -360,21 +361,21 @@ class Proxy:
         if not chat:
             if isinstance(prompt, list):
                 if not prompt:
-                    raise BadRequest(400, "`prompt` is empty", "prompt")
+                    raise HttpError(400, "`prompt` is empty", param="prompt")
                 first = prompt[0]
                 if isinstance(first, int) and not isinstance(first, bool):
                     if not all(type(t) is int and t >= 0 for t in prompt):
-                        raise BadRequest(400, "`prompt` token ids must be integers >= 0",
-                                         "prompt")
+                        raise HttpError(400, "`prompt` token ids must be integers >= 0",
+                                        param="prompt")
                     return prompt  # token ids: no tokenizing
                 if isinstance(first, list):
                     if not all(type(t) is int and t >= 0 for t in first):
-                        raise BadRequest(400, "`prompt` token ids must be integers >= 0",
-                                         "prompt")
+                        raise HttpError(400, "`prompt` token ids must be integers >= 0",
+                                        param="prompt")
                     return first
                 if not isinstance(first, str):
-                    raise BadRequest(400, "`prompt` must be a string, token ids, or a list "
-                                     "of either", "prompt")
+                    raise HttpError(400, "`prompt` must be a string, token ids, or a list "
+                                    "of either", param="prompt")
                 prompt = first
         if self.mode == "none":
             return ()
@@ -396,8 +397,8 @@ class Proxy:
             else:
                 toks = self.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
         except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
-            raise BadRequest(400, f"cannot tokenize the request: {e}",
-                             "messages" if chat else "prompt") from None
+            raise HttpError(400, f"cannot tokenize the request: {e}",
+                            param="messages" if chat else "prompt") from None
         self.metrics.tokenize.observe(time.perf_counter() - t0)
         return toks
 
@@ -417,7 +418,7 @@ class Proxy:
                     continue_final_message=conv.continue_final_message,
                     reasoning_effort=conv.reasoning_effort,
                     chat_template_kwargs=body.chat_template_kwargs), True)
-            except BadRequest:
+            except HttpError:
                 pass
         self.counts["responses_by_load"] += 1
         return ()
@@ -496,9 +497,9 @@ def _decode(dec: msgspec.json.Decoder, body: bytes) -> Any:
     except msgspec.ValidationError as e:
         msg = str(e)
         param = msg.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in msg else None
-        raise BadRequest(400, f"invalid request body: {msg}", param) from None
+        raise HttpError(400, f"invalid request body: {msg}", param=param) from None
     except msgspec.DecodeError as e:
-        raise BadRequest(400, f"malformed JSON body: {e}", "body") from None
+        raise HttpError(400, f"malformed JSON body: {e}", param="body") from None
 
 
 def _streams(core: RouterCore, engine: str) -> list[str]:

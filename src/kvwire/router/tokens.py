@@ -1,6 +1,6 @@
 """The optional C parser of a /route body's token ids (``_tokens.c``): JSON digits straight
 to int64s, no Python int per token and no second pass over the array. Kept apart from the HTTP app so that
-``kvwire.native_status()`` can report it without importing FastAPI."""
+``kvwire.native_status()`` can report it without importing the HTTP app."""
 
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from typing import Any
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import StreamConfig
 from ..consume.subscriber import StreamSpec
+from ..errors import HttpError
 from .feed import Feed
 from .ingest import Ingest
 from .load import LoadTracker
@@ -60,13 +61,9 @@ class EngineConflict(ValueError):
     """An engine added at run time whose name (or one of its stream names) is in use."""
 
 
-class RouteError(ValueError):
-    """A request the router cannot serve; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
+#: A request the router cannot serve: kvwire's one error, ``RouteError(status, message,
+#: reason)``, which the HTTP side answers with ``status``.
+RouteError = HttpError
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """OpenAI/vLLM request and response shapes for ``kvwire engine`` (pure: bytes in, bytes out).
 
 Requests are decoded with msgspec in one pass and checked the way vLLM checks them; every
-problem is an :class:`ApiError` carrying vLLM's status and OpenAI's error object, so the
+problem is an :class:`~kvwire.http1.HttpError` carrying vLLM's status and OpenAI's error object, so the
 HTTP layer never answers 500 for a client's mistake. Responses are built as bytes: the
 streamed chunks from per-request templates (one ``json`` encode of the new text per chunk),
 which is what keeps a streamed token cheap.
@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from ...http1 import HttpError
+
 __all__ = [
     "ApiError", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "StreamOptions",
     "TokenizeRequest", "decode_request", "error_body", "prompt_inputs",
@@ -22,19 +24,11 @@ __all__ = [
 _json_encode = msgspec.json.Encoder().encode
 
 
-class ApiError(Exception):
-    """A request vLLM would refuse: ``status``, and the ``error`` object it answers with."""
-
-    def __init__(self, status: int, message: str, type: str = "BadRequestError",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, self.type, self.param)
+def ApiError(status: int, message: str, type: str = "BadRequestError",  # noqa: N802
+             param: str | None = None) -> HttpError:
+    """A request vLLM would refuse: the :class:`~kvwire.http1.HttpError` of ``status`` with
+    the ``error`` object vLLM answers with (``type``, ``param``)."""
+    return HttpError(status, message, type=type, param=param)
 
 
 def error_body(status: int, message: str, type: str, param: str | None = None) -> bytes:

@@ -8,7 +8,7 @@ check that the published events rebuild them). One :class:`EngineCore` and
 goes to the rank with the least load (waiting x 4 + running, vLLM's DP balancing).
 
 A request's life: decode and check (ApiError -> vLLM's status and error object), tokenize,
-pick its output (:mod:`.textgen`), submit at the model's current time; the runner's step
+pick its output (:mod:`kvwire.engine.textgen`), submit at the model's current time; the runner's step
 ends call the request's sink, which writes SSE chunks or, at the end, the whole response.
 A client that disconnects aborts its requests, which frees their blocks.
 """
@@ -26,10 +26,13 @@ from typing import Any
 
 import msgspec
 
-from .core import EngineCore, Handle
-from .http import Conn, serve
-from .metrics import render
-from .model import EngineConfig
+from ...http1 import HttpError, reason
+from ...http1.server import Request, Routes, Server
+from ..core import EngineCore, Handle
+from ..metrics import render
+from ..model import EngineConfig
+from ..request import EngineRequest
+from ..textgen import Output, TextGen
 from .openai import (
     DONE,
     ApiError,
@@ -39,12 +42,11 @@ from .openai import (
     Shape,
     TokenizeRequest,
     decode_request,
+    error_body,
     prompt_inputs,
     usage,
 )
-from .request import EngineRequest
 from .runner import Runner
-from .textgen import Output, TextGen
 
 __all__ = ["EngineApp", "EngineOptions"]
 
@@ -87,7 +89,7 @@ class _Job:
     __slots__ = ("app", "conn", "shape", "stream", "usage", "timing", "handles", "outputs",
                  "left", "started", "rank", "finished")
 
-    def __init__(self, app: EngineApp, conn: Conn, shape: Shape, stream: bool,
+    def __init__(self, app: EngineApp, conn: Request, shape: Shape, stream: bool,
                  include_usage: bool, timing: bool) -> None:
         self.app = app
         self.conn = conn
@@ -178,24 +180,24 @@ class EngineApp:
         self._ids = itertools.count()
         self._turn = itertools.count()
         self._prefix = os.urandom(4).hex()
-        self.server: asyncio.Server | None = None
+        self.server: Server | None = None
         self.port = 0
-        self._routes = {
-            (b"POST", b"/v1/completions"): lambda c: self._generate(c, False),
-            (b"POST", b"/v1/chat/completions"): lambda c: self._generate(c, True),
-            (b"GET", b"/v1/models"): self._models,
-            (b"POST", b"/tokenize"): self._tokenize,
-            (b"POST", b"/detokenize"): self._detokenize,
-            (b"GET", b"/health"): lambda c: c.respond(200, b"", b"text/plain"),
-            (b"GET", b"/metrics"): self._metrics,
-            (b"GET", b"/kvwire/cache"): self._cache,
-        }
-        self._paths = {p for _, p in self._routes}
+        self.routes = r = Routes(render=_render, headers=(b"x-data-parallel-rank",),
+                                 fallback=self._not_found, fail_started="end")
+        r.add("POST", "/v1/completions", lambda c: self._generate(c, False))
+        r.add("POST", "/v1/chat/completions", lambda c: self._generate(c, True))
+        r.add("GET", "/v1/models", self._models)
+        r.add("POST", "/tokenize", self._tokenize)
+        r.add("POST", "/detokenize", self._detokenize)
+        r.add("GET", "/health", lambda c: c.respond(200, b"", ctype=b"text/plain"))
+        r.add("GET", "/metrics", self._metrics)
+        r.add("GET", "/kvwire/cache", self._cache)
+        r.on_error = self._refused
 
     # ------------------------------------------------------------------ lifecycle
 
     def _publisher(self, rank: int):
-        from ..publish.publisher import ZmqEventPublisher
+        from ...publish.publisher import ZmqEventPublisher
 
         ref = self.opts.publisher == "reference"
         return ZmqEventPublisher(
@@ -213,14 +215,15 @@ class EngineApp:
             for rank, core in enumerate(self.cores):
                 pub = self.publishers[rank] if self.publishers else None
                 self.runners.append(Runner(core, self.opts.speed, pub, t0=t0))
-            self.server = await serve(self, host, port)
+            self.server = Server(self.routes)
+            await self.server.start(host=host, port=port)
         except BaseException:
             for p in self.publishers:
                 p.shutdown(timeout=0)
             raise
         for r in self.runners:
             r.start()
-        self.port = self.server.sockets[0].getsockname()[1]
+        self.port = self.server.port
         return self.port
 
     @property
@@ -242,19 +245,18 @@ class EngineApp:
 
     # ------------------------------------------------------------------ routing
 
-    def __call__(self, conn: Conn) -> None:
-        route = self._routes.get((conn.method, conn.path))
-        try:
-            if route is None:
-                if conn.path in self._paths:
-                    raise ApiError(405, "Method Not Allowed", "Method Not Allowed")
-                raise ApiError(404, f"Not Found: {conn.path.decode(errors='replace')}",
-                               "NotFoundError")
-            route(conn)
-        except ApiError as e:
-            self.errors[e.status] += 1
-            log.debug("%s %s -> %d %s", conn.method, conn.path, e.status, e.message)
-            conn.respond(e.status, e.body())
+    def _not_found(self, conn: Request) -> None:
+        """vLLM's answers to a path it does not serve, or a method its path does not take."""
+        if conn.path in self.routes.paths:
+            raise ApiError(405, "Method Not Allowed", "Method Not Allowed")
+        raise ApiError(404, f"Not Found: {conn.path.decode(errors='replace')}",
+                       "NotFoundError")
+
+    def _refused(self, conn: Request, e: HttpError) -> None:
+        if e.status == 413 or e.reason == "internal":  # (refused before routing, or a
+            return  # failure of ours, logged: not a bad request of the API's)
+        self.errors[e.status] += 1
+        log.debug("%s %s -> %d %s", conn.method, conn.path, e.status, e.message)
 
     def _lora(self, model: str | None) -> int | None:
         if model is None or model == self.opts.model:
@@ -290,11 +292,11 @@ class EngineApp:
                            param="X-data-parallel-rank")
         return rank
 
-    def _generate(self, conn: Conn, chat: bool) -> None:
+    def _generate(self, conn: Request, chat: bool) -> None:
         req = decode_request(conn.body, ChatRequest if chat else CompletionRequest)
         lora = self._lora(req.model)
         tok = self.tok
-        from ..tokenize import TokenizerError
+        from ...tokenize import TokenizerError
 
         prompts: list[list[int]] = []
         try:
@@ -351,7 +353,7 @@ class EngineApp:
             conn.start_stream()
         runner.wake()
 
-    def _models(self, conn: Conn) -> None:
+    def _models(self, conn: Request) -> None:
         def card(name: str, parent: str | None) -> dict[str, Any]:
             return {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
                     "root": name, "parent": parent, "max_model_len": self.max_model_len,
@@ -365,8 +367,8 @@ class EngineApp:
         data = [card(self.opts.model, None)] + [card(n, self.opts.model) for n in self.opts.loras]
         conn.respond(200, _enc({"object": "list", "data": data}))
 
-    def _tokenize(self, conn: Conn) -> None:
-        from ..tokenize import TokenizerError
+    def _tokenize(self, conn: Request) -> None:
+        from ...tokenize import TokenizerError
 
         req = decode_request(conn.body, TokenizeRequest)
         self._lora(req.model)
@@ -389,20 +391,21 @@ class EngineApp:
         conn.respond(200, _enc({"count": len(ids), "max_model_len": self.max_model_len,
                                 "tokens": ids, "token_strs": strs}))
 
-    def _detokenize(self, conn: Conn) -> None:
+    def _detokenize(self, conn: Request) -> None:
         req = decode_request(conn.body, DetokenizeRequest)
         self._lora(req.model)
         self._check_ids(req.tokens, "tokens")
         conn.respond(200, _enc({"prompt": self.tok.decode(req.tokens)}))
 
-    def _metrics(self, conn: Conn) -> None:
+    def _metrics(self, conn: Request) -> None:
         engines = [({"model_name": self.opts.model, "engine": str(c.rank)}, c.stats, c.gauges)
                    for c in self.cores]
         extra = {"bad_requests": sum(self.errors.values()), "aborted_requests": self.aborted,
                  "published_batches": sum(r.published for r in self.runners)}
-        conn.respond(200, render(engines, extra), b"text/plain; version=0.0.4; charset=utf-8")
+        conn.respond(200, render(engines, extra),
+                     ctype=b"text/plain; version=0.0.4; charset=utf-8")
 
-    def _cache(self, conn: Conn) -> None:
+    def _cache(self, conn: Request) -> None:
         """Each rank's dump taken between its steps (:meth:`Runner.at_quiet`), with the
         seq of the last batch its publisher took: exact at that seq, under load too."""
         ranks: list[dict[str, Any] | None] = [None] * len(self.cores)
@@ -417,3 +420,9 @@ class EngineApp:
 
         for rank, runner in enumerate(self.runners):
             runner.at_quiet(lambda r=rank: take(r))
+
+
+def _render(e: HttpError) -> bytes:
+    """vLLM's error object; an error of the HTTP layer (bad HTTP, a body over the cap) is
+    typed by its reason phrase."""
+    return error_body(e.status, e.message, e.type or reason(e.status).decode(), e.param)

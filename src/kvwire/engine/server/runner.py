@@ -19,8 +19,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..wire.events import KVEventBatch
-from .core import EngineCore
+from ...wire.events import KVEventBatch
+from ..core import EngineCore
 
 __all__ = ["Runner"]
 
