@@ -28,9 +28,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvwire"
 #: The rooms, lowest first; rooms on one floor may not import each other. A module belongs
 #: to the room of its longest listed prefix (``kvwire.`` left out).
 ROOMS: list[dict[str, list[str]]] = [
-    # Leaves anyone may use: they import no other room.
-    {"http1": ["http1"], "tokenize": ["tokenize"], "metrics": ["metrics"], "errors": ["errors"],
-     "moved": ["_moved"]},  # the helper of the DEPRECATED paths below
+    # Leaves anyone may use (the three floors below wire).
+    # kvwire's one error for a refused request (the routing core raises it too).
+    {"errors": ["errors"], "moved": ["_moved"]},  # _moved: the DEPRECATED paths' helper
+    # The one HTTP/1.1 server and client; tokenizers and chat templates.
+    {"http1": ["http1"], "tokenize": ["tokenize"]},
+    # Prometheus exposition (and listen --metrics' exporter, on the one server).
+    {"metrics": ["metrics"]},
     # What is on the wire: event types, dialect codecs, frames, endpoints, CurveZMQ.
     {"wire": ["wire"]},
     # The pure stream machine and the subscriber; one-to-many IPC in shared memory (it uses
