@@ -11,8 +11,8 @@ _MODULES = {
     "kvwire.shm._ring": ["src/kvwire/shm/_ring.c", "src/kvwire/shm/_pickle5.c"],
     "kvwire.index._keys": "src/kvwire/index/_keys.c",
     "kvwire.index._tiers": "src/kvwire/index/_tiers.c",
-    "kvwire.router._tokens": "src/kvwire/router/_tokens.c",
-    "kvwire.router._answer": "src/kvwire/router/_answer.c",
+    "kvwire.routing._tokens": "src/kvwire/routing/_tokens.c",
+    "kvwire.indexer._answer": "src/kvwire/indexer/_answer.c",
 }
 #: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
 _LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"],

@@ -211,8 +211,8 @@ class NaiveIndex:
 def service_main(kind: str, where: str, engines: int, port: int) -> None:
     from kvwire.cli.serve import tune_process
     from kvwire.http1.server import Server, listen
-    from kvwire.router.app import build_app
     from kvwire.routing.core import EngineSpec, RouterCore
+    from kvwire.serve.app import build_app
 
     specs = [EngineSpec(f"e{i}", f"ipc://{where}/e{i}.live", f"ipc://{where}/e{i}.replay")
              for i in range(engines)]

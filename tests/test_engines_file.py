@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import Batch
-from kvwire.router.engines_file import EngineChanges, EnginesFile
 from kvwire.routing.core import RouterCore
+from kvwire.serve.engines_file import EngineChanges, EnginesFile
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -118,7 +118,7 @@ def test_an_add_that_fails_after_the_write_is_taken_back(tmp_path: Path) -> None
     """The change is written first; an add that then fails (here for real: the router's
     subscriber is closed, as while it stops) is written back out of the file, and the
     caller hears why (503), not a bare 500. A removal still takes the engine out."""
-    from kvwire.router.app import serve_in_thread
+    from kvwire.serve.app import serve_in_thread
 
     core = RouterCore([EngineSpec.parse(_text("a", 5801))])
     core.start()
@@ -159,7 +159,7 @@ def test_changes_are_written_off_the_loop_one_at_a_time(tmp_path: Path) -> None:
     on the event loop); concurrent adds of one name are made one at a time: one 201, the
     rest 409, and the file names the engine that is routed to (a second writer could
     otherwise write back the state before the first's add)."""
-    from kvwire.router.app import serve_in_thread
+    from kvwire.serve.app import serve_in_thread
 
     core = RouterCore([EngineSpec.parse(_text("a", 5801))])
     core.start()

@@ -16,7 +16,7 @@ import pytest
 
 from kvwire import http1
 from kvwire.http1.server import Request, Routes, Server
-from kvwire.router.indexer_http import IndexHttp
+from kvwire.indexer.server import IndexHttp
 
 TIMEOUT = 10.0
 
@@ -283,8 +283,8 @@ def test_serve_imports_no_framework() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from kvwire.router.app import build_app; import kvwire.cli.serve; "
-            "import kvwire.engine.server.app; import kvwire.router.indexer_http; "
+    code = ("import sys; from kvwire.serve.app import build_app; import kvwire.cli.serve; "
+            "import kvwire.engine.server.app; import kvwire.indexer.server; "
             "print(sorted(m for m in ('fastapi', 'starlette', 'pydantic', 'uvicorn') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -2,7 +2,7 @@
 tests/test_proxy.py covers: a streamed body handed piece by piece to a callback (the replay
 client), stopping early, the idle timeout, a body broken off, whole exchanges
 (:meth:`Pool.fetch`), URLs, and the engine health prober built on it
-(:mod:`kvwire.router.health`). Every server here is a real one on loopback."""
+(:mod:`kvwire.proxy.health`). Every server here is a real one on loopback."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwire.http1.client import Pool, UpstreamError, endpoint
-from kvwire.router.health import Prober, probe
+from kvwire.proxy.health import Prober, probe
 
 TIMEOUT = 10.0
 

@@ -1,4 +1,4 @@
-"""The RFC #1403 indexer API (kvwire.router.indexer) over real HTTP (``kvwire serve``'s app on
+"""The RFC #1403 indexer API (kvwire.indexer.indexer) over real HTTP (``kvwire serve``'s app on
 a loopback port) fed by real ZmqEventPublishers registered at run time: both peers'
 spellings and answer shapes, unregistering, the registrations file across a restart of a
 real ``kvwire serve`` process, the cases Dynamo's indexer gets wrong (docs/indexer-api.md),
@@ -27,8 +27,8 @@ from xxhash import xxh3_64_intdigest  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
-from kvwire.router.app import serve_in_thread  # noqa: E402
 from kvwire.routing.core import RouterCore  # noqa: E402
+from kvwire.serve.app import serve_in_thread  # noqa: E402
 from kvwire.wire.events import (  # noqa: E402
     BlockRemoved,
     BlockStored,

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_indexer_http import _start, _stop
 from waiting import wait_for
 
-from kvwire.router.indexer_handout import Handout, least
+from kvwire.indexer.handout import Handout, least
 
 
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(0, 5))

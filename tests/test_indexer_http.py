@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from waiting import wait_for  # noqa: E402
 
+from kvwire.indexer.indexer import Indexer
 from kvwire.publish.publisher import ZmqEventPublisher
-from kvwire.router.indexer import Indexer
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 _wait = functools.partial(wait_for, timeout=TIMEOUT, interval=0.02)
@@ -136,7 +136,7 @@ _ODD = st.sampled_from(["01", "00", "", " ", "-1", "1.5", "1e3", "x", "007", '"7
        odd=st.one_of(st.none(), st.tuples(st.integers(0, 400), _ODD)),
        tail=st.sampled_from(["}", ',"model":"m"}', ', "block_size": 16}', "]", "}x", ""]))
 def test_token_parser_takes_only_what_json_says(ids, spaced, odd, tail) -> None:
-    from kvwire.router.tokens import parse_route_body
+    from kvwire.routing.tokens import parse_route_body
 
     if parse_route_body is None:
         pytest.skip("the C token-id parser is not built (or KVWIRE_NO_NATIVE)")

@@ -21,8 +21,8 @@ import time
 
 from engine_helpers import TIMEOUT
 
+from kvwire.indexer.indexer import Indexer
 from kvwire.publish.publisher import ZmqEventPublisher
-from kvwire.router.indexer import Indexer
 from kvwire.routing.slices import SNAPSHOT_SLICE
 from kvwire.wire.events import BlockStored, KVEventBatch
 

@@ -1,4 +1,4 @@
-"""The indexer API's pure parts (kvwire.router.indexer_api) and its scoping, without sockets:
+"""The indexer API's pure parts (kvwire.indexer.api) and its scoping, without sockets:
 ``Indexer.handle`` over a RouterCore whose subscriber never starts, its index fed the
 deliveries directly. A hypothesis model checks every answer (tenant, model, instance,
 instance salt, block salt, LoRA, block size, medium, DP rank) against a brute-force one."""
@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from kvwire.consume.items import Batch
 from kvwire.index.keys import chain_start
-from kvwire.router.indexer import Indexer
-from kvwire.router.indexer_api import (
+from kvwire.indexer.api import (
     BadRequest,
     RegisterBody,
     Registration,
@@ -25,6 +24,7 @@ from kvwire.router.indexer_api import (
     decode,
     seq_from_local,
 )
+from kvwire.indexer.indexer import Indexer
 from kvwire.routing.core import RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 from kvwire.wire.rfc1527 import standard_block_hashes, standard_local_hashes, standard_seed

@@ -30,7 +30,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvwire"
 ROOMS: list[dict[str, list[str]]] = [
     # Leaves anyone may use (the three floors below wire).
     # kvwire's one error for a refused request (the routing core raises it too).
-    {"errors": ["errors"], "moved": ["_moved"]},  # _moved: the DEPRECATED paths' helper
+    # and the atomic write of a state file (the indexer's, the engines file).
+    {"errors": ["errors"], "state_file": ["state_file"],
+     "moved": ["_moved"]},  # _moved: the DEPRECATED paths' helper
     # The one HTTP/1.1 server and client; tokenizers and chat templates.
     {"http1": ["http1"], "tokenize": ["tokenize"]},
     # Prometheus exposition (and listen --metrics' exporter, on the one server).
@@ -55,8 +57,8 @@ ROOMS: list[dict[str, list[str]]] = [
     {"proxy": ["proxy"], "indexer": ["indexer"], "epp": ["epp"],
      # Replica load sharing's NATS I/O: the pure half is routing.sharing, below it.
      "load_channel": ["nats.load_channel"]},
-    # What is left of router/ (one folder today, being split into the rooms around it):
-    # one room between routing and serve until it is empty.
+    # router/: old import paths only, forwarding to routing/, proxy/, indexer/ and serve/
+    # for one release.
     {"router": ["router"]},
     # The `kvwire serve` application; beside it, engines without a GPU: the late-join demo
     # and the fleet simulator (it runs the router's policy and load sharing against the
@@ -68,7 +70,10 @@ ROOMS: list[dict[str, list[str]]] = [
 
 #: Old import paths kept for one release: modules that only resolve names at their new
 #: path (kvwire/_moved.py), so they import nothing up; no kvwire module may import them.
-DEPRECATED = {"kvwire.consume.cache", "kvwire.engines", "kvwire.engines.sglang",
+DEPRECATED = {"kvwire.router.app", "kvwire.router.indexer", "kvwire.router.proxy",
+              "kvwire.router.proxy_state", "kvwire.router.status_feed",
+              "kvwire.router.status_series", "kvwire.router.upstream", "kvwire.router.load_share",
+              "kvwire.consume.cache", "kvwire.engines", "kvwire.engines.sglang",
               "kvwire.engines.vllm", "kvwire.engines.vllm_shm", "kvwire.router.cache_aware"}
 
 #: Cycles that exist today and must go: each a sorted tuple of the modules of one strongly

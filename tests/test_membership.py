@@ -1,5 +1,5 @@
 """Engines added and removed while the router runs (``POST /engines``,
-``DELETE /engines/{name}``, router/membership.py), over real HTTP and ZeroMQ on loopback:
+``DELETE /engines/{name}``, serve/admin.py), over real HTTP and ZeroMQ on loopback:
 in-thread ``kvwire engine``s behind a RouterCore + Proxy (test_proxy's Stack), a bare
 RouterCore fed by real publishers, and at the end a real ``kvwire serve`` process."""
 
@@ -18,8 +18,8 @@ import pytest
 from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import StreamConfig
 from kvwire.consume.subscriber import StreamSpec
-from kvwire.router.app import serve_in_thread
 from kvwire.routing.core import EngineConflict, RouterCore
+from kvwire.serve.app import serve_in_thread
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -357,7 +357,7 @@ def test_serve_process_takes_the_token_from_its_environment(
 def test_status_feed_follows_the_engines() -> None:
     """The status page's tally counts an added engine's decisions from its first one (no
     sample needed before), and a removed engine leaves its readings."""
-    from kvwire.router.status_feed import StatusFeed
+    from kvwire.serve.status.feed import StatusFeed
 
     core = RouterCore([EngineSpec.parse("a=ipc:///tmp/kvwire-no-such-a")])
     feed = StatusFeed(core)  # (not started: sampled by hand)

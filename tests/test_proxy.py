@@ -28,10 +28,10 @@ import pytest
 from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import StreamConfig
 from kvwire.engine import EngineConfig, StepCost
-from kvwire.router.app import serve_in_thread
-from kvwire.router.proxy import Proxy, ProxyConfig
+from kvwire.proxy.proxy import Proxy, ProxyConfig
 from kvwire.routing.core import RouterCore
 from kvwire.routing.policy import RoundRobinPolicy, RoutingPolicy
+from kvwire.serve.app import serve_in_thread
 from kvwire.tokenize import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -188,7 +188,7 @@ def test_policy_baseline_spreads_blindly(make_stack: Callable[..., Stack]) -> No
 def test_without_tokenizer_routes_by_load(make_stack: Callable[..., Stack],
                                           caplog: pytest.LogCaptureFixture) -> None:
     """No tokenizer: the proxy still serves, by load, and said so at start."""
-    with caplog.at_level("WARNING", logger="kvwire.router.proxy"):
+    with caplog.at_level("WARNING", logger="kvwire.proxy.proxy"):
         s = make_stack(2, tokenizer=None)
     assert sum("routed by load only" in r.message for r in caplog.records) == 1
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
@@ -205,7 +205,7 @@ def test_tokenizer_engine_mode_equals_local(make_stack: Callable[..., Stack]) ->
     body = _chat("tok " * 40, "hello", tools=None)
 
     async def ids(b: dict[str, Any], chat: bool) -> Any:
-        from kvwire.router.proxy import _body_dec
+        from kvwire.proxy.proxy import _body_dec
 
         return await s.proxy._tokens(_body_dec.decode(json.dumps(b).encode()), chat)
 
@@ -1415,7 +1415,7 @@ def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
     from engine_helpers import import_or_skip
     from test_tokenize import CORPUS, _ref_ids
 
-    from kvwire.router.proxy import _body_dec
+    from kvwire.proxy.proxy import _body_dec
     from kvwire.tokenize.content import as_engine_messages, as_engine_tools
 
     transformers = import_or_skip("transformers", "transformers")

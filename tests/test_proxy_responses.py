@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_proxy import TIMEOUT, Stack, _LoopbackServer, make_stack, wait_for  # noqa: F401
 
-from kvwire.router.responses import ResponseOwners, addressed, chat_request
+from kvwire.proxy.responses import ResponseOwners, addressed, chat_request
 from kvwire.routing.policy import RoundRobinPolicy
 from kvwire.tokenize import load_tokenizer
 from kvwire.tokenize.content import as_engine_messages, as_engine_tools, engine_template_kwargs
@@ -486,7 +486,7 @@ def test_responses_tokenize_as_vllm_renders_them(tmp_path: Any) -> None:
     from test_proxy import ROOT
 
     from kvwire.consume.engine_spec import EngineSpec
-    from kvwire.router.proxy import Proxy, _pass_dec
+    from kvwire.proxy.proxy import Proxy, _pass_dec
     from kvwire.routing.core import RouterCore
 
     transformers = import_or_skip("transformers", "transformers")

@@ -1,4 +1,4 @@
-"""The proxy's pure decisions (kvwire.router.proxy_state) and the load accounting they drive
+"""The proxy's pure decisions (kvwire.proxy.decisions) and the load accounting they drive
 on a real LoadTracker: no reservation outlives its request, whatever order the I/O layer
 reports first tokens, ends, failures, disconnects and retries in."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.router.proxy_state import Breaker, Lifecycle, Outcome, marks_down, should_retry
+from kvwire.proxy.decisions import Breaker, Lifecycle, Outcome, marks_down, should_retry
 from kvwire.routing.load import LoadTracker
 from kvwire.routing.policy import Candidate as C
 from kvwire.routing.policy import (

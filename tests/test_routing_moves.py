@@ -49,10 +49,10 @@ def test_the_router_package_names_warn_and_are_the_same(name: str) -> None:
 
 
 def test_importing_a_router_module_warns_about_nothing() -> None:
-    """The proxy, the indexer and the app are still under kvwire.router: importing them (and
-    kvwire's whole API) goes through no deprecated name."""
+    """Importing the proxy, the indexer, the app (and kvwire's whole API) goes through no
+    deprecated name."""
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            "import kvwire, kvwire.router.proxy, kvwire.router.app, kvwire.router.indexer\n"
+            "import kvwire, kvwire.proxy.proxy, kvwire.serve.app, kvwire.indexer.indexer\n"
             "import kvwire.cli.serve, kvwire.cli.index, kvwire.sim.fleet, kvwire.sim.routers\n"
             "import kvwire.nats.load_channel\n"
             "kvwire.RoutingPolicy\n"
@@ -78,7 +78,7 @@ def test_the_indexer_holds_a_feed_not_a_router(tmp_path) -> None:
     lock, and the router's engines' streams are not registrable."""
     from kvwire.consume.engine_spec import EngineSpec
     from kvwire.consume.subscriber import StreamSpec
-    from kvwire.router.indexer import Indexer
+    from kvwire.indexer.indexer import Indexer
     from kvwire.routing.feed import Feed
 
     ix = Indexer.standalone(on_loop=True)

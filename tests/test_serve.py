@@ -28,9 +28,9 @@ from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
 from kvwire.publish.publisher import ZmqEventPublisher  # noqa: E402
-from kvwire.router.app import serve_in_thread  # noqa: E402
 from kvwire.routing import RoutingPolicy  # noqa: E402
 from kvwire.routing.core import EngineSpec, RouterCore  # noqa: E402
+from kvwire.serve.app import serve_in_thread  # noqa: E402
 from kvwire.wire.events import BlockStored, KVEventBatch  # noqa: E402
 
 BS = 16
@@ -662,8 +662,8 @@ def test_fast_token_parser_agrees_with_strict_decode(toks, seps, lora, odd, pre,
     """The C body parser (token ids to an int64 array) answers exactly what msgspec's strict
     decode does: the same fields, or the same named error, for any spacing, any odd
     element, other members before or after, and broken endings."""
-    from kvwire.router import app as app_mod
     from kvwire.routing.core import RouteError
+    from kvwire.serve import app as app_mod
 
     a, b, c, d = seps
     items = [str(t) for t in toks] + ([odd] if odd else [])

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.router.status_series import (
+from kvwire.serve.status.series import (
     SERIES,
     EngineReading,
     StatusSeries,

@@ -93,13 +93,13 @@ def native_status() -> dict[str, str]:
 
     shm = "c" if NATIVE else f"python ({getattr(_native, 'REASON', 'not built')})"
     index = "c" if index_keys.NATIVE else f"python ({index_keys.REASON or 'not built'})"
-    from .router import tokens
+    from .routing import tokens
 
     body = "c" if tokens.parse_route_body is not None else f"python ({tokens.REASON})"
     import os
 
     from .index import walk
-    from .router import indexer
+    from .indexer import indexer
 
     def built(mod: object) -> str:
         if os.environ.get("KVWIRE_NO_NATIVE"):

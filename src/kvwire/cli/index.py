@@ -43,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_handle(options: dict[str, Any], worker: int = 0) -> Any:
-    """One replica: a fresh :class:`kvwire.router.indexer.Indexer` and its ``handle``
+    """One replica: a fresh :class:`kvwire.indexer.indexer.Indexer` and its ``handle``
     (module level so that a spawned worker can build its own from ``options``)."""
-    from ..router.indexer import Indexer
+    from ..indexer.indexer import Indexer
 
     # the ingest runs on the worker's HTTP loop (serve_forever attaches it): no thread
     ix = Indexer.standalone(options.get("registrations"), on_loop=True)
@@ -68,7 +68,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args, stamped=True)
-    from ..router import indexer_http as ih
+    from ..indexer import server as ih
 
     options = {"registrations": args.registrations}
     say = functools.partial(print, file=sys.stderr, flush=True)

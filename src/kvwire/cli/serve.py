@@ -34,7 +34,7 @@ from .options import (
 )
 
 if TYPE_CHECKING:
-    from ..router.proxy import ProxyConfig
+    from ..proxy.proxy import ProxyConfig
 
 #: Allocations between young-generation collections in a serve process (CPython: 700).
 GC_THRESHOLD0 = int(os.environ.get("KVWIRE_GC_THRESHOLD0", "10000"))
@@ -203,11 +203,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..consume.stream import StreamConfig
         from ..http1.server import Server
-        from ..router.app import build_app
-        from ..router.indexer import Indexer
-        from ..router.proxy import Proxy
+        from ..indexer.indexer import Indexer
+        from ..proxy.proxy import Proxy
         from ..routing.core import RouterCore
         from ..routing.policy import make_policy
+        from ..serve.app import build_app
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
         return EXIT_USAGE
@@ -328,7 +328,7 @@ the serve extra missing (docs/operations.md)"""
 
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:
     """The proxy's flags as its config."""
-    from ..router.proxy import ProxyConfig
+    from ..proxy.proxy import ProxyConfig
 
     return ProxyConfig(retries=args.retries, cooloff=args.cooloff,
                        probe_interval=args.probe_interval,
@@ -356,7 +356,7 @@ def _kept_engines(path: str, engines: list, nats: Any) -> tuple[Any, list, set[s
     over ``engines``, the command line's) and the names removed; said on stderr when the
     changes alter the command line's fleet. ValueError for a file that cannot be read."""
     from ..consume.engine_spec import EngineSpec
-    from ..router.engines_file import EnginesFile
+    from ..serve.engines_file import EnginesFile
 
     kept = EnginesFile(path)
     changes = kept.load()
@@ -381,7 +381,7 @@ def _kept_engines(path: str, engines: list, nats: Any) -> tuple[Any, list, set[s
 
 def _admin_token(args: argparse.Namespace) -> str | None:
     """``--admin-token``, else ``$KVWIRE_ADMIN_TOKEN``; empty means unset."""
-    from ..router.membership import TOKEN_ENV
+    from ..serve.admin import TOKEN_ENV
 
     return args.admin_token or os.environ.get(TOKEN_ENV) or None
 

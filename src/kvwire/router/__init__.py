@@ -1,7 +1,8 @@
-"""The HTTP side of routing (the proxy, the indexer API, the decision API); the routing
-itself is :mod:`kvwire.routing`.
+"""Deprecated: old import paths only. The router's systems have rooms of their own now:
+:mod:`kvwire.routing` (the routing core), :mod:`kvwire.proxy`, :mod:`kvwire.indexer` and
+:mod:`kvwire.serve`; each old module forwards to its new one for one release.
 
-Deprecated here: ``from kvwire.router import RoutingPolicy`` (and ``Candidate``,
+Deprecated here too: ``from kvwire.router import RoutingPolicy`` (and ``Candidate``,
 ``Decision``, ``LoadTracker``, ``request_load``) keeps working for one release, with a
 DeprecationWarning; import them from :mod:`kvwire.routing`. (Resolved on use, so importing
 a module of this package warns about nothing.)"""

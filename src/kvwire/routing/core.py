@@ -3,7 +3,7 @@ PrefixIndex), the pure :class:`~kvwire.routing.policy.RoutingPolicy` and the loa
 (:class:`~kvwire.routing.load.LoadTracker`). One decision (:meth:`RouterCore.decide`) answers
 both the decision API (``route()``) and the proxy (``route_proxy()``).
 
-HTTP lives in :mod:`kvwire.router.app`; this module has no web dependency, so it can be
+HTTP lives in :mod:`kvwire.serve.app`; this module has no web dependency, so it can be
 embedded (and tested) on its own.
 
 Units: the policy compares all streams in *reference blocks* of ``block_size`` tokens
@@ -20,7 +20,7 @@ Concurrency: the feed's ingest is the index's only writer; it applies deliveries
 slices under the feed's lock (``RouterCore.lock``), so a route waits at most one slice (plus,
 after a restart, one snapshot), and gives up with :class:`RouteError` 503 after
 ``lock_timeout``. Besides this module, the lock is taken by the indexer API (its queries read
-the index: router/indexer.py), the decision API's metrics (router/app.py), and the load
+the index: indexer/indexer.py), the decision API's metrics (serve/app.py), and the load
 sharing between replicas (applying the peers' reports: nats/load_channel.py).
 """
 

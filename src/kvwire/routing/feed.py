@@ -73,7 +73,7 @@ class Feed:
         """Start following the streams: by default a subscriber thread owns the sockets
         (raises if it could not start); with ``thread=False`` the subscriber is opened here
         and the caller drives the ingest with :meth:`pump` (``kvwire index`` does, from its
-        HTTP loop: router/indexer_ingest.py)."""
+        HTTP loop: indexer/ingest.py)."""
         self.ingest.start(timeout, thread=thread)
 
     def close(self, timeout: float = 5.0) -> None:

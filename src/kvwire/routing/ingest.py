@@ -3,7 +3,7 @@ deliveries off the engines' streams and when.
 
 Either a thread of its own owns the subscriber (``kvwire serve``), or the caller drives the
 ingest turn by turn with :meth:`Ingest.pump` from its own loop (``kvwire index``:
-router/indexer_ingest.py). Both hand what they take to ``apply`` (the core's: the index,
+indexer/ingest.py). Both hand what they take to ``apply`` (the core's: the index,
 liveness, discovery), cut in pieces as :func:`.slices.pieces` cuts them, so the core's lock
 is held one short piece at a time. What the deliveries *mean* stays in the core; this part
 only moves them and keeps the subscriber's own stats fresh.

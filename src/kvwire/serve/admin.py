@@ -8,7 +8,7 @@ Off unless the server has an admin token (``kvwire serve --admin-token`` or
 (``authorization`` included) and prompts, so only someone holding the token may add one.
 Every answer is JSON; every refusal says why and is counted in
 ``kvwire_router_bad_requests_total{reason}`` with the other bad requests. With
-``--engines-file`` the changes outlive a restart (:mod:`~kvwire.router.engines_file`).
+``--engines-file`` the changes outlive a restart (:mod:`~kvwire.serve.engines_file`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .engines_file import EngineChanges, EnginesFile
 
 __all__ = ["TOKEN_ENV", "add_membership_routes"]
 
-log = logging.getLogger("kvwire.router.membership")
+log = logging.getLogger("kvwire.serve.admin")
 
 #: The environment variable ``kvwire serve`` reads the admin token from (kept off the
 #: command line, where any user of the host can read it).

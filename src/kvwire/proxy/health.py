@@ -25,7 +25,7 @@ from ..http1.client import Pool, UpstreamError
 
 __all__ = ["PROBES_AT_ONCE", "Prober", "probe"]
 
-log = logging.getLogger("kvwire.router.health")
+log = logging.getLogger("kvwire.proxy.health")
 #: Engines probed at once (more wait their turn, as do the rest while that many hang).
 PROBES_AT_ONCE = 16
 

@@ -1,5 +1,5 @@
 """One proxied generation request, end to end: check, tokenize and route (through the
-:class:`~kvwire.router.proxy.Proxy`), send to the chosen engine, retry on the next-best
+:class:`~kvwire.proxy.proxy.Proxy`), send to the chosen engine, retry on the next-best
 one before the client got a byte, and pass the answer back on the client's
 :class:`~kvwire.http1.server.Request`.
 
@@ -28,7 +28,7 @@ import msgspec
 from ..http1 import HttpError
 from ..http1.client import Response, UpstreamError
 from ..routing.core import RouteError
-from .proxy_state import Lifecycle, Outcome, marks_down, should_retry
+from .decisions import Lifecycle, Outcome, marks_down, should_retry
 from .responses import SCAN_LIMIT, addressed
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ PATHS = {b"/v1/completions": False, b"/v1/chat/completions": True}
 #: alone (their prompts are not tokenized); a ``/v1/responses`` that starts a conversation
 #: by the cache, as the chat it renders to; one that names a ``previous_response_id``, and
 #: ``/v1/responses/{id}...``, go to the engine that holds that response
-#: (router/responses.py).
+#: (proxy/responses.py).
 PASS = frozenset((b"/v1/embeddings", b"/v1/responses", b"/tokenize", b"/detokenize"))
 RESPONSES = b"/v1/responses"
 _NO_CACHE = (b"cache-control", b"no-cache")

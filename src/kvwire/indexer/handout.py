@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 __all__ = ["Handout", "Intake", "least"]
 
-log = logging.getLogger("kvwire.router.indexer_handout")
+log = logging.getLogger("kvwire.indexer.handout")
 
 #: connections taken from the listen queue per wake-up of the parent
 ACCEPT_BATCH = 64

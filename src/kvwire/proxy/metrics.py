@@ -1,5 +1,5 @@
 """The proxy's Prometheus figures: requests, retries, in-flight and token counts read from
-the :class:`~kvwire.router.proxy.Proxy`'s own counters at scrape time, and histograms cheap
+the :class:`~kvwire.proxy.proxy.Proxy`'s own counters at scrape time, and histograms cheap
 enough to observe once each per request on the event loop."""
 
 from __future__ import annotations

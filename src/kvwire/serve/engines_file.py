@@ -6,7 +6,7 @@ as the text it was given) and the names removed (``DELETE /engines/NAME``). At s
 are laid over the command line's engines, so an engine added to the command line later is
 still routed to, while one removed at run time stays removed after a restart, until it is
 added again. :class:`EngineChanges` is the pure part (no I/O); :class:`EnginesFile` reads and
-writes it (:func:`~kvwire.router.state_file.write_atomically`).
+writes it (:func:`~kvwire.state_file.write_atomically`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from ..consume.engine_spec import EngineSpec
-from .state_file import write_atomically
+from ..state_file import write_atomically
 
 __all__ = ["EngineChanges", "EnginesFile", "Start"]
 

@@ -1,15 +1,15 @@
 """The lean HTTP face of the RFC #1403 indexer (``kvwire index``), on one core or several.
 
 The indexer's logic is a pure ``handle(method, path, body) -> (status, body)``
-(:mod:`kvwire.router.indexer`); this module only carries requests to it, as fast as Python
+(:mod:`kvwire.indexer.indexer`); this module only carries requests to it, as fast as Python
 allows: kvwire's one HTTP server (:mod:`kvwire.http1.server`) answers each request in its
 own callback with one write (no task per request), on uvloop when it is installed;
-the worker's ingest runs on the same loop (:mod:`kvwire.router.indexer_ingest`). A static
+the worker's ingest runs on the same loop (:mod:`kvwire.indexer.ingest`). A static
 2,048-token ``/query`` costs 24-46 us of CPU in all, kernel included (docs/benchmarks.md).
 
 **Several workers, one index (docs/indexer-api.md).** ``--workers N`` runs N processes; the parent
 listens and hands each connection to the worker with the fewest open ones
-(:mod:`kvwire.router.indexer_handout`: evenly, not by the kernel's hash). Each holds an exact
+(:mod:`kvwire.indexer.handout`: evenly, not by the kernel's hash). Each holds an exact
 replica of the index: it follows every registered stream itself, and the per-stream state
 machine makes replicas equal at each applied sequence number. What must not diverge is the
 set of registrations, so ``/register`` and ``/unregister`` go through the parent, which is
@@ -40,7 +40,7 @@ from ..http1.server import listen as listen_socket
 __all__ = ["CONTROL_PATHS", "Handle", "IndexHttp", "Sequencer", "WorkerLink",
            "listen_socket", "run_workers", "serve_forever"]
 
-log = logging.getLogger("kvwire.router.indexer_http")
+log = logging.getLogger("kvwire.indexer.server")
 
 #: ``handle(method, path, body) -> (status, JSON body)``: the indexer's whole HTTP contract.
 Handle = Callable[[str, str, bytes], tuple[int, bytes]]
@@ -193,7 +193,7 @@ def serve_forever(handle: Handle, sock: socket.socket | None, *,
                   handout: socket.socket | None = None) -> None:
     """Serve ``handle`` until SIGINT/SIGTERM (one worker's life): the connections accepted on
     the bound ``sock``, or those the parent hands over ``handout`` (its Unix socket pair:
-    :class:`~kvwire.router.indexer_handout.Intake`)."""
+    :class:`~kvwire.indexer.handout.Intake`)."""
     loop = _event_loop()
     asyncio.set_event_loop(loop)
     link = WorkerLink(link_conn, handle, worker) if link_conn is not None else None
@@ -201,7 +201,7 @@ def serve_forever(handle: Handle, sock: socket.socket | None, *,
     server = Server(app)
     intake = None
     if handout is not None:
-        from .indexer_handout import Intake
+        from .handout import Intake
 
         intake = Intake(handout, server.protocol)
         app.on_lost = intake.closed
@@ -253,11 +253,11 @@ def run_workers(factory: Callable[[int], Handle], host: str, port: int, workers:
                 start_timeout: float = 60.0) -> int:
     """Run ``workers`` processes serving ``factory()``'s handle on one port, with this
     process as their control sequencer and the one that accepts connections and hands them
-    out evenly (:mod:`kvwire.router.indexer_handout`); returns when one of them exits (then
+    out evenly (:mod:`kvwire.indexer.handout`); returns when one of them exits (then
     stops the rest) or on SIGINT/SIGTERM. ``factory(worker)`` must be picklable (a
     module-level callable or a ``functools.partial`` of one): each worker builds its own
     replica. Returns an exit status."""
-    from .indexer_handout import Handout
+    from .handout import Handout
 
     listener = listen_socket(host, port)
     listener.listen(1024)  # connections wait in the queue until every worker is ready

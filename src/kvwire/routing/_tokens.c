@@ -1,4 +1,4 @@
-/* kvwire.router._tokens: a /route body's token ids, parsed straight into int64s.
+/* kvwire.routing._tokens: a /route body's token ids, parsed straight into int64s.
  *
  * parse_route_body(body) -> (ids, rest) | None
  *   For a body that starts `{"token_ids": [` (JSON whitespace allowed between tokens) whose
@@ -205,7 +205,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvwire.router._tokens", NULL, -1, methods,
+    PyModuleDef_HEAD_INIT, "kvwire.routing._tokens", NULL, -1, methods,
 };
 
 PyMODINIT_FUNC

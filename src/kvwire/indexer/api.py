@@ -1,6 +1,6 @@
 """The pure part of the RFC #1403 indexer API: request bodies in both peers' spellings,
 registrations and their file, query scopes and the two answer shapes. No sockets, no index:
-:mod:`kvwire.router.indexer` holds these and does the I/O.
+:mod:`kvwire.indexer.indexer` holds these and does the I/O.
 
 Spellings (docs/indexer-api.md): Mooncake's Conductor sends ``modelname`` / ``model``,
 ``tenant_id``, ``additionalsalt`` / ``cache_salt``, string instance ids, ``seq_hashes`` (older
@@ -17,8 +17,8 @@ from urllib.parse import parse_qs
 import msgspec
 
 from ..http1 import HttpError
+from ..state_file import write_atomically
 from ..wire.rfc1527 import standard_sequence_hashes
-from .state_file import write_atomically
 
 __all__ = [
     "MEDIA", "BadRequest", "add_rank", "QueryBody", "QueryByHashBody", "RegisterBody", "Registration",
@@ -316,7 +316,7 @@ def shape_answer(shape: str, scope: Scope, rows: dict[str, dict[str, Any]]) -> A
 
 class RegistrationFile:
     """Registrations kept in a JSON file, rewritten whole on every change
-    (:func:`~kvwire.router.state_file.write_atomically`) and read at start."""
+    (:func:`~kvwire.state_file.write_atomically`) and read at start."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -1,5 +1,5 @@
-/* kvwire.router._answer: a /query answer's JSON bytes straight from the per-medium walk's
- * ints, for a query plan made in Python (router/indexer.py, _Fast): what add_rank and
+/* kvwire.indexer._answer: a /query answer's JSON bytes straight from the per-medium walk's
+ * ints, for a query plan made in Python (indexer/indexer.py, _Fast): what add_rank and
  * shape_answer build as dicts and msgspec then encodes, byte for byte, without a dict or an
  * int object per request (about a third of a query's Python before).
  *
@@ -236,7 +236,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvwire.router._answer", NULL, -1, methods,
+    PyModuleDef_HEAD_INIT, "kvwire.indexer._answer", NULL, -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -27,7 +27,7 @@ from ..routing.ingest import INGEST_NAP
 
 __all__ = ["PUMP_ITEMS", "LoopIngest"]
 
-log = logging.getLogger("kvwire.router.indexer_ingest")
+log = logging.getLogger("kvwire.indexer.ingest")
 
 #: Deliveries taken from the subscriber at a time (then applied in pieces, one per turn).
 PUMP_ITEMS = 64

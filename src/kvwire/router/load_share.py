@@ -1,0 +1,6 @@
+"""Deprecated path: kvwire.nats.load_channel (the router's rooms are proxy/, indexer/ and serve/ now); this name
+goes in the next release."""
+
+from .._moved import moved
+
+__getattr__ = moved(__name__, "kvwire.nats.load_channel")
