@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .indexer import INDEXER_PATHS, Indexer
+from .ingest import stream_metrics  # per-stream counts in /metrics
 from .membership import add_membership_routes
 from .service import RouteError, RouterCore
 from .status_feed import StatusFeed
@@ -129,6 +130,14 @@ class _CoreCollector:
                                       "Reservations dropped because no release came")
         expired.add_metric([], lt.expired)
         yield from (applied, blocks, resets, alive, load, reqs, expired)
+        # -- per-stream counts as kvwire listen names them (router/ingest.py: stream_metrics)
+        for name, kind, doc, values in stream_metrics(status):
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, doc, labels=["stream"])
+            for stream, v in values:
+                fam.add_metric([stream], v)
+            yield fam
+        # -- end per-stream counts
         if core.discover:  # (serve --nats without --nats-engine)
             found = CounterMetricFamily("kvwire_router_engines_discovered", "Engines found "
                                         "(or widened by a new DP rank) on the JetStream "

@@ -34,7 +34,7 @@ from typing import Any
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import Batch, Liveness, Reset, Snapshot, StreamConfig
 from ..consume.subscriber import StreamSpec, Subscriber
-from .ingest import Ingest
+from .ingest import Ingest, stream_counts
 from .policy import Candidate, LoadTracker, RoutingPolicy, request_load
 from .slices import pieces
 from .targets import Target, found_ranks, targets_of
@@ -638,6 +638,7 @@ class RouterCore:
                 "resets": self.resets.get(t.stream, 0),
                 "load": loads.get(t.label, 0.0),
                 "suspect": getattr(st, "suspect", None),
+                **stream_counts(ss),  # gaps, replays, lost, restarts, state...: as listen
             }
             out.setdefault(t.engine, {"ranks": []})["ranks"].append(row)
         return out
