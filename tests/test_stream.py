@@ -335,6 +335,12 @@ class Sim:
         if self.pub.kvwire and self.m.has_replay:
             assert self.m.epoch == self.pub.epoch
         assert self.app.cache.as_dict() == self.expected()
+        # the state says what the application holds (only a reference stream may still be
+        # confirming its tail: unconfirmed, never exact, while it does)
+        want = "exact" if self.app.exact else "inexact"
+        assert st_.state == want or (st_.state == "unconfirmed" and want == "exact"
+                                     and self.m.mode == "reference"), (st_, want)
+        assert st_.exact == (st_.state == "exact")
         # within one run, seqs never repeat and only grow
         last: dict[int | None, int] = {}
         seen = set()
