@@ -50,6 +50,7 @@ def test_publisher_and_subscriber_metrics_over_http(tmp_path) -> None:
         assert m[("kvwire_subscriber_up", "e0")] == 1
         assert m[("kvwire_subscriber_snapshots_total", "e0")] >= 1
         assert ("kvwire_subscriber_gaps_total", "e0") in m
+        assert m[("kvwire_subscriber_unconfirmed", "e0")] == 0  # (a kvwire publisher: never)
     finally:
         server.shutdown()
         sub.close()

@@ -738,3 +738,59 @@ def _stderr_line(proc: subprocess.Popen, pattern: str, timeout: float = 60.0) ->
                 break
             held += data
     raise AssertionError(f"no line matching {pattern!r}: {''.join(seen)!r}")
+
+
+def test_serve_exports_what_each_stream_saw_as_listen_counts_it(tmp_path) -> None:
+    """`kvwire serve` in its own process, against a reference publisher: a gap filled by
+    replay shows per stream in /engines and /metrics under the names `kvwire listen` uses
+    (gaps, replays, replayed, lost, restarts, ...), with the stream's state: ``exact`` once
+    its tail is confirmed, ``unconfirmed`` when the publisher stops answering after a batch."""
+    from test_cli import ReferencePublisher, batch
+
+    from kvwire.wire.events import encode_batch
+
+    ref = ReferencePublisher(b"")
+    proc = subprocess.Popen(
+        [*SERVE, "--engine", f"e0={ref.endpoint},replay={ref.replay_endpoint}", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = _announced_url(proc).rstrip("/")
+
+        def row() -> dict:
+            if proc.poll() is not None:
+                raise AssertionError(proc.communicate()[1])
+            return httpx.get(url + "/engines", timeout=5).json()["e0"]["ranks"][0]
+
+        ref.wait_subscribed()
+        for i in range(5):
+            ref.publish(i, encode_batch(batch(i)))
+        wait_for(lambda: row()["batches"] == 5, "caught up")
+        for i in range(5, 8):
+            ref.publish(i, encode_batch(batch(i)), live=False)  # only in the replay buffer
+        ref.publish(8, encode_batch(batch(8)))  # the gap shows
+        r = wait_for(lambda: (r := row())["batches"] == 9 and r["state"] == "exact" and r,
+                     "the gap filled and the tail confirmed")
+        assert (r["gaps"], r["lost"], r["restarts"], r["resyncs"]) == (1, 0, 0, 0), r
+        assert r["replays"] >= 1 and r["replayed"] >= 3 and r["unconfirmed"] is False, r
+        text = httpx.get(url + "/metrics", timeout=5).text
+        for line in ('kvwire_router_stream_gaps_total{stream="e0/dp0"} 1.0',
+                     'kvwire_router_stream_lost_total{stream="e0/dp0"} 0.0',
+                     'kvwire_router_stream_restarts_total{stream="e0/dp0"} 0.0',
+                     'kvwire_router_stream_batches_total{stream="e0/dp0"} 9.0',
+                     'kvwire_router_stream_unconfirmed{stream="e0/dp0"} 0.0',
+                     'kvwire_router_stream_exact{stream="e0/dp0"} 1.0'):
+            assert line in text, (line, [x for x in text.splitlines() if "stream_" in x])
+        assert f'kvwire_router_stream_replays_total{{stream="e0/dp0"}} {r["replays"]:.1f}' \
+            in text
+        ref.stop.set()  # the publisher answers no more replays...
+        ref.thread.join(5)
+        ref.publish(9, encode_batch(batch(9)))  # ...after one more batch: its tail unconfirmed
+        r = wait_for(lambda: (r := row())["state"] == "unconfirmed" and r, "unconfirmed")
+        assert r["unconfirmed"] is True and r["batches"] == 10, r
+        text = httpx.get(url + "/metrics", timeout=5).text
+        assert 'kvwire_router_stream_unconfirmed{stream="e0/dp0"} 1.0' in text
+        assert 'kvwire_router_stream_exact{stream="e0/dp0"} 0.0' in text
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+        ref.close()

@@ -7,6 +7,7 @@ duplicate and delay messages, so every interleaving of replay and live is reacha
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -334,6 +335,12 @@ class Sim:
         if self.pub.kvwire and self.m.has_replay:
             assert self.m.epoch == self.pub.epoch
         assert self.app.cache.as_dict() == self.expected()
+        # the state says what the application holds (only a reference stream may still be
+        # confirming its tail: unconfirmed, never exact, while it does)
+        want = "exact" if self.app.exact else "inexact"
+        assert st_.state == want or (st_.state == "unconfirmed" and want == "exact"
+                                     and self.m.mode == "reference"), (st_, want)
+        assert st_.exact == (st_.state == "exact")
         # within one run, seqs never repeat and only grow
         last: dict[int | None, int] = {}
         seen = set()
@@ -884,9 +891,11 @@ def test_bulk_live_path_equals_one_by_one(ops, seed, kvwire):
 def test_reference_tail_drop_is_recovered_by_a_tail_check():
     """A reference publisher sends no heartbeats: a batch dropped last is seen only when the
     next one comes. While the stream is quiet the machine asks for a replay from its last
-    seq every other ``info_interval``; that seq alone back changes nothing."""
+    seq every other ``info_interval``; that seq alone back changes nothing. (The check soon
+    after a quiet spell or a stall is off here: the periodic one is what is left when a
+    tail goes missing after that check confirmed the last one.)"""
     pub = SimPublisher(random.Random(11), kvwire=False)
-    cfg = msgspec.structs.replace(CFG, info_interval=5.0)
+    cfg = msgspec.structs.replace(CFG, info_interval=5.0, tail_after=math.inf)
     sim = Sim(pub, config=cfg)
     sim.join()
     sim.tick(0.6)  # INFO unanswered: reference
@@ -919,10 +928,111 @@ def test_reference_tail_drop_is_recovered_by_a_tail_check():
     assert (st.restarts, st.resets, st.duplicates) == (0, 1, 0)
 
 
-def _reference_at(seed: int, n: int, **pub_kw) -> tuple[SimPublisher, Sim]:
-    """A reference stream (``info_interval`` 5 s) that has followed ``n`` batches live."""
+def _state(sim: Sim) -> str:
+    st = sim.m.stats()
+    assert st.exact == (st.state == "exact") and st.unconfirmed == (st.state == "unconfirmed")
+    return st.state
+
+
+def test_reference_tail_is_confirmed_soon_after_the_stream_goes_quiet():
+    """A reference publisher sends no heartbeats, so a tail dropped at its end shows only
+    when something is asked. Once the live stream has been quiet for ``tail_after`` (1 s),
+    the machine asks a replay from its last seq: ``unconfirmed`` until an answer brings that
+    seq alone (one that brought the dropped tail is asked again: its own end may have been
+    dropped on the way), then ``exact``. Nothing more while nothing comes."""
+    pub, sim = _reference_at(15, 4, tail_after=1.0)
+    sim.publish(2)
+    sim.drop(2)  # the tail: 4 and 5 never arrive live, nothing follows them
+    sim.drain()
+    sim.tick(0.5)  # quiet for less than tail_after: nothing asked yet
+    assert not [a for a in sim.actions if isinstance(a, SendReplay) and a.start == 3]
+    assert _state(sim) == "exact" and sim.m.next_deadline == pytest.approx(1.6)
+    sim.tick(0.6)  # quiet for 1.1 s: the check, from our last seq
+    assert sim.actions[-1] == SendReplay(3) and _state(sim) == "unconfirmed"
+    sim.drain()  # 4, 5 came back: asked once more, and the answer is 5 alone: confirmed
+    assert sim.actions[-1] == SendReplay(5)
+    st = sim.m.stats()
+    assert (st.last_seq, st.tail_checks, st.lost, _state(sim)) == (5, 2, 0, "exact"), st
+    assert sim.app.exact and sim.app.cache.as_dict() == pub.truth.as_dict()
+    n = len(sim.actions)
+    for _ in range(5):
+        sim.tick(0.5)  # nothing came since: no second check (the periodic one is at 5 s)
+    assert len(sim.actions) == n and _state(sim) == "exact"
+
+
+def test_reference_tail_is_confirmed_right_after_the_consumer_stalled():
+    """The consumer itself does not run for 2 s (ticks that far apart): what the publisher
+    sent meanwhile may all have been dropped. The stream is ``unconfirmed`` at once, and
+    the check goes out as soon as the live backlog is read (not while it is still being
+    read), or at once when nothing at all arrived."""
+    pub, sim = _reference_at(16, 4, tail_after=1.0)
+    sim.publish(5)
+    for _ in range(3):
+        sim.live_q.pop()  # 4, 5 arrive; 6, 7, 8 (the end) dropped while we were stopped
+    n = len(sim.actions)
+    sim.now += 2.0
+    sim.live(2)  # the backlog, read after the stall...
+    sim.handle(sim.m.tick(sim.now))  # ...then time is judged: a stall, still reading
+    assert sim.m.last_seq == 5 and _state(sim) == "unconfirmed"
+    assert sim.actions[n:] == []
+    assert sim.m.next_deadline == sim.now  # the next tick looks for the backlog's end
+    sim.tick(0.01)  # nothing more came: the backlog is read, so check
+    assert sim.actions[-1] == SendReplay(5) and _state(sim) == "unconfirmed"
+    sim.drain()
+    assert sim.m.last_seq == 8 and _state(sim) == "exact"
+    assert sim.app.cache.as_dict() == pub.truth.as_dict()
+    pub.publish()  # (dropped: never queued live) and a stall with nothing after it
+    sim.tick(2.0)
+    assert sim.actions[-1] == SendReplay(8) and _state(sim) == "unconfirmed"
+    sim.drain()
+    assert sim.m.last_seq == 9 and _state(sim) == "exact" and sim.m.stats().tail_checks == 4
+
+
+def test_reference_tail_unanswered_stays_unconfirmed():
+    """The publisher is gone (or its loop stuck) when the tail is asked: the stream never
+    reads ``exact`` again until an answer confirms it, and it is not asked in a loop."""
+    pub, sim = _reference_at(17, 4, tail_after=1.0)
+    sim.tick(1.1)
+    assert sim.actions[-1] == SendReplay(3)
+    sim.reply_q.clear()  # no answer, ever
+    replays = sum(isinstance(a, SendReplay) for a in sim.actions)
+    for _ in range(8):
+        sim.tick(0.6)
+        assert _state(sim) == "unconfirmed"
+    asked = sum(isinstance(a, SendReplay) for a in sim.actions) - replays
+    assert asked == sim.config.replay_attempts - 1, sim.actions  # retries, then it waits
+    sim.reply_q.clear()
+    sim.tick(5.0)  # the periodic check...
+    sim.tick(0.6)
+    sim.tick(5.0)
+    sim.drain()  # ...answered at last
+    assert _state(sim) == "exact" and sim.m.last_seq == 3
+
+
+def test_kvwire_and_live_only_streams_have_no_unconfirmed_state():
+    """Heartbeats carry a kvwire publisher's last seq (a dropped tail is a gap at the next
+    one); a stream without replay cannot ask. Neither is ever ``unconfirmed``."""
+    for pub, has_replay in ((SimPublisher(random.Random(18)), True),
+                            (SimPublisher(random.Random(18), kvwire=False), False)):
+        sim = Sim(pub, has_replay=has_replay)
+        sim.join()
+        sim.drain()
+        sim.publish(3)
+        sim.drain()
+        sim.tick(3.0)  # a stall and a quiet spell
+        sim.drain()
+        sim.tick(1.5)
+        assert _state(sim) in ("exact", "inexact") and sim.m.stats().tail_checks == 0
+
+
+def _reference_at(seed: int, n: int, tail_after: float = math.inf,
+                  **pub_kw) -> tuple[SimPublisher, Sim]:
+    """A reference stream (``info_interval`` 5 s) that has followed ``n`` batches live
+    (its check after a quiet spell or a stall off unless ``tail_after`` is given: these
+    tests are about the periodic check)."""
     pub = SimPublisher(random.Random(seed), kvwire=False, **pub_kw)
-    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0))
+    sim = Sim(pub, config=msgspec.structs.replace(CFG, info_interval=5.0,
+                                                  tail_after=tail_after))
     sim.join()
     sim.tick(0.6)  # INFO unanswered: reference
     sim.publish(n)
@@ -1193,13 +1303,19 @@ _REF_PAYLOADS = [_REF_PUB.publish()[1] for _ in range(12)]
 _REF_END = [b"", b"", protocol.END_SEQ, b""]
 
 
+# (the tail check after a quiet spell or a stall off: every time_out() here is one, and
+# these tests are about what the replies they choose do)
+_HAND_CFG = msgspec.structs.replace(CFG, tail_after=math.inf)
+
+
 class _Hand:
     """A reference stream fed by hand: no publisher model, every reply and tick chosen by
     the test. Requests sent are kept in ``sent``; deliveries go to an ``App``, which checks
     their order. Starts live, with seqs ``start..n - 1`` replayed from 0 (exact if
     ``start`` is 0, the run's first seq); ``n=None``: stops when that replay is asked."""
 
-    def __init__(self, n: int | None = 2, start: int = 0, config: StreamConfig = CFG) -> None:
+    def __init__(self, n: int | None = 2, start: int = 0, config: StreamConfig = _HAND_CFG
+                 ) -> None:
         self.m = StreamMachine("h", config=config)
         self.app, self.sent, self.now = App(), [], 0.0
         self.feed(self.m.start(self.now))
@@ -1890,7 +2006,7 @@ def test_an_overflow_during_the_rebuild_check_asks_the_rebuild_again():
     """Live batches overflow the buffer while the replay from 0 that checks a loss is in
     flight: it is that replay that is asked again (the loss is still to be checked), not
     the gap's replay, whose answer already showed the gap missing."""
-    h = _Hand(config=msgspec.structs.replace(CFG, max_buffer=2))
+    h = _Hand(config=msgspec.structs.replace(_HAND_CFG, max_buffer=2))
     h.rebuild_check()
     h.now += 0.1
     h.live(6)
@@ -1906,7 +2022,7 @@ def test_a_boot_replay_empty_after_an_overflow_is_asked_again():
     """Live batches came during the boot replay, more than the buffer holds (dropped):
     nothing is held when its empty answer comes, but the publisher has published since,
     so the replay from 0 is asked again."""
-    h = _Hand(n=None, config=msgspec.structs.replace(CFG, max_buffer=1))
+    h = _Hand(n=None, config=msgspec.structs.replace(_HAND_CFG, max_buffer=1))
     h.now += 0.1
     h.live(2)
     h.live(3)  # overflow: the boot replay asked again, and nothing held
@@ -1951,7 +2067,7 @@ def test_a_kvwire_gap_info_that_times_out_is_asked_again():
 
 
 def test_an_overflow_during_a_gap_replay_asks_the_gap_again():
-    h = _Hand(config=msgspec.structs.replace(CFG, max_buffer=1))
+    h = _Hand(config=msgspec.structs.replace(_HAND_CFG, max_buffer=1))
     h.live(5)
     assert h.sent[-1] == SendReplay(1)
     h.now += 0.1

@@ -18,12 +18,14 @@ arrived before it lets the machine judge time-outs, and the publisher's loop run
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 from test_stream import App, SimPublisher
 
 from kvwire.consume.stream import (
@@ -181,6 +183,32 @@ class RefSim:
             self.tick(0.6)
         raise AssertionError(f"no convergence: {self.m.stats()}")
 
+    def settle_quiet(self) -> None:
+        """Stop publishing, with no last batch to show where the end is: whatever was
+        dropped at the end is found only by asking. The consumer stalls once (so anything
+        the publisher sent may be lost on the way), then only time passes, 0.1 s a turn,
+        in which the idle publisher's loop serves whole answers (as vLLM's does). At every
+        turn after the stall, ``exact`` means the application has every batch the publisher
+        sent; in the end it has them all (exact, or inexact after an eviction)."""
+        self.stall(self.m.config.tail_after + 0.5)
+        for _ in range(600):
+            self.pub.serve(None)
+            self.now += 0.1
+            self.read_all()
+            self.handle(self.m.tick(self.now))
+            s = self.m.stats()
+            if s.state == "exact":
+                assert self.app.exact and self.app.next == self.pub.seq + 1, (
+                    s, self.app.next, self.pub.seq)
+            if self.pub.seq < self.pub.sim.first_seq and s.phase == "await_first":
+                return  # nothing published at all
+            if (s.state in ("exact", "inexact") and s.phase == "live"
+                    and self.app.next == self.pub.seq + 1 and not self.pub.requests
+                    and self.pub.serving is None and not self.pub.pipe):
+                return
+        raise AssertionError(f"no convergence: {self.m.stats()} app.next {self.app.next} "
+                             f"publisher at {self.pub.seq}")
+
 
 _ARGS = {
     "pub": st.integers(1, 8),
@@ -196,7 +224,7 @@ op = st.sampled_from(_KINDS).flatmap(lambda k: st.tuples(st.just(k), _ARGS[k]))
 
 
 def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap: int,
-        max_buffer: int, first_seq: int = 0) -> RefSim:
+        max_buffer: int, first_seq: int = 0, quiet: bool = False) -> RefSim:
     pub = RefPublisher(random.Random(seed), buffer_steps, per_send, pipe_cap, first_seq)
     sim = RefSim(pub, StreamConfig(request_timeout=1.0, info_timeout=0.5, retry_delay=0.2,
                                    max_buffer=max_buffer))
@@ -216,7 +244,10 @@ def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap:
             sim.tick(arg)
         elif name == "stall":
             sim.stall(arg)
-    sim.settle()
+    if quiet:
+        sim.settle_quiet()
+    else:
+        sim.settle()
     return sim
 
 
@@ -242,6 +273,30 @@ def test_reference_stream_delivers_everything_the_publisher_holds(
         assert sim.app.exact and s.lost == 0, s
         assert c == sim.pub.sim.truth.as_dict()
     assert s.mode == "reference"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(op, min_size=10, max_size=150),
+    seed=st.integers(0, 2**32),
+    buffer_steps=st.sampled_from([3, 10, 40, 10_000]),
+    per_send=st.sampled_from([None, 1, 3]),
+    pipe_cap=st.integers(1, 12),
+    max_buffer=st.sampled_from([8, 100_000]),
+)
+def test_reference_stream_never_reads_exact_without_its_tail(
+        ops, seed, buffer_steps, per_send, pipe_cap, max_buffer):
+    """The same chaos, then the publisher goes quiet with its tail dropped and the consumer
+    stalled: the stream finds the tail by asking (no batch after it ever comes), and says
+    ``unconfirmed``, never ``exact``, until it has it."""
+    sim = run(ops, seed, buffer_steps, per_send, pipe_cap, max_buffer, quiet=True)
+    s = sim.m.stats()
+    if s.phase == "await_first":
+        return  # nothing was published
+    assert s.phase == "live" and s.buffered == 0 and sim.app.next == sim.pub.seq + 1
+    if not sim.pub.evicted_ever:
+        assert s.state == "exact" and s.lost == 0, s
+        assert sim.app.cache.as_dict() == sim.pub.sim.truth.as_dict()
 
 
 def test_an_overflow_in_one_read_asks_the_publisher_once():
@@ -353,8 +408,9 @@ _END = [b"", b"", protocol.END_SEQ, b""]
 
 def _at_gap() -> tuple[StreamMachine, App, list]:
     """A reference stream that has 0..1 and then sees live 5: seqs from 2 asked (from 1,
-    our last, which must come back as we had it)."""
-    m, app, sent = StreamMachine("r", config=CFG), App(), []
+    our last, which must come back as we had it). (Its check after a quiet spell or a
+    stall is off: each 1.1 s tick of these tests is a stall, and they are about replies.)"""
+    m, app, sent = StreamMachine("r", config=replace(CFG, tail_after=math.inf)), App(), []
 
     def feed(outs: list) -> None:
         for o in outs:

@@ -24,7 +24,7 @@ __all__ = [
 GAUGES = frozenset({
     "queue_depth", "last_seq", "buffered", "expected_seq", "alive", "seq", "blocks",
     "last_heartbeat_age", "last_message_age", "state_code", "live", "streams", "exact",
-    "sender_alive", "snapshot_exact",
+    "sender_alive", "snapshot_exact", "unconfirmed",
 })
 #: Fields that are identifiers, not measurements.
 SKIP = frozenset({"epoch", "name", "endpoint", "state", "topic"})

@@ -202,7 +202,7 @@ def _cmd_listen(args: argparse.Namespace) -> int:
                     f"{name}: {s.batches} batches, {s.gaps} gaps, {counter_text(s.replayed)} replayed, "
                     f"{counter_text(s.lost)} lost, {s.snapshots} snapshots, {s.resyncs} resyncs, "
                     f"{counter_text(s.restarts)} restarts, {s.bad_frames + s.bad_payloads} bad messages, "
-                    f"mode {s.mode}"
+                    f"mode {s.mode}, state {s.state}"
                 )
             for n in sub.nats_stats():
                 notice(f"nats: {n.messages} messages, {n.batches} batches, {n.gaps} gaps, "

@@ -131,7 +131,8 @@ class StreamTally:
         if s is None:
             return [self.name, "-", "-", "-", f"{self.rate(now):.0f}", str(self.stored),
                     str(self.removed), "-", "-", "-", age, hb]
-        state = f"{s.mode}/{s.phase}" + ("" if s.alive else " DEAD")
+        state = (f"{s.mode}/{s.phase}" + ("" if s.alive else " DEAD")
+                 + (" UNCONFIRMED" if s.unconfirmed else ""))
         return [
             self.name, state, "-" if s.last_seq is None else str(s.last_seq),
             f"{s.epoch:016x}" if s.epoch is not None else "-",

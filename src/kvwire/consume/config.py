@@ -38,6 +38,11 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Replay requests in a row that time out without a single reply before the range
     #: they ask for counts as unreachable (a stall on either side must not lose it).
     replay_attempts: int = 3
+    #: Reference publishers (no heartbeats): confirm the stream's tail, by a replay asked
+    #: from its last seq, once the live stream has been quiet this long, and as soon as the
+    #: live backlog is read after the consumer itself did not run for this long (ticks
+    #: further apart). Until the answer comes, the stream's state is ``unconfirmed``.
+    tail_after: float = 1.0
 
 
 Phase = Literal["idle", "probe", "snapshot", "replay", "await_first", "live"]
@@ -53,7 +58,10 @@ class StreamStats(msgspec.Struct, frozen=True):
     snapshots a rebuild by replay from seq 0); ``resets``: Reset items (the first bootstrap included);
     ``restarts``: publisher restarts detected; ``buffer_overflows``: resync attempts given
     up because more than ``max_buffer`` live batches piled up; ``stray_replies``: replies
-    to no request in flight; ``exact``: the state is known completely (not an inexact start).
+    to no request in flight; ``state``: ``syncing`` (no baseline yet), ``inexact`` (an
+    inexact start, or a loss), ``unconfirmed`` (a reference stream quiet, or its consumer
+    stalled, since its tail was last confirmed: batches dropped at its end would not show)
+    or ``exact``; ``exact``: the state is ``exact``; ``unconfirmed``: it is ``unconfirmed``.
     """
 
     stream: str
@@ -89,6 +97,8 @@ class StreamStats(msgspec.Struct, frozen=True):
     #: without heartbeats a batch dropped last (the stream's tail) is otherwise seen only
     #: when the next one comes.
     tail_checks: int = 0
+    state: str = "unknown"
+    unconfirmed: bool = False
 
 
 _COUNTERS = (

@@ -88,6 +88,13 @@ class StreamState:
         self._last_live = 0.0
         self._checked_at = -math.inf  # when tick last made a periodic check
         self._tail_last = False  # that check was a tail check
+        # Reference streams have no heartbeats: their tail is confirmed by a replay asked
+        # from our last seq (tick). Times below are ``now`` values.
+        self._last_tick = -math.inf  # a long gap between ticks is a stall of the consumer
+        self._stall_at = -math.inf  # when tick last saw such a stall
+        self._tail_sent = -math.inf  # when the last tail check was asked
+        self._confirmed_at = -math.inf  # sending time of the last answer that confirmed it
+        self._unconfirmed = False  # quiet (or stalled) since, and not confirmed yet
         self._alive = True
         self._next_check = math.inf
 

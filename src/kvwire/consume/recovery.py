@@ -122,6 +122,28 @@ class Recovery(StreamState):
             self._c["stray_replies"] += 1
             return []
         self._req, self._req_deadline = None, math.inf
+        d = self._delivered
+        sent, kind = self._req_sent, self._replay_kind
+        # Nothing past our last seq (ours back, if it was asked for, and the end):
+        nothing_past = (not self._replay_got and self._check_seen is not False
+                        and d is not None and self._replay_from == d + 1)
+        self._replay_ended(now)
+        if self._req is None and self._phase == "live" and kind != "verify" \
+                and self._mode == "reference":
+            if nothing_past:
+                # When the publisher served this, it held nothing past what we have. (An
+                # answer that brought batches does not say so: its own tail may have been
+                # dropped on the way.)
+                self._confirmed_at = max(self._confirmed_at, sent)
+                self._unconfirmed = self._stall_at > sent
+            elif self._unconfirmed and self._last_live <= sent:
+                # Still quiet: ask again, until an answer brings ours alone. (With live
+                # batches arriving meanwhile, the check after the next quiet spell will.)
+                self._ask_tail(now)
+        return self._flush()
+
+    def _replay_ended(self, now: float) -> None:
+        """What a replay's end means, once its answer is all in."""
         if self._delivered is None:
             if (self._buffer or self._live_high is not None) and self._replay_got == 0 and \
                     self._fruitless + 1 < self.config.replay_attempts:
@@ -136,25 +158,25 @@ class Recovery(StreamState):
                 self._resume(now)
             else:
                 self._phase = "await_first"  # the first live batch decides (see live())
-            return self._flush()
+            return
         if self._replay_kind == "rebuild":  # an empty answer from 0: nothing to rebuild from
             self._give_up(*self._rebuild_gap, now)
-            return self._flush()
+            return
         if self._replay_kind == "tail" and self._check_seen is False and not self._replay_got:
             # Not even our last seq came back: either it keeps no buffer, or it restarted.
             # A replay from 0 tells which (anything at all in it: a restart, see replay()).
             self._start_replay(0, now, "verify")
-            return self._flush()
+            return
         if self._replay_kind == "verify":  # empty as well: no buffer, nothing to learn
             self._resume(now)
-            return self._flush()
+            return
         self._drain()
         progress = self._delivered + 1 > self._replay_from
         if self._buffer and not progress and self._check_seen and not self._replay_got:
             # Ours alone came back: what follows may have been dropped on the way (a full
             # ROUTER pipe), not gone. Ask past ours, unchecked, before calling it lost.
             self._start_replay(self._delivered + 1, now, "gap")  # type: ignore[operator]
-            return self._flush()
+            return
         if self._buffer and not progress:
             # The replay brought nothing we needed: whatever is missing is gone.
             m = min(self._buffer)
@@ -165,7 +187,6 @@ class Recovery(StreamState):
             self._continue(now)
         else:
             self._enter_live(now)
-        return self._flush()
 
     def info(self, info: InfoReply, now: float) -> list[Output]:
         """The publisher answered INFO."""
@@ -485,6 +506,14 @@ class Recovery(StreamState):
             start = d
         self._c["replays"] += 1
         self._send("replay", SendReplay(start), now, self.config.request_timeout)
+
+    def _ask_tail(self, now: float) -> None:
+        """Confirm a reference stream's tail: ask from our last seq (checked, see
+        :meth:`_start_replay`); ``unconfirmed`` until the answer is ours alone."""
+        self._unconfirmed = True
+        self._tail_sent = now
+        self._c["tail_checks"] += 1
+        self._start_replay(self._delivered + 1, now, "tail", check=True)  # type: ignore[operator]
 
     def _run_changed(self, why: str, now: float) -> None:
         """A reference publisher's replay shows a new run: restart from it."""

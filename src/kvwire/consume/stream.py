@@ -140,14 +140,43 @@ class StreamMachine(Recovery):
         da = self._dead_after()
         if da is not None and self._alive and self._phase != "idle":
             t = min(t, self._last_live + da)
+        if self._tail_wanted():
+            # (after a stall: at the next tick, which looks for the backlog's end)
+            t = min(t, self._last_tick if self._stall_pending() else
+                    self._last_live + self.config.tail_after)
         return t
 
+    @property
+    def state(self) -> str:
+        """``syncing``, ``inexact``, ``unconfirmed`` or ``exact`` (see :class:`StreamStats`)."""
+        if self._delivered is None:
+            return "syncing"
+        if not self._exact:
+            return "inexact"
+        return "unconfirmed" if self._unconfirmed and self._mode == "reference" else "exact"
+
     def stats(self) -> StreamStats:
+        state = self.state
         return StreamStats(
             stream=self.name, phase=self._phase, mode=self._mode, epoch=self._epoch,
-            last_seq=self._delivered, exact=self._exact, alive=self._alive,
+            last_seq=self._delivered, exact=state == "exact", alive=self._alive,
             buffered=len(self._buffer), bad_events=self._decoder.bad_events,
-            last_error=self._last_error, **self._c,
+            last_error=self._last_error, state=state, unconfirmed=state == "unconfirmed",
+            **self._c,
+        )
+
+    def _stall_pending(self) -> bool:
+        """A stall of the consumer was seen after the last tail check and confirmation."""
+        return self._stall_at > self._tail_sent and self._stall_at > self._confirmed_at
+
+    def _tail_wanted(self) -> bool:
+        """A reference stream, live and idle, whose tail needs confirming: a stall since,
+        or live batches since the last check (the quiet spell is timed by the caller)."""
+        return (
+            self._mode == "reference" and self._phase == "live" and self._req is None
+            and self._delivered is not None and (
+                self._stall_pending() or (self._last_live > self._tail_sent
+                                          and self._last_live > self._confirmed_at))
         )
 
     # ------------------------------------------------------------------ inputs
@@ -156,7 +185,7 @@ class StreamMachine(Recovery):
         """Begin: probe the publisher (or, without replay, wait for the first batch)."""
         if self._phase != "idle":
             return []
-        self._last_live = now
+        self._last_live = self._last_tick = now
         self._next_check = now + self._info_interval()
         if self.has_replay:
             self._probe("boot", now)
@@ -279,6 +308,13 @@ class StreamMachine(Recovery):
         """Let time pass: request timeouts, retries, liveness, periodic epoch checks."""
         if self._phase == "idle":
             return []
+        prev, self._last_tick = self._last_tick, now
+        if now - prev > self.config.tail_after:
+            # The consumer did not run for a while: whatever the publisher sent meanwhile
+            # may have been dropped, the tail included, and nothing live may ever show it.
+            # (Said of reference streams only, but noted before the mode is known.)
+            self._stall_at = now
+            self._unconfirmed = True
         if self._req is not None and now >= self._req_deadline:
             self._timeout(now)
         if self._req is None and now >= self._retry_at:
@@ -310,4 +346,9 @@ class StreamMachine(Recovery):
                 self._start_replay(self._delivered + 1, now, "tail", check=True)
             else:
                 self._probe("check", now)  # kvwire: the epoch; reference: an upgrade
+        elif self._tail_wanted() and (
+            self._last_live <= prev if self._stall_pending()  # the backlog is read
+            else now - self._last_live >= self.config.tail_after
+        ):
+            self._ask_tail(now)  # quiet, or stalled: confirm the tail
         return self._flush()

@@ -179,7 +179,8 @@ class NatsLink:
                 replays=None, replayed=None, snapshots=c["snapshots"], resyncs=c["resyncs"],
                 resets=c["resets"], restarts=None, buffer_overflows=0, buffered=0, timeouts=0,
                 error_replies=0, bad_frames=0, bad_payloads=c["bad_messages"], bad_events=0,
-                stray_replies=0, deaths=0, last_error=None)
+                stray_replies=0, deaths=0, last_error=None,
+                state="syncing" if st.seq is None else "exact" if st.exact else "inexact")
             out[st.stream] = SubscriberStats(ss, 0, 0, 0)
         return out
 

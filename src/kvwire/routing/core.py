@@ -40,7 +40,7 @@ from ..consume.stream import StreamConfig
 from ..consume.subscriber import StreamSpec
 from ..errors import HttpError
 from .feed import Feed
-from .ingest import Ingest
+from .ingest import Ingest, stream_counts
 from .load import LoadTracker
 from .policy import Candidate, Decision, RoutingPolicy, request_load
 from .targets import Target, found_ranks, targets_of
@@ -644,6 +644,7 @@ class RouterCore:
                 "resets": self.resets.get(t.stream, 0),
                 "load": loads.get(t.label, 0.0),
                 "suspect": getattr(st, "suspect", None),
+                **stream_counts(ss),  # gaps, replays, lost, restarts, state...: as listen
             }
             out.setdefault(t.engine, {"ranks": []})["ranks"].append(row)
         return out

@@ -21,7 +21,8 @@ from typing import Any
 from ..consume.subscriber import Subscriber
 from .slices import pieces
 
-__all__ = ["BATCH_ITEMS", "INGEST_NAP", "Ingest"]
+__all__ = ["BATCH_ITEMS", "INGEST_NAP", "STREAM_COUNTERS", "Ingest", "stream_counts",
+           "stream_metrics"]
 
 log = logging.getLogger("kvwire.router")
 
@@ -32,6 +33,44 @@ BATCH_ITEMS = 2048
 INGEST_NAP = 0.005
 #: How often the per-stream subscriber stats are refreshed (``stats``), in seconds.
 STATS_EVERY = 0.25
+
+
+#: What each stream's consumer counted, exported per stream by ``kvwire serve`` (``/engines``,
+#: ``/metrics``) under the names ``kvwire listen`` gives them, so an operator can tell a
+#: router that fell behind (gaps, replays, losses, restarts) from one that is exact.
+STREAM_COUNTERS = ("batches", "gaps", "replays", "replayed", "lost", "snapshots", "resyncs",
+                   "restarts", "tail_checks")
+
+
+def stream_counts(stats: Any) -> dict[str, Any]:
+    """One stream's :data:`STREAM_COUNTERS`, its ``state`` (``syncing``, ``inexact``,
+    ``unconfirmed``, ``exact``: :class:`~kvwire.consume.config.StreamStats`) and
+    ``unconfirmed``, from its :class:`~kvwire.consume.subscriber.SubscriberStats` (None: not
+    started yet). A counter that does not apply (NATS streams replay nothing) is None."""
+    proto = getattr(stats, "stream", None)
+    if proto is None:
+        return {**dict.fromkeys(STREAM_COUNTERS, 0), "state": "syncing", "unconfirmed": False}
+    out = {k: getattr(proto, k) for k in STREAM_COUNTERS}
+    out["state"] = proto.state
+    out["unconfirmed"] = proto.unconfirmed
+    return out
+
+
+def stream_metrics(status: dict[str, Any]) -> list[tuple[str, str, str, list[tuple[str, float]]]]:
+    """The per-stream counts of an ``engines_status()`` answer as metric families:
+    ``(name, "counter" | "gauge", help, [(stream, value), ...])``; a counter's name has no
+    ``_total`` (the exposition adds it). Counters that do not apply are left out."""
+    rows = [row for e in status.values() for row in e["ranks"]]
+    fams = [(f"kvwire_router_stream_{k}", "counter", f"Per stream, as kvwire listen counts "
+             f"them: {k.replace('_', ' ')}",
+             [(r["stream"], float(r[k])) for r in rows if r.get(k) is not None])
+            for k in STREAM_COUNTERS]
+    fams.append(("kvwire_router_stream_unconfirmed", "gauge", "1 while a reference stream's "
+                 "tail is not confirmed since it went quiet (or its consumer stalled)",
+                 [(r["stream"], 1.0 if r["unconfirmed"] else 0.0) for r in rows]))
+    fams.append(("kvwire_router_stream_exact", "gauge", "1 if the stream's state is exact",
+                 [(r["stream"], 1.0 if r["state"] == "exact" else 0.0) for r in rows]))
+    return fams
 
 
 class Ingest:

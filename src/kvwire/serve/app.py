@@ -24,6 +24,7 @@ from ..http1.server import Request, Routes, Server
 from ..http1.server import serve_in_thread as _serve_in_thread
 from ..indexer.indexer import INDEXER_PATHS, Indexer
 from ..routing.core import RouterCore
+from ..routing.ingest import stream_metrics
 from ..routing.tokens import parse_route_body
 from .admin import add_membership_routes
 from .status.feed import StatusFeed
@@ -128,6 +129,13 @@ class _CoreCollector:
                                       "Reservations dropped because no release came")
         expired.add_metric([], lt.expired)
         yield from (applied, blocks, resets, alive, load, reqs, expired)
+        # per-stream counts, named as kvwire listen names them
+        for name, kind, doc, values in stream_metrics(status):
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, doc, labels=["stream"])
+            for stream, v in values:
+                fam.add_metric([stream], v)
+            yield fam
         if core.discover:  # (serve --nats without --nats-engine)
             found = CounterMetricFamily("kvwire_router_engines_discovered", "Engines found "
                                         "(or widened by a new DP rank) on the JetStream "
