@@ -214,7 +214,9 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     # from 9 answered with 9 alone, or already with the withheld ones.)
     tail_checks = [r for r in new if r == (9, 1)]
     if time.monotonic() - t0 < 9.0 and not tail_checks:
-        assert new == [(9, 7)]
+        # ... plus, on a loaded box, a tail check from a later seq answered with that seq
+        # alone (the listener's ticks more than a second apart count as its own stall).
+        assert [r for r in new if r[1] != 1] == [(9, 7)], new
     else:
         # A run this slow (beside a busy process; seen once) meets the listener's periodic
         # check, every 10 s, or its tail check after a quiet second: a quiet stream asks a
