@@ -290,3 +290,31 @@ def test_serve_imports_no_framework() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_on_start_and_on_stop_run_on_the_serving_loop() -> None:
+    """``Server(on_start=, on_stop=)``: both run on the loop that answers requests (what
+    should share it: the proxy's probes), on_start before the server reports started, so
+    before any request; on_stop as it stops."""
+    from kvwire.http1.server import serve_in_thread
+
+    seen: dict[str, Any] = {}
+
+    def hello(req: Request) -> None:
+        seen["request"] = asyncio.get_running_loop()
+        req.respond(200, b"{}")
+
+    server = Server(Routes(fallback=hello),
+                    on_start=lambda: seen.setdefault(
+                        "start", (asyncio.get_running_loop(), server.started)),
+                    on_stop=lambda: seen.setdefault("stop", asyncio.get_running_loop()))
+    server, thread, port = serve_in_thread(server.routes, server=server)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert _read_all(s).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+    loop, started = seen["start"]
+    assert started is False and loop is seen["request"] is seen["stop"] is server.loop

@@ -688,6 +688,56 @@ def test_an_engine_whose_health_hangs_delays_no_other_engines_probe() -> None:
         fast.close()
 
 
+def _threads_of(run: Callable[[], None], before: set[threading.Thread]) -> list[str]:
+    """The names of the threads started since ``before`` that are still running when
+    ``run()`` returns (a stub engine's per-request threads left out)."""
+    run()
+    return sorted(t.name for t in threading.enumerate()
+                  if t not in before and not t.name.endswith("(process_request_thread)"))
+
+
+def test_kvwire_serve_probes_on_its_serving_loop() -> None:
+    """``kvwire serve``'s service (:func:`kvwire.serve.build.build`, which the command line
+    runs) probes its engines on the one event loop that serves HTTP: a proxy adds no thread
+    to a service without one (no probe thread), and its probes still mark an engine down
+    and up again (seen in ``/engines``)."""
+    from kvwire.serve.build import ServeConfig, build
+
+    h = _Health()
+    cfg = ProxyConfig(probe_interval=0.1, cooloff=0.1)
+    before = set(threading.enumerate())
+    plain = build(ServeConfig(engines=[EngineSpec("h", "tcp://127.0.0.1:9")], port=0))
+    try:
+        without = _threads_of(plain.start, before)
+    finally:
+        plain.close()
+    wait_for(lambda: set(threading.enumerate()) <= before | {
+        t for t in threading.enumerate() if t.name.endswith("(process_request_thread)")},
+             "the first service's threads gone")
+    svc = build(ServeConfig(engines=[EngineSpec("h", "tcp://127.0.0.1:9", url=h.url)],
+                            port=0, tokenizer="builtin", proxy=cfg))
+    try:
+        def serving() -> None:
+            svc.start()
+            assert svc.proxy is not None and svc.proxy.wait_probed(TIMEOUT)
+
+        assert _threads_of(serving, before) == without
+        c = httpx.Client(base_url=svc.url, timeout=TIMEOUT)
+
+        def http_up() -> bool:
+            return c.get("/engines").json()["h"]["http"]["http_up"]
+
+        assert http_up()
+        h.status = 500
+        wait_for(lambda: not http_up(), "h down after a failed probe")
+        h.status = 200
+        wait_for(http_up, "h up again after a good probe")
+        c.close()
+    finally:
+        svc.close()
+        h.close()
+
+
 def test_dp_rank_goes_in_vllms_header(make_stack: Callable[..., Stack]) -> None:
     """An engine with ranks=2: the chosen rank reaches the engine as X-data-parallel-rank
     (vLLM's header) and the client as x-kvwire-rank. (The recording stub answers.)"""

@@ -383,6 +383,44 @@ def test_cli_port_in_use_exits_1_naming_it(tmp_path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_build_closes_what_it_started_when_it_fails(tmp_path) -> None:
+    """``kvwire.serve.build.build`` (what ``kvwire serve`` runs) from Python: a registrations
+    file it cannot read is a ConfigError and a port in use a StartError, each raised after
+    the subscriber started, and each leaves no thread of the service running; a built
+    service serves in a thread and its close() ends every thread it started."""
+    import threading
+
+    from kvwire.serve.build import ConfigError, ServeConfig, StartError, build
+
+    pub = publisher(tmp_path, "e0")
+    engines = [EngineSpec("e0", pub.endpoint, pub.replay_endpoint)]
+    before = set(threading.enumerate())
+
+    def left() -> list[str]:
+        return [t.name for t in set(threading.enumerate()) - before]
+
+    try:
+        bad = tmp_path / "regs.json"
+        bad.write_text("not json")
+        with pytest.raises(ConfigError, match="registrations file .*regs.json"):
+            build(ServeConfig(engines=engines, port=0, registrations=str(bad)))
+        assert left() == []
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = taken.getsockname()[1]
+            with pytest.raises(StartError, match=f"cannot listen on 127.0.0.1:{port}"):
+                build(ServeConfig(engines=engines, port=port))
+        assert left() == []
+        with build(ServeConfig(engines=engines, port=0)).start() as svc:
+            assert left() != []
+            wait_for(lambda: httpx.get(svc.url + "/health").status_code == 200,
+                     "the service healthy")
+        assert left() == []
+    finally:
+        pub.shutdown(timeout=1)
+
+
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--port", "70000"], "argument --port: must be in 0..65535, got 70000"),
     (["--port", "http"], "argument --port: not a port number: 'http'"),
@@ -447,13 +485,14 @@ def test_a_routed_prefix_is_predicted_until_its_ttl(fleet: Fleet) -> None:
 
 
 def test_docs_examples_run() -> None:
-    """Every python example of docs/router.md runs as written (policy and loopback service)."""
+    """Every python example of docs/router.md runs as written, each alone (policy, loopback
+    service, the whole service from a ServeConfig)."""
     import re
     from pathlib import Path
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "router.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
-    assert len(blocks) == 2, "docs/router.md has a policy and a service example"
+    assert len(blocks) == 3, "docs/router.md has a policy and two service examples"
     for code in blocks:
         exec(compile(code, str(doc), "exec"), {"__name__": "__docs__"})
 

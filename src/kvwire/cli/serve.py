@@ -10,10 +10,9 @@ import argparse
 import gc
 import logging
 import os
-import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .options import (
     EXIT_FAILURE,
@@ -35,11 +34,12 @@ from .options import (
 
 if TYPE_CHECKING:
     from ..proxy.proxy import ProxyConfig
+    from ..serve.build import ServeConfig
 
 #: Allocations between young-generation collections in a serve process (CPython: 700).
 GC_THRESHOLD0 = int(os.environ.get("KVWIRE_GC_THRESHOLD0", "10000"))
 
-__all__ = ["main", "register", "run"]
+__all__ = ["main", "register", "run", "serve_config"]
 
 log = logging.getLogger("kvwire.serve")
 
@@ -198,132 +198,60 @@ def tune_process() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the subscriber thread and the HTTP server; blocks until interrupted. Exit statuses:
-    0 stopped, 1 cannot connect (--nats) or listen, 2 bad configuration or no extra."""
+    """Build the service (:mod:`kvwire.serve.build`) and serve until interrupted. Exit
+    statuses: 0 stopped, 1 cannot connect (--nats) or listen, 2 bad configuration or no
+    extra."""
     try:
-        from ..consume.stream import StreamConfig
-        from ..http1.server import Server
-        from ..indexer.indexer import Indexer
-        from ..proxy.proxy import Proxy
-        from ..routing.core import RouterCore
-        from ..routing.policy import make_policy
-        from ..serve.app import build_app
+        from ..serve.build import ConfigError, StartError, build
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(args, stamped=True)
     try:
-        nats = None
-        engines = args.engine
-        if args.nats is not None:
-            from .nats_engines import nats_engines
-
-            nats, engines = nats_engines(args)
-        elif args.nats_engine:
-            raise ValueError("--nats-engine needs --nats URL")
-        if args.share_load and args.nats is None:
-            raise ValueError("--share-load needs --nats URL (the replicas share their load "
-                             "over it)")
-        kept, withdrawn = None, set()
-        if args.engines_file is not None:
-            kept, engines, withdrawn = _kept_engines(args.engines_file, engines, nats)
-        if nats is None and not engines and args.registrations is None:
-            raise ValueError("give --engine NAME=ENDPOINT (repeat), --nats URL or "
-                             "--registrations FILE (the indexer API alone)")
-        core = RouterCore(
-            engines, nats=nats, discover=nats is not None and not args.nats_engine,
-            withdrawn=withdrawn,
-            policy=make_policy(args.policy, args.prefill_weight, args.load_weight,
-                               args.temperature, args.seed,
-                               args.balance_slack / args.block_size),
-            block_size=args.block_size, max_tokens=args.max_tokens, expiry_s=args.expiry,
-            predict_ttl=args.predict_ttl, decode_load=args.decode_load,
-            decode_share=args.decode_share,
-            stream_config=StreamConfig(dead_after=args.dead_after),
-        )
-        if args.tokenizer in (None, "engine") and (
-                args.chat_template is not None or args.chat_template_content_format != "auto"):
-            raise ValueError("--chat-template and --chat-template-content-format apply to "
-                             "--tokenizer DIR or builtin (with --tokenizer engine the "
-                             "engine renders: give them to the engine)")
-        proxy = None
-        if any(e.url for e in engines):
-            proxy = Proxy(core, _tokenizer(args),
-                          tokenize_with_engine=args.tokenizer == "engine",
-                          config=proxy_config(args))
-        elif args.tokenizer is not None:
-            raise ValueError("--tokenizer needs an --engine (or --nats-engine) with url=")
-    except (ValueError, ImportError) as e:
+        svc = build(serve_config(args), say=_say)
+    except ConfigError as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as e:  # kvwire.nats.connect.NatsConnectError included
+    except StartError as e:
         print(f"kvwire serve: {e}", file=sys.stderr)
         return EXIT_FAILURE
     try:
-        core.start()
-    except ValueError as e:  # a stream the subscriber cannot open
-        print(f"kvwire serve: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (RuntimeError, OSError) as e:
-        core.close()
-        print(f"kvwire serve: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    share = None
-    if args.nats is not None and args.share_load is not False:
-        from ..nats.load_channel import LoadShare
-
-        share = LoadShare(core, args.nats, f"kvwire.load.{args.stream}",
-                          connect_timeout=args.connect_timeout)
-        try:
-            share.start()
-        except (RuntimeError, OSError) as e:
-            core.close()
-            print(f"kvwire serve: load sharing: {e}", file=sys.stderr)
-            return EXIT_FAILURE
-        core.load_share, core.share = share, share.push
-        print(f"kvwire serve: sharing load with the other replicas on {share.subject} "
-              "(--no-share-load: each routes on its own)", file=sys.stderr, flush=True)
-    try:
-        indexer = Indexer(core, args.registrations, max_tokens=args.max_tokens)
-    except (ValueError, OSError) as e:  # a registrations file that cannot be read
-        core.close()
-        print(f"kvwire serve: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if proxy is not None:
-        proxy.start()  # (it logged already if it routes by load only: no --tokenizer)
-    # Bind here, before the server starts: `--port 0` then prints the port the OS gave, and
-    # a port in use is one clear line.
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as e:
-        core.close()
-        if proxy is not None:
-            proxy.close()
-        print(f"kvwire serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"kvwire serve: {len(core.targets)} streams; http://{shown}:{port}/",
-          file=sys.stderr, flush=True)
-    try:
-        app = build_app(core, proxy, indexer, admin_token=_admin_token(args),
-                        engines_file=kept)
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
-        Server(app, drain_timeout=args.shutdown_timeout,
-               on_stop=proxy.close_pools if proxy is not None else None).run(sockets=[sock])
+        svc.run()
     finally:
-        sock.close()
-        if proxy is not None:
-            proxy.close()
-        core.close()  # (the load sharing too)
+        svc.close()
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    print(f"kvwire serve: {line}", file=sys.stderr, flush=True)
 
 
 EPILOG = """exit status: 0 stopped (SIGINT/SIGTERM); 1 cannot connect to --nats within
 --connect-timeout, or cannot listen on --host:--port; 2 a bad flag, --engine or stream, or
 the serve extra missing (docs/operations.md)"""
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The flags as the service's config (the admin token: the flag, else the environment)."""
+    from ..serve.build import ServeConfig
+
+    return ServeConfig(
+        engines=args.engine, host=args.host, port=args.port, policy=args.policy,
+        prefill_weight=args.prefill_weight, load_weight=args.load_weight,
+        balance_slack=args.balance_slack, temperature=args.temperature, seed=args.seed,
+        block_size=args.block_size, max_tokens=args.max_tokens, expiry=args.expiry,
+        predict_ttl=args.predict_ttl, decode_load=args.decode_load,
+        decode_share=args.decode_share, dead_after=args.dead_after, tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        proxy=proxy_config(args), nats=args.nats, stream=args.stream, subject=args.subject,
+        nats_engines=args.nats_engine, share_load=args.share_load,
+        connect_timeout=args.connect_timeout, registrations=args.registrations,
+        engines_file=args.engines_file, admin_token=_admin_token(args),
+        shutdown_timeout=args.shutdown_timeout)
 
 
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:
@@ -338,66 +266,11 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                        max_in_flight=args.max_in_flight)
 
 
-def _tokenizer(args: argparse.Namespace):
-    """``--tokenizer``: None (load only), 'engine' (asked per request), 'builtin', or a
-    model directory (loaded now: a bad one is exit 2), with ``--chat-template``."""
-    spec = args.tokenizer
-    if spec is None or spec == "engine":
-        return None
-    from ..tokenize import load_tokenizer
-
-    return load_tokenizer(None if spec == "builtin" else spec,
-                          chat_template=args.chat_template,
-                          content_format=args.chat_template_content_format)
-
-
-def _kept_engines(path: str, engines: list, nats: Any) -> tuple[Any, list, set[str]]:
-    """``--engines-file``: the file, the engines to route to (the run-time changes laid
-    over ``engines``, the command line's) and the names removed; said on stderr when the
-    changes alter the command line's fleet. ValueError for a file that cannot be read."""
-    from ..consume.engine_spec import EngineSpec
-    from ..serve.engines_file import EnginesFile
-
-    kept = EnginesFile(path)
-    changes = kept.load()
-    try:
-        start = changes.over(engines, EngineSpec.parse if nats is None
-                             else lambda text: EngineSpec.parse_named(text, "engine"))
-    except ValueError as e:
-        raise ValueError(f"engines file {path}: {e}") from None
-    said = []
-    if changes.added:
-        said.append(f"added {', '.join(sorted(changes.added))}")
-    if start.replaced:
-        said.append(f"of these, {', '.join(start.replaced)} as added, not as given here")
-    if start.dropped:
-        said.append(f"{', '.join(start.dropped)} left out (removed at run time: POST "
-                    "/engines adds one back)")
-    if said:
-        print(f"kvwire serve: engines file {path}: " + "; ".join(said), file=sys.stderr,
-              flush=True)
-    return kept, start.engines, start.withdrawn
-
-
 def _admin_token(args: argparse.Namespace) -> str | None:
     """``--admin-token``, else ``$KVWIRE_ADMIN_TOKEN``; empty means unset."""
     from ..serve.admin import TOKEN_ENV
 
     return args.admin_token or os.environ.get(TOKEN_ENV) or None
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -527,12 +527,16 @@ class Server:
     run to their end for up to ``drain_timeout`` seconds, each connection closing after
     its answer; what is left then is cut. A second signal, or ``should_exit``, stops at
     once. A rolling restart behind a load balancer then loses no answer already streaming.
-    ``on_stop``: called as the server stops (closing the proxy's pools)."""
+    ``on_start``: called on the serving loop once it listens, before the first request (what
+    should run on that loop: the proxy's health probes); ``on_stop``: called on it as the
+    server stops (closing the proxy's pools)."""
 
     def __init__(self, routes: Routes, drain_timeout: float = 0.0,
-                 on_stop: Callable[[], None] | None = None) -> None:
+                 on_stop: Callable[[], None] | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.routes = routes
         self.drain_timeout = float(drain_timeout)
+        self.on_start = on_start
         self.on_stop = on_stop
         self.should_exit = False
         self.draining = False
@@ -571,8 +575,10 @@ class Server:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._exit)
-        self.started = True
         try:
+            if self.on_start is not None:
+                self.on_start()
+            self.started = True
             while not self.should_exit:
                 if self.draining and self._drained(servers):
                     break

@@ -1,5 +1,7 @@
 """``kvwire serve``'s HTTP face: its routes on kvwire's one HTTP server
-(:mod:`kvwire.http1.server`), the proxy's ``/v1`` paths among them.
+(:mod:`kvwire.http1.server`), the proxy's ``/v1`` paths among them; what ``/metrics``
+reads is in :mod:`.metrics`, the engines at run time in :mod:`.admin`, the status page's
+feed in :mod:`.status`.
 
 Bodies are decoded with msgspec, not pydantic: a 2k-token prompt decodes in microseconds, and
 its errors name the offending field (``Expected `int`, got `str` - at `$.token_ids[3]```).
@@ -16,17 +18,16 @@ from array import array
 from typing import Annotated, Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import generate_latest
 
 from ..http1 import HttpError
 from ..http1.server import Request, Routes, Server
 from ..http1.server import serve_in_thread as _serve_in_thread
 from ..indexer.indexer import INDEXER_PATHS, Indexer
 from ..routing.core import RouterCore
-from ..routing.ingest import stream_metrics
 from ..routing.tokens import parse_route_body
 from .admin import add_membership_routes
+from .metrics import IndexerCollector, ServeMetrics
 from .status.feed import StatusFeed
 from .status.page import STATUS_HTML
 
@@ -62,128 +63,6 @@ _release_dec = msgspec.json.Decoder(ReleaseBody)
 _enc = msgspec.json.Encoder()
 
 
-class _Metrics:
-    """The service's own registry: nothing leaks into (or from) the process default one."""
-
-    def __init__(self, core: RouterCore, proxy: Any = None) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.latency = Histogram(
-            "kvwire_router_route_seconds", "Time to answer /route and /score (index match + "
-            "policy), seconds", ["endpoint"], registry=r,
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0))
-        self.hit = Histogram(
-            "kvwire_router_prefix_hit_ratio", "Matched / prompt blocks on the chosen engine "
-            "(credit-weighted), per routed request", registry=r,
-            buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0))
-        self.routed = Counter("kvwire_router_routed_total", "Requests routed, per engine",
-                              ["engine"], registry=r)
-        self.bad = Counter("kvwire_router_bad_requests_total",
-                           "Requests answered 4xx, by reason", ["reason"], registry=r)
-        r.register(_CoreCollector(core))
-        if proxy is not None:
-            r.register(proxy.metrics)  # kvwire_proxy_*
-
-    def on_route(self, label: str, credit: float, prompt_blocks: float) -> None:
-        self.routed.labels(label).inc()
-        self.hit.observe(credit / prompt_blocks if prompt_blocks > 0 else 0.0)
-
-
-class _CoreCollector:
-    """Index and stream figures read at scrape time (free on the routing path)."""
-
-    def __init__(self, core: RouterCore, proxy: Any = None) -> None:
-        self.core = core
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self) -> Any:
-        core = self.core
-        status = core.engines_status()
-        applied = CounterMetricFamily("kvwire_router_events_applied",
-                                      "Events applied to the index, per stream", labels=["stream"])
-        blocks = GaugeMetricFamily("kvwire_router_blocks", "Blocks indexed per stream and tier",
-                                   labels=["engine", "stream", "tier"])
-        resets = CounterMetricFamily("kvwire_router_resets", "Stream resets (restart, loss)",
-                                     labels=["stream"])
-        alive = GaugeMetricFamily("kvwire_router_stream_alive", "1 if the stream is live",
-                                  labels=["stream"])
-        load = GaugeMetricFamily("kvwire_router_load_blocks",
-                                 "Reserved load (uncached blocks of unreleased requests)",
-                                 labels=["stream"])
-        for engine, e in status.items():
-            for row in e["ranks"]:
-                s = row["stream"]
-                applied.add_metric([s], row["events_applied"])
-                resets.add_metric([s], row["resets"])
-                alive.add_metric([s], 1.0 if row["alive"] else 0.0)
-                load.add_metric([s], row["load"])
-                for tier, n in row["blocks"].items():
-                    blocks.add_metric([engine, s, str(tier)], n)
-        reqs = CounterMetricFamily("kvwire_router_requests", "Answered requests by kind",
-                                   labels=["kind"])
-        for k, v in core.counts.items():
-            reqs.add_metric([k], v)
-        lt = core.loads
-        expired = CounterMetricFamily("kvwire_router_reservations_expired",
-                                      "Reservations dropped because no release came")
-        expired.add_metric([], lt.expired)
-        yield from (applied, blocks, resets, alive, load, reqs, expired)
-        # per-stream counts, named as kvwire listen names them
-        for name, kind, doc, values in stream_metrics(status):
-            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                name, doc, labels=["stream"])
-            for stream, v in values:
-                fam.add_metric([stream], v)
-            yield fam
-        if core.discover:  # (serve --nats without --nats-engine)
-            found = CounterMetricFamily("kvwire_router_engines_discovered", "Engines found "
-                                        "(or widened by a new DP rank) on the JetStream "
-                                        "stream after start")
-            found.add_metric([], core.discovered)
-            yield found
-        share = core.load_share
-        if share is not None:  # (serve --nats: replicas that share their load)
-            ops = CounterMetricFamily(
-                "kvwire_router_load_reports", "Load sharing between router replicas: reports "
-                "sent, send errors, operations dropped on a full queue; reports, operations, "
-                "sequence gaps and malformed operations received; reservations a peer's "
-                "heartbeat dropped or corrected; peers expired (silent past the ttl)", labels=["kind"])
-            with core.lock:
-                counts = {**share.counts, **share.peers.counts}
-                peers, held = len(share.peers.peers), share.peers.held()
-            for k, v in counts.items():
-                ops.add_metric([k], v)
-            g = GaugeMetricFamily("kvwire_router_peer_replicas",
-                                  "Other router replicas heard from within the ttl")
-            g.add_metric([], peers)
-            h = GaugeMetricFamily("kvwire_router_peer_reservations",
-                                  "Reservations of other replicas counted in the load")
-            h.add_metric([], held)
-            yield from (ops, g, h)
-
-
-class _IndexerCollector:
-    """The indexer API's counters (requests, 4xx by reason, scope misses, block-size
-    mismatches) as ``kvwire_indexer_events_total{what}``, and its registrations."""
-
-    def __init__(self, indexer: Indexer) -> None:
-        self.indexer = indexer
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self) -> Any:
-        c = CounterMetricFamily("kvwire_indexer_events", "Indexer API requests and problems, "
-                                "by what (query, bad_<reason>, empty_scope, ...)",
-                                labels=["what"])
-        for k, v in list(self.indexer.counts.items()):
-            c.add_metric([k], v)
-        g = GaugeMetricFamily("kvwire_indexer_registrations", "Streams registered")
-        g.add_metric([], len(self.indexer.regs))
-        yield from (c, g)
-
-
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _HTML = b"text/html; charset=utf-8"
 #: refusals the bad-request counter does not count: a handler's failure (logged), and a
@@ -196,7 +75,7 @@ class RouterApp(Routes):
 
     core: RouterCore
     proxy: Any
-    metrics: _Metrics
+    metrics: ServeMetrics
     indexer: Indexer
     status_feed: StatusFeed
 
@@ -216,7 +95,7 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
     task, no framework object; their body's ``token_ids`` parsed by a small C parser."""
     app = RouterApp(render=HttpError.kvwire,
                     headers=True if proxy is not None else (b"authorization",))
-    metrics = _Metrics(core, proxy)
+    metrics = ServeMetrics(core, proxy)
     feed = StatusFeed(core, proxy)  # the status page's charts, sampled once a second
 
     def on_route(label: str, credit: float, prompt_blocks: float) -> None:
@@ -232,7 +111,7 @@ def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = Non
     # the RFC #1403 indexer API over the same index
     app.indexer = indexer = (indexer if indexer is not None
                              else Indexer(core, max_tokens=core.max_tokens))
-    metrics.registry.register(_IndexerCollector(indexer))
+    metrics.registry.register(IndexerCollector(indexer))
     bad = metrics.bad
 
     def counted(req: Request, e: HttpError) -> None:

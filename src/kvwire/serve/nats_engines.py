@@ -1,11 +1,11 @@
-"""``kvwire serve --nats``: which engines to route to when their streams come from JetStream."""
+"""``kvwire serve --nats``: which engines to route to when their streams come from
+JetStream (:mod:`.build` asks)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ..nats.subjects import parse_subject
@@ -13,42 +13,39 @@ from ..nats.subjects import parse_subject
 __all__ = ["nats_engines"]
 
 
-def nats_engines(args: argparse.Namespace) -> tuple[Any, list[Any]]:
-    """The NatsStreams spec and the EngineSpecs (``--nats-engine NAME[:RANKS][,url=URL]``,
-    else every engine with a subject on the stream now: maybe none yet, as the router finds
-    the others as they appear). The server is reached first either way, so a wrong URL
-    fails here: NatsConnectError (an OSError) if it does not answer within
-    ``--connect-timeout``; ValueError for anything wrong in the flags, or a server without
-    JetStream. A stream that does not exist yet is waited for (a router may start before
-    the bridge that creates it), and stderr names the streams that do exist, so a misspelt
-    ``--stream`` is seen at once."""
+def nats_engines(url: str, stream: str, subject: str | None, named: Sequence[Any],
+                 connect_timeout: float, say: Callable[[str], None]
+                 ) -> tuple[Any, list[Any]]:
+    """The NatsStreams spec and the EngineSpecs (``named``: ``--nats-engine
+    NAME[:RANKS][,url=URL]``, else every engine with a subject on the stream now: maybe none
+    yet, as the router finds the others as they appear). The server is reached first either
+    way, so a wrong URL fails here: NatsConnectError (an OSError) if it does not answer
+    within ``connect_timeout``; ValueError for anything wrong in the flags, or a server
+    without JetStream. A stream that does not exist yet is waited for (a router may start
+    before the bridge that creates it), and ``say`` names the streams that do exist, so a
+    misspelt ``--stream`` is seen at once."""
     from ..consume.engine_spec import EngineSpec
     from ..nats.streams import NatsStreams
 
-    if args.engine:
-        raise ValueError("--engine and --nats exclude each other (with --nats the engines' "
-                         "streams come from JetStream; name them with --nats-engine)")
-    spec = NatsStreams(args.nats, stream=args.stream, subject=args.subject)
-    if args.nats_engine:
-        names = [e.name for e in args.nats_engine]
+    spec = NatsStreams(url, stream=stream, subject=subject)
+    if named:
+        names = [e.name for e in named]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"--nats-engine: {dup} given twice")
-        asyncio.run(_discover(spec, args.connect_timeout, read=False))
-        return spec, list(args.nats_engine)
-    found = asyncio.run(_discover(spec, args.connect_timeout, read=True))
+        asyncio.run(_discover(spec, connect_timeout, read=False))
+        return spec, list(named)
+    found = asyncio.run(_discover(spec, connect_timeout, read=True))
     if isinstance(found, _NoStream):
         there = ", ".join(found.others) if found.others else "none"
-        print(f"kvwire serve: stream {args.stream} does not exist at {args.nats} yet "
-              f"(streams there: {there}): waiting for a bridge to create it; each engine is "
-              "routed to as it appears", file=sys.stderr, flush=True)
+        say(f"stream {stream} does not exist at {url} yet (streams there: {there}): "
+            "waiting for a bridge to create it; each engine is routed to as it appears")
         return spec, []
     ranks: dict[str, int] = {}
     for engine, rank in found:
         ranks[engine] = max(ranks.get(engine, 0), rank + 1)
     if not ranks:  # (a bridge up, its engines not yet: each is routed to as it appears)
-        print(f"kvwire serve: no engine on stream {args.stream} yet: each is routed to as "
-              "it appears", file=sys.stderr, flush=True)
+        say(f"no engine on stream {stream} yet: each is routed to as it appears")
     return spec, [EngineSpec(name, None, ranks=n) for name, n in ranks.items()]
 
 
