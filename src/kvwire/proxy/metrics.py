@@ -1,5 +1,5 @@
 """The proxy's Prometheus figures: requests, retries, in-flight and token counts read from
-the :class:`~kvwire.proxy.proxy.Proxy`'s own counters at scrape time, and histograms cheap
+the :class:`~kvwire.proxy.fleet.Fleet`'s public counters at scrape time, and histograms cheap
 enough to observe once each per request on the event loop."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from .proxy import Proxy
+    from .fleet import Fleet
 
 __all__ = ["CheapHistogram", "ProxyMetrics"]
 
@@ -68,10 +68,10 @@ class CheapHistogram:
 class ProxyMetrics:
     """The proxy's Prometheus figures (``kvwire serve``'s /metrics registers this). The
     histograms are observed on the request path (one observe each per request); the
-    counts and in-flight gauges are the proxy's own counters, read at scrape time."""
+    counts and in-flight gauges are the fleet's counters, read at scrape time."""
 
-    def __init__(self, proxy: Proxy) -> None:
-        self.proxy = proxy
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
         self.overhead = CheapHistogram(
             "kvwire_proxy_overhead_seconds", "The proxy's own time per request: arrival to "
             "the request written to the engine (first attempt), seconds", _FAST_BUCKETS)
@@ -89,7 +89,7 @@ class ProxyMetrics:
         return []
 
     def collect(self) -> Any:
-        p = self.proxy
+        p = self.fleet
         reqs = CounterMetricFamily("kvwire_proxy_requests", "Generation requests answered, "
                                    "by the engine that answered (none: the proxy itself) "
                                    "and HTTP status", labels=["engine", "status"])
