@@ -30,7 +30,7 @@ from .tokens import Tokens
 
 if TYPE_CHECKING:
     from ..http1.server import Request
-    from .proxy import ProxyConfig
+    from .config import ProxyConfig
 
 __all__ = ["PASS", "PATHS", "BadRequest", "Handler", "handles", "openai_error"]
 
