@@ -85,8 +85,8 @@ class Link:
 
 class Fleet:
     """The proxied engines (``links``, by name) and the proxy's counters. Membership
-    changes on the serving loop; the breakers are also set from the prober's loop, under
-    ``lock``."""
+    changes on the serving loop; the breakers and models are also set from the prober's
+    loop, under a lock of the fleet's own."""
 
     def __init__(self, specs: Iterable[EngineSpec], cooloff: float = 5.0,
                  connect_timeout: float = 2.0, response_ids: int = 100_000) -> None:
@@ -115,7 +115,7 @@ class Fleet:
         self.metrics = ProxyMetrics(self)
         for link in self.links.values():
             self._label(link)
-        self.lock = threading.Lock()  # breakers and models: the prober's loop and the serving loop
+        self._lock = threading.Lock()  # the prober's loop and the serving loop
 
     # ------------------------------------------------------------------ membership
 
@@ -159,13 +159,15 @@ class Fleet:
     # ------------------------------------------------------------------ health
 
     def up(self, engine: str) -> bool:
-        """Engine ``engine``'s HTTP health (the routing core's ``up``)."""
-        return self.links[engine].up
+        """Engine ``engine``'s HTTP health (the routing core's ``up``: per candidate per
+        decision, so :attr:`Link.up` inlined)."""
+        link = self.links[engine]
+        return link.http_up and link.breaker.up
 
     def usable(self, model: str | None, tried: set[str]) -> set[str]:
         """The engines a request for ``model`` may go to now: breaker closed, not tried
         yet, serving ``model`` (or not known to serve any list yet)."""
-        with self.lock:
+        with self._lock:
             return {n for n, lk in self.links.items() if lk.breaker.up and n not in tried
                     and (model is None or not lk.model_ids or model in lk.model_ids)}
 
@@ -174,7 +176,7 @@ class Fleet:
         self.counts["upstream_failures"] += 1
         link = self.links.get(engine)  # (None: removed meanwhile)
         if link is not None:
-            with self.lock:
+            with self._lock:
                 link.breaker.failure(time.monotonic())
 
     def probed(self, link: Link, ok: bool, models: list[dict[str, Any]] | None) -> None:
@@ -183,10 +185,10 @@ class Fleet:
         if models is not None:
             link.models = models
             link.model_ids = frozenset(m["id"] for m in models)
-            with self.lock:  # (the serving loop reads it)
+            with self._lock:  # (the serving loop reads it)
                 self._models_gen += 1
         now = time.monotonic()
-        with self.lock:
+        with self._lock:
             was = link.breaker.up and link.http_up
             link.http_up = ok
             link.breaker.probe(ok, now)
