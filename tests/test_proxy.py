@@ -205,9 +205,9 @@ def test_tokenizer_engine_mode_equals_local(make_stack: Callable[..., Stack]) ->
     body = _chat("tok " * 40, "hello", tools=None)
 
     async def ids(b: dict[str, Any], chat: bool) -> Any:
-        from kvwire.proxy.proxy import _body_dec
+        from kvwire.proxy.body import body_dec as _body_dec
 
-        return await s.proxy._tokens(_body_dec.decode(json.dumps(b).encode()), chat)
+        return await s.proxy.tokens.prompt(_body_dec.decode(json.dumps(b).encode()), chat)
 
     async def all_three() -> list[Any]:
         try:
@@ -1465,7 +1465,7 @@ def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
     from engine_helpers import import_or_skip
     from test_tokenize import CORPUS, _ref_ids
 
-    from kvwire.proxy.proxy import _body_dec
+    from kvwire.proxy.body import body_dec as _body_dec
     from kvwire.tokenize.content import as_engine_messages, as_engine_tools
 
     transformers = import_or_skip("transformers", "transformers")
@@ -1482,7 +1482,7 @@ def test_tokenization_equals_transformers_on_the_corpus(tmp_path: Path) -> None:
     checked = 0
 
     async def ids(body: dict[str, Any], chat: bool) -> list[int]:
-        return list(await proxy._tokens(_body_dec.decode(json.dumps(body).encode()), chat))
+        return list(await proxy.tokens.prompt(_body_dec.decode(json.dumps(body).encode()), chat))
 
     for _name, messages, tools, agp, kwargs in CORPUS:
         try:

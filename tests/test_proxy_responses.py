@@ -486,7 +486,8 @@ def test_responses_tokenize_as_vllm_renders_them(tmp_path: Any) -> None:
     from test_proxy import ROOT
 
     from kvwire.consume.engine_spec import EngineSpec
-    from kvwire.proxy.proxy import Proxy, _pass_dec
+    from kvwire.proxy.body import pass_dec as _pass_dec
+    from kvwire.proxy.proxy import Proxy
     from kvwire.routing.core import RouterCore
 
     transformers = import_or_skip("transformers", "transformers")
@@ -502,7 +503,7 @@ def test_responses_tokenize_as_vllm_renders_them(tmp_path: Any) -> None:
         conv, tools, kw = _vllm_responses(body, tok.content_format())
         want = ref.apply_chat_template(conv, tools=tools, tokenize=True, **kw)
         want = list(want["input_ids"] if hasattr(want, "keys") else want)
-        got = asyncio.run(proxy._response_tokens(_pass_dec.decode(json.dumps(
+        got = asyncio.run(proxy.tokens.response(_pass_dec.decode(json.dumps(
             {"model": "m", **body}).encode())))
         assert list(got) == want, body
     assert proxy.counts["responses_by_load"] == 0

@@ -138,6 +138,10 @@ class Response:
         if self._conn is None:
             sink.on_error(UpstreamError("engine closed the connection mid-body"))
 
+    def detach(self) -> None:
+        """Push nothing more to the sink (it has ended the answer its own way)."""
+        self._sink = None
+
     async def stream(self, on_data: Callable[[bytes], Any], idle: float | None = None) -> None:
         """Call ``on_data`` with each piece of the body as it arrives, inside the read that
         brought it, until the body ends. ``on_data`` returning a true value stops early

@@ -17,13 +17,16 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..http1.client import Pool, UpstreamError
 
-__all__ = ["PROBES_AT_ONCE", "Prober", "probe"]
+if TYPE_CHECKING:
+    from .fleet import Fleet, Link
+
+__all__ = ["PROBES_AT_ONCE", "Prober", "checker", "probe"]
 
 log = logging.getLogger("kvwire.proxy.health")
 #: Engines probed at once (more wait their turn, as do the rest while that many hang).
@@ -49,6 +52,17 @@ async def probe(host: str, port: int, timeout: float,
         return False, None
     finally:
         pool.close()
+
+
+def checker(fleet: Fleet, timeout: float) -> Callable[[Link, bool], Awaitable[None]]:
+    """A :class:`Prober`'s ``check`` for the fleet's engines: probe one (its models too
+    when ``refresh`` or not known yet) and give the fleet the result."""
+
+    async def check(link: Link, refresh: bool) -> None:
+        ok, models = await probe(link.host, link.port, timeout, refresh or not link.models)
+        fleet.probed(link, ok, models)
+
+    return check
 
 
 class Prober:

@@ -1,21 +1,18 @@
 """The proxy's Prometheus figures: requests, retries, in-flight and token counts read from
-the :class:`~kvwire.proxy.proxy.Proxy`'s own counters at scrape time, and histograms cheap
+the :class:`~kvwire.proxy.fleet.Fleet`'s public counters at scrape time, and histograms cheap
 enough to observe once each per request on the event loop."""
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from .proxy import Proxy
-
-__all__ = ["CheapHistogram", "ProxyMetrics"]
+__all__ = ["CheapHistogram", "Counters", "ProxyMetrics"]
 
 _FAST_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
 _SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -65,13 +62,24 @@ class CheapHistogram:
         yield fam
 
 
+class Counters(Protocol):
+    """What the figures are read from (the :class:`~kvwire.proxy.fleet.Fleet`)."""
+
+    requests: Mapping[tuple[str, int], int]
+    retried: Mapping[tuple[str, str], int]
+    in_flight: dict[str, int]
+    active: int
+    prompt_tokens: dict[str, int]
+    cached_tokens: dict[str, int]
+
+
 class ProxyMetrics:
     """The proxy's Prometheus figures (``kvwire serve``'s /metrics registers this). The
     histograms are observed on the request path (one observe each per request); the
-    counts and in-flight gauges are the proxy's own counters, read at scrape time."""
+    counts and in-flight gauges are the fleet's counters, read at scrape time."""
 
-    def __init__(self, proxy: Proxy) -> None:
-        self.proxy = proxy
+    def __init__(self, fleet: Counters) -> None:
+        self.fleet = fleet
         self.overhead = CheapHistogram(
             "kvwire_proxy_overhead_seconds", "The proxy's own time per request: arrival to "
             "the request written to the engine (first attempt), seconds", _FAST_BUCKETS)
@@ -89,7 +97,7 @@ class ProxyMetrics:
         return []
 
     def collect(self) -> Any:
-        p = self.proxy
+        p = self.fleet
         reqs = CounterMetricFamily("kvwire_proxy_requests", "Generation requests answered, "
                                    "by the engine that answered (none: the proxy itself) "
                                    "and HTTP status", labels=["engine", "status"])

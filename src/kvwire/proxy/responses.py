@@ -17,7 +17,8 @@ like a chat request: :func:`chat_request` turns it into the chat messages and to
 vLLM renders it as (``instructions`` as the system message, then the input items), so the
 proxy tokenizes it with the same chat template.
 
-No I/O here: the proxy (proxy/handler.py) feeds it what it reads and asks it where to go.
+No I/O here: the proxy (proxy/handler.py, proxy/relay.py) feeds it what it reads and asks
+it where to go.
 """
 
 from __future__ import annotations

@@ -1,0 +1,28 @@
+"""The proxy's settings (``kvwire serve``'s proxy flags), apart from the classes that read
+them so that each imports it without importing the others."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ProxyConfig"]
+
+
+@dataclass
+class ProxyConfig:
+    """``serve``'s proxy flags."""
+
+    retries: int = 2
+    cooloff: float = 5.0
+    probe_interval: float = 1.0
+    #: seconds an engine's /health may take: a loaded engine answers late, and one failed
+    #: probe marks it down for the cool-off (until 2026-11-30: max(probe_interval, 0.5))
+    probe_timeout: float = 5.0
+    connect_timeout: float = 2.0
+    first_byte_timeout: float = 60.0
+    stall_timeout: float = 300.0
+    max_body: int = 32 << 20
+    #: stored responses whose engine is remembered (proxy/responses.py)
+    response_ids: int = 100_000
+    #: requests being answered at once; more are refused with 429 (0: no limit)
+    max_in_flight: int = 4096
