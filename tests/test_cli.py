@@ -168,7 +168,6 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     publisher's replay buffer; seq 15 shows the hole and the listener must replay it."""
     ref = ReferencePublisher(b"kv", legacy=legacy)
     n = 30
-    t0 = time.monotonic()
     proc = start_listen(ref.endpoint, "--replay", ref.replay_endpoint, "--topic", "kv",
                         "--json", "--count", str(n))
     out = Lines(proc)
@@ -207,23 +206,14 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
         "type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
     assert by_seq[12]["events"][0]["block_hashes"][0] == 121  # a replayed one, intact
     assert all(o["stream"] == ref.endpoint for o in objs)
-    # The publisher saw exactly one replay after the catch-up: from our last seq (9, checked
-    # to be the batch we had), answered with 9..15 (15 was already held live).
+    # The gap was asked for: the replays after the catch-up cover 10..14, one of them from 9
+    # (checked to be the batch we had) or from 10 (9 just confirmed by a tail check). Tail
+    # checks may come beside it: after a quiet second, after the listener's own stall (a
+    # cold start, a busy host: it confirms the tail once its backlog is read), or at the
+    # periodic check; the output above is the same either way.
     new = ref.requests[len(before):]
-    # (A quiet second before the gap shows makes the listener confirm its tail: a replay
-    # from 9 answered with 9 alone, or already with the withheld ones.)
-    tail_checks = [r for r in new if r == (9, 1)]
-    if time.monotonic() - t0 < 9.0 and not tail_checks:
-        # ... plus, on a loaded box, a tail check from a later seq answered with that seq
-        # alone (the listener's ticks more than a second apart count as its own stall).
-        assert [r for r in new if r[1] != 1] == [(9, 7)], new
-    else:
-        # A run this slow (beside a busy process; seen once) meets the listener's periodic
-        # check, every 10 s, or its tail check after a quiet second: a quiet stream asks a
-        # replay from its last seq itself, and what that answer lacks is asked past it.
-        # Replays from 9 or 10 then cover the gap.
-        assert new and new[0][0] in (9, 10), new
-        assert set(range(10, 15)) <= {s for a, k in new for s in range(a, a + k)}, new
+    assert any(a in (9, 10) and a + k >= 15 for a, k in new), new
+    assert set(range(10, 15)) <= {s for a, k in new for s in range(a, a + k)}, new
     counts = summary(err)[ref.endpoint]
     replayed = counts.pop("replayed")
     assert counts == {"batches": n, "gaps": 1, "lost": 0}, err
