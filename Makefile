@@ -18,12 +18,14 @@ ROUTER_WHEELS := sglang-router==0.3.2
 DYNAMO_WHEEL := ai-dynamo-runtime==1.6.1
 # vLLM and SGLang for the engines tier (tests/test_engines_*.py), without their dependency
 # trees: only what importing their kv_events and shm_broadcast modules needs, pinned
-# (transformers and llguidance at versions both engines accept).
+# (transformers and llguidance at versions both engines accept). FastAPI is vLLM's: importing
+# vllm.distributed.kv_events reaches vllm.entrypoints, which imports it; kvwire itself does not.
 ENGINE_WHEELS := vllm==0.33.0 sglang==0.5.23
 ENGINE_DEPS := psutil==7.2.2 urllib3==2.8.0 regex==2026.11.15 cbor2==6.3.0 transformers==5.19.0 \
   aiohttp==3.14.5 requests==2.34.2 openai-harmony==0.0.8 openai==3.54.0 pybase64==1.5.1 \
   cachetools==8.0.1 cloudpickle==3.1.2 py-cpuinfo==9.0.0 xgrammar==0.2.8 \
-  partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1
+  partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 orjson==3.13.0 ipython==9.18.1 \
+  fastapi==0.165.0
 
 .PHONY: demo test fuzz mutate lint bench venv clean
 
