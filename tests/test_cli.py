@@ -216,7 +216,10 @@ def test_listen_json_fills_gaps_from_replay(legacy: bool) -> None:
     assert set(range(10, 15)) <= {s for a, k in new for s in range(a, a + k)}, new
     counts = summary(err)[ref.endpoint]
     replayed = counts.pop("replayed")
-    assert counts == {"batches": n, "gaps": 1, "lost": 0}, err
+    # (0 gaps where a tail check from 9 brought the withheld batches before 15 showed them
+    # missing: seen once with the listener stalled on a loaded box)
+    gaps = counts.pop("gaps")
+    assert counts == {"batches": n, "lost": 0} and gaps in (0, 1), err
     # Every replayed batch the listener read is counted: the gap's six at least, and no
     # more than the publisher sent. Not always all it sent: a request abandoned at its
     # time-out (a loaded box; seen once beside a spinning process, 6 counted of 7 sent)
