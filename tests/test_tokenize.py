@@ -314,7 +314,7 @@ def test_turn_cache_equals_whole_text_encode(tokenizer_json: Path, tiny_json: Pa
     for _ in range(2):  # cold, then from the cache
         for t in texts:
             assert tok.encode(t) == whole.encode(t, add_special_tokens=False).ids, repr(t)
-    assert tok._segments, "the turn cache was never used"
+    assert tok.segments._whole, "the turn cache was never used"
     # An added token that strips the space before it: only a whole-text encode is exact.
     d2 = tmp_path / "lstrip"
     d2.mkdir()
@@ -323,7 +323,8 @@ def test_turn_cache_equals_whole_text_encode(tokenizer_json: Path, tiny_json: Pa
     t2.save(str(d2 / "tokenizer.json"))
     tok2 = load_tokenizer(d2)
     assert tok2.encode("x   <E> x") == t2.encode("x   <E> x", add_special_tokens=False).ids
-    assert not tok2._segments
+    assert tok2.segments.splitter is None and tok2.segments.store is None
+    assert "whole texts only" in tok2.prefix_reason
 
 
 # Environment features no real template above exercises, each compared with transformers.

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvwire.tokenize.errors import TokenizerError
+from kvwire.tokenize.segments import Plan
 
-__all__ = ["Tokenizer", "TokenizerError"]
+__all__ = ["Plan", "Tokenizer", "TokenizerError"]
 
 
 class Tokenizer(ABC):
@@ -25,6 +26,14 @@ class Tokenizer(ABC):
     #: ``"auto"`` (decide from the template, as vLLM's default), ``"string"`` or
     #: ``"openai"``: an engine's ``--chat-template-content-format``, matched here.
     content_format_option: str = "auto"
+    #: Why a prompt extending one seen before is tokenized whole per segment rather than from
+    #: where the known part ends (prefix.py); empty when it is not.
+    prefix_reason: str = ""
+    #: Whether :meth:`run` lets other threads run while it works (no GIL held): then a thread
+    #: can take it off an event loop; else only a process can.
+    releases_gil: bool = False
+    #: Work of at most this many characters costs less than handing it to another thread.
+    inline_chars: int = 2048
 
     def use_chat_template(self, source: str, origin: str = "<chat template>") -> None:
         """Render every chat with ``source`` from now on, whatever the model directory
@@ -32,9 +41,23 @@ class Tokenizer(ABC):
         not compile -> TokenizerError naming ``origin``."""
         raise TokenizerError(f"{type(self).__name__} cannot take another chat template")
 
-    @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their ids."""
+        plan = self.plan(text, add_special_tokens)
+        return self.finish(plan, self.run(plan))
+
+    @abstractmethod
+    def plan(self, text: str, add_special_tokens: bool = False) -> Plan:
+        """What of ``text`` is known and what must be encoded (``plan.work``): quick, on the
+        caller's thread, which also calls :meth:`finish`."""
+
+    @abstractmethod
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        """The ids of each of ``plan.work``: the slow step, on any thread; touches no cache."""
+
+    @abstractmethod
+    def finish(self, plan: Plan, results: Sequence[Sequence[int]]) -> list[int]:
+        """The ids of the planned text; keeps what ``results`` taught."""
 
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -78,11 +101,29 @@ class Tokenizer(ABC):
         documents: Any = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a chat request as vLLM renders it: its messages and tools handed
-        over as vLLM hands them (:meth:`engine_messages`, :meth:`engine_tools`) and its
-        fields made template variables as vLLM makes them (tokenize/content.py's
-        ``engine_template_kwargs``). The router and ``kvwire engine`` both tokenize
-        through this, so they cannot drift apart."""
+        """Token ids of a chat request as vLLM renders it (:meth:`render_engine_chat`).
+        The router and ``kvwire engine`` both tokenize through this, so they cannot drift
+        apart."""
+        return self.encode(self.render_engine_chat(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, reasoning_effort=reasoning_effort,
+            documents=documents, chat_template_kwargs=chat_template_kwargs))
+
+    def render_engine_chat(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        reasoning_effort: str | None = None,
+        documents: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of a chat request as vLLM renders it: its messages and tools
+        handed over as vLLM hands them (:meth:`engine_messages`, :meth:`engine_tools`) and
+        its fields made template variables as vLLM makes them (tokenize/content.py's
+        ``engine_template_kwargs``); encoded without added special tokens."""
         from kvwire.tokenize.content import engine_template_kwargs
 
         kw = engine_template_kwargs(chat_template_kwargs,
@@ -91,7 +132,7 @@ class Tokenizer(ABC):
                                     reasoning_effort=reasoning_effort, documents=documents)
         agp = bool(kw.pop("add_generation_prompt", add_generation_prompt))
         cont = bool(kw.pop("continue_final_message", continue_final_message))
-        return self.encode_chat(self.engine_messages(messages, tools),
+        return self.render_chat(self.engine_messages(messages, tools),
                                 tools=self.engine_tools(tools), add_generation_prompt=agp,
                                 chat_template_kwargs=kw or None, continue_final_message=cont)
 

@@ -20,7 +20,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kvwire.tokenize.base import Tokenizer, TokenizerError
+from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
+from kvwire.tokenize.prefix import BUILTIN_CUTS, PrefixStore
+from kvwire.tokenize.segments import Segments
 from kvwire.tokenize.template import ChatTemplate
 
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -109,7 +111,11 @@ class BuiltinTokenizer(Tokenizer):
         self.chat_template = ChatTemplate(CHATML_TEMPLATE, origin="builtin ChatML template",
                                           variables={"bos_token": "<s>", "eos_token": "<|im_end|>"})
         self._piece_cache: dict[str, tuple[int, ...]] = {}
-        self._segments: dict[str, tuple[int, ...]] = {}
+        # the text between special tokens (a chat turn) encodes on its own: kept encoded,
+        # since each request of a conversation repeats its history and a fleet's requests
+        # share system prompts; long ones also in chunks, for prompts that extend them
+        self.segments = Segments(_SPECIAL_RE, _SPECIAL_ID, PrefixStore(BUILTIN_CUTS),
+                                 max_segments=SEGMENT_CACHE_SIZE)
 
     def use_chat_template(self, source: str, origin: str = "<chat template>") -> None:
         """Render with ``source`` instead of the built-in ChatML template."""
@@ -132,35 +138,25 @@ class BuiltinTokenizer(Tokenizer):
         for piece in _PIECE_RE.findall(text):
             out.extend(self._encode_piece(piece))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Ids of ``text``; ``add_special_tokens`` prepends ``<s>`` (as a Llama-style model
-        does)."""
+    def plan(self, text: str, add_special_tokens: bool = False) -> Plan:
+        """The known and the new of ``text``; ``add_special_tokens`` puts ``<s>`` first (as
+        a Llama-style model does)."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
-        out: list[int] = [self.bos_token_id] if add_special_tokens else []
-        pos = 0
-        for m in _SPECIAL_RE.finditer(text):
-            self._encode_segment(text[pos:m.start()], out)
-            out.append(_SPECIAL_ID[m.group()])
-            pos = m.end()
-        self._encode_segment(text[pos:], out)
+        return self.segments.plan(text, (self.bos_token_id,) if add_special_tokens else ())
+
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        """The ids of each text of ``plan.work`` (text between special tokens)."""
+        out: list[Sequence[int]] = []
+        for text in plan.work:
+            buf: list[int] = []
+            self._encode_plain(text, buf)
+            out.append(buf)
         return out
 
-    def _encode_segment(self, seg: str, out: list[int]) -> None:
-        """The text between special tokens encodes on its own (a chat turn): kept encoded,
-        as :class:`~kvwire.tokenize.hf.HFTokenizer` does, since each request of a
-        conversation repeats its history and a fleet's requests share system prompts."""
-        ids = self._segments.get(seg)
-        if ids is None:
-            buf: list[int] = []
-            self._encode_plain(seg, buf)
-            ids = tuple(buf)
-            cache = self._segments
-            if len(cache) >= SEGMENT_CACHE_SIZE:  # drop the oldest half (dicts keep order)
-                for k in list(cache)[:SEGMENT_CACHE_SIZE // 2]:
-                    cache.pop(k, None)
-            cache[seg] = ids
-        out.extend(ids)
+    def finish(self, plan: Plan, results: Sequence[Sequence[int]]) -> list[int]:
+        """The ids of the planned text; keeps the new segments and chunks."""
+        return self.segments.finish(plan, results)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (``decode(encode(t)) == t`` for every str ``t`` with

@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvwire.tokenize.base import Tokenizer, TokenizerError
+from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
+from kvwire.tokenize.prefix import PrefixStore, hf_cuts
+from kvwire.tokenize.segments import Segments
 from kvwire.tokenize.template import ChatTemplate
 
 SEGMENT_CACHE_SIZE = 8192  # text pieces between added tokens (chat turns) kept encoded
@@ -80,6 +82,9 @@ def _templates(directory: Path, config: dict[str, Any]) -> dict[str, tuple[str, 
 class HFTokenizer(Tokenizer):
     """``tokenizer.json`` + chat template of one model directory (module docstring)."""
 
+    releases_gil = True
+    inline_chars = 1024
+
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         try:
             from tokenizers import AddedToken
@@ -124,8 +129,19 @@ class HFTokenizer(Tokenizer):
         self.bos_token_id = self._id(variables.get("bos_token"))
         self.eos_token_id = self._id(variables.get("eos_token"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._splitter = self._added_token_splitter()
-        self._segments: dict[str, list[int]] = {}
+        self._added_ids: dict[str, int] = {}
+        splitter = self._added_token_splitter()
+        # tokenizers cuts the text at added tokens before it normalizes and pre-tokenizes,
+        # so the pieces between them (a chat's turns) encode independently: each is kept
+        # once encoded (segments.py), and a long one in chunks where the pre-tokenizer
+        # allows exact cuts (prefix.py), so that a prompt extending it pays its new part only
+        cuts, self.prefix_reason = hf_cuts(self._tok)
+        if splitter is None and self._tok.get_added_tokens_decoder():
+            cuts, self.prefix_reason = None, ("an added token strips spaces, is a single "
+                                              "word or is normalized: whole texts only")
+        self.segments = Segments(splitter, self._added_ids,
+                                 PrefixStore(cuts) if cuts is not None else None,
+                                 max_segments=SEGMENT_CACHE_SIZE)
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
         self._override: ChatTemplate | None = None
@@ -140,52 +156,13 @@ class HFTokenizer(Tokenizer):
         first), or None when some added token strips spaces, must be a single word or is
         matched after normalization: then only a whole-text encode is exact."""
         added = self._tok.get_added_tokens_decoder()
-        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized
-                            for t in added.values()):
+        if any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
             return None
+        if not added:
+            return None  # nothing to cut at: the text is one segment
         self._added_ids = {t.content: i for i, t in added.items()}
         return re.compile("|".join(re.escape(c) for c in sorted(self._added_ids, key=len,
                                                                   reverse=True)))
-
-    def _encode_segments(self, text: str) -> list[int]:
-        """``tokenizers`` cuts the text at added tokens before it normalizes and
-        pre-tokenizes, so the pieces between them encode independently: encode each once and
-        keep it. In a chat the turns are those pieces, and each request repeats the history;
-        pieces not seen before are encoded in one batch."""
-        cache = self._segments
-        parts: list[int | str] = []
-        pos = 0
-        for m in self._splitter.finditer(text):  # type: ignore[union-attr]
-            if m.start() > pos:
-                parts.append(text[pos:m.start()])
-            parts.append(self._added_ids[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            parts.append(text[pos:])
-        misses = [p for p in dict.fromkeys(p for p in parts if isinstance(p, str))
-                  if p not in cache]
-        if misses:
-            if len(cache) + len(misses) > SEGMENT_CACHE_SIZE:  # drop the oldest half (dicts
-                # keep order; list() of a str-keyed dict runs no Python code: no interleaving)
-                for k in list(cache)[:SEGMENT_CACHE_SIZE // 2]:
-                    cache.pop(k, None)
-            encoded = self._tok.encode_batch(misses, add_special_tokens=False)
-            fresh = {seg: enc.ids for seg, enc in zip(misses, encoded)}
-            cache.update(fresh)
-        else:
-            fresh = {}
-        out: list[int] = []
-        for p in parts:
-            if isinstance(p, str):
-                ids = fresh.get(p)
-                if ids is None:
-                    ids = cache.get(p)
-                if ids is None:  # evicted by another thread since the lookup above
-                    ids = self._tok.encode(p, add_special_tokens=False).ids
-                out += ids
-            else:
-                out.append(p)
-        return out
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -212,14 +189,32 @@ class HFTokenizer(Tokenizer):
         raise TokenizerError(f"{self.directory}: several chat templates "
                              f"({', '.join(self.template_names)}) and none named default")
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Ids of ``text`` (``add_special_tokens`` runs tokenizer.json's post-processor,
-        e.g. prepends BOS)."""
+    def plan(self, text: str, add_special_tokens: bool = False) -> Plan:
+        """The known and the new of ``text``; ``add_special_tokens`` (tokenizer.json's
+        post-processor, e.g. a BOS first) makes the whole text the work."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
-        if add_special_tokens or self._splitter is None:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._encode_segments(text)
+        if add_special_tokens:
+            p = Plan()
+            p.add_work(text)
+            p.special = True
+            return p
+        return self.segments.plan(text)
+
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        """The ids of each text of ``plan.work``, in one batch: the Rust side releases the
+        GIL and spreads a batch over the cores."""
+        if plan.special:
+            return [self._tok.encode(plan.work[0], add_special_tokens=True).ids]
+        if not plan.work:
+            return []
+        return [e.ids for e in self._tok.encode_batch(plan.work, add_special_tokens=False)]
+
+    def finish(self, plan: Plan, results: Sequence[Sequence[int]]) -> list[int]:
+        """The ids of the planned text; keeps the new segments and chunks."""
+        if plan.special:
+            return list(results[0])
+        return self.segments.finish(plan, results)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``."""

@@ -1,0 +1,164 @@
+"""Token ids of text already tokenized, kept in chunks, so a prompt that extends one seen
+before costs its new part only: a conversation's next request, an agent's growing context, a
+completion prompt resent with more at its end.
+
+Exactness rests on the cut: a position where the tokenizer cannot merge across, so that
+``encode(a + b) == encode(a) + encode(b)`` whenever ``a + b`` has a cut between them. Which
+positions are cuts depends on the tokenizer's normalizer and pre-tokenizer, so each tokenizer
+gives its own rule (a zero-width regex, :data:`BUILTIN_CUTS`, :func:`hf_cuts`) or none, and
+then only whole segments are kept. The rules are deliberately narrow (a word's end before a
+space, a line's end before a letter): they hold for every text, not just the ones tested, and
+prose and code have many of them. tests/test_tokenize_prefix.py checks them against
+tokenizing whole texts, with hypothesis, for every tokenizer at hand.
+
+A text is cut into chunks at the first cut at least :data:`CHUNK_CHARS` characters after the
+previous one, from its start; so two texts agreeing on a prefix agree on its chunks. Each
+chunk is stored under a key chained from the chunks before it (as KV blocks are), with its
+text to compare, so a hit is exact and never a hash collision."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts"]
+
+#: Characters per chunk, at least: what a prompt that differs from a stored one mid-chunk
+#: re-tokenizes at most beyond its new part, against one dict lookup per chunk it reuses.
+CHUNK_CHARS = 512
+#: Token ids the store keeps at most (~40 MB as Python ints): the oldest chunks go first.
+MAX_TOKENS = 1 << 20
+
+#: The builtin tokenizer's cuts: its pieces are `` ?\w+``, `` ?[^\w\s]+`` and ``\s+``, and it
+#: has no normalizer. After a word character before a space, the word's piece ends (no piece
+#: holds a word character and then a space) and the next starts at the space; after a newline
+#: before a word character, the whitespace piece ends there (`` ?`` takes a space only).
+BUILTIN_CUTS = re.compile(r"(?<=\w)(?= )|(?<=\n)(?=\w)")
+
+#: The ASCII form of the same two cuts, for the byte-level BPE pre-tokenizers below: their
+#: letters are ``\p{L}``, and ASCII letters also pass NFC unchanged and never compose with
+#: what stands before them.
+_ASCII_CUTS = re.compile(r"(?<=[A-Za-z])(?= )|(?<=\n)(?=[A-Za-z])")
+
+#: Split patterns (behaviour Isolated) whose matches never hold a letter and then a space, nor
+#: a newline and then a letter, peek at most one character past their end, look never behind,
+#: and end a piece the same way at a text's end as before a cut: Qwen2/Qwen3's and Llama 3's.
+#: (GPT-2's does not: ``\s+(?!\S)`` keeps "  \n" whole at a text's end but not before a letter.)
+_SAFE_SPLITS = frozenset((
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+))
+
+
+def hf_cuts(tokenizer: Any) -> tuple[re.Pattern[str] | None, str]:
+    """The cut rule of a ``tokenizers.Tokenizer``, or None and why not: only pipelines whose
+    cuts are proven (module docstring) get one; any other keeps whole-segment tokenization."""
+    import json
+
+    norm = tokenizer.normalizer
+    if norm is not None and json.loads(norm.__getstate__()).get("type") != "NFC":
+        return None, f"normalizer {type(norm).__name__} is not known to keep cuts"
+    pre = tokenizer.pre_tokenizer
+    state = json.loads(pre.__getstate__()) if pre is not None else {}
+    steps = state.get("pretokenizers") if state.get("type") == "Sequence" else [state]
+    if not (isinstance(steps, list) and len(steps) == 2):
+        return None, f"pre-tokenizer {state.get('type')!r} is not a known split + byte level"
+    split, byte_level = steps
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert") \
+            or (split.get("pattern") or {}).get("Regex") not in _SAFE_SPLITS:
+        return None, "pre-tokenizer split pattern is not one whose cuts are proven"
+    if byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex") \
+            or byte_level.get("add_prefix_space"):
+        return None, "pre-tokenizer's byte-level step splits or adds a prefix space"
+    if type(tokenizer.model).__name__ != "BPE" or getattr(tokenizer.model, "dropout", None):
+        return None, f"model {type(tokenizer.model).__name__} is not a deterministic BPE"
+    return _ASCII_CUTS, ""
+
+
+class PrefixStore:
+    """Chunks of text with their token ids, keyed by chained hashes (module docstring).
+    Bounded by :data:`MAX_TOKENS`; a chunk used again moves to the young end.
+
+    Not locked: one thread plans and records (the proxy's event loop), whatever thread
+    encodes the work in between."""
+
+    def __init__(self, cuts: re.Pattern[str], chunk_chars: int = CHUNK_CHARS,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        if chunk_chars < 1 or max_tokens < 1:
+            raise ValueError("chunk_chars and max_tokens must be >= 1")
+        self._find = cuts.search
+        self.chunk_chars = chunk_chars
+        self.max_tokens = max_tokens
+        #: key -> (previous key, chunk text, ids)
+        self._chunks: dict[int, tuple[int, str, tuple[int, ...]]] = {}
+        self.tokens = 0
+        self.hits = 0  # chunks reused
+        self.misses = 0  # chunks tokenized
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def cuts(self, text: str, start: int = 0) -> list[int]:
+        """The chunk ends of ``text`` after ``start`` (itself a chunk end, or 0)."""
+        out = []
+        find, step, n = self._find, self.chunk_chars, len(text)
+        pos = start
+        while pos + step < n:
+            m = find(text, pos + step)
+            if m is None:
+                break
+            pos = m.start()
+            out.append(pos)
+        return out
+
+    def cover(self, text: str) -> tuple[list[int], int, int]:
+        """``(ids, end, key)``: the ids of the longest stored run of ``text``'s chunks from
+        its start, where that run ends, and the key to chain the next chunk to."""
+        ids: list[int] = []
+        chunks = self._chunks
+        find, step, n = self._find, self.chunk_chars, len(text)
+        pos = key = 0
+        while pos + step < n:
+            m = find(text, pos + step)
+            if m is None:
+                break
+            end = m.start()
+            piece = text[pos:end]
+            k = hash((key, piece))
+            e = chunks.get(k)
+            if e is None or e[0] != key or e[1] != piece:
+                break
+            ids += e[2]
+            chunks[k] = chunks.pop(k, e)  # young again
+            self.hits += 1
+            pos, key = end, k
+        return ids, pos, key
+
+    def add(self, key: int, pieces: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
+        """Store consecutive chunks ``pieces`` (their ``ids``), the first chained to ``key``."""
+        chunks = self._chunks
+        for piece, piece_ids in zip(pieces, ids):
+            k = hash((key, piece))
+            old = chunks.pop(k, None)
+            if old is not None:
+                self.tokens -= len(old[2])
+            chunks[k] = (key, piece, tuple(piece_ids))
+            self.tokens += len(piece_ids)
+            self.misses += 1
+            key = k
+        if self.tokens > self.max_tokens:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the oldest chunks until a quarter of the bound is free (dicts keep order)."""
+        chunks = self._chunks
+        goal = self.max_tokens * 3 // 4
+        for k in list(chunks):
+            if self.tokens <= goal:
+                break
+            e = chunks.pop(k, None)
+            if e is not None:
+                self.tokens -= len(e[2])

@@ -1,0 +1,136 @@
+"""A text's tokenization split into what is known and what is new, so that only the new part
+is tokenized and, being the slow part, can be tokenized on another thread.
+
+A tokenizer cuts the text at its special (added) tokens before anything else, so the pieces
+between them -- a chat's turns -- encode independently: each is kept whole once encoded, and
+a long one is also kept in chunks (prefix.py) so that one extending it pays its new part only.
+:meth:`Segments.plan` does the lookups and lists the work (texts to encode), the tokenizer
+encodes them (``Tokenizer.run``: the only slow step, touching no cache), and
+:meth:`Segments.finish` stores the results and joins the ids. ``encode`` is the three in a row;
+the router runs the middle one off its event loop when it is long."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from kvwire.tokenize.prefix import PrefixStore
+
+__all__ = ["Plan", "Segments"]
+
+#: Whole segments kept: at most this many, and at most this many token ids in all.
+SEGMENTS = 8192
+SEGMENT_TOKENS = 1 << 20
+
+
+class Plan:
+    """One text's tokenization: ``parts`` are ids already known or indexes into ``work``."""
+
+    __slots__ = ("chars", "chunked", "parts", "special", "whole", "work")
+
+    def __init__(self) -> None:
+        self.special = False  # the work is one whole text, encoded with special tokens added
+        self.parts: list[Sequence[int] | int] = []
+        self.work: list[str] = []
+        self.whole: list[tuple[str, int, int]] = []  # (segment, first part, end part)
+        self.chunked: list[tuple[int, int, int]] = []  # (key, first work, end work)
+        self.chars = 0  # characters of work
+
+    def add_work(self, text: str) -> int:
+        self.parts.append(len(self.work))
+        self.work.append(text)
+        self.chars += len(text)
+        return len(self.work) - 1
+
+
+class Segments:
+    """The known part of texts: whole segments, and chunks of long ones in ``store`` (None:
+    whole segments only). ``splitter`` finds the special tokens (``special`` gives their
+    ids); None: the text is one segment."""
+
+    def __init__(self, splitter: re.Pattern[str] | None, special: dict[str, int],
+                 store: PrefixStore | None, max_segments: int = SEGMENTS,
+                 max_tokens: int = SEGMENT_TOKENS) -> None:
+        self.splitter = splitter
+        self.special = special
+        self.store = store
+        self.max_segments = max_segments
+        self.max_tokens = max_tokens
+        self._whole: dict[str, Sequence[int]] = {}
+        self._whole_tokens = 0
+
+    def plan(self, text: str, lead: Sequence[int] = ()) -> Plan:
+        """Look up every segment of ``text``; what is not known becomes work. ``lead``: ids
+        put first (a BOS)."""
+        p = Plan()
+        if lead:
+            p.parts.append(lead)
+        if self.splitter is None:
+            self._segment(text, p)
+            return p
+        pos = 0
+        special = self.special
+        for m in self.splitter.finditer(text):
+            if m.start() > pos:
+                self._segment(text[pos:m.start()], p)
+            p.parts.append((special[m.group()],))
+            pos = m.end()
+        if pos < len(text):
+            self._segment(text[pos:], p)
+        return p
+
+    def _segment(self, seg: str, p: Plan) -> None:
+        ids = self._whole.get(seg)
+        if ids is not None:
+            p.parts.append(ids)
+            return
+        first = len(p.parts)
+        store = self.store
+        if store is not None and len(seg) > 2 * store.chunk_chars:
+            known, pos, key = store.cover(seg)
+            if known:
+                p.parts.append(known)
+            cuts = store.cuts(seg, pos)
+            if cuts:
+                w0 = len(p.work)
+                for a, b in zip([pos, *cuts], cuts):
+                    p.add_work(seg[a:b])
+                p.chunked.append((key, w0, len(p.work)))
+                pos = cuts[-1]
+            p.add_work(seg[pos:])
+        else:
+            p.add_work(seg)
+        p.whole.append((seg, first, len(p.parts)))
+
+    def finish(self, p: Plan, results: Sequence[Sequence[int]]) -> list[int]:
+        """The ids of the planned text, given the ids of its work in order; keeps them."""
+        if len(results) != len(p.work):
+            raise ValueError(f"{len(results)} results for {len(p.work)} work items")
+        store = self.store
+        for key, a, b in p.chunked:
+            store.add(key, p.work[a:b], results[a:b])  # type: ignore[union-attr]
+        out: list[int] = []
+        parts = p.parts
+        for seg, a, b in p.whole:
+            ids: list[int] = []
+            for part in parts[a:b]:
+                ids += results[part] if type(part) is int else part
+            self._keep(seg, tuple(ids))
+        for part in parts:
+            out += results[part] if type(part) is int else part
+        return out
+
+    def _keep(self, seg: str, ids: tuple[int, ...]) -> None:
+        whole = self._whole
+        old = whole.pop(seg, None)
+        if old is not None:
+            self._whole_tokens -= len(old)
+        if len(whole) >= self.max_segments or self._whole_tokens + len(ids) > self.max_tokens:
+            # drop the oldest half (dicts keep order)
+            for k in list(whole)[:max(len(whole) // 2, 1)]:
+                e = whole.pop(k, None)
+                if e is not None:
+                    self._whole_tokens -= len(e)
+        if len(ids) <= self.max_tokens:
+            whole[seg] = ids
+            self._whole_tokens += len(ids)

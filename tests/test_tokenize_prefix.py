@@ -1,0 +1,252 @@
+"""Tokenizing what is new only (tokenize/prefix.py, segments.py) gives exactly the ids of
+tokenizing the whole text in one go: the cut rules on their own, the chunk store across
+texts that extend, fork and repeat each other, and chats that grow turn by turn under every
+vendored chat template; for the builtin tokenizer and Qwen3's tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwire.tokenize import BuiltinTokenizer, load_tokenizer
+from kvwire.tokenize.prefix import BUILTIN_CUTS, PrefixStore, hf_cuts
+from kvwire.tokenize.segments import Segments
+
+DATA = Path(__file__).resolve().parent / "data" / "tokenize"
+
+# Pieces chosen to sit on every side of a cut: word characters of several kinds, each kind of
+# space, newlines, punctuation runs, contractions, digits, marks that NFC composes (and a
+# letter that NFC replaces), CJK, emoji, and the special tokens both tokenizers know.
+ATOMS = ["a", "Z", "x", "word", "_", "9", "123", " ", "  ", "\n", "\n\n", "\r\n", "\t", " \n",
+         ".", "!?", "'s", "'ll", "'", "é", "e\u0301", "\u0301", "\u212b", "東京", "ß", "🙂",
+         "\u00a0", "\u3000", "(", "-", " the", " cache", "\nfoo", "bar\n",
+         "<|im_start|>", "<|im_end|>", "<s>"]
+texts = st.lists(st.sampled_from(ATOMS) | st.text(max_size=3), max_size=60).map("".join)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen3's tokenizer directory, decompressed from the vendored .xz."""
+    pytest.importorskip("tokenizers", reason="the `tokenizers` package (kvwire[tokenize])")
+    d = tmp_path_factory.mktemp("qwen3")
+    (d / "tokenizer.json").write_bytes(
+        lzma.decompress((DATA / "qwen3" / "tokenizer.json.xz").read_bytes()))
+    (d / "tokenizer_config.json").write_bytes((DATA / "qwen3" / "tokenizer_config.json")
+                                              .read_bytes())
+    return d
+
+
+def _builtin_whole(text: str) -> list[int]:
+    """The builtin tokenizer with no chunk store: each segment tokenized whole."""
+    tok = BuiltinTokenizer()
+    tok.segments.store = None
+    return tok.encode(text)
+
+
+def _small_chunks(tok: Any, chunk: int) -> Any:
+    """``tok`` with empty caches and chunks of ``chunk`` characters, so that short texts
+    have many cuts."""
+    old = tok.segments
+    tok.segments = Segments(old.splitter, old.special,
+                            PrefixStore(old.store._find.__self__, chunk_chars=chunk))
+    return tok
+
+
+_HF: dict[Path, Any] = {}
+
+
+def _hf(d: Path) -> Any:
+    """One loaded HFTokenizer per directory (loading Qwen3's takes a second)."""
+    if d not in _HF:
+        _HF[d] = load_tokenizer(d)
+    return _HF[d]
+
+
+def _cut_points(pattern: re.Pattern[str], text: str) -> list[int]:
+    return [m.start() for m in pattern.finditer(text)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts)
+def test_builtin_cut_rule_splits_exactly(text: str) -> None:
+    """Every cut the rule finds: the ids of the two sides are the ids of the whole."""
+    tok = BuiltinTokenizer()
+    plain = tok.segments.special  # the rule holds within a segment: no special tokens
+    text = re.sub("|".join(map(re.escape, plain)), "", text)
+    whole = _builtin_whole(text)
+    for c in _cut_points(BUILTIN_CUTS, text):
+        assert _builtin_whole(text[:c]) + _builtin_whole(text[c:]) == whole, (text, c)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(texts, min_size=1, max_size=6), st.integers(1, 12), st.data())
+def test_builtin_store_equals_whole(parts: list[str], chunk: int, data: Any) -> None:
+    """Texts that extend, fork from and repeat each other, tokenized through one store with
+    small chunks: each one's ids are the ids of tokenizing it whole."""
+    tok = _small_chunks(BuiltinTokenizer(), chunk)
+    seen: list[str] = []
+    for p in parts:
+        base = data.draw(st.sampled_from(seen)) if seen else ""
+        cut = data.draw(st.integers(0, len(base)))
+        text = base[:cut] + p if data.draw(st.booleans()) else base + p
+        assert tok.encode(text) == _builtin_whole(text), text
+        assert tok.encode(text, add_special_tokens=True) == \
+            [tok.bos_token_id] + _builtin_whole(text)
+        seen.append(text)
+
+
+def test_builtin_long_extension_reuses_chunks() -> None:
+    """A prompt that extends one seen before is planned as its stored chunks plus the new
+    part and the last chunk's tail: the work is small, whatever the prompt's length."""
+    tok = BuiltinTokenizer()
+    base = " ".join(f"w{i % 97}x" for i in range(20_000))
+    tok.encode(base)
+    text = base + " and a new question at the end"
+    plan = tok.plan(text)
+    assert plan.chars <= tok.segments.store.chunk_chars * 2 + 40, plan.chars
+    assert tok.finish(plan, tok.run(plan)) == _builtin_whole(text)
+    assert tok.segments.store.hits > 100
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts)
+def test_qwen3_cut_rule_splits_exactly(qwen3: Path, text: str) -> None:
+    """The ASCII cut rule against tokenizers' own encode of the whole text, for Qwen3's
+    NFC normalizer, split pattern and byte-level BPE."""
+    from tokenizers import Tokenizer as Fast
+    fast = _fast(qwen3, Fast)
+    cuts, why = hf_cuts(fast)
+    assert cuts is not None, why
+    added = [t.content for t in fast.get_added_tokens_decoder().values()]
+    text = re.sub("|".join(map(re.escape, added)), "", text)
+    whole = fast.encode(text, add_special_tokens=False).ids
+    for c in _cut_points(cuts, text):
+        left = fast.encode(text[:c], add_special_tokens=False).ids
+        right = fast.encode(text[c:], add_special_tokens=False).ids
+        assert left + right == whole, (text, c)
+
+
+_FAST: dict[Path, Any] = {}
+
+
+def _fast(d: Path, cls: Any) -> Any:
+    if d not in _FAST:
+        _FAST[d] = cls.from_file(str(d / "tokenizer.json"))
+    return _FAST[d]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(texts, min_size=1, max_size=6), st.integers(1, 12), st.data())
+def test_qwen3_store_equals_whole(qwen3: Path, parts: list[str], chunk: int,
+                                  data: Any) -> None:
+    """As for the builtin tokenizer: extending, forking and repeated texts through one
+    store with small chunks, each against tokenizers' encode of the whole text."""
+    from tokenizers import Tokenizer as Fast
+    fast = _fast(qwen3, Fast)
+    tok = _small_chunks(_hf(qwen3), chunk)
+    seen: list[str] = []
+    for p in parts:
+        base = data.draw(st.sampled_from(seen)) if seen else ""
+        cut = data.draw(st.integers(0, len(base)))
+        text = base[:cut] + p if data.draw(st.booleans()) else base + p
+        assert tok.encode(text) == fast.encode(text, add_special_tokens=False).ids, text
+        seen.append(text)
+
+
+TEMPLATES = ["qwen3", "deepseek_v3", "mistral_v7"]
+
+
+@pytest.mark.parametrize("template", ["builtin", *TEMPLATES])
+def test_growing_chats_equal_whole_text(template: str, qwen3: Path, tmp_path: Path) -> None:
+    """A conversation sent again with each new turn, and a long single message that grows
+    (an agent's context), under each vendored chat template: the router's ids (store,
+    small chunks) equal a fresh tokenizer's whole-text ids, request after request."""
+    if template == "builtin":
+        tok = BuiltinTokenizer()
+        fresh = _builtin_whole
+    else:
+        d = tmp_path / template
+        d.mkdir()
+        os.symlink(qwen3 / "tokenizer.json", d / "tokenizer.json")
+        for f in (DATA / template).iterdir():
+            if f.name != "tokenizer.json.xz":
+                (d / f.name).write_bytes(f.read_bytes())
+        tok = load_tokenizer(d)
+        fast = tok._tok  # with the template's special tokens added, as the router has them
+
+        def fresh(text: str) -> list[int]:
+            return fast.encode(text, add_special_tokens=False).ids
+    _small_chunks(tok, 64)
+    words = ("the cache router's engine prefix block, token stream; event latency\n"
+             "request model 12 prompt reply user system tool answer Zürich 東京 🙂").split(" ")
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse.\n"}]
+    context = ""
+    for turn in range(12):
+        said = " ".join(words[(turn * 7 + i) % len(words)] for i in range(40 + turn * 9))
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": said})
+        context += said + "\n"
+        for chat in (messages if messages[-1]["role"] == "user" else messages[:-1],
+                     [{"role": "user", "content": context}]):
+            text = tok.render_chat(chat, add_generation_prompt=True)
+            assert tok.encode(text) == fresh(text), (template, turn)
+    assert tok.segments.store.hits > 0, "no chunk was ever reused"
+
+
+def test_pipelines_without_proven_cuts_keep_whole_segments(tmp_path: Path) -> None:
+    """A tokenizer whose pre-tokenizer is not one whose cuts are proven gets no chunk store,
+    and says why (the router says it once at start)."""
+    pytest.importorskip("tokenizers", reason="the `tokenizers` package (kvwire[tokenize])")
+    from tokenizers import Tokenizer as Fast
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+    t = Fast(BPE())
+    t.pre_tokenizer = ByteLevel(add_prefix_space=False)  # GPT-2's regex: not proven
+    d = tmp_path / "gpt2ish"
+    d.mkdir()
+    t.save(str(d / "tokenizer.json"))
+    tok = load_tokenizer(d)
+    assert tok.segments.store is None
+    assert "split" in tok.prefix_reason or "pre-tokenizer" in tok.prefix_reason
+    assert hf_cuts(t)[0] is None
+
+
+def test_store_is_bounded_and_never_serves_a_collision() -> None:
+    """The store keeps at most its token bound, dropping the oldest chunks first, and a
+    chunk whose key matches but whose text or chain does not is a miss."""
+    store = PrefixStore(BUILTIN_CUTS, chunk_chars=4, max_tokens=100)
+    seg = Segments(None, {}, store)
+    tok = BuiltinTokenizer()
+    tok.segments = seg
+    for i in range(200):
+        text = f"doc{i} " + " ".join(f"w{i}x{j}" for j in range(30))
+        assert tok.encode(text) == _builtin_whole(text)
+        assert store.tokens <= 100
+    assert 0 < len(store) < 200
+    # a forged entry under the key the next chunk will look up: its text differs
+    text = "alpha beta gamma delta epsilon"
+    key = hash((0, text[:5]))
+    store._chunks[key] = (0, "alphX", (1, 2, 3))
+    assert store.cover(text)[1] == 0
+
+
+def test_segments_finish_checks_its_results() -> None:
+    tok = BuiltinTokenizer()
+    plan = tok.plan("a new text")
+    with pytest.raises(ValueError, match="1 work items"):
+        tok.finish(plan, [])
+
+
+def test_json_round_trip_of_the_known_patterns(qwen3: Path) -> None:
+    """The Qwen3 pattern is recognised from the file itself (not a copy of it here)."""
+    pre = json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8"))["pre_tokenizer"]
+    from kvwire.tokenize import prefix
+    assert pre["pretokenizers"][0]["pattern"]["Regex"] in prefix._SAFE_SPLITS
