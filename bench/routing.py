@@ -8,8 +8,9 @@ Each condition gets a fresh fleet (cold caches) and the same requests at the sam
     .venv/bin/python bench/routing.py --speed 1 --load 4 --conditions kvwire,replicas-apart,replicas
     .venv/bin/python bench/routing.py --tokenizer qwen3            # chat requests, Qwen3
 
-Prompts (the default, ``--tokenizer builtin``) are TEXT, the same for all three routers: every prompt token of the trace (the
-simulator's token ids from hash ids, then per-request unique ones) becomes one word " x"
+Prompts (the default, ``--tokenizer builtin``) are TEXT, the same for all three routers:
+every prompt token of the trace (the simulator's token ids from hash ids, then per-request
+unique ones) becomes one word " x"
 (a space and one of 62 letters/digits), which kvwire engine's builtin tokenizer turns into
 exactly one token. So the engines see prompts of the trace's lengths that share exactly the
 prefixes the trace says, kvwire serve tokenizes what the engine tokenizes (``--tokenizer
@@ -100,8 +101,10 @@ SYLLABLES = ("ka to ri mun sel ver an dor pla que ith os bre lum tra ne gi fo we
 
 class ChatBuilder:
     """The chat of a trace request (module docstring), for tokenizer ``tok``: each block's
-    text is exactly 512 tokens because a word of letters is its own piece to both tokenizers
-    (after a space, or first in a message), so a text's tokens are the sum of its words'."""
+    text is exactly 512 tokens because a word of letters is its own piece to the builtin
+    tokenizer and to byte-level BPE ones like Qwen3's (after a space, or first in a
+    message), so a text's tokens are the sum of its words' (checked on one block: another
+    kind of tokenizer gets a warning and blocks of about 512)."""
 
     def __init__(self, tok: Any) -> None:
         rng = random.Random("kvwire-routing/vocabulary")
@@ -117,6 +120,11 @@ class ChatBuilder:
         self.index = {w: i for i, w in enumerate(self.words)}
         self.ids = range(len(self.words))
         self.full: dict[int, str] = {}
+        n = len(tok.encode(self.block(0)))
+        if n != MOONCAKE_BLOCK_TOKENS:
+            print(f"# warning: a block is {n} tokens with this tokenizer, not "
+                  f"{MOONCAKE_BLOCK_TOKENS}: its words' tokens do not add up", flush=True)
+        self.full.clear()
 
     def _words(self, rng: random.Random, tokens: int) -> list[str]:
         out: list[str] = []
@@ -167,7 +175,7 @@ class ChatBuilder:
 
 def seen_share(reqs: list) -> float:
     """The share of requests with >= 90% of their prompt tokens in blocks an earlier request
-    had (what the router has seen: the issue's CPU target for such requests is 1 ms)."""
+    had: prompts the router has mostly seen, whose CPU should be the least."""
     seen: set[int] = set()
     hits = 0
     for r in reqs:

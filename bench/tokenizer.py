@@ -140,14 +140,19 @@ class Prose:
     def paragraph(self) -> str:
         return " ".join(self.sentence() for _ in range(self.rng.randint(3, 8)))
 
-    def text(self, tokens: int, sep: str = "\n\n") -> str:
-        """Paragraphs joined by ``sep`` until they count at least ``tokens``."""
+    def text(self, tokens: int) -> str:
+        """Sentences, in paragraphs of 3-8, until they count at least ``tokens``."""
         parts: list[str] = []
-        n = 0
+        n = left = 0
         while n < tokens:
-            parts.append(self.paragraph())
-            n += self.count(parts[-1]) + 1
-        return sep.join(parts)
+            if not left:
+                left = self.rng.randint(3, 8)
+                if parts:
+                    parts.append("\n\n")
+            parts.append((" " if parts and parts[-1] != "\n\n" else "") + self.sentence())
+            n += self.count(parts[-1])
+            left -= 1
+        return "".join(parts)
 
 
 class LongRow:
