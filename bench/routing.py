@@ -506,6 +506,7 @@ def run(a: argparse.Namespace, tok: Any) -> None:
     t0 = reqs[0].t
     plan = []
     chats = ChatBuilder(tok) if a.chat else None
+    built = time.monotonic()
     for i, r in enumerate(reqs):
         body = {"model": MODEL, "stream": True,
                 "max_tokens": max(1, min(r.output_length, a.max_output)), "ignore_eos": True,
@@ -515,6 +516,8 @@ def run(a: argparse.Namespace, tok: Any) -> None:
         else:
             body["prompt"] = prompt_text(r, i)
         plan.append(((r.t - t0) * scale, json.dumps(body).encode()))
+    if chats is not None:
+        print(f"# {len(plan)} chats built in {time.monotonic() - built:.0f} s", flush=True)
     del chats
     reqs = [replace(r) for r in reqs]
     print(f"# {len(plan)} requests over {(reqs[-1].t - t0) * scale:.0f} s wall, engines "
