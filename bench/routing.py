@@ -6,15 +6,33 @@ Each condition gets a fresh fleet (cold caches) and the same requests at the sam
     .venv/bin/python bench/routing.py                       # first 1500 requests, --speed 8
     .venv/bin/python bench/routing.py --requests 3993 --load 2
     .venv/bin/python bench/routing.py --speed 1 --load 4 --conditions kvwire,replicas-apart,replicas
+    .venv/bin/python bench/routing.py --tokenizer qwen3            # chat requests, Qwen3
 
-Prompts are TEXT, the same for all three routers: every prompt token of the trace (the
-simulator's token ids from hash ids, then per-request unique ones) becomes one word " x"
+Prompts (the default, ``--tokenizer builtin``) are TEXT, the same for all three routers:
+every prompt token of the trace (the simulator's token ids from hash ids, then per-request
+unique ones) becomes one word " x"
 (a space and one of 62 letters/digits), which kvwire engine's builtin tokenizer turns into
 exactly one token. So the engines see prompts of the trace's lengths that share exactly the
 prefixes the trace says, kvwire serve tokenizes what the engine tokenizes (``--tokenizer
 builtin``), and SGLang's router, which matches characters, sees a text whose character
 prefixes are the token prefixes (2 characters per token). Token-id prompts would leave
 SGLang's router no text to match.
+
+``--tokenizer DIR`` (a model directory with tokenizer.json and a chat template; ``qwen3``: the
+vendored Qwen3 one of tests/data/tokenize, decompressed into a temporary directory) gives
+every engine (``kvwire fleet --tokenizer DIR``) and ``kvwire serve --tokenizer DIR`` that
+tokenizer, and the requests are CHATS (``/v1/chat/completions``; ``--chat`` asks for the same
+with the builtin tokenizer), built from the trace's blocks: trace block ``j`` of a request
+becomes message ``j`` (the first a system prompt, then user and assistant turns in turn),
+whose content is words drawn from a fixed Zipf-weighted vocabulary by a generator seeded with
+the block's hash id, exactly 512 tokens of the tokenizer in use (a request's last, partial
+block: the first words of that text); then one last user turn of words unique to the request
+(the trace's tokens beyond its blocks, at least one). Equal hash ids mean equal prefixes, so
+two requests sharing their first k blocks share their first k messages, and so the rendered
+chat text up to the end of message k (every message renders the same wherever it stands,
+since each chat ends with a user turn), which is what the engines' prefix caches, kvwire
+serve's tokens and SGLang's router's text match; prompts are the trace's lengths plus a few
+tokens of turn markers a message. Words, not one token each, so the tokenizers do real work.
 
 Engines: ``kvwire engine`` (the batched model, block 512, 5,000 blocks each: the
 simulator's fleet), clock ``--speed`` times faster than wall time; the trace is replayed
@@ -29,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -47,7 +66,13 @@ from proxy import PY, _kill, free_port, tree_cpu  # noqa: E402
 from proxy import _start_router as start_router  # noqa: E402
 
 from kvwire.sim.floor import ttft_floor  # noqa: E402
-from kvwire.sim.trace import bundled_trace_path, load_trace, prompt_tokens  # noqa: E402
+from kvwire.sim.trace import (  # noqa: E402
+    MOONCAKE_BLOCK_TOKENS,
+    bundled_trace_path,
+    load_trace,
+    prompt_tokens,
+)
+from kvwire.tokenize import load_tokenizer  # noqa: E402
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 MODEL = "kvwire-engine"
@@ -64,10 +89,111 @@ def prompt_text(req, index: int) -> str:
     return "".join(words)
 
 
-def start_fleet(n: int, base: int, speed: float, log: str) -> tuple[subprocess.Popen, list[str]]:
+COMMON = ("the of and a to in is you that it he was for on are as with his they at be this "
+          "have from or one had by word but not what all were we when your can said there use "
+          "an each which she do how their if will up other about out many then them these so "
+          "some her would make like him into time has look two more write go see number no "
+          "way could people my than first water been call who oil its now find long down day "
+          "did get come made may part cache router engine prefix block token stream").split()
+SYLLABLES = ("ka to ri mun sel ver an dor pla que ith os bre lum tra ne gi fo wel cas min zu "
+             "har pe ol stru ex con de ly ment ing tion al").split()
+
+
+class ChatBuilder:
+    """The chat of a trace request (module docstring), for tokenizer ``tok``: each block's
+    text is exactly 512 tokens because a word of letters is its own piece to the builtin
+    tokenizer and to byte-level BPE ones like Qwen3's (after a space, or first in a
+    message), so a text's tokens are the sum of its words' (checked on one block: another
+    kind of tokenizer gets a warning and blocks of about 512)."""
+
+    def __init__(self, tok: Any) -> None:
+        rng = random.Random("kvwire-routing/vocabulary")
+        made = ("".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4)))
+                for _ in range(3000))
+        self.words = list(dict.fromkeys([*COMMON, *made]))
+        self.cum = list(itertools.accumulate(1.0 / (r + 1) for r in range(len(self.words))))
+        self.first = [len(tok.encode(w)) for w in self.words]
+        self.next = [len(tok.encode(" " + w)) for w in self.words]
+        if len(tok.encode("a")) != 1 or len(tok.encode(" a")) != 1 or \
+                len(tok.encode("a a")) != 2:
+            raise SystemExit(f"{tok.name}: 'a' is not one token: cannot size the blocks")
+        self.index = {w: i for i, w in enumerate(self.words)}
+        self.ids = range(len(self.words))
+        self.full: dict[int, str] = {}
+        n = len(tok.encode(self.block(0)))
+        if n != MOONCAKE_BLOCK_TOKENS:
+            print(f"# warning: a block is {n} tokens with this tokenizer, not "
+                  f"{MOONCAKE_BLOCK_TOKENS}: its words' tokens do not add up", flush=True)
+        self.full.clear()
+
+    def _words(self, rng: random.Random, tokens: int) -> list[str]:
+        out: list[str] = []
+        n = 0
+        draws: list[int] = []
+        while n < tokens:
+            if not draws:
+                draws = rng.choices(self.ids, cum_weights=self.cum, k=256)
+            i = draws.pop()
+            c = self.next[i] if out else self.first[i]
+            if n + c > tokens:  # fill with "a": one token
+                out.append("a")
+                n += 1
+            else:
+                out.append(self.words[i])
+                n += c
+        return out
+
+    def block(self, hash_id: int, tokens: int = MOONCAKE_BLOCK_TOKENS) -> str:
+        text = self.full.get(hash_id)
+        if text is None:
+            words = self._words(random.Random(f"kvwire-routing/block/{hash_id}"),
+                                MOONCAKE_BLOCK_TOKENS)
+            text = self.full[hash_id] = " ".join(words)
+        if tokens >= MOONCAKE_BLOCK_TOKENS:
+            return text
+        out, n = [], 0  # the block's first words: a prefix of its text
+        for k, w in enumerate(text.split(" ")):
+            c = self.first[self.index[w]] if k == 0 else self.next[self.index[w]]
+            if n + c > tokens:
+                break
+            out.append(w)
+            n += c
+        return " ".join(out) or "a"
+
+    def messages(self, req, index: int) -> list[dict[str, str]]:
+        n = req.cacheable_tokens
+        msgs = []
+        for j, h in enumerate(req.hash_ids[:-(-n // MOONCAKE_BLOCK_TOKENS)]):
+            role = "system" if j == 0 else ("user" if j % 2 else "assistant")
+            msgs.append({"role": role, "content": self.block(
+                h, min(MOONCAKE_BLOCK_TOKENS, n - j * MOONCAKE_BLOCK_TOKENS))})
+        tail = self._words(random.Random(f"kvwire-routing/tail/{index}"),
+                           max(req.input_length - n, 1))
+        msgs.append({"role": "user", "content": " ".join(tail)})
+        return msgs
+
+
+def seen_share(reqs: list) -> float:
+    """The share of requests with >= 90% of their prompt tokens in blocks an earlier request
+    had: prompts the router has mostly seen, whose CPU should be the least."""
+    seen: set[int] = set()
+    hits = 0
+    for r in reqs:
+        k = 0
+        while k < len(r.hash_ids) and r.hash_ids[k] in seen:
+            k += 1
+        hits += min(k * MOONCAKE_BLOCK_TOKENS, r.input_length) >= 0.9 * max(r.input_length, 1)
+        seen.update(r.hash_ids)
+    return hits / max(1, len(reqs))
+
+
+def start_fleet(n: int, base: int, speed: float, log: str,
+                tokenizer: str = "builtin") -> tuple[subprocess.Popen, list[str]]:
     cmd = [PY, "-m", "kvwire", "fleet", str(n), "--base-port", str(base), "--speed", str(speed),
            "--block-size", "512", "--num-gpu-blocks", "5000", "--max-model-len", "262144",
            "--log-level", "error"]
+    if tokenizer != "builtin":  # (the engine's default is the builtin tokenizer)
+        cmd += ["--tokenizer", tokenizer]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
     specs: list[str] = []
     deadline = time.monotonic() + 120
@@ -123,6 +249,12 @@ def proxy_overhead(url: str) -> dict[str, float]:
         if short == "overhead":
             under = one(re.escape(fam + '_bucket{le="0.01"}'))
             out["overhead_over_10ms"] = 1.0 - under / n if n else float("nan")
+        else:  # the bucket bounds holding the p50 and p99 (the buckets are coarse)
+            buckets = sorted((float(le), float(c)) for le, c in re.findall(
+                rf'^{fam}_bucket{{le="([^"]+)"}} ([0-9.e+-]+)$', text, re.M))
+            for q in (0.5, 0.99):
+                out[f"tokenize_p{q * 100:.0f}_le"] = next(
+                    (le for le, c in buckets if n and c >= q * n), float("nan"))
     return out
 
 
@@ -181,7 +313,7 @@ def pct(xs: list[float], q: float) -> float:
 def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, bytes]]) -> dict:
     log = os.path.join(a.logdir, f"routing-{name}.log")
     base = a.base_port
-    fleet, specs = start_fleet(a.engines, base, a.speed, log)
+    fleet, specs = start_fleet(a.engines, base, a.speed, log, a.tokenizer)
     urls = [s.rsplit("url=", 1)[1] for s in specs]
     router, replicas, store = None, [], None
     try:
@@ -196,7 +328,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             replicas, ports, store = start_replicas(a, specs, name == "replicas", log)
             router = replicas[0]  # (nats-server: the others are its siblings, below)
         else:
-            cmd = [PY, "-m", "kvwire", "serve", "--tokenizer", "builtin", "--host", "127.0.0.1",
+            cmd = [PY, "-m", "kvwire", "serve", "--tokenizer", a.tokenizer, "--host", "127.0.0.1",
                    "--port", str(port), "--log-level", "error", "--block-size", "512",
                    "--policy", "round_robin" if name == "round_robin" else "kvwire",
                    "--decode-share", str(a.decode_share)]
@@ -211,8 +343,8 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
         cpu0 = time.process_time()
         rcpu0, fcpu0 = sum(tree_cpu(p.pid) for p in routers), tree_cpu(fleet.pid)
         t0 = time.monotonic()
-        recs = asyncio.run(replay([f"http://127.0.0.1:{p}/v1/completions" for p in ports],
-                                  plan))
+        path = "/v1/chat/completions" if a.chat else "/v1/completions"
+        recs = asyncio.run(replay([f"http://127.0.0.1:{p}{path}" for p in ports], plan))
         wall = time.monotonic() - t0
         rcpu = sum(tree_cpu(p.pid) for p in routers) - rcpu0
         fcpu = tree_cpu(fleet.pid) - fcpu0
@@ -241,6 +373,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             "max_mean": max(work) / mean if mean else float("nan"),
             "lag_p99": pct([r["lag"] for r in recs], 0.99), "wall": wall, "proxy": proxy,
             "client_cpu": time.process_time() - cpu0, "router_cpu": rcpu, "engines_cpu": fcpu,
+            "router_cpu_per_request": rcpu / max(1, len(recs)),
             "loadavg": os.getloadavg()[0]}
 
 
@@ -281,7 +414,7 @@ def start_replicas(a: argparse.Namespace, specs: list[str], share: bool,
         procs.append(subprocess.Popen(bridge, stdout=open(log, "ab"), stderr=subprocess.STDOUT))
         for _ in range(a.replicas):
             port = free_port()
-            cmd = [PY, "-m", "kvwire", "serve", "--nats", url, "--tokenizer", "builtin",
+            cmd = [PY, "-m", "kvwire", "serve", "--nats", url, "--tokenizer", a.tokenizer,
                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
                    "--block-size", "512", "--decode-share", str(a.decode_share)]
             if not share:
@@ -324,19 +457,74 @@ def main() -> None:
                          "replicas-apart (the same, --no-share-load)")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--logdir", default="/tmp")
+    ap.add_argument("--tokenizer", default="builtin", metavar="DIR|qwen3|builtin",
+                    help="the engines' and kvwire serve's tokenizer: builtin (default: text "
+                         "prompts), a model directory or qwen3 (the vendored Qwen3 one): chat "
+                         "requests built from the trace's blocks")
+    ap.add_argument("--chat", action="store_true",
+                    help="chat requests with the builtin tokenizer too (implied by a DIR)")
     a = ap.parse_args()
+    tmp = None
+    a.tokenizer_label = a.tokenizer
+    try:
+        if a.tokenizer == "qwen3":
+            a.tokenizer = tmp = vendored_qwen3()
+        tok = load_tokenizer(None if a.tokenizer == "builtin" else a.tokenizer)
+        if a.tokenizer != "builtin":
+            tok.chat_template()  # a model directory without one cannot serve chats
+            a.tokenizer = os.path.abspath(a.tokenizer)
+    except (ValueError, OSError) as e:  # TokenizerError is a ValueError
+        ap.error(f"--tokenizer {a.tokenizer}: {e}")
+    try:
+        run(a, tok)
+    finally:
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def vendored_qwen3() -> str:
+    """tests/data/tokenize/qwen3 decompressed into a new temporary directory."""
+    import lzma
+    import shutil
+    import tempfile
+
+    src = os.path.join(ROOT, "tests", "data", "tokenize", "qwen3")
+    tmp = tempfile.mkdtemp(prefix="kvwire-routing-qwen3-")
+    with open(os.path.join(src, "tokenizer.json.xz"), "rb") as f, \
+            open(os.path.join(tmp, "tokenizer.json"), "wb") as out:
+        out.write(lzma.decompress(f.read()))
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp)
+    return tmp
+
+
+def run(a: argparse.Namespace, tok: Any) -> None:
+    a.chat = a.chat or a.tokenizer != "builtin"
     reqs = load_trace(bundled_trace_path(), limit=a.requests)
     scale = 1.0 / (a.speed * a.load)
     t0 = reqs[0].t
     plan = []
+    chats = ChatBuilder(tok) if a.chat else None
+    built = time.monotonic()
     for i, r in enumerate(reqs):
-        body = {"model": MODEL, "prompt": prompt_text(r, i), "stream": True,
+        body = {"model": MODEL, "stream": True,
                 "max_tokens": max(1, min(r.output_length, a.max_output)), "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
+        if chats is not None:
+            body["messages"] = chats.messages(r, i)
+        else:
+            body["prompt"] = prompt_text(r, i)
         plan.append(((r.t - t0) * scale, json.dumps(body).encode()))
+    if chats is not None:
+        print(f"# {len(plan)} chats built in {time.monotonic() - built:.0f} s", flush=True)
+    del chats
     reqs = [replace(r) for r in reqs]
     print(f"# {len(plan)} requests over {(reqs[-1].t - t0) * scale:.0f} s wall, engines "
-          f"--speed {a.speed:g}, load x{a.load:g}, outputs <= {a.max_output} tokens"
+          f"--speed {a.speed:g}, load x{a.load:g}, outputs <= {a.max_output} tokens, "
+          + (f"chats, tokenizer {a.tokenizer_label}" if a.chat
+             else "text prompts, builtin tokenizer")
+          + f", {seen_share(reqs):.0%} of requests with >= 90% of their tokens seen before"
           + (f", kvwire --balance-slack {a.balance_slack}" if a.balance_slack is not None else "")
           + "; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
@@ -353,14 +541,18 @@ def main() -> None:
             px = r["proxy"]
             print(f"#   kvwire serve's own time per request: {px['overhead_mean'] * 1e3:.1f} ms "
                   f"mean ({px['overhead_over_10ms']:.1%} over 10 ms), tokenizing "
-                  f"{px['tokenize_mean'] * 1e3:.1f} ms mean; x{a.speed:g} in model time",
-                  flush=True)
+                  f"{px['tokenize_mean'] * 1e3:.1f} ms mean (p50 <= "
+                  f"{px['tokenize_p50_le'] * 1e3:g} ms, p99 <= {px['tokenize_p99_le'] * 1e3:g} ms"
+                  f"); x{a.speed:g} in model time", flush=True)
     print()
-    print("| router | TTFT p50 (model s) | TTFT p99 (model s) | cached-token ratio | work max/mean |")
-    print("|---|---:|---:|---:|---:|")
+    print("| router | TTFT p50 (model s) | TTFT p99 (model s) | cached-token ratio | work max/mean "
+          "| router CPU ms/request | tokenize ms mean |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in res.values():
+        tk = r["proxy"].get("tokenize_mean")
         print(f"| {r['name']} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['cached']:.3f} "
-              f"| {r['max_mean']:.3f} |")
+              f"| {r['max_mean']:.3f} | {r['router_cpu_per_request'] * 1e3:.2f} | "
+              + (f"{tk * 1e3:.2f} |" if tk is not None else "- |"))
     if {"kvwire", "round_robin", "sglang"} <= res.keys():
         kv, rr, sg = res["kvwire"], res["round_robin"], res["sglang"]
         print()
