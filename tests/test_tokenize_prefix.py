@@ -159,6 +159,8 @@ def test_qwen3_store_equals_whole(qwen3: Path, parts: list[str], chunk: int,
         cut = data.draw(st.integers(0, len(base)))
         text = base[:cut] + p if data.draw(st.booleans()) else base + p
         assert tok.encode(text) == fast.encode(text, add_special_tokens=False).ids, text
+        assert tok.encode(text, add_special_tokens=True) == \
+            fast.encode(text, add_special_tokens=True).ids, text
         seen.append(text)
 
 
@@ -199,6 +201,29 @@ def test_growing_chats_equal_whole_text(template: str, qwen3: Path, tmp_path: Pa
             text = tok.render_chat(chat, add_generation_prompt=True)
             assert tok.encode(text) == fresh(text), (template, turn)
     assert tok.segments.store.hits > 0, "no chunk was ever reused"
+
+
+@pytest.mark.parametrize("single", ["<|endoftext|> $A", "$A <|im_end|>", "<|im_start|> $A <|im_end|>"])
+def test_post_processor_ids_go_around_the_store(qwen3: Path, tmp_path: Path,
+                                                single: str) -> None:
+    """A post-processor that adds a BOS (or an EOS) to a text encoded with special tokens:
+    the router still tokenizes only the new part, and the ids are tokenizers' own."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers.processors import TemplateProcessing
+    fast = Fast.from_file(str(qwen3 / "tokenizer.json"))
+    names = [t for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>") if t in single]
+    fast.post_processor = TemplateProcessing(
+        single=single, special_tokens=[(t, fast.token_to_id(t)) for t in names])
+    d = tmp_path / "bos"
+    d.mkdir()
+    fast.save(str(d / "tokenizer.json"))
+    tok = _small_chunks(load_tokenizer(d), 16)
+    base = "The cache router sends each prompt where its prefix is.\n" * 20
+    for text in (base, base + "And one more line", base[:300] + " forked here"):
+        assert tok.encode(text, add_special_tokens=True) == \
+            fast.encode(text, add_special_tokens=True).ids
+    plan = tok.plan(base + "And a new end", add_special_tokens=True)
+    assert not plan.special and plan.chars < 100
 
 
 def test_pipelines_without_proven_cuts_keep_whole_segments(tmp_path: Path) -> None:

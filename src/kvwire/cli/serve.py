@@ -100,6 +100,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", metavar="N", type=count, default=4096,
                    help="proxy: requests answered at once; more are refused with 429 and "
                         "Retry-After, counted (default 4096; 0: no limit)")
+    p.add_argument("--tokenize-threads", metavar="N", type=count, default=2,
+                   help="proxy: workers that encode a long prompt's new text off the event "
+                        "loop, so it does not delay other requests (threads; processes for a "
+                        "tokenizer that holds the GIL; default 2; 0: on the loop)")
+    p.add_argument("--tokenize-queue", metavar="N", type=positive_int, default=16,
+                   help="proxy: long prompts being encoded off the loop at once, waiting "
+                        "included; more are refused with 429 and Retry-After, counted "
+                        "(default 16)")
     p.add_argument("--shutdown-timeout", metavar="S", type=seconds, default=30.0,
                    help="on SIGTERM/SIGINT stop accepting and let the requests in flight "
                         "(streams too) finish for up to S seconds; a second signal stops at "
@@ -263,7 +271,9 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                        probe_timeout=args.probe_timeout,
                        first_byte_timeout=args.first_byte_timeout,
                        stall_timeout=args.stall_timeout, response_ids=args.response_ids,
-                       max_in_flight=args.max_in_flight)
+                       max_in_flight=args.max_in_flight,
+                       tokenize_threads=args.tokenize_threads,
+                       tokenize_queue=args.tokenize_queue)
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:

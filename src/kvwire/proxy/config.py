@@ -26,3 +26,7 @@ class ProxyConfig:
     response_ids: int = 100_000
     #: requests being answered at once; more are refused with 429 (0: no limit)
     max_in_flight: int = 4096
+    #: workers encoding long new prompt text off the event loop (0: on the loop)
+    tokenize_threads: int = 2
+    #: long prompts being encoded off the loop at once, waiting included; more: 429
+    tokenize_queue: int = 16

@@ -117,9 +117,10 @@ class Handler:
         req.on_close = gone
 
     def _bad(self, req: Request, e: HttpError) -> None:
-        self.fleet.counts["bad_requests"] += 1
+        # a 429 here is the tokenizer's full queue (proxy/offload.py), not the client's fault
+        self.fleet.counts["tokenize_shed" if e.status == 429 else "bad_requests"] += 1
         self.fleet.requests["none", e.status] += 1
-        req.respond(e.status, e.openai())
+        req.respond(e.status, e.openai(), e.headers)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None:

@@ -93,6 +93,9 @@ class ProxyMetrics:
             "kvwire_proxy_e2e_seconds", "Arrival to the last byte of an engine's answer "
             "forwarded, per answering engine, seconds", _SLOW_BUCKETS, "engine")
 
+        #: the tokenizer's workers (proxy/offload.py), when the proxy tokenizes locally
+        self.offload: Any = None
+
     def describe(self) -> list:
         return []
 
@@ -126,5 +129,21 @@ class ProxyMetrics:
             prompt.add_metric([engine], p.prompt_tokens[engine])
             cached.add_metric([engine], p.cached_tokens[engine])
         yield from (reqs, retries, inflight, active, prompt, cached)
+        o = self.offload
+        if o is not None and o.tok is not None:
+            done = CounterMetricFamily("kvwire_proxy_tokenize_encodes", "Prompts whose new "
+                                       "text was encoded, by where: on the event loop (short) "
+                                       "or by a worker (long)", labels=["where"])
+            done.add_metric(["loop"], o.inline)
+            done.add_metric(["worker"], o.offloaded)
+            yield done
+            shed = CounterMetricFamily("kvwire_proxy_tokenize_shed", "Requests refused with "
+                                       "429: --tokenize-queue long prompts were in hand")
+            shed.add_metric([], o.shed)
+            yield shed
+            pending = GaugeMetricFamily("kvwire_proxy_tokenize_pending", "Long prompts being "
+                                        "encoded by the workers now, waiting included")
+            pending.add_metric([], o.pending)
+            yield pending
         for h in (self.overhead, self.tokenize, self.ttft, self.e2e):
             yield from h.collect()

@@ -29,6 +29,7 @@ from .fleet import Fleet, Link
 from .handler import BadRequest, Handler, handles, openai_error
 from .health import Prober, checker
 from .metrics import ProxyMetrics
+from .offload import Offload
 from .responses import ResponseOwners
 from .tokens import Tokens
 
@@ -61,7 +62,15 @@ class Proxy:
                         "prefix overlap is computed)")
         self.metrics: ProxyMetrics = self.fleet.metrics
         #: the prompts' token ids (``await proxy.tokens.prompt(body, chat)``)
-        self.tokens = Tokens(self.fleet, tokenizer, self.mode, cfg.connect_timeout)
+        self.offload = Offload(tokenizer if self.mode == "local" else None,
+                               cfg.tokenize_threads, cfg.tokenize_queue)
+        if self.mode == "local" and tokenizer.prefix_reason:
+            log.warning("tokenizer %s: a prompt extending one seen before is tokenized whole "
+                        "(per segment between special tokens): %s", tokenizer.name,
+                        tokenizer.prefix_reason)
+        self.tokens = Tokens(self.fleet, tokenizer, self.mode, cfg.connect_timeout,
+                             self.offload)
+        self.metrics.offload = self.offload
         self.handler = Handler(core, self.fleet, self.tokens, cfg)
         #: answer a :class:`~kvwire.http1.server.Request` for a path :meth:`handles` (the
         #: handler's own method: no call in between on the hot path)
@@ -180,5 +189,7 @@ class Proxy:
         self.fleet.ended()
 
     def close_pools(self) -> None:
-        """Close the idle engine connections (the serving loop is ending)."""
+        """Close the idle engine connections and stop the tokenizer's workers (the serving
+        loop is ending)."""
         self.fleet.close_pools()
+        self.offload.close()

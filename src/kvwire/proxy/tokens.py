@@ -17,6 +17,7 @@ from ..http1.client import UpstreamError
 from ..tokenize.content import engine_template_kwargs
 from .body import Body, PassBody
 from .fleet import Fleet
+from .offload import Offload
 from .responses import chat_request
 
 __all__ = ["Tokens"]
@@ -29,12 +30,15 @@ class Tokens:
     ``/tokenize``, given ``timeout`` s) or ``"none"``. Failures the engine would judge
     differently are counted in the fleet's ``counts`` and routed by load."""
 
-    def __init__(self, fleet: Fleet, tokenizer: Any, mode: str, timeout: float) -> None:
+    def __init__(self, fleet: Fleet, tokenizer: Any, mode: str, timeout: float,
+                 offload: Offload | None = None) -> None:
         self.fleet = fleet
         self.tok = tokenizer
         self.mode = mode
         self.timeout = timeout
         self.observe = fleet.metrics.tokenize.observe
+        #: where a long prompt's new text is encoded (off the event loop)
+        self.offload = offload or Offload(tokenizer if mode == "local" else None, 0)
 
     async def prompt(self, req: Body, chat: bool) -> Sequence[int]:
         """The prompt's token ids as the engine will compute them ([] when unknown: the
@@ -70,14 +74,17 @@ class Tokens:
 
         try:
             if chat:
-                toks = self.tok.encode_engine_chat(  # rendered as the engine renders it
+                text = self.tok.render_engine_chat(  # rendered as the engine renders it
                     req.messages, tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     reasoning_effort=req.reasoning_effort, documents=req.documents,
                     chat_template_kwargs=req.chat_template_kwargs)
+                toks = await self.offload.encode(text)
             else:
-                toks = self.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
+                toks = await self.offload.encode(prompt, req.add_special_tokens)
+        except HttpError:
+            raise  # the tokenizer's queue is full: 429
         except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise HttpError(400, f"cannot tokenize the request: {e}",
                             param="messages" if chat else "prompt") from None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvwire.tokenize.errors import TokenizerError
@@ -54,6 +54,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def run(self, plan: Plan) -> list[Sequence[int]]:
         """The ids of each of ``plan.work``: the slow step, on any thread; touches no cache."""
+
+    def run_elsewhere(self) -> Callable[[list[str], bool], list[Sequence[int]]] | None:
+        """A module-level function a worker process can run for :meth:`run` (given
+        ``plan.work`` and ``plan.special``), for a tokenizer that holds the GIL while it
+        encodes; None: none (threads, or the caller's thread)."""
+        return None
 
     @abstractmethod
     def finish(self, plan: Plan, results: Sequence[Sequence[int]]) -> list[int]:

@@ -17,7 +17,7 @@ rendered in the same sandbox as a model's template."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
@@ -99,6 +99,22 @@ def chatml_plain(messages: Any, add_generation_prompt: bool) -> str | None:
     return "".join(parts)
 
 
+_WORKER: BuiltinTokenizer | None = None
+
+
+def encode_texts(texts: list[str], special: bool = False) -> list[list[int]]:
+    """The ids of each of ``texts`` (text between special tokens), in a worker process."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = BuiltinTokenizer()
+    out = []
+    for text in texts:
+        buf: list[int] = []
+        _WORKER._encode_plain(text, buf)
+        out.append(buf)
+    return out
+
+
 class BuiltinTokenizer(Tokenizer):
     """The no-files tokenizer (module docstring: the scheme and the id layout)."""
 
@@ -157,6 +173,10 @@ class BuiltinTokenizer(Tokenizer):
     def finish(self, plan: Plan, results: Sequence[Sequence[int]]) -> list[int]:
         """The ids of the planned text; keeps the new segments and chunks."""
         return self.segments.finish(plan, results)
+
+    def run_elsewhere(self) -> Callable[[list[str], bool], list[Sequence[int]]]:
+        """:func:`encode_texts`: what a worker process runs for :meth:`run`."""
+        return encode_texts
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (``decode(encode(t)) == t`` for every str ``t`` with

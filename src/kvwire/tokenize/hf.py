@@ -142,6 +142,7 @@ class HFTokenizer(Tokenizer):
         self.segments = Segments(splitter, self._added_ids,
                                  PrefixStore(cuts) if cuts is not None else None,
                                  max_segments=SEGMENT_CACHE_SIZE)
+        self._added_around = self._post_processor_ids()
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
         self._override: ChatTemplate | None = None
@@ -150,6 +151,27 @@ class HFTokenizer(Tokenizer):
         """Render with ``source`` (an engine's ``--chat-template``) instead of the
         directory's templates, given the same special-token variables."""
         self._override = ChatTemplate(source, origin=origin, variables=self.special_tokens)
+
+    def _post_processor_ids(self) -> tuple[list[int], list[int]] | None:
+        """``(before, after)``: the ids tokenizer.json's post-processor puts around a single
+        text (a BOS; nothing for Qwen's), when the same for every probe; else None (then a
+        text encoded with special tokens is encoded whole)."""
+        around = None
+        for probe in ("a", "Hello world.\n", " 12 x"):
+            bare = self._tok.encode(probe, add_special_tokens=False).ids
+            full = self._tok.encode(probe, add_special_tokens=True).ids
+            n = len(bare)
+            for i in range(len(full) - n + 1):
+                if full[i:i + n] == bare:
+                    cut = (full[:i], full[i + n:])
+                    break
+            else:
+                return None
+            if around is None:
+                around = cut
+            elif cut != around:
+                return None
+        return around
 
     def _added_token_splitter(self) -> re.Pattern[str] | None:
         """A regex finding the added tokens where ``tokenizers`` finds them (leftmost, longest
@@ -194,6 +216,8 @@ class HFTokenizer(Tokenizer):
         post-processor, e.g. a BOS first) makes the whole text the work."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
+        if add_special_tokens and self._added_around is not None:
+            return self.segments.plan(text, *self._added_around)
         if add_special_tokens:
             p = Plan()
             p.add_work(text)

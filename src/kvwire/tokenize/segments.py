@@ -26,9 +26,10 @@ SEGMENT_TOKENS = 1 << 20
 class Plan:
     """One text's tokenization: ``parts`` are ids already known or indexes into ``work``."""
 
-    __slots__ = ("chars", "chunked", "parts", "special", "whole", "work")
+    __slots__ = ("chars", "chunked", "parts", "special", "trail", "whole", "work")
 
     def __init__(self) -> None:
+        self.trail: Sequence[int] = ()  # ids put last (an EOS some post-processors add)
         self.special = False  # the work is one whole text, encoded with special tokens added
         self.parts: list[Sequence[int] | int] = []
         self.work: list[str] = []
@@ -56,13 +57,14 @@ class Segments:
         self.store = store
         self.max_segments = max_segments
         self.max_tokens = max_tokens
-        self._whole: dict[str, Sequence[int]] = {}
+        self._whole: dict[str, Sequence[int]] = {}  # never mutated once kept
         self._whole_tokens = 0
 
-    def plan(self, text: str, lead: Sequence[int] = ()) -> Plan:
-        """Look up every segment of ``text``; what is not known becomes work. ``lead``: ids
-        put first (a BOS)."""
+    def plan(self, text: str, lead: Sequence[int] = (), trail: Sequence[int] = ()) -> Plan:
+        """Look up every segment of ``text``; what is not known becomes work. ``lead`` and
+        ``trail``: ids put first and last (a BOS, an EOS)."""
         p = Plan()
+        p.trail = trail
         if lead:
             p.parts.append(lead)
         if self.splitter is None:
@@ -110,17 +112,18 @@ class Segments:
         for key, a, b in p.chunked:
             store.add(key, p.work[a:b], results[a:b])  # type: ignore[union-attr]
         out: list[int] = []
-        parts = p.parts
-        for seg, a, b in p.whole:
-            ids: list[int] = []
-            for part in parts[a:b]:
-                ids += results[part] if type(part) is int else part
-            self._keep(seg, tuple(ids))
-        for part in parts:
+        starts = []  # where each part begins in out
+        for part in p.parts:
+            starts.append(len(out))
             out += results[part] if type(part) is int else part
+        starts.append(len(out))
+        for seg, a, b in p.whole:
+            self._keep(seg, out[starts[a]:starts[b]])
+        if p.trail:
+            out += p.trail
         return out
 
-    def _keep(self, seg: str, ids: tuple[int, ...]) -> None:
+    def _keep(self, seg: str, ids: list[int]) -> None:
         whole = self._whole
         old = whole.pop(seg, None)
         if old is not None:

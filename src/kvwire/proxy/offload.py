@@ -1,0 +1,102 @@
+"""Tokenizing long new text away from the event loop, so that a never-seen 30k-token prompt
+does not hold up every other request's stream on the one thread that serves them all.
+
+The tokenizer plans on the loop (lookups of what it has seen: quick), and the new text is
+encoded on the loop when it is short (handing it over costs more), else on a worker thread
+when the tokenizer lets go of the GIL while it works (``tokenizers``' Rust; the builtin
+tokenizer's C encoder), else in a worker process. At most ``queue`` encodes are off the loop
+at once, running or waiting; a request past that is refused with 429 and counted, rather
+than waiting behind work that may take seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+from collections.abc import Sequence
+from typing import Any
+
+from ..http1 import HttpError
+
+__all__ = ["Offload"]
+
+log = logging.getLogger("kvwire.proxy.offload")
+
+
+class Offload:
+    """Encodes a prompt's new text for :class:`~.tokens.Tokens`; ``threads`` workers (0:
+    everything on the loop), ``queue`` encodes off the loop at most."""
+
+    def __init__(self, tokenizer: Any, threads: int = 2, queue: int = 16) -> None:
+        if threads < 0 or queue < 1:
+            raise ValueError("tokenize threads must be >= 0 and the queue >= 1")
+        self.tok = tokenizer
+        self.threads = threads
+        self.queue = queue
+        self.pending = 0  # encodes off the loop now (running or waiting)
+        self.inline = 0  # encodes done on the loop
+        self.offloaded = 0  # encodes done by a worker
+        self.shed = 0  # requests refused with 429: the queue was full
+        self._pool: concurrent.futures.Executor | None = None
+        self._elsewhere = None
+        if tokenizer is not None and threads and not getattr(tokenizer, "releases_gil", False):
+            self._elsewhere = getattr(tokenizer, "run_elsewhere", lambda: None)()
+            if self._elsewhere is None:
+                log.warning("tokenizer %s holds the GIL while it encodes and cannot run in "
+                            "another process: long prompts are tokenized on the event loop",
+                            tokenizer.name)
+                self.threads = 0
+
+    @property
+    def mode(self) -> str:
+        """``"threads"``, ``"processes"`` or ``"loop"``: where long new text is encoded."""
+        if not self.threads:
+            return "loop"
+        return "processes" if self._elsewhere is not None else "threads"
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The ids of ``text``: the new part encoded here or by a worker; 429 when the
+        workers' queue is full."""
+        tok = self.tok
+        plan = tok.plan(text, add_special_tokens)
+        if not plan.work:
+            return tok.finish(plan, [])
+        if plan.chars <= tok.inline_chars or not self.threads:
+            self.inline += 1
+            return tok.finish(plan, tok.run(plan))
+        if self.pending >= self.queue:
+            self.shed += 1
+            raise HttpError(429, f"the router's tokenizer has {self.pending} long prompts in "
+                            "hand, its limit (--tokenize-queue); retry later",
+                            type="RateLimitError", headers=((b"retry-after", b"1"),))
+        loop = asyncio.get_running_loop()
+        pool = self._pool or self._start()
+        if self._elsewhere is not None:
+            fut = pool.submit(self._elsewhere, plan.work, plan.special)
+        else:
+            fut = pool.submit(tok.run, plan)
+        self.pending += 1
+        # counted until the worker is done, even when the request is gone before
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        results: Sequence[Sequence[int]] = await asyncio.wrap_future(fut)
+        self.offloaded += 1
+        return tok.finish(plan, results)
+
+    def _done(self) -> None:
+        self.pending -= 1
+
+    def _start(self) -> concurrent.futures.Executor:
+        if self._elsewhere is not None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.threads, mp_context=multiprocessing.get_context("spawn"))
+        else:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.threads, thread_name_prefix="kvwire-tokenize")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the workers (what they hold is dropped: its requests are ending too)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

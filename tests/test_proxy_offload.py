@@ -1,0 +1,173 @@
+"""A long prompt's new text is tokenized off the proxy's event loop (proxy/offload.py): other
+requests' streams go on meanwhile, a full queue is a 429, and nothing is left counted when a
+client leaves. Real engines, router and HTTP server on loopback (test_proxy.py's Stack).
+
+The one stand-in: the builtin tokenizer with a gate its worker waits at before a long encode,
+so that "while a long prompt is being tokenized" lasts exactly as long as the test needs it
+to (an order made certain, not a race timed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import pytest
+from test_proxy import TIMEOUT, Stack, _scrape, make_stack, wait_for  # noqa: F401 (a fixture)
+
+from kvwire.engine import EngineConfig, StepCost
+from kvwire.proxy.offload import Offload
+from kvwire.tokenize import BuiltinTokenizer
+from kvwire.tokenize.base import Plan
+
+LONG = " ".join(f"never{i}seen" for i in range(6000))  # ~70k characters of new text
+#: engines that take LONG's ~42k tokens quickly
+ENGINE = {"max_model_len": 65536, "config": EngineConfig(
+    num_gpu_blocks=8000, block_size=16, cost=StepCost(base_s=2e-3, prefill_token_s=1e-8))}
+
+
+class GatedTokenizer(BuiltinTokenizer):
+    """Long work waits at ``gate`` (``entered`` says it got there)."""
+
+    releases_gil = True  # the gate's wait does
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.threads: set[str] = set()
+
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        if plan.chars > self.inline_chars:
+            self.threads.add(threading.current_thread().name)
+            self.entered.set()
+            if not self.gate.wait(TIMEOUT):
+                raise RuntimeError("the test never opened the gate")
+        return super().run(plan)
+
+
+def _long_request(url: str, out: dict[str, Any], prompt: str = LONG) -> threading.Thread:
+    def send() -> None:
+        try:
+            out["response"] = httpx.post(url + "/v1/completions", timeout=TIMEOUT, json={
+                "model": "m", "prompt": prompt, "max_tokens": 2})
+        except httpx.HTTPError as e:
+            out["error"] = e
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_long_prompt_being_tokenized_delays_no_other_stream(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """While a never-seen long prompt is in the tokenizer's worker, a short streamed request
+    is answered whole; then the long one is answered, routed by its real ids."""
+    tok = GatedTokenizer()
+    s = make_stack(2, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1)
+    out: dict[str, Any] = {}
+    long_req = _long_request(s.url, out)
+    assert tok.entered.wait(TIMEOUT)
+    short = {"model": "m", "prompt": "a short one", "max_tokens": 8, "ignore_eos": True,
+             "stream": True}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c, \
+            c.stream("POST", "/v1/completions", json=short) as r:
+        assert r.status_code == 200
+        body = b"".join(r.iter_raw())
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert s.proxy.offload.pending == 1 and "response" not in out  # still at the gate
+    assert tok.threads and all(n.startswith("kvwire-tokenize") for n in tok.threads)
+    tok.gate.set()
+    long_req.join(TIMEOUT)
+    assert out["response"].status_code == 200, out["response"].text
+    assert out["response"].json()["usage"]["prompt_tokens"] == len(BuiltinTokenizer()
+                                                                    .encode(LONG, True))
+    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_tokenize_encodes_total", frozenset({("where", "worker")})] == 1
+    assert m["kvwire_proxy_tokenize_encodes_total", frozenset({("where", "loop")})] >= 1
+    # the same prompt again: known now, so planned on the loop with nothing long to encode
+    again = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                       json={"model": "m", "prompt": LONG + " one more", "max_tokens": 2})
+    assert again.status_code == 200
+    assert _scrape(s.url)["kvwire_proxy_tokenize_encodes_total",
+                          frozenset({("where", "worker")})] == 1
+
+
+def test_a_full_tokenizer_queue_is_a_429(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """With ``tokenize_queue`` long prompts in hand, the next long one is refused at once
+    with OpenAI's 429 and Retry-After, counted; short ones are still served."""
+    tok = GatedTokenizer()
+    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
+                   tokenize_queue=1)
+    out: dict[str, Any] = {}
+    first = _long_request(s.url, out)
+    assert tok.entered.wait(TIMEOUT)
+    r = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                   json={"model": "m", "prompt": LONG + " another", "max_tokens": 2})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    err = r.json()["error"]
+    assert err["code"] == 429 and "--tokenize-queue" in err["message"]
+    ok = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                    json={"model": "m", "prompt": "short", "max_tokens": 2})
+    assert ok.status_code == 200
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_tokenize_shed_total", frozenset()] == 1
+    assert m["kvwire_proxy_tokenize_pending", frozenset()] == 1
+    tok.gate.set()
+    first.join(TIMEOUT)
+    assert out["response"].status_code == 200
+    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+
+
+def test_a_client_gone_while_its_prompt_is_tokenized_leaves_nothing(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """The client leaves while its prompt is in the worker: the request ends, the worker's
+    encode stays counted until it is done, then nothing is pending and no load is held."""
+    tok = GatedTokenizer()
+    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1)
+
+    async def leave() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(s.url.rsplit(":", 1)[1]))
+        body = json.dumps({"model": "m", "max_tokens": 2, "prompt": LONG}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        await asyncio.get_running_loop().run_in_executor(None, tok.entered.wait, TIMEOUT)
+        writer.close()
+
+    asyncio.run(leave())
+    wait_for(lambda: s.proxy.active == 0, "the request ended with its client")
+    assert s.proxy.offload.pending == 1
+    tok.gate.set()
+    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+    assert s.loads() == {}
+
+
+def test_a_tokenizer_holding_the_gil_runs_in_a_process() -> None:
+    """The builtin tokenizer without its C encoder holds the GIL: long new text goes to a
+    worker process (a real one), with the same ids; a short text stays on the loop."""
+    tok = BuiltinTokenizer()
+    tok.releases_gil = False
+    off = Offload(tok, threads=1, queue=2)
+    assert off.mode == "processes"
+
+    async def go() -> tuple[list[int], list[int]]:
+        return await off.encode(LONG, True), await off.encode("short text")
+
+    try:
+        long_ids, short_ids = asyncio.run(go())
+    finally:
+        off.close()
+    fresh = BuiltinTokenizer()
+    assert long_ids == fresh.encode(LONG, True) and short_ids == fresh.encode("short text")
+    assert (off.offloaded, off.inline) == (1, 1)
+
+
+def test_offload_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="queue"):
+        Offload(BuiltinTokenizer(), threads=1, queue=0)
+    assert Offload(BuiltinTokenizer(), threads=0).mode == "loop"
