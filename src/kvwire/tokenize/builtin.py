@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvwire.tokenize import native
 from kvwire.tokenize.base import Tokenizer, TokenizerError
 from kvwire.tokenize.template import ChatTemplate
 
@@ -129,6 +130,9 @@ class BuiltinTokenizer(Tokenizer):
         return ids
 
     def _encode_plain(self, text: str, out: list[int]) -> None:
+        if native.encode_plain is not None:  # the C twin of the loop below (tokenize/native.py)
+            out.extend(native.encode_plain(text))
+            return
         for piece in _PIECE_RE.findall(text):
             out.extend(self._encode_piece(piece))
 
