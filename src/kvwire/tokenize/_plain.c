@@ -108,19 +108,34 @@ scan(const void *d, int kind, Py_ssize_t len, Out *o)
     while (i < len) {
         Py_ssize_t j = i;
         Py_UCS4 c = at(d, kind, j);
+        Py_UCS4 any = c;  /* the piece's code points or'ed: < 0x80 when it is all ASCII */
         int k = char_class(c);
         if (c == ' ' && j + 1 < len) {
-            int k2 = char_class(at(d, kind, j + 1));
+            Py_UCS4 c2 = at(d, kind, j + 1);
+            int k2 = char_class(c2);
             if (k2 != SPACE) {  /* " ?\w+" or " ?[^\w\s]+": the space leads that run */
                 k = k2;
+                any |= c2;
                 j++;
             }
         }
-        for (j++; j < len && char_class(at(d, kind, j)) == k; j++) {
+        for (j++; j < len; j++) {
+            Py_UCS4 cj = at(d, kind, j);
+            if (char_class(cj) != k) break;
+            any |= cj;
         }
         /* the piece is [i, j) */
         if (!reserve(o, (maxb * (size_t)(j - i) + 1) / 2)) return;
         uint32_t *w = o->ids + o->n;
+        if (kind == PyUnicode_1BYTE_KIND && any < 0x80) {  /* one byte a code point */
+            const Py_UCS1 *b = (const Py_UCS1 *)d;
+            Py_ssize_t p = i;
+            for (; p + 1 < j; p += 2) *w++ = PAIR_BASE + ((uint32_t)b[p] << 8 | b[p + 1]);
+            if (p < j) *w++ = BYTE_BASE + b[p];
+            o->n = (size_t)(w - o->ids);
+            i = j;
+            continue;
+        }
         int pend = -1;
         for (Py_ssize_t p = i; p < j; p++) {
             c = at(d, kind, p);
