@@ -199,7 +199,7 @@ def _other_thread_ticks_during(call: Callable[[], object]) -> int:
             time.sleep(0.0001)  # lets the main thread have the GIL back at once
 
     old = sys.getswitchinterval()
-    sys.setswitchinterval(60.0)
+    sys.setswitchinterval(10.0)
     thread = threading.Thread(target=spin, daemon=True)
     try:
         thread.start()

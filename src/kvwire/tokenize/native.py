@@ -1,6 +1,7 @@
 """The optional C encoder of the builtin tokenizer's plain text (``_plain.c``): the same ids
-as its Python loop, about 40x faster, with the GIL released while a long text is scanned.
-Kept apart so that ``kvwire.native_status()`` can report it."""
+as its Python loop for a tenth to a fiftieth of the CPU (30k ids: well under 1 ms against
+5-12 ms), with the GIL released while a long text is scanned. Kept apart so that
+``kvwire.native_status()`` can report it."""
 
 from __future__ import annotations
 
