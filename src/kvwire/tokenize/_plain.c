@@ -104,6 +104,8 @@ scan(const void *d, int kind, Py_ssize_t len, Out *o)
 {
     /* UTF-8 bytes a code point of this kind can take */
     const size_t maxb = kind == PyUnicode_1BYTE_KIND ? 2 : kind == PyUnicode_2BYTE_KIND ? 3 : 4;
+    /* the write position and the buffer's end live in registers; o->n is set on leaving */
+    uint32_t *w = o->ids + o->n, *lim = o->ids + o->cap;
     Py_ssize_t i = 0;
     while (i < len) {
         Py_ssize_t j = i;
@@ -125,14 +127,18 @@ scan(const void *d, int kind, Py_ssize_t len, Out *o)
             any |= cj;
         }
         /* the piece is [i, j) */
-        if (!reserve(o, (maxb * (size_t)(j - i) + 1) / 2)) return;
-        uint32_t *w = o->ids + o->n;
+        size_t need = (maxb * (size_t)(j - i) + 1) / 2;
+        if ((size_t)(lim - w) < need) {
+            o->n = (size_t)(w - o->ids);
+            if (!reserve(o, need)) return;
+            w = o->ids + o->n;
+            lim = o->ids + o->cap;
+        }
         if (kind == PyUnicode_1BYTE_KIND && any < 0x80) {  /* one byte a code point */
             const Py_UCS1 *b = (const Py_UCS1 *)d;
             Py_ssize_t p = i;
             for (; p + 1 < j; p += 2) *w++ = PAIR_BASE + ((uint32_t)b[p] << 8 | b[p + 1]);
             if (p < j) *w++ = BYTE_BASE + b[p];
-            o->n = (size_t)(w - o->ids);
             i = j;
             continue;
         }
@@ -148,7 +154,7 @@ scan(const void *d, int kind, Py_ssize_t len, Out *o)
                 if (kind != PyUnicode_1BYTE_KIND && c >= 0xD800 && c <= 0xDFFF) {
                     o->bad_start = i;
                     o->bad_end = j;
-                    return;
+                    break;
                 }
                 PUT(0xE0 | c >> 12);
                 PUT(0x80 | (c >> 6 & 0x3F));
@@ -160,10 +166,11 @@ scan(const void *d, int kind, Py_ssize_t len, Out *o)
                 PUT(0x80 | (c & 0x3F));
             }
         }
+        if (o->bad_start >= 0) return;
         if (pend >= 0) *w++ = BYTE_BASE + (uint32_t)pend;
-        o->n = (size_t)(w - o->ids);
         i = j;
     }
+    o->n = (size_t)(w - o->ids);
 }
 
 /* One copy of the scan per str kind, each with its reads and bounds known at compile time. */
