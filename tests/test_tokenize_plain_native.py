@@ -118,6 +118,32 @@ def test_boundaries_at_the_edges(c_encode) -> None:
         assert c_encode(text) == python_plain(text), text[:20]
 
 
+def test_threads_encoding_at_once_each_get_their_own_ids(c_encode) -> None:
+    """Long texts scan without the GIL, at once in several threads, each into a buffer of its
+    own: more threads than buffers kept between calls, texts under and over their size."""
+    rng = random.Random(11)
+    texts = [_long_text(rng, alphabet, n) for alphabet, n in
+             [(" abc.\n", 20_000), (" aé\u00a0.", 50_000), (" a\u3000日.", 30_000),
+              (" a😀\u0301\n", 40_000), (" xyz!", 300_000), (" 0123_", 200_000),
+              (" pq\t", 90_000), (" é.", 600_000)]]
+    want = [python_plain(t) for t in texts]
+    start = threading.Barrier(len(texts))
+    wrong: list[int] = []
+
+    def run(k: int) -> None:
+        start.wait(10)
+        for _ in range(4):
+            if c_encode(texts[k]) != want[k]:
+                wrong.append(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and wrong == []
+
+
 def _pairs(s: str) -> list[int]:
     """The ids of ``s`` taken as one piece."""
     b = s.encode("utf-8")

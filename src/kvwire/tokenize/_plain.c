@@ -51,6 +51,15 @@ static unsigned char latin1_class[256];
  * repeats, and sharing them saves an allocation per id (at most VOCAB_SIZE ints, ~2 MB). */
 static PyObject **ints;
 
+/* Id buffers kept between calls, KEEP_IDS ids each (1 MB of address space, its pages touched
+ * only as far as a text needs): a fresh buffer of a long prompt's size comes from mmap, and
+ * faulting its pages in took as long as the scan. A call holds one while it runs (taken and
+ * given back with the GIL held, so no lock); a text of more ids, or a call finding none
+ * free, has a buffer of its own. At most POOL * KEEP_IDS * 4 bytes (4 MB) stay. */
+#define POOL 4
+#define KEEP_IDS ((size_t)1 << 18)
+static struct { uint32_t *ids; int busy; } pool[POOL];
+
 static ALWAYS_INLINE int
 char_class(Py_UCS4 c)
 {
@@ -68,28 +77,20 @@ at(const void *d, int kind, Py_ssize_t i)
          : ((const Py_UCS4 *)d)[i];
 }
 
+/* Where the scan writes: `ids` has room for every id (ids_bound). */
 typedef struct {
     uint32_t *ids;
-    size_t n, cap;
+    size_t n;
     Py_ssize_t bad_start, bad_end;  /* the piece holding a lone surrogate (else -1) */
-    int nomem;
 } Out;
 
-/* Room for `more` ids; 0 when out of memory. Runs without the GIL: plain realloc. */
-static int
-reserve(Out *o, size_t more)
+/* The most ids a text of `len` code points of this kind gives: a piece of m code points is
+ * at most 2m UTF-8 bytes in a 1-byte str, so at most m ids; at most 4m bytes otherwise, so
+ * at most 2m ids (a 3-byte character alone takes 2). */
+static size_t
+ids_bound(int kind, Py_ssize_t len)
 {
-    if (o->n + more <= o->cap) return 1;
-    size_t cap = o->cap * 2;
-    if (cap < o->n + more) cap = o->n + more;
-    uint32_t *ids = realloc(o->ids, cap * sizeof(uint32_t));
-    if (ids == NULL) {
-        o->nomem = 1;
-        return 0;
-    }
-    o->ids = ids;
-    o->cap = cap;
-    return 1;
+    return (kind == PyUnicode_1BYTE_KIND ? 1 : 2) * (size_t)len;
 }
 
 /* One byte of a piece's UTF-8: the first of a pair waits in `pend`. */
@@ -102,10 +103,7 @@ reserve(Out *o, size_t more)
 static ALWAYS_INLINE void
 scan(const void *d, int kind, Py_ssize_t len, Out *o)
 {
-    /* UTF-8 bytes a code point of this kind can take */
-    const size_t maxb = kind == PyUnicode_1BYTE_KIND ? 2 : kind == PyUnicode_2BYTE_KIND ? 3 : 4;
-    /* the write position and the buffer's end live in registers; o->n is set on leaving */
-    uint32_t *w = o->ids + o->n, *lim = o->ids + o->cap;
+    uint32_t *w = o->ids;  /* in a register; o->n is set on leaving */
     Py_ssize_t i = 0;
     while (i < len) {
         Py_ssize_t j = i;
@@ -127,13 +125,6 @@ scan(const void *d, int kind, Py_ssize_t len, Out *o)
             any |= cj;
         }
         /* the piece is [i, j) */
-        size_t need = (maxb * (size_t)(j - i) + 1) / 2;
-        if ((size_t)(lim - w) < need) {
-            o->n = (size_t)(w - o->ids);
-            if (!reserve(o, need)) return;
-            w = o->ids + o->n;
-            lim = o->ids + o->cap;
-        }
         if (kind == PyUnicode_1BYTE_KIND && any < 0x80) {  /* one byte a code point */
             const Py_UCS1 *b = (const Py_UCS1 *)d;
             Py_ssize_t p = i;
@@ -196,10 +187,25 @@ encode_plain(PyObject *module, PyObject *text)
     void (*fn)(const void *, Py_ssize_t, Out *) =
         kind == PyUnicode_1BYTE_KIND ? scan1 : kind == PyUnicode_2BYTE_KIND ? scan2 : scan4;
 
-    Out o = {NULL, 0, 0, -1, -1, 0};
-    o.cap = (size_t)len / 2 + 16;  /* about right for ASCII prose; grows when not */
-    o.ids = malloc(o.cap * sizeof(uint32_t));
-    if (o.ids == NULL) return PyErr_NoMemory();
+    size_t need = ids_bound(kind, len) + 1;  /* + 1: never malloc(0) */
+    int slot = -1;
+    for (int k = 0; need <= KEEP_IDS && k < POOL; k++) {
+        if (!pool[k].busy) {
+            slot = k;
+            break;
+        }
+    }
+    uint32_t *buf;
+    if (slot >= 0) {
+        if (pool[slot].ids == NULL &&
+                (pool[slot].ids = malloc(KEEP_IDS * sizeof(uint32_t))) == NULL)
+            return PyErr_NoMemory();
+        buf = pool[slot].ids;
+        pool[slot].busy = 1;
+    } else if ((buf = malloc(need * sizeof(uint32_t))) == NULL) {
+        return PyErr_NoMemory();
+    }
+    Out o = {buf, 0, -1, -1};
 
     Py_INCREF(text);
     if (len >= GIL_THRESHOLD) {
@@ -211,9 +217,7 @@ encode_plain(PyObject *module, PyObject *text)
     }
 
     PyObject *list = NULL;
-    if (o.nomem) {
-        PyErr_NoMemory();
-    } else if (o.bad_start >= 0) {
+    if (o.bad_start >= 0) {
         PyObject *piece = PyUnicode_Substring(text, o.bad_start, o.bad_end);
         if (piece != NULL) {
             PyObject *b = PyUnicode_AsUTF8String(piece);  /* raises UnicodeEncodeError */
@@ -240,7 +244,8 @@ encode_plain(PyObject *module, PyObject *text)
         }
     }
     Py_DECREF(text);
-    free(o.ids);
+    if (slot >= 0) pool[slot].busy = 0;
+    else free(buf);
     return list;
 }
 
