@@ -20,11 +20,13 @@
  *   UnicodeEncodeError (same object, positions and reason).
  *
  *   A text of GIL_THRESHOLD code points or more is scanned with the GIL released: the str
- *   is immutable and held for the whole call, the character tables behind
- *   Py_UNICODE_ISALNUM / Py_UNICODE_ISSPACE are constant data (pure lookups, no interpreter
- *   state), and the ids go to a malloc'd buffer; the list is built after, with the GIL.
+ *   is immutable and referenced for the whole call; Py_UNICODE_ISALNUM / Py_UNICODE_ISSPACE
+ *   (macros in CPython 3.10-3.11, static inline functions in 3.12-3.13) call
+ *   _PyUnicode_IsAlpha / IsDecimalDigit / IsDigit / IsNumeric / IsWhitespace or read
+ *   _Py_ascii_whitespace, all lookups in constant tables with no interpreter state; the ids
+ *   go to a plain C buffer (ids_bound: no growth). The list is built after, with the GIL.
  *   Shorter texts keep the GIL: taking it back can cost a switch interval when another
- *   thread runs, far more than their scan.
+ *   thread runs, far more than their whole call (~45 us for 16k code points of prose).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
