@@ -13,6 +13,7 @@ _MODULES = {
     "kvwire.index._tiers": "src/kvwire/index/_tiers.c",
     "kvwire.routing._tokens": "src/kvwire/routing/_tokens.c",
     "kvwire.indexer._answer": "src/kvwire/indexer/_answer.c",
+    "kvwire.tokenize._plain": "src/kvwire/tokenize/_plain.c",
 }
 #: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
 _LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"],

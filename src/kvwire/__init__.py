@@ -85,8 +85,9 @@ def __dir__() -> list[str]:
 def native_status() -> dict[str, str]:
     """Which optional C accelerators this process uses (see setup.py): ``frames`` is
     ``"c"``, ``"ctypes"`` or ``"pyzmq"``; ``shm``, ``index``, ``route_body`` (the
-    service's token-id parser), ``index_walk`` (the indexer API's per-medium walk) and
-    ``query_answer`` (its ``/query`` answer bytes) are ``"c"`` or ``"python (<why>)"``."""
+    service's token-id parser), ``index_walk`` (the indexer API's per-medium walk),
+    ``query_answer`` (its ``/query`` answer bytes) and ``builtin_tokenizer`` (the builtin
+    tokenizer's text-to-ids loop) are ``"c"`` or ``"python (<why>)"``."""
     from .index import keys as index_keys
     from .shm import NATIVE, _native
     from .wire.frames import native_status as frames_status
@@ -96,6 +97,10 @@ def native_status() -> dict[str, str]:
     from .routing import tokens
 
     body = "c" if tokens.parse_route_body is not None else f"python ({tokens.REASON})"
+    from .tokenize import native as tokenize_native
+
+    plain = ("c" if tokenize_native.encode_plain is not None
+             else f"python ({tokenize_native.REASON})")
     import os
 
     from .index import walk
@@ -107,4 +112,5 @@ def native_status() -> dict[str, str]:
         return "c" if mod is not None else "python (not built)"
 
     return {"frames": frames_status(), "shm": shm, "index": index, "route_body": body,
-            "index_walk": built(walk.tier_walk), "query_answer": built(indexer._c_answer)}
+            "index_walk": built(walk.tier_walk), "query_answer": built(indexer._c_answer),
+            "builtin_tokenizer": plain}
