@@ -256,6 +256,27 @@ def test_the_gil_is_released_while_a_long_text_is_scanned(c_encode) -> None:
         assert _released_in_one_of(5, lambda: BuiltinTokenizer().encode(text))
 
 
+@settings(max_examples=200)
+@given(st.lists(texts_subtle, max_size=8))
+def test_each_equals_python_text_by_text(c_encode, texts: list[str]) -> None:
+    """``encode_plain_each`` (the tokenizer's work: many texts in one call) is
+    ``encode_plain`` of each, whatever the texts."""
+    assert _plain.encode_plain_each(texts) == [python_plain(t) for t in texts]
+    assert _plain.encode_plain_each(tuple(texts)) == [python_plain(t) for t in texts]
+
+
+def test_each_lets_go_of_the_gil_for_many_short_texts(c_encode) -> None:
+    """A long prompt comes to the encoder as its chunks, each short: together they are long,
+    and the GIL is let go for the one scan of them all."""
+    rng = random.Random(11)
+    texts = [_long_text(rng, " abc.\n", 500) for _ in range(8000)]
+    assert _released_in_one_of(5, lambda: _plain.encode_plain_each(texts))
+    with pytest.raises(UnicodeEncodeError):
+        _plain.encode_plain_each(["fine", "bad \ud800 one", "never scanned"])
+    with pytest.raises(TypeError, match="str items"):
+        _plain.encode_plain_each(["fine", 3])
+
+
 def test_a_short_text_keeps_the_gil(c_encode) -> None:
     """Below the threshold the scan is a few tens of microseconds: taking the GIL back could
     cost a whole switch interval, so it is not let go."""

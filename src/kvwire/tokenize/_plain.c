@@ -251,11 +251,134 @@ encode_plain(PyObject *module, PyObject *text)
     return list;
 }
 
+
+/* The ids of one scan as a list (the shared int objects); NULL with an exception set. */
+static PyObject *
+ids_list(const uint32_t *ids, size_t n)
+{
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL) return NULL;
+    for (size_t k = 0; k < n; k++) {
+        uint32_t id = ids[k];
+        PyObject *v = ints[id];
+        if (v == NULL) {
+            v = PyLong_FromUnsignedLong(id);
+            if (v == NULL) {
+                Py_DECREF(list);
+                return NULL;
+            }
+            ints[id] = v;
+        }
+        Py_INCREF(v);
+        PyList_SET_ITEM(list, (Py_ssize_t)k, v);
+    }
+    return list;
+}
+
+/* encode_plain_each(texts) -> list[list[int]]: encode_plain of each text, all scanned in one
+ * go with the GIL released when they are GIL_THRESHOLD code points or more in all. A
+ * tokenizer's work is often many short texts (the chunks of one long prompt): one by one,
+ * none would be long enough to let go of the GIL. */
+static PyObject *
+encode_plain_each(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    PyObject *seq = PySequence_Fast(arg, "encode_plain_each takes a list of str");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);  /* seq is a list or tuple we own a ref to */
+    Py_ssize_t total = 0;
+    size_t need = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = items[i];
+        if (!PyUnicode_Check(t)) {
+            PyErr_Format(PyExc_TypeError, "encode_plain_each takes str items, got %.100s",
+                         Py_TYPE(t)->tp_name);
+            Py_DECREF(seq);
+            return NULL;
+        }
+#if PY_VERSION_HEX < 0x030C0000
+        if (PyUnicode_READY(t) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+#endif
+        total += PyUnicode_GET_LENGTH(t);
+        need += ids_bound(PyUnicode_KIND(t), PyUnicode_GET_LENGTH(t));
+    }
+    /* a private copy of the items: the caller's list may change while the GIL is let go */
+    PyObject **texts = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(PyObject *));
+    Out *outs = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(Out));
+    uint32_t *buf = malloc(need * sizeof(uint32_t));
+    if (texts == NULL || outs == NULL || buf == NULL) {
+        PyMem_Free(texts);
+        PyMem_Free(outs);
+        free(buf);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        texts[i] = items[i];
+        Py_INCREF(texts[i]);
+    }
+    Py_DECREF(seq);
+    const Py_ssize_t n_items = count;  /* count may stop early, at a surrogate */
+
+    int release = total >= GIL_THRESHOLD;
+    PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
+    uint32_t *w = buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = texts[i];
+        Py_ssize_t len = PyUnicode_GET_LENGTH(t);
+        int kind = PyUnicode_KIND(t);
+        outs[i] = (Out){w, 0, -1, -1};
+        (kind == PyUnicode_1BYTE_KIND ? scan1 : kind == PyUnicode_2BYTE_KIND ? scan2 : scan4)(
+            PyUnicode_DATA(t), len, &outs[i]);
+        if (outs[i].bad_start >= 0) {  /* a lone surrogate: raised below, as encode_plain does */
+            count = i + 1;
+            break;
+        }
+        w += outs[i].n;
+    }
+    if (release) PyEval_RestoreThread(ts);
+
+    PyObject *result = NULL;
+    Out *last = count ? &outs[count - 1] : NULL;
+    if (last != NULL && last->bad_start >= 0) {
+        PyObject *piece = PyUnicode_Substring(texts[count - 1], last->bad_start, last->bad_end);
+        if (piece != NULL) {
+            PyObject *b = PyUnicode_AsUTF8String(piece);  /* raises UnicodeEncodeError */
+            if (b != NULL) {
+                Py_DECREF(b);
+                PyErr_SetString(PyExc_SystemError, "encode_plain_each: a surrogate encoded");
+            }
+            Py_DECREF(piece);
+        }
+    } else if ((result = PyList_New(count)) != NULL) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *ids = ids_list(outs[i].ids, outs[i].n);
+            if (ids == NULL) {
+                Py_CLEAR(result);
+                break;
+            }
+            PyList_SET_ITEM(result, i, ids);
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_items; i++) Py_DECREF(texts[i]);
+    PyMem_Free(texts);
+    free(buf);
+    PyMem_Free(outs);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode_plain", (PyCFunction)encode_plain, METH_O,
      "encode_plain(text) -> list[int]: the builtin tokenizer's ids of plain text (no special "
      "tokens); the GIL is released while a text of GIL_THRESHOLD code points or more is "
      "scanned."},
+    {"encode_plain_each", (PyCFunction)encode_plain_each, METH_O,
+     "encode_plain_each(texts) -> list[list[int]]: encode_plain of each text, scanned in one "
+     "go; the GIL is released when they hold GIL_THRESHOLD code points or more in all."},
     {NULL, NULL, 0, NULL},
 };
 
