@@ -318,3 +318,16 @@ def test_on_start_and_on_stop_run_on_the_serving_loop() -> None:
         thread.join(TIMEOUT)
     loop, started = seen["start"]
     assert started is False and loop is seen["request"] is seen["stop"] is server.loop
+
+
+def test_a_listening_socket_queues_a_client_before_the_server_runs() -> None:
+    """``kvwire index`` prints its address as soon as it has the socket: a client that
+    connects at once is queued until the server takes it, not refused."""
+    from kvwire.http1.server import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=5):
+            pass
+    finally:
+        sock.close()

@@ -658,10 +658,13 @@ def run_loop(main: Any) -> Any:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port, address reused (``port`` 0: any free one)."""
+    """A TCP socket listening on host:port, address reused (``port`` 0: any free one).
+    Listening already, so that a client told the address as soon as this returns is queued
+    until the server takes it, not refused (the server sets its own backlog later)."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, port))
+    s.listen(1024)
     return s
 
 
