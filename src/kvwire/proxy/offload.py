@@ -4,7 +4,8 @@ does not hold up every other request's stream on the one thread that serves them
 The tokenizer plans on the loop (lookups of what it has seen: quick), and the new text is
 encoded on the loop when it is short (handing it over costs more), else on a worker thread
 when the tokenizer lets go of the GIL while it works (``tokenizers``' Rust; the builtin
-tokenizer's C encoder), else in a worker process. At most ``queue`` encodes are off the loop
+tokenizer's C encoder), else in a worker process; the workers run at a lower CPU priority than
+the loop (``NICE``). At most ``queue`` encodes are off the loop
 at once, running or waiting; a request past that is refused with 429 and counted, rather
 than waiting behind work that may take seconds."""
 
@@ -14,6 +15,9 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +26,22 @@ from ..http1 import HttpError
 __all__ = ["Offload"]
 
 log = logging.getLogger("kvwire.proxy.offload")
+
+#: How much lower the workers' CPU priority is than the loop's (a nice value): when the cores
+#: are short, the loop, which moves every stream, runs first and a long prompt waits.
+NICE = 10
+
+
+def _lower_priority() -> None:
+    """Run in each worker as it starts: on Linux a thread has its own nice value (and the
+    threads it starts inherit it: ``tokenizers``' pool); elsewhere it would be the process's,
+    so nothing is done."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, 0) + NICE)
+        except OSError:
+            pass
 
 
 class Offload:
@@ -89,10 +109,11 @@ class Offload:
     def _start(self) -> concurrent.futures.Executor:
         if self._elsewhere is not None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.threads, mp_context=multiprocessing.get_context("spawn"))
+                self.threads, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_lower_priority)
         else:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix="kvwire-tokenize")
+                self.threads, thread_name_prefix="kvwire-tokenize", initializer=_lower_priority)
         return self._pool
 
     def close(self) -> None:
