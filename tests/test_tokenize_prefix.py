@@ -113,7 +113,7 @@ def test_builtin_long_extension_reuses_chunks() -> None:
     plan = tok.plan(text)
     assert plan.chars <= tok.segments.store.chunk_chars * 2 + 40, plan.chars
     assert tok.finish(plan, tok.run(plan)) == _builtin_whole(text)
-    assert tok.segments.store.hits > 100
+    assert tok.segments.store.hits >= len(base) // tok.segments.store.chunk_chars - 2
 
 
 @settings(max_examples=300, deadline=None)
@@ -145,14 +145,17 @@ def _fast(d: Path, cls: Any) -> Any:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.lists(texts, min_size=1, max_size=6), st.integers(1, 12), st.data())
-def test_qwen3_store_equals_whole(qwen3: Path, parts: list[str], chunk: int,
+@given(st.lists(texts, min_size=1, max_size=6), st.integers(1, 12), st.booleans(), st.data())
+def test_qwen3_store_equals_whole(qwen3: Path, parts: list[str], chunk: int, batch: bool,
                                   data: Any) -> None:
     """As for the builtin tokenizer: extending, forking and repeated texts through one
-    store with small chunks, each against tokenizers' encode of the whole text."""
+    store with small chunks, each against tokenizers' encode of the whole text; the work
+    encoded one text at a time (short: on the router's loop) or as one batch (long: a
+    worker's)."""
     from tokenizers import Tokenizer as Fast
     fast = _fast(qwen3, Fast)
     tok = _small_chunks(_hf(qwen3), chunk)
+    tok.inline_chars = 0 if batch else 1 << 30
     seen: list[str] = []
     for p in parts:
         base = data.draw(st.sampled_from(seen)) if seen else ""

@@ -235,7 +235,9 @@ class HFTokenizer(Tokenizer):
             # runs these, and must not be the thread that starts the pool at its priority)
             return [self._tok.encode(w, add_special_tokens=False).ids for w in plan.work]
         out = []
-        for i, e in enumerate(self._tok.encode_batch(plan.work, add_special_tokens=False)):
+        # (encode_batch_fast: the same ids without offsets, half the time; tokenizers >= 0.21)
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        for i, e in enumerate(batch(plan.work, add_special_tokens=False)):
             out.append(e.ids)  # ~0.1 us an id, with the GIL held: 5 ms for 48k ids
             if i % 16 == 15:
                 time.sleep(0)  # let a waiting thread (the router's loop) have the GIL now

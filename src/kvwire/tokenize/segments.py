@@ -2,8 +2,8 @@
 is tokenized and, being the slow part, can be tokenized on another thread.
 
 A tokenizer cuts the text at its special (added) tokens before anything else, so the pieces
-between them -- a chat's turns -- encode independently: each is kept whole once encoded, and
-a long one is also kept in chunks (prefix.py) so that one extending it pays its new part only.
+between them -- a chat's turns -- encode independently: each is kept once encoded, whole, or
+in chunks when it is long (prefix.py), so that one extending it pays its new part only.
 :meth:`Segments.plan` does the lookups and lists the work (texts to encode), the tokenizer
 encodes them (``Tokenizer.run``: the only slow step, touching no cache), and
 :meth:`Segments.finish` stores the results and joins the ids. ``encode`` is the three in a row;
@@ -82,13 +82,10 @@ class Segments:
         return p
 
     def _segment(self, seg: str, p: Plan) -> None:
-        ids = self._whole.get(seg)
-        if ids is not None:
-            p.parts.append(ids)
-            return
-        first = len(p.parts)
         store = self.store
         if store is not None and len(seg) > 2 * store.chunk_chars:
+            # long: its chunks, not the whole (hashing and copying it whole would cost more
+            # than the chunk walk saves)
             known, pos, key = store.cover(seg)
             if known:
                 p.parts.append(known)
@@ -100,9 +97,13 @@ class Segments:
                 p.chunked.append((key, w0, len(p.work)))
                 pos = cuts[-1]
             p.add_work(seg[pos:])
-        else:
-            p.add_work(seg)
-        p.whole.append((seg, first, len(p.parts)))
+            return
+        ids = self._whole.get(seg)
+        if ids is not None:
+            p.parts.append(ids)
+            return
+        p.whole.append((seg, len(p.parts), len(p.parts) + 1))
+        p.add_work(seg)
 
     def finish(self, p: Plan, results: Sequence[Sequence[int]]) -> list[int]:
         """The ids of the planned text, given the ids of its work in order; keeps them."""
