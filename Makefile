@@ -124,6 +124,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/tokenizer.py
 	$(PY) bench/proxy.py
+	$(PY) bench/stall.py
 	$(PY) bench/indexer.py
 
 clean:
