@@ -26,14 +26,15 @@ SEGMENT_TOKENS = 1 << 20
 class Plan:
     """One text's tokenization: ``parts`` are ids already known or indexes into ``work``."""
 
-    __slots__ = ("chars", "chunked", "parts", "special", "trail", "whole", "work")
+    __slots__ = ("chars", "chunked", "owned", "parts", "special", "trail", "whole", "work")
 
     def __init__(self) -> None:
         self.trail: Sequence[int] = ()  # ids put last (an EOS some post-processors add)
         self.special = False  # the work is one whole text, encoded with special tokens added
         self.parts: list[Sequence[int] | int] = []
         self.work: list[str] = []
-        self.whole: list[tuple[str, int, int]] = []  # (segment, first part, end part)
+        self.whole: list[tuple[str, int]] = []  # (segment, its work item)
+        self.owned = False  # parts[0] is a list made for this plan alone
         self.chunked: list[tuple[int, int, int]] = []  # (key, first work, end work)
         self.chars = 0  # characters of work
 
@@ -88,6 +89,7 @@ class Segments:
             # than the chunk walk saves)
             known, pos, key = store.cover(seg)
             if known:
+                p.owned = not p.parts
                 p.parts.append(known)
             cuts = store.cuts(seg, pos)
             if cuts:
@@ -102,8 +104,7 @@ class Segments:
         if ids is not None:
             p.parts.append(ids)
             return
-        p.whole.append((seg, len(p.parts), len(p.parts) + 1))
-        p.add_work(seg)
+        p.whole.append((seg, p.add_work(seg)))
 
     def finish(self, p: Plan, results: Sequence[Sequence[int]]) -> list[int]:
         """The ids of the planned text, given the ids of its work in order; keeps them."""
@@ -112,19 +113,21 @@ class Segments:
         store = self.store
         for key, a, b in p.chunked:
             store.add(key, p.work[a:b], results[a:b])  # type: ignore[union-attr]
-        out: list[int] = []
-        starts = []  # where each part begins in out
-        for part in p.parts:
-            starts.append(len(out))
+        parts = p.parts
+        if p.owned:  # the first part is a list the plan made (a chunk walk's ids): extended,
+            out = parts[0]  # not copied
+            parts = parts[1:]
+        else:
+            out = []
+        for part in parts:
             out += results[part] if type(part) is int else part
-        starts.append(len(out))
-        for seg, a, b in p.whole:
-            self._keep(seg, out[starts[a]:starts[b]])
+        for seg, part in p.whole:
+            self._keep(seg, results[part])
         if p.trail:
             out += p.trail
         return out
 
-    def _keep(self, seg: str, ids: list[int]) -> None:
+    def _keep(self, seg: str, ids: Sequence[int]) -> None:
         whole = self._whole
         old = whole.pop(seg, None)
         if old is not None:

@@ -1,0 +1,181 @@
+"""The router's CPU per request over HTTP, for prompts mostly seen before and for prompts never
+seen, against what the tokenizer library spends on their new tokens, measured in the same run.
+
+``kvwire fleet 2`` (fast engines) behind ``kvwire serve --tokenizer builtin`` (or ``--tokenizer
+qwen3``: the vendored Qwen3 tokenizer and chat template, chats built as bench/routing.py
+builds them); first the bundled trace's first ``--warm`` requests (bench/routing.py's text
+prompts or chats), 8 at a time; then, one request at a time:
+
+* ``seen``: ``--n`` of those requests again, each with new words appended to its last part
+  (a conversation's next turn, an agent's growing context): >= 90% of its tokens seen;
+* ``new``: ``--n`` prompts of the trace's mean length that nobody sent before.
+
+Per group: the router's CPU (utime + stime of its process tree, /proc) over the group minus
+its idle rate (probes, timers: measured alone first), divided by the requests: a mean, as
+/proc counts CPU in 10 ms ticks, too coarse for one request. Beside it, the tokenizer
+library's CPU on the same requests' new text (``tokenizers.Tokenizer.encode`` of a fresh
+object for Qwen3, a fresh ``BuiltinTokenizer().encode`` for builtin; the chat's template
+render not included), and the targets: ``seen`` <= 1 ms; ``new`` <= 1.2x the library + 0.3 ms.
+
+    .venv/bin/python bench/router_cpu.py
+    .venv/bin/python bench/router_cpu.py --tokenizer qwen3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+from proxy import PY, _kill, _start_router, free_port, tree_cpu  # noqa: E402
+from routing import (  # noqa: E402
+    MODEL,
+    ChatBuilder,
+    prompt_text,
+    start_fleet,
+    stop_fleet,
+    vendored_qwen3,
+)
+
+from kvwire.sim.trace import bundled_trace_path, load_trace  # noqa: E402
+from kvwire.tokenize import BuiltinTokenizer, load_tokenizer  # noqa: E402
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+async def _post(port: int, body: bytes) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/%s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n"
+                     % (b"chat/completions" if b'"messages"' in body[:200] else b"completions",
+                        len(body)) + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.read()
+        return int(head.split(b" ", 2)[1])
+    finally:
+        writer.close()
+
+
+def send(port: int, bodies: list[bytes], at_once: int) -> list[int]:
+    async def main() -> list[int]:
+        sem = asyncio.Semaphore(at_once)
+
+        async def one(b: bytes) -> int:
+            async with sem:
+                return await _post(port, b)
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+    return asyncio.run(main())
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choices(LETTERS, k=rng.randint(3, 9))) for _ in range(n))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", default="builtin", help="builtin or qwen3")
+    ap.add_argument("--warm", type=int, default=300, help="trace requests sent first")
+    ap.add_argument("--n", type=int, default=100, help="requests per measured group")
+    ap.add_argument("--extend", type=float, default=0.05, help="new share of a seen prompt")
+    a = ap.parse_args()
+    tmp = vendored_qwen3() if a.tokenizer == "qwen3" else None
+    spec = tmp or a.tokenizer
+    tok = load_tokenizer(None if spec == "builtin" else spec)
+    chat = spec != "builtin"
+    reqs = load_trace(bundled_trace_path(), limit=a.warm)
+    chats = ChatBuilder(tok) if chat else None
+    rng = random.Random(5)
+    mean_tokens = int(sum(r.input_length for r in reqs) / len(reqs))
+
+    def body(content: object) -> bytes:
+        b: dict = {"model": MODEL, "max_tokens": 1}
+        b["messages" if chat else "prompt"] = content
+        return json.dumps(b).encode()
+
+    warm = [chats.messages(r, i) if chats else prompt_text(r, i) for i, r in enumerate(reqs)]
+    fresh_lib = (lambda: BuiltinTokenizer()) if not chat else None
+    if chat:
+        from tokenizers import Tokenizer as Fast
+        lib = Fast.from_file(os.path.join(spec, "tokenizer.json"))
+    seen, new, seen_new_text, new_text = [], [], [], []
+    per_word = len(tok.encode(words(random.Random(1), 1000))) / 1000
+    for i in rng.sample(range(len(warm)), a.n):
+        n_new = max(8, int(reqs[i].input_length * a.extend / per_word))
+        extra = words(rng, n_new)
+        seen_new_text.append(" " + extra)
+        if chat:
+            msgs = [dict(m) for m in warm[i]]
+            msgs[-1]["content"] += " " + extra
+            seen.append(body(msgs))
+        else:
+            seen.append(body(warm[i] + " " + extra))
+    for _ in range(a.n):
+        text = words(rng, int(mean_tokens / per_word))
+        new_text.append(text)
+        new.append(body([{"role": "user", "content": text}] if chat else text))
+
+    def lib_cpu(texts: list[str]) -> float:
+        c0 = time.process_time()
+        for t in texts:
+            if chat:
+                lib.encode(t, add_special_tokens=False)
+            else:
+                fresh_lib().encode(t)
+        return (time.process_time() - c0) / len(texts)
+
+    # the library's own cost on the new text (a fresh object each time for builtin)
+    lib_seen, lib_new = lib_cpu(seen_new_text), lib_cpu(new_text)
+    logdir = os.path.join("/tmp", f"kvwire-router-cpu-{os.getpid()}")
+    os.makedirs(logdir, exist_ok=True)
+    fleet, specs = start_fleet(2, free_port(), 200.0, os.path.join(logdir, "fleet.log"),
+                               spec if chat else "builtin")
+    router = None
+    port = free_port()
+    try:
+        cmd = [PY, "-m", "kvwire", "serve", "--tokenizer", spec, "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "error"]
+        for s in specs:
+            cmd += ["--engine", s]
+        router = _start_router(cmd, port, MODEL, os.path.join(logdir, "serve.log"),
+                               "kvwire serve")
+        statuses = send(port, [body(w) for w in warm], 8)
+        print(f"# warm: {len(warm)} trace requests, statuses {sorted(set(statuses))}; "
+              f"tokenizer {a.tokenizer}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+              flush=True)
+        c0, t0 = tree_cpu(router.pid), time.perf_counter()
+        time.sleep(5)
+        idle = (tree_cpu(router.pid) - c0) / (time.perf_counter() - t0)
+        rows = []
+        for name, bodies, lib_per in (("seen", seen, lib_seen), ("new", new, lib_new)):
+            c0, t0 = tree_cpu(router.pid), time.perf_counter()
+            st = send(port, bodies, 1)
+            wall = time.perf_counter() - t0
+            cpu = (tree_cpu(router.pid) - c0 - idle * wall) / len(bodies)
+            rows.append((name, len(bodies), sorted(set(st)), cpu, lib_per))
+        print(f"# the router's idle CPU: {idle * 1e3:.1f} ms/s (subtracted)")
+        print("\n| group | requests | statuses | router CPU per request | library CPU on the new "
+              "text | target | |")
+        print("|---|---:|---|---:|---:|---:|---|")
+        for name, n, st, cpu, lib_per in rows:
+            target = 1e-3 if name == "seen" else 1.2 * lib_per + 0.3e-3
+            print(f"| {name} | {n} | {st} | {cpu * 1e3:.2f} ms | {lib_per * 1e3:.2f} ms | "
+                  f"{target * 1e3:.2f} ms | {'MET' if cpu <= target else 'MISSED'} |")
+    finally:
+        _kill(router)
+        stop_fleet(fleet)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
