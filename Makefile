@@ -125,6 +125,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	$(PY) bench/tokenizer.py
 	$(PY) bench/proxy.py
 	$(PY) bench/stall.py
+	$(PY) bench/router_cpu.py
 	$(PY) bench/indexer.py
 
 clean:

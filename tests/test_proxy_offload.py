@@ -167,6 +167,37 @@ def test_a_tokenizer_holding_the_gil_runs_in_a_process() -> None:
     assert (off.offloaded, off.inline) == (1, 1)
 
 
+def test_a_killed_worker_process_loses_no_prompt() -> None:
+    """SIGKILL the worker process (a real fault: the OOM killer's): the prompt in hand is
+    still answered with its ids (on the loop), and the next long one gets a new worker."""
+    import multiprocessing
+    import os
+    import signal
+
+    tok = BuiltinTokenizer()
+    tok.releases_gil = False
+    off = Offload(tok, threads=1, queue=2)
+    fresh = BuiltinTokenizer()
+
+    texts = [" ".join(f"{w}{i}" for i in range(6000)) for w in ("first", "second", "third")]
+
+    async def go() -> list[list[int]]:
+        out = [await off.encode(texts[0])]
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(TIMEOUT)
+        out.append(await off.encode(texts[1]))
+        out.append(await off.encode(texts[2]))
+        return out
+
+    try:
+        ids = asyncio.run(go())
+    finally:
+        off.close()
+    assert ids == [fresh.encode(t) for t in texts]
+    assert off.broken == 1 and off.offloaded == 2 and off.inline == 1
+
+
 def test_offload_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="queue"):
         Offload(BuiltinTokenizer(), threads=1, queue=0)

@@ -141,6 +141,10 @@ class ProxyMetrics:
                                        "429: --tokenize-queue long prompts were in hand")
             shed.add_metric([], o.shed)
             yield shed
+            broke = CounterMetricFamily("kvwire_proxy_tokenize_worker_restarts", "Times a "
+                                        "tokenize worker process died and new ones started")
+            broke.add_metric([], o.broken)
+            yield broke
             pending = GaugeMetricFamily("kvwire_proxy_tokenize_pending", "Long prompts being "
                                         "encoded by the workers now, waiting included")
             pending.add_metric([], o.pending)

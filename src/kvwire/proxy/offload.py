@@ -58,6 +58,7 @@ class Offload:
         self.inline = 0  # encodes done on the loop
         self.offloaded = 0  # encodes done by a worker
         self.shed = 0  # requests refused with 429: the queue was full
+        self.broken = 0  # times a worker process died and the workers were started anew
         self._pool: concurrent.futures.Executor | None = None
         self._elsewhere = None
         if tokenizer is not None and threads and not getattr(tokenizer, "releases_gil", False):
@@ -92,16 +93,40 @@ class Offload:
                             type="RateLimitError", headers=((b"retry-after", b"1"),))
         loop = asyncio.get_running_loop()
         pool = self._pool or self._start()
-        if self._elsewhere is not None:
-            fut = pool.submit(self._elsewhere, plan.work, plan.special)
-        else:
-            fut = pool.submit(tok.run, plan)
+        try:
+            if self._elsewhere is not None:
+                fut = pool.submit(self._elsewhere, plan.work, plan.special)
+            else:
+                fut = pool.submit(tok.run, plan)
+        except concurrent.futures.BrokenExecutor as e:
+            return self._broken(pool, e, plan)
         self.pending += 1
-        # counted until the worker is done, even when the request is gone before
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
-        results: Sequence[Sequence[int]] = await asyncio.wrap_future(fut)
+
+        def finished(_: object) -> None:  # counted until the worker is done, even when the
+            try:                          # request is gone before
+                loop.call_soon_threadsafe(self._done)
+            except RuntimeError:  # the loop has closed: nothing left to count for
+                pass
+
+        fut.add_done_callback(finished)
+        try:
+            results: Sequence[Sequence[int]] = await asyncio.wrap_future(fut)
+        except concurrent.futures.BrokenExecutor as e:
+            return self._broken(pool, e, plan)
         self.offloaded += 1
         return tok.finish(plan, results)
+
+    def _broken(self, pool: concurrent.futures.Executor, e: Exception, plan: Any) -> list[int]:
+        """A worker process died (killed, out of memory): new workers for the next long
+        prompt; this one is encoded on the loop (late, but answered)."""
+        log.warning("tokenize workers broke (%s): starting new ones; this prompt is encoded "
+                    "on the event loop", e)
+        if self._pool is pool:
+            self._pool = None
+        pool.shutdown(wait=False, cancel_futures=True)
+        self.broken += 1
+        self.inline += 1
+        return self.tok.finish(plan, self.tok.run(plan))
 
     def _done(self) -> None:
         self.pending -= 1
