@@ -109,7 +109,7 @@ def main() -> None:
         lib = Fast.from_file(os.path.join(spec, "tokenizer.json"))
     seen, new, seen_new_text, new_text = [], [], [], []
     per_word = len(tok.encode(words(random.Random(1), 1000))) / 1000
-    for i in rng.sample(range(len(warm)), a.n):
+    for i in rng.sample(range(len(warm)), min(a.n, len(warm))):
         n_new = max(8, int(reqs[i].input_length * a.extend / per_word))
         extra = words(rng, n_new)
         seen_new_text.append(" " + extra)

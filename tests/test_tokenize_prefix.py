@@ -278,3 +278,47 @@ def test_json_round_trip_of_the_known_patterns(qwen3: Path) -> None:
     pre = json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8"))["pre_tokenizer"]
     from kvwire.tokenize import prefix
     assert pre["pretokenizers"][0]["pattern"]["Regex"] in prefix._SAFE_SPLITS
+
+
+def test_a_repeated_long_turn_costs_no_tokenizing() -> None:
+    """A chat turn long enough to be kept in chunks, seen again whole (the same history
+    resent): one lookup, no work, not even its last chunk's tail; a very long one is kept in
+    chunks only, and only that tail is tokenized again."""
+    from kvwire.tokenize.segments import WHOLE_CHARS
+
+    tok = BuiltinTokenizer()
+    turn = " ".join(f"word{i % 50}" for i in range(2000))  # ~14k characters
+    chat = f"<|im_start|>user\n{turn}<|im_end|>\n<|im_start|>assistant\n"
+    first = tok.encode(chat)
+    plan = tok.plan(chat)
+    assert plan.work == [] and tok.finish(plan, []) == first == _builtin_whole(chat)
+    huge = " ".join(f"word{i % 50}" for i in range(WHOLE_CHARS // 4))
+    tok.encode(huge)
+    plan = tok.plan(huge)
+    assert 0 < plan.chars <= tok.segments.store.chunk_chars * 2
+    assert tok.finish(plan, tok.run(plan)) == _builtin_whole(huge)
+
+
+def test_kept_ids_share_one_int_object_per_id(qwen3: Path) -> None:
+    """tokenizers returns new int objects for every id: what the stores keep shares one per
+    id (8 bytes an id, not 36), with the same values; an id outside the table is kept as is."""
+    from kvwire.tokenize.prefix import interner
+
+    intern = interner(200_000)
+    a, b = intern([int("150000"), 7, int("150000")]), intern([int("150000")])
+    assert a == (150000, 7, 150000) and a[0] is a[2] is b[0]
+    assert intern([]) == () and intern([5]) == (5,)
+    assert intern([300_000, 1]) == (300_000, 1)
+    tok = load_tokenizer(qwen3)
+    text = "The router keeps what it tokenized. " * 200
+    assert tok.encode(text) == tok.encode(text) == _fast(qwen3, _fast_cls()).encode(
+        text, add_special_tokens=False).ids
+    kept = [ids for (_, _, ids) in tok.segments.store._chunks.values()]
+    assert kept and all(type(ids) is tuple for ids in kept)
+    big = [i for ids in kept for i in ids if i > 256]
+    assert big and all(i is tok.segments.intern([i])[0] for i in big)
+
+
+def _fast_cls() -> Any:
+    from tokenizers import Tokenizer as Fast
+    return Fast

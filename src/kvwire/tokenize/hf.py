@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
-from kvwire.tokenize.prefix import PrefixStore, hf_cuts
+from kvwire.tokenize.prefix import PrefixStore, hf_cuts, interner
 from kvwire.tokenize.segments import Segments
 from kvwire.tokenize.template import ChatTemplate
 
@@ -144,6 +144,10 @@ class HFTokenizer(Tokenizer):
                                  PrefixStore(cuts) if cuts is not None else None,
                                  max_segments=SEGMENT_CACHE_SIZE)
         self._added_around = self._post_processor_ids()
+        # tokenizers returns new int objects: what is kept shares one per id instead
+        self.segments.intern = interner(self.vocab_size)
+        if self.segments.store is not None:
+            self.segments.store.intern = self.segments.intern
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
         self._override: ChatTemplate | None = None

@@ -18,17 +18,20 @@ text to compare, so a hit is exact and never a hash collision."""
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts"]
+__all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts", "interner"]
 
 #: Characters per chunk, at least: what a prompt that differs from a stored one mid-chunk
 #: re-tokenizes at most beyond its new part, against one dict lookup per chunk it reuses.
 CHUNK_CHARS = 512
-#: Token ids the store keeps at most (~40 MB as Python ints): the oldest chunks go first.
-MAX_TOKENS = 1 << 20
+#: Token ids the store keeps at most: 8 bytes each when the ids are shared int objects
+#: (:func:`interner`), 64 MB; the least recently used chunks go first. A trace's worth of
+#: distinct prompt text (the bundled one: ~4M tokens in its first 300 requests) fits.
+MAX_TOKENS = 1 << 23
 
 #: The builtin tokenizer's cuts: its pieces are `` ?\w+``, `` ?[^\w\s]+`` and ``\s+``, and it
 #: has no normalizer. After a word character before a space, the word's piece ends (no piece
@@ -51,6 +54,24 @@ _SAFE_SPLITS = frozenset((
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
     r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ))
+
+
+def interner(vocab_size: int) -> Callable[[Sequence[int]], tuple[int, ...]]:
+    """A function giving ``ids`` as a tuple of shared int objects, one per id in the
+    vocabulary: kept ids then cost a pointer each (8 bytes), not a new int (36 bytes with
+    its pointer), as the lists ``tokenizers`` returns hold. Ids outside the vocabulary are
+    kept as they are."""
+    table = tuple(range(vocab_size))
+    get = table.__getitem__
+
+    def intern(ids: Sequence[int]) -> tuple[int, ...]:
+        try:
+            if len(ids) > 1:
+                return operator.itemgetter(*ids)(table)
+            return tuple(map(get, ids))
+        except (IndexError, TypeError):
+            return tuple(ids)
+    return intern
 
 
 def hf_cuts(tokenizer: Any) -> tuple[re.Pattern[str] | None, str]:
@@ -95,6 +116,8 @@ class PrefixStore:
         #: key -> (previous key, chunk text, ids)
         self._chunks: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         self.tokens = 0
+        #: how ids are kept (:func:`interner` for ids that are not shared int objects)
+        self.intern: Callable[[Sequence[int]], tuple[int, ...]] = tuple
         self.hits = 0  # chunks reused
         self.misses = 0  # chunks tokenized
 
@@ -145,7 +168,7 @@ class PrefixStore:
             old = chunks.pop(k, None)
             if old is not None:
                 self.tokens -= len(old[2])
-            chunks[k] = (key, piece, tuple(piece_ids))
+            chunks[k] = (key, piece, self.intern(piece_ids))
             self.tokens += len(piece_ids)
             self.misses += 1
             key = k

@@ -2,8 +2,9 @@
 is tokenized and, being the slow part, can be tokenized on another thread.
 
 A tokenizer cuts the text at its special (added) tokens before anything else, so the pieces
-between them -- a chat's turns -- encode independently: each is kept once encoded, whole, or
-in chunks when it is long (prefix.py), so that one extending it pays its new part only.
+between them -- a chat's turns -- encode independently: each is kept once encoded, whole
+(up to :data:`WHOLE_CHARS`), and in chunks when it is long (prefix.py), so that one extending
+it pays its new part only.
 :meth:`Segments.plan` does the lookups and lists the work (texts to encode), the tokenizer
 encodes them (``Tokenizer.run``: the only slow step, touching no cache), and
 :meth:`Segments.finish` stores the results and joins the ids. ``encode`` is the three in a row;
@@ -12,15 +13,21 @@ the router runs the middle one off its event loop when it is long."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvwire.tokenize.prefix import PrefixStore
 
 __all__ = ["Plan", "Segments"]
 
-#: Whole segments kept: at most this many, and at most this many token ids in all.
+#: Whole segments kept: at most this many, and at most this many token ids in all (8 bytes
+#: each as shared int objects: 32 MB).
 SEGMENTS = 8192
-SEGMENT_TOKENS = 1 << 20
+SEGMENT_TOKENS = 1 << 22
+#: Segments up to this long are also kept whole (a chat turn, a system prompt): seen again,
+#: they cost one lookup, where their chunks would cost a walk and their last chunk's tail
+#: tokenized again. Longer ones only in chunks: hashing and copying them whole would cost
+#: more than it saves.
+WHOLE_CHARS = 32768
 
 
 class Plan:
@@ -33,7 +40,7 @@ class Plan:
         self.special = False  # the work is one whole text, encoded with special tokens added
         self.parts: list[Sequence[int] | int] = []
         self.work: list[str] = []
-        self.whole: list[tuple[str, int]] = []  # (segment, its work item)
+        self.whole: list[tuple[str, int, int]] = []  # (segment, first part, end part)
         self.owned = False  # parts[0] is a list made for this plan alone
         self.chunked: list[tuple[int, int, int]] = []  # (key, first work, end work)
         self.chars = 0  # characters of work
@@ -59,6 +66,9 @@ class Segments:
         self.max_segments = max_segments
         self.max_tokens = max_tokens
         self._whole: dict[str, Sequence[int]] = {}  # never mutated once kept
+        #: how ids are kept: ``tuple``, or prefix.py's ``interner`` for ids that are not
+        #: shared int objects (the store's too)
+        self.intern: Callable[[Sequence[int]], Sequence[int]] = tuple
         self._whole_tokens = 0
 
     def plan(self, text: str, lead: Sequence[int] = (), trail: Sequence[int] = ()) -> Plan:
@@ -84,9 +94,14 @@ class Segments:
 
     def _segment(self, seg: str, p: Plan) -> None:
         store = self.store
+        whole = len(seg) <= WHOLE_CHARS
+        if whole:
+            ids = self._whole.get(seg)
+            if ids is not None:
+                p.parts.append(ids)
+                return
+        first = len(p.parts)
         if store is not None and len(seg) > 2 * store.chunk_chars:
-            # long: its chunks, not the whole (hashing and copying it whole would cost more
-            # than the chunk walk saves)
             known, pos, key = store.cover(seg)
             if known:
                 p.owned = not p.parts
@@ -99,12 +114,10 @@ class Segments:
                 p.chunked.append((key, w0, len(p.work)))
                 pos = cuts[-1]
             p.add_work(seg[pos:])
-            return
-        ids = self._whole.get(seg)
-        if ids is not None:
-            p.parts.append(ids)
-            return
-        p.whole.append((seg, p.add_work(seg)))
+        else:
+            p.add_work(seg)
+        if whole:
+            p.whole.append((seg, first, len(p.parts)))
 
     def finish(self, p: Plan, results: Sequence[Sequence[int]]) -> list[int]:
         """The ids of the planned text, given the ids of its work in order; keeps them."""
@@ -116,13 +129,15 @@ class Segments:
         parts = p.parts
         if p.owned:  # the first part is a list the plan made (a chunk walk's ids): extended,
             out = parts[0]  # not copied
+            starts = [0, len(out)]  # where each part begins in out
             parts = parts[1:]
         else:
-            out = []
+            out, starts = [], [0]
         for part in parts:
             out += results[part] if type(part) is int else part
-        for seg, part in p.whole:
-            self._keep(seg, results[part])
+            starts.append(len(out))
+        for seg, a, b in p.whole:
+            self._keep(seg, self.intern(out[starts[a]:starts[b]]))
         if p.trail:
             out += p.trail
         return out
