@@ -265,7 +265,10 @@ class Driver:
 def test_subscriber_survives_1e5_garbage_cases():
     rng = random.Random(4321)
     imp = Impostor()
-    cfg = StreamConfig(request_timeout=0.3, info_timeout=0.3, retry_delay=0.05,
+    # info_timeout: the impostor answers the boot INFO from this thread, between polls; a
+    # host that holds this thread for 0.3 s made it look silent (a reference publisher, no
+    # epoch) and phase A's checks fail; later INFOs are all answered (lies or not)
+    cfg = StreamConfig(request_timeout=0.3, info_timeout=2.0, retry_delay=0.05,
                        info_interval=1e9, max_snapshot_errors=2)
     sub = Subscriber([StreamSpec("e", imp.endpoint, "", imp.replay_endpoint)], config=cfg)
     drv = Driver(sub)
@@ -294,6 +297,7 @@ def _run(rng: random.Random, imp: Impostor, drv: Driver) -> None:
                 imp.reply([b"", b"", protocol.END_SEQ, b""])
 
     drv.until(lambda: drv.stream().phase == "await_first", 10, "boot", serve_boot)
+    assert drv.stream().epoch == epoch, drv.stream()  # booted as a kvwire publisher's stream
 
     def send_good() -> None:
         nonlocal seq
