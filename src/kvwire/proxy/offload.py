@@ -61,8 +61,8 @@ class Offload:
         self.broken = 0  # times a worker process died and the workers were started anew
         self._pool: concurrent.futures.Executor | None = None
         self._elsewhere = None
-        if tokenizer is not None and threads and not getattr(tokenizer, "releases_gil", False):
-            self._elsewhere = getattr(tokenizer, "run_elsewhere", lambda: None)()
+        if tokenizer is not None and threads and not tokenizer.releases_gil:
+            self._elsewhere = tokenizer.run_elsewhere()
             if self._elsewhere is None:
                 log.warning("tokenizer %s holds the GIL while it encodes and cannot run in "
                             "another process: long prompts are tokenized on the event loop",

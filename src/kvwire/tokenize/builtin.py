@@ -106,17 +106,12 @@ def chatml_plain(messages: Any, add_generation_prompt: bool) -> str | None:
 _WORKER: BuiltinTokenizer | None = None
 
 
-def encode_texts(texts: list[str], special: bool = False) -> list[list[int]]:
+def encode_texts(texts: list[str], special: bool = False) -> list[Sequence[int]]:
     """The ids of each of ``texts`` (text between special tokens), in a worker process."""
     global _WORKER
     if _WORKER is None:
         _WORKER = BuiltinTokenizer()
-    out = []
-    for text in texts:
-        buf: list[int] = []
-        _WORKER._encode_plain(text, buf)
-        out.append(buf)
-    return out
+    return _WORKER._encode_texts(texts)
 
 
 class BuiltinTokenizer(Tokenizer):
@@ -157,9 +152,7 @@ class BuiltinTokenizer(Tokenizer):
         return ids
 
     def _encode_plain(self, text: str, out: list[int]) -> None:
-        if native.encode_plain is not None:  # the C twin of the loop below (tokenize/native.py)
-            out.extend(native.encode_plain(text))
-            return
+        """The Python loop (the C encoder's reference: tokenize/native.py)."""
         for piece in _PIECE_RE.findall(text):
             out.extend(self._encode_piece(piece))
 
@@ -172,12 +165,14 @@ class BuiltinTokenizer(Tokenizer):
 
     def run(self, plan: Plan) -> list[Sequence[int]]:
         """The ids of each text of ``plan.work`` (text between special tokens)."""
+        return self._encode_texts(plan.work)
+
+    def _encode_texts(self, texts: list[str]) -> list[Sequence[int]]:
         # (one switch for both C functions: encode_plain None means the Python loop)
-        each = native.encode_plain_each if native.encode_plain is not None else None
-        if each is not None:  # one C call for all: the GIL let go when they are long in all
-            return each(plan.work)
+        if native.encode_plain is not None:  # one C call for all: the GIL let go when they
+            return native.encode_plain_each(texts)  # are long in all
         out: list[Sequence[int]] = []
-        for text in plan.work:
+        for text in texts:
             buf: list[int] = []
             self._encode_plain(text, buf)
             out.append(buf)

@@ -183,10 +183,9 @@ class HFTokenizer(Tokenizer):
         first), or None when some added token strips spaces, must be a single word or is
         matched after normalization: then only a whole-text encode is exact."""
         added = self._tok.get_added_tokens_decoder()
-        if any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized
+                            for t in added.values()):
             return None
-        if not added:
-            return None  # nothing to cut at: the text is one segment
         self._added_ids = {t.content: i for i, t in added.items()}
         return re.compile("|".join(re.escape(c) for c in sorted(self._added_ids, key=len,
                                                                   reverse=True)))

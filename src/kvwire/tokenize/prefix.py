@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts", "interner"]
@@ -124,31 +124,29 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def cuts(self, text: str, start: int = 0) -> list[int]:
-        """The chunk ends of ``text`` after ``start`` (itself a chunk end, or 0)."""
-        out = []
+    def _ends(self, text: str, start: int) -> Iterator[int]:
+        """The chunk ends of ``text`` after ``start``, in order: the first cut at least
+        ``chunk_chars`` after the previous end, while one is."""
         find, step, n = self._find, self.chunk_chars, len(text)
         pos = start
         while pos + step < n:
             m = find(text, pos + step)
             if m is None:
-                break
+                return
             pos = m.start()
-            out.append(pos)
-        return out
+            yield pos
+
+    def cuts(self, text: str, start: int = 0) -> list[int]:
+        """The chunk ends of ``text`` after ``start`` (itself a chunk end, or 0)."""
+        return list(self._ends(text, start))
 
     def cover(self, text: str) -> tuple[list[int], int, int]:
         """``(ids, end, key)``: the ids of the longest stored run of ``text``'s chunks from
         its start, where that run ends, and the key to chain the next chunk to."""
         ids: list[int] = []
         chunks = self._chunks
-        find, step, n = self._find, self.chunk_chars, len(text)
         pos = key = 0
-        while pos + step < n:
-            m = find(text, pos + step)
-            if m is None:
-                break
-            end = m.start()
+        for end in self._ends(text, 0):
             piece = text[pos:end]
             k = hash((key, piece))
             e = chunks.get(k)

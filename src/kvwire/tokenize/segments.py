@@ -104,7 +104,8 @@ class Segments:
         if store is not None and len(seg) > 2 * store.chunk_chars:
             known, pos, key = store.cover(seg)
             if known:
-                p.owned = not p.parts
+                if not p.parts:  # (only a text's first part can be extended in place)
+                    p.owned = True
                 p.parts.append(known)
             cuts = store.cuts(seg, pos)
             if cuts:
