@@ -11,7 +11,8 @@ ROUTERS_STAMP := $(VENV)/.kvwire-routers
 # tests/test_install.py's wheels (the core's and every extra's), fetched once: its fresh venvs
 # then install offline. Refetched when pyproject.toml changes.
 WHEELHOUSE_STAMP := .wheelhouse/STAMP
-# SGLang's router (Rust, cache_aware policy): bench/proxy.py's baseline proxy.
+# SGLang's router (Rust, cache_aware policy): bench/proxy.py's and bench/pd.py's peer, and the
+# peer in front of kvwire engines in tests/test_sglang_router_pd.py (its prefill/decode mode).
 ROUTER_WHEELS := sglang-router==0.3.2
 # NVIDIA Dynamo's runtime (radix tree, block hash, mocker; CPU-only wheel) for the peer tier:
 # tests/test_sim.py's mocker cross-check and bench/index.py's second baseline.
@@ -78,8 +79,8 @@ $(ROUTERS_STAMP): $(STAMP)
 	@if $(PY) -m pip install -q $(ROUTER_WHEELS) && $(PY) -c "import sglang_router.launch_router"; then \
 	  touch $(ROUTERS_STAMP); else \
 	  echo "kvwire: WARNING: $(ROUTER_WHEELS) could not be installed or imported (see above)." >&2; \
-	  echo "kvwire: WARNING: bench/proxy.py's sglang-router rows will be SKIPPED;" >&2; \
-	  echo "kvwire: WARNING: the next 'make bench' retries the install." >&2; fi
+	  echo "kvwire: WARNING: SGLang's router tests and bench rows will be SKIPPED;" >&2; \
+	  echo "kvwire: WARNING: the next 'make test' or 'make bench' retries the install." >&2; fi
 
 # Like torch: a loud warning when the index cannot be reached; the install test then tries
 # again itself, and skips (saying so) only if pip still cannot reach the index.
@@ -91,7 +92,8 @@ $(WHEELHOUSE_STAMP): pyproject.toml $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
-test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(WHEELHOUSE_STAMP)
+test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP) \
+  $(WHEELHOUSE_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
