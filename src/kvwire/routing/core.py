@@ -129,6 +129,7 @@ class RouterCore:
         #: the prefill/decode decider's thresholds (:meth:`route_pair`)
         self.pairs = pairs or PairConfig()
         self.roles: dict[str, str] = {}  # engine name -> role (set with the targets)
+        self.has_roles = False
         if not decode_load >= 0 or not decode_share >= 0:
             raise ValueError(f"decode_load and decode_share must be >= 0, got "
                              f"{decode_load}, {decode_share}")
@@ -277,6 +278,8 @@ class RouterCore:
         # keeps a consistent set while an engine is added or removed.
         self.targets = targets
         self.roles = {e.name: e.role for e in self.engines}
+        #: an engine has a role other than both: the proxy routes pairs
+        self.has_roles = any(r != "both" for r in self.roles.values())
         self._by_label = {t.label: t for t in targets}
         self._by_stream = {t.stream for t in targets}
         self.feed.owned = self._by_stream
@@ -737,7 +740,8 @@ class RouterCore:
                 "suspect": getattr(st, "suspect", None),
                 **stream_counts(ss),  # gaps, replays, lost, restarts, state...: as listen
             }
-            out.setdefault(t.engine, {"ranks": []})["ranks"].append(row)
+            out.setdefault(t.engine, {"role": self.roles.get(t.engine, "both"),
+                                      "ranks": []})["ranks"].append(row)
         return out
 
     def healthy(self) -> tuple[bool, str]:
