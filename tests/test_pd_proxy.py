@@ -406,6 +406,7 @@ def test_a_failed_prefill_is_retried_on_the_next_prefill_engine(
         assert s.engines["p0"].sides() == ["prefill"]
     assert s.engines["p1"].sides() == ["prefill"] and s.engines["d0"].sides() == ["decode"]
     assert s.proxy.counts["pd_prefill_failures"] == 1
+    assert _metrics(s.url)[("kvwire_proxy_pd_prefill_failures_total", ())] == 1
     wait_for(s.idle, "every load released")
 
 

@@ -66,6 +66,7 @@ class Counters(Protocol):
     """What the figures are read from (the :class:`~kvwire.proxy.fleet.Fleet`)."""
 
     requests: Mapping[tuple[str, int], int]
+    counts: Mapping[str, int]
     retried: Mapping[tuple[str, str], int]
     in_flight: dict[str, int]
     active: int
@@ -153,7 +154,12 @@ class ProxyMetrics:
                                       labels=["why"])
             for w, n in sorted(p.pd_decisions.items()):
                 why.add_metric([w], n)
-            yield from (sides, why)
+            failed = CounterMetricFamily("kvwire_proxy_pd_prefill_failures", "Prefill/decode "
+                                         "pairs: prefills that failed before the decode side "
+                                         "started (retried on the next prefill engine, then "
+                                         "--pd-fallback)")
+            failed.add_metric([], p.counts["pd_prefill_failures"])
+            yield from (sides, why, failed)
             yield from self.pd_prefill.collect()
             yield from self.pd_decode_first.collect()
         o = self.offload

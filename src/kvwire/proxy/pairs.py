@@ -135,6 +135,9 @@ class _Ctx:
     tried_p: set[str] = field(default_factory=set)
     tried_d: set[str] = field(default_factory=set)
     first: bool = True  # the first request sent (the proxy's overhead is observed once)
+    #: the reservations whose side began (its coroutine ran): those end there, the
+    #: others (a task cancelled before its first step) here
+    started: set[str] = field(default_factory=set)
 
 
 class Pairs:
@@ -255,6 +258,7 @@ class Pairs:
     async def _decode(self, ctx: _Ctx, d: Routed, prefill: str, body: bytes,
                       remote: bool = True) -> _Try:
         """The decode side: its answer is the client's (relayed as any proxied answer)."""
+        ctx.started.add(d.request_id)
         fleet = self.fleet
         if d.engine not in fleet.links:  # removed meanwhile
             self.core.finish(d.request_id, None)
@@ -284,6 +288,7 @@ class Pairs:
         """Send the prefill request and read its whole answer: (the answer, None), or
         (None, how it failed). The prefill side's reservation ends here on every path
         (learnt from, as a first token, when the answer came)."""
+        ctx.started.add(p.request_id)
         fleet, core, cfg = self.fleet, self.core, self.cfg
         name = p.engine
         link = fleet.links.get(name)
@@ -396,11 +401,13 @@ class Pairs:
                 # before the decode answer began: the decode request ends too, retried
                 if failed is not None and d_task.cancel():
                     await asyncio.wait((d_task,))
+                    self._unstarted(ctx, d)
                     return failed
             res = await d_task
         except BaseException:  # the client went away (cancelled): both sides end
             p_task.cancel()
             d_task.cancel()
+            self._unstarted(ctx, p, d)
             raise
         if res.kind != "sent":
             p_task.cancel()  # nothing left to prefill for
@@ -413,6 +420,14 @@ class Pairs:
 
                 ctx.req.on_close = both
         return res
+
+
+    def _unstarted(self, ctx: _Ctx, *sides: Routed) -> None:
+        """Release the reservations of sides whose task was cancelled before it ran."""
+        for r in sides:
+            if r.request_id not in ctx.started:
+                ctx.started.add(r.request_id)
+                self.core.finish(r.request_id, None)
 
 
 def _failed(task: asyncio.Task) -> _Try | None:
