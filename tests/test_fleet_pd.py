@@ -36,31 +36,41 @@ def _free_base(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    base = _free_base(4)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvwire", "fleet", "--prefill", "2", "--decode", "1", "--both",
-         "1", "--base-port", str(base), "--speed", "20", "--num-gpu-blocks", "64",
-         "--block-size", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + TIMEOUT
-    while buf.count(b"--engine ") < 4 or not buf.endswith(b"\n"):
-        assert time.monotonic() < deadline, f"fleet never came up: {buf!r}"
-        assert proc.poll() is None, f"fleet exited {proc.returncode}: {proc.stderr.read()}"
-        if sel.select(0.5):
-            buf += os.read(proc.stdout.fileno(), 65536)
-    sel.close()
-    threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()
-    specs = [line.split(None, 1)[1] for line in buf.decode().splitlines()
-             if line.startswith("--engine ")]
-    try:
-        yield base, specs
-    finally:
-        proc.send_signal(signal.SIGTERM)
+class Fleet:
+    """A ``kvwire fleet`` process with roles: its base port and printed specs."""
+
+    def __init__(self, *roles: str, extra: tuple[str, ...] = ()) -> None:
+        n = sum(int(v) for v in roles[1::2])
+        self.base = base = _free_base(n)
+        self.proc = proc = subprocess.Popen(
+            [sys.executable, "-m", "kvwire", "fleet", *roles, "--base-port", str(base),
+             "--speed", "20", "--num-gpu-blocks", "64", "--block-size", "4", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        buf = b""
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while buf.count(b"--engine ") < n or not buf.endswith(b"\n"):
+                assert time.monotonic() < deadline, f"fleet never came up: {buf!r}"
+                assert proc.poll() is None, \
+                    f"fleet exited {proc.returncode}: {proc.stderr.read()}"
+                if sel.select(0.5):
+                    buf += os.read(proc.stdout.fileno(), 65536)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            sel.close()
+        threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()
+        self.specs = [line.split(None, 1)[1] for line in buf.decode().splitlines()
+                      if line.startswith("--engine ")]
+        self.engines = dict(map(_parse, self.specs))
+
+    def close(self) -> None:
+        proc = self.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
             assert proc.wait(TIMEOUT) == 0
         finally:
@@ -69,6 +79,15 @@ def fleet():
                 proc.wait()
             proc.stdout.close()
             proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    f = Fleet("--prefill", "2", "--decode", "1", "--both", "1")
+    try:
+        yield f.base, f.specs
+    finally:
+        f.close()
 
 
 def _parse(spec: str) -> tuple[str, dict[str, str]]:
