@@ -227,7 +227,7 @@ class Handler:
                        first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,
                        learn: bool = False, rid: str | None = None,
                        body: bytes | None = None, named: bytes | None = None,
-                       on_first: Any = None
+                       on_first: Any = None, gate: Any = None
                        ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
         """One try at one engine: (outcome, whether the client got bytes, the error to
         answer with if nothing was sent). The reservation ends here, on every path (a
@@ -236,7 +236,9 @@ class Handler:
         remembered with this engine; ``rid``: the stored response the request names (found
         here unless 404). A prefill/decode pair's decode side (proxy/pairs.py) sends
         ``body`` instead of the client's, names both engines in ``x-kvwire-engine``
-        (``named``) and is told of the answer's first bytes (``on_first()``)."""
+        (``named``) and is told of the answer's first bytes (``on_first()``); with
+        ``gate``, its answer reaches the client only once ``await gate()`` is true (the
+        prefill side started), else it is :attr:`Outcome.ABANDONED`."""
         fleet = self.fleet
         core = self.core
         link = fleet.links[routed.engine]
@@ -262,6 +264,8 @@ class Handler:
             except UpstreamError as e:
                 return Outcome.REFUSED, False, (502, openai_error(
                     502, f"engine {name} unreachable: {e}", "BadGateway"))
+            if gate is not None and not await gate():
+                return Outcome.ABANDONED, False, None
             hdrs = [(b"x-kvwire-engine", link.name_b if named is None else named),
                     (b"x-kvwire-rank", b"%d" % routed.rank)]
             ctype = resp.headers.get(b"content-type", b"application/json")

@@ -256,7 +256,7 @@ class Pairs:
         return await self._decode(ctx, d, d.engine, _enc.encode(ctx.body), remote=False)
 
     async def _decode(self, ctx: _Ctx, d: Routed, prefill: str, body: bytes,
-                      remote: bool = True) -> _Try:
+                      remote: bool = True, gate: Any = None) -> _Try:
         """The decode side: its answer is the client's (relayed as any proxied answer)."""
         ctx.started.add(d.request_id)
         fleet = self.fleet
@@ -276,7 +276,7 @@ class Pairs:
         first_send, ctx.first = ctx.first, False
         outcome, sent, last = await self.attempt(
             ctx.req, d, ctx.headers, ctx.stream, first_send, ctx.loop, body=body,
-            named=self._named(prefill, d.engine), on_first=first)
+            named=self._named(prefill, d.engine), on_first=first, gate=gate)
         if marks_down(outcome):
             fleet.failed(d.engine)
         if sent:
@@ -284,10 +284,12 @@ class Pairs:
         return _Try("decode" if outcome in _RETRYABLE else "error", outcome, last, d.engine)
 
     async def _prefill(self, ctx: _Ctx, p: Routed, body: bytes, read_timeout: float,
+                       head: asyncio.Future | None = None
                        ) -> tuple[bytes | None, _Try | None]:
         """Send the prefill request and read its whole answer: (the answer, None), or
         (None, how it failed). The prefill side's reservation ends here on every path
-        (learnt from, as a first token, when the answer came)."""
+        (learnt from, as a first token, when the answer came). ``head`` is set when the
+        answer's head came (True: 200) or the request failed before (False)."""
         ctx.started.add(p.request_id)
         fleet, core, cfg = self.fleet, self.core, self.cfg
         name = p.engine
@@ -311,6 +313,8 @@ class Pairs:
             try:
                 resp = await link.client().request(b"POST", path, headers, body, sent,
                                                    time.perf_counter, cfg.first_byte_timeout)
+                if head is not None and not head.done():
+                    head.set_result(resp.status == 200)
                 payload = await resp.read(read_timeout)
             except asyncio.TimeoutError:
                 fleet.failed(name)
@@ -330,6 +334,8 @@ class Pairs:
             self.metrics.pd_prefill.labels(name).observe(time.perf_counter() - t)
             return payload, None
         finally:
+            if head is not None and not head.done():
+                head.set_result(False)
             if done:
                 core.first_token(p.request_id, p.prefill)  # (teaches its prefill rate)
             core.finish(p.request_id, None)
@@ -383,17 +389,25 @@ class Pairs:
 
     async def _sglang(self, ctx: _Ctx, pair: RoutedPair) -> _Try:
         """Both at once; the decode answer is the client's, the prefill answer drained. A
-        prefill that fails before the decode answer began ends the decode request too."""
+        prefill that fails before its answer began ends the decode request too: the decode
+        answer reaches the client only once the prefill engine has answered (its head), so
+        a prefill engine that is refused, fails or times out is retried elsewhere even when
+        the decode engine started its stream at once."""
         p, d = pair.prefill, pair.decode
         assert p is not None
         link = self.fleet.links.get(p.engine)
         host, port = (link.host, link.bootstrap_port) if link is not None else ("", 0)
         body = _enc.encode(sglang_body(ctx.body, host, port, self.rng))
         loop = ctx.loop
-        p_task = loop.create_task(self._prefill(ctx, p, body, self.cfg.stall_timeout))
+        head: asyncio.Future = loop.create_future()
+        p_task = loop.create_task(self._prefill(ctx, p, body, self.cfg.stall_timeout, head))
         self._bg.add(p_task)
         p_task.add_done_callback(self._bg.discard)
-        d_task = loop.create_task(self._decode(ctx, d, p.engine, body))
+
+        async def gate() -> bool:  # (bounded: the prefill request's own timeouts set it)
+            return await asyncio.shield(head)
+
+        d_task = loop.create_task(self._decode(ctx, d, p.engine, body, gate=gate))
         try:
             await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():
@@ -404,6 +418,9 @@ class Pairs:
                     self._unstarted(ctx, d)
                     return failed
             res = await d_task
+            if res.outcome is Outcome.ABANDONED:  # the prefill failed first: its failure
+                await asyncio.wait((p_task,))     # (ending now: its head is set)
+                return _failed(p_task) or res
         except BaseException:  # the client went away (cancelled): both sides end
             p_task.cancel()
             d_task.cancel()
