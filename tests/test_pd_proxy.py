@@ -476,17 +476,42 @@ def test_a_decode_stream_broken_off_ends_with_an_sse_error(pd: Callable[..., PDS
 
 def test_a_decode_engine_refusing_is_replaced_with_the_same_blocks(
         pd: Callable[..., PDStack]) -> None:
-    """vLLM: the prefill is done and held; the decode engine answers 500: the next decode
-    engine gets the same kv_transfer_params (no second prefill)."""
-    s = pd({"p0": "prefill", "d0": "decode", "d1": "decode"},
-           engine_kw={"d0": {"status": 500}})
+    """vLLM: the prefill is done and held; the decode engine chosen is gone (refused): the
+    next decode engine gets the same kv_transfer_params (no second prefill)."""
+    s = pd({"p0": "prefill", "d0": "decode", "d1": "decode"}, probe_interval=60.0)
     s.hold("d0", _tokens(PROMPT)[:BS])  # d0 is chosen first
+    s.engines["d0"].close()
     r = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
                    json={"model": "m", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-kvwire-engine"] == "prefill=p0,decode=d1"
     assert len(s.engines["p0"].bodies) == 1
-    assert (s.engines["d0"].bodies[0]["kv_transfer_params"]
-            == s.engines["d1"].bodies[0]["kv_transfer_params"])
+    assert s.engines["d1"].bodies[0]["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert not s.proxy.links["d0"].breaker.up  # (refused: its breaker opened)
+    wait_for(s.idle, "every load released")
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_decode_5xx_after_a_remote_prefill_reruns_the_pair(pd: Callable[..., PDStack],
+                                                             protocol: str) -> None:
+    """The decode engine answers 500 (as a failed pull is answered): the pair runs again
+    with the other prefill engine; the decode engine's breaker stays closed."""
+    s = pd({"p0": "prefill", "p1": "prefill", "d0": "decode"}, protocol=protocol)
+    s.hold("p0", _tokens(PROMPT))  # p0 first
+    d = s.engines["d0"]
+    d.status = 500
+    real = d.handle
+
+    async def once(req: Request) -> None:  # 500 to the first generation request only
+        await real(req)
+        if req.method == b"POST":
+            d.status = 200
+
+    d.handle = once  # type: ignore[method-assign]
+    r = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                   json={"model": "m", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-kvwire-engine"] == "prefill=p1,decode=d0"
+    assert len(d.bodies) == 2 and s.proxy.links["d0"].breaker.up
+    assert s.proxy.counts["pd_prefill_failures"] == 1
     wait_for(s.idle, "every load released")
 
 

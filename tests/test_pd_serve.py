@@ -438,6 +438,8 @@ def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., F
 
     asyncio.run(run())
     assert done == 300
-    assert outcome.get("ok", 0) >= 200, outcome
-    assert set(outcome) <= {"ok", "dropped", "error_event", "502"}, outcome
+    # (every request not dropped by its client answered: the prefill engine killed is
+    # retried elsewhere; a stream it broke ends with an error event)
+    assert outcome.get("dropped", 0) > 0 and outcome.get("ok", 0) >= 240, outcome
+    assert set(outcome) <= {"ok", "dropped", "error_event"}, outcome
     until(f.all_idle, "every load 0 and no engine holding or running anything", 90)

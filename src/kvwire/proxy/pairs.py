@@ -22,9 +22,11 @@ dropped (a local prefill) or overwritten (a remote one), whatever its shape.
 Failures: a prefill that fails before the decode side started (refused, 5xx, timed out,
 an answer without ``kv_transfer_params``) is tried on the next prefill engine, up to
 ``--retries`` times, then falls back per ``--pd-fallback``: ``local`` (prefill on the decode
-engine) or ``fail`` (502). A decode side that fails before the client got a byte is retried
-on the next decode engine (vllm: with the same ``kv_transfer_params``, the blocks are still
-held; sglang: the pair again, with a new room). Every wait is bounded (``--first-byte-timeout``
+engine) or ``fail`` (502). A decode engine that is refused or times out before the client
+got a byte is replaced by the next (vllm: with the same ``kv_transfer_params``, the blocks
+are still held; sglang: the pair again, with a new room); one that answers 5xx is taken
+for a failed transfer (the prefill engine gone, its lease expired): the pair runs again
+with another prefill engine, as after a failed prefill, and no breaker opens. Every wait is bounded (``--first-byte-timeout``
 for an answer to begin, ``--stall-timeout`` for a drained prefill answer to end). A client
 that goes away cancels both sides: their connections close, the engines abort, and both
 reservations are released.
@@ -105,9 +107,10 @@ def sglang_body(body: dict[str, Any], host: str, port: int, rng: random.Random
 
 class _Try(NamedTuple):
     """How one pair (or one side) went: ``sent`` (the client has its answer, or its
-    stream started), ``prefill`` (the prefill failed, the decode side did not start),
-    ``decode`` (the decode side failed before the client got a byte), ``error`` (an
-    answer not to retry, ``last``, the client gets it)."""
+    stream started), ``prefill`` (the prefill failed, the decode side did not start, or
+    the transfer failed), ``decode`` (the decode engine failed, refused or timed out,
+    before the client got a byte), ``transfer`` (the decode engine answered 5xx after a
+    remote prefill), ``error`` (an answer not to retry, ``last``, the client gets it)."""
 
     kind: str
     outcome: Outcome = Outcome.OK
@@ -277,10 +280,15 @@ class Pairs:
         outcome, sent, last = await self.attempt(
             ctx.req, d, ctx.headers, ctx.stream, first_send, ctx.loop, body=body,
             named=self._named(prefill, d.engine), on_first=first, gate=gate)
-        if marks_down(outcome):
-            fleet.failed(d.engine)
         if sent:
             return _SENT
+        if remote and outcome is Outcome.SERVER_ERROR:
+            # a decode engine's 5xx after a remote prefill is most likely the transfer
+            # failing (the prefill engine gone, its lease expired): not the decode engine's
+            # fault, and the held blocks are not to be tried again
+            return _Try("transfer", outcome, last, d.engine)
+        if marks_down(outcome):
+            fleet.failed(d.engine)
         return _Try("decode" if outcome in _RETRYABLE else "error", outcome, last, d.engine)
 
     async def _prefill(self, ctx: _Ctx, p: Routed, body: bytes, read_timeout: float,
@@ -371,6 +379,8 @@ class Pairs:
         body = _enc.encode(vllm_decode_body(ctx.body, params))
         for attempt in range(self.cfg.retries + 1):
             res = await self._decode(ctx, d, p.engine, body)
+            if res.kind == "transfer":  # the pair again, with another prefill engine
+                return _Try("prefill", res.outcome, res.last, p.engine)
             if res.kind != "decode":
                 return res
             ctx.tried_d.add(d.engine)
@@ -426,6 +436,8 @@ class Pairs:
             d_task.cancel()
             self._unstarted(ctx, p, d)
             raise
+        if res.kind == "transfer":
+            res = _Try("prefill", res.outcome, res.last, p.engine)
         if res.kind != "sent":
             p_task.cancel()  # nothing left to prefill for
         elif not p_task.done():
