@@ -613,3 +613,31 @@ def test_bad_roles_exit_2_with_one_line() -> None:
     assert "role=prefill engines (p0, p1) need an engine that decodes" in r.stderr
     r = _serve("--engine", "p0=tcp://127.0.0.1:5557", "--pd-protocol", "nixl")
     assert r.returncode == 2 and "--pd-protocol" in r.stderr
+
+
+def test_the_serve_flags_reach_the_router_and_the_proxy(tmp_path: Path) -> None:
+    """--disagg-min-tokens (in reference blocks), --pd-prefill-busy, --pd-protocol and
+    --pd-fallback as the command line builds the service."""
+    from kvwire.cli.options import Parser
+    from kvwire.cli.serve import add_arguments, serve_config
+    from kvwire.serve.build import build
+
+    p = Parser(prog="kvwire serve")
+    add_arguments(p)
+    args = p.parse_args([
+        "--engine", f"p0=ipc://{tmp_path}/p0,url=http://127.0.0.1:9,role=prefill,"
+                    "bootstrap_port=9100",
+        "--engine", f"d0=ipc://{tmp_path}/d0,url=http://127.0.0.1:9,role=decode",
+        "--port", "0", "--block-size", "16", "--disagg-min-tokens", "64",
+        "--pd-prefill-busy", "40", "--pd-protocol", "sglang", "--pd-fallback", "fail"])
+    svc = build(serve_config(args))
+    try:
+        assert svc.core.pairs == PairConfig(min_disagg_blocks=4.0, prefill_busy=40.0)
+        assert svc.proxy is not None
+        assert (svc.proxy.cfg.pd_protocol, svc.proxy.cfg.pd_fallback) == ("sglang", "fail")
+        assert svc.proxy.handler.pairs.active and svc.proxy.links["p0"].bootstrap_port == 9100
+    finally:
+        svc.close()
+    defaults = serve_config(p.parse_args(["--engine", f"e=ipc://{tmp_path}/e"]))
+    assert (defaults.disagg_min_tokens, defaults.pd_prefill_busy) == (0, float("inf"))
+    assert defaults.proxy.pd_protocol is None and defaults.proxy.pd_fallback == "local"

@@ -156,7 +156,8 @@ class ProxyMetrics:
                 why.add_metric([w], n)
             failed = CounterMetricFamily("kvwire_proxy_pd_prefill_failures", "Prefill/decode "
                                          "pairs: prefills that failed before the decode side "
-                                         "started (retried on the next prefill engine, then "
+                                         "started, or whose transfer failed (the pair runs "
+                                         "again on the next prefill engine, then "
                                          "--pd-fallback)")
             failed.add_metric([], p.counts["pd_prefill_failures"])
             yield from (sides, why, failed)
