@@ -281,12 +281,13 @@ def test_a_prefix_goes_to_the_prefill_engine_whose_events_hold_it(
     f = fleet({"prefill0": "prefill", "prefill1": "prefill", "decode0": "decode"}, "vllm",
               "--predict-ttl", "0")
     for k in range(4):
-        prefix = _prompt(100 + k, 200)
+        prefix = _prompt(100 + k, 200)  # (~650 tokens: 40 blocks)
+        before = {n: f.blocks(n) for n in ("prefill0", "prefill1")}
         first = f.http.post("/v1/completions", json={"model": MODEL, "prompt": prefix + " one",
                                                      "max_tokens": 2})
         assert first.status_code == 200
         holder = PAIRED.fullmatch(first.headers["x-kvwire-engine"]).group(1)
-        until(lambda h=holder, n=10 * (1 + k // 2): f.blocks(h) >= n,
+        until(lambda h=holder, n=before[holder] + 38: f.blocks(h) >= n,
               f"{holder}'s events indexed")
         again = f.http.post("/v1/completions", json={"model": MODEL, "prompt": prefix + " two",
                                                      "max_tokens": 2})
