@@ -476,3 +476,59 @@ def test_heartbeats_hold_the_lease_while_the_decode_engine_is_busy():
     finally:
         p.close()
         d.close()
+
+
+def test_client_leaving_during_the_transfer_frees_both_sides():
+    """SGLang's protocol, the prefill request not sent yet: the decode engine waits for the
+    push holding its blocks; its client leaves: it frees them and tells the prefill engine,
+    which frees the room's blocks as soon as its prefill is done (not at the lease's end)."""
+    lease = ("--kv-lease-s", "600")  # 30 s of wall time: an expiry would be too late
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 6, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 7}
+        with d.http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+            assert r.status_code == 200
+            until(lambda: d.metric("kvwire_engine_kv_transfers_started_total") == 1,
+                  "the pull to start")
+            assert d.metric("vllm:kv_cache_usage_perc") > 0
+        until(lambda: "kvwire_engine_aborted_requests_total 1" in d.http.get("/metrics").text,
+              "the decode engine to abort")
+        until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0.0, "decode blocks freed")
+        r = p.http.post("/v1/completions", json=body)
+        assert r.status_code == 200
+        until(lambda: held(p) == 0, "the prefill engine to free the room", timeout=10.0)
+        assert p.metric("kvwire_engine_kv_leases_expired_total") == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_client_leaving_before_the_pull_releases_the_lease():
+    """vLLM's protocol: the decode engine is busy (one request at a time), the request
+    waits for its turn; its client leaves: the decode engine tells the prefill engine,
+    which frees the blocks long before the lease would end."""
+    p = Engine("prefill", "--kv-lease-s", "600", "--num-gpu-blocks", "128")
+    d = Engine("decode", "--speed", "1", "--max-num-seqs", "1", "--num-gpu-blocks", "128")
+    try:
+        out: dict[str, Any] = {}
+        busy = threading.Thread(target=lambda: out.setdefault("busy", d.http.post(
+            "/v1/completions", json={"prompt": "busy", "max_tokens": 400,
+                                     "ignore_eos": True})))
+        busy.start()
+        until(lambda: d.http.get("/get_load").json()[0]["num_reqs"] == 1, "the busy request")
+        body = {"prompt": PROMPT, "max_tokens": 4}
+        kv = vllm_prefill(p, body)
+        assert held(p) > 0
+        with d.http.stream("POST", "/v1/completions",
+                           json=dict(body, kv_transfer_params=kv, stream=True)) as r:
+            assert r.status_code == 200
+            until(lambda: d.http.get("/get_load").json()[0]["num_reqs"] == 2, "it to queue")
+        until(lambda: held(p) == 0, "the prefill engine to free the lease", timeout=10.0)
+        assert p.metric("kvwire_engine_kv_leases_released_total") == 1
+        assert d.metric("kvwire_engine_kv_transfers_started_total") == 0
+        busy.join(TIMEOUT)
+    finally:
+        p.close()
+        d.close()
