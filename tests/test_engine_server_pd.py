@@ -183,7 +183,8 @@ def test_vllm_protocol_end_to_end(pair, stream, chat):
     assert kv["remote_block_ids"] and kv["tp_size"] == 1 and kv["transfer_mode"] == "READ"
     assert kv["remote_blocks_expiry_time"] > time.time()
     assert kv["remote_request_id"] and kv["remote_engine_id"]
-    assert len(kv["remote_block_ids"]) == -(-(kv["remote_num_tokens"] + 1) // 4)
+    n = kv["remote_num_tokens"]
+    assert len(kv["remote_block_ids"]) in (-(-n // 4), -(-(n + 1) // 4))
     assert held(p) >= len(kv["remote_block_ids"])  # held for the decode engine
     db = dict(body, kv_transfer_params=kv, stream=stream)
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -532,3 +533,26 @@ def test_client_leaving_before_the_pull_releases_the_lease():
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("wrong", ["prompt", "engine_id"])
+def test_a_pull_of_other_blocks_fails(pair, wrong):
+    """The decode body's prompt is not the one the prefill engine computed (the hashes
+    differ), or ``remote_engine_id`` names another engine (one restarted on that port):
+    the pull fails (``--kv-load-failure fail``: a 500), and the lease is released."""
+    p, d = pair
+    before = d.metric("kvwire_engine_kv_transfers_total", result="failed")
+    ids = list(range(100 + (wrong == "prompt") * 50, 140 + (wrong == "prompt") * 50))
+    body = {"prompt": ids, "max_tokens": 4}
+    kv = vllm_prefill(p, body)
+    if wrong == "prompt":  # as long, the first token differs: every block's hash does
+        body["prompt"] = [7, *ids[1:]]
+        reason = "hash mismatch"
+    else:
+        kv["remote_engine_id"] = "0" * 16
+        reason = "engine"
+    r = d.http.post("/v1/completions", json=dict(body, kv_transfer_params=kv))
+    assert r.status_code == 500, r.text
+    assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == before + 1
+    assert d.metric("kvwire_engine_kv_transfer_failures_total", reason=reason) == 1
+    until(lambda: held(p) == 0, "the lease released")

@@ -8,9 +8,11 @@ time (:class:`~kvwire.engine.timing.TransferCost`) stands for moving the bytes. 
 
 * ``GET /kvwire/kv/info``: ``{"engine_id", "role", "block_size", "bytes_per_token",
   "host", "kv_port", "bootstrap_port"}``.
-* ``POST /kvwire/kv/read`` ``{"request_id", "block_ids"}`` (vLLM: the decode engine pulls
-  from ``remote_host:remote_port``): ``{"request_id", "hashes"}`` (``null`` for a partial
-  block), 404 when the lease is gone, 400 for a block the lease does not hold.
+* ``POST /kvwire/kv/read`` ``{"request_id", "block_ids", "engine_id"}`` (vLLM: the decode
+  engine pulls from ``remote_host:remote_port``): ``{"request_id", "hashes"}`` (``null``
+  for a partial block), 404 when the lease is gone, 409 when ``engine_id`` (vLLM's
+  ``remote_engine_id``) is another engine's (restarted on the same port), 400 for a block
+  the lease does not hold.
 * ``POST /kvwire/kv/release`` ``{"request_id"}`` or ``{"bootstrap_room"}``, with a
   ``"reason"`` (``pulled``, ``cached``, ``aborted``, ``failed``): ``{"released": bool}``.
 * ``POST /kvwire/kv/heartbeat`` ``{"request_ids": [...], "bootstrap_rooms": [...]}``:
@@ -80,6 +82,7 @@ class Remote:
     port: int | None = None
     remote_id: str | None = None  # vLLM's remote_request_id
     block_ids: list[int] | None = None
+    engine_id: str | None = None  # vLLM's remote_engine_id
     boot: Bootstrap | None = None
     #: waiting (heartbeats go), pulling, done (the prefill side was told)
     state: str = "waiting"
@@ -317,6 +320,10 @@ class PD:
         d = self._body(conn)
         rid = self._field(d, "request_id", str)
         ids = self._field(d, "block_ids", list)
+        eid = d.get("engine_id")
+        if eid is not None and eid != self.engine_id:  # another engine's block ids
+            raise HttpError(409, f"engine_id {eid!r} is not this engine's "
+                            f"({self.engine_id!r}): it was restarted")
         lease = self.core.read(rid, self.runner.now())
         if lease is None:
             raise HttpError(404, f"no lease for request {rid!r} (released or expired)")
@@ -432,7 +439,7 @@ class PD:
         """A remote-prefill request arrived: remember where its KV is."""
         if kv is not None:
             r = Remote(h, "vllm", kv.remote_host, kv.remote_port, kv.remote_request_id,
-                       list(kv.remote_block_ids or ()))
+                       list(kv.remote_block_ids or ()), kv.remote_engine_id)
         else:
             assert boot is not None
             r = Remote(h, "sglang", boot=boot)
@@ -542,11 +549,12 @@ class PD:
                 else:
                     status, body = await self._post(
                         r.host, r.port, b"/kvwire/kv/read",  # type: ignore[arg-type]
-                        {"request_id": r.remote_id, "block_ids": ids})
+                        {"request_id": r.remote_id, "block_ids": ids,
+                         "engine_id": r.engine_id})
                     if status == 200 and isinstance(body, dict):
                         hashes = body.get("hashes")
                     else:
-                        why = "lease" if status == 404 else "refused"
+                        why = {404: "lease", 409: "engine"}.get(status, "refused")
             else:
                 why = await self._room_pull(r, frm, n)
                 if why is None:
