@@ -344,8 +344,8 @@ def test_prefill_killed_before_the_pull_streamed():
 
 
 def test_lease_expires_when_no_decode_engine_pulls():
-    """40 model seconds at --speed 20: the lease lasts 2 s of wall time."""
-    p = Engine("prefill", "--kv-lease-s", "40")
+    """60 model seconds at --speed 20: the lease lasts 3 s of wall time."""
+    p = Engine("prefill", "--kv-lease-s", "60")
     try:
         kv = vllm_prefill(p, {"prompt": PROMPT})
         assert held(p) == len(kv["remote_block_ids"]) > 0
@@ -452,9 +452,11 @@ def test_http2_preface_gets_goaway_and_the_engine_serves_on(pair):
 
 
 def test_heartbeats_hold_the_lease_while_the_decode_engine_is_busy():
-    """The decode engine runs one request at a time and is busy for ~1.5 s; the lease is
-    0.5 s: only the decode engine's heartbeats keep the blocks until its pull."""
-    lease = ("--kv-lease-s", "0.5", "--speed", "1", "--num-gpu-blocks", "128")
+    """The decode engine runs one request at a time and is busy for ~3 s; the lease is
+    1 s: only the decode engine's heartbeats (every third of a lease) keep the blocks until
+    its pull."""
+    lease = ("--kv-lease-s", "1", "--speed", "1", "--num-gpu-blocks", "128",
+             "--step-base-ms", "10")
     p = Engine("prefill", *lease)
     d = Engine("decode", *lease, "--max-num-seqs", "1")
     try:

@@ -181,7 +181,7 @@ class PD:
     def _pool(self, host: str, port: int) -> Pool:
         p = self._pools.get((host, port))
         if p is None:
-            p = self._pools[(host, port)] = Pool(host, port, connect_timeout=2.0, max_idle=8)
+            p = self._pools[(host, port)] = Pool(host, port, connect_timeout=2.0, max_idle=64)
         return p
 
     async def _post(self, host: str, port: int, path: bytes, body: dict[str, Any],
