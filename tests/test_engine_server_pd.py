@@ -558,3 +558,24 @@ def test_a_pull_of_other_blocks_fails(pair, wrong):
     assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == before + 1
     assert d.metric("kvwire_engine_kv_transfer_failures_total", reason=reason) == 1
     until(lambda: held(p) == 0, "the lease released")
+
+
+def test_a_small_pull_is_recomputed_and_the_lease_released():
+    """The second time a prompt comes, the decode engine holds all but its last block:
+    under ``--kv-recompute-blocks 2`` it computes that locally instead of pulling, and tells
+    the prefill engine, which frees the lease at once."""
+    p = Engine("prefill", "--kv-lease-s", "600")
+    d = Engine("decode", "--kv-recompute-blocks", "2")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4}
+        for _ in range(2):
+            kv = vllm_prefill(p, body)
+            r = d.http.post("/v1/completions", json=dict(body, kv_transfer_params=kv))
+            assert r.status_code == 200, r.text
+            until(lambda: held(p) == 0, "the lease released", timeout=10.0)
+        assert d.metric("kvwire_engine_kv_transfers_started_total") == 1
+        assert d.metric("kvwire_engine_kv_local_prefills_total") == 1
+        assert p.metric("kvwire_engine_kv_leases_released_total") == 2
+    finally:
+        p.close()
+        d.close()

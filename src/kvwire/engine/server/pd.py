@@ -479,6 +479,10 @@ class PD:
             if r is not None:
                 r.state = "pulling"
                 r.task = self._spawn(self._pull(r))
+            else:  # (cannot happen: every remote-prefill request is tracked) never hang
+                self.stats.fail("untracked")
+                self.core.transfer_done(h.req.rid, False, self.runner.now())
+                self.runner.wake()
         for h in step.local_prefills:  # everything cached here (or a small pull): freed there
             self._let_go(h.req.rid, "cached")
         for h in step.failed:
