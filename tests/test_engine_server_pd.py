@@ -579,3 +579,29 @@ def test_a_small_pull_is_recomputed_and_the_lease_released():
     finally:
         p.close()
         d.close()
+
+
+def test_a_prefill_engine_gone_while_a_push_is_awaited():
+    """SGLang's protocol: the decode engine told the prefill engine where the room goes,
+    then the prefill engine dies before its prefill: the next heartbeat finds it gone and
+    the pull fails then (``unreachable``), not when the wait for the push times out."""
+    lease = ("--kv-lease-s", "60")  # 3 s of wall time: heartbeats every second
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease, "--kv-load-failure", "recompute")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 11}
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "r", d.http.post("/v1/completions", json=body)))
+        t.start()
+        until(lambda: d.metric("kvwire_engine_kv_transfers_started_total") == 1,
+              "the pull to start")
+        p.kill()
+        t.join(TIMEOUT)
+        assert out["r"].status_code == 200, out["r"].text  # recomputed
+        assert d.metric("kvwire_engine_kv_transfer_failures_total", reason="unreachable") == 1
+        assert d.metric("vllm:kv_cache_usage_perc") == 0.0
+    finally:
+        p.close()
+        d.close()

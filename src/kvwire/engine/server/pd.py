@@ -502,7 +502,12 @@ class PD:
             h.sink(h, 0, True)
 
     def ended(self, h: Handle, reason: str = "finished") -> None:
-        """A decode-side request is over (finished, failed or aborted)."""
+        """A decode-side request is over (finished, failed or aborted); or a prefill-side
+        one aborted before its prefill ended (its room is forgotten)."""
+        if h.req.remote_decode:
+            if h.req.rid not in self.core.model.leases:
+                self._drop_room(h.req.rid)
+            return
         r = self.remotes.pop(h.req.rid, None)
         if r is None:
             return
@@ -654,3 +659,9 @@ class PD:
                              {"request_ids": ids, "bootstrap_rooms": rooms})
         except (UpstreamError, asyncio.TimeoutError) as e:
             log.debug("heartbeat to %s:%d: %s", host, port, e)
+            if isinstance(e, UpstreamError) and str(e).startswith("cannot connect"):
+                # the prefill engine is gone: a push it owes will never come
+                for r in list(self.waiting_push.values()):
+                    if (r.host, r.port) == (host, port) and r.push is not None \
+                            and not r.push.done():
+                        r.push.set_result("unreachable")
