@@ -566,6 +566,7 @@ class EngineApp:
         text = render(engines, extra)
         if self.pd is not None:
             c = self.cores[0]
+            self.pd.stats.rooms = len(self.pd.rooms)
             text += render_transfer({"model_name": self.opts.model, "engine": "0",
                                      "role": self.opts.config.role},
                                     c.transfer_counts, c.transfer_seconds, self.pd.stats)

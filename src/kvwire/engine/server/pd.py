@@ -659,8 +659,9 @@ class PD:
                              {"request_ids": ids, "bootstrap_rooms": rooms})
         except (UpstreamError, asyncio.TimeoutError) as e:
             log.debug("heartbeat to %s:%d: %s", host, port, e)
-            if isinstance(e, UpstreamError) and str(e).startswith("cannot connect"):
-                # the prefill engine is gone: a push it owes will never come
+            if isinstance(e, UpstreamError):
+                # the prefill engine is gone (refused or broke the exchange; a slow one
+                # times out instead): a push it owes will never come
                 for r in list(self.waiting_push.values()):
                     if (r.host, r.port) == (host, port) and r.push is not None \
                             and not r.push.done():
