@@ -121,8 +121,9 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def pair():
-    p = Engine("prefill")
-    d = Engine("decode", events=True)
+    lease = ("--kv-lease-s", "600")  # 30 s of wall time: no expiry on a loaded box
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease, events=True)
     try:
         yield p, d
     finally:
