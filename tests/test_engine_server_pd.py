@@ -607,3 +607,27 @@ def test_a_prefill_engine_gone_while_a_push_is_awaited():
     finally:
         p.close()
         d.close()
+
+
+def test_a_room_asked_for_after_its_lease_expired_fails_at_once():
+    """SGLang's protocol, the decode request late: the prefill engine's lease for the room
+    expired; when the decode engine asks for the room it hears so at once (410) instead of
+    waiting for a push that will not come."""
+    lease = ("--kv-lease-s", "20")  # 1 s of wall time
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease, "--kv-load-failure", "recompute")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 99}
+        assert p.http.post("/v1/completions", json=body).status_code == 200
+        until(lambda: p.metric("kvwire_engine_kv_leases_expired_total") == 1, "the expiry")
+        assert p.metric("kvwire_engine_kv_rooms") == 1  # the room's tombstone
+        r = d.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text  # recomputed
+        reasons = [x for x in d.http.get("/metrics").text.splitlines()
+                   if x.startswith("kvwire_engine_kv_transfer_failures_total{")]
+        assert len(reasons) == 1 and 'reason="lease"} 1' in reasons[0], reasons
+        assert p.metric("kvwire_engine_kv_rooms") == 0
+    finally:
+        p.close()
+        d.close()

@@ -19,7 +19,8 @@ time (:class:`~kvwire.engine.timing.TransferCost`) stands for moving the bytes. 
   each lease is held ``--kv-lease-s`` more; ``{"extended": n, "missing": [...]}``.
 * ``POST /kvwire/kv/room`` ``{"bootstrap_room", "dst_host", "dst_port", "from_block",
   "num_blocks"}`` (SGLang: the decode engine tells the prefill engine where the room's KV
-  goes, and which blocks it lacks; 0 blocks: nothing, free them): ``{"accepted": true}``.
+  goes, and which blocks it lacks; 0 blocks: nothing, free them): ``{"accepted": true}``,
+  or 410 when the room's lease expired before.
 * ``POST /kvwire/kv/push`` ``{"bootstrap_room", "from_block", "hashes"}`` or ``{...,
   "error"}`` (SGLang: the prefill engine pushes a room's blocks to the decode engine):
   200, or 404 for a room the decode engine no longer waits for.
@@ -100,6 +101,8 @@ class Room:
     frm: int = 0
     n: int = 0
     born: float = 0.0
+    #: its lease expired before a decode engine asked: a late ask is told so at once
+    expired: bool = False
 
 
 class PD:
@@ -287,7 +290,10 @@ class PD:
 
     def on_expired(self, rids: list[str]) -> None:
         for rid in rids:
-            self._drop_room(rid)
+            room = self.room_of.pop(rid, None)
+            r = self.rooms.get(room) if room is not None else None
+            if r is not None:  # kept as a tombstone (trimmed like an unclaimed room)
+                r.rid, r.expired, r.born = None, True, time.monotonic()
 
     # side-channel routes (prefill side)
 
@@ -374,6 +380,9 @@ class PD:
         frm = self._field(d, "from_block", int)
         n = self._field(d, "num_blocks", int)
         r = self.rooms.get(room)
+        if r is not None and r.expired:
+            del self.rooms[room]
+            raise HttpError(410, f"room {room}: its lease expired before it was asked for")
         if r is None:
             self._trim_rooms()
             r = self.rooms[room] = Room(born=time.monotonic())
@@ -612,7 +621,7 @@ class PD:
                                           "dst_port": self.kv_port, "from_block": frm,
                                           "num_blocks": n})
             if status != 200:
-                return "refused"
+                return "lease" if status == 410 else "refused"
             try:
                 await asyncio.wait_for(asyncio.shield(r.push),
                                        self._wall(self.cfg.lease_s) + EXCHANGE_TIMEOUT)
