@@ -631,3 +631,33 @@ def test_a_room_asked_for_after_its_lease_expired_fails_at_once():
     finally:
         p.close()
         d.close()
+
+
+def test_the_room_table_is_bounded_and_its_drops_counted(monkeypatch):
+    """Rooms a decode engine announces but no prefill request claims are kept up to a
+    bound; past it the oldest go, counted (in-process engine, a bound of 4)."""
+    from test_engine_http import EngineThread
+
+    from kvwire.engine import EngineConfig
+    from kvwire.engine.server import pd
+    from kvwire.engine.server.app import EngineOptions
+
+    monkeypatch.setattr(pd, "MAX_ROOMS", 4)
+    e = EngineThread(EngineOptions(config=EngineConfig(num_gpu_blocks=64, block_size=4,
+                                                       role="prefill"),
+                                   events=None, kv_port=0, bootstrap_port=0))
+    try:
+        kv = f"http://127.0.0.1:{e.app.pd.kv_port}"
+        for room in range(10):
+            r = httpx.post(kv + "/kvwire/kv/room", timeout=TIMEOUT, json={
+                "bootstrap_room": room, "dst_host": "127.0.0.1", "dst_port": 9,
+                "from_block": 0, "num_blocks": 1})
+            assert r.status_code == 200
+        text = httpx.get(e.url + "/metrics", timeout=TIMEOUT).text
+        assert re.search(r"kvwire_engine_kv_rooms\{[^}]*\} 4\n", text)
+        assert re.search(r"kvwire_engine_kv_rooms_dropped_total\{[^}]*\} 6\n", text)
+        assert sorted(e.app.pd.rooms) == [6, 7, 8, 9]
+        r = httpx.post(kv + "/kvwire/kv/room", json={"bootstrap_room": "x"}, timeout=TIMEOUT)
+        assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]
+    finally:
+        e.close()

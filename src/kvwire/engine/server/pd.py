@@ -235,9 +235,11 @@ class PD:
         old = time.monotonic() - self._wall(self.cfg.lease_s)
         for k in [k for k, r in self.rooms.items() if r.rid is None and r.born < old]:
             del self.rooms[k]
+            self.stats.rooms_dropped += 1
         while len(self.rooms) >= MAX_ROOMS:  # still full: the oldest go
             k = next(iter(self.rooms))
             r = self.rooms.pop(k)
+            self.stats.rooms_dropped += 1
             if r.rid is not None:
                 self.room_of.pop(r.rid, None)
 
@@ -431,6 +433,7 @@ class PD:
     def _register_dp_rank(self, conn: Request) -> None:
         d = self._body(conn)
         if len(self.dp_rooms) >= MAX_ROOMS:
+            self.stats.rooms_dropped += len(self.dp_rooms)
             self.dp_rooms.clear()
         self.dp_rooms[int(self._field(d, "bootstrap_room", int))] = int(
             self._field(d, "dp_rank", int))
