@@ -121,8 +121,9 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def pair():
-    p = Engine("prefill")
-    d = Engine("decode", events=True)
+    lease = ("--kv-lease-s", "600")  # 30 s of wall time: no expiry on a loaded box
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease, events=True)
     try:
         yield p, d
     finally:
@@ -183,7 +184,8 @@ def test_vllm_protocol_end_to_end(pair, stream, chat):
     assert kv["remote_block_ids"] and kv["tp_size"] == 1 and kv["transfer_mode"] == "READ"
     assert kv["remote_blocks_expiry_time"] > time.time()
     assert kv["remote_request_id"] and kv["remote_engine_id"]
-    assert len(kv["remote_block_ids"]) == -(-(kv["remote_num_tokens"] + 1) // 4)
+    n = kv["remote_num_tokens"]
+    assert len(kv["remote_block_ids"]) in (-(-n // 4), -(-(n + 1) // 4))
     assert held(p) >= len(kv["remote_block_ids"])  # held for the decode engine
     db = dict(body, kv_transfer_params=kv, stream=stream)
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -343,8 +345,8 @@ def test_prefill_killed_before_the_pull_streamed():
 
 
 def test_lease_expires_when_no_decode_engine_pulls():
-    """40 model seconds at --speed 20: the lease lasts 2 s of wall time."""
-    p = Engine("prefill", "--kv-lease-s", "40")
+    """60 model seconds at --speed 20: the lease lasts 3 s of wall time."""
+    p = Engine("prefill", "--kv-lease-s", "60")
     try:
         kv = vllm_prefill(p, {"prompt": PROMPT})
         assert held(p) == len(kv["remote_block_ids"]) > 0
@@ -451,9 +453,11 @@ def test_http2_preface_gets_goaway_and_the_engine_serves_on(pair):
 
 
 def test_heartbeats_hold_the_lease_while_the_decode_engine_is_busy():
-    """The decode engine runs one request at a time and is busy for ~1.5 s; the lease is
-    0.5 s: only the decode engine's heartbeats keep the blocks until its pull."""
-    lease = ("--kv-lease-s", "0.5", "--speed", "1", "--num-gpu-blocks", "128")
+    """The decode engine runs one request at a time and is busy for ~3 s; the lease is
+    1 s: only the decode engine's heartbeats (every third of a lease) keep the blocks until
+    its pull."""
+    lease = ("--kv-lease-s", "1", "--speed", "1", "--num-gpu-blocks", "128",
+             "--step-base-ms", "10")
     p = Engine("prefill", *lease)
     d = Engine("decode", *lease, "--max-num-seqs", "1")
     try:
@@ -476,3 +480,184 @@ def test_heartbeats_hold_the_lease_while_the_decode_engine_is_busy():
     finally:
         p.close()
         d.close()
+
+
+def test_client_leaving_during_the_transfer_frees_both_sides():
+    """SGLang's protocol, the prefill request not sent yet: the decode engine waits for the
+    push holding its blocks; its client leaves: it frees them and tells the prefill engine,
+    which frees the room's blocks as soon as its prefill is done (not at the lease's end)."""
+    lease = ("--kv-lease-s", "600")  # 30 s of wall time: an expiry would be too late
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 6, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 7}
+        with d.http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+            assert r.status_code == 200
+            until(lambda: d.metric("kvwire_engine_kv_transfers_started_total") == 1,
+                  "the pull to start")
+            assert d.metric("vllm:kv_cache_usage_perc") > 0
+        until(lambda: "kvwire_engine_aborted_requests_total 1" in d.http.get("/metrics").text,
+              "the decode engine to abort")
+        until(lambda: d.metric("vllm:kv_cache_usage_perc") == 0.0, "decode blocks freed")
+        r = p.http.post("/v1/completions", json=body)
+        assert r.status_code == 200
+        until(lambda: held(p) == 0, "the prefill engine to free the room", timeout=10.0)
+        assert p.metric("kvwire_engine_kv_leases_expired_total") == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_client_leaving_before_the_pull_releases_the_lease():
+    """vLLM's protocol: the decode engine is busy (one request at a time), the request
+    waits for its turn; its client leaves: the decode engine tells the prefill engine,
+    which frees the blocks long before the lease would end."""
+    p = Engine("prefill", "--kv-lease-s", "600", "--num-gpu-blocks", "128")
+    d = Engine("decode", "--speed", "1", "--max-num-seqs", "1", "--num-gpu-blocks", "128")
+    try:
+        out: dict[str, Any] = {}
+        busy = threading.Thread(target=lambda: out.setdefault("busy", d.http.post(
+            "/v1/completions", json={"prompt": "busy", "max_tokens": 400,
+                                     "ignore_eos": True})))
+        busy.start()
+        until(lambda: d.http.get("/get_load").json()[0]["num_reqs"] == 1, "the busy request")
+        body = {"prompt": PROMPT, "max_tokens": 4}
+        kv = vllm_prefill(p, body)
+        assert held(p) > 0
+        with d.http.stream("POST", "/v1/completions",
+                           json=dict(body, kv_transfer_params=kv, stream=True)) as r:
+            assert r.status_code == 200
+            until(lambda: d.http.get("/get_load").json()[0]["num_reqs"] == 2, "it to queue")
+        until(lambda: held(p) == 0, "the prefill engine to free the lease", timeout=10.0)
+        assert p.metric("kvwire_engine_kv_leases_released_total") == 1
+        assert d.metric("kvwire_engine_kv_transfers_started_total") == 0
+        busy.join(TIMEOUT)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("wrong", ["prompt", "engine_id"])
+def test_a_pull_of_other_blocks_fails(pair, wrong):
+    """The decode body's prompt is not the one the prefill engine computed (the hashes
+    differ), or ``remote_engine_id`` names another engine (one restarted on that port):
+    the pull fails (``--kv-load-failure fail``: a 500), and the lease is released."""
+    p, d = pair
+    before = d.metric("kvwire_engine_kv_transfers_total", result="failed")
+    ids = list(range(100 + (wrong == "prompt") * 50, 140 + (wrong == "prompt") * 50))
+    body = {"prompt": ids, "max_tokens": 4}
+    kv = vllm_prefill(p, body)
+    if wrong == "prompt":  # as long, the first token differs: every block's hash does
+        body["prompt"] = [7, *ids[1:]]
+        reason = "hash mismatch"
+    else:
+        kv["remote_engine_id"] = "0" * 16
+        reason = "engine"
+    r = d.http.post("/v1/completions", json=dict(body, kv_transfer_params=kv))
+    assert r.status_code == 500, r.text
+    assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == before + 1
+    assert d.metric("kvwire_engine_kv_transfer_failures_total", reason=reason) == 1
+    until(lambda: held(p) == 0, "the lease released")
+
+
+def test_a_small_pull_is_recomputed_and_the_lease_released():
+    """The second time a prompt comes, the decode engine holds all but its last block:
+    under ``--kv-recompute-blocks 2`` it computes that locally instead of pulling, and tells
+    the prefill engine, which frees the lease at once."""
+    p = Engine("prefill", "--kv-lease-s", "600")
+    d = Engine("decode", "--kv-recompute-blocks", "2")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4}
+        for _ in range(2):
+            kv = vllm_prefill(p, body)
+            r = d.http.post("/v1/completions", json=dict(body, kv_transfer_params=kv))
+            assert r.status_code == 200, r.text
+            until(lambda: held(p) == 0, "the lease released", timeout=10.0)
+        assert d.metric("kvwire_engine_kv_transfers_started_total") == 1
+        assert d.metric("kvwire_engine_kv_local_prefills_total") == 1
+        assert p.metric("kvwire_engine_kv_leases_released_total") == 2
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_prefill_engine_gone_while_a_push_is_awaited():
+    """SGLang's protocol: the decode engine told the prefill engine where the room goes,
+    then the prefill engine dies before its prefill: the next heartbeat finds it gone and
+    the pull fails then (``unreachable``), not when the wait for the push times out."""
+    lease = ("--kv-lease-s", "60")  # 3 s of wall time: heartbeats every second
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease, "--kv-load-failure", "recompute")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 11}
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "r", d.http.post("/v1/completions", json=body)))
+        t.start()
+        until(lambda: p.metric("kvwire_engine_kv_rooms") == 1, "the room's destination")
+        p.kill()
+        t.join(TIMEOUT)
+        assert out["r"].status_code == 200, out["r"].text  # recomputed
+        reasons = [x for x in d.http.get("/metrics").text.splitlines()
+                   if x.startswith("kvwire_engine_kv_transfer_failures_total{")]
+        assert len(reasons) == 1 and 'reason="unreachable"} 1' in reasons[0], reasons
+        assert d.metric("vllm:kv_cache_usage_perc") == 0.0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_room_asked_for_after_its_lease_expired_fails_at_once():
+    """SGLang's protocol, the decode request late: the prefill engine's lease for the room
+    expired; when the decode engine asks for the room it hears so at once (410) instead of
+    waiting for a push that will not come."""
+    lease = ("--kv-lease-s", "20")  # 1 s of wall time
+    p = Engine("prefill", *lease)
+    d = Engine("decode", *lease, "--kv-load-failure", "recompute")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 99}
+        assert p.http.post("/v1/completions", json=body).status_code == 200
+        until(lambda: p.metric("kvwire_engine_kv_leases_expired_total") == 1, "the expiry")
+        assert p.metric("kvwire_engine_kv_rooms") == 1  # the room's tombstone
+        r = d.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text  # recomputed
+        reasons = [x for x in d.http.get("/metrics").text.splitlines()
+                   if x.startswith("kvwire_engine_kv_transfer_failures_total{")]
+        assert len(reasons) == 1 and 'reason="lease"} 1' in reasons[0], reasons
+        assert p.metric("kvwire_engine_kv_rooms") == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_the_room_table_is_bounded_and_its_drops_counted(monkeypatch):
+    """Rooms a decode engine announces but no prefill request claims are kept up to a
+    bound; past it the oldest go, counted (in-process engine, a bound of 4)."""
+    from test_engine_http import EngineThread
+
+    from kvwire.engine import EngineConfig
+    from kvwire.engine.server import pd
+    from kvwire.engine.server.app import EngineOptions
+
+    monkeypatch.setattr(pd, "MAX_ROOMS", 4)
+    e = EngineThread(EngineOptions(config=EngineConfig(num_gpu_blocks=64, block_size=4,
+                                                       role="prefill"),
+                                   events=None, kv_port=0, bootstrap_port=0))
+    try:
+        kv = f"http://127.0.0.1:{e.app.pd.kv_port}"
+        for room in range(10):
+            r = httpx.post(kv + "/kvwire/kv/room", timeout=TIMEOUT, json={
+                "bootstrap_room": room, "dst_host": "127.0.0.1", "dst_port": 9,
+                "from_block": 0, "num_blocks": 1})
+            assert r.status_code == 200
+        text = httpx.get(e.url + "/metrics", timeout=TIMEOUT).text
+        assert re.search(r"kvwire_engine_kv_rooms\{[^}]*\} 4\n", text)
+        assert re.search(r"kvwire_engine_kv_rooms_dropped_total\{[^}]*\} 6\n", text)
+        assert sorted(e.app.pd.rooms) == [6, 7, 8, 9]
+        r = httpx.post(kv + "/kvwire/kv/room", json={"bootstrap_room": "x"}, timeout=TIMEOUT)
+        assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]
+    finally:
+        e.close()

@@ -44,7 +44,8 @@ class Fleet:
         self.base = base = _free_base(n)
         self.proc = proc = subprocess.Popen(
             [sys.executable, "-m", "kvwire", "fleet", *roles, "--base-port", str(base),
-             "--speed", "20", "--num-gpu-blocks", "64", "--block-size", "4", *extra],
+             "--speed", "20", "--num-gpu-blocks", "64", "--block-size", "4",
+             "--kv-lease-s", "600", *extra],  # leases of 30 s: none expires on a busy box
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)

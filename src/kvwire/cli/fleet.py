@@ -161,7 +161,8 @@ def _add(p: argparse.ArgumentParser) -> None:
                    help="with --prefill/--decode: engines of role both (both0..), with a KV "
                         "side channel and a bootstrap server")
     p.add_argument("--base-port", type=port, default=8000, metavar="P",
-                   help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i)")
+                   help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i; "
+                        "with roles its KV side channel P + 3000 + i, bootstrap P + 4000 + i)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address every engine binds, HTTP and KV events (default loopback)")
     p.add_argument("--all-interfaces", action="store_true",

@@ -110,12 +110,12 @@ class EngineCore:
         """(waiting, running), vLLM's DP balancing key (transferring requests wait, as
         vLLM counts its requests waiting for remote KV)."""
         m = self.model
-        return len(m.waiting) + len(m.transferring) + len(self.pending), len(m.running)
+        return m.num_waiting + len(self.pending), len(m.running)
 
     def gauges(self) -> tuple[int, int, float]:
         m = self.model
         c = m.cache
-        return (len(m.running), len(m.waiting) + len(m.transferring) + len(self.pending),
+        return (len(m.running), m.num_waiting + len(self.pending),
                 1.0 - c.num_free / c.num_blocks)
 
     # ------------------------------------------------------------------ transfers
@@ -301,7 +301,7 @@ class EngineCore:
         the cache exactly."""
         m = self.model
         c = m.cache
-        running, waiting = len(m.running), len(m.waiting) + len(m.transferring) + len(self.pending)
+        running, waiting = len(m.running), m.num_waiting + len(self.pending)
         return {"rank": self.rank, "block_size": c.block_size, "running": running,
                 "waiting": waiting,
                 "blocks": sorted(h for h, holders in c.cached.items() for _ in holders)}

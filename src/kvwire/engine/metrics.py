@@ -93,6 +93,8 @@ class TransferStats:
         self.recomputed = 0
         self.served_blocks = 0
         self.heartbeats = 0
+        self.rooms = 0  # SGLang rooms known on the prefill side (set when rendered)
+        self.rooms_dropped = 0  # rooms forgotten unclaimed to keep the table bounded
 
     def fail(self, reason: str) -> None:
         self.failed[reason] = self.failed.get(reason, 0) + 1
@@ -122,6 +124,10 @@ def render_transfer(labels: dict[str, str], counts: dict[str, int], seconds: His
         counts["leases_released"])
     one("kvwire_engine_kv_leases_expired_total", "counter",
         "Leases freed because no decode engine took them in time.", counts["leases_expired"])
+    one("kvwire_engine_kv_rooms", "gauge", "SGLang bootstrap rooms known here, waiting for "
+        "their request or their decode engine.", st.rooms)
+    one("kvwire_engine_kv_rooms_dropped_total", "counter", "SGLang bootstrap rooms "
+        "forgotten unclaimed (the table keeps a bounded number).", st.rooms_dropped)
     one("kvwire_engine_kv_served_blocks_total", "counter",
         "Blocks read by or pushed to decode engines.", st.served_blocks)
     one("kvwire_engine_kv_heartbeats_total", "counter", "Lease heartbeats answered.",

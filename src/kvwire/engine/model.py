@@ -11,7 +11,8 @@ Scheduling, per step, as vLLM V1 does it with chunked prefill:
   prompt up to the budget left. If their blocks cannot be had, the youngest running request
   is preempted (its blocks freed, its progress dropped, back to the front of the queue)
   until they can; if that was the request itself, the step stops scheduling;
-* then, if nothing was preempted, waiting requests in order while the budget and
+* then, if nothing was preempted, requests whose pull ended (they hold their blocks), and
+  waiting requests in order while the budget and
   ``max_num_seqs`` allow: each looks up its longest cached prefix (never its last token,
   which must be computed to sample), takes those blocks and allocates the rest of the
   chunk; the tokens found are its ``cached_tokens`` (counted at its first admission);
@@ -156,6 +157,9 @@ class EngineModel:
         self.cache = PagedPrefixCache(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks,
                                       cfg.lora_names)
         self.waiting: deque[EngineRequest] = deque()
+        #: requests whose pull ended, holding their prompt's blocks: admitted before
+        #: ``waiting`` (a queue head that needs blocks they hold must not wait on them)
+        self.ready: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.now = 0.0
         self.busy_s = 0.0
@@ -187,12 +191,17 @@ class EngineModel:
     def idle(self) -> bool:
         """Nothing waiting, running or transferring (leases do not count: they only hold
         blocks until released or expired)."""
-        return not self.waiting and not self.running and not self.transferring
+        return not (self.waiting or self.ready or self.running or self.transferring)
 
     @property
     def runnable(self) -> bool:
         """Whether :meth:`step` has work: something waiting or running."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.ready or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, transferring, or ready after their pull."""
+        return len(self.waiting) + len(self.ready) + len(self.transferring)
 
     def fits(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether a request this long can ever run here (vLLM checks the same against
@@ -246,6 +255,8 @@ class EngineModel:
         are freed now, as vLLM frees an aborted request's. False if it was not here."""
         if req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)
+        elif req.status == WAITING and req in self.ready:
+            self.ready.remove(req)
         elif req.status == RUNNING and req in self.running:
             self.running.remove(req)
         elif req.status == TRANSFERRING and self.transferring.get(req.rid) is req:
@@ -328,9 +339,9 @@ class EngineModel:
                 req.finish_t = self.now
                 return True
             req.num_computed = req.hit_tokens
-        # Its blocks are held: the next admission schedules it first, with no lookup.
+        # Its blocks are held: admitted before the waiting queue, with no lookup.
         req.status = WAITING
-        self.waiting.appendleft(req)
+        self.ready.append(req)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -386,18 +397,17 @@ class EngineModel:
         cfg, cache = self.cfg, self.cache
         bs = cfg.block_size
         out = []
-        waiting, running = self.waiting, self.running
+        waiting, running, ready = self.waiting, self.running, self.ready
+        while ready and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = ready.popleft()  # its pull ended: it holds its whole prompt's blocks
+            n = min(len(req.tokens) - req.num_computed, budget)
+            req.status = RUNNING
+            running.append(req)
+            self._cache_full(req, req.num_computed + n)
+            out.append((req, n))
+            budget -= n
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
-            if req.blocks:  # its pull ended: it holds its whole prompt's blocks
-                n = min(len(req.tokens) - req.num_computed, budget)
-                req.status = RUNNING
-                waiting.popleft()
-                running.append(req)
-                self._cache_full(req, req.num_computed + n)
-                out.append((req, n))
-                budget -= n
-                continue
             hit = cache.longest_hit(req.hashes[:(len(req.tokens) - 1) // bs])
             computed = len(hit) * bs
             if not req.preemptions:
@@ -520,7 +530,7 @@ class EngineModel:
 
     def _fold(self, until: float) -> StepResult | None:
         """The quiet decode steps from now, in one go (None if the next step is not one)."""
-        if self.waiting or not self.running:
+        if self.waiting or self.ready or not self.running:
             return None
         running = self.running
         n = len(running)

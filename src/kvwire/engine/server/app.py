@@ -3,7 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /metrics``, and kvwire's ``GET /kvwire/cache`` (every rank's cached block hashes, to
-check that the published events rebuild them). One :class:`EngineCore` and
+check that the published events rebuild them); for SGLang's router ``GET /server_info``
+(and ``/get_server_info``), ``/model_info`` and ``/get_load``. With a role (or a KV side
+channel) the engine takes either side of a prefill/decode pair in vLLM's or SGLang's
+protocol (:mod:`.pd`). One :class:`EngineCore` and
 :class:`Runner` per DP rank, each publishing its KV events at ``port + rank``; a request
 goes to the rank with the least load (waiting x 4 + running, vLLM's DP balancing).
 
@@ -563,6 +566,7 @@ class EngineApp:
         text = render(engines, extra)
         if self.pd is not None:
             c = self.cores[0]
+            self.pd.stats.rooms = len(self.pd.rooms)
             text += render_transfer({"model_name": self.opts.model, "engine": "0",
                                      "role": self.opts.config.role},
                                     c.transfer_counts, c.transfer_seconds, self.pd.stats)

@@ -8,16 +8,19 @@ time (:class:`~kvwire.engine.timing.TransferCost`) stands for moving the bytes. 
 
 * ``GET /kvwire/kv/info``: ``{"engine_id", "role", "block_size", "bytes_per_token",
   "host", "kv_port", "bootstrap_port"}``.
-* ``POST /kvwire/kv/read`` ``{"request_id", "block_ids"}`` (vLLM: the decode engine pulls
-  from ``remote_host:remote_port``): ``{"request_id", "hashes"}`` (``null`` for a partial
-  block), 404 when the lease is gone, 400 for a block the lease does not hold.
+* ``POST /kvwire/kv/read`` ``{"request_id", "block_ids", "engine_id"}`` (vLLM: the decode
+  engine pulls from ``remote_host:remote_port``): ``{"request_id", "hashes"}`` (``null``
+  for a partial block), 404 when the lease is gone, 409 when ``engine_id`` (vLLM's
+  ``remote_engine_id``) is another engine's (restarted on the same port), 400 for a block
+  the lease does not hold.
 * ``POST /kvwire/kv/release`` ``{"request_id"}`` or ``{"bootstrap_room"}``, with a
   ``"reason"`` (``pulled``, ``cached``, ``aborted``, ``failed``): ``{"released": bool}``.
 * ``POST /kvwire/kv/heartbeat`` ``{"request_ids": [...], "bootstrap_rooms": [...]}``:
   each lease is held ``--kv-lease-s`` more; ``{"extended": n, "missing": [...]}``.
 * ``POST /kvwire/kv/room`` ``{"bootstrap_room", "dst_host", "dst_port", "from_block",
   "num_blocks"}`` (SGLang: the decode engine tells the prefill engine where the room's KV
-  goes, and which blocks it lacks; 0 blocks: nothing, free them): ``{"accepted": true}``.
+  goes, and which blocks it lacks; 0 blocks: nothing, free them): ``{"accepted": true}``,
+  or 410 when the room's lease expired before.
 * ``POST /kvwire/kv/push`` ``{"bootstrap_room", "from_block", "hashes"}`` or ``{...,
   "error"}`` (SGLang: the prefill engine pushes a room's blocks to the decode engine):
   200, or 404 for a room the decode engine no longer waits for.
@@ -80,6 +83,7 @@ class Remote:
     port: int | None = None
     remote_id: str | None = None  # vLLM's remote_request_id
     block_ids: list[int] | None = None
+    engine_id: str | None = None  # vLLM's remote_engine_id
     boot: Bootstrap | None = None
     #: waiting (heartbeats go), pulling, done (the prefill side was told)
     state: str = "waiting"
@@ -97,6 +101,8 @@ class Room:
     frm: int = 0
     n: int = 0
     born: float = 0.0
+    #: its lease expired before a decode engine asked: a late ask is told so at once
+    expired: bool = False
 
 
 class PD:
@@ -178,7 +184,7 @@ class PD:
     def _pool(self, host: str, port: int) -> Pool:
         p = self._pools.get((host, port))
         if p is None:
-            p = self._pools[(host, port)] = Pool(host, port, connect_timeout=2.0, max_idle=8)
+            p = self._pools[(host, port)] = Pool(host, port, connect_timeout=2.0, max_idle=64)
         return p
 
     async def _post(self, host: str, port: int, path: bytes, body: dict[str, Any],
@@ -229,9 +235,11 @@ class PD:
         old = time.monotonic() - self._wall(self.cfg.lease_s)
         for k in [k for k, r in self.rooms.items() if r.rid is None and r.born < old]:
             del self.rooms[k]
+            self.stats.rooms_dropped += 1
         while len(self.rooms) >= MAX_ROOMS:  # still full: the oldest go
             k = next(iter(self.rooms))
             r = self.rooms.pop(k)
+            self.stats.rooms_dropped += 1
             if r.rid is not None:
                 self.room_of.pop(r.rid, None)
 
@@ -284,7 +292,10 @@ class PD:
 
     def on_expired(self, rids: list[str]) -> None:
         for rid in rids:
-            self._drop_room(rid)
+            room = self.room_of.pop(rid, None)
+            r = self.rooms.get(room) if room is not None else None
+            if r is not None:  # kept as a tombstone (trimmed like an unclaimed room)
+                r.rid, r.expired, r.born = None, True, time.monotonic()
 
     # side-channel routes (prefill side)
 
@@ -317,6 +328,10 @@ class PD:
         d = self._body(conn)
         rid = self._field(d, "request_id", str)
         ids = self._field(d, "block_ids", list)
+        eid = d.get("engine_id")
+        if eid is not None and eid != self.engine_id:  # another engine's block ids
+            raise HttpError(409, f"engine_id {eid!r} is not this engine's "
+                            f"({self.engine_id!r}): it was restarted")
         lease = self.core.read(rid, self.runner.now())
         if lease is None:
             raise HttpError(404, f"no lease for request {rid!r} (released or expired)")
@@ -367,6 +382,9 @@ class PD:
         frm = self._field(d, "from_block", int)
         n = self._field(d, "num_blocks", int)
         r = self.rooms.get(room)
+        if r is not None and r.expired:
+            del self.rooms[room]
+            raise HttpError(410, f"room {room}: its lease expired before it was asked for")
         if r is None:
             self._trim_rooms()
             r = self.rooms[room] = Room(born=time.monotonic())
@@ -415,6 +433,7 @@ class PD:
     def _register_dp_rank(self, conn: Request) -> None:
         d = self._body(conn)
         if len(self.dp_rooms) >= MAX_ROOMS:
+            self.stats.rooms_dropped += len(self.dp_rooms)
             self.dp_rooms.clear()
         self.dp_rooms[int(self._field(d, "bootstrap_room", int))] = int(
             self._field(d, "dp_rank", int))
@@ -432,7 +451,7 @@ class PD:
         """A remote-prefill request arrived: remember where its KV is."""
         if kv is not None:
             r = Remote(h, "vllm", kv.remote_host, kv.remote_port, kv.remote_request_id,
-                       list(kv.remote_block_ids or ()))
+                       list(kv.remote_block_ids or ()), kv.remote_engine_id)
         else:
             assert boot is not None
             r = Remote(h, "sglang", boot=boot)
@@ -472,6 +491,10 @@ class PD:
             if r is not None:
                 r.state = "pulling"
                 r.task = self._spawn(self._pull(r))
+            else:  # (cannot happen: every remote-prefill request is tracked) never hang
+                self.stats.fail("untracked")
+                self.core.transfer_done(h.req.rid, False, self.runner.now())
+                self.runner.wake()
         for h in step.local_prefills:  # everything cached here (or a small pull): freed there
             self._let_go(h.req.rid, "cached")
         for h in step.failed:
@@ -491,7 +514,12 @@ class PD:
             h.sink(h, 0, True)
 
     def ended(self, h: Handle, reason: str = "finished") -> None:
-        """A decode-side request is over (finished, failed or aborted)."""
+        """A decode-side request is over (finished, failed or aborted); or a prefill-side
+        one aborted before its prefill ended (its room is forgotten)."""
+        if h.req.remote_decode:
+            if h.req.rid not in self.core.model.leases:
+                self._drop_room(h.req.rid)
+            return
         r = self.remotes.pop(h.req.rid, None)
         if r is None:
             return
@@ -542,11 +570,12 @@ class PD:
                 else:
                     status, body = await self._post(
                         r.host, r.port, b"/kvwire/kv/read",  # type: ignore[arg-type]
-                        {"request_id": r.remote_id, "block_ids": ids})
+                        {"request_id": r.remote_id, "block_ids": ids,
+                         "engine_id": r.engine_id})
                     if status == 200 and isinstance(body, dict):
                         hashes = body.get("hashes")
                     else:
-                        why = "lease" if status == 404 else "refused"
+                        why = {404: "lease", 409: "engine"}.get(status, "refused")
             else:
                 why = await self._room_pull(r, frm, n)
                 if why is None:
@@ -595,7 +624,7 @@ class PD:
                                           "dst_port": self.kv_port, "from_block": frm,
                                           "num_blocks": n})
             if status != 200:
-                return "refused"
+                return "lease" if status == 410 else "refused"
             try:
                 await asyncio.wait_for(asyncio.shield(r.push),
                                        self._wall(self.cfg.lease_s) + EXCHANGE_TIMEOUT)
@@ -642,3 +671,10 @@ class PD:
                              {"request_ids": ids, "bootstrap_rooms": rooms})
         except (UpstreamError, asyncio.TimeoutError) as e:
             log.debug("heartbeat to %s:%d: %s", host, port, e)
+            if isinstance(e, UpstreamError):
+                # the prefill engine is gone (refused or broke the exchange; a slow one
+                # times out instead): a push it owes will never come
+                for r in list(self.waiting_push.values()):
+                    if (r.host, r.port) == (host, port) and r.push is not None \
+                            and not r.push.done():
+                        r.push.set_result("unreachable")
