@@ -328,6 +328,51 @@ def test_a_prefill_engine_killed_is_retried_then_falls_back(fleet: Callable[...,
     until(f.all_idle, "every load 0, the decode engine idle")
 
 
+def test_a_prefill_engine_killed_before_the_pull_reruns_the_pair(
+        fleet: Callable[..., Fleet]) -> None:
+    """vLLM: the prefill answered (its blocks held), the decode engine has the request
+    queued (one sequence at a time, busy with another); the prefill engine is SIGKILLed
+    before the pull. The pull fails (--kv-load-failure fail: the decode engine answers
+    500 and frees what it allocated); the router takes that for a failed transfer and
+    runs the pair again on the other prefill engine: the client gets its answer."""
+    f = fleet({"prefill0": "prefill", "prefill1": "prefill", "decode0": "decode"}, "vllm",
+              "--predict-ttl", "600",
+              engine_flags={"decode0": ("--max-num-seqs", "1", "--speed", "1")})
+    d = f.engines["decode0"]
+    prefix = _prompt(21, 200)
+    r = f.http.post("/v1/completions", json={"model": MODEL, "prompt": prefix + " a",
+                                             "max_tokens": 2})
+    holder = PAIRED.fullmatch(r.headers["x-kvwire-engine"]).group(1)
+    other = "prefill1" if holder == "prefill0" else "prefill0"
+    # the decode engine busy with a long answer of its own (sent to it directly)
+    blocker = httpx.Client(timeout=TIMEOUT)
+    busy = blocker.send(blocker.build_request("POST", d.url + "/v1/completions", json={
+        "model": MODEL, "prompt": "hold the engine", "max_tokens": 3000, "stream": True}),
+        stream=True)
+    try:
+        until(lambda: d.metric("vllm:num_requests_running") == 1, "the decode engine busy")
+        answer: dict[str, Any] = {}
+
+        def client() -> None:
+            answer["r"] = httpx.post(f.url + "/v1/completions", timeout=TIMEOUT, json={
+                "model": MODEL, "prompt": prefix + " b", "max_tokens": 3})
+
+        t = threading.Thread(target=client, daemon=True)
+        t.start()
+        until(lambda: d.metric("vllm:num_requests_waiting") == 1, "the pair's decode queued")
+        f.engines[holder].kill()
+    finally:
+        busy.close()  # the decode engine aborts it and admits the queued one
+        blocker.close()
+    t.join(TIMEOUT)
+    r = answer["r"]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvwire-engine"] == f"prefill={other},decode=decode0"
+    assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == 1
+    assert _metric(f.metrics(), "kvwire_proxy_pd_prefill_failures_total") == 1
+    until(f.all_idle, "every load 0, nothing held")
+
+
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 def test_a_decode_engine_killed_mid_stream_ends_with_an_sse_error(
         fleet: Callable[..., Fleet], protocol: str) -> None:
