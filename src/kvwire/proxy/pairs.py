@@ -450,7 +450,6 @@ class Pairs:
                 ctx.req.on_close = both
         return res
 
-
     def _unstarted(self, ctx: _Ctx, *sides: Routed) -> None:
         """Release the reservations of sides whose task was cancelled before it ran."""
         for r in sides:
