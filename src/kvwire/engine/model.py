@@ -11,7 +11,8 @@ Scheduling, per step, as vLLM V1 does it with chunked prefill:
   prompt up to the budget left. If their blocks cannot be had, the youngest running request
   is preempted (its blocks freed, its progress dropped, back to the front of the queue)
   until they can; if that was the request itself, the step stops scheduling;
-* then, if nothing was preempted, waiting requests in order while the budget and
+* then, if nothing was preempted, requests whose pull ended (they hold their blocks), and
+  waiting requests in order while the budget and
   ``max_num_seqs`` allow: each looks up its longest cached prefix (never its last token,
   which must be computed to sample), takes those blocks and allocates the rest of the
   chunk; the tokens found are its ``cached_tokens`` (counted at its first admission);
@@ -26,6 +27,15 @@ waiting and every running request is decoding inside its current block, the next
 change nothing but counters until a block fills, a request finishes or ``until`` passes;
 :meth:`step` runs them in one call (``StepResult.steps`` > 1), with exactly the times and
 state single steps give (a test checks it), which is what lets a fleet replay long traces.
+
+Disaggregated serving (``EngineConfig.role``): a ``remote_decode`` request (prefill side)
+finishes after its first token and keeps its blocks under a :class:`Lease` until the decode
+side releases it (pulled, aborted, all cached there) or it expires. A ``remote_prefill``
+request (decode side) takes its local prefix hit on admission, allocates its whole prompt
+and, when more than ``recompute_blocks`` blocks are missing, waits ``TRANSFERRING`` (listed
+in ``StepResult.pulls``) until the caller says the pull ended (:meth:`EngineModel.transfer_done`):
+the pulled blocks are then cached and published like computed ones, as vLLM publishes them.
+The caller moves the blocks and keeps the time; the model only holds and frees them.
 """
 
 from __future__ import annotations
@@ -41,10 +51,13 @@ from itertools import accumulate, repeat
 
 from ..wire.events import Event
 from .kvcache import PagedPrefixCache
-from .request import FINISHED, RUNNING, WAITING, EngineRequest
-from .timing import StepCost
+from .request import FINISHED, RUNNING, TRANSFERRING, WAITING, EngineRequest
+from .timing import StepCost, TransferCost
 
-__all__ = ["EngineConfig", "EngineModel", "StepResult"]
+__all__ = ["ROLES", "EngineConfig", "EngineModel", "Lease", "StepResult"]
+
+ROLES = ("both", "prefill", "decode")
+LOAD_FAILURE = ("fail", "recompute")
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,19 @@ class EngineConfig:
     #: the LoRA adapters' names: lora_id ``i`` (from 1) is ``lora_names[i - 1]``, published
     #: as ``lora_name`` beside ``lora_id`` as vLLM does (routers key adapters by name)
     lora_names: tuple[str, ...] = ()
+    #: "both" (prefill and decode here), "prefill" (runs remote-decode requests and leases
+    #: their blocks) or "decode" (admits remote-prefill requests and pulls their KV)
+    role: str = "both"
+    #: seconds a prefill engine holds a finished remote-decode request's blocks unless the
+    #: decode side extends it (vLLM's ``kv_lease_duration``)
+    lease_s: float = 30.0
+    transfer: TransferCost = field(default_factory=TransferCost)
+    #: a failed pull: "fail" the request, or "recompute" the prompt locally (vLLM's
+    #: ``kv_load_failure_policy``)
+    load_failure: str = "fail"
+    #: a pull of at most this many blocks is recomputed locally instead (vLLM's
+    #: ``kv_recompute_threshold``)
+    recompute_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -73,6 +99,33 @@ class EngineConfig:
         if isinstance(self.cpu_blocks, bool) or not isinstance(self.cpu_blocks, int) \
                 or self.cpu_blocks < 0:
             raise ValueError(f"cpu_blocks must be an integer >= 0, got {self.cpu_blocks!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.load_failure not in LOAD_FAILURE:
+            raise ValueError(f"load_failure must be one of {', '.join(LOAD_FAILURE)}, "
+                             f"got {self.load_failure!r}")
+        lease = self.lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) \
+                or not math.isfinite(lease) or lease <= 0:
+            raise ValueError(f"lease_s must be a finite number > 0, got {lease!r}")
+        rb = self.recompute_blocks
+        if isinstance(rb, bool) or not isinstance(rb, int) or rb < 0:
+            raise ValueError(f"recompute_blocks must be an integer >= 0, got {rb!r}")
+        if not isinstance(self.transfer, TransferCost):
+            raise ValueError(f"transfer must be a TransferCost, got {self.transfer!r}")
+
+
+@dataclass(slots=True)
+class Lease:
+    """A finished remote-decode request's blocks, held for the decode side to pull until
+    ``expires`` (model seconds). ``hashes``: the prompt's full blocks' hashes, in order;
+    ``blocks`` also holds the partial last block; ``tokens``: the prompt's length."""
+
+    rid: str
+    blocks: list[int]
+    hashes: list[int]
+    tokens: int
+    expires: float
 
 
 @dataclass(slots=True)
@@ -88,6 +141,12 @@ class StepResult:
     seqs: int
     first_tokens: list[EngineRequest]
     finished: list[EngineRequest]
+    #: remote-prefill requests that entered TRANSFERRING in this step (their ``pull_from``
+    #: and ``pull_blocks`` say what to pull)
+    pulls: list[EngineRequest] = field(default_factory=list)
+    #: remote-prefill requests that chose a local prefill instead (everything cached, or a
+    #: pull of at most ``recompute_blocks``): their remote lease can be released
+    local_prefills: list[EngineRequest] = field(default_factory=list)
 
 
 class EngineModel:
@@ -98,6 +157,9 @@ class EngineModel:
         self.cache = PagedPrefixCache(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks,
                                       cfg.lora_names)
         self.waiting: deque[EngineRequest] = deque()
+        #: requests whose pull ended, holding their prompt's blocks: admitted before
+        #: ``waiting`` (a queue head that needs blocks they hold must not wait on them)
+        self.ready: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.now = 0.0
         self.busy_s = 0.0
@@ -108,10 +170,38 @@ class EngineModel:
         self.prefix_hits = 0
         #: every inter-token gap (seconds) of every request, in the order produced
         self.itl = array("d")
+        #: prefill side: finished remote-decode requests' blocks, by request id
+        self.leases: dict[str, Lease] = {}
+        self.held_blocks = 0
+        self.leases_expired = 0
+        self.leases_released = 0
+        #: decode side: requests whose KV is being pulled, by request id
+        self.transferring: dict[str, EngineRequest] = {}
+        self.transfers_started = 0
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+        #: blocks pulled by transfers that ended well (a partial last block counts whole)
+        self.blocks_pulled = 0
+        #: remote-prefill requests that prefilled locally (all cached, or a small pull)
+        self.local_prefill_count = 0
+        self._pulls: list[EngineRequest] = []
+        self._local: list[EngineRequest] = []
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        """Nothing waiting, running or transferring (leases do not count: they only hold
+        blocks until released or expired)."""
+        return not (self.waiting or self.ready or self.running or self.transferring)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether :meth:`step` has work: something waiting or running."""
+        return bool(self.waiting or self.ready or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, transferring, or ready after their pull."""
+        return len(self.waiting) + len(self.ready) + len(self.transferring)
 
     def fits(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether a request this long can ever run here (vLLM checks the same against
@@ -129,14 +219,26 @@ class EngineModel:
             raise ValueError(f"request {req.rid!r}: {len(req.prompt)} + {req.max_tokens} tokens "
                              f"exceed the KV cache ({self.cfg.num_gpu_blocks} blocks of "
                              f"{self.cfg.block_size})")
-        t = self.now if now is None else now
-        if t > self.now:
-            if not self.idle:
-                raise ValueError(f"engine busy at {self.now}: step it to {t} before adding")
-            self.now = t
-        req.arrival = t
+        role = self.cfg.role
+        if req.remote_decode and req.remote_prefill:
+            raise ValueError(f"request {req.rid!r}: remote_decode and remote_prefill at once")
+        if req.remote_decode and role == "decode":
+            raise ValueError(f"request {req.rid!r}: a remote-decode request on a decode engine")
+        if req.remote_prefill and role == "prefill":
+            raise ValueError(f"request {req.rid!r}: a remote-prefill request on a prefill engine")
+        self._to(now, "adding")
+        req.arrival = self.now if now is None else now
         req._start(self.cfg.block_size, self.cfg.seed)
+        req.pull_pending = req.remote_prefill
         self.waiting.append(req)
+
+    def _to(self, now: float | None, what: str) -> None:
+        """Move the clock to ``now`` for an outside event: only an engine with no step to
+        run may jump ahead (a busy one must have been stepped up to it)."""
+        if now is not None and now > self.now:
+            if self.runnable:
+                raise ValueError(f"engine busy at {self.now}: step it to {now} before {what}")
+            self.now = now
 
     def fork(self) -> EngineModel:
         """An independent copy to run ahead on (a what-if: when would a request added now
@@ -149,17 +251,97 @@ class EngineModel:
             self.itl = itl
 
     def abort(self, req: EngineRequest) -> bool:
-        """Drop a waiting or running request (a client went away): its blocks are freed
-        now, as vLLM frees an aborted request's. False if it was not here."""
+        """Drop a waiting, running or transferring request (a client went away): its blocks
+        are freed now, as vLLM frees an aborted request's. False if it was not here."""
         if req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)
+        elif req.status == WAITING and req in self.ready:
+            self.ready.remove(req)
         elif req.status == RUNNING and req in self.running:
             self.running.remove(req)
-            self.cache.free_blocks(req.blocks)
-            req.blocks = []
+        elif req.status == TRANSFERRING and self.transferring.get(req.rid) is req:
+            del self.transferring[req.rid]
         else:
             return False
+        if req.blocks:  # a waiting request holds blocks after its pull ended
+            self.cache.free_blocks(req.blocks)
+            req.blocks = []
         req.status = FINISHED
+        return True
+
+    # ------------------------------------------------------------------ leases (prefill side)
+
+    def extend(self, rid: str, until: float) -> bool:
+        """The decode side is still waiting for ``rid``'s blocks: hold them until at least
+        ``until``. False if there is no such lease."""
+        lease = self.leases.get(rid)
+        if lease is None:
+            return False
+        if until > lease.expires:
+            lease.expires = until
+        return True
+
+    def release(self, rid: str) -> bool:
+        """Free a lease's blocks (pulled, or the decode side aborted or had them all), as
+        a finished request frees its blocks: they stay cached. False if none."""
+        lease = self.leases.pop(rid, None)
+        if lease is None:
+            return False
+        self._free_lease(lease)
+        self.leases_released += 1
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Free every lease with ``expires <= now``; their request ids."""
+        gone = [rid for rid, lease in self.leases.items() if lease.expires <= now]
+        for rid in gone:
+            self._free_lease(self.leases.pop(rid))
+        self.leases_expired += len(gone)
+        return gone
+
+    def read(self, rid: str, now: float) -> Lease | None:
+        """The lease of ``rid`` if alive at ``now`` (for a pull); never frees."""
+        lease = self.leases.get(rid)
+        return lease if lease is not None and lease.expires > now else None
+
+    def next_expiry(self) -> float | None:
+        """When the next lease expires, None without leases."""
+        return min((lease.expires for lease in self.leases.values()), default=None)
+
+    def _free_lease(self, lease: Lease) -> None:
+        self.cache.free_blocks(lease.blocks)
+        self.held_blocks -= len(lease.blocks)
+
+    # ------------------------------------------------------------------ transfers (decode side)
+
+    def transfer_done(self, req: EngineRequest, ok: bool, now: float | None = None) -> bool:
+        """``req``'s pull ended at ``now`` (default: the engine's clock; an engine with steps
+        to run must have been stepped up to it). ok: the pulled blocks are cached and
+        published, the request computes its last prompt token and samples in its next
+        step. Not ok: recomputed locally under ``load_failure="recompute"``, else freed
+        and finished with ``failed`` set. False if ``req`` was not transferring."""
+        if req.status != TRANSFERRING or self.transferring.get(req.rid) is not req:
+            return False
+        self._to(now, "a transfer ends")
+        del self.transferring[req.rid]
+        if ok:
+            self.transfers_ok += 1
+            self.blocks_pulled += req.pull_blocks
+            req.num_computed = len(req.prompt) - 1
+            self._cache_full(req, req.num_computed)
+        else:
+            self.transfers_failed += 1
+            if self.cfg.load_failure == "fail":
+                self.cache.free_blocks(req.blocks)
+                req.blocks = []
+                req.status = FINISHED
+                req.failed = True
+                req.finish_t = self.now
+                return True
+            req.num_computed = req.hit_tokens
+        # Its blocks are held: admitted before the waiting queue, with no lookup.
+        req.status = WAITING
+        self.ready.append(req)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -175,9 +357,9 @@ class EngineModel:
 
     def step(self, until: float = math.inf) -> StepResult:
         """Run the next step (or a quiet stretch of them, none starting at or after
-        ``until``). Raises RuntimeError when idle."""
-        if self.idle:
-            raise RuntimeError("step() on an idle engine")
+        ``until``). Raises RuntimeError when nothing is :attr:`runnable`."""
+        if not self.runnable:
+            raise RuntimeError("step() on an engine with nothing to run")
         if self.cfg.fast_forward:
             folded = self._fold(until)
             if folded is not None:
@@ -215,7 +397,15 @@ class EngineModel:
         cfg, cache = self.cfg, self.cache
         bs = cfg.block_size
         out = []
-        waiting, running = self.waiting, self.running
+        waiting, running, ready = self.waiting, self.running, self.ready
+        while ready and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = ready.popleft()  # its pull ended: it holds its whole prompt's blocks
+            n = min(len(req.tokens) - req.num_computed, budget)
+            req.status = RUNNING
+            running.append(req)
+            self._cache_full(req, req.num_computed + n)
+            out.append((req, n))
+            budget -= n
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
             hit = cache.longest_hit(req.hashes[:(len(req.tokens) - 1) // bs])
@@ -223,8 +413,18 @@ class EngineModel:
             if not req.preemptions:
                 self.prefix_queries += len(req.tokens)
                 self.prefix_hits += computed
-            n = min(len(req.tokens) - computed, budget)
-            need = -(-(computed + n) // bs) - len(hit)
+            pull = 0
+            if req.pull_pending:
+                # blocks covering tokens computed .. len - 1 (the last is computed here)
+                pull = -(-(len(req.tokens) - 1) // bs) - len(hit)
+                if pull <= cfg.recompute_blocks:
+                    pull = 0
+            if pull:
+                n = 0
+                need = -(-len(req.tokens) // bs) - len(hit)
+            else:
+                n = min(len(req.tokens) - computed, budget)
+                need = -(-(computed + n) // bs) - len(hit)
             ref = cache.ref
             held_free = sum(1 for b in hit if ref[b] == 0)  # touching takes them off the queue
             if need > cache.num_free - held_free:
@@ -236,8 +436,19 @@ class EngineModel:
             req.hit_tokens = computed
             if req.cached_tokens < 0:
                 req.cached_tokens = computed
-            req.status = RUNNING
             waiting.popleft()
+            if req.pull_pending:
+                req.pull_pending = False
+                if pull:
+                    req.pull_from, req.pull_blocks = len(hit), pull
+                    req.status = TRANSFERRING
+                    self.transferring[req.rid] = req
+                    self.transfers_started += 1
+                    self._pulls.append(req)
+                    continue
+                self.local_prefill_count += 1
+                self._local.append(req)
+            req.status = RUNNING
             running.append(req)
             self._cache_full(req, computed + n)
             out.append((req, n))
@@ -294,7 +505,16 @@ class EngineModel:
             else:
                 self.itl.append(end - req.last_token_t)
             req.last_token_t = end
-            if req.num_output >= req.max_tokens:
+            if req.remote_decode:  # its decode runs elsewhere: hold the prompt's KV for it
+                nfull = len(req.prompt) // bs
+                self.leases[req.rid] = Lease(req.rid, req.blocks, req.hashes[:nfull],
+                                             len(req.prompt), end + cfg.lease_s)
+                self.held_blocks += len(req.blocks)
+                req.blocks = []
+                req.status = FINISHED
+                req.finish_t = end
+                finished.append(req)
+            elif req.num_output >= req.max_tokens:
                 self.cache.free_blocks(req.blocks)
                 req.blocks = []
                 req.status = FINISHED
@@ -302,12 +522,15 @@ class EngineModel:
                 finished.append(req)
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
+        pulls, local = self._pulls, self._local
+        if pulls or local:
+            self._pulls, self._local = [], []
         return StepResult(start, end, 1, self.cache.take_events(), tokens, len(sched), firsts,
-                          finished)
+                          finished, pulls, local)
 
     def _fold(self, until: float) -> StepResult | None:
         """The quiet decode steps from now, in one go (None if the next step is not one)."""
-        if self.waiting or not self.running:
+        if self.waiting or self.ready or not self.running:
             return None
         running = self.running
         n = len(running)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 __all__ = ["EngineRequest", "block_hashes", "extend_hashes"]
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+#: a remote-prefill request holding its blocks while its prompt's KV is pulled
+TRANSFERRING = "transferring"
 
 
 def _extra(lora_id: int | None, cache_salt: str | None, first: bool) -> bytes:
@@ -69,6 +71,12 @@ class EngineRequest:
     cache_salt: str | None = None
     #: the token ids to generate (at least ``max_tokens``); None: random ids from the seed
     output: Sequence[int] | None = None
+    #: prefill side of a disaggregated pair: compute the prompt, sample one token, finish,
+    #: and hold the blocks under a lease for the decode engine to pull (vLLM's
+    #: ``do_remote_decode``)
+    remote_decode: bool = False
+    #: decode side: the prompt's KV comes from a remote engine (vLLM's ``do_remote_prefill``)
+    remote_prefill: bool = False
 
     status: str = WAITING
     arrival: float = 0.0
@@ -86,6 +94,15 @@ class EngineRequest:
     first_token_t: float | None = None
     last_token_t: float = 0.0
     finish_t: float | None = None
+    #: a remote-prefill request's pull: the first block index and how many blocks (set when
+    #: it enters TRANSFERRING; the last prompt token is always computed locally)
+    pull_from: int = 0
+    pull_blocks: int = 0
+    #: whether the pull is still to be decided (a remote-prefill request before its first
+    #: admission); False after it pulled, failed or chose a local prefill
+    pull_pending: bool = False
+    #: the request ended without output: its transfer failed under ``load_failure="fail"``
+    failed: bool = False
     _out: array = field(default_factory=lambda: array("q"), repr=False)
 
     @property
