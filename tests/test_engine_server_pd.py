@@ -661,3 +661,15 @@ def test_the_room_table_is_bounded_and_its_drops_counted(monkeypatch):
         assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]
     finally:
         e.close()
+
+
+def test_no_bootstrap_server_there_fails_the_pull(pair):
+    """SGLang's protocol with a bootstrap port where nothing listens: the pull fails
+    (``bootstrap``) and, under ``fail``, the client gets a 500, not a hang."""
+    _, d = pair
+    body = {"prompt": PROMPT + " (nowhere)", "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": free_port(), "bootstrap_room": 5}
+    r = d.http.post("/v1/completions", json=body)
+    assert r.status_code == 500, r.text
+    assert d.metric("kvwire_engine_kv_transfer_failures_total", reason="bootstrap") == 1
+    assert d.http.get("/get_load").json()[0]["num_reqs"] == 0
