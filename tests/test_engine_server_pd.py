@@ -200,6 +200,10 @@ def test_vllm_protocol_end_to_end(pair, stream, chat):
             r.json()["choices"][0]["text"]
     assert got == want
     assert d.metric("kvwire_engine_kv_transfers_total", result="ok") == ok + 1
+    assert d.metric("vllm:nixl_xfer_time_seconds_count") == ok + 1 + d.metric(
+        "kvwire_engine_kv_transfers_total", result="failed")  # every pull that ended
+    assert d.metric("vllm:nixl_bytes_transferred_sum") == d.metric(
+        "kvwire_engine_kv_transfer_bytes_total") > 0
     # the decode engine told the prefill engine: its lease is gone
     until(lambda: p.metric("kvwire_engine_kv_leases_released_total") == released + 1,
           "the lease to be released")
@@ -314,8 +318,12 @@ def test_prefill_killed_before_the_pull(policy):
             want = plain(d, body)
             assert r.json()["choices"][0]["text"] == want
         assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == 1
+        assert d.metric("vllm:nixl_num_failed_transfers_total") == 1
         assert d.metric("kvwire_engine_kv_transfer_failures_total",
                         reason="unreachable") == 1
+        # (the prefill engine is gone: telling it to free failed too)
+        until(lambda: d.metric("vllm:nixl_num_failed_notifications_total") == 1,
+              "the failed notification")
         # the decode engine freed what it allocated for the pull
         dump = d.http.get("/kvwire/cache").json()["ranks"][0]
         assert dump["running"] == 0 and dump["waiting"] == 0
@@ -352,6 +360,7 @@ def test_lease_expires_when_no_decode_engine_pulls():
         assert held(p) == len(kv["remote_block_ids"]) > 0
         until(lambda: held(p) == 0, "the lease to expire")
         assert p.metric("kvwire_engine_kv_leases_expired_total") == 1
+        assert p.metric("vllm:nixl_num_kv_expired_reqs_total") == 1
         assert p.metric("kvwire_engine_kv_leases") == 0
         # a pull after the expiry finds nothing
         r = httpx.post(f"http://127.0.0.1:{p.kv_port}/kvwire/kv/read",

@@ -556,6 +556,7 @@ class PD:
                                  {"bootstrap_room": r.boot.room, "dst_host": self.host,
                                   "dst_port": self.kv_port, "from_block": 0, "num_blocks": 0})
         except (UpstreamError, asyncio.TimeoutError) as e:
+            self.stats.failed_notifications += 1
             log.info("could not tell %s:%s to free (%s): %s", r.host, r.port, reason, e)
 
     async def _pull(self, r: Remote) -> None:
@@ -607,7 +608,9 @@ class PD:
         self.core.transfer_done(rid, ok, end)
         self.runner.wake()
         st = self.stats
-        if not ok:
+        if ok:
+            st.bytes.observe(self.cfg.transfer.bytes(n, bs))
+        else:
             st.fail(why)  # type: ignore[arg-type]
             if self.cfg.load_failure == "recompute":
                 st.recomputed += 1
