@@ -200,6 +200,10 @@ def test_vllm_protocol_end_to_end(pair, stream, chat):
             r.json()["choices"][0]["text"]
     assert got == want
     assert d.metric("kvwire_engine_kv_transfers_total", result="ok") == ok + 1
+    assert d.metric("vllm:nixl_xfer_time_seconds_count") == ok + 1 + d.metric(
+        "kvwire_engine_kv_transfers_total", result="failed")  # every pull that ended
+    assert d.metric("vllm:nixl_bytes_transferred_sum") == d.metric(
+        "kvwire_engine_kv_transfer_bytes_total") > 0
     # the decode engine told the prefill engine: its lease is gone
     until(lambda: p.metric("kvwire_engine_kv_leases_released_total") == released + 1,
           "the lease to be released")
@@ -314,8 +318,12 @@ def test_prefill_killed_before_the_pull(policy):
             want = plain(d, body)
             assert r.json()["choices"][0]["text"] == want
         assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == 1
+        assert d.metric("vllm:nixl_num_failed_transfers_total") == 1
         assert d.metric("kvwire_engine_kv_transfer_failures_total",
                         reason="unreachable") == 1
+        # (the prefill engine is gone: telling it to free failed too)
+        until(lambda: d.metric("vllm:nixl_num_failed_notifications_total") == 1,
+              "the failed notification")
         # the decode engine freed what it allocated for the pull
         dump = d.http.get("/kvwire/cache").json()["ranks"][0]
         assert dump["running"] == 0 and dump["waiting"] == 0
@@ -352,6 +360,7 @@ def test_lease_expires_when_no_decode_engine_pulls():
         assert held(p) == len(kv["remote_block_ids"]) > 0
         until(lambda: held(p) == 0, "the lease to expire")
         assert p.metric("kvwire_engine_kv_leases_expired_total") == 1
+        assert p.metric("vllm:nixl_num_kv_expired_reqs_total") == 1
         assert p.metric("kvwire_engine_kv_leases") == 0
         # a pull after the expiry finds nothing
         r = httpx.post(f"http://127.0.0.1:{p.kv_port}/kvwire/kv/read",
@@ -661,3 +670,15 @@ def test_the_room_table_is_bounded_and_its_drops_counted(monkeypatch):
         assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]
     finally:
         e.close()
+
+
+def test_no_bootstrap_server_there_fails_the_pull(pair):
+    """SGLang's protocol with a bootstrap port where nothing listens: the pull fails
+    (``bootstrap``) and, under ``fail``, the client gets a 500, not a hang."""
+    _, d = pair
+    body = {"prompt": PROMPT + " (nowhere)", "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": free_port(), "bootstrap_room": 5}
+    r = d.http.post("/v1/completions", json=body)
+    assert r.status_code == 500, r.text
+    assert d.metric("kvwire_engine_kv_transfer_failures_total", reason="bootstrap") == 1
+    assert d.http.get("/get_load").json()[0]["num_reqs"] == 0

@@ -34,7 +34,7 @@ def routed():
     e = fleet.engines
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-           "--log-level", "warn"]
+           "--log-level", "warn", "--worker-startup-check-interval", "1"]
     for name in ("prefill0", "prefill1"):
         cmd += ["--prefill", e[name]["url"], e[name]["bootstrap_port"]]
     cmd += ["--decode", e["decode0"]["url"]]

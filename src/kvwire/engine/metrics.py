@@ -83,6 +83,11 @@ class EngineStats:
                                            8192, 16384))
 
 
+#: bytes of one pull: from one 16-token block of a small model to a long prompt's KV
+BYTES_BUCKETS = (2.0**16, 2.0**18, 2.0**20, 2.0**22, 2.0**24, 2.0**26, 2.0**28, 2.0**30,
+                 2.0**32, 2.0**34)
+
+
 class TransferStats:
     """What the engine server adds to the model's transfer counters: failed pulls by
     reason, pulls recomputed locally, blocks served to decode engines and heartbeats
@@ -95,6 +100,11 @@ class TransferStats:
         self.heartbeats = 0
         self.rooms = 0  # SGLang rooms known on the prefill side (set when rendered)
         self.rooms_dropped = 0  # rooms forgotten unclaimed to keep the table bounded
+        #: decode side: telling a prefill engine to free its blocks failed
+        self.failed_notifications = 0
+        #: decode side: bytes of each pull that ended well (modelled: blocks x block size
+        #: x bytes per token)
+        self.bytes = Histogram(BYTES_BUCKETS)
 
     def fail(self, reason: str) -> None:
         self.failed[reason] = self.failed.get(reason, 0) + 1
@@ -151,15 +161,32 @@ def render_transfer(labels: dict[str, str], counts: dict[str, int], seconds: His
         counts["blocks"])
     one("kvwire_engine_kv_transfer_bytes_total", "counter",
         "Bytes pulled (blocks x block size x bytes per token).", counts["bytes"])
-    name = "kvwire_engine_kv_transfer_seconds"
-    family(name, "histogram", "Seconds from a pull's start to its end (model time).")
-    acc = 0
-    for b, c in zip(seconds.buckets, seconds.counts):
-        acc += c
-        lines.append(f'{name}_bucket{{{lab},le="{float(b)}"}} {acc}')
-    lines.append(f'{name}_bucket{{{lab},le="+Inf"}} {seconds.count}')
-    lines.append(f"{name}_count{{{lab}}} {seconds.count}")
-    lines.append(f"{name}_sum{{{lab}}} {seconds.sum}")
+    def hist(name: str, help: str, h: Histogram) -> None:
+        family(name, "histogram", help)
+        acc = 0
+        for b, c in zip(h.buckets, h.counts):
+            acc += c
+            lines.append(f'{name}_bucket{{{lab},le="{float(b)}"}} {acc}')
+        lines.append(f'{name}_bucket{{{lab},le="+Inf"}} {h.count}')
+        lines.append(f"{name}_count{{{lab}}} {h.count}")
+        lines.append(f"{name}_sum{{{lab}}} {h.sum}")
+
+    hist("kvwire_engine_kv_transfer_seconds",
+         "Seconds from a pull's start to its end (model time).", seconds)
+    # the same under the names vLLM's NixlConnector gives them, for its dashboards
+    hist("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache "
+         "transfers.", seconds)
+    hist("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache "
+         "transfers.", st.bytes)
+    for name, help, v in (
+            ("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.",
+             counts["failed"]),
+            ("vllm:nixl_num_failed_notifications", "Number of failed NIXL KV Cache "
+             "notifications.", st.failed_notifications),
+            ("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire.",
+             counts["leases_expired"])):
+        family(name, "counter", help)
+        lines.append(f"{name}_total{{{lab}}} {v}")
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -475,9 +475,14 @@ class PD:
             except (UpstreamError, asyncio.TimeoutError) as e:
                 log.info("bootstrap server %s:%d: %s", b.host, b.port, e)
                 return False
-            if status != 200 or not isinstance(info, dict):
+            try:
+                got = (str(info["rank_ip"]), int(info["rank_port"]))  # type: ignore[index]
+            except (KeyError, TypeError, ValueError):
+                log.info("bootstrap server %s:%d answered %d %r", b.host, b.port, status, info)
                 return False
-            got = self._boots[key] = (str(info["rank_ip"]), int(info["rank_port"]))
+            if status != 200:
+                return False
+            self._boots[key] = got
         r.host, r.port = got
         return True
 
@@ -551,6 +556,7 @@ class PD:
                                  {"bootstrap_room": r.boot.room, "dst_host": self.host,
                                   "dst_port": self.kv_port, "from_block": 0, "num_blocks": 0})
         except (UpstreamError, asyncio.TimeoutError) as e:
+            self.stats.failed_notifications += 1
             log.info("could not tell %s:%s to free (%s): %s", r.host, r.port, reason, e)
 
     async def _pull(self, r: Remote) -> None:
@@ -582,6 +588,9 @@ class PD:
                     hashes = r.push.result() if r.push is not None else None
         except (UpstreamError, asyncio.TimeoutError, OSError):
             why = "unreachable"
+        except Exception:  # a bug of ours must not leave the request transferring forever
+            log.exception("KV pull for %s failed", rid)
+            why = "error"
         if why is None:
             if not isinstance(hashes, list) or len(hashes) != n:
                 why = "bad answer"
@@ -599,7 +608,9 @@ class PD:
         self.core.transfer_done(rid, ok, end)
         self.runner.wake()
         st = self.stats
-        if not ok:
+        if ok:
+            st.bytes.observe(self.cfg.transfer.bytes(n, bs))
+        else:
             st.fail(why)  # type: ignore[arg-type]
             if self.cfg.load_failure == "recompute":
                 st.recomputed += 1
