@@ -146,7 +146,7 @@ def _wait_idle(urls: list[str], timeout: float = 60.0) -> dict[str, float]:
     ends at the latest after the engines' lease time)."""
     deadline = time.monotonic() + timeout
     while True:
-        held = {u: metric(metrics(u), "kvwire:kv_held_blocks") for u in urls}
+        held = {u: metric(metrics(u), "kvwire_engine_kv_held_blocks") for u in urls}
         if not any(held.values()) or time.monotonic() > deadline:
             return held
         time.sleep(0.5)
@@ -200,9 +200,11 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
         if name.startswith("kvwire") or agg:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/engines", timeout=10) as r:
                 st = json.loads(r.read())
-            http = st.get("http", st)
-            in_flight = sum(v.get("in_flight", 0) for k, v in http.items()
-                            if isinstance(v, dict) and "in_flight" in v)
+            # what the router still holds: reserved load per rank, requests in flight
+            in_flight = sum(row.get("load", 0.0) for e in st.values() if isinstance(e, dict)
+                            for row in e.get("ranks", ())) + sum(
+                e.get("http", {}).get("in_flight", 0) for e in st.values()
+                if isinstance(e, dict))
     finally:
         _kill(router)
         stop_fleet(fleet)
@@ -219,9 +221,9 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             "errors": sorted({r["error"] for r in recs if r["error"]})[:3],
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p99": pct(itl, 0.99),
             "cached": hits / prompt if prompt else float("nan"),
-            "transfers": delta(decode_urls, "kvwire:kv_transfers_total"),
-            "pulled_blocks": delta(decode_urls, "kvwire:kv_transfer_blocks_total"),
-            "transfer_failures": delta(decode_urls, "kvwire:kv_transfer_failures_total"),
+            "transfers": delta(decode_urls, "kvwire_engine_kv_transfers_started_total"),
+            "pulled_blocks": delta(decode_urls, "kvwire_engine_kv_transfer_blocks_total"),
+            "transfer_failures": delta(decode_urls, "kvwire_engine_kv_transfer_failures_total"),
             "held_after": sum(held.values()), "in_flight_after": in_flight, "wall": wall,
             "router_cpu_per_request": rcpu / max(1, len(recs))}
 
