@@ -264,3 +264,26 @@ def test_route_pair_counts_the_prefill_share_per_side_and_load_steers_the_prefil
     a = core.route_pair(list(range(4 * BS)), None, None, yes, yes)
     b = core.route_pair(list(range(1000, 1000 + 4 * BS)), None, None, yes, yes)
     assert a.prefill and b.prefill and {a.prefill.engine, b.prefill.engine} == {"p0", "p1"}
+
+
+def test_round_robin_takes_its_turns_per_side() -> None:
+    """Round robin over 2 decode and 4 prefill engines: 8 pairs use each decode engine 4
+    times and each prefill engine twice. (One policy shared by both sides alternated its
+    turns between them: every decode went to one engine, every prefill to two.)"""
+    from collections import Counter
+
+    from kvwire.routing.policy import RoundRobinPolicy
+
+    roles = {"d0": "decode", "d1": "decode", "p0": "prefill", "p1": "prefill",
+             "p2": "prefill", "p3": "prefill"}
+    core = RouterCore([EngineSpec(n, f"ipc:///nonexistent/{n}", role=r)
+                       for n, r in roles.items()], block_size=BS,
+                      policy=RoundRobinPolicy(seed=0))
+    for t in core.targets:
+        core.alive[t.stream] = True
+    pairs = [core.route_pair(list(range(i * 100, i * 100 + 4 * BS)), None, None, yes, yes)
+             for i in range(8)]
+    assert all(p.why == "disagg" and p.prefill is not None for p in pairs)
+    assert Counter(p.decode.engine for p in pairs) == {"d0": 4, "d1": 4}
+    assert Counter(p.prefill.engine for p in pairs if p.prefill) == \
+        {"p0": 2, "p1": 2, "p2": 2, "p3": 2}

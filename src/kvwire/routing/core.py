@@ -26,6 +26,7 @@ sharing between replicas (applying the peers' reports: nats/load_channel.py).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -126,6 +127,8 @@ class RouterCore:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.engines = list(engines)
         self.policy = policy or RoutingPolicy(load_weight=0.5)
+        #: the prefill side's own copy (a stateful policy takes its turns per side)
+        self.prefill_policy = copy.deepcopy(self.policy)
         #: the prefill/decode decider's thresholds (:meth:`route_pair`)
         self.pairs = pairs or PairConfig()
         self.roles: dict[str, str] = {}  # engine name -> role (set with the targets)
@@ -481,7 +484,7 @@ class RouterCore:
             cands = {c.name: c for c in self._candidates(list(seen.values()), matches,
                                                          prompt_blocks, now, up)}
             pd = choose_pair(self.policy, prompt_blocks, [cands[t.label] for t in dec],
-                             [cands[t.label] for t in pre], self.pairs)
+                             [cands[t.label] for t in pre], self.pairs, self.prefill_policy)
             expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
             d = pd.decode
             d_over = d.overlap[d.name]

@@ -77,10 +77,14 @@ class PairDecision:
 
 def choose_pair(policy: Any, prompt_blocks: int, decode_candidates: Sequence[Candidate],
                 prefill_candidates: Sequence[Candidate],
-                cfg: PairConfig | None = None) -> PairDecision:
+                cfg: PairConfig | None = None, prefill_policy: Any = None) -> PairDecision:
     """Choose the decode engine, decide whether to disaggregate, then choose the prefill
-    engine (module docstring). ``policy``: anything with the policies' ``choose``.
-    ValueError if there is no decode candidate."""
+    engine (module docstring). ``policy``: anything with the policies' ``choose``;
+    ``prefill_policy`` (default: ``policy``) chooses the prefill side. A policy with state
+    of its own (round robin's turn) needs one per side: shared, its turns alternate
+    between the sides, and with 2 decode and 4 prefill engines every decode lands on the
+    same engine and every prefill on two of the four. ValueError if there is no decode
+    candidate."""
     cfg = cfg or PairConfig()
     if not decode_candidates:
         raise ValueError("no engine can decode (role decode or both)")
@@ -93,7 +97,7 @@ def choose_pair(policy: Any, prompt_blocks: int, decode_candidates: Sequence[Can
     pool = [c for c in prefill_candidates if c.alive] or list(prefill_candidates)
     if all(c.load > cfg.prefill_busy for c in pool):
         return PairDecision(d, None, "prefill_busy")
-    p = policy.choose(prompt_blocks, prefill_candidates)
+    p = (prefill_policy or policy).choose(prompt_blocks, prefill_candidates)
     if p.name == d.name:
         return PairDecision(d, None, "local")
     return PairDecision(d, p, "disagg")
