@@ -57,11 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default="FULL_DUPLEX_STREAMED",
                    help="--envoy-config: how Envoy sends a request body (default "
                         "FULL_DUPLEX_STREAMED, the Inference Extension chart's)")
-    g.add_argument("--response-body-mode", choices=("FULL_DUPLEX_STREAMED", "BUFFERED", "NONE"),
+    g.add_argument("--response-body-mode", choices=("FULL_DUPLEX_STREAMED", "STREAMED", "NONE"),
                    default="FULL_DUPLEX_STREAMED",
                    help="--envoy-config: how Envoy sends an answer's body (default "
-                        "FULL_DUPLEX_STREAMED; NONE: the picker sees the headers and the "
-                        "stream's end only, the lightest)")
+                        "FULL_DUPLEX_STREAMED; STREAMED: chunk by chunk, each answered; NONE: "
+                        "the picker sees the headers and the stream's end only, the lightest)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 __all__ = ["BODY_MODES", "EnvoyConfig", "bootstrap"]
 
-#: The body modes the filter may be given (Envoy's names).
-BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED", "NONE")
+#: The body modes the filter may be given (Envoy's names). For a request, STREAMED cannot
+#: carry the pick; for an answer, BUFFERED holds a streamed answer until its end.
+BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED", "STREAMED", "NONE")
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,9 @@ def bootstrap(c: EnvoyConfig) -> str:
     """The bootstrap YAML for ``c``."""
     req = _mode(c.request_body_mode, "the request body mode")
     resp = _mode(c.response_body_mode, "the response body mode")
-    if req == "NONE":
-        raise ValueError("the request body mode NONE hides the prompt from the picker: "
-                         "FULL_DUPLEX_STREAMED or BUFFERED")
+    if req not in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+        raise ValueError(f"the request body mode {req} cannot carry a pick made from the "
+                         "prompt: FULL_DUPLEX_STREAMED or BUFFERED")
     # FULL_DUPLEX_STREAMED needs the trailers sent (they can end a body); elsewhere too, so
     # the picker sees where a request or an answer ends
     return f"""\

@@ -1,0 +1,233 @@
+"""``kvwire epp`` behind a real Envoy (the bootstrap ``kvwire epp --envoy-config`` prints),
+in front of a real ``kvwire fleet``, in both request-body modes gateways configure
+(FULL_DUPLEX_STREAMED, the Inference Extension chart's; BUFFERED): every behaviour is seen
+by a client of Envoy. The openai client, streamed chunk by chunk and not; requests that
+follow the cache (the engine's own ``cached_tokens`` says it held the prefix); refusals in
+OpenAI's shape (400, 429, 503); clients gone mid-stream leave no load; a SIGKILLed engine
+gets no more traffic once a probe saw it gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from envoy_helpers import Envoy, Epp, Fleet, envoy_binary, until
+
+pytestmark = pytest.mark.timeout(300)
+
+MODES = {"full_duplex": ("--request-body-mode", "FULL_DUPLEX_STREAMED"),
+         "buffered": ("--request-body-mode", "BUFFERED", "--response-body-mode", "STREAMED")}
+MAX_IN_FLIGHT = 4
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Two engines (a model clock 5x wall time: a long answer lasts seconds), one picker
+    (the builtin tokenizer: routed by the cache), one Envoy per body mode."""
+    envoy_binary()  # (skips loudly before anything starts)
+    tmp = tmp_path_factory.mktemp("epp")
+    started: list = []
+    try:
+        fleet = Fleet(2, "--speed", "5")
+        started.append(fleet)
+        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--max-in-flight",
+                  str(MAX_IN_FLIGHT), "--probe-interval", "0.5")
+        started.append(epp)
+        envoys = {}
+        for name, flags in MODES.items():
+            envoys[name] = Envoy(epp, tmp, *flags)
+            started.append(envoys[name])
+        yield fleet, epp, envoys
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request, world):
+    fleet, epp, envoys = world
+    return envoys[request.param], epp
+
+
+def _client(envoy: Envoy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=envoy.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _idle(epp: Epp) -> bool:
+    """No request in flight anywhere, no load reserved, none active."""
+    loads = epp.loads()
+    return (all(n == 0 and load == 0 for n, load in loads.values())
+            and epp.metric("kvwire_proxy_active") == 0)
+
+
+def test_openai_client_streamed_chunk_by_chunk_and_not(mode) -> None:
+    envoy, epp = mode
+    c = _client(envoy)
+    done = c.completions.create(model="kvwire-engine", prompt="hello there", max_tokens=5)
+    assert done.choices[0].text and done.usage.completion_tokens == 5
+    chat = c.chat.completions.create(model="kvwire-engine", max_tokens=4,
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content and chat.usage.prompt_tokens > 0
+    # streamed: each chunk arrives as the engine makes it (about 1 ms apart here), so a
+    # long answer comes in many reads, and the first well before the last
+    t0 = time.monotonic()
+    seen = []
+    with c.chat.completions.create(model="kvwire-engine", max_tokens=400, stream=True,
+                                   extra_body={"ignore_eos": True},
+                                   messages=[{"role": "user", "content": "tell me"}]) as s:
+        for chunk in s:
+            seen.append((time.monotonic() - t0, chunk))
+    text = "".join(ch.choices[0].delta.content or "" for _, ch in seen if ch.choices)
+    assert len(seen) >= 50 and text, len(seen)  # (an engine step may carry a few tokens)
+    # (a gateway that held the answer until its end would deliver the first chunk last)
+    assert seen[0][0] < 0.5 * seen[-1][0], ("the chunks came all at once, not as made",
+                                            seen[0][0], seen[-1][0])
+    assert seen[-1][1].choices[0].finish_reason == "length"
+    until(lambda: _idle(epp), "no load left once the answers ended", 10)
+
+
+def _prompt(i: int) -> str:
+    return f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(300))
+
+
+def test_requests_follow_the_cache(mode) -> None:
+    """Each prompt asked twice: the second time it goes where the first went, so the
+    engine itself (its usage, through Envoy) finds most of it cached. With two engines and
+    a cache-blind pick, four repeats would all land right 1 time in 16."""
+    envoy, epp = mode
+    c = _client(envoy)
+    tag = envoy.port  # (prompts of their own per mode: the other mode's are cached already)
+    before = epp.requests()
+    for i in range(4):
+        c.completions.create(model="kvwire-engine", prompt=_prompt(tag * 10 + i), max_tokens=1)
+    spread = {n: v - before.get(n, 0) for n, v in epp.requests().items()}
+    for i in range(4):
+        again = c.completions.create(model="kvwire-engine", prompt=_prompt(tag * 10 + i),
+                                     max_tokens=1)
+        u = again.usage
+        assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, (i, u, spread)
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def test_unparseable_body_is_400_in_openai_s_shape(mode) -> None:
+    envoy, epp = mode
+    r = httpx.post(envoy.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and "JSON" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        _client(envoy).chat.completions.create(model="kvwire-engine", messages=None)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(envoy).completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def test_a_request_without_a_body_is_picked_at_its_headers(mode) -> None:
+    envoy, epp = mode
+    models = _client(envoy).models.list()
+    assert [m.id for m in models.data] == ["kvwire-engine"]
+    r = httpx.get(envoy.url + "/health", timeout=30)
+    assert r.status_code == 200
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def _long_stream(url: str, client: httpx.Client, i: int) -> tuple[httpx.Response, object]:
+    """A streamed answer of some seconds, begun (its first line read), and its line
+    iterator (kept: dropping it closes the response)."""
+    r = client.send(client.build_request("POST", url + "/v1/completions", json={
+        "model": "kvwire-engine", "prompt": f"long story {i}", "max_tokens": 3000,
+        "ignore_eos": True, "stream": True}, timeout=60), stream=True)
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    next(lines)
+    return r, lines
+
+
+def test_clients_gone_mid_stream_leave_no_load(mode) -> None:
+    """Clients that read a first chunk and drop the connection: Envoy resets the picker's
+    streams; every reservation and count is released, and the engines stop (abort)."""
+    envoy, epp = mode
+    clients = [httpx.Client() for _ in range(3)]
+    streams = []
+    try:
+        for i, cl in enumerate(clients):
+            streams.append(_long_stream(envoy.url, cl, i))
+        busy = epp.loads()
+        assert sum(n for n, _ in busy.values()) == 3 and \
+            epp.metric("kvwire_proxy_active") == 3, busy
+    finally:
+        for cl in clients:
+            cl.close()  # (mid-stream: the connection goes)
+    until(lambda: _idle(epp), "every load released after the clients left", 15)
+
+
+def test_past_max_in_flight_is_429_with_retry_after(world) -> None:
+    fleet, epp, envoys = world
+    envoy = envoys["full_duplex"]
+    clients = [httpx.Client() for _ in range(MAX_IN_FLIGHT)]
+    streams = []
+    try:
+        for i, cl in enumerate(clients):
+            streams.append(_long_stream(envoy.url, cl, 100 + i))
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "one more", "max_tokens": 1})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "RateLimitError"
+    finally:
+        for cl in clients:
+            cl.close()
+    until(lambda: _idle(epp), "no load left", 15)
+    r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                   json={"model": "kvwire-engine", "prompt": "one more", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_a_killed_engine_gets_no_more_traffic_then_503(tmp_path) -> None:
+    """SIGKILL one engine: within a probe interval (0.3 s here, plus the probe's refused
+    connection) the picker stops choosing it, and every request goes to the other; with
+    both gone, an immediate 503 in OpenAI's shape."""
+    envoy_binary()
+    started: list = []
+    try:
+        # two fleets of one (a fleet stops its other engines when one dies)
+        fleets = [Fleet(1, "--speed", "50") for _ in range(2)]
+        started += fleets
+        engines = [a for i, f in enumerate(fleets)
+                   for a in ("--engine", f.specs[0].replace("engine0=", f"engine{i}=", 1))]
+        epp = Epp(engines, "--probe-interval", "0.3")
+        started.append(epp)
+        envoy = Envoy(epp, tmp_path)
+        started.append(envoy)
+        c = _client(envoy)
+        for i in range(4):
+            c.completions.create(model="kvwire-engine", prompt=f"warm {i}", max_tokens=1)
+        os.kill(fleets[0].pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        until(lambda: not epp.engines()["engine0"]["http"]["breaker_up"], "engine0 seen down",
+              5)
+        seen_after = time.monotonic() - t0
+        before = epp.requests()
+        for i in range(10):
+            r = c.completions.create(model="kvwire-engine", prompt=f"after {i}", max_tokens=1)
+            assert r.choices
+        after = epp.requests()
+        assert after["engine0"] == before["engine0"], (before, after)
+        assert after["engine1"] == before["engine1"] + 10
+        assert seen_after < 0.3 + 2.0, seen_after
+        os.kill(fleets[1].pids[0], signal.SIGKILL)
+        until(lambda: not epp.engines()["engine1"]["http"]["breaker_up"], "engine1 seen down",
+              5)
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "anyone?", "max_tokens": 1})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == 503 and "no engine" in err["message"]
+        until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        for p in reversed(started):
+            p.stop()
