@@ -10,7 +10,6 @@ A stream Envoy resets (the client went away, the request ended) cancels its hand
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -131,10 +130,9 @@ class Service:
                     picker.end(ticket, step.out_tokens)
                 if stream.done:
                     return
-        except asyncio.CancelledError:
-            counts["epp_streams_reset"] += 1
-            raise
         finally:
+            if not stream.done:  # reset by Envoy (the client went away), or an answer
+                counts["epp_streams_cut"] += 1  # whose end is not sent here (mode NONE)
             if counted:
                 picker.ended(ticket)
 
