@@ -1,6 +1,7 @@
 """``kvwire epp`` behind a real Envoy (the bootstrap ``kvwire epp --envoy-config`` prints),
 in front of a real ``kvwire fleet``, in both request-body modes gateways configure
-(FULL_DUPLEX_STREAMED, the Inference Extension chart's; BUFFERED): every behaviour is seen
+(FULL_DUPLEX_STREAMED, the Inference Extension chart's; BUFFERED, with the answer's body
+streamed through the picker or not at all): every behaviour is seen
 by a client of Envoy. The openai client, streamed chunk by chunk and not; requests that
 follow the cache (the engine's own ``cached_tokens`` says it held the prefix); refusals in
 OpenAI's shape (400, 429, 503); clients gone mid-stream leave no load; a SIGKILLed engine
@@ -20,7 +21,10 @@ from envoy_helpers import Envoy, Epp, Fleet, envoy_binary, until
 pytestmark = pytest.mark.timeout(300)
 
 MODES = {"full_duplex": ("--request-body-mode", "FULL_DUPLEX_STREAMED"),
-         "buffered": ("--request-body-mode", "BUFFERED", "--response-body-mode", "STREAMED")}
+         "buffered": ("--request-body-mode", "BUFFERED", "--response-body-mode", "STREAMED"),
+         # the lightest that keeps the load exact: Envoy keeps the picker's stream open
+         # until the answer ended (or the client left), without sending its body
+         "light": ("--request-body-mode", "BUFFERED", "--response-body-mode", "NONE")}
 MAX_IN_FLIGHT = 4
 
 
