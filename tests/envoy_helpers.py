@@ -111,9 +111,10 @@ def get_json(url: str, timeout: float = 5.0):
 class Fleet:
     """``kvwire fleet N`` at a fast clock: its ``--engine`` arguments and engine pids."""
 
-    def __init__(self, n: int, *flags: str) -> None:
+    def __init__(self, n: int, *flags: str, base: int | None = None) -> None:
+        self.base = base if base is not None else _free_base(n)
         self.proc = Proc([sys.executable, "-m", "kvwire", "fleet", str(n), "--base-port",
-                          str(_free_base(n)), "--speed", "50", *flags])
+                          str(self.base), "--speed", "50", *flags])
         m = self.proc.wait_line(r"pids ([\d ]+)")
         self.pids = [int(p) for p in m.group(1).split()]
         self.specs = re.findall(r"^--engine (\S+)$", self.proc.text(), re.M)
@@ -145,8 +146,10 @@ def _free_base(n: int) -> int:
 class Epp:
     """``kvwire epp`` over a fleet's engines, on free ports; ``url``: its HTTP side."""
 
-    def __init__(self, engine_args: list[str], *flags: str) -> None:
-        self.grpc_port, self.http_port = free_port(), free_port()
+    def __init__(self, engine_args: list[str], *flags: str, grpc_port: int | None = None,
+                 http_port: int | None = None) -> None:
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
         self.proc = Proc([sys.executable, "-m", "kvwire", "epp", *engine_args,
                           "--grpc-port", str(self.grpc_port), "--port", str(self.http_port),
                           *flags])

@@ -194,7 +194,7 @@ def test_past_max_in_flight_is_429_with_retry_after(world) -> None:
 def test_a_killed_engine_gets_no_more_traffic_then_503(tmp_path) -> None:
     """SIGKILL one engine: within a probe interval (0.3 s here, plus the probe's refused
     connection) the picker stops choosing it, and every request goes to the other; with
-    both gone, an immediate 503 in OpenAI's shape."""
+    both gone, an immediate 503 in OpenAI's shape; one restarted is used again."""
     envoy_binary()
     started: list = []
     try:
@@ -203,7 +203,7 @@ def test_a_killed_engine_gets_no_more_traffic_then_503(tmp_path) -> None:
         started += fleets
         engines = [a for i, f in enumerate(fleets)
                    for a in ("--engine", f.specs[0].replace("engine0=", f"engine{i}=", 1))]
-        epp = Epp(engines, "--probe-interval", "0.3")
+        epp = Epp(engines, "--probe-interval", "0.3", "--cooloff", "0.5")
         started.append(epp)
         envoy = Envoy(epp, tmp_path)
         started.append(envoy)
@@ -231,7 +231,64 @@ def test_a_killed_engine_gets_no_more_traffic_then_503(tmp_path) -> None:
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == 503 and "no engine" in err["message"]
+        back = Fleet(1, "--speed", "50", base=fleets[0].base)  # engine0 again, same address
+        started.append(back)
+        until(lambda: epp.engines()["engine0"]["http"]["breaker_up"], "engine0 back", 15)
+        before = epp.requests()
+        for i in range(3):
+            r = c.completions.create(model="kvwire-engine", prompt=f"back {i}", max_tokens=1)
+            assert r.choices
+        assert epp.requests()["engine0"] == before["engine0"] + 3
         until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_the_picker_killed_and_restarted_under_load(tmp_path) -> None:
+    """SIGKILL kvwire epp with answers streaming through Envoy: nothing hangs (those
+    answers end, cut, and new requests fail at once: Envoy's ext_proc filter fails closed);
+    restarted on the same port, Envoy uses it again, and a prompt the engines cached before
+    the restart goes where it is cached (the new picker rebuilt its index from the engines'
+    event streams)."""
+    envoy_binary()
+    started: list = []
+    try:
+        fleet = Fleet(2, "--speed", "5")
+        started.append(fleet)
+        flags = ("--tokenizer", "builtin", "--probe-interval", "0.5")
+        epp = Epp(fleet.engine_args(), *flags)
+        started.append(epp)
+        envoy = Envoy(epp, tmp_path)
+        started.append(envoy)
+        c = _client(envoy)
+        for i in range(4):
+            c.completions.create(model="kvwire-engine", prompt=_prompt(900 + i), max_tokens=1)
+        clients = [httpx.Client() for _ in range(2)]
+        streams = [_long_stream(envoy.url, cl, 900 + i) for i, cl in enumerate(clients)]
+        os.kill(epp.proc.p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for _r, lines in streams:  # cut, not hung
+            with pytest.raises(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "hello", "max_tokens": 1})
+        assert r.status_code >= 500 and time.monotonic() - t0 < 10, (r.status_code, r.text)
+        for cl in clients:
+            cl.close()
+        again = Epp(fleet.engine_args(), *flags, grpc_port=epp.grpc_port,
+                    http_port=epp.http_port)
+        started.append(again)
+        ok = until(lambda: httpx.post(envoy.url + "/v1/completions", timeout=30, json={
+            "model": "kvwire-engine", "prompt": "hello", "max_tokens": 1}).status_code == 200,
+            "Envoy using the restarted picker", 30, every=0.2)
+        assert ok
+        for i in range(4):
+            u = c.completions.create(model="kvwire-engine", prompt=_prompt(900 + i),
+                                     max_tokens=1).usage
+            assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, (i, u)
+        until(lambda: _idle(again), "no load left", 10)
     finally:
         for p in reversed(started):
             p.stop()
