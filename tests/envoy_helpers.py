@@ -117,8 +117,10 @@ class Fleet:
                           str(self.base), "--speed", "50", *flags])
         m = self.proc.wait_line(r"pids ([\d ]+)")
         self.pids = [int(p) for p in m.group(1).split()]
-        self.specs = re.findall(r"^--engine (\S+)$", self.proc.text(), re.M)
-        assert len(self.specs) == n, self.proc.text()
+        # (stdout and stderr are read by two threads: the --engine lines may come after)
+        self.specs = until(lambda: (lambda f: f if len(f) == n else None)(
+            re.findall(r"^--engine (\S+)$", self.proc.text(), re.M)),
+            f"the fleet's {n} --engine lines", 10)
         self.urls = [re.search(r"url=(http://\S+)", s).group(1) for s in self.specs]
 
     def engine_args(self) -> list[str]:

@@ -106,8 +106,10 @@ def test_requests_follow_the_cache(mode) -> None:
     c = _client(envoy)
     tag = envoy.port  # (prompts of their own per mode: the other mode's are cached already)
     before = epp.requests()
+    streams = epp.metric("kvwire_epp_streams_total")
     for i in range(4):
         c.completions.create(model="kvwire-engine", prompt=_prompt(tag * 10 + i), max_tokens=1)
+    assert epp.metric("kvwire_epp_streams_total") == streams + 4  # (one per request)
     spread = {n: v - before.get(n, 0) for n, v in epp.requests().items()}
     for i in range(4):
         again = c.completions.create(model="kvwire-engine", prompt=_prompt(tag * 10 + i),

@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     assert proxy is not None  # (an engine has url=)
     picker = Picker(svc.core, proxy.fleet, proxy.tokens, args.max_in_flight)
     grpc_svc = Service(picker, proxy.prober.probed.is_set, int(args.max_body))
+    svc.routes.metrics.registry.register(grpc_svc.metrics)  # (on /metrics beside serve's)
 
     async def start() -> None:
         bound = await grpc_svc.start(args.host, args.grpc_port, creds)

@@ -11,6 +11,7 @@ A stream Envoy resets (the client went away, the request ended) cancels its hand
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import grpc
 from ..errors import HttpError
 from . import messages
 from .machine import ProtocolError, Stream, Unsupported
+from .metrics import EppMetrics
 from .picker import Picker, Ticket
 
 __all__ = ["EXT_PROC", "HEALTH", "Service"]
@@ -65,6 +67,7 @@ class Service:
         self.ready = ready
         self.max_body = max_body
         self.counts = picker.fleet.counts
+        self.metrics = EppMetrics(self.counts)
         self.server: Any = None
         self.port: int | None = None
 
@@ -79,9 +82,12 @@ class Service:
         ticket: Ticket | None = None
         first = True
         counted = False  # (a request refused at once was never active)
+        sent = received = 0
+        observe = self.metrics.pick.observe
         counts["epp_streams"] += 1
         try:
             async for msg in requests:
+                received += 1
                 if first:
                     first = False
                     m = messages.modes(msg)
@@ -90,6 +96,7 @@ class Service:
                     if picker.full():  # refused whole, before any work: the client retries
                         e = picker.overloaded()
                         for a in stream.refuse(e.status, e.openai(), _str_headers(e)):
+                            sent += 1
                             yield encode(a)
                         return
                     picker.began()
@@ -106,19 +113,26 @@ class Service:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
                     return
                 for a in step.answers:
+                    sent += 1
                     yield encode(a)
                 if step.ask is not None:
+                    t0 = time.perf_counter()
                     try:
                         ticket = await picker.pick(step.ask)
                     except HttpError as e:
                         picker.refused(e)
                         for a in stream.refuse(e.status, e.openai(), _str_headers(e)):
+                            sent += 1
                             yield encode(a)
                         return
+                    observe(time.perf_counter() - t0)
                     for a in stream.picked(ticket.endpoint):
+                        sent += 1
                         yield encode(a)
                     continue
                 if ticket is None:
+                    if stream.done:  # refused (413): Envoy ends the stream
+                        return
                     continue
                 if step.status is not None:
                     picker.answered(ticket, step.status)
@@ -131,6 +145,8 @@ class Service:
                 if stream.done:
                     return
         finally:
+            counts["epp_messages_in"] += received
+            counts["epp_messages_out"] += sent
             if not stream.done:  # reset by Envoy (the client went away), or an answer
                 counts["epp_streams_cut"] += 1  # whose end is not sent here (mode NONE)
             if counted:
