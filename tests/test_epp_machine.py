@@ -309,6 +309,22 @@ def test_grpc_health_and_a_stream_reset_mid_answer(tmp_path) -> None:
             assert fleet.in_flight["e0"] == 0 and fleet.active == 0
             assert sum(core.loads.loads().values()) == 0
             assert fleet.counts["epp_streams_cut"] == 1
+            # a gateway's subset hint that names no engine of this picker: 503 at once
+            call = ch.stream_stream(f"/{EXT_PROC}/Process",
+                                    request_serializer=pb.ProcessingRequest.SerializeToString,
+                                    response_deserializer=pb.ProcessingResponse.FromString)()
+            first.metadata_context.filter_metadata[SUBSET_NAMESPACE].update(
+                {SUBSET: ["10.9.9.9:1"]})
+            await call.write(first)
+            got = await call.read()
+            assert got.immediate_response.status.code == 503, got
+            assert b"subset" in got.immediate_response.body
+            await call.done_writing()
+            for _ in range(200):
+                if fleet.active == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert fleet.active == 0 and fleet.requests["none", 503] == 1
         await svc.stop(None)
 
     try:

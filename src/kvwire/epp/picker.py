@@ -15,7 +15,6 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import HttpError
 from ..proxy.body import generation, passthrough
@@ -170,6 +169,3 @@ class Picker:
         if ticket.lc.end():
             self.core.finish(ticket.lc.request_id, out_tokens)
             self.fleet.settled(ticket.engine)
-
-    def status(self) -> dict[str, Any]:
-        return {"active": self.fleet.active, "max_in_flight": self.max_in_flight}
