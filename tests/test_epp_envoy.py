@@ -294,3 +294,27 @@ def test_the_picker_killed_and_restarted_under_load(tmp_path) -> None:
     finally:
         for p in reversed(started):
             p.stop()
+
+
+def test_engines_added_and_removed_at_run_time(world, tmp_path) -> None:
+    """``POST /engines`` and ``DELETE /engines/NAME`` on the picker's HTTP side (kvwire
+    serve's admin routes): the added engine is picked once probed, the removed one no more."""
+    fleet, _, _ = world
+    epp = Epp(["--engine", fleet.specs[0]], "--admin-token", "t", "--probe-interval", "0.3")
+    envoy = Envoy(epp, tmp_path)
+    try:
+        auth = {"authorization": "Bearer t"}
+        r = httpx.post(epp.url + "/engines", json={"engine": fleet.specs[1]}, headers=auth)
+        assert r.status_code == 201, r.text
+        until(lambda: epp.engines()["engine1"]["http"]["http_up"], "engine1 probed", 10)
+        r = httpx.delete(epp.url + "/engines/engine0", headers=auth)
+        assert r.status_code == 200, r.text
+        c = _client(envoy)
+        for i in range(3):
+            c.completions.create(model="kvwire-engine", prompt=f"moved {i}", max_tokens=1)
+        got = epp.requests()
+        assert got == {"engine1": 3}, got
+        until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        envoy.stop()
+        epp.stop()

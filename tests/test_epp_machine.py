@@ -331,3 +331,48 @@ def test_grpc_health_and_a_stream_reset_mid_answer(tmp_path) -> None:
         asyncio.run(main())
     finally:
         core.close()
+
+
+def test_grpc_over_tls(tmp_path) -> None:
+    """``--grpc-tls-cert/--grpc-tls-key``: the same services over TLS (a self-signed
+    certificate for 127.0.0.1); a plaintext client is refused."""
+    import shutil
+    import subprocess
+
+    import grpc
+
+    from kvwire.consume.engine_spec import EngineSpec
+    from kvwire.epp.picker import Picker
+    from kvwire.epp.service import Service
+    from kvwire.proxy.fleet import Fleet
+    from kvwire.proxy.tokens import Tokens
+    from kvwire.routing.core import RouterCore
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True, timeout=60)
+    spec = EngineSpec.parse("e0=tcp://127.0.0.1:1,url=http://127.0.0.1:9")
+    core = RouterCore([spec])
+    fleet = Fleet([spec])
+    svc = Service(Picker(core, fleet, Tokens(fleet, None, "none", 1.0)), lambda: True)
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+
+    async def main() -> None:
+        port = await svc.start("127.0.0.1", 0, creds)
+        tls = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", tls) as ch:
+            assert await ch.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10) \
+                == b"\x08\x01"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await ch.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
+        await svc.stop(None)
+
+    try:
+        asyncio.run(main())
+    finally:
+        core.close()
