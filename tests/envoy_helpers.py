@@ -79,7 +79,8 @@ class Proc:
                                          f"(exit {self.p.poll()}):\n{''.join(self.lines)}")
                 self.changed.wait(min(left, 0.2))
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """SIGTERM (SIGKILL after 15 s); the exit status."""
         if self.p.poll() is None:
             try:
                 os.killpg(self.p.pid, signal.SIGTERM)
@@ -90,6 +91,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait(5)
+        return self.p.returncode
 
 
 def until(cond, what: str, timeout: float = 20.0, every: float = 0.05):
@@ -177,8 +179,8 @@ class Epp:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + " ") or line.startswith(name + "{"))
 
-    def stop(self) -> None:
-        self.proc.stop()
+    def stop(self) -> int | None:
+        return self.proc.stop()
 
 
 def _ok(url: str) -> bool:

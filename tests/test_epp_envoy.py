@@ -311,10 +311,13 @@ def test_engines_added_and_removed_at_run_time(world, tmp_path) -> None:
         assert r.status_code == 200, r.text
         c = _client(envoy)
         for i in range(3):
-            c.completions.create(model="kvwire-engine", prompt=f"moved {i}", max_tokens=1)
+            r = c.completions.with_raw_response.create(model="kvwire-engine",
+                                                       prompt=f"moved {i}", max_tokens=1)
+            assert r.headers["x-kvwire-engine"] == "engine1"  # (set on the answer)
         got = epp.requests()
         assert got == {"engine1": 3}, got
         until(lambda: _idle(epp), "no load left", 10)
     finally:
         envoy.stop()
-        epp.stop()
+        rc = epp.stop()
+    assert rc == 0, epp.proc.text()  # (SIGTERM: a clean stop)

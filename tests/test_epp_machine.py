@@ -98,10 +98,12 @@ def test_the_response_is_echoed_and_its_first_byte_and_end_reported_once(chunks,
     s = _stream(Mode.BUFFERED, mode)
     s.receive(RequestHeaders(POST))
     s.receive(RequestBody(b"{}", end=True))
-    s.picked(EP)
+    s.picked(EP, answer_headers=(("x-kvwire-engine", "e0"),))
     step = s.receive(ResponseHeaders(((":status", "200"),), end=False,
                                      metadata={NAMESPACE: {SERVED: EP}}))
     assert step.status == 200 and step.served == EP and not step.over
+    assert step.answers == [Answer(Phase.RESPONSE_HEADERS,
+                                   set_headers=(("x-kvwire-engine", "e0"),))]
     firsts = int(step.first_byte)
     assert step.first_byte == (mode is Mode.NONE)
     overs = 0

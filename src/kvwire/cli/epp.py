@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"ext_proc on {args.host}:{bound} (gRPC{', TLS' if creds else ''}); "
              f"/metrics and the status page on {svc.url}/")
 
-    async def stop() -> None:
-        await grpc_svc.stop(1.0)
+    async def stop() -> None:  # (after HTTP drained): answers streaming through Envoy
+        await grpc_svc.stop(args.shutdown_timeout)  # get the same time to end
 
     svc.beside(start, stop)
     try:

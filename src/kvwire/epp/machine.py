@@ -215,6 +215,7 @@ class Stream:
         self.read_body = False  # the request had a body stage (its headers did not end it)
         self.pick_at: Phase | None = None  # the phase whose answer carries the pick
         self.endpoint: str | None = None
+        self.answer_headers: tuple[tuple[str, str], ...] = ()
         self.began = False  # the response's first bytes were reported
         self.tail = b""  # the end of the response seen so far (usage is near the end)
 
@@ -309,12 +310,15 @@ class Stream:
                 path = v
         return Ask(method, path, self.headers, body, self.subset)
 
-    def picked(self, endpoint: str, extra: tuple[tuple[str, str], ...] = ()) -> list[Answer]:
+    def picked(self, endpoint: str, extra: tuple[tuple[str, str], ...] = (),
+               answer_headers: tuple[tuple[str, str], ...] = ()) -> list[Answer]:
         """The answers that carry the pick (``endpoint``: ``IP:PORT``; ``extra``: more
-        request headers to set), to send in order."""
+        request headers to set; ``answer_headers``: headers to set on the answer, when its
+        headers come), to send in order."""
         if self.state is not State.PICKING:
             raise ProtocolError(f"picked while {self.state.value}")
         self.endpoint = endpoint
+        self.answer_headers = answer_headers
         meta = {NAMESPACE: {DESTINATION: endpoint}}
         pick = ((DESTINATION, endpoint), *extra)
         body = b"".join(self.chunks)
@@ -361,7 +365,8 @@ class Stream:
         lb = ev.metadata.get(NAMESPACE)
         if isinstance(lb, dict) and isinstance(lb.get(SERVED), str):
             served = lb[SERVED]
-        step = Step([Answer(Phase.RESPONSE_HEADERS)], status=status, served=served)
+        step = Step([Answer(Phase.RESPONSE_HEADERS, set_headers=self.answer_headers)],
+                    status=status, served=served)
         if ev.end or self.response_mode is Mode.NONE:
             step.first_byte = self._begin()
         if ev.end:

@@ -126,7 +126,8 @@ class Service:
                             yield encode(a)
                         return
                     observe(time.perf_counter() - t0)
-                    for a in stream.picked(ticket.endpoint):
+                    for a in stream.picked(ticket.endpoint, answer_headers=(
+                            ("x-kvwire-engine", ticket.engine),)):
                         sent += 1
                         yield encode(a)
                     continue
