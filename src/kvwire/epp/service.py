@@ -104,8 +104,9 @@ class Service:
                 try:
                     step = stream.receive(messages.decode(msg))
                 except Unsupported as e:
+                    if not counts["epp_unsupported"]:  # (once: each stream would say it)
+                        log.error("%s", e)
                     counts["epp_unsupported"] += 1
-                    log.error("%s", e)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     return
                 except (ProtocolError, ValueError) as e:
