@@ -145,6 +145,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP) $(ENVOY_STAMP)
 	$(PY) bench/stall.py
 	$(PY) bench/router_cpu.py
 	$(PY) bench/indexer.py
+	$(PY) bench/epp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .wheelhouse

@@ -155,7 +155,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--conns", type=lambda t: [int(x) for x in t.split(",")], default=[8, 32])
-    p.add_argument("--rate", type=float, default=500.0, help="TTFT row: requests/s")
+    p.add_argument("--rate", type=lambda t: [float(x) for x in t.split(",")],
+                   default=[200.0, 500.0], help="TTFT rows: requests/s (comma list)")
     p.add_argument("--ttft-seconds", type=float, default=6.0)
     a = p.parse_args()
     if a.quick:
@@ -224,19 +225,19 @@ def main() -> None:
                     print(f"{way:<10} {name:>6} {str(stream):>6} {conns:>5} {r['rps']:8.0f} "
                           f"{r['p50']:7.2f} {r['p99']:7.2f} {epp_cpu} {env_cpu} {msgs}{bad}",
                           flush=True)
-        n = int(a.rate * a.ttft_seconds)
-        bodies = pb.overhead_bodies(n)
-        print(f"\nTTFT, streamed 2k-token chats open-loop at {a.rate:g}/s ({n} requests):")
-        base = None
-        for way in ("envoy-rr", "straight", "epp-gie", "epp-light", "serve"):
-            r = pb.run_overhead(ports[way], bodies, a.rate, where)
-            if way == "envoy-rr":
-                base = r
-            added = (f"  added over envoy-rr: p50 {r['p50'] - base['p50']:+.2f} ms, p99 "
-                     f"{r['p99'] - base['p99']:+.2f} ms") if base is not None else ""
-            print(f"  {way:<10} p50 {r['p50']:6.2f} ms  p99 {r['p99']:7.2f} ms  "
-                  f"({r['n']} ok, {r['n_err']} errors, sent at {r['rate']:.0f}/s){added}",
-                  flush=True)
+        for rate in a.rate:
+            n = int(rate * a.ttft_seconds)
+            bodies = pb.overhead_bodies(n)
+            print(f"\nTTFT, streamed 2k-token chats open-loop at {rate:g}/s ({n} requests):")
+            base = None
+            for way in ("envoy-rr", "straight", "epp-gie", "epp-light", "serve"):
+                r = pb.run_overhead(ports[way], bodies, rate, where)
+                if way == "envoy-rr":
+                    base = r
+                added = (f"  added over envoy-rr: p50 {r['p50'] - base['p50']:+.2f} ms, p99 "
+                         f"{r['p99'] - base['p99']:+.2f} ms") if way != "envoy-rr" else ""
+                print(f"  {way:<10} p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  ({r['n']} "
+                      f"ok, {r['n_err']} errors, sent at {r['rate']:.0f}/s){added}", flush=True)
     finally:
         for proc in reversed(procs):
             pb._kill(proc)
