@@ -17,9 +17,11 @@ object, or 16 SSE chunks). The pickers and the proxy tokenize with ``--tokenizer
 Throughput cells: wrk with 8 and 32 keep-alive connections, short chat prompts (about 150
 tokens) and 2k-token ones, streamed and not: requests/s, p50/p99 latency, and per request
 the picker's CPU (utime + stime of its process), Envoy's, and the gRPC messages exchanged
-(``kvwire_epp_messages_*_total``). TTFT row: bench/proxy.py's open-loop client at
-``--rate`` requests/s of streamed 2k-token chats; TTFT p50/p99 and what each way adds to
-Envoy round robin's.
+(``kvwire_epp_messages_*_total``). TTFT rows: bench/proxy.py's open-loop client at each
+``--rate`` (requests/s) of streamed 2k-token chats; TTFT p50/p99 and what each way adds to
+Envoy round robin's. Where the picker's CPU goes: the light configuration's three
+exchanges per stream driven straight at its gRPC port (no Envoy), against a do-nothing
+grpc.aio handler's CPU per stream: the gRPC layer's floor.
 
     .venv/bin/python bench/epp.py            # 3 s per cell
     .venv/bin/python bench/epp.py --quick    # 1 s per cell, 8 connections only
@@ -143,6 +145,106 @@ def messages(http: int) -> float:
                                    "kvwire_epp_messages_sent_total ")))
 
 
+# ---------------------------------------------------------------------- where the CPU goes
+
+def serve_bare_grpc(port: int) -> None:
+    """A do-nothing ext_proc server on grpc.aio (uvloop), as kvwire epp runs it: one answer
+    per message."""
+
+    import grpc
+    import uvloop
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as xp
+
+    answer = xp.ProcessingResponse(request_headers=xp.HeadersResponse())
+
+    async def process(reqs, ctx):
+        async for _ in reqs:
+            yield answer
+
+    async def main() -> None:
+        s = grpc.aio.server()
+        s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "envoy.service.ext_proc.v3.ExternalProcessor", {
+                "Process": grpc.stream_stream_rpc_method_handler(
+                    process, request_deserializer=xp.ProcessingRequest.FromString,
+                    response_serializer=xp.ProcessingResponse.SerializeToString)}),))
+        s.add_insecure_port(f"127.0.0.1:{port}")
+        await s.start()
+        print("ready", flush=True)
+        await s.wait_for_termination()
+
+    uvloop.run(main())
+
+
+def drive_streams(port: int, n: int, conc: int) -> None:
+    """``n`` light-configuration streams (headers, a body, the answer's headers: three
+    exchanges, as Envoy sends them), ``conc`` at once, from one grpc.aio client on CPU 1."""
+    import asyncio
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as xp
+
+    os.sched_setaffinity(0, {pb.LOADGEN_CPU})
+    first = xp.ProcessingRequest(request_headers=xp.HttpHeaders(),
+                                 protocol_config=xp.ProtocolConfiguration(request_body_mode=2))
+    for k, v in ((":method", "POST"), (":path", "/v1/completions")):
+        first.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    body = xp.ProcessingRequest(request_body=xp.HttpBody(
+        body=b'{"model": "trivial", "prompt": "hello", "max_tokens": 1}', end_of_stream=True))
+    head = xp.ProcessingRequest(response_headers=xp.HttpHeaders())
+    head.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call_of = ch.stream_stream(
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                request_serializer=xp.ProcessingRequest.SerializeToString,
+                response_deserializer=xp.ProcessingResponse.FromString)
+            sem = asyncio.Semaphore(conc)
+
+            async def one() -> None:
+                async with sem:
+                    call = call_of()
+                    for m in (first, body, head):
+                        await call.write(m)
+                        await call.read()
+                    await call.done_writing()
+                    await call.read()
+
+            await asyncio.gather(*(one() for _ in range(n)))
+
+    asyncio.run(main())
+
+
+def cpu_floor(epp_grpc: int, epp_pid: int, n: int) -> None:
+    """The picker's CPU per stream without Envoy, against a do-nothing grpc.aio server's."""
+    def per_stream(port: int, pid: int) -> float:
+        """CPU per stream, less what the process spends idle (its subscriber, probes and
+        status sampler run anyway) over as long."""
+        c0, t0 = pb.tree_cpu(pid), time.monotonic()
+        time.sleep(2.0)
+        idle = (pb.tree_cpu(pid) - c0) / (time.monotonic() - t0)
+        c0, t0 = pb.tree_cpu(pid), time.monotonic()
+        subprocess.run([PY, os.path.abspath(__file__), "--drive", str(port), str(n), "16"],
+                       check=True, timeout=300)
+        busy = pb.tree_cpu(pid) - c0 - idle * (time.monotonic() - t0)
+        return busy / n * 1e6
+
+    port = pb.free_port()
+    bare = subprocess.Popen([PY, os.path.abspath(__file__), "--bare-grpc", str(port)],
+                            stdout=subprocess.PIPE)
+    try:
+        assert bare.stdout.readline().strip() == b"ready"
+        floor = per_stream(port, bare.pid)
+    finally:
+        pb._kill(bare)
+    epp = per_stream(epp_grpc, epp_pid)
+    print(f"\nWhere the picker's CPU goes ({n} light streams of 3 exchanges, 16 at once, no "
+          f"Envoy): kvwire epp {epp:.0f} us/stream, of which a do-nothing grpc.aio handler "
+          f"takes {floor:.0f} us (kvwire's own: {epp - floor:.0f} us: decoding, the machine, "
+          "the pick, encoding)", flush=True)
+
+
 def long_bodies(n: int, stream: bool) -> list[str]:
     out = [b.decode() for b in pb.overhead_bodies(n)]
     if not stream:
@@ -151,6 +253,12 @@ def long_bodies(n: int, stream: bool) -> list[str]:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--bare-grpc":
+        serve_bare_grpc(int(sys.argv[2]))
+        return
+    if len(sys.argv) > 4 and sys.argv[1] == "--drive":
+        drive_streams(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seconds", type=float, default=3.0)
@@ -158,6 +266,8 @@ def main() -> None:
     p.add_argument("--rate", type=lambda t: [float(x) for x in t.split(",")],
                    default=[200.0, 500.0], help="TTFT rows: requests/s (comma list)")
     p.add_argument("--ttft-seconds", type=float, default=6.0)
+    p.add_argument("--only-floor", action="store_true",
+                   help="only where the picker's CPU goes (no wrk cells, no TTFT rows)")
     a = p.parse_args()
     if a.quick:
         a.seconds, a.conns, a.ttft_seconds = 1.0, [8], 3.0
@@ -179,6 +289,7 @@ def main() -> None:
         procs.append(envoy)
         pids["envoy-rr"] = [envoy.pid]
         epp_http: dict[str, int] = {}
+        epp_grpc: dict[str, int] = {}
         for way, modes in (("epp-gie", ()), ("epp-light", ("--request-body-mode", "BUFFERED",
                                                           "--response-body-mode", "NONE"))):
             grpc, http, admin = pb.free_port(), pb.free_port(), pb.free_port()
@@ -193,12 +304,16 @@ def main() -> None:
             procs.append(env)
             pids[way] = [epp.pid, env.pid]
             epp_http[way] = http
+            epp_grpc[way] = grpc
         serve = start_serve(engines, ports["serve"], os.path.join(where, "serve.log"))
         procs.append(serve)
         pids["serve"] = [serve.pid]
         for way in WAYS:  # every way answers before anything is measured
             pb._wait_http(f"http://127.0.0.1:{ports[way]}/v1/chat/completions",
                           pb.probe("trivial"), 30, procs[0], way)
+        cpu_floor(epp_grpc["epp-light"], pids["epp-light"][0], 500 if a.quick else 2000)
+        if a.only_floor:
+            return
         workloads = []
         for stream in (False, True):
             workloads.append(("short", stream, pb.chat_bodies(512, stream, "trivial")))

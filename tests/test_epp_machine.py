@@ -81,7 +81,7 @@ def test_full_duplex_asks_once_then_echoes_the_body_exactly(body, cuts, trailers
     first = out[0]
     assert first.phase is Phase.REQUEST_HEADERS and (DESTINATION, EP) in first.set_headers
     assert ("content-length", str(len(body))) in first.set_headers
-    assert first.metadata == {NAMESPACE: {DESTINATION: EP}}
+    assert first.metadata == ((NAMESPACE, DESTINATION, EP),)
     pieces = [a for a in out if a.phase is Phase.REQUEST_BODY]
     assert all(a.streamed and len(a.body) <= PIECE for a in pieces)
     assert _echoed(out, Phase.REQUEST_BODY) == body
@@ -132,7 +132,7 @@ def test_buffered_continues_the_headers_and_picks_in_the_body_s_answer() -> None
     assert step.ask.body == b'{"prompt": "x"}' and not step.answers
     (a,) = s.picked(EP)
     assert a.phase is Phase.REQUEST_BODY and not a.streamed
-    assert a.set_headers == ((DESTINATION, EP),) and a.metadata[NAMESPACE][DESTINATION] == EP
+    assert a.set_headers == ((DESTINATION, EP),) and a.metadata == ((NAMESPACE, DESTINATION, EP),)
     assert s.receive(RequestTrailers()).answers == [Answer(Phase.REQUEST_TRAILERS)]
     step = s.receive(ResponseHeaders(((":status", "503"),), end=True))
     assert step.status == 503 and step.over and step.first_byte and s.done
@@ -222,8 +222,12 @@ def test_codec_round_trip() -> None:
     ev = messages.decode(req)
     assert ev == RequestHeaders(((":path", "/v1/completions"),), False,
                                 {SUBSET_NAMESPACE: {SUBSET: [EP]}})
-    out = messages.encode(Answer(Phase.REQUEST_HEADERS, set_headers=((DESTINATION, EP),),
-                                 metadata={NAMESPACE: {DESTINATION: EP}}))
+    pick = Answer(Phase.REQUEST_HEADERS, set_headers=((DESTINATION, EP),),
+                  metadata=((NAMESPACE, DESTINATION, EP),))
+    out = messages.encode(pick)
+    kept = messages.encode_kept(pick)  # (bytes, built once)
+    assert kept == out.SerializeToString() and messages.encode_kept(pick) is kept
+    assert messages.serialize(kept) is kept and messages.serialize(out) == kept
     h = out.request_headers.response.header_mutation.set_headers[0].header
     assert (h.key, h.raw_value) == (DESTINATION, EP.encode())
     assert out.dynamic_metadata.fields[NAMESPACE].struct_value.fields[DESTINATION] \

@@ -139,15 +139,16 @@ class Phase(Enum):
 @dataclass(frozen=True, slots=True)
 class Answer:
     """One ``ProcessingResponse``: CONTINUE with ``set_headers``; with ``streamed`` a
-    ``streamed_response`` body piece (``body``, ``end``); ``metadata``: dynamic metadata
-    (namespace -> dict)."""
+    ``streamed_response`` body piece (``body``, ``end``); ``metadata``: dynamic metadata as
+    (namespace, key, string value) triples. Hashable: the codec keeps the bytes of answers
+    that recur (the same pick, the same CONTINUE)."""
 
     phase: Phase
     set_headers: tuple[tuple[str, str], ...] = ()
     streamed: bool = False
     body: bytes = b""
     end: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +320,7 @@ class Stream:
             raise ProtocolError(f"picked while {self.state.value}")
         self.endpoint = endpoint
         self.answer_headers = answer_headers
-        meta = {NAMESPACE: {DESTINATION: endpoint}}
+        meta = ((NAMESPACE, DESTINATION, endpoint),)
         pick = ((DESTINATION, endpoint), *extra)
         body = b"".join(self.chunks)
         self.chunks = []

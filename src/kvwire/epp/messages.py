@@ -23,7 +23,8 @@ from .machine import (
     ResponseTrailers,
 )
 
-__all__ = ["ProcessingRequest", "ProcessingResponse", "decode", "encode", "modes"]
+__all__ = ["ProcessingRequest", "ProcessingResponse", "decode", "encode", "encode_kept",
+           "modes", "serialize"]
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
@@ -74,6 +75,29 @@ def _set(headers: tuple[tuple[str, str], ...]) -> list[Any]:
             for k, v in headers]
 
 
+#: the bytes of answers that recur (a CONTINUE, the pick of one endpoint): most of a light
+#: stream's answers are built once
+_KEPT: dict[Answer, bytes] = {}
+_KEEP = 4096
+
+
+def serialize(m: Any) -> bytes:
+    """The gRPC response serializer: kept bytes as they are, a message encoded."""
+    return m if type(m) is bytes else m.SerializeToString()
+
+
+def encode_kept(a: Answer | Refusal) -> Any:
+    """:func:`encode`, from the bytes kept for an answer that recurs (not a body piece)."""
+    if type(a) is not Answer or a.streamed:
+        return encode(a)
+    raw = _KEPT.get(a)
+    if raw is None:
+        if len(_KEPT) >= _KEEP:
+            _KEPT.clear()
+        raw = _KEPT[a] = encode(a).SerializeToString()
+    return raw
+
+
 def encode(a: Answer | Refusal) -> Any:
     """The machine's answer as a ``ProcessingResponse``."""
     if isinstance(a, Refusal):
@@ -97,7 +121,10 @@ def encode(a: Answer | Refusal) -> Any:
                                                Phase.RESPONSE_HEADERS) else pb.BodyResponse
         out = pb.ProcessingResponse(**{phase.value: wrap(response=common)})
     if a.metadata:
+        meta: dict[str, dict[str, str]] = {}
+        for ns, k, v in a.metadata:
+            meta.setdefault(ns, {})[k] = v
         s = Struct()
-        s.update(a.metadata)
+        s.update(meta)
         out.dynamic_metadata.CopyFrom(s)
     return out

@@ -77,7 +77,7 @@ class Service:
         """One ``Process`` stream: one HTTP request and its answer."""
         picker = self.picker
         counts = self.counts
-        encode = messages.encode
+        encode = messages.encode_kept
         stream = Stream(self.max_body)
         ticket: Ticket | None = None
         first = True
@@ -180,7 +180,7 @@ class Service:
             grpc.method_handlers_generic_handler(EXT_PROC, {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.process, request_deserializer=messages.ProcessingRequest.FromString,
-                    response_serializer=messages.ProcessingResponse.SerializeToString)}),
+                    response_serializer=messages.serialize)}),
             grpc.method_handlers_generic_handler(HEALTH, {
                 "Check": grpc.unary_unary_rpc_method_handler(
                     self.check, request_deserializer=None, response_serializer=None)}),
