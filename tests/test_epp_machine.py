@@ -331,6 +331,24 @@ def test_grpc_health_and_a_stream_reset_mid_answer(tmp_path) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert fleet.active == 0 and fleet.requests["none", 503] == 1
+            # a request body mode that cannot carry the pick: the stream fails, saying why
+            call = ch.stream_stream(f"/{EXT_PROC}/Process",
+                                    request_serializer=pb.ProcessingRequest.SerializeToString,
+                                    response_deserializer=pb.ProcessingResponse.FromString)()
+            streamed = pb.ProcessingRequest(
+                request_headers=pb.HttpHeaders(end_of_stream=False),
+                protocol_config=pb.ProtocolConfiguration(request_body_mode=1))
+            await call.write(streamed)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "FULL_DUPLEX_STREAMED or BUFFERED" in e.value.details()
+            assert fleet.counts["epp_unsupported"] == 1
+            for _ in range(200):
+                if fleet.active == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert fleet.active == 0
         await svc.stop(None)
 
     try:
