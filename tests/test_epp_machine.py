@@ -400,3 +400,31 @@ def test_grpc_over_tls(tmp_path) -> None:
         asyncio.run(main())
     finally:
         core.close()
+
+
+def test_kvwire_epp_refusals_are_one_line_and_their_exit_status() -> None:
+    """No engine with url= (2), half the TLS pair (2), the gRPC port in use (1)."""
+    import socket
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvwire", "epp", "--port", "0", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    r = run("--engine", "e=tcp://127.0.0.1:5999", "--grpc-port", "0")
+    assert r.returncode == 2 and "picks among the engines with url=" in r.stderr, r.stderr
+    r = run("--engine", "e=tcp://127.0.0.1:5999,url=http://127.0.0.1:1", "--grpc-tls-cert", "c")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "kvwire epp: --grpc-tls-cert and --grpc-tls-key go together"), r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("--engine", "e=tcp://127.0.0.1:5999,url=http://127.0.0.1:1", "--grpc-port",
+                str(port))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"kvwire epp: cannot listen on 127.0.0.1:{port} (gRPC): in use or not an address "
+        "here"), r.stderr
+    assert "Traceback" not in r.stderr

@@ -115,10 +115,6 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"kvwire epp: cannot read the TLS files: {e}", file=sys.stderr)
             return EXIT_USAGE
-    if not any(e.url for e in args.engine) and not any(e.url for e in args.nats_engine):
-        print("kvwire epp: give --engine NAME=ENDPOINT,url=http://IP:PORT (repeat): the picker "
-              "picks among the engines with url=", file=sys.stderr)
-        return EXIT_USAGE
     try:
         svc = build(serve_config(args), say=_say)
     except ConfigError as e:
@@ -128,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwire epp: {e}", file=sys.stderr)
         return EXIT_FAILURE
     proxy = svc.proxy
-    assert proxy is not None  # (an engine has url=)
+    if proxy is None:  # (no engine has url=: nothing to pick among)
+        svc.close()
+        print("kvwire epp: give --engine NAME=ENDPOINT,url=http://IP:PORT (repeat): the picker "
+              "picks among the engines with url=", file=sys.stderr)
+        return EXIT_USAGE
     picker = Picker(svc.core, proxy.fleet, proxy.tokens, args.max_in_flight)
     grpc_svc = Service(picker, proxy.prober.probed.is_set, int(args.max_body))
     svc.routes.metrics.registry.register(grpc_svc.metrics)  # (on /metrics beside serve's)

@@ -186,10 +186,13 @@ class Service:
                     self.check, request_deserializer=None, response_serializer=None)}),
         ))
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = (server.add_secure_port(addr, credentials) if credentials is not None
-                 else server.add_insecure_port(addr))
+        try:
+            bound = (server.add_secure_port(addr, credentials) if credentials is not None
+                     else server.add_insecure_port(addr))
+        except RuntimeError:  # grpcio's "Failed to bind"
+            bound = 0
         if not bound:
-            raise OSError(f"cannot listen on {addr} (gRPC)")
+            raise OSError(f"cannot listen on {addr} (gRPC): in use or not an address here")
         await server.start()
         self.server, self.port = server, bound
         return bound
