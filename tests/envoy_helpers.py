@@ -192,10 +192,11 @@ def _ok(url: str) -> bool:
 
 
 class Envoy:
-    """Real Envoy from ``kvwire epp --envoy-config`` (``flags``: its mode flags) in front of
-    an :class:`Epp`; ``url``: where clients connect."""
+    """Real Envoy from ``kvwire epp --envoy-config`` (``flags``: its mode flags; ``edit``:
+    a change to the printed text) in front of an :class:`Epp`; ``url``: where clients
+    connect."""
 
-    def __init__(self, epp: Epp, tmp: Path, *flags: str) -> None:
+    def __init__(self, epp: Epp, tmp: Path, *flags: str, edit=None) -> None:
         binary = envoy_binary()
         self.port, self.admin = free_port(), free_port()
         r = subprocess.run([sys.executable, "-m", "kvwire", "epp", "--envoy-config",
@@ -203,7 +204,7 @@ class Envoy:
                             str(self.admin), "--grpc-port", str(epp.grpc_port), *flags],
                            capture_output=True, text=True, timeout=60, check=True)
         self.config = tmp / f"envoy-{self.port}.yaml"
-        self.config.write_text(r.stdout)
+        self.config.write_text(edit(r.stdout) if edit else r.stdout)
         self.proc = Proc([binary, "-c", str(self.config), "--log-level", "warn",
                           "--base-id", str(self.port), "--concurrency", "1"])
         until(lambda: _ok(f"http://127.0.0.1:{self.admin}/ready"), "Envoy ready", START)

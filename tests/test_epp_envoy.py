@@ -321,3 +321,49 @@ def test_engines_added_and_removed_at_run_time(world, tmp_path) -> None:
         envoy.stop()
         rc = epp.stop()
     assert rc == 0, epp.proc.text()  # (SIGTERM: a clean stop)
+
+
+SUBSET_FROM_HEADER = """\
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: x-gateway-destination-endpoint-subset
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+                remove: true
+"""
+
+
+def _subset_from_header(text: str) -> str:
+    """The bootstrap with a gateway's subset hint: a request header made filter metadata
+    (envoy.lb.subset_hint), which the ext_proc filter forwards to the picker."""
+    at = text.index("          - name: envoy.filters.http.ext_proc")
+    text = text[:at] + SUBSET_FROM_HEADER + text[at:]
+    return text.replace("              metadata_options:\n",
+                        "              metadata_options:\n                forwarding_namespaces:\n"
+                        "                  untyped: [envoy.lb.subset_hint]\n")
+
+
+def test_a_gateway_s_subset_hint_restricts_the_pick(world, tmp_path) -> None:
+    """Filter metadata ``envoy.lb.subset_hint`` (here made by Envoy from a request header):
+    the pick comes from the subset only; a subset of no engine here is 503."""
+    fleet, epp, _ = world
+    envoy = Envoy(epp, tmp_path, edit=_subset_from_header)
+    try:
+        c = _client(envoy)
+        for i, want in enumerate((1, 0, 1, 0, 0, 1)):
+            address = fleet.urls[want].removeprefix("http://")
+            r = c.completions.with_raw_response.create(
+                model="kvwire-engine", prompt=f"subset {i}", max_tokens=1,
+                extra_headers={"x-gateway-destination-endpoint-subset": f"10.9.9.9:1,{address}"})
+            assert r.headers["x-kvwire-engine"] == f"engine{want}", (i, want)
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       headers={"x-gateway-destination-endpoint-subset": "10.9.9.9:1"},
+                       json={"model": "kvwire-engine", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and "subset" in r.json()["error"]["message"], r.text
+        until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        envoy.stop()
