@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 
 import httpx
 import openai
@@ -131,6 +132,20 @@ def test_unparseable_body_is_400_in_openai_s_shape(mode) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _client(envoy).completions.create(model="no-such-model", prompt="x", max_tokens=1)
     until(lambda: _idle(epp), "no load left", 10)
+
+
+def test_envoy_s_grpc_health_check_sees_the_picker_serving(mode) -> None:
+    """Envoy's health check of the ext_proc cluster (gRPC health, the ext_proc service's
+    name, as the Inference Extension's chart configures it) finds the picker healthy."""
+    envoy, epp = mode
+
+    def flags() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{envoy.admin}/clusters", timeout=5) as r:
+            return "".join(line for line in r.read().decode().splitlines()
+                           if line.startswith("kvwire_epp::") and "health_flags" in line)
+
+    until(lambda: flags().endswith("health_flags::healthy"), "Envoy's health check passed",
+          15, every=0.2)
 
 
 def test_a_request_without_a_body_is_picked_at_its_headers(mode) -> None:
