@@ -9,6 +9,8 @@ CPU 1, nothing else pinned):
 * ``epp-light``: Envoy + kvwire epp with the lightest filter that keeps the load exact
   (request body BUFFERED, answer body NONE: Envoy keeps the picker's stream open until the
   answer ended, without sending it);
+* ``epp-light-2``: the same with two ``kvwire epp`` processes, Envoy spreading the streams
+  over both (``--more-pickers``; their load not shared: no NATS here);
 * ``serve``: ``kvwire serve`` as the proxy.
 
 Engines: two of bench/proxy.py's ``trivial`` servers (answers in microseconds: one JSON
@@ -47,7 +49,7 @@ PY = sys.executable
 ENVOY = os.environ.get("KVWIRE_ENVOY",
                        os.path.join(os.path.dirname(os.path.dirname(PY)), "envoy", "envoy",
                                     "_bin", "envoy"))
-WAYS = ("straight", "envoy-rr", "epp-gie", "epp-light", "serve")
+WAYS = ("straight", "envoy-rr", "epp-gie", "epp-light", "epp-light-2", "serve")
 
 
 def rr_bootstrap(port: int, admin: int, engines: list[int]) -> str:
@@ -288,23 +290,31 @@ def main() -> None:
         envoy = start_envoy(rr_bootstrap(ports["envoy-rr"], admin, engines), where, admin)
         procs.append(envoy)
         pids["envoy-rr"] = [envoy.pid]
-        epp_http: dict[str, int] = {}
+        epp_http: dict[str, list[int]] = {}
         epp_grpc: dict[str, int] = {}
-        for way, modes in (("epp-gie", ()), ("epp-light", ("--request-body-mode", "BUFFERED",
-                                                          "--response-body-mode", "NONE"))):
-            grpc, http, admin = pb.free_port(), pb.free_port(), pb.free_port()
-            epp = start_epp(engines, grpc, http, os.path.join(where, f"{way}.log"))
-            procs.append(epp)
+        light = ("--request-body-mode", "BUFFERED", "--response-body-mode", "NONE")
+        for way, modes, n in (("epp-gie", (), 1), ("epp-light", light, 1),
+                              ("epp-light-2", light, 2)):
+            grpcs, https = [], []
+            for i in range(n):
+                grpc, http = pb.free_port(), pb.free_port()
+                epp = start_epp(engines, grpc, http, os.path.join(where, f"{way}-{i}.log"))
+                procs.append(epp)
+                pids[way].append(epp.pid)
+                grpcs.append(grpc)
+                https.append(http)
+            admin = pb.free_port()
+            more = [a for g in grpcs[1:] for a in ("--more-pickers", f"127.0.0.1:{g}")]
             cfg = subprocess.run([PY, "-m", "kvwire", "epp", "--envoy-config", "--envoy-port",
                                   str(ports[way]), "--envoy-admin-port", str(admin),
-                                  "--grpc-port", str(grpc), *modes], capture_output=True,
-                                 text=True, check=True).stdout
+                                  "--grpc-port", str(grpcs[0]), *more, *modes],
+                                 capture_output=True, text=True, check=True).stdout
             env = start_envoy(cfg.replace("address: 0.0.0.0", "address: 127.0.0.1"), where,
                               admin)
             procs.append(env)
-            pids[way] = [epp.pid, env.pid]
-            epp_http[way] = http
-            epp_grpc[way] = grpc
+            pids[way].append(env.pid)
+            epp_http[way] = https
+            epp_grpc[way] = grpcs[0]
         serve = start_serve(engines, ports["serve"], os.path.join(where, "serve.log"))
         procs.append(serve)
         pids["serve"] = [serve.pid]
@@ -318,26 +328,26 @@ def main() -> None:
         for stream in (False, True):
             workloads.append(("short", stream, pb.chat_bodies(512, stream, "trivial")))
             workloads.append(("2k", stream, long_bodies(64, stream)))
-        print(f"\n{'way':<10} {'prompt':>6} {'stream':>6} {'conns':>5} {'req/s':>8} "
+        print(f"\n{'way':<11} {'prompt':>6} {'stream':>6} {'conns':>5} {'req/s':>8} "
               f"{'p50 ms':>7} {'p99 ms':>7} {'epp CPU us/req':>14} {'envoy us/req':>12} "
               f"{'msgs/req':>8}")
         for name, stream, bodies in workloads:
             for conns in a.conns:
                 for way in WAYS:
-                    m0 = messages(epp_http[way]) if way in epp_http else 0.0
+                    m0 = sum(map(messages, epp_http.get(way, ())))
                     cpu0 = [pb.tree_cpu(x) for x in pids[way]]
                     r = pb.wrk_cell(ports[way], bodies, conns, a.seconds, where, None)
                     cpu = [pb.tree_cpu(x) - c for x, c in zip(pids[way], cpu0)]
                     ok = max(r["ok"], 1)
-                    epp_cpu = (f"{cpu[0] / ok * 1e6:14.0f}" if way in epp_http
+                    epp_cpu = (f"{sum(cpu[:-1]) / ok * 1e6:14.0f}" if way in epp_http
                                else f"{'-':>14}")
                     env_cpu = (f"{cpu[-1] / ok * 1e6:12.0f}"
                                if way.startswith(("epp", "envoy")) else f"{'-':>12}")
-                    msgs = (f"{(messages(epp_http[way]) - m0) / ok:8.1f}" if way in epp_http
-                            else f"{'-':>8}")
+                    msgs = (f"{(sum(map(messages, epp_http[way])) - m0) / ok:8.1f}"
+                            if way in epp_http else f"{'-':>8}")
                     bad = f"  ({r['bad']} non-2xx, {r['errors']} socket errors)" if (
                         r["bad"] or r["errors"]) else ""
-                    print(f"{way:<10} {name:>6} {str(stream):>6} {conns:>5} {r['rps']:8.0f} "
+                    print(f"{way:<11} {name:>6} {str(stream):>6} {conns:>5} {r['rps']:8.0f} "
                           f"{r['p50']:7.2f} {r['p99']:7.2f} {epp_cpu} {env_cpu} {msgs}{bad}",
                           flush=True)
         for rate in a.rate:
@@ -345,13 +355,13 @@ def main() -> None:
             bodies = pb.overhead_bodies(n)
             print(f"\nTTFT, streamed 2k-token chats open-loop at {rate:g}/s ({n} requests):")
             base = None
-            for way in ("envoy-rr", "straight", "epp-gie", "epp-light", "serve"):
+            for way in ("envoy-rr", "straight", "epp-gie", "epp-light", "epp-light-2", "serve"):
                 r = pb.run_overhead(ports[way], bodies, rate, where)
                 if way == "envoy-rr":
                     base = r
                 added = (f"  added over envoy-rr: p50 {r['p50'] - base['p50']:+.2f} ms, p99 "
                          f"{r['p99'] - base['p99']:+.2f} ms") if way != "envoy-rr" else ""
-                print(f"  {way:<10} p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  ({r['n']} "
+                print(f"  {way:<11} p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  ({r['n']} "
                       f"ok, {r['n_err']} errors, sent at {r['rate']:.0f}/s){added}", flush=True)
     finally:
         for proc in reversed(procs):

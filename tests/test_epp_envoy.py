@@ -382,3 +382,31 @@ def test_a_gateway_s_subset_hint_restricts_the_pick(world, tmp_path) -> None:
         until(lambda: _idle(epp), "no load left", 10)
     finally:
         envoy.stop()
+
+
+def test_several_pickers_behind_one_envoy(world, tmp_path) -> None:
+    """``--more-pickers``: Envoy spreads the requests' streams over two ``kvwire epp``
+    processes; each picks by the cache (both follow every engine's events)."""
+    fleet, _, _ = world
+    flags = ("--tokenizer", "builtin", "--probe-interval", "0.3")
+    a, b = Epp(fleet.engine_args(), *flags), None
+    try:
+        b = Epp(fleet.engine_args(), *flags)
+        envoy = Envoy(a, tmp_path, "--more-pickers", f"127.0.0.1:{b.grpc_port}")
+        try:
+            c = _client(envoy)
+            for i in range(12):
+                c.completions.create(model="kvwire-engine", prompt=_prompt(700 + i % 3),
+                                     max_tokens=1)
+            got = [p.metric("kvwire_epp_streams_total") for p in (a, b)]
+            assert sum(got) == 12 and min(got) > 0, got
+            u = c.completions.create(model="kvwire-engine", prompt=_prompt(700),
+                                     max_tokens=1).usage
+            assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, u
+            until(lambda: _idle(a) and _idle(b), "no load left", 10)
+        finally:
+            envoy.stop()
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--envoy-config: the port Envoy serves clients on (default 8081)")
     g.add_argument("--envoy-admin-port", type=port, default=19000,
                    help="--envoy-config: Envoy's admin port, on loopback (default 19000)")
+    g.add_argument("--more-pickers", metavar="HOST:PORT", action="append", default=[],
+                   type=_address,
+                   help="--envoy-config: another kvwire epp's gRPC address (repeat): Envoy "
+                        "spreads the requests over all of them (several processes, more "
+                        "cores; --nats shares their load)")
     g.add_argument("--request-body-mode", choices=("FULL_DUPLEX_STREAMED", "BUFFERED"),
                    default="FULL_DUPLEX_STREAMED",
                    help="--envoy-config: how Envoy sends a request body (default "
@@ -62,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--envoy-config: how Envoy sends an answer's body (default "
                         "FULL_DUPLEX_STREAMED; STREAMED: chunk by chunk, each answered; NONE: "
                         "the picker sees the headers and the stream's end only, the lightest)")
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, sep, p = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return host.strip("[]"), port(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -82,7 +94,8 @@ def envoy_config(args: argparse.Namespace) -> str:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return bootstrap(EnvoyConfig(
         listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_host=host,
-        epp_port=args.grpc_port, request_body_mode=args.request_body_mode,
+        epp_port=args.grpc_port, more_pickers=tuple(args.more_pickers),
+        request_body_mode=args.request_body_mode,
         response_body_mode=args.response_body_mode))
 
 

@@ -27,6 +27,9 @@ class EnvoyConfig:
     admin_port: int = 19000
     epp_host: str = "127.0.0.1"
     epp_port: int = 9002
+    #: more pickers beside it, (host, port) each: Envoy spreads the requests' streams over
+    #: them (least requests)
+    more_pickers: tuple[tuple[str, int], ...] = ()
     request_body_mode: str = "FULL_DUPLEX_STREAMED"
     response_body_mode: str = "FULL_DUPLEX_STREAMED"
     #: seconds Envoy waits for each answer of the picker before failing the request
@@ -50,6 +53,11 @@ def bootstrap(c: EnvoyConfig) -> str:
                          "prompt: FULL_DUPLEX_STREAMED or BUFFERED")
     # FULL_DUPLEX_STREAMED needs the trailers sent (they can end a body); elsewhere too, so
     # the picker sees where a request or an answer ends
+    pickers = "".join(f"""
+        - endpoint:
+            address:
+              socket_address: {{address: {h}, port_value: {p}}}"""
+                      for h, p in ((c.epp_host, c.epp_port), *c.more_pickers))
     return f"""\
 # Envoy in front of the engines, kvwire epp picking the engine of each request.
 # Written by `kvwire epp --envoy-config`; run it with `envoy -c FILE`.
@@ -122,6 +130,7 @@ static_resources:
   # kvwire epp's gRPC port (HTTP/2), health-checked with gRPC health as the chart does.
   - name: kvwire_epp
     type: STATIC
+    lb_policy: LEAST_REQUEST
     connect_timeout: 5s
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
@@ -141,8 +150,5 @@ static_resources:
     load_assignment:
       cluster_name: kvwire_epp
       endpoints:
-      - lb_endpoints:
-        - endpoint:
-            address:
-              socket_address: {{address: {c.epp_host}, port_value: {c.epp_port}}}
+      - lb_endpoints:{pickers}
 """
