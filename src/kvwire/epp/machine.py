@@ -12,9 +12,9 @@ What Envoy expects, by the request-body mode its first message announces
 
 * ``FULL_DUPLEX_STREAMED`` (the Inference Extension's and llm-d's charts): Envoy sends the
   headers and every body chunk without waiting. Nothing is answered until the body is
-  complete (its last chunk, or the trailers); then the headers answer carries the pick and the body's
-  ``content-length`` (Envoy drops it in this mode; Envoy 1.40 drops it again after the
-  answer, and sends the body on chunked), and the whole body is echoed back in
+  complete (its last chunk, or the trailers); then the headers answer carries the pick and
+  the body's ``content-length`` (Envoy drops it in this mode; Envoy 1.40 drops it again
+  after the answer, and sends the body on chunked), and the whole body is echoed back in
   ``streamed_response`` pieces of at most :data:`PIECE` bytes, the last one ending the
   stream, then the trailers answer if there were trailers. The response's chunks are each
   echoed as they come (a streamed answer reaches the client chunk by chunk).
