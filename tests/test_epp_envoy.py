@@ -148,6 +148,18 @@ def test_envoy_s_grpc_health_check_sees_the_picker_serving(mode) -> None:
           15, every=0.2)
 
 
+def test_a_body_over_envoy_s_default_buffer_reaches_the_engine(mode) -> None:
+    """1.6 MB of prompt (token ids): past Envoy's default 1 MiB buffer, which a BUFFERED body
+    must fit (the printed bootstrap raises it): through the picker in every mode, and the
+    engine's own refusal (its context length) comes back."""
+    envoy, epp = mode
+    r = httpx.post(envoy.url + "/v1/completions", timeout=60, json={
+        "model": "kvwire-engine", "prompt": [77] * 400_000, "max_tokens": 1})
+    assert r.status_code == 400 and "maximum context length" in r.text, (r.status_code,
+                                                                        r.text[:300])
+    until(lambda: _idle(epp), "no load left", 10)
+
+
 def test_a_request_without_a_body_is_picked_at_its_headers(mode) -> None:
     envoy, epp = mode
     models = _client(envoy).models.list()

@@ -95,6 +95,7 @@ def envoy_config(args: argparse.Namespace) -> str:
     return bootstrap(EnvoyConfig(
         listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_host=host,
         epp_port=args.grpc_port, more_pickers=tuple(args.more_pickers),
+        buffer_limit=int(args.max_body),
         request_body_mode=args.request_body_mode,
         response_body_mode=args.response_body_mode))
 

@@ -36,6 +36,10 @@ class EnvoyConfig:
     message_timeout: float = 30.0
     #: the engines' answers: a stream may last long (0 would mean no limit at all)
     route_timeout: float = 3600.0
+    #: with a BUFFERED request body, Envoy holds the whole body within its connection buffer
+    #: limit (1 MiB by default, past which it answers 500 itself): raised to kvwire epp's
+    #: --max-body
+    buffer_limit: int = 32 << 20
 
 
 def _mode(name: str, which: str) -> str:
@@ -53,6 +57,8 @@ def bootstrap(c: EnvoyConfig) -> str:
                          "prompt: FULL_DUPLEX_STREAMED or BUFFERED")
     # FULL_DUPLEX_STREAMED needs the trailers sent (they can end a body); elsewhere too, so
     # the picker sees where a request or an answer ends
+    limit = (f"\n    per_connection_buffer_limit_bytes: {c.buffer_limit}  # (BUFFERED: "
+             "the whole body is held)" if "BUFFERED" in (req, resp) else "")
     pickers = "".join(f"""
         - endpoint:
             address:
@@ -68,7 +74,7 @@ static_resources:
   listeners:
   - name: inference
     address:
-      socket_address: {{address: {c.listen_host}, port_value: {c.listen_port}}}
+      socket_address: {{address: {c.listen_host}, port_value: {c.listen_port}}}{limit}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
