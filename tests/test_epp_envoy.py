@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 
@@ -422,3 +423,34 @@ def test_several_pickers_behind_one_envoy(world, tmp_path) -> None:
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_envoy_to_the_picker_over_tls(world, tmp_path) -> None:
+    """``--grpc-tls-cert/--grpc-tls-key`` on the picker and the same certificate given to
+    ``--envoy-config``: Envoy speaks to it over TLS (trusting that certificate) and its
+    health check passes; requests are picked as in plaintext."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    fleet, _, _ = world
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True, timeout=60)
+    tls = ("--grpc-tls-cert", str(cert))
+    epp = Epp(fleet.engine_args(), *tls, "--grpc-tls-key", str(key))
+    try:
+        assert "(gRPC, TLS)" in epp.proc.text()
+        envoy = Envoy(epp, tmp_path, *tls)
+        try:
+            assert "UpstreamTlsContext" in envoy.config.read_text()
+            r = _client(envoy).completions.with_raw_response.create(
+                model="kvwire-engine", prompt="over tls", max_tokens=1)
+            assert r.headers["x-kvwire-engine"] in ("engine0", "engine1")
+            assert epp.metric("kvwire_epp_streams_total") == 1
+        finally:
+            envoy.stop()
+    finally:
+        epp.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -43,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a longer request body is refused with 413 (default 32 MiB)")
     g.add_argument("--grpc-tls-cert", metavar="FILE", default=None,
                    help="serve gRPC over TLS with this PEM certificate chain (with "
-                        "--grpc-tls-key; default: plaintext)")
+                        "--grpc-tls-key; default: plaintext); with --envoy-config, Envoy "
+                        "connects over TLS and trusts it")
     g.add_argument("--grpc-tls-key", metavar="FILE", default=None,
                    help="the PEM private key of --grpc-tls-cert")
     g.add_argument("--envoy-config", action="store_true",
@@ -96,6 +98,7 @@ def envoy_config(args: argparse.Namespace) -> str:
         listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_host=host,
         epp_port=args.grpc_port, more_pickers=tuple(args.more_pickers),
         buffer_limit=int(args.max_body),
+        tls_ca=None if args.grpc_tls_cert is None else os.path.abspath(args.grpc_tls_cert),
         request_body_mode=args.request_body_mode,
         response_body_mode=args.response_body_mode))
 

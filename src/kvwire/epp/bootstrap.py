@@ -40,6 +40,9 @@ class EnvoyConfig:
     #: limit (1 MiB by default, past which it answers 500 itself): raised to kvwire epp's
     #: --max-body
     buffer_limit: int = 32 << 20
+    #: the picker serves gRPC over TLS with this certificate (PEM), which Envoy then trusts
+    #: (a self-signed one is its own authority); None: plaintext
+    tls_ca: str | None = None
 
 
 def _mode(name: str, which: str) -> str:
@@ -59,6 +62,17 @@ def bootstrap(c: EnvoyConfig) -> str:
     # the picker sees where a request or an answer ends
     limit = (f"\n    per_connection_buffer_limit_bytes: {c.buffer_limit}  # (BUFFERED: "
              "the whole body is held)" if "BUFFERED" in (req, resp) else "")
+    tls = "" if c.tls_ca is None else f"""
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: [h2]
+          validation_context:
+            trusted_ca: {{filename: "{c.tls_ca}"}}"""
+    hc_tls = "" if c.tls_ca is None else """
+      tls_options: {alpn_protocols: [h2]}"""
     pickers = "".join(f"""
         - endpoint:
             address:
@@ -152,7 +166,7 @@ static_resources:
       unhealthy_threshold: 3
       healthy_threshold: 1
       grpc_health_check:
-        service_name: envoy.service.ext_proc.v3.ExternalProcessor
+        service_name: envoy.service.ext_proc.v3.ExternalProcessor{hc_tls}{tls}
     load_assignment:
       cluster_name: kvwire_epp
       endpoints:
