@@ -117,6 +117,13 @@ class Fleet:
         self.base = base if base is not None else _free_base(n)
         self.proc = Proc([sys.executable, "-m", "kvwire", "fleet", str(n), "--base-port",
                           str(self.base), "--speed", "50", *flags])
+        try:
+            self._up(n)
+        except BaseException:  # (the caller never gets the object to stop)
+            self.proc.stop()
+            raise
+
+    def _up(self, n: int) -> None:
         m = self.proc.wait_line(r"pids ([\d ]+)")
         self.pids = [int(p) for p in m.group(1).split()]
         # (stdout and stderr are read by two threads: the --engine lines may come after)
@@ -157,9 +164,13 @@ class Epp:
         self.proc = Proc([sys.executable, "-m", "kvwire", "epp", *engine_args,
                           "--grpc-port", str(self.grpc_port), "--port", str(self.http_port),
                           *flags])
-        self.proc.wait_line(r"ext_proc on ")
         self.url = f"http://127.0.0.1:{self.http_port}"
-        until(lambda: _ok(self.url + "/health"), "kvwire epp healthy", START)
+        try:
+            self.proc.wait_line(r"ext_proc on ")
+            until(lambda: _ok(self.url + "/health"), "kvwire epp healthy", START)
+        except BaseException:  # (the caller never gets the object to stop)
+            self.proc.stop()
+            raise
 
     def engines(self) -> dict:
         return get_json(self.url + "/engines")
@@ -207,7 +218,11 @@ class Envoy:
         self.config.write_text(edit(r.stdout) if edit else r.stdout)
         self.proc = Proc([binary, "-c", str(self.config), "--log-level", "warn",
                           "--base-id", str(self.port), "--concurrency", "1"])
-        until(lambda: _ok(f"http://127.0.0.1:{self.admin}/ready"), "Envoy ready", START)
+        try:
+            until(lambda: _ok(f"http://127.0.0.1:{self.admin}/ready"), "Envoy ready", START)
+        except BaseException:
+            self.proc.stop()
+            raise
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:

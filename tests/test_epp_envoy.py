@@ -329,8 +329,9 @@ def test_engines_added_and_removed_at_run_time(world, tmp_path) -> None:
     serve's admin routes): the added engine is picked once probed, the removed one no more."""
     fleet, _, _ = world
     epp = Epp(["--engine", fleet.specs[0]], "--admin-token", "t", "--probe-interval", "0.3")
-    envoy = Envoy(epp, tmp_path)
+    envoy = None
     try:
+        envoy = Envoy(epp, tmp_path)
         auth = {"authorization": "Bearer t"}
         r = httpx.post(epp.url + "/engines", json={"engine": fleet.specs[1]}, headers=auth)
         assert r.status_code == 201, r.text
@@ -346,7 +347,8 @@ def test_engines_added_and_removed_at_run_time(world, tmp_path) -> None:
         assert got == {"engine1": 3}, got
         until(lambda: _idle(epp), "no load left", 10)
     finally:
-        envoy.stop()
+        if envoy is not None:
+            envoy.stop()
         rc = epp.stop()
     assert rc == 0, epp.proc.text()  # (SIGTERM: a clean stop)
 
