@@ -158,7 +158,9 @@ class Epp:
     """``kvwire epp`` over a fleet's engines, on free ports; ``url``: its HTTP side."""
 
     def __init__(self, engine_args: list[str], *flags: str, grpc_port: int | None = None,
-                 http_port: int | None = None) -> None:
+                 http_port: int | None = None, events: bool = True) -> None:
+        """``events``: the engines publish KV events (then /health waits for them too; else
+        only for each engine's HTTP health)."""
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
         self.proc = Proc([sys.executable, "-m", "kvwire", "epp", *engine_args,
@@ -167,7 +169,12 @@ class Epp:
         self.url = f"http://127.0.0.1:{self.http_port}"
         try:
             self.proc.wait_line(r"ext_proc on ")
-            until(lambda: _ok(self.url + "/health"), "kvwire epp healthy", START)
+            if events:
+                until(lambda: _ok(self.url + "/health"), "kvwire epp healthy", START)
+            else:
+                until(lambda: _ok(self.url + "/engines") and all(
+                    e["http"]["http_up"] for e in self.engines().values()),
+                    "kvwire epp seeing its engines up", START)
         except BaseException:  # (the caller never gets the object to stop)
             self.proc.stop()
             raise

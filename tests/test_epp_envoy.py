@@ -456,3 +456,62 @@ def test_envoy_to_the_picker_over_tls(world, tmp_path) -> None:
             envoy.stop()
     finally:
         epp.stop()
+
+
+def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
+    """Envoy drops a request's content-length in FULL_DUPLEX_STREAMED (and 1.40 drops it
+    again after the picker sets it): the picker also sends it as x-kvwire-content-length,
+    which the printed bootstrap's header_mutation filter makes content-length again. An
+    engine that records what it got sees the length and the body, not chunks, in every
+    mode."""
+    import http.server
+    import json
+    import threading
+
+    envoy_binary()
+    got: list[tuple[dict, bytes]] = []
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - /health and /v1/models
+            self._answer(b'{"data": [{"id": "m"}]}' if "models" in self.path else b"")
+
+        def do_POST(self) -> None:  # noqa: N802
+            n = int(self.headers.get("content-length") or 0)
+            got.append((dict(self.headers.items()), self.rfile.read(n)))
+            self._answer(b'{"choices": [], "usage": {"completion_tokens": 1}}')
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    started: list = []
+    try:
+        epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
+                  "--probe-interval", "0.3", events=False)
+        started.append(epp)
+        for flags in MODES.values():
+            envoy = Envoy(epp, tmp_path, *flags)
+            started.append(envoy)
+            body = json.dumps({"model": "m", "prompt": "x " * 5000, "max_tokens": 1}).encode()
+            r = httpx.post(envoy.url + "/v1/completions", content=body, timeout=30,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 200, (flags, r.text)
+            headers, seen = got.pop()
+            lower = {k.lower(): v for k, v in headers.items()}
+            assert lower.get("content-length") == str(len(body)), (flags, headers)
+            assert "transfer-encoding" not in lower and "x-kvwire-content-length" not in lower
+            assert seen == body
+    finally:
+        for p in reversed(started):
+            p.stop()
+        server.shutdown()

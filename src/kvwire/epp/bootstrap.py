@@ -73,6 +73,22 @@ def bootstrap(c: EnvoyConfig) -> str:
             trusted_ca: {{filename: "{c.tls_ca}"}}"""
     hc_tls = "" if c.tls_ca is None else """
       tls_options: {alpn_protocols: [h2]}"""
+    # FULL_DUPLEX_STREAMED: Envoy drops the request's content-length even where the picker
+    # sets it; the picker also sends it as x-kvwire-content-length, made content-length
+    # again here (so the engine gets the body with its length, not chunked)
+    restore = "" if req != "FULL_DUPLEX_STREAMED" else """
+          # The request body's length, which Envoy drops in FULL_DUPLEX_STREAMED: the picker
+          # sends it as x-kvwire-content-length (absent: nothing is set).
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+                - append:
+                    header: {key: content-length, value: "%REQ(x-kvwire-content-length)%"}
+                    append_action: OVERWRITE_IF_EXISTS_OR_ADD
+                    keep_empty_value: false
+                - remove: x-kvwire-content-length"""
     pickers = "".join(f"""
         - endpoint:
             address:
@@ -129,7 +145,7 @@ static_resources:
               # ext_proc server sends only in the namespaces listed here.
               metadata_options:
                 receiving_namespaces:
-                  untyped: [envoy.lb]
+                  untyped: [envoy.lb]{restore}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router

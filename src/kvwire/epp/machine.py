@@ -13,8 +13,9 @@ What Envoy expects, by the request-body mode its first message announces
 * ``FULL_DUPLEX_STREAMED`` (the Inference Extension's and llm-d's charts): Envoy sends the
   headers and every body chunk without waiting. Nothing is answered until the body is
   complete (its last chunk, or the trailers); then the headers answer carries the pick and
-  the body's ``content-length`` (Envoy drops it in this mode; Envoy 1.40 drops it again
-  after the answer, and sends the body on chunked), and the whole body is echoed back in
+  the body's ``content-length`` (Envoy drops it in this mode, and Envoy 1.40 drops it again
+  after the answer: it also goes as :data:`LENGTH`, which a filter after this one makes
+  ``content-length`` again), and the whole body is echoed back in
   ``streamed_response`` pieces of at most :data:`PIECE` bytes, the last one ending the
   stream, then the trailers answer if there were trailers. The response's chunks are each
   echoed as they come (a streamed answer reaches the client chunk by chunk).
@@ -39,7 +40,7 @@ from typing import Any
 
 from ..errors import HttpError
 
-__all__ = ["DESTINATION", "NAMESPACE", "PIECE", "SERVED", "SUBSET", "SUBSET_NAMESPACE", "Answer",
+__all__ = ["DESTINATION", "LENGTH", "NAMESPACE", "PIECE", "SERVED", "SUBSET", "SUBSET_NAMESPACE", "Answer",
            "Ask", "Mode", "ProtocolError", "Refusal", "RequestBody", "RequestHeaders",
            "RequestTrailers", "ResponseBody", "ResponseHeaders", "ResponseTrailers", "Step",
            "Stream", "Unsupported"]
@@ -54,6 +55,10 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 #: Metadata a gateway may send with the response: the endpoint that served it.
 SERVED = "x-gateway-destination-endpoint-served"
+#: The request header that carries the body's length past Envoy, which drops content-length
+#: in FULL_DUPLEX_STREAMED even when the answer sets it (the printed bootstrap's
+#: header_mutation filter makes it content-length again).
+LENGTH = "x-kvwire-content-length"
 #: The largest body piece echoed in one message (Envoy's default gRPC message limit is 64 KiB
 #: for some gateways: this leaves room for the envelope).
 PIECE = 62_000
@@ -330,9 +335,12 @@ class Stream:
         self.state = State.RESPONSE
         if self.request_mode is not Mode.FULL_DUPLEX_STREAMED or not self.read_body:
             return [Answer(Phase.REQUEST_HEADERS, set_headers=pick, metadata=meta)]
-        # FULL_DUPLEX_STREAMED: Envoy dropped content-length; the body goes back in pieces
-        out = [Answer(Phase.REQUEST_HEADERS,
-                      set_headers=(*pick, ("content-length", str(len(body)))), metadata=meta)]
+        # FULL_DUPLEX_STREAMED: Envoy dropped content-length; the body goes back in pieces.
+        # The length is set again (a body with trailers stays chunked), and as LENGTH for a
+        # filter after this one to restore (Envoy 1.40 drops content-length again)
+        length = () if self.trailers else (("content-length", str(len(body))),
+                                           (LENGTH, str(len(body))))
+        out = [Answer(Phase.REQUEST_HEADERS, set_headers=(*pick, *length), metadata=meta)]
         last = not self.trailers
         for i in range(0, max(len(body), 1), PIECE):
             piece = body[i:i + PIECE]
