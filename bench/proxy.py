@@ -123,6 +123,26 @@ def _plain(status: bytes, body: bytes, ctype: bytes = b"application/json") -> by
             b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 
 
+_CHUNKED = re.compile(rb"(?i)\r\ntransfer-encoding:[ \t]*chunked")
+
+
+def _dechunk(buf: bytes, at: int) -> tuple[bytes, int] | None:
+    """A chunked body from ``at`` (no trailers): (body, where it ends), or None if it has
+    not all arrived."""
+    parts = []
+    while True:
+        eol = buf.find(b"\r\n", at)
+        if eol < 0:
+            return None
+        size = int(buf[at:eol].split(b";")[0], 16)
+        if len(buf) < eol + 2 + size + 2:
+            return None
+        if size == 0:
+            return b"".join(parts), eol + 4
+        parts.append(buf[eol + 2:eol + 2 + size])
+        at = eol + 2 + size + 2
+
+
 class _EngineProto(asyncio.Protocol):
     chunks = {True: _sse_chunks(True), False: _sse_chunks(False)}
     answers = {True: _completion(True, 0), False: _completion(False, 0)}
@@ -144,12 +164,19 @@ class _EngineProto(asyncio.Protocol):
             if end < 0:
                 return
             head = self.buf[:end + 2]
-            m = _CL.search(head)
-            n = int(m.group(1)) if m else 0
-            if len(self.buf) < end + 4 + n:
-                return
-            body = self.buf[end + 4:end + 4 + n]
-            self.buf = self.buf[end + 4 + n:]
+            if _CHUNKED.search(head):  # (Envoy sends a body an ext_proc filter echoed so)
+                got = _dechunk(self.buf, end + 4)
+                if got is None:
+                    return
+                body, after = got
+                self.buf = self.buf[after:]
+            else:
+                m = _CL.search(head)
+                n = int(m.group(1)) if m else 0
+                if len(self.buf) < end + 4 + n:
+                    return
+                body = self.buf[end + 4:end + 4 + n]
+                self.buf = self.buf[end + 4 + n:]
             line = head[:head.find(b"\r\n")]
             parts = line.split(b" ")
             path = parts[1] if len(parts) > 1 else b""

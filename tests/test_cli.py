@@ -541,7 +541,8 @@ def test_run_demo_rejects_bad_arguments(kwargs) -> None:
 def test_every_subcommand_is_reachable_from_kvwire() -> None:
     r = subprocess.run([*KVWIRE, "--help"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    for cmd in ("listen", "keys", "demo", "sim", "serve", "bridge", "engine", "index", "fleet"):
+    for cmd in ("listen", "keys", "demo", "sim", "serve", "epp", "bridge", "engine", "index",
+                "fleet"):
         assert cmd in r.stdout
         h = subprocess.run([*KVWIRE, cmd, "--help"], capture_output=True, text=True, timeout=30)
         assert h.returncode == 0 and f"usage: kvwire {cmd}" in h.stdout, h.stderr
@@ -693,7 +694,7 @@ def test_kvwire_help_lists_every_command_in_plain_text() -> None:
     parser = build_parser()
     commands = next(a for a in parser._actions
                     if isinstance(a, argparse._SubParsersAction)).choices
-    assert len(commands) == 9
+    assert len(commands) == 10  # (epp: the endpoint picker behind Envoy)
     r = subprocess.run([*KVWIRE, "--help"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     for name in commands:

@@ -296,6 +296,36 @@ def job_serve_proxy(v: Venv) -> None:
     assert eng.interrupt()[0] == 0
 
 
+def job_epp_envoy_config(v: Venv) -> None:
+    """``kvwire epp --envoy-config`` prints Envoy's bootstrap with the core alone."""
+    r = v.run("epp", "--envoy-config", "--grpc-port", "9102")
+    assert r.returncode == 0, r.stderr
+    assert "envoy.filters.http.ext_proc" in r.stdout and "port_value: 9102" in r.stdout
+
+
+def job_epp(v: Venv) -> None:
+    """``kvwire epp`` (the epp extra alone): the picker serves gRPC health (the ext_proc
+    service SERVING once the engine was probed) beside serve's HTTP side."""
+    eng, url, events, replay = start_engine(v)
+    p = v.start("epp", "--port", "0", "--grpc-port", "0", "--engine",
+                f"e0={events},replay={replay},url={url}", "--tokenizer", "builtin")
+    port = p.wait_line("stderr", r"ext_proc on 127\.0\.0\.1:(\d+)").group(1)
+    code = ("import grpc, sys, time\n"
+            "n = b'envoy.service.ext_proc.v3.ExternalProcessor'\n"
+            "ch = grpc.insecure_channel('127.0.0.1:' + sys.argv[1])\n"
+            "check = ch.unary_unary('/grpc.health.v1.Health/Check')\n"
+            "deadline = time.monotonic() + 60\n"
+            "while check(b'\\x0a' + bytes([len(n)]) + n, timeout=10) != b'\\x08\\x01':\n"
+            "    assert time.monotonic() < deadline, 'never SERVING'\n"
+            "    time.sleep(0.2)\n"
+            "print('SERVING')\n")
+    r = subprocess.run([str(v.root / "bin" / "python"), "-c", code, port], capture_output=True,
+                       text=True, timeout=120, env=v.env)
+    assert r.returncode == 0 and "SERVING" in r.stdout, r.stderr
+    assert p.interrupt()[0] == 0
+    assert eng.interrupt()[0] == 0
+
+
 def job_bridge(v: Venv) -> None:
     """A real nats-server (the extra's binary), ``kvwire bridge`` writing an engine's events
     to JetStream, ``kvwire listen nats://`` reading them back."""
@@ -345,6 +375,7 @@ REFUSED: dict[str, tuple[list[str], str]] = {
     "listen-metrics": (["listen", "--metrics", "0", "--duration", "5", "tcp://127.0.0.1:1"],
                        "metrics"),
     "serve-nats": (["serve", "--nats", "nats://127.0.0.1:1"], "nats"),
+    "epp": (["epp", "--engine", "e=tcp://127.0.0.1:1,url=http://127.0.0.1:1"], "epp"),
     "sim-report": (["sim", "--limit", "5", "--report", "r.png"], "sim"),
     "engine-tokenizer": (["engine", "--port", "0", "--tokenizer", str(TOKENIZER)], "tokenize"),
 }
@@ -352,11 +383,12 @@ REFUSED: dict[str, tuple[list[str], str]] = {
 #: Per venv: what it installs, the jobs that must work in it, the commands that must refuse.
 VENVS: dict[str, tuple[list[Callable[[Venv], None]], list[str]]] = {
     "core": ([job_help, job_keys, job_engine_and_listen, job_index, job_fleet, job_sim,
-              job_demo_late_join],
+              job_demo_late_join, job_epp_envoy_config],
              ["serve", "serve-proxy", "demo", "bridge", "listen-nats", "listen-metrics",
-              "sim-report", "engine-tokenizer"]),
+              "sim-report", "engine-tokenizer", "epp"]),
     "serve": ([job_serve_decision_api, job_serve_proxy], ["bridge", "serve-nats",
-                                                          "sim-report"]),
+                                                          "sim-report", "epp"]),
+    "epp": ([job_epp], ["bridge", "sim-report"]),
     "sim": ([job_sim_report], ["serve", "engine-tokenizer"]),
     "nats": ([job_bridge], ["serve"]),
     "tokenize": ([job_engine_tokenizer], ["serve", "sim-report"]),
@@ -428,7 +460,8 @@ def test_extras_table_matches_pyproject() -> None:
         "optional-dependencies"]
     # distribution -> the top-level module kvwire imports from it
     module_of = {"nats-py": "nats", "prometheus_client": "prometheus_client",
-                 "uvicorn[standard]": "uvicorn"}
+                 "uvicorn[standard]": "uvicorn", "grpcio": "grpc", "xds-protos": "envoy",
+                 "protobuf": "google"}
     for extra, modules in extras.EXTRA_MODULES.items():
         assert extra in declared, extra
         provided = {module_of.get(re.split(r"[<>=!~;]", d)[0].strip(),

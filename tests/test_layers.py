@@ -58,11 +58,15 @@ ROOMS: list[dict[str, list[str]]] = [
     {"nats": ["nats"], "engine": ["engine"], "plugins": ["engines", "plugins"]},
     # Routing without HTTP or asyncio: policy, load, the feed of an index, the core.
     {"routing": ["routing"]},
-    # What answers HTTP on top of it: the OpenAI proxy, the RFC #1403 indexer, the endpoint
-    # picker.
-    {"proxy": ["proxy"], "indexer": ["indexer"], "epp": ["epp"],
+    # What answers HTTP on top of it: the OpenAI proxy, the RFC #1403 indexer.
+    {"proxy": ["proxy"], "indexer": ["indexer"],
      # Replica load sharing's NATS I/O: the pure half is routing.sharing, below it.
      "load_channel": ["nats.load_channel"]},
+    # The endpoint picker behind Envoy (ext_proc over gRPC): Envoy connects, kvwire only
+    # decides, and it decides as the proxy does, so it stands on the proxy: the proxy's
+    # engine health (fleet, prober), its tokenization and the routing core's reservation
+    # lifecycle, reused rather than copied (a sibling of the proxy could not import them).
+    {"epp": ["epp"]},
     # router/: old import paths only, forwarding to routing/, proxy/, indexer/ and serve/
     # for one release.
     {"router": ["router"]},

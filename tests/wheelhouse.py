@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / ".wheelhouse"
 STAMP = WHEELHOUSE / "STAMP"
 #: The extras the install test gives a venv each (the core gets one too).
-EXTRAS = ("serve", "sim", "nats", "tokenize")
+EXTRAS = ("serve", "sim", "nats", "tokenize", "epp")
 PIP_TIMEOUT = 900.0  # a first download of ~70 MB on a slow link
 class Offline(Exception):
     """pip could not reach the package index to fill the wheelhouse."""

@@ -22,6 +22,7 @@ __all__ = ["EXTRA_MODULES", "NEEDS", "Need", "extra_for_module", "install_hint",
 #: what is there when the extra is installed).
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "serve": ("prometheus_client", "tokenizers"),
+    "epp": ("grpc", "envoy", "google", "prometheus_client", "tokenizers"),
     "nats": ("nats",),
     "sim": ("matplotlib",),
     "tokenize": ("tokenizers",),
@@ -48,6 +49,8 @@ def _tokenizer_dir(args: argparse.Namespace) -> bool:
 #: Per command, the extras it needs (a command not named needs only the core).
 NEEDS: dict[str, tuple[Need, ...]] = {
     "serve": (Need("serve"), Need("nats", "--nats", lambda a: a.nats is not None)),
+    "epp": (Need("epp", "the picker (not --envoy-config)", lambda a: not a.envoy_config),
+            Need("nats", "--nats", lambda a: a.nats is not None)),
     "bridge": (Need("nats"),),
     "demo": (Need("serve", "the HTTP fleet story (the default; not --sim or --late-join)",
                   lambda a: not (a.sim or a.late_join)),),

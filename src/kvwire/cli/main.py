@@ -386,7 +386,7 @@ def _add_demo(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand, each listed with its one-line purpose in ``kvwire --help``."""
-    from . import bridge, engine, fleet, index, serve, sim  # own modules (light imports)
+    from . import bridge, engine, epp, fleet, index, serve, sim  # own modules (light imports)
 
     p = Parser(prog="kvwire", usage="kvwire [-h] [-v] [--version] COMMAND ...",
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     # a subparsers group would repeat them in a {a,b,...} line.
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", prog="kvwire",
                            help=argparse.SUPPRESS)
-    for add in (_add_listen, engine.register, fleet.register, serve.register, index.register,
-                bridge.register, _add_keys, sim.register, _add_demo):
+    for add in (_add_listen, engine.register, fleet.register, serve.register, epp.register,
+                index.register, bridge.register, _add_keys, sim.register, _add_demo):
         add(sub)
     width = max(len(a.dest) for a in sub._choices_actions)
     p.description = DESCRIPTION.format(commands="\n".join(

@@ -27,13 +27,13 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import StreamConfig
-from ..http1.server import Server
+from ..http1.server import Server, run_loop
 from ..indexer.indexer import Indexer
 from ..proxy.proxy import Proxy, ProxyConfig
 from ..routing.core import RouterCore
@@ -127,6 +127,7 @@ class Service:
                              on_start=self._serving, on_stop=self._stopping)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._beside: list[tuple[Callable[[], Awaitable[Any]], Callable[[], Awaitable[Any]]]] = []
 
     @property
     def url(self) -> str:
@@ -148,7 +149,30 @@ class Service:
         """Serve on this thread until stopped: SIGINT/SIGTERM on the main thread (a first one
         drains for ``shutdown_timeout``), or ``server.should_exit``. Call :meth:`close`
         after."""
-        self.server.run(sockets=[self.sock])
+        if not self._beside:
+            self.server.run(sockets=[self.sock])
+            return
+        run_loop(self._serve_beside())
+
+    # -------------------------------------------- work beside HTTP on the serving loop
+
+    def beside(self, start: Callable[[], Awaitable[Any]],
+               stop: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``start()`` on the serving loop before HTTP serves and ``stop()`` there after
+        it stopped (``kvwire epp``'s gRPC server: it uses the proxy's fleet, which lives on
+        that loop). Call before :meth:`run` or :meth:`start`."""
+        self._beside.append((start, stop))
+
+    async def _serve_beside(self) -> None:
+        stops = []
+        try:
+            for start, stop in self._beside:
+                await start()
+                stops.append(stop)
+            await self.server.serve([self.sock])
+        finally:
+            for stop in reversed(stops):
+                await stop()
 
     def start(self, timeout: float = 10.0) -> Service:
         """Serve in a daemon thread (embedding, tests); returns once the server listens.

@@ -1,0 +1,517 @@
+"""``kvwire epp`` behind a real Envoy (the bootstrap ``kvwire epp --envoy-config`` prints),
+in front of a real ``kvwire fleet``, in both request-body modes gateways configure
+(FULL_DUPLEX_STREAMED, the Inference Extension chart's; BUFFERED, with the answer's body
+streamed through the picker or not at all): every behaviour is seen
+by a client of Envoy. The openai client, streamed chunk by chunk and not; requests that
+follow the cache (the engine's own ``cached_tokens`` says it held the prefix); refusals in
+OpenAI's shape (400, 429, 503); clients gone mid-stream leave no load; a SIGKILLed engine
+gets no more traffic once a probe saw it gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from envoy_helpers import Envoy, Epp, Fleet, envoy_binary, until
+
+pytestmark = pytest.mark.timeout(300)
+
+MODES = {"full_duplex": ("--request-body-mode", "FULL_DUPLEX_STREAMED"),
+         "buffered": ("--request-body-mode", "BUFFERED", "--response-body-mode", "STREAMED"),
+         # the lightest that keeps the load exact: Envoy keeps the picker's stream open
+         # until the answer ended (or the client left), without sending its body
+         "light": ("--request-body-mode", "BUFFERED", "--response-body-mode", "NONE")}
+MAX_IN_FLIGHT = 4
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Two engines (a model clock 5x wall time: a long answer lasts seconds), one picker
+    (the builtin tokenizer: routed by the cache), one Envoy per body mode."""
+    envoy_binary()  # (skips loudly before anything starts)
+    tmp = tmp_path_factory.mktemp("epp")
+    started: list = []
+    try:
+        fleet = Fleet(2, "--speed", "5")
+        started.append(fleet)
+        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--max-in-flight",
+                  str(MAX_IN_FLIGHT), "--probe-interval", "0.5")
+        started.append(epp)
+        envoys = {}
+        for name, flags in MODES.items():
+            envoys[name] = Envoy(epp, tmp, *flags)
+            started.append(envoys[name])
+        yield fleet, epp, envoys
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request, world):
+    fleet, epp, envoys = world
+    return envoys[request.param], epp
+
+
+def _client(envoy: Envoy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=envoy.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _idle(epp: Epp) -> bool:
+    """No request in flight anywhere, no load reserved, none active."""
+    loads = epp.loads()
+    return (all(n == 0 and load == 0 for n, load in loads.values())
+            and epp.metric("kvwire_proxy_active") == 0)
+
+
+def test_openai_client_streamed_chunk_by_chunk_and_not(mode) -> None:
+    envoy, epp = mode
+    c = _client(envoy)
+    done = c.completions.create(model="kvwire-engine", prompt="hello there", max_tokens=5)
+    assert done.choices[0].text and done.usage.completion_tokens == 5
+    chat = c.chat.completions.create(model="kvwire-engine", max_tokens=4,
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content and chat.usage.prompt_tokens > 0
+    # streamed: each chunk arrives as the engine makes it (about 1 ms apart here), so a
+    # long answer comes in many reads, and the first well before the last
+    t0 = time.monotonic()
+    seen = []
+    with c.chat.completions.create(model="kvwire-engine", max_tokens=400, stream=True,
+                                   extra_body={"ignore_eos": True},
+                                   messages=[{"role": "user", "content": "tell me"}]) as s:
+        for chunk in s:
+            seen.append((time.monotonic() - t0, chunk))
+    text = "".join(ch.choices[0].delta.content or "" for _, ch in seen if ch.choices)
+    assert len(seen) >= 50 and text, len(seen)  # (an engine step may carry a few tokens)
+    # (a gateway that held the answer until its end would deliver the first chunk last)
+    assert seen[0][0] < 0.5 * seen[-1][0], ("the chunks came all at once, not as made",
+                                            seen[0][0], seen[-1][0])
+    assert seen[-1][1].choices[0].finish_reason == "length"
+    until(lambda: _idle(epp), "no load left once the answers ended", 10)
+
+
+def _prompt(i: int) -> str:
+    return f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(300))
+
+
+def test_requests_follow_the_cache(mode) -> None:
+    """Each prompt asked twice: the second time it goes where the first went, so the
+    engine itself (its usage, through Envoy) finds most of it cached. With two engines and
+    a cache-blind pick, four repeats would all land right 1 time in 16."""
+    envoy, epp = mode
+    c = _client(envoy)
+    tag = envoy.port  # (prompts of their own per mode: the other mode's are cached already)
+    before = epp.requests()
+    streams = epp.metric("kvwire_epp_streams_total")
+    for i in range(4):
+        c.completions.create(model="kvwire-engine", prompt=_prompt(tag * 10 + i), max_tokens=1)
+    assert epp.metric("kvwire_epp_streams_total") == streams + 4  # (one per request)
+    spread = {n: v - before.get(n, 0) for n, v in epp.requests().items()}
+    for i in range(4):
+        again = c.completions.create(model="kvwire-engine", prompt=_prompt(tag * 10 + i),
+                                     max_tokens=1)
+        u = again.usage
+        assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, (i, u, spread)
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def test_unparseable_body_is_400_in_openai_s_shape(mode) -> None:
+    envoy, epp = mode
+    r = httpx.post(envoy.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and "JSON" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        _client(envoy).chat.completions.create(model="kvwire-engine", messages=None)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(envoy).completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def test_envoy_s_grpc_health_check_sees_the_picker_serving(mode) -> None:
+    """Envoy's health check of the ext_proc cluster (gRPC health, the ext_proc service's
+    name, as the Inference Extension's chart configures it) finds the picker healthy."""
+    envoy, epp = mode
+
+    def flags() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{envoy.admin}/clusters", timeout=5) as r:
+            return "".join(line for line in r.read().decode().splitlines()
+                           if line.startswith("kvwire_epp::") and "health_flags" in line)
+
+    until(lambda: flags().endswith("health_flags::healthy"), "Envoy's health check passed",
+          15, every=0.2)
+
+
+def test_a_body_over_envoy_s_default_buffer_reaches_the_engine(mode) -> None:
+    """1.6 MB of prompt (token ids): past Envoy's default 1 MiB buffer, which a BUFFERED body
+    must fit (the printed bootstrap raises it): through the picker in every mode, and the
+    engine's own refusal (its context length) comes back."""
+    envoy, epp = mode
+    r = httpx.post(envoy.url + "/v1/completions", timeout=60, json={
+        "model": "kvwire-engine", "prompt": [77] * 400_000, "max_tokens": 1})
+    assert r.status_code == 400 and "maximum context length" in r.text, (r.status_code,
+                                                                        r.text[:300])
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def test_a_request_without_a_body_is_picked_at_its_headers(mode) -> None:
+    envoy, epp = mode
+    models = _client(envoy).models.list()
+    assert [m.id for m in models.data] == ["kvwire-engine"]
+    r = httpx.get(envoy.url + "/health", timeout=30)
+    assert r.status_code == 200
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+def _long_stream(url: str, client: httpx.Client, i: int) -> tuple[httpx.Response, object]:
+    """A streamed answer of some seconds, begun (its first line read), and its line
+    iterator (kept: dropping it closes the response)."""
+    r = client.send(client.build_request("POST", url + "/v1/completions", json={
+        "model": "kvwire-engine", "prompt": f"long story {i}", "max_tokens": 3000,
+        "ignore_eos": True, "stream": True}, timeout=60), stream=True)
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    next(lines)
+    return r, lines
+
+
+def test_clients_gone_mid_stream_leave_no_load(mode) -> None:
+    """Clients that read a first chunk and drop the connection: Envoy resets the picker's
+    streams; every reservation and count is released, and the engines stop (abort)."""
+    envoy, epp = mode
+    clients = [httpx.Client() for _ in range(3)]
+    streams = []
+    try:
+        for i, cl in enumerate(clients):
+            streams.append(_long_stream(envoy.url, cl, i))
+        busy = epp.loads()
+        assert sum(n for n, _ in busy.values()) == 3 and \
+            epp.metric("kvwire_proxy_active") == 3, busy
+    finally:
+        for cl in clients:
+            cl.close()  # (mid-stream: the connection goes)
+    until(lambda: _idle(epp), "every load released after the clients left", 15)
+
+
+def test_past_max_in_flight_is_429_with_retry_after(world) -> None:
+    fleet, epp, envoys = world
+    envoy = envoys["full_duplex"]
+    clients = [httpx.Client() for _ in range(MAX_IN_FLIGHT)]
+    streams = []
+    try:
+        for i, cl in enumerate(clients):
+            streams.append(_long_stream(envoy.url, cl, 100 + i))
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "one more", "max_tokens": 1})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "RateLimitError"
+    finally:
+        for cl in clients:
+            cl.close()
+    until(lambda: _idle(epp), "no load left", 15)
+    r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                   json={"model": "kvwire-engine", "prompt": "one more", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_a_killed_engine_gets_no_more_traffic_then_503(tmp_path) -> None:
+    """SIGKILL one engine: within a probe interval (0.3 s here, plus the probe's refused
+    connection) the picker stops choosing it, and every request goes to the other; with
+    both gone, an immediate 503 in OpenAI's shape; one restarted is used again."""
+    envoy_binary()
+    started: list = []
+    try:
+        # two fleets of one (a fleet stops its other engines when one dies)
+        fleets = [Fleet(1, "--speed", "50") for _ in range(2)]
+        started += fleets
+        engines = [a for i, f in enumerate(fleets)
+                   for a in ("--engine", f.specs[0].replace("engine0=", f"engine{i}=", 1))]
+        epp = Epp(engines, "--probe-interval", "0.3", "--cooloff", "0.5")
+        started.append(epp)
+        envoy = Envoy(epp, tmp_path)
+        started.append(envoy)
+        c = _client(envoy)
+        for i in range(4):
+            c.completions.create(model="kvwire-engine", prompt=f"warm {i}", max_tokens=1)
+        os.kill(fleets[0].pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        until(lambda: not epp.engines()["engine0"]["http"]["breaker_up"], "engine0 seen down",
+              5)
+        seen_after = time.monotonic() - t0
+        before = epp.requests()
+        for i in range(10):
+            r = c.completions.create(model="kvwire-engine", prompt=f"after {i}", max_tokens=1)
+            assert r.choices
+        after = epp.requests()
+        assert after["engine0"] == before["engine0"], (before, after)
+        assert after["engine1"] == before["engine1"] + 10
+        assert seen_after < 0.3 + 2.0, seen_after
+        os.kill(fleets[1].pids[0], signal.SIGKILL)
+        until(lambda: not epp.engines()["engine1"]["http"]["breaker_up"], "engine1 seen down",
+              5)
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "anyone?", "max_tokens": 1})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == 503 and "no engine" in err["message"]
+        back = Fleet(1, "--speed", "50", base=fleets[0].base)  # engine0 again, same address
+        started.append(back)
+        until(lambda: epp.engines()["engine0"]["http"]["breaker_up"], "engine0 back", 15)
+        before = epp.requests()
+        for i in range(3):
+            r = c.completions.create(model="kvwire-engine", prompt=f"back {i}", max_tokens=1)
+            assert r.choices
+        assert epp.requests()["engine0"] == before["engine0"] + 3
+        until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_the_picker_killed_and_restarted_under_load(tmp_path) -> None:
+    """SIGKILL kvwire epp with answers streaming through Envoy: nothing hangs (those
+    answers end, cut, and new requests fail at once: Envoy's ext_proc filter fails closed);
+    restarted on the same port, Envoy uses it again, and a prompt the engines cached before
+    the restart goes where it is cached (the new picker rebuilt its index from the engines'
+    event streams)."""
+    envoy_binary()
+    started: list = []
+    try:
+        fleet = Fleet(2, "--speed", "5")
+        started.append(fleet)
+        flags = ("--tokenizer", "builtin", "--probe-interval", "0.5")
+        epp = Epp(fleet.engine_args(), *flags)
+        started.append(epp)
+        envoy = Envoy(epp, tmp_path)
+        started.append(envoy)
+        c = _client(envoy)
+        for i in range(4):
+            c.completions.create(model="kvwire-engine", prompt=_prompt(900 + i), max_tokens=1)
+        clients = [httpx.Client() for _ in range(2)]
+        streams = [_long_stream(envoy.url, cl, 900 + i) for i, cl in enumerate(clients)]
+        os.kill(epp.proc.p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for _r, lines in streams:  # cut, not hung
+            with pytest.raises(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "hello", "max_tokens": 1})
+        assert r.status_code >= 500 and time.monotonic() - t0 < 10, (r.status_code, r.text)
+        for cl in clients:
+            cl.close()
+        again = Epp(fleet.engine_args(), *flags, grpc_port=epp.grpc_port,
+                    http_port=epp.http_port)
+        started.append(again)
+        ok = until(lambda: httpx.post(envoy.url + "/v1/completions", timeout=30, json={
+            "model": "kvwire-engine", "prompt": "hello", "max_tokens": 1}).status_code == 200,
+            "Envoy using the restarted picker", 30, every=0.2)
+        assert ok
+        for i in range(4):
+            u = c.completions.create(model="kvwire-engine", prompt=_prompt(900 + i),
+                                     max_tokens=1).usage
+            assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, (i, u)
+        until(lambda: _idle(again), "no load left", 10)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_engines_added_and_removed_at_run_time(world, tmp_path) -> None:
+    """``POST /engines`` and ``DELETE /engines/NAME`` on the picker's HTTP side (kvwire
+    serve's admin routes): the added engine is picked once probed, the removed one no more."""
+    fleet, _, _ = world
+    epp = Epp(["--engine", fleet.specs[0]], "--admin-token", "t", "--probe-interval", "0.3")
+    envoy = None
+    try:
+        envoy = Envoy(epp, tmp_path)
+        auth = {"authorization": "Bearer t"}
+        r = httpx.post(epp.url + "/engines", json={"engine": fleet.specs[1]}, headers=auth)
+        assert r.status_code == 201, r.text
+        until(lambda: epp.engines()["engine1"]["http"]["http_up"], "engine1 probed", 10)
+        r = httpx.delete(epp.url + "/engines/engine0", headers=auth)
+        assert r.status_code == 200, r.text
+        c = _client(envoy)
+        for i in range(3):
+            r = c.completions.with_raw_response.create(model="kvwire-engine",
+                                                       prompt=f"moved {i}", max_tokens=1)
+            assert r.headers["x-kvwire-engine"] == "engine1"  # (set on the answer)
+        got = epp.requests()
+        assert got == {"engine1": 3}, got
+        until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        rc = epp.stop()
+    assert rc == 0, epp.proc.text()  # (SIGTERM: a clean stop)
+
+
+SUBSET_FROM_HEADER = """\
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: x-gateway-destination-endpoint-subset
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+                remove: true
+"""
+
+
+def _subset_from_header(text: str) -> str:
+    """The bootstrap with a gateway's subset hint: a request header made filter metadata
+    (envoy.lb.subset_hint), which the ext_proc filter forwards to the picker."""
+    at = text.index("          - name: envoy.filters.http.ext_proc")
+    text = text[:at] + SUBSET_FROM_HEADER + text[at:]
+    return text.replace("              metadata_options:\n",
+                        "              metadata_options:\n                forwarding_namespaces:\n"
+                        "                  untyped: [envoy.lb.subset_hint]\n")
+
+
+def test_a_gateway_s_subset_hint_restricts_the_pick(world, tmp_path) -> None:
+    """Filter metadata ``envoy.lb.subset_hint`` (here made by Envoy from a request header):
+    the pick comes from the subset only; a subset of no engine here is 503."""
+    fleet, epp, _ = world
+    envoy = Envoy(epp, tmp_path, edit=_subset_from_header)
+    try:
+        c = _client(envoy)
+        for i, want in enumerate((1, 0, 1, 0, 0, 1)):
+            address = fleet.urls[want].removeprefix("http://")
+            r = c.completions.with_raw_response.create(
+                model="kvwire-engine", prompt=f"subset {i}", max_tokens=1,
+                extra_headers={"x-gateway-destination-endpoint-subset": f"10.9.9.9:1,{address}"})
+            assert r.headers["x-kvwire-engine"] == f"engine{want}", (i, want)
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       headers={"x-gateway-destination-endpoint-subset": "10.9.9.9:1"},
+                       json={"model": "kvwire-engine", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and "subset" in r.json()["error"]["message"], r.text
+        until(lambda: _idle(epp), "no load left", 10)
+    finally:
+        envoy.stop()
+
+
+def test_several_pickers_behind_one_envoy(world, tmp_path) -> None:
+    """``--more-pickers``: Envoy spreads the requests' streams over two ``kvwire epp``
+    processes; each picks by the cache (both follow every engine's events)."""
+    fleet, _, _ = world
+    flags = ("--tokenizer", "builtin", "--probe-interval", "0.3")
+    a, b = Epp(fleet.engine_args(), *flags), None
+    try:
+        b = Epp(fleet.engine_args(), *flags)
+        envoy = Envoy(a, tmp_path, "--more-pickers", f"127.0.0.1:{b.grpc_port}")
+        try:
+            c = _client(envoy)
+            for i in range(12):
+                c.completions.create(model="kvwire-engine", prompt=_prompt(700 + i % 3),
+                                     max_tokens=1)
+            got = [p.metric("kvwire_epp_streams_total") for p in (a, b)]
+            assert sum(got) == 12 and min(got) > 0, got
+            u = c.completions.create(model="kvwire-engine", prompt=_prompt(700),
+                                     max_tokens=1).usage
+            assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, u
+            until(lambda: _idle(a) and _idle(b), "no load left", 10)
+        finally:
+            envoy.stop()
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_envoy_to_the_picker_over_tls(world, tmp_path) -> None:
+    """``--grpc-tls-cert/--grpc-tls-key`` on the picker and the same certificate given to
+    ``--envoy-config``: Envoy speaks to it over TLS (trusting that certificate) and its
+    health check passes; requests are picked as in plaintext."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    fleet, _, _ = world
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True, timeout=60)
+    tls = ("--grpc-tls-cert", str(cert))
+    epp = Epp(fleet.engine_args(), *tls, "--grpc-tls-key", str(key))
+    try:
+        assert "(gRPC, TLS)" in epp.proc.text()
+        envoy = Envoy(epp, tmp_path, *tls)
+        try:
+            assert "UpstreamTlsContext" in envoy.config.read_text()
+            r = _client(envoy).completions.with_raw_response.create(
+                model="kvwire-engine", prompt="over tls", max_tokens=1)
+            assert r.headers["x-kvwire-engine"] in ("engine0", "engine1")
+            assert epp.metric("kvwire_epp_streams_total") == 1
+        finally:
+            envoy.stop()
+    finally:
+        epp.stop()
+
+
+def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
+    """Envoy drops a request's content-length in FULL_DUPLEX_STREAMED (and 1.40 drops it
+    again after the picker sets it): the picker also sends it as x-kvwire-content-length,
+    which the printed bootstrap's header_mutation filter makes content-length again. An
+    engine that records what it got sees the length and the body, not chunks, in every
+    mode."""
+    import http.server
+    import json
+    import threading
+
+    envoy_binary()
+    got: list[tuple[dict, bytes]] = []
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - /health and /v1/models
+            self._answer(b'{"data": [{"id": "m"}]}' if "models" in self.path else b"")
+
+        def do_POST(self) -> None:  # noqa: N802
+            n = int(self.headers.get("content-length") or 0)
+            got.append((dict(self.headers.items()), self.rfile.read(n)))
+            self._answer(b'{"choices": [], "usage": {"completion_tokens": 1}}')
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    started: list = []
+    try:
+        epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
+                  "--probe-interval", "0.3", events=False)
+        started.append(epp)
+        for flags in MODES.values():
+            envoy = Envoy(epp, tmp_path, *flags)
+            started.append(envoy)
+            body = json.dumps({"model": "m", "prompt": "x " * 5000, "max_tokens": 1}).encode()
+            r = httpx.post(envoy.url + "/v1/completions", content=body, timeout=30,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 200, (flags, r.text)
+            headers, seen = got.pop()
+            lower = {k.lower(): v for k, v in headers.items()}
+            assert lower.get("content-length") == str(len(body)), (flags, headers)
+            assert "transfer-encoding" not in lower and "x-kvwire-content-length" not in lower
+            assert seen == body
+    finally:
+        for p in reversed(started):
+            p.stop()
+        server.shutdown()
