@@ -375,7 +375,7 @@ class Pair:
             t0, _, prompt, *_ = self.specs[0]
             self.d.add(EngineRequest("warm", prompt, 1), 0.0)
         p, d = self.p, self.d
-        for _ in range(20_000):  # a bound: a stuck pair fails instead of hanging
+        while max(p.now, d.now) < 20.0:  # far past any run's end: a stuck pair fails
             t_ev = self.heap[0][0] if self.heap else math.inf
             if p.runnable and p.now < t_ev and (not d.runnable or p.now <= d.now):
                 self.step_p(min(t_ev, d.now) if d.runnable else t_ev)
