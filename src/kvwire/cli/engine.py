@@ -56,6 +56,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel ranks (one engine model and publisher each)")
     p.add_argument("--speed", type=positive, default=1.0, metavar="X",
                    help="run the model's clock X times faster than wall time (default 1)")
+    d = p.add_argument_group("disaggregated serving (prefill/decode pairs)")
+    d.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
+                   help="prefill: computes prompts and holds their KV for a decode engine; "
+                        "decode: takes a prompt's KV from a prefill engine; both (default): "
+                        "either, or neither")
+    d.add_argument("--kv-port", type=port, default=None, metavar="P",
+                   help="the KV side channel between engines (HTTP/1.1; 0: any free port; "
+                        "default: any free port for a prefill or decode role, else none)")
+    d.add_argument("--bootstrap-port", type=port, default=None, metavar="P",
+                   help="SGLang's bootstrap server (default 8998 on a prefill engine; a "
+                        "both engine has one only when given)")
+    d.add_argument("--kv-lease-s", type=positive, default=30.0, metavar="S",
+                   help="seconds a prefill engine holds a prompt's KV for its decode engine "
+                        "unless heartbeats extend it (vLLM's kv_lease_duration; default 30)")
+    d.add_argument("--kv-bytes-per-token", type=positive_int, default=131072, metavar="B",
+                   help="KV bytes a token (default 131072: Llama-3.1-8B in BF16)")
+    d.add_argument("--kv-bandwidth-gbps", type=positive, default=400.0, metavar="G",
+                   help="link bandwidth between engines in Gb/s (default 400)")
+    d.add_argument("--kv-latency-ms", type=nonnegative, default=1.0, metavar="MS",
+                   help="fixed time of one transfer (default 1 ms)")
+    d.add_argument("--kv-load-failure", choices=("fail", "recompute"), default="fail",
+                   help="a failed pull fails the request (default, vLLM's) or recomputes "
+                        "the prompt here")
+    d.add_argument("--kv-recompute-blocks", type=count, default=0, metavar="N",
+                   help="recompute a pull of at most N blocks here instead (vLLM's "
+                        "kv_recompute_threshold; default 0)")
     m = p.add_argument_group("model")
     m.add_argument("--num-gpu-blocks", type=positive_int, default=28_000)
     m.add_argument("--block-size", type=positive_int, default=16)
@@ -73,20 +99,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace):
     """The :class:`EngineOptions` the flags say (ValueError on a bad combination)."""
-    from ..engine import EngineConfig, StepCost
+    from ..engine import EngineConfig, StepCost, TransferCost
     from ..engine.server.app import EngineOptions
 
     cost = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
                     args.step_decode_seq_us * 1e-6, args.step_context_token_ns * 1e-9)
+    transfer = TransferCost(args.kv_bytes_per_token, args.kv_bandwidth_gbps * 1e9 / 8,
+                            args.kv_latency_ms * 1e-3)
     cfg = EngineConfig(num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, cpu_blocks=args.cpu_blocks, cost=cost,
-                       seed=args.seed)
+                       seed=args.seed, role=args.role, lease_s=args.kv_lease_s,
+                       transfer=transfer, load_failure=args.kv_load_failure,
+                       recompute_blocks=args.kv_recompute_blocks)
     events = None if args.events.lower() in ("", "none") else args.events
     return EngineOptions(model=args.model, loras=list(args.lora), config=cfg,
                          max_model_len=args.max_model_len, dp_size=args.dp_size,
                          speed=args.speed, events=events, replay=args.replay, topic=args.topic,
-                         dialect=args.dialect, publisher=args.publisher)
+                         dialect=args.dialect, publisher=args.publisher,
+                         kv_port=args.kv_port, bootstrap_port=args.bootstrap_port)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -112,9 +143,14 @@ async def _serve(app, host: str, port_: int) -> int:
     except (OSError, ValueError) as e:
         print(f"kvwire engine: cannot start: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
+    pd = app.pd
+    side = "" if pd is None else (
+        f" role={app.opts.config.role} kv=http://{host}:{pd.kv_port}"
+        + (f" bootstrap_port={pd.bootstrap_port}" if pd.bootstrap_port is not None else ""))
     print(f"kvwire engine: serving http://{host}:{bound} model={app.opts.model} "
           f"events={','.join(app.event_endpoints) or 'none'} "
-          f"replay={','.join(e or '-' for e in app.replay_endpoints) or 'none'}", flush=True)
+          f"replay={','.join(e or '-' for e in app.replay_endpoints) or 'none'}{side}",
+          flush=True)
     await stop.wait()
     await app.stop()
     _say(f"kvwire engine: stopped ({got[0].name}), events flushed")

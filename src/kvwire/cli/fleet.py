@@ -11,6 +11,12 @@ one line, exit 2, nothing started). On Ctrl-C or SIGTERM the fleet stops every e
 itself (SIGTERM, SIGKILL after ``STOP_TIMEOUT``), relays each one's ``stopped`` line and
 exits only when all are gone; if it is killed outright, the children still die with it
 (Linux: PR_SET_PDEATHSIG).
+
+``kvwire fleet --prefill N --decode M [--both K]`` starts a disaggregated fleet instead:
+engines ``prefill0..``, ``decode0..``, ``both0..`` in that order (``i`` counting across
+them) with their ``--role``, their KV side channel at ``base + 3000 + i`` and, for prefill
+and both engines, SGLang's bootstrap server at ``base + 4000 + i``; each printed
+``--engine`` adds ``role=`` (and ``bootstrap_port=``).
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, port, positive_int
+from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, count, port, positive_int
 
 __all__ = ["engine_args", "main", "register", "run"]
 
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0
-_RESERVED = ("--port", "--events", "--replay", "--host")
+_RESERVED = ("--port", "--events", "--replay", "--host", "--role", "--kv-port",
+             "--bootstrap-port")
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -75,16 +82,34 @@ def bind_host(host: str, all_interfaces: bool) -> str:
     return f"[{mapped}]"
 
 
-def engine_args(i: int, base: int, host: str, dp: int,
-                bind: str = "*") -> tuple[list[str], str]:
+def engine_args(i: int, base: int, host: str, dp: int, bind: str = "*",
+                role: str | None = None, name: str | None = None) -> tuple[list[str], str]:
     """Engine ``i``'s own flags and the router's ``--engine`` value for it; ``bind`` is
-    :func:`bind_host`'s answer."""
+    :func:`bind_host`'s answer. With a ``role`` (a P/D fleet) the engine also gets its KV
+    side channel at ``base + 3000 + i`` and, unless it decodes only, SGLang's bootstrap
+    server at ``base + 4000 + i``; the spec names its role (and bootstrap port)."""
     http, events, replay = base + i, base + 1000 + i * dp, base + 2000 + i * dp
     flags = ["--host", host, "--port", str(http), "--events", f"tcp://{bind}:{events}",
              "--replay", f"tcp://{bind}:{replay}"]
-    spec = (f"engine{i}=tcp://{host}:{events},replay=tcp://{host}:{replay}"
+    spec = (f"{name or f'engine{i}'}=tcp://{host}:{events},replay=tcp://{host}:{replay}"
             + (f",ranks={dp}" if dp > 1 else "") + f",url=http://{host}:{http}")
+    if role is not None:
+        flags += ["--role", role, "--kv-port", str(base + 3000 + i)]
+        spec += f",role={role}"
+        if role != "decode":
+            flags += ["--bootstrap-port", str(base + 4000 + i)]
+            spec += f",bootstrap_port={base + 4000 + i}"
     return flags, spec
+
+
+def layout(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The fleet's engines in order, (name, role): ``engine0..`` without roles, else
+    ``prefill0.., decode0.., both0..``."""
+    if args.n is not None:
+        return [(f"engine{i}", None) for i in range(args.n)]
+    return [(f"{role}{i}", role) for role, k in (("prefill", args.prefill),
+                                                 ("decode", args.decode),
+                                                 ("both", args.both)) for i in range(k)]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -96,14 +121,48 @@ def register(subparsers) -> argparse.ArgumentParser:
         epilog="Any other flag is a `kvwire engine` flag given to every engine. exit status: "
         "0 stopped by SIGINT/SIGTERM; 1 an engine failed to start or died; 2 a bad flag")
     _add(p)
+    _role_form(p)
     p.set_defaults(func=run, _fleet_parser=p)
     return p
 
 
+_ROLE_FORM = "roles"  # stands for N when the command line starts with a flag
+
+
+def _role_form(p: argparse.ArgumentParser) -> None:
+    """Let ``kvwire fleet --prefill N --decode M <engine flags>`` parse: argparse takes
+    the engine flags only after the positional N, so a command line that starts with a
+    flag is parsed as if N were :data:`_ROLE_FORM` (N then None), everything after it
+    left to :func:`_check`."""
+    base = type(p)
+
+    class RoleForm(base):  # type: ignore[misc, valid-type]
+        def parse_known_args(self, args=None, namespace=None):
+            args = list(sys.argv[1:] if args is None else args)
+            if args and args[0].startswith("-") and args[0] not in ("-h", "--help"):
+                args = [_ROLE_FORM, *args]
+            return super().parse_known_args(args, namespace)
+
+    p.__class__ = RoleForm
+
+
+def _n(text: str) -> int | None:
+    return None if text == _ROLE_FORM else positive_int(text)
+
+
 def _add(p: argparse.ArgumentParser) -> None:
-    p.add_argument("n", type=positive_int, metavar="N", help="number of engines")
+    p.add_argument("n", type=_n, metavar="N", nargs="?", default=None,
+                   help="number of engines (all of role both; or give --prefill/--decode)")
+    p.add_argument("--prefill", type=count, default=0, metavar="N",
+                   help="engines of role prefill (prefill0..)")
+    p.add_argument("--decode", type=count, default=0, metavar="M",
+                   help="engines of role decode (decode0..)")
+    p.add_argument("--both", type=count, default=0, metavar="K",
+                   help="with --prefill/--decode: engines of role both (both0..), with a KV "
+                        "side channel and a bootstrap server")
     p.add_argument("--base-port", type=port, default=8000, metavar="P",
-                   help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i)")
+                   help="engine i serves HTTP at P + i (events P + 1000 + i, replay P + 2000 + i; "
+                        "with roles its KV side channel P + 3000 + i, bootstrap P + 4000 + i)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address every engine binds, HTTP and KV events (default loopback)")
     p.add_argument("--all-interfaces", action="store_true",
@@ -126,14 +185,25 @@ class _Parser(Parser):
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if args.n < 1:
-        return f"N must be >= 1, got {args.n}"
     extra: list[str] = []
     it = iter(a for a in args.engine_flags if a != "--")
     for a in it:  # fleet's own flags given after N land here too
         key, eq, val = a.partition("=")
+        if args.n is None and not extra and a.isdigit():  # N after the fleet's own flags
+            try:
+                args.n = positive_int(a)
+            except argparse.ArgumentTypeError as e:
+                return f"N: {e}"
+            continue
         if key == "--all-interfaces":
             args.all_interfaces = True
+            continue
+        if key in ("--prefill", "--decode", "--both"):
+            val = val if eq else next(it, "")
+            try:
+                setattr(args, key[2:], count(val))
+            except argparse.ArgumentTypeError as e:
+                return f"{key}: {e}"
             continue
         if key in ("--base-port", "--host"):
             val = val if eq else next(it, "")
@@ -146,10 +216,23 @@ def _check(args: argparse.Namespace) -> str | None:
                 return f"--base-port: {e}"
             continue
         extra.append(a)
+    roles = args.prefill + args.decode + args.both
+    if args.n is not None and roles:
+        return "give N or --prefill/--decode/--both, not both"
+    if args.n is None and not roles:
+        return "give N (engines of role both) or --prefill N --decode M"
+    if args.n is None and args.prefill + args.both and not args.decode + args.both:
+        return "a P/D fleet needs an engine that decodes (--decode M or --both K)"
+    if args.n is None and args.decode and not args.prefill + args.both:
+        return "a P/D fleet needs an engine that prefills (--prefill N or --both K)"
+    args.engines = layout(args)
+    args.n = len(args.engines)
     for a in extra:
         if a.split("=", 1)[0] in _RESERVED:
-            return f"{a.split('=', 1)[0]} is set per engine by kvwire fleet (use --base-port)"
-    if args.base_port + 2000 + args.n * 64 > 65535:
+            key = a.split("=", 1)[0]
+            hint = "--prefill/--decode/--both" if key == "--role" else "--base-port"
+            return f"{key} is set per engine by kvwire fleet (use {hint})"
+    if args.base_port + (4000 if roles else 2000) + args.n * 64 > 65535:
         return f"--base-port {args.base_port} leaves no room for {args.n} engines' ports"
     from .engine import add_arguments, options_from_args
 
@@ -168,6 +251,8 @@ def _check(args: argparse.Namespace) -> str | None:
         load_tokenizer(ns.tokenizer)
     except (ValueError, OSError) as e:  # TokenizerError is a ValueError
         return f"bad engine flags: {e}"
+    if roles and ns.dp_size != 1:
+        return f"a P/D fleet's engines need --dp-size 1, got {ns.dp_size}"
     args.engine_flags = extra
     args.dp = ns.dp_size
     return None
@@ -189,8 +274,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         specs = []
         bind = bind_host(args.host, args.all_interfaces)
-        for i in range(args.n):
-            flags, spec = engine_args(i, args.base_port, args.host, args.dp, bind)
+        for i, (name, role) in enumerate(args.engines):
+            flags, spec = engine_args(i, args.base_port, args.host, args.dp, bind, role, name)
             specs.append(spec)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvwire.cli.engine", *flags, *args.engine_flags],
@@ -204,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
         while not stopping.wait(0.2):
             dead = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
             if dead:
-                print(f"kvwire fleet: engine{dead[0][0]} exited with status {dead[0][1]}; "
+                print(f"kvwire fleet: {args.engines[dead[0][0]][0]} exited with status "
+                      f"{dead[0][1]}; "
                       "stopping the others", file=sys.stderr, flush=True)
                 return EXIT_FAILURE
         return EXIT_OK
@@ -276,6 +362,7 @@ def _stop_all(procs: list[subprocess.Popen], relays: list[threading.Thread]) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     p = Parser(prog="kvwire fleet", description=__doc__.splitlines()[0])
     _add(p)
+    _role_form(p)
     return run(p.parse_args(argv))
 
 

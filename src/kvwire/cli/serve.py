@@ -65,11 +65,28 @@ def _nats_url(text: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", type=engine, default=[],
                    metavar="NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]"
-                           "[,first_seq=N]",
+                           "[,first_seq=N][,role=prefill|decode|both][,bootstrap_port=P]",
                    help="an engine's KV event endpoint (repeat per engine); ranks=N follows "
                         "DP ranks at port + rank; url=http://HOST:PORT proxies /v1 requests "
                         "to it; first_seq=1 for a publisher numbering its run from 1 "
-                        "(Mooncake Store)")
+                        "(Mooncake Store); role= its side in prefill/decode serving "
+                        "(default both); bootstrap_port= a prefill engine's SGLang bootstrap "
+                        "port (default 8998)")
+    p.add_argument("--pd-protocol", choices=("vllm", "sglang"), default=None,
+                   help="prefill/decode pairs: the engines' protocol, vllm (kv_transfer_params, "
+                        "sequential) or sglang (bootstrap_room, concurrent); default vllm, and "
+                        "pairs only when an --engine has role=prefill or role=decode")
+    p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
+                   help="prefill/decode: a prompt missing fewer than N tokens on its decode "
+                        "engine is prefilled there (default 0: always disaggregate)")
+    p.add_argument("--pd-prefill-busy", type=nonnegative, default=float("inf"),
+                   metavar="BLOCKS",
+                   help="prefill/decode: when every prefill engine's load exceeds BLOCKS, "
+                        "prefill on the decode engine (default: never)")
+    p.add_argument("--pd-fallback", choices=("local", "fail"), default="local",
+                   help="prefill/decode: a prefill that failed on every prefill engine tried "
+                        "(--retries more after the first) is done on the decode engine "
+                        "(local, the default) or answered 502 (fail)")
     p.add_argument("--policy", choices=("kvwire", "round_robin", "least_load", "random"),
                    default="kvwire", help="routing policy (default kvwire; the others are "
                                           "cache-blind baselines)")
@@ -259,7 +276,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         nats_engines=args.nats_engine, share_load=args.share_load,
         connect_timeout=args.connect_timeout, registrations=args.registrations,
         engines_file=args.engines_file, admin_token=_admin_token(args),
-        shutdown_timeout=args.shutdown_timeout)
+        shutdown_timeout=args.shutdown_timeout, disagg_min_tokens=args.disagg_min_tokens,
+        pd_prefill_busy=args.pd_prefill_busy)
 
 
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:
@@ -273,7 +291,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                        stall_timeout=args.stall_timeout, response_ids=args.response_ids,
                        max_in_flight=args.max_in_flight,
                        tokenize_threads=args.tokenize_threads,
-                       tokenize_queue=args.tokenize_queue)
+                       tokenize_queue=args.tokenize_queue,
+                       pd_protocol=args.pd_protocol, pd_fallback=args.pd_fallback)
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:

@@ -19,7 +19,8 @@ from typing import Any
 from ..wire.endpoint import check_endpoint
 from .subscriber import StreamSpec
 
-__all__ = ["ENGINE_NAME", "ENGINE_NAME_RULE", "EngineSpec", "check_engine_name"]
+__all__ = ["BOOTSTRAP_PORT", "ENGINE_NAME", "ENGINE_NAME_RULE", "ROLES", "EngineSpec",
+           "check_engine_name"]
 
 #: An engine name's pattern (also the NAME of its streams' NAME/dpR).
 ENGINE_NAME = r"[A-Za-z0-9_-]{1,64}"
@@ -59,16 +60,37 @@ def _ranks(val: str, where: str) -> int:
     return int(val)
 
 
+#: An engine's roles in prefill/decode serving: ``both`` (the default) serves either side.
+ROLES = ("prefill", "decode", "both")
+#: SGLang's default bootstrap port (a prefill engine's, where decode engines find it).
+BOOTSTRAP_PORT = 8998
+
+
+def _role(val: str, where: str) -> str:
+    if val not in ROLES:
+        raise ValueError(f"{where}: unknown role {val!r} (expected prefill, decode or both)")
+    return val
+
+
+def _port(val: str, where: str) -> int:
+    if not val.isdigit() or not 1 <= int(val) <= 65535:
+        raise ValueError(f"{where}: bootstrap_port {val!r} must be 1..65535")
+    return int(val)
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine: ``NAME=ENDPOINT[,replay=ENDPOINT][,ranks=N][,topic=T][,url=URL]
-    [,first_seq=N]``.
+    [,first_seq=N][,role=prefill|decode|both][,bootstrap_port=P]``.
 
     ``endpoint`` is None for an engine whose streams come from JetStream (``serve --nats``):
     it has a name and ranks, and no ZeroMQ endpoint to follow. ``url`` is the engine's
     OpenAI-compatible HTTP base (``http://HOST:PORT``): only engines with one get proxied
     requests (``serve``'s ``/v1/*``); the others serve the decision API only.
-    ``first_seq``: the seq its publisher numbers a run from (0; Mooncake Store's is 1)."""
+    ``first_seq``: the seq its publisher numbers a run from (0; Mooncake Store's is 1).
+    ``role``: what it does in prefill/decode serving (``prefill``, ``decode`` or ``both``,
+    the default); ``bootstrap_port``: where SGLang's protocol finds a prefill engine's
+    bootstrap server (8998 if not given; a ``decode`` engine has none)."""
 
     name: str
     endpoint: str | None
@@ -77,6 +99,38 @@ class EngineSpec:
     topic: str = ""
     url: str | None = None
     first_seq: int = 0
+    role: str = "both"
+    bootstrap_port: int = BOOTSTRAP_PORT
+
+    def __post_init__(self) -> None:
+        _role(self.role, f"engine {self.name!r}")
+
+    @property
+    def prefills(self) -> bool:
+        """Whether it may run a request's prefill for another engine (prefill, both)."""
+        return self.role != "decode"
+
+    @property
+    def decodes(self) -> bool:
+        """Whether it may decode (decode, both)."""
+        return self.role != "prefill"
+
+    @staticmethod
+    def _role_opt(kw: dict[str, Any], key: str, val: str, where: str) -> bool:
+        """Parse a ``role=`` or ``bootstrap_port=`` option into ``kw``; False for another."""
+        if key == "role":
+            kw["role"] = _role(val, where)
+        elif key == "bootstrap_port":
+            kw["bootstrap_port"] = _port(val, where)
+        else:
+            return False
+        return True
+
+    @staticmethod
+    def _check_roles(kw: dict[str, Any], where: str) -> None:
+        if "bootstrap_port" in kw and kw.get("role") == "decode":
+            raise ValueError(f"{where}: bootstrap_port is a prefill engine's (this one has "
+                             "role=decode)")
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
@@ -94,11 +148,15 @@ class EngineSpec:
         kw: dict[str, Any] = {}
         for opt in opts:
             key, eq, val = opt.partition("=")
-            if not eq or key not in ("replay", "ranks", "topic", "url", "first_seq"):
+            if not eq or key not in ("replay", "ranks", "topic", "url", "first_seq", "role",
+                                     "bootstrap_port"):
                 raise ValueError(f"{where}: unknown option {opt!r} (expected replay=ENDPOINT, "
-                                 "ranks=N, topic=T, url=URL or first_seq=N)")
+                                 "ranks=N, topic=T, url=URL, first_seq=N, "
+                                 "role=prefill|decode|both or bootstrap_port=P)")
             if key in kw:
                 raise ValueError(f"{where}: {key} given twice")
+            if cls._role_opt(kw, key, val, where):
+                continue
             if key == "replay":
                 check_endpoint(val, f"--engine {name} replay")
                 kw["replay"] = val
@@ -113,12 +171,14 @@ class EngineSpec:
                 kw["first_seq"] = int(val)
             else:
                 kw["topic"] = val
+        cls._check_roles(kw, where)
         return cls(name, endpoint, **kw)
 
     @classmethod
     def parse_named(cls, text: str, flag: str = "--nats-engine") -> EngineSpec:
-        """Parse ``NAME[:RANKS][,url=URL]``: an engine whose streams come from JetStream,
-        proxied to at ``URL`` if given (else it serves the decision API only)."""
+        """Parse ``NAME[:RANKS][,url=URL][,role=ROLE][,bootstrap_port=P]``: an engine
+        whose streams come from JetStream, proxied to at ``URL`` if given (else it serves
+        the decision API only)."""
         where = f"{flag} {text!r}"
         head, *opts = text.split(",")
         if "=" in head:
@@ -126,15 +186,18 @@ class EngineSpec:
                              "come from JetStream here, so no ZeroMQ endpoint is given)")
         name, sep, n = head.partition(":")
         check_engine_name(name, where)
-        url = None
+        kw: dict[str, Any] = {}
         for opt in opts:
             key, eq, val = opt.partition("=")
-            if key != "url" or not eq:
-                raise ValueError(f"{where}: unknown option {opt!r} (expected url=URL)")
-            if url is not None:
-                raise ValueError(f"{where}: url given twice")
-            url = check_url(val, where)
-        return cls(name, None, ranks=_ranks(n, where) if sep else 1, url=url)
+            if key not in ("url", "role", "bootstrap_port") or not eq:
+                raise ValueError(f"{where}: unknown option {opt!r} (expected url=URL, "
+                                 "role=prefill|decode|both or bootstrap_port=P)")
+            if key in kw:
+                raise ValueError(f"{where}: {key} given twice")
+            if not cls._role_opt(kw, key, val, where):
+                kw["url"] = check_url(val, where)
+        cls._check_roles(kw, where)
+        return cls(name, None, ranks=_ranks(n, where) if sep else 1, **kw)
 
     def stream_names(self) -> list[str]:
         """The names of this engine's DP rank streams: ``NAME/dpR``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
-__all__ = ["EngineStats", "Histogram", "render"]
+__all__ = ["EngineStats", "Histogram", "TransferStats", "render", "render_transfer"]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -81,6 +81,86 @@ class EngineStats:
         self.req_gen = Histogram(tok)
         self.iteration_tokens = Histogram((1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
                                            8192, 16384))
+
+
+class TransferStats:
+    """What the engine server adds to the model's transfer counters: failed pulls by
+    reason, pulls recomputed locally, blocks served to decode engines and heartbeats
+    answered."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, int] = {}
+        self.recomputed = 0
+        self.served_blocks = 0
+        self.heartbeats = 0
+        self.rooms = 0  # SGLang rooms known on the prefill side (set when rendered)
+        self.rooms_dropped = 0  # rooms forgotten unclaimed to keep the table bounded
+
+    def fail(self, reason: str) -> None:
+        self.failed[reason] = self.failed.get(reason, 0) + 1
+
+
+def render_transfer(labels: dict[str, str], counts: dict[str, int], seconds: Histogram,
+                    st: TransferStats) -> bytes:
+    """The KV transfer's families (``kvwire_engine_kv_*``), appended to :func:`render`'s:
+    ``counts`` is the core's ``transfer_counts``, ``seconds`` its pull-time histogram."""
+    lab = _labels(labels)
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help: str) -> None:
+        lines.append(f"# HELP {name} {help}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    def one(name: str, kind: str, help: str, value: float) -> None:
+        family(name, kind, help)
+        lines.append(f"{name}{{{lab}}} {value}")
+
+    one("kvwire_engine_kv_held_blocks", "gauge",
+        "Blocks held for remote decode engines under leases.", counts["held_blocks"])
+    one("kvwire_engine_kv_leases", "gauge", "Leases held for remote decode engines.",
+        counts["leases"])
+    one("kvwire_engine_kv_leases_released_total", "counter",
+        "Leases freed by the decode side (pulled, pushed, aborted or all cached).",
+        counts["leases_released"])
+    one("kvwire_engine_kv_leases_expired_total", "counter",
+        "Leases freed because no decode engine took them in time.", counts["leases_expired"])
+    one("kvwire_engine_kv_rooms", "gauge", "SGLang bootstrap rooms known here, waiting for "
+        "their request or their decode engine.", st.rooms)
+    one("kvwire_engine_kv_rooms_dropped_total", "counter", "SGLang bootstrap rooms "
+        "forgotten unclaimed (the table keeps a bounded number).", st.rooms_dropped)
+    one("kvwire_engine_kv_served_blocks_total", "counter",
+        "Blocks read by or pushed to decode engines.", st.served_blocks)
+    one("kvwire_engine_kv_heartbeats_total", "counter", "Lease heartbeats answered.",
+        st.heartbeats)
+    one("kvwire_engine_kv_transfers_started_total", "counter", "KV pulls started.",
+        counts["started"])
+    family("kvwire_engine_kv_transfers_total", "counter", "KV pulls that ended, by result.")
+    lines.append(f'kvwire_engine_kv_transfers_total{{{lab},result="ok"}} {counts["ok"]}')
+    lines.append(f'kvwire_engine_kv_transfers_total{{{lab},result="failed"}} '
+                 f'{counts["failed"]}')
+    family("kvwire_engine_kv_transfer_failures_total", "counter",
+           "KV pulls that failed, by reason.")
+    for reason, v in sorted(st.failed.items()):
+        lines.append(f'kvwire_engine_kv_transfer_failures_total{{{lab},reason="{reason}"}} {v}')
+    one("kvwire_engine_kv_transfer_recomputed_total", "counter",
+        "Failed pulls recomputed locally (--kv-load-failure recompute).", st.recomputed)
+    one("kvwire_engine_kv_local_prefills_total", "counter",
+        "Remote-prefill requests prefilled here (all cached, or a pull under "
+        "--kv-recompute-blocks).", counts["local_prefills"])
+    one("kvwire_engine_kv_transfer_blocks_total", "counter", "Blocks pulled.",
+        counts["blocks"])
+    one("kvwire_engine_kv_transfer_bytes_total", "counter",
+        "Bytes pulled (blocks x block size x bytes per token).", counts["bytes"])
+    name = "kvwire_engine_kv_transfer_seconds"
+    family(name, "histogram", "Seconds from a pull's start to its end (model time).")
+    acc = 0
+    for b, c in zip(seconds.buckets, seconds.counts):
+        acc += c
+        lines.append(f'{name}_bucket{{{lab},le="{float(b)}"}} {acc}')
+    lines.append(f'{name}_bucket{{{lab},le="+Inf"}} {seconds.count}')
+    lines.append(f"{name}_count{{{lab}}} {seconds.count}")
+    lines.append(f"{name}_sum{{{lab}}} {seconds.sum}")
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _labels(d: dict[str, str]) -> str:

@@ -41,6 +41,12 @@ log = logging.getLogger("kvwire.http1.server")
 
 JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+#: HTTP/2 frames (RFC 9113): an empty SETTINGS, and a GOAWAY (last stream 0, error
+#: HTTP_1_1_REQUIRED = 0xd)
+_H2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_H2_GOAWAY = (b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + (0).to_bytes(4, "big")
+              + (0xD).to_bytes(4, "big"))
 
 
 class Request:
@@ -409,7 +415,7 @@ class HttpProtocol(asyncio.Protocol):
 
     __slots__ = ("server", "routes", "transport", "parser", "_url", "_headers", "_body",
                  "_size", "_cap", "_too_large", "_t0", "order", "_paused", "_want",
-                 "on_header", "on_headers_complete")
+                 "on_header", "on_headers_complete", "_fresh")
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -424,6 +430,7 @@ class HttpProtocol(asyncio.Protocol):
         self._t0 = 0.0
         self.order = InOrder(routes)
         self._paused = False
+        self._fresh = True  # nothing read yet: an HTTP/2 preface is still possible
         # httptools calls on_header only when the object has it: a server whose handlers
         # read no header (the indexer) pays nothing per header
         want = routes.headers
@@ -467,12 +474,27 @@ class HttpProtocol(asyncio.Protocol):
             cur.on_resume()
 
     def data_received(self, data: bytes) -> None:
+        if self._fresh:
+            self._fresh = False
+            if data.startswith(_H2_PREFACE[:len(data)]) and data[:3] == b"PRI":
+                self._refuse_h2()
+                return
         bad = feed(self.parser, data)
         if bad is not None:  # (a body over the cap is read on and answered 413)
             status, msg = bad
             path = self._url.split(b"?", 1)[0]
             refuse(self.transport, status, self.routes.renderer(path)(
                 HttpError(status, msg.decode("latin-1"), "bad_http")))
+
+    def _refuse_h2(self) -> None:
+        """A client that opens with HTTP/2's preface (SGLang's router probes workers so)
+        gets HTTP/2's own answer, an empty SETTINGS and a GOAWAY saying HTTP/1.1 is
+        required, and the connection closes: it falls back to HTTP/1.1, and nothing here
+        takes the preface for a bad request."""
+        t = self.transport
+        if t is not None:
+            t.write(_H2_SETTINGS + _H2_GOAWAY)
+            t.close()
 
     # httptools
     def on_message_begin(self) -> None:

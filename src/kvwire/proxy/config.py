@@ -30,3 +30,15 @@ class ProxyConfig:
     tokenize_threads: int = 2
     #: long prompts being encoded off the loop at once, waiting included; more: 429
     tokenize_queue: int = 16
+    #: prefill/decode pairs: the engines' protocol, ``vllm`` or ``sglang`` (None: vllm,
+    #: and pairs only when an engine has a role other than both)
+    pd_protocol: str | None = None
+    #: a prefill that failed on every prefill engine tried: ``local`` (prefill on the
+    #: decode engine) or ``fail`` (502)
+    pd_fallback: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.pd_protocol not in (None, "vllm", "sglang"):
+            raise ValueError(f"pd_protocol must be vllm or sglang, got {self.pd_protocol!r}")
+        if self.pd_fallback not in ("local", "fail"):
+            raise ValueError(f"pd_fallback must be local or fail, got {self.pd_fallback!r}")

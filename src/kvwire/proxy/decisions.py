@@ -61,6 +61,7 @@ class Outcome(Enum):
     TIMEOUT = "timeout"  # no first byte in time
     CLIENT_GONE = "client_gone"
     NOT_HERE = "not_here"  # 404 from an engine asked whether it holds a stored response
+    ABANDONED = "abandoned"  # a pair's decode side ended because its prefill side failed
 
 
 def should_retry(outcome: Outcome, attempt: int, retries: int, sent_to_client: bool) -> bool:

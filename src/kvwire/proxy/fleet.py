@@ -47,6 +47,9 @@ class Link:
         self.name = spec.name
         self.name_b = spec.name.encode()
         self.ranks = spec.ranks
+        #: prefill/decode serving: what it does, and (SGLang's protocol) its bootstrap port
+        self.role = spec.role
+        self.bootstrap_port = spec.bootstrap_port
         self.breaker = Breaker(cooloff)
         self.connect_timeout = connect_timeout
         self.ttft: Any = None  # this engine's histogram children (set by the Fleet)
@@ -108,6 +111,10 @@ class Fleet:
         #: prompt and cached tokens of the answers that carried a ``usage`` object
         self.prompt_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
         self.cached_tokens: dict[str, int] = dict.fromkeys(self.links, 0)
+        #: prefill/decode pairs (proxy/pairs.py): requests sent per (role, engine), where
+        #: role is ``prefill``, ``decode`` or ``both`` (a local prefill); decisions by why
+        self.pd_requests: Counter[tuple[str, str]] = Counter()
+        self.pd_decisions: Counter[str] = Counter()
         self._known: dict[str, str | None] = {}
         self._known_gen: tuple[int, int] = (-1, -1)  # the generations _known was built at
         self._models_gen = 0  # bumped by the prober each time it sets an engine's models
@@ -265,7 +272,8 @@ class Fleet:
     def status(self) -> dict[str, Any]:
         """``GET /engines``'s ``http`` entries (the same counters /metrics reads)."""
         out: dict[str, Any] = {
-            n: {"url": link.url, "http_up": link.http_up, "breaker_up": link.breaker.up,
+            n: {"url": link.url, "role": link.role, "http_up": link.http_up,
+                "breaker_up": link.breaker.up,
                 "breaker_opened": link.breaker.opened, "failures": link.breaker.failures,
                 "in_flight": self.in_flight[n],
                 "requests": {str(st): c for (e, st), c in self.requests.items() if e == n},

@@ -23,6 +23,7 @@ from ..routing.core import RouteError, RouterCore
 from .body import NO_BODY, generation, passthrough
 from .decisions import Lifecycle, Outcome, marks_down, should_retry
 from .fleet import Fleet
+from .pairs import Pairs
 from .relay import Relay, answer, openai_error, settle
 from .responses import PREFIX as RESPONSES_PREFIX
 from .responses import addressed
@@ -72,6 +73,8 @@ class Handler:
         self.tokens = tokens
         self.cfg = cfg
         self.overhead = fleet.metrics.overhead
+        #: prefill/decode pairs (generation requests, when the fleet has roles)
+        self.pairs = Pairs(core, fleet, cfg, self.attempt)
 
     def run(self, req: Request) -> None:
         """Answer ``req``; called from the server's protocol."""
@@ -157,6 +160,10 @@ class Handler:
         lora = model if model is not None and known.get(model) else None
         headers = [h for h in req.headers if h[0] not in HOP]
         stream = bool(body.stream) if rid is None else _stream_query(req.query)
+        pd = self.pairs.active
+        if pd and chat is not None:
+            await self.pairs.serve(req, chat, body, tokens, lora, headers, stream, loop)
+            return
         tried: set[str] = set()
         last: tuple[int, bytes] | None = None
         last_engine = "none"
@@ -176,6 +183,8 @@ class Handler:
                 fleet.counts["responses_looked_up"] += 1
         for attempt in range(cfg.retries + 1 if plan is None else len(plan)):
             ok = fleet.usable(model, tried)
+            if pd:  # (a prefill-only engine does not decode)
+                ok = self.pairs.usable_for_any(ok)
             if plan is not None:
                 want = plan[attempt]
                 if want not in ok:
@@ -192,7 +201,7 @@ class Handler:
                     last = (e.status, openai_error(e.status, str(e), "ServiceUnavailable"))
                 break
             tried.add(routed.engine)
-            outcome, sent, last = await self._attempt(req, routed, headers, stream,
+            outcome, sent, last = await self.attempt(req, routed, headers, stream,
                                                       attempt == 0, loop, probe=probe,
                                                       learn=creates, rid=rid)
             last_engine = routed.engine
@@ -214,16 +223,22 @@ class Handler:
         fleet.requests[last_engine, status] += 1
         req.respond(status, payload)
 
-    async def _attempt(self, req: Request, routed: Any, headers: list, stream: bool,
+    async def attempt(self, req: Request, routed: Any, headers: list, stream: bool,
                        first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,
-                       learn: bool = False, rid: str | None = None
+                       learn: bool = False, rid: str | None = None,
+                       body: bytes | None = None, named: bytes | None = None,
+                       on_first: Any = None, gate: Any = None
                        ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
         """One try at one engine: (outcome, whether the client got bytes, the error to
         answer with if nothing was sent). The reservation ends here, on every path (a
         cancel lands in an await, and ``finally`` runs). ``probe``: a 404 is
         :attr:`Outcome.NOT_HERE`; ``learn``: the answer creates a response, whose id is
         remembered with this engine; ``rid``: the stored response the request names (found
-        here unless 404)."""
+        here unless 404). A prefill/decode pair's decode side (proxy/pairs.py) sends
+        ``body`` instead of the client's, names both engines in ``x-kvwire-engine``
+        (``named``) and is told of the answer's first bytes (``on_first()``); with
+        ``gate``, its answer reaches the client only once ``await gate()`` is true (the
+        prefill side started), else it is :attr:`Outcome.ABANDONED`."""
         fleet = self.fleet
         core = self.core
         link = fleet.links[routed.engine]
@@ -240,7 +255,8 @@ class Handler:
             try:
                 resp = await link.client().request(
                     req.method, req.path + b"?" + req.query if req.query else req.path,
-                    headers, req.body, sent_at, time.perf_counter, cfg.first_byte_timeout)
+                    headers, req.body if body is None else body, sent_at, time.perf_counter,
+                    cfg.first_byte_timeout)
             except asyncio.TimeoutError:
                 return Outcome.TIMEOUT, False, (504, openai_error(
                     504, f"engine {name} did not answer in {cfg.first_byte_timeout:g} s",
@@ -248,7 +264,10 @@ class Handler:
             except UpstreamError as e:
                 return Outcome.REFUSED, False, (502, openai_error(
                     502, f"engine {name} unreachable: {e}", "BadGateway"))
-            hdrs = [(b"x-kvwire-engine", link.name_b), (b"x-kvwire-rank", b"%d" % routed.rank)]
+            if gate is not None and not await gate():
+                return Outcome.ABANDONED, False, None
+            hdrs = [(b"x-kvwire-engine", link.name_b if named is None else named),
+                    (b"x-kvwire-rank", b"%d" % routed.rank)]
             ctype = resp.headers.get(b"content-type", b"application/json")
             if stream and resp.status == 200:
                 if rid is not None:
@@ -256,7 +275,8 @@ class Handler:
                 req.start(200, [(b"content-type", ctype), _NO_CACHE, *hdrs], hold=True)
                 fleet.requests[name, 200] += 1
                 # it ends the stream: no await
-                Relay(core, fleet, cfg.stall_timeout, req, resp, lc, link, loop, learn)
+                Relay(core, fleet, cfg.stall_timeout, req, resp, lc, link, loop, learn,
+                      on_first)
                 relayed = True
                 return Outcome.OK, True, None
             try:
@@ -275,6 +295,8 @@ class Handler:
                     fleet.owners.forget(rid)
                 else:
                     fleet.owners.learn(rid, name)
+            if on_first is not None:
+                on_first()
             answer(core, fleet, req, lc, link, resp.status, payload, hdrs, ctype)
             return Outcome.OK, True, None
         finally:

@@ -66,6 +66,7 @@ class Counters(Protocol):
     """What the figures are read from (the :class:`~kvwire.proxy.fleet.Fleet`)."""
 
     requests: Mapping[tuple[str, int], int]
+    counts: Mapping[str, int]
     retried: Mapping[tuple[str, str], int]
     in_flight: dict[str, int]
     active: int
@@ -92,6 +93,16 @@ class ProxyMetrics:
         self.e2e = CheapHistogram(
             "kvwire_proxy_e2e_seconds", "Arrival to the last byte of an engine's answer "
             "forwarded, per answering engine, seconds", _SLOW_BUCKETS, "engine")
+        # prefill/decode pairs (proxy/pairs.py)
+        self.pd_prefill = CheapHistogram(
+            "kvwire_proxy_pd_prefill_seconds", "A disaggregated request's prefill: sent to "
+            "the prefill engine to the end of its answer, per prefill engine, seconds",
+            _SLOW_BUCKETS, "engine")
+        self.pd_decode_first = CheapHistogram(
+            "kvwire_proxy_pd_decode_first_token_seconds", "A disaggregated request's "
+            "decode side: sent to the decode engine to the first bytes of its answer (the "
+            "KV transfer and the first decode token), per decode engine, seconds",
+            _SLOW_BUCKETS, "engine")
 
         #: the tokenizer's workers (proxy/offload.py), when the proxy tokenizes locally
         self.offload: Any = None
@@ -129,6 +140,29 @@ class ProxyMetrics:
             prompt.add_metric([engine], p.prompt_tokens[engine])
             cached.add_metric([engine], p.cached_tokens[engine])
         yield from (reqs, retries, inflight, active, prompt, cached)
+        pd_req = getattr(p, "pd_requests", None)
+        if pd_req is not None:
+            sides = CounterMetricFamily("kvwire_proxy_pd_requests", "Prefill/decode pairs: "
+                                        "requests sent, by role (prefill, decode, or both: "
+                                        "prefilled and decoded there) and engine",
+                                        labels=["role", "engine"])
+            for (role, engine), n in sorted(pd_req.items()):
+                sides.add_metric([role, engine], n)
+            why = CounterMetricFamily("kvwire_proxy_pd_decisions", "Prefill/decode pairs: "
+                                      "routing decisions by why (disagg; local: cached, "
+                                      "prefill_busy, no_prefill, local, fallback)",
+                                      labels=["why"])
+            for w, n in sorted(p.pd_decisions.items()):
+                why.add_metric([w], n)
+            failed = CounterMetricFamily("kvwire_proxy_pd_prefill_failures", "Prefill/decode "
+                                         "pairs: prefills that failed before the decode side "
+                                         "started, or whose transfer failed (the pair runs "
+                                         "again on the next prefill engine, then "
+                                         "--pd-fallback)")
+            failed.add_metric([], p.counts["pd_prefill_failures"])
+            yield from (sides, why, failed)
+            yield from self.pd_prefill.collect()
+            yield from self.pd_decode_first.collect()
         o = self.offload
         if o is not None and o.tok is not None:
             done = CounterMetricFamily("kvwire_proxy_tokenize_encodes", "Prompts whose new "

@@ -8,8 +8,9 @@ stored response goes to the engine holding it.
 :class:`Proxy` is the facade ``kvwire serve`` builds: it puts together one owner per
 concern and passes calls on. :mod:`.fleet` holds the engines (links, pools, breakers) and
 the counters; :mod:`.handler` answers one request (body, tokens, the routing core's
-decision, attempts and retries); :mod:`.relay` passes the answer back chunk by chunk as it
-arrives; :mod:`.health` probes the engines; :mod:`.decisions` holds the pure decisions
+decision, attempts and retries); :mod:`.pairs` serves a generation request as a
+prefill/decode pair when the engines have roles; :mod:`.relay` passes the answer back chunk
+by chunk as it arrives; :mod:`.health` probes the engines; :mod:`.decisions` holds the pure decisions
 (breaker, retries, the load lifecycle); routing is
 :class:`~kvwire.routing.core.RouterCore`'s. A client that goes away cancels the upstream
 request, which closes its connection: the engine aborts it.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -93,11 +94,13 @@ class Relay:
 
     __slots__ = ("core", "fleet", "stall", "req", "resp", "lc", "link", "finished", "events",
                  "usage", "last_usage", "first", "paused", "timer", "loop", "since", "learn",
-                 "tail")
+                 "tail", "on_first")
 
     def __init__(self, core: RouterCore, fleet: Fleet, stall: float, req: Request,
                  resp: Response, lc: Lifecycle, link: Link, loop: asyncio.AbstractEventLoop,
-                 learn: bool = False) -> None:
+                 learn: bool = False, on_first: Callable[[], None] | None = None) -> None:
+        #: told of the first chunk (a prefill/decode pair's decode first-token time)
+        self.on_first = on_first
         #: bytes of a response-creating stream still to look through for its id (0: none)
         self.learn = SCAN_LIMIT if learn else 0
         self.tail = b""  # the end of the last read, for an id split between two reads
@@ -130,6 +133,8 @@ class Relay:
             self.first = False
             first_token(self.core, self.lc)
             self.link.ttft.observe(time.perf_counter() - self.req.t0)
+            if self.on_first is not None:
+                self.on_first()
         self.events += data.count(b"data: {")
         if self.learn:
             seen = self.tail + data

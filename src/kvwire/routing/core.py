@@ -33,7 +33,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import StreamConfig
@@ -42,10 +42,11 @@ from ..errors import HttpError
 from .feed import Feed
 from .ingest import Ingest, stream_counts
 from .load import LoadTracker
+from .pairs import PairConfig, choose_pair
 from .policy import Candidate, Decision, RoutingPolicy, request_load
 from .targets import Target, found_ranks, targets_of
 
-__all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RouterCore"]
+__all__ = ["EngineConflict", "EngineSpec", "RouteError", "Routed", "RoutedPair", "RouterCore"]
 
 log = logging.getLogger("kvwire.router")
 
@@ -79,6 +80,16 @@ class Routed:
     overlap: float
 
 
+class RoutedPair(NamedTuple):
+    """A prefill/decode pair's route (:meth:`RouterCore.route_pair`): the decode side, the
+    prefill side (None: the prefill is local to the decode engine) and why
+    (:data:`kvwire.routing.pairs.WHY`)."""
+
+    decode: Routed
+    prefill: Routed | None
+    why: str
+
+
 class RouterCore:
     """Feed + policy + load: everything ``kvwire serve`` answers from.
 
@@ -105,6 +116,7 @@ class RouterCore:
         nats: Any = None,
         discover: bool = False,
         withdrawn: Iterable[str] = (),
+        pairs: PairConfig | None = None,
     ) -> None:
         names = [e.name for e in engines]
         dup = {n for n in names if names.count(n) > 1}
@@ -114,6 +126,10 @@ class RouterCore:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.engines = list(engines)
         self.policy = policy or RoutingPolicy(load_weight=0.5)
+        #: the prefill/decode decider's thresholds (:meth:`route_pair`)
+        self.pairs = pairs or PairConfig()
+        self.roles: dict[str, str] = {}  # engine name -> role (set with the targets)
+        self.has_roles = False
         if not decode_load >= 0 or not decode_share >= 0:
             raise ValueError(f"decode_load and decode_share must be >= 0, got "
                              f"{decode_load}, {decode_share}")
@@ -261,6 +277,9 @@ class RouterCore:
         # Copy-on-write: a reader that took ``targets`` (or, under the lock, the maps)
         # keeps a consistent set while an engine is added or removed.
         self.targets = targets
+        self.roles = {e.name: e.role for e in self.engines}
+        #: an engine has a role other than both: the proxy routes pairs
+        self.has_roles = any(r != "both" for r in self.roles.values())
         self._by_label = {t.label: t for t in targets}
         self._by_stream = {t.stream for t in targets}
         self.feed.owned = self._by_stream
@@ -426,6 +445,81 @@ class RouterCore:
         d, target, rid, prefill = self.decide(token_ids, lora_name, salt, usable=usable, up=up,
                                               proxied=True)
         return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
+
+    def route_pair(self, token_ids: Sequence[int], lora_name: str | None, salt: str | None,
+                   usable: Callable[[str], bool], up: Callable[[str], bool], *,
+                   prefill_usable: Callable[[str], bool] | None = None) -> RoutedPair:
+        """Route a proxied request as a prefill/decode pair (:func:`.pairs.choose_pair`):
+        the decode engine among the usable engines that decode, then the decider, then the
+        prefill engine among those ``prefill_usable`` allows (``usable`` if None) that
+        prefill. Each side reserves its own load, under its own id: the prefill side its
+        uncached blocks there (plus ``decode_load``, as any request), a prefill share that
+        ends with the prefill answer; the decode side as :meth:`route_proxy` does, less the
+        prefill share when the prefill is remote. The prefix is predicted on both engines
+        (the decode engine caches the blocks it pulls). A local prefill (prefill None) is
+        exactly :meth:`route_proxy`'s reservation. RouteError 413 for an oversized prompt,
+        503 when no engine may decode."""
+        if len(token_ids) > self.max_tokens:
+            raise RouteError(413, f"the prompt has {len(token_ids)} tokens, more than the "
+                             f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
+        prompt_blocks = len(token_ids) // self.block_size
+        p_ok = usable if prefill_usable is None else prefill_usable
+        if not self.lock.acquire(timeout=self.lock_timeout):
+            raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
+        try:
+            targets, roles = self.targets, self.roles
+            dec = [t for t in targets if roles.get(t.engine) != "prefill" and usable(t.engine)]
+            if not dec:
+                raise RouteError(503, "no engine that can decode (role decode or both) is "
+                                 "available (all down or already tried)", "no_engine")
+            pre = [t for t in targets if roles.get(t.engine) != "decode" and p_ok(t.engine)]
+            now = self.clock()
+            matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
+                       if prompt_blocks else {})
+            self.loads.expire(now)
+            seen = {t.label: t for t in (*dec, *pre)}
+            cands = {c.name: c for c in self._candidates(list(seen.values()), matches,
+                                                         prompt_blocks, now, up)}
+            pd = choose_pair(self.policy, prompt_blocks, [cands[t.label] for t in dec],
+                             [cands[t.label] for t in pre], self.pairs)
+            expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
+            d = pd.decode
+            d_over = d.overlap[d.name]
+            remote = pd.prefill is not None
+            d_pre = 0.0 if remote else max(prompt_blocks - d_over, 0.0)
+            d_amount = request_load(prompt_blocks, prompt_blocks if remote else d_over,
+                                    expect, self.decode_share) + self.decode_load
+            decode = self._reserve_side(d.name, d_amount, d_pre, d_over, now, matches,
+                                        token_ids, lora_name, salt, prompt_blocks)
+            prefill = None
+            if pd.prefill is not None:
+                p = pd.prefill
+                p_over = p.overlap[p.name]
+                p_pre = max(prompt_blocks - p_over, 0.0)
+                prefill = self._reserve_side(p.name, p_pre + self.decode_load, p_pre, p_over,
+                                             now, matches, token_ids, lora_name, salt,
+                                             prompt_blocks)
+        finally:
+            self.lock.release()
+        if self.on_route is not None:
+            self.on_route(decode.label, decode.overlap, float(prompt_blocks))
+            if prefill is not None:
+                self.on_route(prefill.label, prefill.overlap, float(prompt_blocks))
+        return RoutedPair(decode, prefill, pd.why)
+
+    def _reserve_side(self, label: str, amount: float, prefill: float, overlap: float,
+                      now: float, matches: dict[str, Any], token_ids: Sequence[int],
+                      lora_name: str | None, salt: str | None, prompt_blocks: int) -> Routed:
+        """One side of a pair: reserve on ``label`` under a new proxy id and predict the
+        prefix there unless it holds the prompt (under ``lock``)."""
+        target = self._by_label[label]
+        rid = f"p{next(_PROXY_IDS)}"
+        self._reserve(rid, label, amount, now, prefill)
+        m = matches.get(target.stream)
+        if prompt_blocks and (m is None or m.prompt_blocks == 0 or m.blocks < m.prompt_blocks):
+            self._predict(target.stream, token_ids, lora_name, salt)
+        self.counts["routes"] += 1
+        return Routed(rid, target.engine, target.rank, label, prefill, overlap)
 
     def decide(self, token_ids: Sequence[int], lora_name: str | None, salt: str | None, *,
                usable: Callable[[str], bool] | None = None,
@@ -646,7 +740,8 @@ class RouterCore:
                 "suspect": getattr(st, "suspect", None),
                 **stream_counts(ss),  # gaps, replays, lost, restarts, state...: as listen
             }
-            out.setdefault(t.engine, {"ranks": []})["ranks"].append(row)
+            out.setdefault(t.engine, {"role": self.roles.get(t.engine, "both"),
+                                      "ranks": []})["ranks"].append(row)
         return out
 
     def healthy(self) -> tuple[bool, str]:

@@ -23,6 +23,7 @@ port in use (exit 1). Either way what was started is closed again.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ from ..http1.server import Server
 from ..indexer.indexer import Indexer
 from ..proxy.proxy import Proxy, ProxyConfig
 from ..routing.core import RouterCore
+from ..routing.pairs import PairConfig
 from ..routing.policy import make_policy
 from .app import RouterApp, build_app
 
@@ -102,6 +104,11 @@ class ServeConfig:
     admin_token: str | None = None
     #: seconds a first SIGTERM/SIGINT lets the requests in flight finish (0: stop at once)
     shutdown_timeout: float = 30.0
+    #: prefill/decode: a prompt missing fewer tokens than this on its decode engine is
+    #: prefilled there
+    disagg_min_tokens: int = 0
+    #: prefill/decode: every prefill engine's load past this (blocks): prefill locally
+    pd_prefill_busy: float = math.inf
 
 
 class Service:
@@ -197,6 +204,7 @@ def build(cfg: ServeConfig, say: Callable[[str], None] | None = None) -> Service
             predict_ttl=cfg.predict_ttl, decode_load=cfg.decode_load,
             decode_share=cfg.decode_share,
             stream_config=StreamConfig(dead_after=cfg.dead_after),
+            pairs=PairConfig(cfg.disagg_min_tokens / cfg.block_size, cfg.pd_prefill_busy),
         )
         proxy = _proxy(cfg, core, engines)
     except (ValueError, ImportError) as e:
@@ -265,6 +273,10 @@ def _engines(cfg: ServeConfig, say: Callable[[str], None]
     kept, withdrawn = None, set()
     if cfg.engines_file is not None:
         kept, engines, withdrawn = _kept_engines(cfg.engines_file, engines, nats, say)
+    prefill = [e.name for e in engines if e.role == "prefill"]
+    if prefill and not any(e.decodes for e in engines):
+        raise ValueError(f"role=prefill engines ({', '.join(prefill)}) need an engine that "
+                         "decodes: give one with role=decode or role=both")
     if nats is None and not engines and cfg.registrations is None:
         raise ValueError("give --engine NAME=ENDPOINT (repeat), --nats URL or "
                          "--registrations FILE (the indexer API alone)")

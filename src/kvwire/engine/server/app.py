@@ -3,7 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /metrics``, and kvwire's ``GET /kvwire/cache`` (every rank's cached block hashes, to
-check that the published events rebuild them). One :class:`EngineCore` and
+check that the published events rebuild them); for SGLang's router ``GET /server_info``
+(and ``/get_server_info``), ``/model_info`` and ``/get_load``. With a role (or a KV side
+channel) the engine takes either side of a prefill/decode pair in vLLM's or SGLang's
+protocol (:mod:`.pd`). One :class:`EngineCore` and
 :class:`Runner` per DP rank, each publishing its KV events at ``port + rank``; a request
 goes to the rank with the least load (waiting x 4 + running, vLLM's DP balancing).
 
@@ -29,21 +32,25 @@ import msgspec
 from ...http1 import HttpError, reason
 from ...http1.server import Request, Routes, Server
 from ..core import EngineCore, Handle
-from ..metrics import render
+from ..metrics import render, render_transfer
 from ..model import EngineConfig
 from ..request import EngineRequest
 from ..textgen import Output, TextGen
 from .openai import (
     DONE,
     ApiError,
+    Bootstrap,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    KVTransferParams,
     Shape,
     TokenizeRequest,
+    bootstrap_params,
     decode_request,
     error_body,
     prompt_inputs,
+    transfer_params,
     usage,
 )
 from .runner import Runner
@@ -70,10 +77,25 @@ class EngineOptions:
     dialect: str = "vllm"
     #: "kvwire" (heartbeats, snapshots) or "reference" (as vLLM's own publisher: neither)
     publisher: str = "kvwire"
+    #: the KV side channel's port (0: any free one; None: none, unless the role needs one)
+    kv_port: int | None = None
+    #: SGLang's bootstrap server's port (None: 8998 on a prefill engine, else none)
+    bootstrap_port: int | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether this engine takes part in P/D pairs (a side channel is opened)."""
+        return (self.config.role != "both" or self.kv_port is not None
+                or self.bootstrap_port is not None)
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.disaggregated and self.dp_size != 1:
+            raise ValueError(f"--role {self.config.role} (or a KV side channel) needs "
+                             f"--dp-size 1, got {self.dp_size}")
+        if self.config.role == "decode" and self.bootstrap_port is not None:
+            raise ValueError("--bootstrap-port is for prefill (or both) engines, not decode")
         if self.publisher not in ("kvwire", "reference"):
             raise ValueError(f"publisher must be 'kvwire' or 'reference', got {self.publisher!r}")
         if self.max_model_len < 2:
@@ -87,7 +109,7 @@ class _Job:
     """One HTTP generation request: its connection, shape and choices (one per prompt)."""
 
     __slots__ = ("app", "conn", "shape", "stream", "usage", "timing", "handles", "outputs",
-                 "left", "started", "rank", "finished")
+                 "left", "started", "rank", "finished", "kv", "failed")
 
     def __init__(self, app: EngineApp, conn: Request, shape: Shape, stream: bool,
                  include_usage: bool, timing: bool) -> None:
@@ -103,9 +125,16 @@ class _Job:
         self.started: list[bool] = []
         self.rank = 0
         self.finished = False
+        #: vLLM's prefill side: answer with the lease's ``kv_transfer_params``
+        self.kv = False
+        #: why a choice failed (its KV pull, under --kv-load-failure fail), or None
+        self.failed: str | None = None
 
     def sink(self, h: Handle, new: int, finished: bool) -> None:
         i = h.index
+        if finished and h.req.failed:
+            self._fail(h)
+            return
         if self.stream:
             out = self.outputs[i]
             k = h.delivered
@@ -118,13 +147,37 @@ class _Job:
                     conn.send(shape.chunk(i, "", first=True))
             if finished:
                 conn.send(shape.final_chunk(i, text, h.finish_reason,
-                                            self._timing(h) if self.timing else None))
+                                            self._timing(h) if self.timing else None,
+                                            self._kv(h)))
             elif text:
                 conn.send(shape.chunk(i, text))
         if finished:
             self.left -= 1
             if self.left == 0:
                 self._done()
+
+    def _kv(self, h: Handle) -> dict[str, Any] | None:
+        if not self.kv:
+            return None
+        pd = self.app.pd
+        return {"kv_transfer_params": pd.kv_params(h.req.rid) if pd is not None else None}
+
+    def _fail(self, h: Handle) -> None:
+        """A choice whose KV could not be loaded (``--kv-load-failure fail``): the request
+        ends with vLLM's error answer (an SSE error event when streaming)."""
+        if self.finished or h.index < 0:
+            return
+        h.index = -1  # (told once)
+        self.failed = (f"KV transfer for {h.req.rid} failed and --kv-load-failure is "
+                       "'fail'")
+        self.finished = True
+        self.abort_rest()
+        body = error_body(500, self.failed, "InternalServerError")
+        if self.stream:
+            self.conn.send(b"data: " + body + b"\n\n")
+            self.conn.end(DONE)
+        else:
+            self.conn.respond(500, body)
 
     def _timing(self, h: Handle) -> dict[str, Any]:
         r = h.req
@@ -147,16 +200,23 @@ class _Job:
             choices = [(o.text(0, h.req.num_output), h.finish_reason)
                        for o, h in zip(self.outputs, self.handles)]
             extra = [self._timing(h) for h in self.handles] if self.timing else None
-            self.conn.respond(200, self.shape.full(choices, self._usage(), extra))
+            self.conn.respond(200, self.shape.full(choices, self._usage(), extra,
+                                                   self._kv(self.handles[0])))
 
     def abort(self) -> None:
         """The client went away: drop every unfinished choice (frees its blocks)."""
         if self.finished:
             return
+        self.abort_rest()
+
+    def abort_rest(self) -> None:
         core = self.app.cores[self.rank]
+        pd = self.app.pd
         for h in self.handles:
             if core.abort(h):
                 self.app.aborted += 1
+                if pd is not None:
+                    pd.ended(h)
 
 
 class EngineApp:
@@ -182,6 +242,14 @@ class EngineApp:
         self._prefix = os.urandom(4).hex()
         self.server: Server | None = None
         self.port = 0
+        self.pd = None
+        if opts.disaggregated:
+            from .pd import PD
+
+            boot = opts.bootstrap_port
+            if boot is None and opts.config.role == "prefill":
+                boot = 8998  # SGLang's default
+            self.pd = PD(self, opts.kv_port or 0, boot)
         self.routes = r = Routes(render=_render, headers=(b"x-data-parallel-rank",),
                                  fallback=self._not_found, fail_started="end")
         r.add("POST", "/v1/completions", lambda c: self._generate(c, False))
@@ -192,6 +260,10 @@ class EngineApp:
         r.add("GET", "/health", lambda c: c.respond(200, b"", ctype=b"text/plain"))
         r.add("GET", "/metrics", self._metrics)
         r.add("GET", "/kvwire/cache", self._cache)
+        for path in ("/server_info", "/get_server_info"):  # SGLang's router reads these
+            r.add("GET", path, self._server_info)
+        r.add("GET", "/model_info", self._model_info)
+        r.add("GET", "/get_load", self._get_load)
         r.on_error = self._refused
 
     # ------------------------------------------------------------------ lifecycle
@@ -214,10 +286,17 @@ class EngineApp:
             t0 = time.monotonic()
             for rank, core in enumerate(self.cores):
                 pub = self.publishers[rank] if self.publishers else None
-                self.runners.append(Runner(core, self.opts.speed, pub, t0=t0))
+                self.runners.append(Runner(core, self.opts.speed, pub, t0=t0, pd=self.pd))
             self.server = Server(self.routes)
             await self.server.start(host=host, port=port)
+            if self.pd is not None:
+                self.pd.host = host
+                await self.pd.start()
         except BaseException:
+            if self.server is not None:
+                self.server.close(connections=True)
+            if self.pd is not None:
+                await self.pd.stop()
             for p in self.publishers:
                 p.shutdown(timeout=0)
             raise
@@ -238,6 +317,8 @@ class EngineApp:
         """Stop serving, stop the clocks, flush the publishers."""
         if self.server is not None:
             self.server.close()
+        if self.pd is not None:
+            await self.pd.stop()
         for r in self.runners:
             await r.stop()
         for p in self.publishers:
@@ -325,6 +406,9 @@ class EngineApp:
                                f"However, your prompt contains {len(ids)} input tokens, which "
                                "exceeds this limit even without any output tokens. Please "
                                "reduce the length of the input prompt.", param="input_tokens")
+        kv = transfer_params(req.kv_transfer_params)
+        boots = bootstrap_params(req, len(prompts))
+        side = self._pd_side(kv, boots, len(prompts)) if kv or boots else None
         n = next(self._ids)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._prefix}{n:x}"
         shape = Shape(chat, rid, req.model or self.opts.model)
@@ -334,13 +418,26 @@ class EngineApp:
         rank = self._pick() if conn.dp_rank is None else self._header_rank(conn.dp_rank)
         core, runner = self.cores[rank], self.runners[rank]
         now = runner.now()
+        job.kv = side == "prefill" and kv is not None
+        pd = self.pd
         for i, ids in enumerate(prompts):
             mt = limit - len(ids) if req.max_tokens is None else min(req.max_tokens,
                                                                      limit - len(ids))
+            if side == "prefill":
+                mt = 1  # its decode runs on the decode engine
             out = self.textgen.output(ids, mt, req.ignore_eos)
             er = EngineRequest(f"{rid}-{i}", ids, len(out.ids), lora, req.cache_salt,
                                output=out.ids)
+            if side == "prefill":
+                er.remote_decode = True
+            elif side == "decode":
+                er.remote_prefill = True
             h = Handle(er, now, job.sink, out.finish_reason, i)
+            if pd is not None and side is not None:
+                if side == "decode":
+                    pd.track(h, kv, boots[i] if boots else None)
+                elif boots:
+                    pd.open_room(boots[i].room, er.rid)
             job.handles.append(h)
             job.outputs.append(out)
             job.started.append(False)
@@ -352,6 +449,70 @@ class EngineApp:
         if stream:
             conn.start_stream()
         runner.wake()
+
+    def _pd_side(self, kv: KVTransferParams | None, boots: list[Bootstrap] | None,
+                 n: int) -> str:
+        """Which side of a P/D pair a request asks this engine to be: "prefill" (compute
+        the prompt and hold its KV for the decode engine) or "decode" (take the prompt's
+        KV from the prefill engine); ApiError 400 when this engine cannot."""
+        role = self.opts.config.role
+        if kv is not None and boots is not None:
+            raise ApiError(400, "kv_transfer_params and bootstrap_room: one P/D protocol "
+                           "per request", param="kv_transfer_params")
+        param = "kv_transfer_params" if kv is not None else "bootstrap_room"
+        if self.pd is None:
+            raise ApiError(400, f"{param}: this engine takes no part in disaggregated "
+                           "serving (start it with --role prefill|decode or --kv-port)",
+                           param=param)
+        if kv is not None:
+            if n != 1:
+                raise ApiError(400, "kv_transfer_params: one prompt per request", param=param)
+            side = "prefill" if kv.do_remote_decode else "decode"
+            param = "kv_transfer_params.do_remote_" + ("decode" if side == "prefill"
+                                                       else "prefill")
+        else:
+            assert boots is not None
+            side = role if role != "both" else (
+                "prefill" if boots[0].port == self.pd.bootstrap_port else "decode")
+        if role != "both" and side != role:
+            raise ApiError(400, f"{param}: asks for the {side} side of a pair from a "
+                           f"{role} engine", param=param)
+        return side
+
+    def _server_info(self, conn: Request) -> None:
+        """SGLang's ``/server_info``, the parts a router reads (no ``model_path``: there
+        is no checkpoint to load a tokenizer from)."""
+        cfg = self.opts.config
+        pd = self.pd
+        mode = "null" if cfg.role == "both" else cfg.role
+        conn.respond(200, _enc({
+            "served_model_name": self.opts.model, "model_id": self.opts.model,
+            "tp_size": 1, "dp_size": self.opts.dp_size, "page_size": cfg.block_size,
+            "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
+            "context_length": self.max_model_len, "max_running_requests": cfg.max_num_seqs,
+            "disaggregation_mode": mode,
+            "disaggregation_bootstrap_port": pd.bootstrap_port if pd is not None else None,
+            "kv_port": pd.kv_port if pd is not None else None,
+            "version": "kvwire"}))
+
+    def _model_info(self, conn: Request) -> None:
+        conn.respond(200, _enc({"model_name": self.opts.model, "is_generation": True,
+                                "has_image_understanding": False,
+                                "has_audio_understanding": False,
+                                "preferred_sampling_params": None}))
+
+    def _get_load(self, conn: Request) -> None:
+        """SGLang's ``/get_load``: per DP rank, requests running and waiting and the
+        tokens they hold."""
+        out = []
+        for c in self.cores:
+            waiting, running = c.load
+            m = c.model
+            used = (m.cache.num_blocks - m.cache.num_free) * m.cfg.block_size
+            out.append({"dp_rank": c.rank, "num_reqs": waiting + running,
+                        "num_waiting_reqs": waiting, "num_tokens": used,
+                        "num_pending_tokens": 0, "ts_tic": time.time()})
+        conn.respond(200, _enc(out))
 
     def _models(self, conn: Request) -> None:
         def card(name: str, parent: str | None) -> dict[str, Any]:
@@ -402,8 +563,14 @@ class EngineApp:
                    for c in self.cores]
         extra = {"bad_requests": sum(self.errors.values()), "aborted_requests": self.aborted,
                  "published_batches": sum(r.published for r in self.runners)}
-        conn.respond(200, render(engines, extra),
-                     ctype=b"text/plain; version=0.0.4; charset=utf-8")
+        text = render(engines, extra)
+        if self.pd is not None:
+            c = self.cores[0]
+            self.pd.stats.rooms = len(self.pd.rooms)
+            text += render_transfer({"model_name": self.opts.model, "engine": "0",
+                                     "role": self.opts.config.role},
+                                    c.transfer_counts, c.transfer_seconds, self.pd.stats)
+        conn.respond(200, text, ctype=b"text/plain; version=0.0.4; charset=utf-8")
 
     def _cache(self, conn: Request) -> None:
         """Each rank's dump taken between its steps (:meth:`Runner.at_quiet`), with the

@@ -19,6 +19,7 @@ from ...http1 import HttpError
 __all__ = [
     "ApiError", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "StreamOptions",
     "TokenizeRequest", "decode_request", "error_body", "prompt_inputs",
+    "KVTransferParams", "Bootstrap", "transfer_params", "bootstrap_params",
 ]
 
 _json_encode = msgspec.json.Encoder().encode
@@ -54,6 +55,12 @@ class _Common(msgspec.Struct, kw_only=True):
     n: int = 1
     #: kvwire's addition: put the model's own timings in the response (``"kvwire"`` key)
     kvwire_timing: bool = False
+    #: vLLM's P/D protocol (NixlConnector): checked by :func:`transfer_params`
+    kv_transfer_params: Any = None
+    #: SGLang's P/D protocol: one value, or one per prompt (:func:`bootstrap_params`)
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -122,6 +129,107 @@ def decode_request(body: bytes, kind: type) -> Any:
     return req
 
 
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    """vLLM's ``kv_transfer_params`` (NixlConnector), as a request carries them: the
+    prefill side gets ``do_remote_decode``, the decode side ``do_remote_prefill`` and where
+    the prompt's blocks are held (unknown fields are ignored, as vLLM ignores them)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_num_tokens: int | None = None
+    remote_blocks_expiry_time: float | None = None
+    tp_size: int = 1
+    transfer_mode: str | None = None
+    dcp_size: int = 1
+    pp_size: int = 1
+
+
+def _bad_kv(field: str, why: str) -> HttpError:
+    return ApiError(400, f"kv_transfer_params.{field}: {why}", param=f"kv_transfer_params.{field}")
+
+
+def transfer_params(raw: Any) -> KVTransferParams | None:
+    """A request's ``kv_transfer_params`` checked (None: the field is absent or null, or
+    asks for neither side); ApiError 400 naming the field that is wrong otherwise."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "kv_transfer_params: expected an object, got "
+                       f"{type(raw).__name__}", param="kv_transfer_params")
+    try:
+        kv = msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        field = msg.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in msg else ""
+        raise ApiError(400, f"kv_transfer_params: {msg}",
+                       param="kv_transfer_params" + (f".{field}" if field else "")) from None
+    if kv.do_remote_decode and kv.do_remote_prefill:
+        raise _bad_kv("do_remote_prefill", "cannot be true with do_remote_decode")
+    if kv.do_remote_prefill:
+        for name in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
+            if getattr(kv, name) is None:
+                raise _bad_kv(name, "required with do_remote_prefill")
+        if not 0 < kv.remote_port < 65536:  # type: ignore[operator]
+            raise _bad_kv("remote_port", f"not a port: {kv.remote_port}")
+        if any(b < 0 for b in kv.remote_block_ids):  # type: ignore[union-attr]
+            raise _bad_kv("remote_block_ids", "block ids are >= 0")
+        if kv.tp_size != 1 or kv.pp_size != 1 or kv.dcp_size != 1:
+            raise _bad_kv("tp_size", "kvwire engines pull from a remote tp/pp/dcp size of 1")
+    if not (kv.do_remote_decode or kv.do_remote_prefill):
+        return None
+    return kv
+
+
+class Bootstrap(msgspec.Struct, frozen=True):
+    """One prompt's SGLang bootstrap: where the prefill engine's bootstrap server is, and
+    the room that names this prompt on both engines."""
+
+    host: str
+    port: int
+    room: int
+
+
+def _each(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    vals = value if isinstance(value, list) else [value] * n
+    if len(vals) != n:
+        raise ApiError(400, f"{name}: {len(vals)} values for {n} prompts", param=name)
+    for v in vals:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise ApiError(400, f"{name}: expected {kind.__name__}, got {type(v).__name__}",
+                           param=name)
+    return vals
+
+
+def bootstrap_params(req: Any, n: int) -> list[Bootstrap] | None:
+    """SGLang's ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` for ``n`` prompts
+    (a value each, or one for all; rooms are integers in [0, 2^63)), or None when absent;
+    ApiError 400 naming the field otherwise."""
+    if req.bootstrap_room is None and req.bootstrap_host is None:
+        return None
+    for name in ("bootstrap_host", "bootstrap_room"):
+        if getattr(req, name) is None:
+            raise ApiError(400, f"{name}: required with the other bootstrap fields", param=name)
+    hosts = _each(req.bootstrap_host, n, "bootstrap_host", str)
+    ports = _each(8998 if req.bootstrap_port is None else req.bootstrap_port, n,
+                  "bootstrap_port", int)
+    rooms = _each(req.bootstrap_room, n, "bootstrap_room", int)
+    for p in ports:
+        if not 0 < p < 65536:
+            raise ApiError(400, f"bootstrap_port: not a port: {p}", param="bootstrap_port")
+    for r in rooms:
+        if not 0 <= r < 1 << 63:
+            raise ApiError(400, f"bootstrap_room: {r} is not in [0, 2^63)",
+                           param="bootstrap_room")
+    if n > 1 and len(set(rooms)) != n:
+        raise ApiError(400, "bootstrap_room: one room per prompt", param="bootstrap_room")
+    return [Bootstrap(h, p, r) for h, p, r in zip(hosts, ports, rooms)]
+
+
 def prompt_inputs(prompt: str | list[Any]) -> list[str | list[int]]:
     """The prompts of a completion: text, token ids, or a list of either (vLLM's forms)."""
     if isinstance(prompt, str):
@@ -182,7 +290,7 @@ class Shape:
                 "created": self.created, "model": self.model}
 
     def final_chunk(self, index: int, text: str, finish_reason: str,
-                    extra: dict | None = None) -> bytes:
+                    extra: dict | None = None, top: dict | None = None) -> bytes:
         """The chunk that ends a choice: its last text and its ``finish_reason``."""
         d = self._base()
         if self.chat:
@@ -194,6 +302,8 @@ class Shape:
         d["choices"] = [choice]
         if extra:
             d["kvwire"] = extra
+        if top:
+            d.update(top)
         return b"data: " + _json_encode(d) + b"\n\n"
 
     def usage_chunk(self, u: dict[str, Any]) -> bytes:
@@ -203,8 +313,9 @@ class Shape:
         return b"data: " + _json_encode(d) + b"\n\n"
 
     def full(self, choices: list[tuple[str, str]], u: dict[str, Any],
-             extra: list[dict] | None = None) -> bytes:
-        """The non-streamed response: ``choices`` as (text, finish_reason) per index."""
+             extra: list[dict] | None = None, top: dict | None = None) -> bytes:
+        """The non-streamed response: ``choices`` as (text, finish_reason) per index;
+        ``top``: top-level fields beside them (vLLM's ``kv_transfer_params``)."""
         d = self._base()
         d["object"] = "chat.completion" if self.chat else "text_completion"
         out = []
@@ -220,6 +331,8 @@ class Shape:
         d["usage"] = u
         if extra:
             d["kvwire"] = extra
+        if top:
+            d.update(top)
         return _json_encode(d)
 
 

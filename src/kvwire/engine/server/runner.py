@@ -31,12 +31,15 @@ class Runner:
     """Drives one core; ``publisher`` (or None) gets its KV event batches."""
 
     def __init__(self, core: EngineCore, speed: float = 1.0, publisher=None,
-                 t0: float | None = None) -> None:
+                 t0: float | None = None, pd=None) -> None:
         if not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         self.core = core
         self.speed = speed
         self.publisher = publisher
+        #: the engine's P/D side (:class:`~kvwire.engine.server.pd.PD`) or None: told of
+        #: each step handed out (pulls to start, leases expired, requests failed)
+        self.pd = pd
         self.t0 = time.monotonic() if t0 is None else t0
         self.published = 0
         self._wake = asyncio.Event()
@@ -88,11 +91,23 @@ class Runner:
         pub = self.publisher
         rank = core.rank
         while True:
-            step = core.advance((mono() - t0) * speed)
+            now = (mono() - t0) * speed
+            step = core.advance(now)
             if step is None:
                 self._wake.clear()
-                if core.idle:
+                if self.pd is not None:
+                    self._idle_side()
+                # nothing runnable: wait for an arrival, a pull's end or the next lease due
+                nxt = core.next_expiry() if self.pd is not None else None
+                if nxt is None:
                     await self._wake.wait()
+                elif nxt > now:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), (nxt - now) / speed)
+                    except asyncio.TimeoutError:
+                        pass
+                else:
+                    await asyncio.sleep(0)
                 continue
             self._inflight = True
             delay = t0 + step.end / speed - mono()
@@ -108,4 +123,17 @@ class Runner:
             if step.events and pub is not None:
                 pub.publish(KVEventBatch(time.time(), step.events, data_parallel_rank=rank))
                 self.published += 1
+            if self.pd is not None:
+                try:
+                    self.pd.after_step(step)
+                except Exception:
+                    log.exception("the P/D side of a step failed")
             self._run_quiet()
+
+    def _idle_side(self) -> None:
+        """Leases expired and pulls failed while nothing ran (no step reports them)."""
+        core = self.core
+        try:
+            self.pd.after_idle(core.take_expired(), core.take_failed())
+        except Exception:
+            log.exception("the P/D side of an idle turn failed")

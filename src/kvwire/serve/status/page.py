@@ -135,7 +135,8 @@ async function refresh() {
         const tr = document.createElement("tr"); tr.dataset.stream = r.stream;
         tr.dataset.alive = r.alive;
         const b = r.blocks || {};
-        cell(tr, name); cell(tr, r.stream);
+        cell(tr, eng.role && eng.role !== "both" ? name + " (" + eng.role + ")" : name);
+        cell(tr, r.stream);
         cell(tr, r.alive ? "live" : "dead", r.alive ? "live" : "dead");
         cell(tr, r.phase); cell(tr, r.mode); cell(tr, r.epoch === null ? "-" : r.epoch);
         cell(tr, [b.GPU || 0, b.CPU || 0, b.DISK || 0].join(" / "));

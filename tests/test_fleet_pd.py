@@ -1,0 +1,173 @@
+"""``kvwire fleet --prefill N --decode M --both K``: the engines it starts, the ``--engine``
+specs it prints (roles, bootstrap ports, the port layout), a pair of its engines serving
+both protocols (a ``both`` engine on either side), and its refusals."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from test_engine_server_pd import PROMPT, until
+
+TIMEOUT = 60.0
+
+
+def _free_base(n: int) -> int:
+    for _ in range(50):
+        base = random.randrange(20000, 40000)
+        try:
+            for off in range(0, 5000, 1000):
+                for i in range(n):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", base + off + i))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+class Fleet:
+    """A ``kvwire fleet`` process with roles: its base port and printed specs."""
+
+    def __init__(self, *roles: str, extra: tuple[str, ...] = ()) -> None:
+        n = sum(int(v) for v in roles[1::2])
+        self.base = base = _free_base(n)
+        self.proc = proc = subprocess.Popen(
+            [sys.executable, "-m", "kvwire", "fleet", *roles, "--base-port", str(base),
+             "--speed", "20", "--num-gpu-blocks", "64", "--block-size", "4",
+             "--kv-lease-s", "600", *extra],  # leases of 30 s: none expires on a busy box
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        buf = b""
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while buf.count(b"--engine ") < n or not buf.endswith(b"\n"):
+                assert time.monotonic() < deadline, f"fleet never came up: {buf!r}"
+                assert proc.poll() is None, \
+                    f"fleet exited {proc.returncode}: {proc.stderr.read()}"
+                if sel.select(0.5):
+                    buf += os.read(proc.stdout.fileno(), 65536)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            sel.close()
+        threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()
+        self.specs = [line.split(None, 1)[1] for line in buf.decode().splitlines()
+                      if line.startswith("--engine ")]
+        self.engines = dict(map(_parse, self.specs))
+
+    def close(self) -> None:
+        proc = self.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(TIMEOUT) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    f = Fleet("--prefill", "2", "--decode", "1", "--both", "1")
+    try:
+        yield f.base, f.specs
+    finally:
+        f.close()
+
+
+def _parse(spec: str) -> tuple[str, dict[str, str]]:
+    name, rest = spec.split("=", 1)
+    parts = rest.split(",")
+    opts = dict(p.split("=", 1) for p in parts[1:])
+    opts["events"] = parts[0]
+    return name, opts
+
+
+def test_fleet_prints_roles_and_ports(fleet):
+    base, specs = fleet
+    got = [_parse(s) for s in specs]
+    assert [n for n, _ in got] == ["prefill0", "prefill1", "decode0", "both0"]
+    for i, (name, o) in enumerate(got):
+        assert o["events"] == f"tcp://127.0.0.1:{base + 1000 + i}"
+        assert o["replay"] == f"tcp://127.0.0.1:{base + 2000 + i}"
+        assert o["url"] == f"http://127.0.0.1:{base + i}"
+        assert o["role"] == re.sub(r"\d+$", "", name)
+        if o["role"] == "decode":
+            assert "bootstrap_port" not in o
+        else:
+            assert o["bootstrap_port"] == str(base + 4000 + i)
+        info = httpx.get(o["url"] + "/server_info", timeout=TIMEOUT).json()
+        assert info["kv_port"] == base + 3000 + i
+        assert info["disaggregation_mode"] == ("null" if o["role"] == "both" else o["role"])
+        assert info["disaggregation_bootstrap_port"] == (
+            None if o["role"] == "decode" else base + 4000 + i)
+
+
+def test_a_both_engine_serves_either_side(fleet):
+    """vLLM: prefill0 -> both0 (decoding); SGLang: both0 (its own bootstrap port: the
+    prefill side) -> decode0."""
+    base, specs = fleet
+    o = {n: opts for n, opts in map(_parse, specs)}
+    body = {"prompt": PROMPT + " (fleet)", "max_tokens": 5}
+    with httpx.Client(timeout=TIMEOUT) as c:
+        r = c.post(o["prefill0"]["url"] + "/v1/completions", json=dict(
+            body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        kv = r.json()["kv_transfer_params"]
+        r = c.post(o["both0"]["url"] + "/v1/completions",
+                   json=dict(body, kv_transfer_params=kv))
+        assert r.status_code == 200, r.text
+        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_room": 42,
+                "bootstrap_port": int(o["both0"]["bootstrap_port"])}
+        sb = dict(body, prompt=PROMPT + " (sglang fleet)", **boot)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "p", c.post(o["both0"]["url"] + "/v1/completions", json=sb)))
+        t.start()
+        r = c.post(o["decode0"]["url"] + "/v1/completions", json=sb)
+        t.join(TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert out["p"].status_code == 200 and out["p"].json()["usage"]["completion_tokens"] == 1
+
+        def metric(url: str, name: str) -> float:
+            for line in c.get(url + "/metrics").text.splitlines():
+                if line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+            raise AssertionError(name)
+
+        for name in ("both0", "decode0"):
+            assert metric(o[name]["url"], "kvwire_engine_kv_transfers_started_total") == 1
+        for name in ("prefill0", "both0"):
+            until(lambda n=name: metric(o[n]["url"], "kvwire_engine_kv_held_blocks") == 0,
+                  f"{name}'s lease released")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prefill", "2"], "needs an engine that decodes"),
+    (["--decode", "1"], "needs an engine that prefills"),
+    (["2", "--prefill", "1", "--decode", "1"], "give N or --prefill/--decode/--both"),
+    (["--prefill", "1", "--decode", "1", "--dp-size", "2"], "need --dp-size 1"),
+    (["--prefill", "1", "--decode", "1", "--role", "decode"], "--role is set per engine"),
+    (["--prefill", "x", "--decode", "1"], "--prefill: "),
+    (["--prefill", "1", "--decode", "1", "--kv-port", "9"], "--kv-port is set per engine"),
+])
+def test_fleet_refuses_bad_role_flags_in_one_line(flags, says):
+    r = subprocess.run([sys.executable, "-m", "kvwire", "fleet", *flags], capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert r.returncode == 2, r
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
