@@ -348,7 +348,8 @@ class Pair:
                     assert rebuilt[h] > 0, "removed a block never stored"
                     rebuilt[h] -= 1
         assert +rebuilt == Counter(h for h in m.cache.hash if h is not None)
-        for r in list(m.running) + list(m.transferring.values()):
+        assert len(m.running) <= m.cfg.max_num_seqs
+        for r in [*m.running, *m.transferring.values(), *m.ready]:
             for i in range(r.num_cached_blocks):
                 assert m.cache.hash[r.blocks[i]] == r.hashes[i], "a pinned block was evicted"
 
@@ -375,7 +376,7 @@ class Pair:
             t0, _, prompt, *_ = self.specs[0]
             self.d.add(EngineRequest("warm", prompt, 1), 0.0)
         p, d = self.p, self.d
-        while max(p.now, d.now) < 20.0:  # far past any run's end: a stuck pair fails
+        while max(p.now, d.now) < 5.0:  # far past any run's end: a stuck pair fails
             t_ev = self.heap[0][0] if self.heap else math.inf
             if p.runnable and p.now < t_ev and (not d.runnable or p.now <= d.now):
                 self.step_p(min(t_ev, d.now) if d.runnable else t_ev)
@@ -392,6 +393,7 @@ class Pair:
 
     def step_p(self, until: float) -> None:
         res = self.p.step(until)
+        assert res.tokens <= self.p.cfg.max_num_batched_tokens
         self.check_events("p", self.p, res.events)
         for r in res.finished:
             lease = self.p.leases[r.rid]
@@ -402,6 +404,7 @@ class Pair:
     def step_d(self, until: float) -> None:
         d = self.d
         res = d.step(until)
+        assert res.tokens <= d.cfg.max_num_batched_tokens and res.seqs <= d.cfg.max_num_seqs
         self.check_events("d", d, res.events)
         for r in res.local_prefills:
             self.p.release(r.rid)
