@@ -410,6 +410,10 @@ class Pair:
             self.p.release(r.rid)
         for r in res.pulls:
             assert r.status == "transferring" and r.pull_blocks > self.w["recompute"]
+            # what it lacks up to its last prompt token, which it computes itself
+            bs = d.cfg.block_size
+            assert r.pull_from * bs == r.hit_tokens
+            assert r.pull_from + r.pull_blocks == -(-(len(r.prompt) - 1) // bs)
             if not self.read(r.rid, res.end, r):
                 self.gone.add(r.rid)
                 self.at(res.end, "pulled", r, False)
