@@ -486,7 +486,10 @@ class EngineModel:
                 prefill += n
             ctx += req.num_computed + n
             tokens += n
-        dt = cfg.cost.step_time(prefill, decode, ctx)
+        # A step that only started pulls runs no forward pass (vLLM skips the model when
+        # nothing is scheduled): it takes no time. Any other empty step (blocks held by
+        # leases or transfers) takes the base time, so the clock moves while it waits.
+        dt = 0.0 if not sched and self._pulls else cfg.cost.step_time(prefill, decode, ctx)
         start = self.now
         end = self.now = start + dt
         self.busy_s += dt
