@@ -98,6 +98,9 @@ def test_prefill_side_leases_the_prompt_blocks_until_released_or_expired() -> No
     assert m.release("b") and m.leases_released == 1 and m.cache.num_free == 20
     r3 = _prefill("c", prompt, m, m.now + 1)
     assert r3.cached_tokens == 12
+    # the same id prefilled again (a retry): the newer lease replaces the older
+    _prefill("c", prompt, m, m.now + 1)
+    assert len(m.leases) == 1 and m.held_blocks == 4 and m.cache.num_free == 16
 
 
 def test_decode_side_pulls_what_it_lacks_and_publishes_the_pulled_blocks() -> None:

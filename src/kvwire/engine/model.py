@@ -509,6 +509,7 @@ class EngineModel:
                 self.itl.append(end - req.last_token_t)
             req.last_token_t = end
             if req.remote_decode:  # its decode runs elsewhere: hold the prompt's KV for it
+                self.release(req.rid)  # a lease under the same id (a retry) is superseded
                 nfull = len(req.prompt) // bs
                 self.leases[req.rid] = Lease(req.rid, req.blocks, req.hashes[:nfull],
                                              len(req.prompt), end + cfg.lease_s)
