@@ -187,6 +187,9 @@ def test_abort_frees_a_transferring_request() -> None:
     d.step()
     d.transfer_done(r2, True)
     assert r2.status == "waiting" and d.abort(r2) and d.cache.num_free == 40
+    # its pulled blocks were never cached: nothing to publish (a quiet stretch after it
+    # would not carry a stale BlockStored)
+    assert d.take_events() == [] and not any(h is not None for h in d.cache.hash)
 
 
 def test_both_role_serves_either_side() -> None:
