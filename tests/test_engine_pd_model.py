@@ -491,7 +491,7 @@ def test_pair_leases_pulls_and_every_request_finishes(w: dict) -> None:
     assert p.cache.num_free == p.cfg.num_gpu_blocks and d.cache.num_free == d.cfg.num_gpu_blocks
     aborted = set(run.abort_after)
     for r in run.dreqs.values():
-        assert r.status == "finished", r.rid
+        assert r.status == "finished" and not r.blocks, r.rid
         if r.failed:
             assert w["failure"] == "fail" and r.rid in run.gone and r.num_output == 0
         elif r.rid not in aborted:
