@@ -98,6 +98,9 @@ def test_prefill_side_leases_the_prompt_blocks_until_released_or_expired() -> No
     assert m.release("b") and m.leases_released == 1 and m.cache.num_free == 20
     r3 = _prefill("c", prompt, m, m.now + 1)
     assert r3.cached_tokens == 12
+    # the same id prefilled again (a retry): the newer lease replaces the older
+    _prefill("c", prompt, m, m.now + 1)
+    assert len(m.leases) == 1 and m.held_blocks == 4 and m.cache.num_free == 16
 
 
 def test_decode_side_pulls_what_it_lacks_and_publishes_the_pulled_blocks() -> None:
@@ -184,6 +187,9 @@ def test_abort_frees_a_transferring_request() -> None:
     d.step()
     d.transfer_done(r2, True)
     assert r2.status == "waiting" and d.abort(r2) and d.cache.num_free == 40
+    # its pulled blocks were never cached: nothing to publish (a quiet stretch after it
+    # would not carry a stale BlockStored)
+    assert d.take_events() == [] and not any(h is not None for h in d.cache.hash)
 
 
 def test_both_role_serves_either_side() -> None:
@@ -348,7 +354,8 @@ class Pair:
                     assert rebuilt[h] > 0, "removed a block never stored"
                     rebuilt[h] -= 1
         assert +rebuilt == Counter(h for h in m.cache.hash if h is not None)
-        for r in list(m.running) + list(m.transferring.values()):
+        assert len(m.running) <= m.cfg.max_num_seqs
+        for r in [*m.running, *m.transferring.values(), *m.ready]:
             for i in range(r.num_cached_blocks):
                 assert m.cache.hash[r.blocks[i]] == r.hashes[i], "a pinned block was evicted"
 
@@ -375,7 +382,7 @@ class Pair:
             t0, _, prompt, *_ = self.specs[0]
             self.d.add(EngineRequest("warm", prompt, 1), 0.0)
         p, d = self.p, self.d
-        for _ in range(20_000):  # a bound: a stuck pair fails instead of hanging
+        while max(p.now, d.now) < 5.0:  # far past any run's end: a stuck pair fails
             t_ev = self.heap[0][0] if self.heap else math.inf
             if p.runnable and p.now < t_ev and (not d.runnable or p.now <= d.now):
                 self.step_p(min(t_ev, d.now) if d.runnable else t_ev)
@@ -392,6 +399,7 @@ class Pair:
 
     def step_p(self, until: float) -> None:
         res = self.p.step(until)
+        assert res.tokens <= self.p.cfg.max_num_batched_tokens
         self.check_events("p", self.p, res.events)
         for r in res.finished:
             lease = self.p.leases[r.rid]
@@ -402,11 +410,16 @@ class Pair:
     def step_d(self, until: float) -> None:
         d = self.d
         res = d.step(until)
+        assert res.tokens <= d.cfg.max_num_batched_tokens and res.seqs <= d.cfg.max_num_seqs
         self.check_events("d", d, res.events)
         for r in res.local_prefills:
             self.p.release(r.rid)
         for r in res.pulls:
             assert r.status == "transferring" and r.pull_blocks > self.w["recompute"]
+            # what it lacks up to its last prompt token, which it computes itself
+            bs = d.cfg.block_size
+            assert r.pull_from * bs == r.hit_tokens
+            assert r.pull_from + r.pull_blocks == -(-(len(r.prompt) - 1) // bs)
             if not self.read(r.rid, res.end, r):
                 self.gone.add(r.rid)
                 self.at(res.end, "pulled", r, False)
@@ -478,7 +491,7 @@ def test_pair_leases_pulls_and_every_request_finishes(w: dict) -> None:
     assert p.cache.num_free == p.cfg.num_gpu_blocks and d.cache.num_free == d.cfg.num_gpu_blocks
     aborted = set(run.abort_after)
     for r in run.dreqs.values():
-        assert r.status == "finished", r.rid
+        assert r.status == "finished" and not r.blocks, r.rid
         if r.failed:
             assert w["failure"] == "fail" and r.rid in run.gone and r.num_output == 0
         elif r.rid not in aborted:

@@ -22,7 +22,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("trace", metavar="TRACE", nargs="?", default="bundled",
                    help="Mooncake JSONL trace (default: 'bundled', the packaged synthetic trace)")
-    p.add_argument("--engines", type=positive_int, default=8)
+    p.add_argument("--engines", type=positive_int, default=None,
+                   help="engines that prefill and decode (role both; default 8, or 0 with "
+                        "--prefill/--decode)")
+    p.add_argument("--prefill", type=count, default=0, metavar="N",
+                   help="prefill engines (a prefill/decode fleet, routed in pairs; batched "
+                        "engine model)")
+    p.add_argument("--decode", type=count, default=0, metavar="M", help="decode engines")
+    p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
+                   help="prefill/decode: a prompt missing fewer than N tokens on its decode "
+                        "engine is prefilled there (default 0: always disaggregate)")
+    p.add_argument("--pd-prefill-busy", type=nonnegative, default=float("inf"),
+                   metavar="BLOCKS",
+                   help="prefill/decode: when every prefill engine's load exceeds BLOCKS, "
+                        "prefill on the decode engine (default: never)")
+    p.add_argument("--kv-bytes-per-token", type=positive_int, default=131072, metavar="B",
+                   help="KV bytes a token, for the pull's time (default 131072: "
+                        "Llama-3.1-8B in BF16)")
+    p.add_argument("--kv-bandwidth-gbps", type=positive, default=400.0, metavar="G",
+                   help="link bandwidth between engines in Gb/s (default 400)")
+    p.add_argument("--kv-latency-ms", type=nonnegative, default=1.0, metavar="MS",
+                   help="fixed time of one pull (default 1 ms)")
+    p.add_argument("--kv-lease-s", type=positive, default=30.0, metavar="S",
+                   help="how long a prefill engine holds blocks for a pull (default 30)")
+    p.add_argument("--kv-recompute-blocks", type=count, default=0, metavar="N",
+                   help="a decode engine recomputes a pull of at most N blocks (default 0)")
     p.add_argument("--capacity", type=positive_int, default=5000,
                    help="blocks each engine's prefix cache holds")
     p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per block")
@@ -109,13 +133,41 @@ def run(args: argparse.Namespace) -> int:
         kw["balance_slack_tokens"] = args.balance_slack
     if args.predict_ttl is not None:
         kw["predict_ttl"] = args.predict_ttl
+    pd = args.prefill > 0 or args.decode > 0
+    engines = args.engines if args.engines is not None else (0 if pd else 8)
+    if pd:
+        if args.engine_model != "batched":
+            print("kvwire sim: --prefill/--decode need --engine-model batched",
+                  file=sys.stderr)
+            return 2
+        if args.decode + engines < 1:
+            print("kvwire sim: --prefill needs an engine that decodes (--decode M or "
+                  "--engines K)", file=sys.stderr)
+            return 2
+        if args.replicas != 1:
+            print("kvwire sim: --replicas is not simulated with --prefill/--decode",
+                  file=sys.stderr)
+            return 2
+        unsupported = [p for p in policies if p in ("sglang", "clairvoyant")]
+        if unsupported:
+            print(f"kvwire sim: policy {', '.join(unsupported)} does not route "
+                  "prefill/decode pairs", file=sys.stderr)
+            return 2
+        kw.update(prefill=args.prefill, decode=args.decode,
+                  disagg_min_tokens=args.disagg_min_tokens,
+                  pd_prefill_busy=args.pd_prefill_busy, lease_s=args.kv_lease_s,
+                  recompute_blocks=args.kv_recompute_blocks)
     try:
-        from ..engine.timing import StepCost
+        from ..engine.timing import StepCost, TransferCost
 
         kw["step_cost"] = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
                                    args.step_decode_seq_us * 1e-6,
                                    args.step_context_token_ns * 1e-9)
-        cfg = SimConfig(engines=args.engines, capacity=args.capacity,
+        if pd:
+            kw["transfer"] = TransferCost(args.kv_bytes_per_token,
+                                          args.kv_bandwidth_gbps * 1e9 / 8,
+                                          args.kv_latency_ms * 1e-3)
+        cfg = SimConfig(engines=engines, capacity=args.capacity,
                         engine_model=args.engine_model,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, cpu_blocks=args.cpu_blocks,

@@ -33,8 +33,9 @@ finishes after its first token and keeps its blocks under a :class:`Lease` until
 side releases it (pulled, aborted, all cached there) or it expires. A ``remote_prefill``
 request (decode side) takes its local prefix hit on admission, allocates its whole prompt
 and, when more than ``recompute_blocks`` blocks are missing, waits ``TRANSFERRING`` (listed
-in ``StepResult.pulls``) until the caller says the pull ended (:meth:`EngineModel.transfer_done`):
-the pulled blocks are then cached and published like computed ones, as vLLM publishes them.
+in ``StepResult.pulls``) until the caller says the pull ended (:meth:`EngineModel.transfer_done`);
+the step that next runs it caches and publishes the pulled blocks like computed ones, as vLLM
+does.
 The caller moves the blocks and keeps the time; the model only holds and frees them.
 """
 
@@ -316,9 +317,9 @@ class EngineModel:
 
     def transfer_done(self, req: EngineRequest, ok: bool, now: float | None = None) -> bool:
         """``req``'s pull ended at ``now`` (default: the engine's clock; an engine with steps
-        to run must have been stepped up to it). ok: the pulled blocks are cached and
-        published, the request computes its last prompt token and samples in its next
-        step. Not ok: recomputed locally under ``load_failure="recompute"``, else freed
+        to run must have been stepped up to it). ok: the request computes its last prompt
+        token and samples in its next step, which caches and publishes the pulled blocks
+        (vLLM caches received blocks when it next schedules the request). Not ok: recomputed locally under ``load_failure="recompute"``, else freed
         and finished with ``failed`` set. False if ``req`` was not transferring."""
         if req.status != TRANSFERRING or self.transferring.get(req.rid) is not req:
             return False
@@ -327,8 +328,7 @@ class EngineModel:
         if ok:
             self.transfers_ok += 1
             self.blocks_pulled += req.pull_blocks
-            req.num_computed = len(req.prompt) - 1
-            self._cache_full(req, req.num_computed)
+            req.num_computed = len(req.prompt) - 1  # cached when it next runs, as vLLM does
         else:
             self.transfers_failed += 1
             if self.cfg.load_failure == "fail":
@@ -486,7 +486,10 @@ class EngineModel:
                 prefill += n
             ctx += req.num_computed + n
             tokens += n
-        dt = cfg.cost.step_time(prefill, decode, ctx)
+        # A step that only started pulls runs no forward pass (vLLM skips the model when
+        # nothing is scheduled): it takes no time. Any other empty step (blocks held by
+        # leases or transfers) takes the base time, so the clock moves while it waits.
+        dt = 0.0 if not sched and self._pulls else cfg.cost.step_time(prefill, decode, ctx)
         start = self.now
         end = self.now = start + dt
         self.busy_s += dt
@@ -506,6 +509,7 @@ class EngineModel:
                 self.itl.append(end - req.last_token_t)
             req.last_token_t = end
             if req.remote_decode:  # its decode runs elsewhere: hold the prompt's KV for it
+                self.release(req.rid)  # a lease under the same id (a retry) is superseded
                 nfull = len(req.prompt) // bs
                 self.leases[req.rid] = Lease(req.rid, req.blocks, req.hashes[:nfull],
                                              len(req.prompt), end + cfg.lease_s)

@@ -70,19 +70,28 @@ def simulate_policy(reqs: Sequence[Request], policy: str, cfg: SimConfig,
             from .batched import BatchedSim, engine_config, run_batched
 
             ecfg = engine_config(cfg)
-        for i in range(cfg.engines):
+        if cfg.pd:
+            from .pd import fleet_roles, run_pd
+
+            fleet = fleet_roles(cfg)
+        else:
+            fleet = [(f"engine{i}", "both") for i in range(cfg.engines)]
+        for i, (name, role) in enumerate(fleet):
             pub = ZmqEventPublisher(
                 endpoint=f"ipc://{tmp}/e{i}", replay_endpoint=f"ipc://{tmp}/e{i}-replay",
                 heartbeat_interval=None,  # no heartbeat seqs: seqs count our batches exactly
             )
             if cfg.engine_model == "batched":
-                engines.append(BatchedSim(f"engine{i}", ecfg, pub))
+                engines.append(BatchedSim(name, engine_config(cfg, role) if cfg.pd else ecfg,
+                                          pub))
             else:
-                engines.append(FifoSim(f"engine{i}", cfg.capacity, cfg.block_tokens, pub))
+                engines.append(FifoSim(name, cfg.capacity, cfg.block_tokens, pub))
         router = ROUTERS[policy](engines, cfg)
         bar = progress if isinstance(progress, Progress) else Progress(
             policy, len(reqs), progress)
-        if cfg.engine_model == "batched":
+        if cfg.pd:
+            res = run_pd(reqs, engines, router, cfg, bar, PolicyResult(name=""))
+        elif cfg.engine_model == "batched":
             res = run_batched(reqs, engines, router, cfg, bar, PolicyResult(name=""))
         else:
             res = _run(reqs, engines, router, cfg, bar)

@@ -50,7 +50,7 @@ def write_report(result: SimResult, path: str | Path) -> Path:
     cfg = result.config
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), dpi=100)
     fig.suptitle(
-        f"kvwire sim: {result.requests} requests, {cfg.engines} engines x {cfg.capacity} "
+        f"kvwire sim: {result.requests} requests, {fleet(cfg)} engines x {cfg.capacity} "
         f"blocks of {cfg.block_tokens} tokens", fontsize=14)
 
     ax = axes[0][0]
@@ -72,7 +72,7 @@ def write_report(result: SimResult, path: str | Path) -> Path:
     ax.set_title("time to first token, s (p50 light, p99 dark; lower is better)")
 
     ax = axes[1][0]
-    n_eng = cfg.engines
+    n_eng = cfg.fleet_size
     width = 0.8 / max(1, len(names))
     for k, (n, r) in enumerate(zip(names, res)):
         ax.bar([e + (k - (len(names) - 1) / 2) * width for e in range(n_eng)], r.engine_work_s,
@@ -116,3 +116,12 @@ def save_figure(fig: object, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def fleet(cfg) -> str:
+    """The fleet's shape for a title: ``8``, or ``4 prefill + 2 decode``."""
+    if not cfg.pd:
+        return str(cfg.engines)
+    parts = [f"{n} {role}" for n, role in ((cfg.prefill, "prefill"), (cfg.decode, "decode"),
+                                           (cfg.engines, "both")) if n]
+    return " + ".join(parts)

@@ -7,6 +7,11 @@ SGLang's ``cache_aware`` (:mod:`kvwire.sim.baselines`), which sees only what it 
 knowledge of the engines, which no router has); the rest ignore the cache. Routers are told
 when a request's first token comes (:meth:`SimRouter.first_token`) and when it finishes
 (:meth:`SimRouter.release`), as the proxy is.
+
+A prefill/decode fleet is routed in pairs (:meth:`SimRouter.route_pair`) by
+:func:`~kvwire.routing.pairs.choose_pair`, the function ``kvwire serve`` uses, with one
+policy per side (as SGLang's router has a prefill and a decode policy): what each router
+knows of the caches is its candidates' credit (none for the cache-blind ones).
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ from ..consume.stream import Batch, Reset, Snapshot
 from ..consume.subscriber import StreamSpec, Subscriber
 from ..engine import EngineRequest
 from ..routing.load import LoadTracker
-from ..routing.policy import Candidate, request_load
+from ..routing.pairs import PairConfig, PairDecision, choose_pair
+from ..routing.policy import (
+    Candidate,
+    Decision,
+    LeastLoadPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    request_load,
+)
 from ..routing.sharing import PeerLoads, Report
 from .baselines import CacheAwarePolicy
 from .fifo import FifoSim
@@ -84,14 +97,91 @@ class SimRouter:
     def close(self) -> None:
         pass
 
+    # ------------------------------------------------------------------ P/D pairs
+
+    def side_policies(self) -> tuple[Any, Any]:
+        """The decode side's policy and the prefill side's (each keeps its own turn)."""
+        raise SimError(f"the {type(self).__name__.strip('_').lower()} policy does not route "
+                       "prefill/decode pairs")
+
+    def credits(self, req: Request, keys: list[int], now: float) -> dict[str, float]:
+        """Each engine's cached prefix of the prompt in blocks, as this router knows it."""
+        return {}
+
+    def alive(self, name: str) -> bool:
+        return True
+
+    def predict(self, name: str, req: Request, keys: list[int]) -> None:
+        """The prompt was routed to ``name``: count it as cached there until events say."""
+
+    def route_pair(self, rid: str, req: Request, keys: list[int], now: float,
+                   decode: list[int], prefill: list[int], pcfg: PairConfig) -> PairDecision:
+        """Choose the decode engine, whether to disaggregate and the prefill engine (engine
+        indices ``decode``/``prefill`` are the candidates of each side), and reserve load on
+        each side as ``kvwire serve`` does: the prefill side its uncached blocks there
+        under ``rid + "/p"`` (released by :meth:`prefill_done`); the decode side as a single
+        route, less the prefill share when the prefill is remote."""
+        sides = getattr(self, "_sides", None)
+        if sides is None:
+            sides = self._sides = _Sides(*self.side_policies())
+        credit = self.credits(req, keys, now)
+        loads, busy = self.loads, self.loads.busy
+        cands = {}
+        for i in {*decode, *prefill}:
+            name = self.engines[i].name
+            cands[i] = Candidate(name, credit.get(name, 0.0), loads.load(name),
+                                 self.alive(name), busy(name, now))
+        dec = sides.decode_list = [cands[i] for i in decode]
+        pre = [cands[i] for i in prefill]
+        pd = choose_pair(sides, len(keys), dec, pre, pcfg)
+        d_over = pd.decode.overlap.get(pd.decode.name, 0.0)
+        remote = pd.prefill is not None
+        expect = self._out_sum / self._out_n if self._out_n else 0.0
+        amount = request_load(len(keys), len(keys) if remote else d_over,
+                              expect / self.cfg.block_tokens, self.cfg.share())
+        d_pre = 0.0 if remote else max(len(keys) - d_over, 0.0)
+        self.loads.reserve(rid, pd.decode.name, amount, now, prefill=d_pre)
+        self._prefill[rid] = d_pre
+        self.predict(pd.decode.name, req, keys)
+        if pd.prefill is not None:
+            p = pd.prefill
+            p_pre = max(len(keys) - p.overlap.get(p.name, 0.0), 0.0)
+            self.loads.reserve(rid + "/p", p.name, p_pre, now, prefill=p_pre)
+            self.predict(p.name, req, keys)
+        return pd
+
+    def prefill_done(self, rid: str) -> None:
+        """The remote prefill of ``rid`` ended (its answer is back): its load goes."""
+        self.loads.release(rid + "/p")
+
+
+class _Sides:
+    """Two policies as one for :func:`choose_pair`: the decode side's list goes to the
+    first, anything else to the second, so each side keeps its own turn (a round robin
+    over decode engines is not advanced by prefill choices)."""
+
+    def __init__(self, decode: Any, prefill: Any) -> None:
+        self.decode, self.prefill = decode, prefill
+        self.decode_list: list[Candidate] | None = None
+
+    def choose(self, prompt_blocks: int, candidates: list[Candidate]) -> Decision:
+        side = self.decode if candidates is self.decode_list else self.prefill
+        return side.choose(prompt_blocks, candidates)
+
 
 class _Random(SimRouter):
+    def side_policies(self) -> tuple[Any, Any]:
+        return RandomPolicy(self.cfg.seed), RandomPolicy(self.cfg.seed + 1)
+
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         return self.rng.randrange(len(self.engines))
 
 
 class _RoundRobin(SimRouter):
     n = 0
+
+    def side_policies(self) -> tuple[Any, Any]:
+        return RoundRobinPolicy(), RoundRobinPolicy()
 
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         e = self.n % len(self.engines)
@@ -100,6 +190,9 @@ class _RoundRobin(SimRouter):
 
 
 class _LeastLoad(SimRouter):
+    def side_policies(self) -> tuple[Any, Any]:
+        return LeastLoadPolicy(self.cfg.seed), LeastLoadPolicy(self.cfg.seed + 1)
+
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         loads = [self.loads.load(e.name) for e in self.engines]
         low = min(loads)
@@ -116,6 +209,12 @@ class _Oracle(SimRouter):
         super().__init__(engines, cfg)
         self.policy = cfg.routing_policy()
         self.index = {e.name: i for i, e in enumerate(engines)}
+
+    def side_policies(self) -> tuple[Any, Any]:
+        return self.cfg.routing_policy(), self.cfg.routing_policy()
+
+    def credits(self, req: Request, keys: list[int], now: float) -> dict[str, float]:
+        return {e.name: float(e.prefix_hits(keys)) for e in self.engines}
 
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         cands = [Candidate(e.name, float(e.prefix_hits(keys)), self.loads.load(e.name),
@@ -185,7 +284,7 @@ class _Kvwire(SimRouter):
         self.sub = Subscriber(specs, config=StreamConfig(info_timeout=10.0,
                                                          request_timeout=10.0))
         self.applied = {e.name: -1 for e in engines}
-        self.alive = {e.name: True for e in engines}
+        self.live = {e.name: True for e in engines}
         self._dirty = True  # items applied since alive was read from the index
         self.index = {e.name: i for i, e in enumerate(engines)}
         self._wait_live()
@@ -234,20 +333,38 @@ class _Kvwire(SimRouter):
                 self._apply(item)
             behind = [e for e in behind if self.applied[e.name] < e.batches - 1]
 
+    def _refresh_alive(self) -> None:
+        if self._dirty:  # liveness only changes when the subscriber delivers something
+            streams = self.idx.streams()
+            self.live = {n: streams[n].alive if n in streams else True for n in self.live}
+            self._dirty = False
+
+    def side_policies(self) -> tuple[Any, Any]:
+        return self.cfg.routing_policy(), self.cfg.routing_policy()
+
+    def credits(self, req: Request, keys: list[int], now: float) -> dict[str, float]:
+        self.now = now
+        self._refresh_alive()
+        m = self.idx.match(prompt_array(req, len(keys) * self.cfg.block_tokens))
+        return {name: sm.credit for name, sm in m.items()}
+
+    def alive(self, name: str) -> bool:
+        return self.live[name]
+
+    def predict(self, name: str, req: Request, keys: list[int]) -> None:
+        self.idx.predict(name, prompt_array(req, len(keys) * self.cfg.block_tokens))
+
     def route(self, rid: str, req: Request, keys: list[int], now: float) -> int:
         self.now = now
         tokens = prompt_array(req, len(keys) * self.cfg.block_tokens)
         m = self.idx.match(tokens)
-        if self._dirty:  # liveness only changes when the subscriber delivers something
-            streams = self.idx.streams()
-            self.alive = {n: streams[n].alive if n in streams else True for n in self.alive}
-            self._dirty = False
+        self._refresh_alive()
         cands = []
         busy = self.loads.busy
         for e in self.engines:
             sm = m.get(e.name)
             cands.append(Candidate(e.name, sm.credit if sm is not None else 0.0,
-                                   self.loads.load(e.name), self.alive[e.name],
+                                   self.loads.load(e.name), self.live[e.name],
                                    busy(e.name, now)))
         d = self.policy.choose(len(keys), cands)
         self.idx.predict(d.name, tokens)

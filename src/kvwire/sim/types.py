@@ -4,13 +4,14 @@ them without importing the others."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.timing import StepCost
+from ..engine.timing import StepCost, TransferCost
 from ..routing.policy import POLICIES as ROUTER_POLICIES
 from ..routing.policy import RoutingPolicy
 from .baselines import CacheAwareParams
@@ -27,6 +28,10 @@ class SimError(RuntimeError):
 _JSON_KEYS = ("hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
               "events_published", "events_applied", "prefix_reuse_ratio", "itl_p50_s",
               "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_s", "preemptions")
+#: a prefill/decode fleet's keys (besides the above)
+PD_KEYS = ("prefill_cached_ratio", "prefill_prompt_tokens", "transfers", "transfer_blocks",
+           "transfer_bytes", "transfer_p50_s", "transfer_p99_s", "decider", "decode_local",
+           "failed")
 #: The policies a run compares unless told otherwise: every policy a router runs
 #: (``kvwire serve --policy``, in its order) and, after kvwire's, the oracle (which reads
 #: the engines' caches: only a simulator can).
@@ -85,6 +90,20 @@ class SimConfig:
     replicas: int = 1
     share_load: bool = True
     share_delay: float = 0.002
+    #: A prefill/decode fleet: ``prefill`` engines of role prefill and ``decode`` of role
+    #: decode beside the ``engines`` of role both (both 0: every engine does both, as
+    #: before). Batched engine model only; requests are routed in pairs (sim/pd.py).
+    prefill: int = 0
+    decode: int = 0
+    #: what a pull costs, how long a prefill engine holds the blocks, and the largest pull
+    #: a decode engine recomputes instead (the engine model's EngineConfig fields)
+    transfer: TransferCost = field(default_factory=TransferCost)
+    lease_s: float = 30.0
+    recompute_blocks: int = 0
+    #: the decider: prefill on the decode engine when it misses fewer than this many
+    #: prompt tokens, or when every prefill engine's load exceeds ``pd_prefill_busy`` blocks
+    disagg_min_tokens: int = 0
+    pd_prefill_busy: float = math.inf
 
     def __post_init__(self) -> None:
         if self.engine_model not in ENGINE_MODELS:
@@ -93,6 +112,30 @@ class SimConfig:
         if self.replicas < 1 or not self.share_delay >= 0:
             raise ValueError(f"need replicas >= 1 and share_delay >= 0, got "
                              f"{self.replicas} and {self.share_delay}")
+        if self.prefill < 0 or self.decode < 0 or self.engines < 0:
+            raise ValueError("engine counts must be >= 0")
+        if not self.pd:
+            if self.engines < 1:
+                raise ValueError("need at least one engine")
+            return
+        if self.engine_model != "batched":
+            raise ValueError("a prefill/decode fleet needs the batched engine model")
+        if self.decode + self.engines < 1:
+            raise ValueError("a prefill/decode fleet needs an engine that decodes "
+                             "(--decode or --engines)")
+        if self.replicas != 1:
+            raise ValueError("router replicas are not simulated for a prefill/decode fleet")
+        if self.disagg_min_tokens < 0 or not self.pd_prefill_busy >= 0:
+            raise ValueError("disagg_min_tokens and pd_prefill_busy must be >= 0")
+
+    @property
+    def pd(self) -> bool:
+        """Whether the fleet has prefill or decode engines (routed in pairs)."""
+        return self.prefill > 0 or self.decode > 0
+
+    @property
+    def fleet_size(self) -> int:
+        return self.engines + self.prefill + self.decode
 
     def routing_policy(self) -> RoutingPolicy:
         """The RoutingPolicy of the ``kvwire`` and ``oracle`` routers (slack in blocks)."""
@@ -128,6 +171,8 @@ class PolicyResult:
     span_s: float = 0.0  # first arrival to last completion
     preemptions: int = 0
     wall_s: float = 0.0
+    #: a prefill/decode fleet's counts (sim/pd.py's PdCounts.summary), else None
+    pd: dict[str, Any] | None = None
 
     @property
     def prefix_reuse_ratio(self) -> float:
@@ -164,6 +209,7 @@ class PolicyResult:
             "e2e_p99_s": round(nearest_rank(e2e, 0.99), 6),
             "output_tok_s": round(self.output_tokens / self.span_s, 3) if self.span_s else 0.0,
             "preemptions": self.preemptions,
+            **(self.pd or {}),
             "route_p50_us": round(nearest_rank(lat, 0.50), 1),
             "route_p99_us": round(nearest_rank(lat, 0.99), 1),
             "engine_work_s": [round(w, 3) for w in self.engine_work_s],
@@ -182,17 +228,24 @@ class SimResult:
         """The object ``kvwire sim --json`` prints: exactly the issue's shape, every value
         deterministic for a seed (route latencies, which measure this machine, are left to
         the table and the report)."""
-        return {
+        cfg = self.config
+        keys = (*_JSON_KEYS, *PD_KEYS) if cfg.pd else _JSON_KEYS
+        out: dict[str, Any] = {
             "requests": self.requests,
-            "engines": self.config.engines,
-            "capacity": self.config.capacity,
-            "engine_model": self.config.engine_model,
-            "policies": {n: {k: v for k, v in r.summary().items() if k in _JSON_KEYS}
-                         for n, r in self.results.items()},
+            "engines": cfg.engines,
+            "capacity": cfg.capacity,
+            "engine_model": cfg.engine_model,
         }
+        if cfg.pd:
+            out.update(prefill=cfg.prefill, decode=cfg.decode)
+        out["policies"] = {n: {k: v for k, v in r.summary().items() if k in keys}
+                           for n, r in self.results.items()}
+        return out
 
     def table(self) -> str:
         """A plain-text table, one row per policy."""
+        if self.config.pd:
+            return self._pd_table()
         head = (f"{'policy':<12}{'hit_ratio':>10}{'max/mean':>10}{'ttft_p50':>10}"
                 f"{'ttft_p99':>10}{'itl_p50':>9}{'e2e_p99':>9}{'out tok/s':>10}"
                 f"{'events pub':>12}{'applied':>10}{'route p99':>11}")
@@ -205,6 +258,21 @@ class SimResult:
                 f"{s['itl_p50_s'] * 1e3:>7.1f}ms{s['e2e_p99_s']:>8.2f}s{s['output_tok_s']:>10.0f}"
                 f"{s['events_published']:>12}{s['events_applied']:>10}{s['route_p99_us']:>9.0f}us"
             )
+        return "\n".join(rows)
+
+    def _pd_table(self) -> str:
+        head = (f"{'policy':<12}{'ttft_p50':>10}{'ttft_p99':>10}{'prefill cached':>15}"
+                f"{'transfers':>10}{'blocks':>9}{'xfer p99':>10}{'local (decider)':>24}"
+                f"{'failed':>7}")
+        rows = [head]
+        for n, r in self.results.items():
+            s = r.summary()
+            local = ",".join(f"{k}={v}" for k, v in s["decider"].items() if k != "disagg" and v)
+            rows.append(
+                f"{n:<12}{s['ttft_p50_s']:>9.3f}s{s['ttft_p99_s']:>9.3f}s"
+                f"{s['prefill_cached_ratio']:>15.3f}{s['transfers']:>10}"
+                f"{s['transfer_blocks']:>9}{s['transfer_p99_s'] * 1e3:>8.1f}ms"
+                f"{local or '-':>24}{s['failed']:>7}")
         return "\n".join(rows)
 
 

@@ -1,0 +1,124 @@
+"""kvwire sim on a prefill/decode fleet: pairs routed by the router's own choose_pair,
+prompts prefilled on prefill engines, their KV pulled by decode engines at the modelled cost.
+
+Real runs, as in test_sim.py: engines publish through ZmqEventPublishers on ipc:// loopback
+and the kvwire policy routes from a Subscriber -> PrefixIndex.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import replace
+
+import pytest
+
+from kvwire.cli import sim as sim_cli
+from kvwire.engine import TransferCost
+from kvwire.sim.fleet import SimConfig, run_sim
+from kvwire.sim.trace import bundled_trace_path, load_trace
+
+PD = SimConfig(engines=0, prefill=4, decode=2, capacity=400, seed=3)
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = sim_cli.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reqs() -> list:
+    return load_trace(bundled_trace_path(), limit=300)
+
+
+@pytest.fixture(scope="module")
+def pd_run(reqs: list) -> dict:
+    return run_sim(reqs, PD, ["kvwire", "round_robin"], progress=False).to_json()
+
+
+def test_every_request_is_prefilled_remotely_pulled_and_decoded(pd_run: dict,
+                                                                reqs: list) -> None:
+    assert pd_run["prefill"] == 4 and pd_run["decode"] == 2 and pd_run["engines"] == 0
+    for name, p in pd_run["policies"].items():
+        # every request finished (the run raises otherwise) and was disaggregated
+        assert p["decider"]["disagg"] == len(reqs) and p["failed"] == 0, name
+        # each either pulled its prompt or found it (nearly) all on its decode engine
+        assert p["transfers"] + p["decode_local"] == len(reqs), name
+        assert p["transfers"] > 0 and p["transfer_blocks"] >= p["transfers"]
+        assert p["transfer_bytes"] == p["transfer_blocks"] * 512 * 131072
+        assert 0 < p["transfer_p50_s"] <= p["transfer_p99_s"]
+        assert p["prefill_prompt_tokens"] == sum(max(r.input_length, 1) for r in reqs)
+        assert 0.0 < p["ttft_p50_s"] <= p["ttft_p99_s"] and p["itl_p50_s"] > 0
+    kv = pd_run["policies"]["kvwire"]
+    assert kv["events_applied"] == kv["events_published"] > 0
+
+
+def test_kvwire_sends_prefills_where_their_prefix_is_cached(pd_run: dict) -> None:
+    p = pd_run["policies"]
+    assert p["kvwire"]["prefill_cached_ratio"] > 2 * p["round_robin"]["prefill_cached_ratio"]
+    assert p["kvwire"]["transfer_blocks"] < p["round_robin"]["transfer_blocks"]
+
+
+def test_the_pull_costs_what_the_link_says(reqs: list) -> None:
+    """A slower link makes the same pulls take longer, and the first tokens with them."""
+    few = reqs[:60]
+    fast = run_sim(few, PD, ["round_robin"], progress=False).to_json()["policies"]["round_robin"]
+    slow_cfg = replace(PD, transfer=TransferCost(bandwidth_Bps=5e8, latency_s=0.01))
+    slow = run_sim(few, slow_cfg, ["round_robin"], progress=False).to_json()
+    slow = slow["policies"]["round_robin"]
+    assert slow["transfer_blocks"] == fast["transfer_blocks"]
+    assert slow["transfer_p50_s"] > 10 * fast["transfer_p50_s"]
+    assert slow["ttft_p50_s"] > fast["ttft_p50_s"]
+
+
+def test_the_decider_keeps_cheap_or_busy_prefills_local(reqs: list) -> None:
+    few = reqs[:80]
+    always = replace(PD, disagg_min_tokens=10**9)  # every prompt misses fewer tokens
+    p = run_sim(few, always, ["kvwire"], progress=False).to_json()["policies"]["kvwire"]
+    assert p["decider"]["cached"] == len(few) and p["transfers"] == 0
+    assert p["prefill_prompt_tokens"] == 0
+    busy = replace(PD, pd_prefill_busy=0.0)  # any load at all on every prefill engine
+    p = run_sim(few, busy, ["kvwire"], progress=False).to_json()["policies"]["kvwire"]
+    assert p["decider"]["prefill_busy"] > 0 and p["decider"]["disagg"] > 0
+    assert p["decider"]["prefill_busy"] + p["decider"]["disagg"] == len(few)
+    assert p["transfers"] + p["decode_local"] == p["decider"]["disagg"]
+
+
+def test_both_engines_serve_either_side(reqs: list) -> None:
+    """Two both engines and one decode engine: pairs whose two sides land on one both
+    engine prefill there (``local``)."""
+    cfg = SimConfig(engines=2, prefill=0, decode=1, capacity=400, seed=1)
+    p = run_sim(reqs[:60], cfg, ["round_robin"], progress=False).to_json()["policies"]
+    d = p["round_robin"]["decider"]
+    assert sum(d.values()) == 60 and d["disagg"] > 0 and d["local"] > 0
+
+
+def test_cli_flags_table_and_json() -> None:
+    rc, out, err = _cli(["bundled", "--limit", "40", "--prefill", "2", "--decode", "1",
+                         "--capacity", "400", "--policies", "kvwire,round_robin",
+                         "--kv-bandwidth-gbps", "8", "--kv-latency-ms", "5", "--json"])
+    assert rc == 0, err
+    d = json.loads(out)
+    assert (d["prefill"], d["decode"], d["engines"]) == (2, 1, 0)
+    p = d["policies"]["kvwire"]
+    # 8 Gb/s: one 512-token block of 128 KiB a token takes 67 ms, plus 5 ms
+    assert p["transfer_p50_s"] >= 512 * 131072 / 1e9 + 0.005
+    rc, out, err = _cli(["bundled", "--limit", "40", "--prefill", "2", "--decode", "1",
+                         "--capacity", "400", "--policies", "kvwire",
+                         "--disagg-min-tokens", "100000"])
+    assert rc == 0, err
+    assert "prefill cached" in out and "cached=40" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prefill", "2"], "decodes"),
+    (["--prefill", "1", "--decode", "1", "--engine-model", "fifo"], "batched"),
+    (["--prefill", "1", "--decode", "1", "--policies", "sglang"], "sglang"),
+    (["--prefill", "1", "--decode", "1", "--replicas", "2"], "replicas"),
+])
+def test_bad_pd_arguments(argv: list[str], needle: str) -> None:
+    rc, _, err = _cli(["bundled", "--limit", "5", *argv])
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
