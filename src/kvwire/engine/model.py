@@ -419,8 +419,7 @@ class EngineModel:
                 pull = -(-(len(req.tokens) - 1) // bs) - len(hit)
                 if pull <= cfg.recompute_blocks:
                     pull = 0
-            if pull:
-                n = 0
+            if pull:  # no tokens this step: blocks for the whole prompt, to pull into
                 need = -(-len(req.tokens) // bs) - len(hit)
             else:
                 n = min(len(req.tokens) - computed, budget)
