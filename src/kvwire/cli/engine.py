@@ -19,6 +19,7 @@ from .options import (
     EXIT_USAGE,
     Parser,
     add_chat_template,
+    add_kv_transfer,
     add_log_level,
     configure_logging,
     count,
@@ -26,6 +27,7 @@ from .options import (
     port,
     positive,
     positive_int,
+    transfer_cost,
 )
 
 __all__ = ["add_arguments", "main", "options_from_args", "register", "run"]
@@ -67,21 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--bootstrap-port", type=port, default=None, metavar="P",
                    help="SGLang's bootstrap server (default 8998 on a prefill engine; a "
                         "both engine has one only when given)")
-    d.add_argument("--kv-lease-s", type=positive, default=30.0, metavar="S",
-                   help="seconds a prefill engine holds a prompt's KV for its decode engine "
-                        "unless heartbeats extend it (vLLM's kv_lease_duration; default 30)")
-    d.add_argument("--kv-bytes-per-token", type=positive_int, default=131072, metavar="B",
-                   help="KV bytes a token (default 131072: Llama-3.1-8B in BF16)")
-    d.add_argument("--kv-bandwidth-gbps", type=positive, default=400.0, metavar="G",
-                   help="link bandwidth between engines in Gb/s (default 400)")
-    d.add_argument("--kv-latency-ms", type=nonnegative, default=1.0, metavar="MS",
-                   help="fixed time of one transfer (default 1 ms)")
+    add_kv_transfer(d, "transfer")
     d.add_argument("--kv-load-failure", choices=("fail", "recompute"), default="fail",
                    help="a failed pull fails the request (default, vLLM's) or recomputes "
                         "the prompt here")
-    d.add_argument("--kv-recompute-blocks", type=count, default=0, metavar="N",
-                   help="recompute a pull of at most N blocks here instead (vLLM's "
-                        "kv_recompute_threshold; default 0)")
     m = p.add_argument_group("model")
     m.add_argument("--num-gpu-blocks", type=positive_int, default=28_000)
     m.add_argument("--block-size", type=positive_int, default=16)
@@ -99,13 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace):
     """The :class:`EngineOptions` the flags say (ValueError on a bad combination)."""
-    from ..engine import EngineConfig, StepCost, TransferCost
+    from ..engine import EngineConfig, StepCost
     from ..engine.server.app import EngineOptions
 
     cost = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
                     args.step_decode_seq_us * 1e-6, args.step_context_token_ns * 1e-9)
-    transfer = TransferCost(args.kv_bytes_per_token, args.kv_bandwidth_gbps * 1e9 / 8,
-                            args.kv_latency_ms * 1e-3)
+    transfer = transfer_cost(args)
     cfg = EngineConfig(num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, cpu_blocks=args.cpu_blocks, cost=cost,

@@ -139,6 +139,43 @@ def add_chat_template(p: argparse.ArgumentParser, who: str) -> None:
                         "(a list of parts)")
 
 
+def add_kv_transfer(p, what: str) -> None:
+    """The KV transfer's flags, shared by ``kvwire engine`` (its engines pull) and ``kvwire
+    sim`` (its model does): one meaning, one default. ``what``: "pull" or "transfer"."""
+    p.add_argument("--kv-lease-s", type=positive, default=30.0, metavar="S",
+                   help="seconds a prefill engine holds a prompt's KV for its decode engine "
+                        "unless heartbeats extend it (vLLM's kv_lease_duration; default 30)")
+    p.add_argument("--kv-bytes-per-token", type=positive_int, default=131072, metavar="B",
+                   help="KV bytes a token (default 131072: Llama-3.1-8B in BF16)")
+    p.add_argument("--kv-bandwidth-gbps", type=positive, default=400.0, metavar="G",
+                   help="link bandwidth between engines in Gb/s (default 400)")
+    p.add_argument("--kv-latency-ms", type=nonnegative, default=1.0, metavar="MS",
+                   help=f"fixed time of one {what} (default 1 ms)")
+    p.add_argument("--kv-recompute-blocks", type=count, default=0, metavar="N",
+                   help="a decode engine recomputes a pull of at most N blocks instead "
+                        "(vLLM's kv_recompute_threshold; default 0)")
+
+
+def transfer_cost(args: argparse.Namespace):
+    """The :class:`~kvwire.engine.timing.TransferCost` :func:`add_kv_transfer`'s flags say."""
+    from ..engine.timing import TransferCost
+
+    return TransferCost(args.kv_bytes_per_token, args.kv_bandwidth_gbps * 1e9 / 8,
+                        args.kv_latency_ms * 1e-3)
+
+
+def add_pd_decider(p) -> None:
+    """When a prefill/decode router prefills on the decode engine instead: ``kvwire serve``
+    and ``kvwire sim`` decide alike (:mod:`kvwire.routing.pairs`)."""
+    p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
+                   help="prefill/decode: a prompt missing fewer than N tokens on its decode "
+                        "engine is prefilled there (default 0: always disaggregate)")
+    p.add_argument("--pd-prefill-busy", type=nonnegative, default=float("inf"),
+                   metavar="BLOCKS",
+                   help="prefill/decode: when every prefill engine's load exceeds BLOCKS, "
+                        "prefill on the decode engine (default: never)")
+
+
 def configure_logging(args: argparse.Namespace, *, stamped: bool = False) -> str:
     """Set up logging from ``--log-level`` (or ``-v``), replacing any earlier set-up; the
     level's name. ``stamped``: lines start with the time (long-running services)."""

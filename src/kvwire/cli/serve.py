@@ -22,6 +22,7 @@ from .options import (
     add_chat_template,
     add_connect_timeout,
     add_log_level,
+    add_pd_decider,
     configure_logging,
     count,
     engine,
@@ -76,13 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill/decode pairs: the engines' protocol, vllm (kv_transfer_params, "
                         "sequential) or sglang (bootstrap_room, concurrent); default vllm, and "
                         "pairs only when an --engine has role=prefill or role=decode")
-    p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
-                   help="prefill/decode: a prompt missing fewer than N tokens on its decode "
-                        "engine is prefilled there (default 0: always disaggregate)")
-    p.add_argument("--pd-prefill-busy", type=nonnegative, default=float("inf"),
-                   metavar="BLOCKS",
-                   help="prefill/decode: when every prefill engine's load exceeds BLOCKS, "
-                        "prefill on the decode engine (default: never)")
+    add_pd_decider(p)
     p.add_argument("--pd-fallback", choices=("local", "fail"), default="local",
                    help="prefill/decode: a prefill that failed on every prefill engine tried "
                         "(--retries more after the first) is done on the decode engine "

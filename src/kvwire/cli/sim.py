@@ -11,7 +11,16 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .options import Parser, count, nonnegative, positive, positive_int
+from .options import (
+    Parser,
+    add_kv_transfer,
+    add_pd_decider,
+    count,
+    nonnegative,
+    positive,
+    positive_int,
+    transfer_cost,
+)
 
 __all__ = ["add_arguments", "main", "register", "run"]
 
@@ -29,24 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill engines (a prefill/decode fleet, routed in pairs; batched "
                         "engine model)")
     p.add_argument("--decode", type=count, default=0, metavar="M", help="decode engines")
-    p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
-                   help="prefill/decode: a prompt missing fewer than N tokens on its decode "
-                        "engine is prefilled there (default 0: always disaggregate)")
-    p.add_argument("--pd-prefill-busy", type=nonnegative, default=float("inf"),
-                   metavar="BLOCKS",
-                   help="prefill/decode: when every prefill engine's load exceeds BLOCKS, "
-                        "prefill on the decode engine (default: never)")
-    p.add_argument("--kv-bytes-per-token", type=positive_int, default=131072, metavar="B",
-                   help="KV bytes a token, for the pull's time (default 131072: "
-                        "Llama-3.1-8B in BF16)")
-    p.add_argument("--kv-bandwidth-gbps", type=positive, default=400.0, metavar="G",
-                   help="link bandwidth between engines in Gb/s (default 400)")
-    p.add_argument("--kv-latency-ms", type=nonnegative, default=1.0, metavar="MS",
-                   help="fixed time of one pull (default 1 ms)")
-    p.add_argument("--kv-lease-s", type=positive, default=30.0, metavar="S",
-                   help="how long a prefill engine holds blocks for a pull (default 30)")
-    p.add_argument("--kv-recompute-blocks", type=count, default=0, metavar="N",
-                   help="a decode engine recomputes a pull of at most N blocks (default 0)")
+    add_pd_decider(p)
+    add_kv_transfer(p, "pull")
     p.add_argument("--capacity", type=positive_int, default=5000,
                    help="blocks each engine's prefix cache holds")
     p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per block")
@@ -158,15 +151,13 @@ def run(args: argparse.Namespace) -> int:
                   pd_prefill_busy=args.pd_prefill_busy, lease_s=args.kv_lease_s,
                   recompute_blocks=args.kv_recompute_blocks)
     try:
-        from ..engine.timing import StepCost, TransferCost
+        from ..engine.timing import StepCost
 
         kw["step_cost"] = StepCost(args.step_base_ms * 1e-3, args.step_prefill_token_us * 1e-6,
                                    args.step_decode_seq_us * 1e-6,
                                    args.step_context_token_ns * 1e-9)
         if pd:
-            kw["transfer"] = TransferCost(args.kv_bytes_per_token,
-                                          args.kv_bandwidth_gbps * 1e9 / 8,
-                                          args.kv_latency_ms * 1e-3)
+            kw["transfer"] = transfer_cost(args)
         cfg = SimConfig(engines=engines, capacity=args.capacity,
                         engine_model=args.engine_model,
                         max_num_batched_tokens=args.max_num_batched_tokens,
