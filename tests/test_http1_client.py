@@ -249,6 +249,57 @@ def test_fetch_returns_status_and_body_and_bounds_a_silent_server() -> None:
     _run(main())
 
 
+def test_a_request_cancelled_after_its_whole_answer_came_leaves_the_connection_alone(
+        ) -> None:
+    """A request cancelled between its answer's arrival and its next turn on the loop
+    (the proxy cancels a prefill/decode pair's other side so) must not close the
+    connection: the whole answer came in one read, so the connection is already back in
+    the pool, where a request queued to run before it may have taken it. Closing it then
+    left that request's head never set: it hung until its own timeout."""
+
+    async def main() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:  # keep-alive: each request answered whole, in one write
+                await _read_head(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+
+        srv, port = await _server(handle)
+        state: dict[str, Any] = {}
+
+        class Hooked(Pool):
+            def put(self, conn: Any) -> None:
+                super().put(conn)
+                first = state.pop("first", None)
+                if first is not None:
+                    # the first answer came whole and gave the connection back; its task
+                    # has not run yet. It is cancelled now, and a request that was queued
+                    # to run before it takes the connection (its synchronous part, up to
+                    # the wait for its head, run here in that order)
+                    first.cancel()
+                    second = self.request(b"GET", b"/second", [], b"", timeout=TIMEOUT)
+                    state["second"] = (second, second.send(None))
+
+        pool = Hooked("127.0.0.1", port)
+        assert (await pool.fetch(b"GET", b"/warm", TIMEOUT)) == (200, b"ok")  # one idle
+        first = asyncio.get_running_loop().create_task(
+            pool.request(b"GET", b"/first", [], b"", timeout=TIMEOUT))
+        state["first"] = first
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second, head = state["second"]
+        await asyncio.wait([head], timeout=3.0)  # (its answer is immediate)
+        assert head.done(), "the second request's head never came: its connection was closed"
+        with pytest.raises(StopIteration) as done:
+            second.send(None)
+        r = done.value.value
+        assert r.status == 200 and await r.read(TIMEOUT) == b"ok"
+        pool.close()
+        srv.close()
+
+    _run(main())
+
+
 # ---------------------------------------------------------------------------- URLs
 
 

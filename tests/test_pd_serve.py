@@ -422,10 +422,13 @@ def test_a_client_leaving_during_the_prefill_leaves_nothing_held(
 # ------------------------------------------------------------------------------ many, faulty
 
 
+N_MIXED = 2000
+
+
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., Fleet],
                                                           protocol: str) -> None:
-    """300 requests, 16 at a time: ten shared prefixes, completions and chat, streamed and
+    """2,000 requests, 16 at a time: ten shared prefixes, completions and chat, streamed and
     not, one in six abandoned by its client at a random moment, and a prefill engine
     SIGKILLed half-way. Every request ends (answered, or an error answer); then every load
     is 0 at the router and no live engine holds a leased block or runs anything."""
@@ -436,7 +439,7 @@ def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., F
     prefixes = [_prompt(200 + i, 150) for i in range(10)]
     rng = random.Random(5)
     plan = [(rng.choice(prefixes) + f" q{i}", rng.random() < 0.5, rng.random() < 0.5,
-             rng.random() < 1 / 6, rng.random() * 0.3) for i in range(300)]
+             rng.random() < 1 / 6, rng.random() * 0.3) for i in range(N_MIXED)]
     outcome: dict[str, int] = {}
     done = 0
 
@@ -475,17 +478,17 @@ def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., F
         async with httpx.AsyncClient(base_url=f.url, timeout=TIMEOUT, limits=limits) as c:
             async def bounded(i: int, job: tuple) -> None:
                 async with sem:
-                    if i == 150:
+                    if i == N_MIXED // 2:
                         f.engines["prefill2"].kill()
                     await one(c, *job)
 
             await asyncio.wait_for(asyncio.gather(*(bounded(i, j) for i, j in
-                                                    enumerate(plan))), 300)
+                                                    enumerate(plan))), 900)
 
     asyncio.run(run())
-    assert done == 300
+    assert done == N_MIXED
     # (every request not dropped by its client answered: the prefill engine killed is
     # retried elsewhere; a stream it broke ends with an error event)
-    assert outcome.get("dropped", 0) > 0 and outcome.get("ok", 0) >= 240, outcome
+    assert outcome.get("dropped", 0) > 0 and outcome.get("ok", 0) >= 0.8 * N_MIXED, outcome
     assert set(outcome) <= {"ok", "dropped", "error_event"}, outcome
     until(f.all_idle, "every load 0 and no engine holding or running anything", 90)

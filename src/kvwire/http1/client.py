@@ -413,7 +413,14 @@ class Pool:
                     raise UpstreamError("engine closed the connection before answering"
                                         ) from None
             except BaseException:  # cancelled (the client left) or timed out: abandoned
-                conn.close()
+                if head.done() and not head.cancelled() and head.exception() is None:
+                    # the head came before the cancel reached this task: the connection is
+                    # its Response's now, and if the whole answer came with it, back in the
+                    # pool and maybe another request's already; only the Response may
+                    # close it (it does only while it still owns it)
+                    head.result().close()
+                else:
+                    conn.close()
                 raise
             finally:
                 if timer is not None:
