@@ -392,7 +392,8 @@ class Pool:
         """Send a request and wait for the status line and headers. A kept-alive
         connection the engine closed meanwhile is replaced by a fresh one. ``sent`` gets
         ``clock()`` each time the request is written. No head within ``timeout`` s of
-        writing: asyncio.TimeoutError. Cancelled or timed out: the connection closes."""
+        writing: asyncio.TimeoutError. Cancelled or timed out: the connection closes (an
+        answer that came whole before the cancel has given it back to the pool already)."""
         data = b"".join([method, b" ", path, b" HTTP/1.1\r\n", self._hostline,
                          *[k + b": " + v + b"\r\n" for k, v in headers],
                          b"content-length: %d\r\n\r\n" % len(body), body])
