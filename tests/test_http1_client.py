@@ -300,6 +300,91 @@ def test_a_request_cancelled_after_its_whole_answer_came_leaves_the_connection_a
     _run(main())
 
 
+async def _drive(coro: Any, fut: Any) -> Any:
+    """Finish a coroutine stepped by hand (``fut``: what its last step yielded)."""
+    while True:
+        if fut is None:
+            await asyncio.sleep(0)
+        else:
+            await asyncio.wait([fut])
+        try:
+            fut = coro.send(None)
+        except StopIteration as e:
+            return e.value
+
+
+def test_an_answer_nobody_waits_for_any_more_does_not_give_its_connection_back() -> None:
+    """The mirror case: a request cancelled first, then its whole answer arriving before
+    its task ran. That answer must not give the connection back to the pool: the task
+    still holds it and closes it when it runs, and a request that took it from the pool
+    meanwhile would lose its head and hang until its timeout. The order is forced on
+    asyncio's loop: the cancel runs in the same turn as the answer's read, before it, and
+    the second request's first step runs in the next turn, before the cancelled task."""
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+    got_first = threading.Event()
+    send_first = threading.Event()
+
+    def serve() -> None:  # blocking, keep-alive; the first request's answer on a signal
+        conns: list[socket.socket] = []
+        lsock.settimeout(TIMEOUT)
+        try:
+            while True:
+                c, _ = lsock.accept()
+                conns.append(c)
+                threading.Thread(target=one, args=(c,), daemon=True).start()
+        except OSError:
+            pass
+
+    def one(c: socket.socket) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = c.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                if b"/first" in head:
+                    got_first.set()
+                    send_first.wait(TIMEOUT)
+                c.sendall(answer)
+        except OSError:
+            return
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool = Pool("127.0.0.1", port)
+        assert (await pool.fetch(b"GET", b"/warm", TIMEOUT)) == (200, b"ok")
+        first = loop.create_task(pool.request(b"GET", b"/first", [], b"", timeout=TIMEOUT))
+        while not got_first.is_set():
+            await asyncio.sleep(0.01)
+        second: dict[str, Any] = {}
+
+        def start_second() -> None:  # (its synchronous part: it takes a pooled connection)
+            c = pool.request(b"GET", b"/second", [], b"", timeout=3.0)
+            second["run"] = (c, c.send(None))
+
+        send_first.set()
+        time.sleep(0.3)  # (the loop blocked: the answer is in the socket at the next poll)
+        loop.call_soon(loop.call_soon, start_second)  # in the turn after the cancel's
+        loop.call_soon(first.cancel)  # before the answer's read, in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        r = await _drive(*second["run"])  # (bug: TimeoutError after 3 s, no head)
+        assert r.status == 200 and await r.read(TIMEOUT) == b"ok"
+        pool.close()
+
+    try:
+        _run(main())
+    finally:
+        lsock.close()
+
+
 # ---------------------------------------------------------------------------- URLs
 
 

@@ -292,6 +292,12 @@ class _Conn(asyncio.Protocol):
         head, self.head = self.head, None
         if head is not None and not head.done():
             head.set_result(r)
+        else:
+            # nobody waits for this answer: its request was cancelled or timed out just
+            # before it came, and that request's task, not run yet, still holds this
+            # connection and will close it. Given back to the pool (keep-alive), another
+            # request could take it first and lose its head to that close.
+            r.keep = False
 
     def on_body(self, data: bytes) -> None:
         r = self.response
