@@ -32,13 +32,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from proxy import PY, _kill, free_port, tree_cpu  # noqa: E402
 from proxy import _start_router as start_router  # noqa: E402
-from routing import pct, prompt_text  # noqa: E402
+from routing import pct, prompt_text, replay  # noqa: E402
 
 from kvwire.sim.floor import ttft_floor  # noqa: E402
 from kvwire.sim.trace import bundled_trace_path, load_trace  # noqa: E402
@@ -98,50 +97,6 @@ def metric(text: str, name: str) -> float:
         rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
-async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
-    delay = start + at - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    sent = time.monotonic()
-    rec: dict[str, Any] = {"ttft": None, "itl": [], "error": None, "engine": None}
-    last = None
-    try:
-        async with client.stream("POST", url, content=body,
-                                 headers={"content-type": "application/json"}) as resp:
-            rec["engine"] = resp.headers.get("x-kvwire-engine")
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec["error"] = str(chunk["error"])[:200]
-                    break
-                if not chunk.get("choices"):
-                    continue
-                now = time.monotonic()
-                if rec["ttft"] is None:
-                    rec["ttft"] = now - sent
-                else:
-                    rec["itl"].append(now - last)
-                last = now
-    except Exception as e:  # noqa: BLE001 - a failed request is a record
-        rec["error"] = f"{type(e).__name__}: {e}"
-    return rec
-
-
-async def replay(url: str, plan: list[tuple[float, bytes]]) -> list[dict]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
-                                 trust_env=False) as client:
-        start = time.monotonic() + 0.5
-        return list(await asyncio.gather(*(_one(client, url, b, at, start) for at, b in plan)))
-
-
 def _wait_idle(urls: list[str], timeout: float = 60.0) -> dict[str, float]:
     """Each engine's held blocks once none is left held or ``timeout`` passes (a lease
     ends at the latest after the engines' lease time)."""
@@ -192,7 +147,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
         before = {u: metrics(u) for u in urls}
         rcpu0 = tree_cpu(router.pid)
         t0 = time.monotonic()
-        recs = asyncio.run(replay(f"http://127.0.0.1:{port}/v1/completions", plan))
+        recs = asyncio.run(replay([f"http://127.0.0.1:{port}/v1/completions"], plan))
         wall = time.monotonic() - t0
         rcpu = tree_cpu(router.pid) - rcpu0
         held = _wait_idle(urls)

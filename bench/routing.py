@@ -259,12 +259,15 @@ def proxy_overhead(url: str) -> dict[str, float]:
 
 
 async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
+    """One streamed request sent at its time: its lag behind that time, TTFT, the gaps
+    between token chunks (ITL), the engine's usage and the router's ``x-kvwire-engine``."""
     delay = start + at - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
     sent = time.monotonic()
-    rec = {"lag": sent - start - at, "ttft": None, "prompt": 0, "cached": 0, "engine": None,
-           "error": None}
+    rec: dict[str, Any] = {"lag": sent - start - at, "ttft": None, "itl": [], "prompt": 0,
+                           "cached": 0, "engine": None, "error": None}
+    last = None
     try:
         async with client.stream("POST", url, content=body,
                                  headers={"content-type": "application/json"}) as resp:
@@ -279,8 +282,13 @@ async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
                 if "error" in chunk:
                     rec["error"] = str(chunk["error"])[:200]
                     break
-                if rec["ttft"] is None and chunk.get("choices"):
-                    rec["ttft"] = time.monotonic() - sent
+                if chunk.get("choices"):
+                    now = time.monotonic()
+                    if rec["ttft"] is None:
+                        rec["ttft"] = now - sent
+                    else:
+                        rec["itl"].append(now - last)
+                    last = now
                 usage = chunk.get("usage")
                 if usage:
                     rec["prompt"] = usage.get("prompt_tokens", 0)
@@ -292,9 +300,9 @@ async def _one(client, url: str, body: bytes, at: float, start: float) -> dict:
 
 
 async def replay(urls: list[str], plan: list[tuple[float, bytes]]) -> list[dict]:
-    """A minimal asyncio client (helper C's kvwire.sim.http_replay had not landed when this
-    was written, and sends token ids): every request streamed, sent at its time, request i
-    to ``urls[i % len(urls)]`` (router replicas behind a round-robin balancer)."""
+    """Every request streamed, sent at its time, request i to ``urls[i % len(urls)]``
+    (router replicas behind a round-robin balancer). Text bodies, so the router tokenizes
+    (kvwire.sim.http_replay sends token ids, which would skip the router's tokenizer)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
