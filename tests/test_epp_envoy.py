@@ -372,9 +372,10 @@ def _subset_from_header(text: str) -> str:
     (envoy.lb.subset_hint), which the ext_proc filter forwards to the picker."""
     at = text.index("          - name: envoy.filters.http.ext_proc")
     text = text[:at] + SUBSET_FROM_HEADER + text[at:]
-    return text.replace("              metadata_options:\n",
-                        "              metadata_options:\n                forwarding_namespaces:\n"
-                        "                  untyped: [envoy.lb.subset_hint]\n")
+    forwarded = "                forwarding_namespaces:\n                  untyped: [envoy.lb]\n"
+    assert forwarded in text
+    return text.replace(forwarded, forwarded.replace("[envoy.lb]",
+                                                     "[envoy.lb, envoy.lb.subset_hint]"))
 
 
 def test_a_gateway_s_subset_hint_restricts_the_pick(world, tmp_path) -> None:
@@ -397,6 +398,29 @@ def test_a_gateway_s_subset_hint_restricts_the_pick(world, tmp_path) -> None:
         until(lambda: _idle(epp), "no load left", 10)
     finally:
         envoy.stop()
+
+
+def test_the_gateway_reports_the_engine_that_served(world, tmp_path) -> None:
+    """The printed bootstrap gives the picker the address that served each answer
+    (``envoy.lb`` / ``x-gateway-destination-endpoint-served``, from Envoy's upstream address):
+    it is the pick, and an answer said to come from elsewhere is counted. The header that
+    carries it inside Envoy does not reach the client."""
+    fleet, epp, _ = world
+    for edit, elsewhere in ((None, 0),
+                            (lambda t: t.replace("%UPSTREAM_REMOTE_ADDRESS%", "10.9.9.9:1"), 1)):
+        envoy = Envoy(epp, tmp_path, *MODES["light"], edit=edit)
+        try:
+            reported = epp.metric("kvwire_epp_served_reported_total")
+            other = epp.metric("kvwire_epp_served_elsewhere_total")
+            r = httpx.post(envoy.url + "/v1/completions", timeout=60, json={
+                "model": "kvwire-engine", "prompt": "who served", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert "x-gateway-destination-endpoint-served" not in r.headers
+            until(lambda: epp.metric("kvwire_epp_served_reported_total") == reported + 1,
+                  "the served endpoint reported", 10)
+            assert epp.metric("kvwire_epp_served_elsewhere_total") == other + elsewhere
+        finally:
+            envoy.stop()
 
 
 def test_several_pickers_behind_one_envoy(world, tmp_path) -> None:

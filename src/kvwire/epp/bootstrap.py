@@ -122,6 +122,9 @@ static_resources:
                   cluster: picked_engine
                   timeout: {c.route_timeout:g}s
                   idle_timeout: {c.route_timeout:g}s
+                # The engine that served the answer, as metadata for the picker (below).
+                response_headers_to_add:
+                - header: {{key: x-gateway-destination-endpoint-served, value: "%UPSTREAM_REMOTE_ADDRESS%"}}
           http_filters:
           - name: envoy.filters.http.ext_proc
             typed_config:
@@ -145,7 +148,21 @@ static_resources:
               # ext_proc server sends only in the namespaces listed here.
               metadata_options:
                 receiving_namespaces:
-                  untyped: [envoy.lb]{restore}
+                  untyped: [envoy.lb]
+                forwarding_namespaces:
+                  untyped: [envoy.lb]
+          # The served engine's address (the route's answer header) as envoy.lb metadata,
+          # which the ext_proc filter forwards with the answer's headers.
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              response_rules:
+              - header: x-gateway-destination-endpoint-served
+                on_header_present:
+                  metadata_namespace: envoy.lb
+                  key: x-gateway-destination-endpoint-served
+                  type: STRING
+                remove: true{restore}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router

@@ -26,6 +26,8 @@ _COUNTS = {
                             "message out of order"),
     "epp_unsupported": ("kvwire_epp_unsupported", "Streams refused for a processing mode "
                         "that cannot carry the pick (request body STREAMED)"),
+    "epp_served_reported": ("kvwire_epp_served_reported", "Answers for which the gateway "
+                            "reported the endpoint that served them"),
     "epp_served_elsewhere": ("kvwire_epp_served_elsewhere", "Answers the gateway says an "
                              "endpoint other than the pick served"),
     "epp_messages_in": ("kvwire_epp_messages_received", "ProcessingRequest messages received"),

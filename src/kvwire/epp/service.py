@@ -138,8 +138,10 @@ class Service:
                     continue
                 if step.status is not None:
                     picker.answered(ticket, step.status)
-                    if step.served is not None and step.served != ticket.endpoint:
-                        counts["epp_served_elsewhere"] += 1
+                    if step.served is not None:
+                        counts["epp_served_reported"] += 1
+                        if step.served != ticket.endpoint:
+                            counts["epp_served_elsewhere"] += 1
                 if step.first_byte:
                     picker.first_byte(ticket)
                 if step.over:
