@@ -416,7 +416,7 @@ def test_the_gateway_reports_the_engine_that_served(world, tmp_path) -> None:
                 "model": "kvwire-engine", "prompt": "who served", "max_tokens": 2})
             assert r.status_code == 200, r.text
             assert "x-gateway-destination-endpoint-served" not in r.headers
-            until(lambda: epp.metric("kvwire_epp_served_reported_total") == reported + 1,
+            until(lambda n=reported + 1: epp.metric("kvwire_epp_served_reported_total") == n,
                   "the served endpoint reported", 10)
             assert epp.metric("kvwire_epp_served_elsewhere_total") == other + elsewhere
         finally:
