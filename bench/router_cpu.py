@@ -10,7 +10,9 @@ prompts or chats), 8 at a time; then, one request at a time:
   (a conversation's next turn, an agent's growing context): >= 90% of its tokens seen;
 * ``new``: ``--n`` prompts of the trace's mean length that nobody sent before.
 
-Per group: the router's CPU (utime + stime of its process tree, /proc) over the group minus
+Requests go over connections kept open, as HTTP clients keep them; ``--close`` opens one per
+request instead (the router's accept and connection setup then count too). Per group: the
+router's CPU (utime + stime of its process tree, /proc) over the group minus
 its idle rate (probes, timers: measured alone first), divided by the requests: a mean, as
 /proc counts CPU in 10 ms ticks, too coarse for one request. Beside it, the tokenizer
 library's CPU on the same requests' new text (``tokenizers.Tokenizer.encode`` of a fresh
@@ -52,28 +54,47 @@ from kvwire.tokenize import BuiltinTokenizer, load_tokenizer  # noqa: E402
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-async def _post(port: int, body: bytes) -> int:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(b"POST /v1/%s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\nconnection: close\r\n\r\n"
-                     % (b"chat/completions" if b'"messages"' in body[:200] else b"completions",
-                        len(body)) + body)
-        head = await reader.readuntil(b"\r\n\r\n")
-        await reader.read()
-        return int(head.split(b" ", 2)[1])
-    finally:
-        writer.close()
+async def _post(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], body: bytes,
+                close: bool) -> int:
+    """One request on ``conn``; its status once the whole answer is read."""
+    reader, writer = conn
+    writer.write(b"POST /v1/%s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n%s\r\n"
+                 % (b"chat/completions" if b'"messages"' in body[:200] else b"completions",
+                    len(body), b"connection: close\r\n" if close else b"") + body)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    await reader.readexactly(length)
+    return int(head.split(b" ", 2)[1])
 
 
-def send(port: int, bodies: list[bytes], at_once: int) -> list[int]:
+def send(port: int, bodies: list[bytes], at_once: int, close: bool = False) -> list[int]:
+    """``bodies`` over ``at_once`` connections kept open, as HTTP clients keep them (the
+    openai SDK, httpx); ``close``: a new connection per request, its setup counted too."""
     async def main() -> list[int]:
-        sem = asyncio.Semaphore(at_once)
+        async def opened() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection("127.0.0.1", port)
+
+        idle: asyncio.Queue = asyncio.Queue()
+        for _ in range(at_once):
+            idle.put_nowait(None if close else await opened())
 
         async def one(b: bytes) -> int:
-            async with sem:
-                return await _post(port, b)
-        return list(await asyncio.gather(*(one(b) for b in bodies)))
+            conn = await idle.get()
+            try:
+                conn = conn or await opened()
+                return await _post(conn, b, close)
+            finally:
+                if close:
+                    conn[1].close()
+                idle.put_nowait(None if close else conn)
+        out = list(await asyncio.gather(*(one(b) for b in bodies)))
+        while not idle.empty():
+            conn = idle.get_nowait()
+            if conn is not None:
+                conn[1].close()
+        return out
     return asyncio.run(main())
 
 
@@ -87,6 +108,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=300, help="trace requests sent first")
     ap.add_argument("--n", type=int, default=100, help="requests per measured group")
     ap.add_argument("--extend", type=float, default=0.05, help="new share of a seen prompt")
+    ap.add_argument("--close", action="store_true",
+                    help="a new connection per request (its setup counted), not kept open")
     a = ap.parse_args()
     tmp = vendored_qwen3() if a.tokenizer == "qwen3" else None
     spec = tmp or a.tokenizer
@@ -150,7 +173,8 @@ def main() -> None:
                                "kvwire serve")
         statuses = send(port, [body(w) for w in warm], 8)
         print(f"# warm: {len(warm)} trace requests, statuses {sorted(set(statuses))}; "
-              f"tokenizer {a.tokenizer}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+              f"tokenizer {a.tokenizer}; connections "
+              f"{'closed after each request' if a.close else 'kept open'}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
               flush=True)
         c0, t0 = tree_cpu(router.pid), time.perf_counter()
         time.sleep(5)
@@ -158,7 +182,7 @@ def main() -> None:
         rows = []
         for name, bodies, lib_per in (("seen", seen, lib_seen), ("new", new, lib_new)):
             c0, t0 = tree_cpu(router.pid), time.perf_counter()
-            st = send(port, bodies, 1)
+            st = send(port, bodies, 1, a.close)
             wall = time.perf_counter() - t0
             cpu = (tree_cpu(router.pid) - c0 - idle * wall) / len(bodies)
             rows.append((name, len(bodies), sorted(set(st)), cpu, lib_per))
