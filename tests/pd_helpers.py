@@ -20,7 +20,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -29,9 +28,9 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import httpx
+from cli_helpers import KVWIRE
 
 TIMEOUT = 60.0  # processes importing on a loaded 2-core box
-KVWIRE = [sys.executable, "-m", "kvwire"]
 #: Starts of a process whose fixed port was taken meanwhile, before the test gives up
 START_TRIES = 5
 IN_USE = re.compile(r"in use", re.IGNORECASE)

@@ -25,7 +25,6 @@ from pd_helpers import TIMEOUT, refused_port, until
 
 PROMPT = ("Disaggregated serving splits prefill and decode onto different engines, "
           "and the decode engine pulls the prompt's KV blocks from the prefill engine.")
-__all__ = ["PROMPT", "until"]  # (tests/test_fleet_pd.py uses them)
 
 
 class Engine(pd_helpers.Engine):
@@ -167,26 +166,16 @@ def test_sglang_protocol_end_to_end(pair, stream):
 
 def _replay_hashes(endpoint: str) -> set[int]:
     import zmq
+    from engine_helpers import replay_all
 
     from kvwire.wire.events import BlockStored, decode_batch
 
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send_multipart([b"", (0).to_bytes(8, "big")])
     out: set[int] = set()
-    try:
-        while True:
-            assert s.poll(int(TIMEOUT * 1000)), "replay never ended"
-            f = s.recv_multipart()
-            if f[2] == (-1).to_bytes(8, "big", signed=True):
-                return out
-            for ev in decode_batch(f[3]).events:
-                if isinstance(ev, BlockStored):
-                    out.update(ev.block_hashes)
-    finally:
-        s.close()
+    for payload in replay_all(zmq.Context.instance(), endpoint).values():
+        for ev in decode_batch(payload).events:
+            if isinstance(ev, BlockStored):
+                out.update(ev.block_hashes)
+    return out
 
 
 def test_decode_pulls_only_missing_blocks_and_publishes_them(pair):

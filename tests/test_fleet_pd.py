@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 from pd_helpers import TIMEOUT, FleetProcess, parse_spec, until
+from pd_helpers import metric as sample
 from test_engine_server_pd import PROMPT
 
 
@@ -70,10 +71,9 @@ def test_a_both_engine_serves_either_side(fleet):
         assert out["p"].status_code == 200 and out["p"].json()["usage"]["completion_tokens"] == 1
 
         def metric(url: str, name: str) -> float:
-            for line in c.get(url + "/metrics").text.splitlines():
-                if line.startswith(name + "{"):
-                    return float(line.rsplit(" ", 1)[1])
-            raise AssertionError(name)
+            got = sample(c.get(url + "/metrics").text, name)
+            assert got is not None, name
+            return got
 
         for name in ("both0", "decode0"):
             assert metric(o[name]["url"], "kvwire_engine_kv_transfers_started_total") == 1

@@ -12,7 +12,7 @@ import sys
 
 import httpx
 import pytest
-from pd_helpers import TIMEOUT, FleetProcess, start_retried, until
+from pd_helpers import TIMEOUT, FleetProcess, metric, start_retried, until
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,9 @@ def routed():
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in {url}/metrics")
+    got = metric(httpx.get(url + "/metrics", timeout=TIMEOUT).text, name, **labels)
+    assert got is not None, f"{name} not in {url}/metrics"
+    return got
 
 
 def test_sglang_router_pd_in_front_of_kvwire_engines(routed):
