@@ -1,5 +1,7 @@
 """kvwire sim on a prefill/decode fleet: pairs routed by the router's own choose_pair,
-prompts prefilled on prefill engines, their KV pulled by decode engines at the modelled cost.
+prompts prefilled on prefill engines, their KV pulled by decode engines at the modelled cost
+(or pushed, in SGLang's protocol); transfers failing at a seeded rate, under each
+load-failure policy.
 
 Real runs, as in test_sim.py: engines publish through ZmqEventPublishers on ipc:// loopback
 and the kvwire policy routes from a Subscriber -> PrefixIndex.
