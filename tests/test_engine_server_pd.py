@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -21,102 +19,22 @@ import time
 from typing import Any
 
 import httpx
+import pd_helpers
 import pytest
+from pd_helpers import TIMEOUT, refused_port, until
 
-TIMEOUT = 60.0  # engine processes importing on a loaded 2-core box
 PROMPT = ("Disaggregated serving splits prefill and decode onto different engines, "
           "and the decode engine pulls the prompt's KV blocks from the prefill engine.")
 
 
-def until(cond, what: str, timeout: float = TIMEOUT) -> Any:
-    """Wait for ``cond()`` to be truthy (bounded); its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+class Engine(pd_helpers.Engine):
+    """One ``kvwire engine`` with a role, named after it: few small blocks, a fast clock,
+    KV events only when asked."""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Engine:
-    """One ``kvwire engine`` process with a role, its ports read from its serving line."""
+    DEFAULT_FLAGS = ("--speed", "20", "--num-gpu-blocks", "64", "--block-size", "4")
 
     def __init__(self, role: str, *flags: str, events: bool = False) -> None:
-        cmd = [sys.executable, "-m", "kvwire", "engine", "--role", role, "--port", "0",
-               "--kv-port", "0", "--speed", "20", "--num-gpu-blocks", "64",
-               "--block-size", "4", *flags]
-        if role == "prefill":
-            cmd += ["--bootstrap-port", "0"]
-        self.replay = None
-        if events:
-            ev, rp = free_port(), free_port()
-            cmd += ["--events", f"tcp://[::ffff:127.0.0.1]:{ev}",
-                    "--replay", f"tcp://[::ffff:127.0.0.1]:{rp}"]
-            self.replay = f"tcp://127.0.0.1:{rp}"
-        else:
-            cmd += ["--events", "none"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL)
-        line = self._serving_line()
-        m = re.search(r"serving (http://\S+) .* kv=(http://\S+)", line)
-        assert m, line
-        self.url, kv = m.group(1), m.group(2)
-        self.kv_port = int(kv.rsplit(":", 1)[1])
-        b = re.search(r"bootstrap_port=(\d+)", line)
-        self.bootstrap_port = int(b.group(1)) if b else None
-        self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
-
-    def _serving_line(self) -> str:
-        deadline = time.monotonic() + TIMEOUT
-        buf = b""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            assert left > 0, "the engine never said it was serving"
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                data = os.read(fd, 4096)
-                if not data:
-                    raise AssertionError(f"engine exited {self.proc.wait()}: "
-                                         f"{self.proc.stderr.read().decode()[-2000:]}")
-                buf += data
-        threading.Thread(target=self._drain, daemon=True).start()
-        return buf.split(b"\n", 1)[0].decode()
-
-    def _drain(self) -> None:
-        for _ in self.proc.stdout:
-            pass
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = self.http.get("/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line
-                                                    for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name} {labels} not in /metrics")
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(TIMEOUT)
-
-    def close(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+        super().__init__(role, role, *flags, events=events)
 
 
 @pytest.fixture(scope="module")
@@ -248,26 +166,16 @@ def test_sglang_protocol_end_to_end(pair, stream):
 
 def _replay_hashes(endpoint: str) -> set[int]:
     import zmq
+    from engine_helpers import replay_all
 
     from kvwire.wire.events import BlockStored, decode_batch
 
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send_multipart([b"", (0).to_bytes(8, "big")])
     out: set[int] = set()
-    try:
-        while True:
-            assert s.poll(int(TIMEOUT * 1000)), "replay never ended"
-            f = s.recv_multipart()
-            if f[2] == (-1).to_bytes(8, "big", signed=True):
-                return out
-            for ev in decode_batch(f[3]).events:
-                if isinstance(ev, BlockStored):
-                    out.update(ev.block_hashes)
-    finally:
-        s.close()
+    for payload in replay_all(zmq.Context.instance(), endpoint).values():
+        for ev in decode_batch(payload).events:
+            if isinstance(ev, BlockStored):
+                out.update(ev.block_hashes)
+    return out
 
 
 def test_decode_pulls_only_missing_blocks_and_publishes_them(pair):
@@ -676,9 +584,10 @@ def test_no_bootstrap_server_there_fails_the_pull(pair):
     """SGLang's protocol with a bootstrap port where nothing listens: the pull fails
     (``bootstrap``) and, under ``fail``, the client gets a 500, not a hang."""
     _, d = pair
-    body = {"prompt": PROMPT + " (nowhere)", "max_tokens": 4, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": free_port(), "bootstrap_room": 5}
-    r = d.http.post("/v1/completions", json=body)
+    with refused_port() as port:
+        body = {"prompt": PROMPT + " (nowhere)", "max_tokens": 4,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5}
+        r = d.http.post("/v1/completions", json=body)
     assert r.status_code == 500, r.text
     assert d.metric("kvwire_engine_kv_transfer_failures_total", reason="bootstrap") == 1
     assert d.http.get("/get_load").json()[0]["num_reqs"] == 0

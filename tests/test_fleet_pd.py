@@ -4,104 +4,30 @@ both protocols (a ``both`` engine on either side), and its refusals."""
 
 from __future__ import annotations
 
-import os
-import random
 import re
-import selectors
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
-from test_engine_server_pd import PROMPT, until
-
-TIMEOUT = 60.0
-
-
-def _free_base(n: int) -> int:
-    for _ in range(50):
-        base = random.randrange(20000, 40000)
-        try:
-            for off in range(0, 5000, 1000):
-                for i in range(n):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", base + off + i))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
-class Fleet:
-    """A ``kvwire fleet`` process with roles: its base port and printed specs."""
-
-    def __init__(self, *roles: str, extra: tuple[str, ...] = ()) -> None:
-        n = sum(int(v) for v in roles[1::2])
-        self.base = base = _free_base(n)
-        self.proc = proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire", "fleet", *roles, "--base-port", str(base),
-             "--speed", "20", "--num-gpu-blocks", "64", "--block-size", "4",
-             "--kv-lease-s", "600", *extra],  # leases of 30 s: none expires on a busy box
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        buf = b""
-        deadline = time.monotonic() + TIMEOUT
-        try:
-            while buf.count(b"--engine ") < n or not buf.endswith(b"\n"):
-                assert time.monotonic() < deadline, f"fleet never came up: {buf!r}"
-                assert proc.poll() is None, \
-                    f"fleet exited {proc.returncode}: {proc.stderr.read()}"
-                if sel.select(0.5):
-                    buf += os.read(proc.stdout.fileno(), 65536)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            sel.close()
-        threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()
-        self.specs = [line.split(None, 1)[1] for line in buf.decode().splitlines()
-                      if line.startswith("--engine ")]
-        self.engines = dict(map(_parse, self.specs))
-
-    def close(self) -> None:
-        proc = self.proc
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(TIMEOUT) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
+from pd_helpers import TIMEOUT, FleetProcess, parse_spec, until
+from pd_helpers import metric as sample
+from test_engine_server_pd import PROMPT
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    f = Fleet("--prefill", "2", "--decode", "1", "--both", "1")
+    f = FleetProcess("--prefill", "2", "--decode", "1", "--both", "1")
     try:
         yield f.base, f.specs
     finally:
         f.close()
 
 
-def _parse(spec: str) -> tuple[str, dict[str, str]]:
-    name, rest = spec.split("=", 1)
-    parts = rest.split(",")
-    opts = dict(p.split("=", 1) for p in parts[1:])
-    opts["events"] = parts[0]
-    return name, opts
-
-
 def test_fleet_prints_roles_and_ports(fleet):
     base, specs = fleet
-    got = [_parse(s) for s in specs]
+    got = [parse_spec(s) for s in specs]
     assert [n for n, _ in got] == ["prefill0", "prefill1", "decode0", "both0"]
     for i, (name, o) in enumerate(got):
         assert o["events"] == f"tcp://127.0.0.1:{base + 1000 + i}"
@@ -123,7 +49,7 @@ def test_a_both_engine_serves_either_side(fleet):
     """vLLM: prefill0 -> both0 (decoding); SGLang: both0 (its own bootstrap port: the
     prefill side) -> decode0."""
     base, specs = fleet
-    o = {n: opts for n, opts in map(_parse, specs)}
+    o = {n: opts for n, opts in map(parse_spec, specs)}
     body = {"prompt": PROMPT + " (fleet)", "max_tokens": 5}
     with httpx.Client(timeout=TIMEOUT) as c:
         r = c.post(o["prefill0"]["url"] + "/v1/completions", json=dict(
@@ -145,10 +71,9 @@ def test_a_both_engine_serves_either_side(fleet):
         assert out["p"].status_code == 200 and out["p"].json()["usage"]["completion_tokens"] == 1
 
         def metric(url: str, name: str) -> float:
-            for line in c.get(url + "/metrics").text.splitlines():
-                if line.startswith(name + "{"):
-                    return float(line.rsplit(" ", 1)[1])
-            raise AssertionError(name)
+            got = sample(c.get(url + "/metrics").text, name)
+            assert got is not None, name
+            return got
 
         for name in ("both0", "decode0"):
             assert metric(o[name]["url"], "kvwire_engine_kv_transfers_started_total") == 1

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from pd_helpers import metrics
 
 from kvwire.consume.engine_spec import EngineSpec
 from kvwire.consume.stream import Batch
@@ -372,16 +373,7 @@ def test_prefill_goes_where_its_prefix_is_and_the_decider_keeps_cached_ones_loca
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        pairs = tuple(sorted(tuple(kv.split("=", 1)) for kv in labels.rstrip("}").split(",")
-                             if kv)) if labels else ()
-        out[name, tuple((k, v.strip('"')) for k, v in pairs)] = float(value)
-    return out
+    return metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
 
 
 @pytest.mark.parametrize("fault", ["500", "refused", "no_params"])

@@ -11,195 +11,20 @@ no engine holding a leased block."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
-import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
+from pd_helpers import TIMEOUT, Engine, Fleet, until
+from pd_helpers import metric as _sample
 
-TIMEOUT = 60.0  # processes importing on a loaded 2-core box
+__all__ = ["TIMEOUT", "Engine", "Fleet", "fleet", "until"]  # (other P/D tests use these)
 MODEL = "kvwire-engine"
-
-
-def until(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    """Wait (bounded) for ``cond()`` to be truthy; its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _first_line(proc: subprocess.Popen, what: str) -> str:
-    """The process's first stdout line (bounded); stdout is drained after it."""
-    deadline = time.monotonic() + TIMEOUT
-    buf = b""
-    fd = proc.stdout.fileno()
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        assert left > 0, f"{what} never said it was serving"
-        if select.select([fd], [], [], left)[0]:
-            data = os.read(fd, 4096)
-            if not data:
-                raise AssertionError(f"{what} exited {proc.wait()}: "
-                                     f"{proc.stderr.read().decode()[-2000:]}")
-            buf += data
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    return buf.split(b"\n", 1)[0].decode()
-
-
-class Engine:
-    """One ``kvwire engine --role`` process with KV events; its ports from its serving
-    line."""
-
-    def __init__(self, name: str, role: str, *flags: str) -> None:
-        self.name, self.role = name, role
-        ev, rp = free_port(), free_port()
-        self.events, self.replay = f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}"
-        cmd = [sys.executable, "-m", "kvwire", "engine", "--role", role, "--port", "0",
-               "--kv-port", "0", "--events", f"tcp://*:{ev}", "--replay", f"tcp://*:{rp}",
-               "--num-gpu-blocks", "1024", "--block-size", "16", "--speed", "4", *flags]
-        if role == "prefill":
-            cmd += ["--bootstrap-port", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL)
-        line = _first_line(self.proc, f"engine {name}")
-        m = re.search(r"serving (http://\S+)", line)
-        assert m, line
-        self.url = m.group(1)
-        b = re.search(r"bootstrap_port=(\d+)", line)
-        self.bootstrap_port = int(b.group(1)) if b else None
-
-    @property
-    def spec(self) -> str:
-        s = f"{self.name}={self.events},replay={self.replay},url={self.url},role={self.role}"
-        return s + (f",bootstrap_port={self.bootstrap_port}" if self.bootstrap_port else "")
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT).text
-        total, seen = 0.0, False
-        for line in text.splitlines():
-            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                    f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-        assert seen, f"{name} {labels} not in {self.name}'s /metrics"
-        return total
-
-    def idle(self) -> bool:
-        """Holds no leased block and runs nothing."""
-        return (self.metric("kvwire_engine_kv_held_blocks") == 0
-                and self.metric("vllm:num_requests_running") == 0
-                and self.metric("vllm:num_requests_waiting") == 0)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(TIMEOUT)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class Fleet:
-    """Engines of the given roles behind one ``kvwire serve`` process."""
-
-    def __init__(self, roles: dict[str, str], protocol: str, *serve_flags: str,
-                 engine_flags: dict[str, tuple[str, ...]] | None = None) -> None:
-        self.engines: dict[str, Engine] = {}
-        self.serve: subprocess.Popen | None = None
-        try:
-            for n, r in roles.items():
-                self.engines[n] = Engine(n, r, *(engine_flags or {}).get(n, ()))
-            port = free_port()
-            cmd = [sys.executable, "-m", "kvwire", "serve", "--port", str(port),
-                   "--tokenizer", "builtin", "--pd-protocol", protocol,
-                   "--probe-interval", "0.2", "--cooloff", "1", *serve_flags]
-            for e in self.engines.values():
-                cmd += ["--engine", e.spec]
-            self.serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-            threading.Thread(target=lambda: [None for _ in self.serve.stderr],
-                             daemon=True).start()
-            self.url = f"http://127.0.0.1:{port}"
-            self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
-            until(self._ready, "kvwire serve live on every engine's events and HTTP")
-        except BaseException:
-            self.close()
-            raise
-
-    def _ready(self) -> bool:
-        assert self.serve is not None and self.serve.poll() is None, "kvwire serve exited"
-        try:
-            e = self.http.get("/engines").json()
-        except httpx.HTTPError:
-            return False
-        return len(e) == len(self.engines) and all(
-            v["ranks"][0]["alive"] and v.get("http", {}).get("http_up") for v in e.values())
-
-    def status(self) -> dict[str, Any]:
-        return self.http.get("/engines").json()
-
-    def blocks(self, name: str) -> int:
-        return sum(sum(r["blocks"].values()) for r in self.status()[name]["ranks"])
-
-    def settled(self) -> bool:
-        """Every load 0 and nothing in flight at the router."""
-        st = self.status()
-        return all(r["load"] == 0 for v in st.values() for r in v["ranks"]) and all(
-            v["http"]["in_flight"] == 0 for v in st.values())
-
-    def all_idle(self) -> bool:
-        return self.settled() and all(e.idle() for e in self.engines.values() if e.alive)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0,
-                             timeout=TIMEOUT)
-
-    def metrics(self) -> str:
-        return self.http.get("/metrics").text
-
-    def close(self) -> None:
-        if self.serve is not None and self.serve.poll() is None:
-            self.serve.terminate()
-            try:
-                self.serve.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.serve.kill()
-                self.serve.wait()
-        if hasattr(self, "http"):
-            self.http.close()
-        for e in self.engines.values():
-            e.close()
 
 
 @pytest.fixture
@@ -224,12 +49,7 @@ def _prompt(seed: int, words: int = 120) -> str:
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return _sample(text, name, **labels) or 0.0
 
 
 PAIRED = re.compile(r"prefill=(prefill\d),decode=(decode\d)")

@@ -7,16 +7,12 @@ engine takes the prompt's KV from the prefill engine through its bootstrap serve
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
-from test_engine_server_pd import until
-from test_fleet_pd import Fleet
-
-TIMEOUT = 60.0
+from pd_helpers import TIMEOUT, FleetProcess, metric, start_retried, until
 
 
 @pytest.fixture(scope="module")
@@ -27,33 +23,35 @@ def routed():
         pytest.skip(f"sglang-router is missing or unimportable ({type(e).__name__}: {e}): "
                     "pip install sglang-router==0.3.2 to run SGLang's router in front of a "
                     "kvwire P/D fleet")
-    fleet = Fleet("--prefill", "2", "--decode", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    fleet = FleetProcess("--prefill", "2", "--decode", "1")
     e = fleet.engines
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-           "--log-level", "warn", "--worker-startup-check-interval", "1"]
-    for name in ("prefill0", "prefill1"):
-        cmd += ["--prefill", e[name]["url"], e[name]["bootstrap_port"]]
-    cmd += ["--decode", e["decode0"]["url"]]
-    router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready() -> bool:  # the router adds its workers in the background
-            assert router.poll() is None, router.stderr.read().decode()[-3000:]
-            try:
-                r = httpx.post(url + "/v1/completions", timeout=5.0,
-                               json={"model": "kvwire-engine", "prompt": "warm up",
-                                     "max_tokens": 1})
-            except httpx.HTTPError:
-                return False
-            return r.status_code == 200
 
-        until(ready, "SGLang's router to route to the fleet")
-        yield url, fleet
+    def start(port: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+               "--log-level", "warn", "--worker-startup-check-interval", "1"]
+        for name in ("prefill0", "prefill1"):
+            cmd += ["--prefill", e[name]["url"], e[name]["bootstrap_port"]]
+        cmd += ["--decode", e["decode0"]["url"]]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+
+    def ready(router: subprocess.Popen, port: int) -> bool:
+        try:  # the router adds its workers in the background
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=5.0,
+                           json={"model": "kvwire-engine", "prompt": "warm up",
+                                 "max_tokens": 1})
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    try:
+        router, port, _ = start_retried(start, ready, "SGLang's router")
+    except BaseException:
+        fleet.close()
+        raise
+    try:
+        yield f"http://127.0.0.1:{port}", fleet
     finally:
         router.terminate()
         try:
@@ -61,15 +59,13 @@ def routed():
         except subprocess.TimeoutExpired:
             router.kill()
             router.wait()
-        router.stderr.close()
         fleet.close()
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in {url}/metrics")
+    got = metric(httpx.get(url + "/metrics", timeout=TIMEOUT).text, name, **labels)
+    assert got is not None, f"{name} not in {url}/metrics"
+    return got
 
 
 def test_sglang_router_pd_in_front_of_kvwire_engines(routed):

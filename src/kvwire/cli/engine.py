@@ -70,9 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SGLang's bootstrap server (default 8998 on a prefill engine; a "
                         "both engine has one only when given)")
     add_kv_transfer(d, "transfer")
-    d.add_argument("--kv-load-failure", choices=("fail", "recompute"), default="fail",
-                   help="a failed pull fails the request (default, vLLM's) or recomputes "
-                        "the prompt here")
     m = p.add_argument_group("model")
     m.add_argument("--num-gpu-blocks", type=positive_int, default=28_000)
     m.add_argument("--block-size", type=positive_int, default=16)

@@ -103,6 +103,14 @@ positive_seconds = positive
 seconds = nonnegative
 
 
+def fraction(text: str) -> float:
+    """A share, 0..1."""
+    v = nonnegative(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in 0..1, got {text}")
+    return v
+
+
 def engine(text: str):
     """An argparse type: ``--engine NAME=ENDPOINT[,...]`` (:class:`EngineSpec`)."""
     from ..consume.engine_spec import EngineSpec
@@ -154,6 +162,9 @@ def add_kv_transfer(p, what: str) -> None:
     p.add_argument("--kv-recompute-blocks", type=count, default=0, metavar="N",
                    help="a decode engine recomputes a pull of at most N blocks instead "
                         "(vLLM's kv_recompute_threshold; default 0)")
+    p.add_argument("--kv-load-failure", choices=("fail", "recompute"), default="fail",
+                   help=f"a failed {what} fails the request (default, vLLM's) or the decode "
+                        "engine recomputes the prompt (vLLM's kv_load_failure_policy)")
 
 
 def transfer_cost(args: argparse.Namespace):

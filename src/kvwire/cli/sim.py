@@ -16,6 +16,7 @@ from .options import (
     add_kv_transfer,
     add_pd_decider,
     count,
+    fraction,
     nonnegative,
     positive,
     positive_int,
@@ -28,6 +29,7 @@ __all__ = ["add_arguments", "main", "register", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``sim`` flags (shared by ``kvwire sim`` and :func:`main`)."""
     from ..sim.fleet import ALL_POLICIES, POLICIES
+    from ..sim.types import PD_PROTOCOLS
 
     p.add_argument("trace", metavar="TRACE", nargs="?", default="bundled",
                    help="Mooncake JSONL trace (default: 'bundled', the packaged synthetic trace)")
@@ -39,7 +41,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "engine model)")
     p.add_argument("--decode", type=count, default=0, metavar="M", help="decode engines")
     add_pd_decider(p)
-    add_kv_transfer(p, "pull")
+    add_kv_transfer(p, "transfer")
+    p.add_argument("--kv-fail-rate", type=fraction, default=0.0, metavar="F",
+                   help="prefill/decode: the share of transfers that fail at their end, "
+                        "then follow --kv-load-failure (drawn per request from --seed: a "
+                        "request's transfers fail alike under every policy; default 0)")
+    p.add_argument("--retries", type=count, default=2, metavar="N",
+                   help="prefill/decode: a pair whose transfer failed under "
+                        "--kv-load-failure fail runs again with another prefill engine up "
+                        "to N times, then prefills on its decode engine (as kvwire serve "
+                        "--retries; default 2)")
+    p.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default="vllm",
+                   help="prefill/decode: vllm (the decode engine admits the request when its "
+                        "prefill ends, then pulls; default) or sglang (the decode engine "
+                        "gets it at once and allocates; the prefill engine pushes when its "
+                        "prefill ends)")
     p.add_argument("--capacity", type=positive_int, default=5000,
                    help="blocks each engine's prefix cache holds")
     p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per block")
@@ -149,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
         kw.update(prefill=args.prefill, decode=args.decode,
                   disagg_min_tokens=args.disagg_min_tokens,
                   pd_prefill_busy=args.pd_prefill_busy, lease_s=args.kv_lease_s,
-                  recompute_blocks=args.kv_recompute_blocks)
+                  recompute_blocks=args.kv_recompute_blocks,
+                  load_failure=args.kv_load_failure, kv_fail_rate=args.kv_fail_rate,
+                  pd_retries=args.retries, pd_protocol=args.pd_protocol)
     try:
         from ..engine.timing import StepCost
 

@@ -28,13 +28,12 @@ __all__ = ["BatchedSim", "engine_config", "make_request", "run_batched"]
 
 
 def engine_config(cfg: SimConfig, role: str = "both") -> EngineConfig:
-    """The engine model's config from the simulator's (a failed pull is recomputed: the
-    simulator compares routers, it does not fail requests)."""
+    """The engine model's config from the simulator's."""
     return EngineConfig(num_gpu_blocks=cfg.capacity, block_size=cfg.block_tokens,
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                         max_num_seqs=cfg.max_num_seqs, cpu_blocks=cfg.cpu_blocks,
                         cost=cfg.step_cost, seed=cfg.seed, role=role, lease_s=cfg.lease_s,
-                        transfer=cfg.transfer, load_failure="recompute",
+                        transfer=cfg.transfer, load_failure=cfg.load_failure,
                         recompute_blocks=cfg.recompute_blocks)
 
 

@@ -97,6 +97,13 @@ class SimRouter:
     def close(self) -> None:
         pass
 
+    def fail(self, rid: str) -> None:
+        """The request failed before its first token (its KV transfer, under
+        ``load_failure="fail"``): its load goes; its output, never produced, is not counted
+        in the expected output."""
+        self._prefill.pop(rid, None)
+        self.loads.release(rid)
+
     # ------------------------------------------------------------------ P/D pairs
 
     def side_policies(self) -> tuple[Any, Any]:

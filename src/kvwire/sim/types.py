@@ -11,6 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.model import LOAD_FAILURE
 from ..engine.timing import StepCost, TransferCost
 from ..routing.policy import POLICIES as ROUTER_POLICIES
 from ..routing.policy import RoutingPolicy
@@ -31,7 +32,7 @@ _JSON_KEYS = ("hit_ratio", "work_max_over_mean", "ttft_p50_s", "ttft_p99_s",
 #: a prefill/decode fleet's keys (besides the above)
 PD_KEYS = ("prefill_cached_ratio", "prefill_prompt_tokens", "transfers", "transfer_blocks",
            "transfer_bytes", "transfer_p50_s", "transfer_p99_s", "decider", "decode_local",
-           "failed")
+           "transfers_failed", "reruns", "fallbacks", "failed")
 #: The policies a run compares unless told otherwise: every policy a router runs
 #: (``kvwire serve --policy``, in its order) and, after kvwire's, the oracle (which reads
 #: the engines' caches: only a simulator can).
@@ -39,6 +40,8 @@ POLICIES = (ROUTER_POLICIES[0], "oracle", *ROUTER_POLICIES[1:])
 #: Every policy ``run_sim`` knows; the ones past POLICIES are run when asked for.
 ALL_POLICIES = (*POLICIES, "sglang", "clairvoyant")
 ENGINE_MODELS = ("batched", "fifo")
+#: how a prefill/decode fleet moves KV (SimConfig.pd_protocol)
+PD_PROTOCOLS = ("vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,20 @@ class SimConfig:
     transfer: TransferCost = field(default_factory=TransferCost)
     lease_s: float = 30.0
     recompute_blocks: int = 0
+    #: a failed transfer fails its request ("fail") or the decode engine computes the rest
+    #: of the prompt itself ("recompute"): the engine's ``--kv-load-failure``
+    load_failure: str = "fail"
+    #: the share of transfers that fail, at their end (drawn per request from ``seed``:
+    #: the same requests' transfers fail under every policy that makes them)
+    kv_fail_rate: float = 0.0
+    #: a pair whose transfer failed under "fail" runs again with another prefill engine,
+    #: as ``kvwire serve`` runs it, this many times; then its prefill is done on the decode
+    #: engine (``kvwire serve --retries`` and its default ``--pd-fallback local``)
+    pd_retries: int = 2
+    #: how the KV moves: "vllm" (the decode engine admits the request when its prefill
+    #: ends, then pulls) or "sglang" (the decode engine gets the request when the prefill
+    #: engine does and allocates at once; the prefill engine pushes when its prefill ends)
+    pd_protocol: str = "vllm"
     #: the decider: prefill on the decode engine when it misses fewer than this many
     #: prompt tokens, or when every prefill engine's load exceeds ``pd_prefill_busy`` blocks
     disagg_min_tokens: int = 0
@@ -114,6 +131,16 @@ class SimConfig:
                              f"{self.replicas} and {self.share_delay}")
         if self.prefill < 0 or self.decode < 0 or self.engines < 0:
             raise ValueError("engine counts must be >= 0")
+        if self.load_failure not in LOAD_FAILURE:
+            raise ValueError(f"load_failure must be one of {', '.join(LOAD_FAILURE)}, got "
+                             f"{self.load_failure!r}")
+        if self.pd_retries < 0:
+            raise ValueError(f"pd_retries must be >= 0, got {self.pd_retries}")
+        if not 0.0 <= self.kv_fail_rate <= 1.0:
+            raise ValueError(f"kv_fail_rate must be within [0, 1], got {self.kv_fail_rate}")
+        if self.pd_protocol not in PD_PROTOCOLS:
+            raise ValueError(f"pd_protocol must be one of {', '.join(PD_PROTOCOLS)}, got "
+                             f"{self.pd_protocol!r}")
         if not self.pd:
             if self.engines < 1:
                 raise ValueError("need at least one engine")
@@ -262,8 +289,8 @@ class SimResult:
 
     def _pd_table(self) -> str:
         head = (f"{'policy':<12}{'ttft_p50':>10}{'ttft_p99':>10}{'prefill cached':>15}"
-                f"{'transfers':>10}{'blocks':>9}{'xfer p99':>10}{'local (decider)':>24}"
-                f"{'failed':>7}")
+                f"{'transfers':>10}{'blocks':>9}{'xfer p99':>10}{'xfer failed':>12}"
+                f"{'local (decider)':>24}{'failed':>7}")
         rows = [head]
         for n, r in self.results.items():
             s = r.summary()
@@ -272,7 +299,7 @@ class SimResult:
                 f"{n:<12}{s['ttft_p50_s']:>9.3f}s{s['ttft_p99_s']:>9.3f}s"
                 f"{s['prefill_cached_ratio']:>15.3f}{s['transfers']:>10}"
                 f"{s['transfer_blocks']:>9}{s['transfer_p99_s'] * 1e3:>8.1f}ms"
-                f"{local or '-':>24}{s['failed']:>7}")
+                f"{s['transfers_failed']:>12}{local or '-':>24}{s['failed']:>7}")
         return "\n".join(rows)
 
 
