@@ -188,7 +188,7 @@ def sim_view(a: argparse.Namespace) -> str:
     """The simulator's table for the same fleets and requests."""
     cmd = [PY, "-m", "kvwire", "sim", "--limit", str(a.requests), "--prefill", str(a.prefill),
            "--decode", str(a.decode), "--capacity", str(a.blocks), "--policies",
-           "round_robin,kvwire"]
+           "round_robin,kvwire", "--pd-protocol", "sglang"]  # (the fleet speaks SGLang's)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     return p.stdout if p.returncode == 0 else f"(kvwire sim failed: {p.stderr.strip()[-500:]})"
 
