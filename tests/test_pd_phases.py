@@ -167,3 +167,54 @@ def test_vllm_a_client_leaving_before_the_decode_engine_has_it_leaves_the_lease(
     finally:
         d.proc.send_signal(signal.SIGCONT)
     until(f.all_idle, "every load 0, no engine holding or running anything", 30)
+
+
+def test_a_pull_whose_request_was_aborted_before_it_started_counts_as_aborted() -> None:
+    """A decode engine's step started a pull, and the request's client left before the
+    step was handed out (the engine's loop, in-process, driven by hand in one callback so
+    nothing interleaves): the pull is counted as aborted, not as a failed transfer, and
+    nothing is left transferring."""
+    import asyncio
+
+    from test_engine_http import EngineThread
+
+    from kvwire.engine import EngineConfig
+    from kvwire.engine.core import Handle
+    from kvwire.engine.request import EngineRequest
+    from kvwire.engine.server.app import EngineOptions
+    from kvwire.engine.server.openai import KVTransferParams
+
+    e = EngineThread(EngineOptions(config=EngineConfig(num_gpu_blocks=64, block_size=4,
+                                                       role="decode"),
+                                   events=None, kv_port=0))
+    try:
+        app = e.app
+        pd, core, runner = app.pd, app.cores[0], app.runners[0]
+
+        def race() -> tuple[int, bool]:
+            h = Handle(EngineRequest("r", list(range(17)), 3, remote_prefill=True),
+                       runner.now(), lambda *a: None, "length")
+            pd.track(h, KVTransferParams(do_remote_prefill=True, remote_host="127.0.0.1",
+                                         remote_port=9, remote_request_id="x",
+                                         remote_block_ids=[1, 2, 3, 4, 5]), None)
+            core.submit(h)
+            step = core.advance(runner.now())
+            assert step is not None and step.pulls == [h]
+            assert core.abort(h)
+            pd.ended(h)  # (as the server's abort does)
+            pd.after_step(step)  # the step handed out after the abort
+            return len(step.pulls), "r" in pd.remotes
+
+        done = asyncio.run_coroutine_threadsafe(_on_loop(race), e.loop).result(TIMEOUT)
+        assert done == (1, False)
+        text = httpx.get(e.url + "/metrics", timeout=TIMEOUT).text
+        assert 'result="aborted"} 1' in text and 'result="failed"} 0' in text, text
+        assert "kvwire_engine_kv_transfer_failures_total{" not in text  # (no reason at all)
+        assert _metric(text, "kvwire_engine_kv_transfers_in_progress") == 0
+        assert _metric(text, "kvwire_engine_kv_transfers_started_total") == 1
+    finally:
+        e.close()
+
+
+async def _on_loop(fn: Callable[[], object]) -> object:
+    return fn()
