@@ -218,3 +218,55 @@ def test_a_pull_whose_request_was_aborted_before_it_started_counts_as_aborted() 
 
 async def _on_loop(fn: Callable[[], object]) -> object:
     return fn()
+
+
+def test_route_answers_the_pair_for_a_fleet_with_roles(fleet: Callable[..., Fleet]) -> None:
+    """The decision API on a prefill/decode fleet: ``/route`` names the decode engine (never
+    a prefill-only one) and the prefill engine with why, as the proxy's pairs are chosen;
+    each side is reserved under its own id and released with ``/release``; ``/score``
+    answers the same without reserving. With real events: a prompt's prefix goes to the
+    prefill engine that holds it, and a prompt the decode engine holds stays local
+    (``cached``, no prefill)."""
+    f = fleet({"prefill0": "prefill", "prefill1": "prefill", "decode0": "decode"}, "vllm",
+              "--disagg-min-tokens", "64")
+
+    def load(name: str) -> float:
+        return f.status()[name]["ranks"][0]["load"]
+
+    def release(*rids: str) -> None:
+        for rid in rids:
+            rel = f.http.post("/release", json={"request_id": rid})
+            assert rel.status_code == 200 and rel.json()["released"], rel.text
+
+    fresh = list(range(1000, 1320))  # 20 blocks, held nowhere: disaggregated
+    r = f.http.post("/route", json={"token_ids": fresh})
+    assert r.status_code == 200, r.text
+    a = r.json()
+    assert a["engine"] == "decode0" and a["rank"] == 0 and a["why"] == "disagg", a
+    p = a["prefill"]
+    assert p["engine"] in ("prefill0", "prefill1") and p["rank"] == 0, a
+    assert a["request_id"] and p["request_id"] and a["request_id"] != p["request_id"]
+    assert set(a["overlap"]) == {"prefill0", "prefill1", "decode0"}
+    assert load("decode0") > 0 and load(p["engine"]) >= 20
+    s = f.http.post("/score", json={"token_ids": fresh}).json()
+    assert "request_id" not in s and "request_id" not in s["prefill"] and s["why"] == "disagg"
+    release(a["request_id"], p["request_id"])
+    until(f.settled, "every load 0")
+
+    # a prompt served as a pair: both its engines hold it (the decode engine pulled it)
+    text = _prompt(70, 200)
+    first = f.http.post("/v1/completions", json={"model": MODEL, "prompt": text,
+                                                 "max_tokens": 2})
+    holder = first.headers["x-kvwire-engine"].split(",")[0].removeprefix("prefill=")
+    toks = f.http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+    n = len(toks) // 16
+    until(lambda: f.blocks(holder) >= n and f.blocks("decode0") >= n, "its events indexed")
+    more = f.http.post("/route", json={"token_ids": toks + list(range(5000, 5096))}).json()
+    assert more["why"] == "disagg" and more["prefill"]["engine"] == holder, more
+    assert more["overlap"][holder] >= n and more["overlap"]["decode0"] >= n, more
+    release(more["request_id"], more["prefill"]["request_id"])
+    same = f.http.post("/route", json={"token_ids": toks}).json()
+    assert same["engine"] == "decode0" and same["prefill"] is None, same
+    assert same["why"] == "cached"
+    release(same["request_id"])
+    until(f.settled, "every load 0")
