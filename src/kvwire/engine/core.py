@@ -98,6 +98,9 @@ class EngineCore:
         self._pull_t: dict[str, float] = {}
         #: how long each pull took (model seconds, from its step's end to its end)
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
+        #: pulls whose request was aborted (its client went away) before the pull's end
+        #: was applied: neither ok nor failed
+        self.transfers_aborted = 0
 
     @property
     def idle(self) -> bool:
@@ -123,10 +126,12 @@ class EngineCore:
     @property
     def transfer_counts(self) -> dict[str, int]:
         """Counters for ``/metrics``: transfers started/ok/failed, blocks and bytes pulled,
-        blocks held under leases, leases expired and released, local prefills chosen."""
+        blocks held under leases, leases expired and released, local prefills chosen;
+        ``started`` = ``ok`` + ``failed`` + ``aborted`` + ``transferring`` (in progress)."""
         m = self.model
         return {"started": m.transfers_started, "ok": m.transfers_ok,
-                "failed": m.transfers_failed, "blocks": m.blocks_pulled,
+                "failed": m.transfers_failed, "aborted": self.transfers_aborted,
+                "transferring": len(self._pull_t), "blocks": m.blocks_pulled,
                 "bytes": m.cfg.transfer.bytes(m.blocks_pulled, m.cfg.block_size),
                 "held_blocks": m.held_blocks, "leases": len(m.leases),
                 "leases_expired": m.leases_expired, "leases_released": m.leases_released,
@@ -168,6 +173,15 @@ class EngineCore:
     def next_expiry(self) -> float | None:
         return self.model.next_expiry()
 
+    def next_due(self) -> float | None:
+        """When an idle core has work next without an arrival: the next lease to expire
+        or the next pull to end (model time), or None."""
+        e = self.model.next_expiry()
+        if self._done:
+            d = self._done[0][0]
+            return d if e is None else min(d, e)
+        return e
+
     def _apply_done(self, t: float, rid: str, ok: bool) -> None:
         m = self.model
         req = m.transferring.get(rid)
@@ -201,7 +215,9 @@ class EngineCore:
             return False
         h.aborted = True
         del self.handles[h.req.rid]
-        self._pull_t.pop(h.req.rid, None)
+        if self._pull_t.pop(h.req.rid, None) is not None:  # its pull had started
+            self.transfers_aborted += 1
+            self._done = [d for d in self._done if d[2] != h.req.rid]  # (its end, if known)
         if h in self.pending:
             self.pending.remove(h)
         else:
@@ -227,7 +243,9 @@ class EngineCore:
                 m.add(h.req, now=ta if not m.runnable else None)
             else:
                 assert td is not None
-                if td > m.now and m.runnable:
+                # (idle, a pull is applied only once it is due: applied early, the idle
+                # model jumped to its end, and requests arriving meanwhile waited for it)
+                if td > (m.now if m.runnable else now):
                     break
                 _, _, rid, ok = done.pop(0)
                 self._apply_done(td, rid, ok)

@@ -144,10 +144,14 @@ def render_transfer(labels: dict[str, str], counts: dict[str, int], seconds: His
         st.heartbeats)
     one("kvwire_engine_kv_transfers_started_total", "counter", "KV pulls started.",
         counts["started"])
-    family("kvwire_engine_kv_transfers_total", "counter", "KV pulls that ended, by result.")
-    lines.append(f'kvwire_engine_kv_transfers_total{{{lab},result="ok"}} {counts["ok"]}')
-    lines.append(f'kvwire_engine_kv_transfers_total{{{lab},result="failed"}} '
-                 f'{counts["failed"]}')
+    one("kvwire_engine_kv_transfers_in_progress", "gauge", "KV pulls started and not ended "
+        "yet (waiting for the prefill engine, moving, or about to be applied).",
+        counts["transferring"])
+    family("kvwire_engine_kv_transfers_total", "counter", "KV pulls that ended, by result "
+           "(aborted: the request's client went away first).")
+    for result in ("ok", "failed", "aborted"):
+        lines.append(f'kvwire_engine_kv_transfers_total{{{lab},result="{result}"}} '
+                     f'{counts[result]}')
     family("kvwire_engine_kv_transfer_failures_total", "counter",
            "KV pulls that failed, by reason.")
     for reason, v in sorted(st.failed.items()):

@@ -227,7 +227,7 @@ class Handler:
                        first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,
                        learn: bool = False, rid: str | None = None,
                        body: bytes | None = None, named: bytes | None = None,
-                       on_first: Any = None, gate: Any = None
+                       on_first: Any = None, gate: Any = None, on_head: Any = None
                        ) -> tuple[Outcome, bool, tuple[int, bytes] | None]:
         """One try at one engine: (outcome, whether the client got bytes, the error to
         answer with if nothing was sent). The reservation ends here, on every path (a
@@ -236,7 +236,8 @@ class Handler:
         remembered with this engine; ``rid``: the stored response the request names (found
         here unless 404). A prefill/decode pair's decode side (proxy/pairs.py) sends
         ``body`` instead of the client's, names both engines in ``x-kvwire-engine``
-        (``named``) and is told of the answer's first bytes (``on_first()``); with
+        (``named``), is told of the answer's head (``on_head(headers)``, a 200 about to
+        reach the client) and of its first bytes (``on_first()``); with
         ``gate``, its answer reaches the client only once ``await gate()`` is true (the
         prefill side started), else it is :attr:`Outcome.ABANDONED`."""
         fleet = self.fleet
@@ -266,6 +267,8 @@ class Handler:
                     502, f"engine {name} unreachable: {e}", "BadGateway"))
             if gate is not None and not await gate():
                 return Outcome.ABANDONED, False, None
+            if on_head is not None and resp.status == 200:
+                on_head(resp.headers)
             hdrs = [(b"x-kvwire-engine", link.name_b if named is None else named),
                     (b"x-kvwire-rank", b"%d" % routed.rank)]
             ctype = resp.headers.get(b"content-type", b"application/json")

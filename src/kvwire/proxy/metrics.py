@@ -103,6 +103,12 @@ class ProxyMetrics:
             "decode side: sent to the decode engine to the first bytes of its answer (the "
             "KV transfer and the first decode token), per decode engine, seconds",
             _SLOW_BUCKETS, "engine")
+        self.pd_ttft = CheapHistogram(
+            "kvwire_proxy_pd_ttft_seconds", "A disaggregated streamed answer's time to "
+            "first token, split by phase: prefill (sent to the prefill engine to the end of "
+            "its answer), transfer (the KV transfer, as the decode engine reports it in "
+            "x-kvwire-kv-transfer-seconds; absent when it does not) and decode (the rest, "
+            "up to the first bytes of the decode answer), seconds", _SLOW_BUCKETS, "phase")
 
         #: the tokenizer's workers (proxy/offload.py), when the proxy tokenizes locally
         self.offload: Any = None
@@ -163,6 +169,7 @@ class ProxyMetrics:
             yield from (sides, why, failed)
             yield from self.pd_prefill.collect()
             yield from self.pd_decode_first.collect()
+            yield from self.pd_ttft.collect()
         o = self.offload
         if o is not None and o.tok is not None:
             done = CounterMetricFamily("kvwire_proxy_tokenize_encodes", "Prompts whose new "

@@ -33,6 +33,14 @@ reservations are released.
 
 Load: each side holds its own reservation (the routing core's); the prefill side's ends
 with the prefill answer, the decode side's as any proxied request's.
+
+Time to first token, for a disaggregated streamed answer, is split into its phases
+(``kvwire_proxy_pd_ttft_seconds{phase}``, :class:`_Phases`): the prefill (the prefill
+answer's time: one token, so its end is the prefill's end), the KV transfer (only the
+decode engine knows it: kvwire's engine sends it in the ``x-kvwire-kv-transfer-seconds``
+header of its answer, whose head it sends with the first token, once the transfer is over)
+and the first decode token (the rest, to the decode answer's first bytes). With an engine
+that does not say (vLLM's, SGLang's), the transfer stays inside the decode phase.
 """
 
 from __future__ import annotations
@@ -119,6 +127,56 @@ class _Try(NamedTuple):
 
 
 _SENT = _Try("sent")
+
+#: the decode engine's report of its KV transfer (kvwire's engine), wall seconds, sent
+#: with a streamed answer's head when the request asks (``_HOLD``: the head then waits for
+#: the first token; other engines ignore the ask)
+TRANSFER_HEADER = b"x-kvwire-kv-transfer-seconds"
+_HOLD = (b"x-kvwire-hold-head", b"1")
+
+
+class _Phases:
+    """One disaggregated streamed answer's time to first token, split (observed once,
+    when both the prefill answer's end and the decode answer's first bytes are known:
+    under SGLang's protocol either may come first). vLLM's protocol is sequential: the
+    decode phase runs from the decode request to its first bytes. SGLang's is concurrent:
+    the decode request waits for the prefill, so its phases start where the prefill
+    ended. The transfer the decode engine reports is the part of that wait that was
+    moving KV (never more than the wait)."""
+
+    __slots__ = ("hist", "concurrent", "t_p", "prefill", "t_d", "first", "transfer", "done")
+
+    def __init__(self, hist: Any, concurrent: bool) -> None:
+        self.hist = hist
+        self.concurrent = concurrent
+        self.t_p = time.perf_counter()  # the prefill request sent (about)
+        self.prefill: float | None = None  # its answer's end, seconds after t_p
+        self.t_d = 0.0  # the (last) decode request sent
+        self.first: float | None = None  # the decode answer's first bytes (perf_counter)
+        self.transfer: float | None = None  # the decode engine's report
+        self.done = False
+
+    def head(self, headers: dict[bytes, bytes]) -> None:
+        v = headers.get(TRANSFER_HEADER)
+        try:
+            t = float(v) if v is not None else None
+        except ValueError:
+            t = None
+        self.transfer = t if t is not None and t >= 0 and t != float("inf") else None
+
+    def observe(self) -> None:
+        if self.done or self.prefill is None or self.first is None:
+            return
+        self.done = True
+        start = self.t_p + self.prefill if self.concurrent else self.t_d
+        wait = max(self.first - start, 0.0)
+        h = self.hist
+        h.labels("prefill").observe(self.prefill)
+        if self.transfer is not None:
+            moved = min(self.transfer, wait)
+            h.labels("transfer").observe(moved)
+            wait -= moved
+        h.labels("decode").observe(wait)
 
 
 @dataclass
@@ -259,8 +317,10 @@ class Pairs:
         return await self._decode(ctx, d, d.engine, _enc.encode(ctx.body), remote=False)
 
     async def _decode(self, ctx: _Ctx, d: Routed, prefill: str, body: bytes,
-                      remote: bool = True, gate: Any = None) -> _Try:
-        """The decode side: its answer is the client's (relayed as any proxied answer)."""
+                      remote: bool = True, gate: Any = None,
+                      phases: _Phases | None = None) -> _Try:
+        """The decode side: its answer is the client's (relayed as any proxied answer);
+        ``phases`` learns when it was sent, its head and its first bytes."""
         ctx.started.add(d.request_id)
         fleet = self.fleet
         if d.engine not in fleet.links:  # removed meanwhile
@@ -271,15 +331,23 @@ class Pairs:
             fleet.pd_requests["decode", d.engine] += 1
         t = time.perf_counter()
         hist = self.metrics.pd_decode_first.labels(d.engine) if remote else None
+        if phases is not None:
+            phases.t_d, phases.transfer = t, None
 
         def first() -> None:
+            now = time.perf_counter()
             if hist is not None:
-                hist.observe(time.perf_counter() - t)
+                hist.observe(now - t)
+            if phases is not None:
+                phases.first = now
+                phases.observe()
 
         first_send, ctx.first = ctx.first, False
+        headers = [*ctx.headers, _HOLD] if phases is not None else ctx.headers
         outcome, sent, last = await self.attempt(
-            ctx.req, d, ctx.headers, ctx.stream, first_send, ctx.loop, body=body,
-            named=self._named(prefill, d.engine), on_first=first, gate=gate)
+            ctx.req, d, headers, ctx.stream, first_send, ctx.loop, body=body,
+            named=self._named(prefill, d.engine), on_first=first, gate=gate,
+            on_head=phases.head if phases is not None else None)
         if sent:
             return _SENT
         if remote and outcome is Outcome.SERVER_ERROR:
@@ -292,12 +360,13 @@ class Pairs:
         return _Try("decode" if outcome in _RETRYABLE else "error", outcome, last, d.engine)
 
     async def _prefill(self, ctx: _Ctx, p: Routed, body: bytes, read_timeout: float,
-                       head: asyncio.Future | None = None
+                       head: asyncio.Future | None = None, phases: _Phases | None = None
                        ) -> tuple[bytes | None, _Try | None]:
         """Send the prefill request and read its whole answer: (the answer, None), or
         (None, how it failed). The prefill side's reservation ends here on every path
         (learnt from, as a first token, when the answer came). ``head`` is set when the
-        answer's head came (True: 200) or the request failed before (False)."""
+        answer's head came (True: 200) or the request failed before (False); ``phases``
+        learns when the answer ended."""
         ctx.started.add(p.request_id)
         fleet, core, cfg = self.fleet, self.core, self.cfg
         name = p.engine
@@ -339,7 +408,11 @@ class Pairs:
             if resp.status != 200:  # the request's own fault: the client is told as is
                 return None, _Try("error", Outcome.OK, (resp.status, payload), name)
             done = True
-            self.metrics.pd_prefill.labels(name).observe(time.perf_counter() - t)
+            took = time.perf_counter() - t
+            self.metrics.pd_prefill.labels(name).observe(took)
+            if phases is not None:
+                phases.t_p, phases.prefill = t, took
+                phases.observe()
             return payload, None
         finally:
             if head is not None and not head.done():
@@ -361,9 +434,11 @@ class Pairs:
         fails before the client got a byte is replaced by the next (same blocks)."""
         p, d = pair.prefill, pair.decode
         assert p is not None
+        phases = _Phases(self.metrics.pd_ttft, False) if ctx.stream else None
         try:
             payload, failed = await self._prefill(
-                ctx, p, _enc.encode(vllm_prefill_body(ctx.body)), self.cfg.first_byte_timeout)
+                ctx, p, _enc.encode(vllm_prefill_body(ctx.body)), self.cfg.first_byte_timeout,
+                phases=phases)
         except BaseException:
             self.core.finish(d.request_id, None)  # the decode side never started
             raise
@@ -378,7 +453,7 @@ class Pairs:
             return failed
         body = _enc.encode(vllm_decode_body(ctx.body, params))
         for attempt in range(self.cfg.retries + 1):
-            res = await self._decode(ctx, d, p.engine, body)
+            res = await self._decode(ctx, d, p.engine, body, phases=phases)
             if res.kind == "transfer":  # the pair again, with another prefill engine
                 return _Try("prefill", res.outcome, res.last, p.engine)
             if res.kind != "decode":
@@ -410,14 +485,17 @@ class Pairs:
         body = _enc.encode(sglang_body(ctx.body, host, port, self.rng))
         loop = ctx.loop
         head: asyncio.Future = loop.create_future()
-        p_task = loop.create_task(self._prefill(ctx, p, body, self.cfg.stall_timeout, head))
+        phases = _Phases(self.metrics.pd_ttft, True) if ctx.stream else None
+        p_task = loop.create_task(self._prefill(ctx, p, body, self.cfg.stall_timeout, head,
+                                                phases))
         self._bg.add(p_task)
         p_task.add_done_callback(self._bg.discard)
 
         async def gate() -> bool:  # (bounded: the prefill request's own timeouts set it)
             return await asyncio.shield(head)
 
-        d_task = loop.create_task(self._decode(ctx, d, p.engine, body, gate=gate))
+        d_task = loop.create_task(self._decode(ctx, d, p.engine, body, gate=gate,
+                                               phases=phases))
         try:
             await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():

@@ -43,7 +43,7 @@ from ..errors import HttpError
 from .feed import Feed
 from .ingest import Ingest, stream_counts
 from .load import LoadTracker
-from .pairs import PairConfig, choose_pair
+from .pairs import PairConfig, PairDecision, choose_pair
 from .policy import Candidate, Decision, RoutingPolicy, request_load
 from .targets import Target, found_ranks, targets_of
 
@@ -418,7 +418,10 @@ class RouterCore:
     def route(self, token_ids: Sequence[int], lora_name: str | None = None,
               salt: str | None = None, reserve: bool = True) -> dict[str, Any]:
         """Choose an engine for the prompt; with ``reserve`` (``/route``) its load is
-        reserved under the returned ``request_id`` and its prefix predicted on the engine."""
+        reserved under the returned ``request_id`` and its prefix predicted on the engine.
+        A fleet with roles gets its pair, as :meth:`route_pair` chooses it (``engine``: the
+        decode engine; ``prefill``: the prefill engine or None, ``why``), each side
+        reserved under its own ``request_id``."""
         self.check_tokens(token_ids)
         if not self.targets:
             raise RouteError(503, "no engine on the JetStream stream yet (each is routed to "
@@ -426,6 +429,8 @@ class RouterCore:
                              "this kvwire serve has no --engine (it answers the indexer API "
                              "only)", "no_engine")
         blocks: dict[str, int] = {}
+        if self.has_roles:
+            return self._route_pair_api(token_ids, lora_name, salt, reserve, blocks)
         d, target, rid, _ = self.decide(token_ids, lora_name, salt, reserve=reserve,
                                         blocks=blocks)
         out: dict[str, Any] = {"engine": target.engine, "rank": target.rank}
@@ -465,8 +470,47 @@ class RouterCore:
         if len(token_ids) > self.max_tokens:
             raise RouteError(413, f"the prompt has {len(token_ids)} tokens, more than the "
                              f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
-        prompt_blocks = len(token_ids) // self.block_size
         p_ok = usable if prefill_usable is None else prefill_usable
+        pd, decode, prefill = self._pair(token_ids, lora_name, salt, usable, p_ok, up,
+                                         proxied=True, reserve=True)
+        assert decode is not None
+        return RoutedPair(decode, prefill, pd.why)
+
+    def _route_pair_api(self, token_ids: Sequence[int], lora_name: str | None,
+                        salt: str | None, reserve: bool, blocks: dict[str, int]
+                        ) -> dict[str, Any]:
+        """:meth:`route`'s answer for a fleet with roles: the pair."""
+        def every(_: str) -> bool:
+            return True
+
+        pd, decode, prefill = self._pair(token_ids, lora_name, salt, every, every, None,
+                                         proxied=False, reserve=reserve, blocks=blocks)
+        d = self._by_label[pd.decode.name]
+        out: dict[str, Any] = {"engine": d.engine, "rank": d.rank}
+        if decode is not None:
+            out["request_id"] = decode.request_id
+        out["overlap"] = blocks
+        out["cost"] = pd.decode.cost
+        out["why"] = pd.why
+        side: dict[str, Any] | None = None
+        if pd.prefill is not None:
+            p = self._by_label[pd.prefill.name]
+            side = {"engine": p.engine, "rank": p.rank}
+            if prefill is not None:
+                side["request_id"] = prefill.request_id
+            side["cost"] = pd.prefill.cost
+        out["prefill"] = side
+        return out
+
+    def _pair(self, token_ids: Sequence[int], lora_name: str | None, salt: str | None,
+              usable: Callable[[str], bool], p_ok: Callable[[str], bool],
+              up: Callable[[str], bool] | None, *, proxied: bool, reserve: bool,
+              blocks: dict[str, int] | None = None
+              ) -> tuple[PairDecision, Routed | None, Routed | None]:
+        """The pair decision (under ``lock``) and, with ``reserve``, each side's
+        reservation. ``proxied`` as in :meth:`decide`: the proxy's ids and prefill shares
+        (its first tokens drop them), its matching of prompts under one block."""
+        prompt_blocks = len(token_ids) // self.block_size
         if not self.lock.acquire(timeout=self.lock_timeout):
             raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
         try:
@@ -478,48 +522,65 @@ class RouterCore:
             pre = [t for t in targets if roles.get(t.engine) != "decode" and p_ok(t.engine)]
             now = self.clock()
             matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
-                       if prompt_blocks else {})
+                       if prompt_blocks or not proxied else {})
             self.loads.expire(now)
             seen = {t.label: t for t in (*dec, *pre)}
             cands = {c.name: c for c in self._candidates(list(seen.values()), matches,
-                                                         prompt_blocks, now, up)}
+                                                         prompt_blocks, now, up, blocks)}
             pd = choose_pair(self.policy, prompt_blocks, [cands[t.label] for t in dec],
                              [cands[t.label] for t in pre], self.pairs, self.prefill_policy)
             expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
             d = pd.decode
             d_over = d.overlap[d.name]
-            remote = pd.prefill is not None
-            d_pre = 0.0 if remote else max(prompt_blocks - d_over, 0.0)
-            d_amount = request_load(prompt_blocks, prompt_blocks if remote else d_over,
-                                    expect, self.decode_share) + self.decode_load
-            decode = self._reserve_side(d.name, d_amount, d_pre, d_over, now, matches,
-                                        token_ids, lora_name, salt, prompt_blocks)
-            prefill = None
-            if pd.prefill is not None:
-                p = pd.prefill
-                p_over = p.overlap[p.name]
-                p_pre = max(prompt_blocks - p_over, 0.0)
-                prefill = self._reserve_side(p.name, p_pre + self.decode_load, p_pre, p_over,
-                                             now, matches, token_ids, lora_name, salt,
-                                             prompt_blocks)
+            decode = prefill = None
+            if reserve:
+                remote = pd.prefill is not None
+                # (a prefill share only where first tokens are seen to drop it: the proxy)
+                share = 1.0 if proxied else 0.0
+                d_pre = 0.0 if remote else max(prompt_blocks - d_over, 0.0) * share
+                d_amount = request_load(prompt_blocks, prompt_blocks if remote else d_over,
+                                        expect, self.decode_share) + self.decode_load
+                decode = self._reserve_side(d.name, d_amount, d_pre, d_over, now, matches,
+                                            token_ids, lora_name, salt, prompt_blocks,
+                                            proxied, blocks)
+                if pd.prefill is not None:
+                    p = pd.prefill
+                    p_over = p.overlap[p.name]
+                    p_pre = max(prompt_blocks - p_over, 0.0)
+                    prefill = self._reserve_side(p.name, p_pre + self.decode_load,
+                                                 p_pre * share, p_over, now, matches,
+                                                 token_ids, lora_name, salt, prompt_blocks,
+                                                 proxied, blocks)
+            else:
+                self.counts["scores"] += 1
         finally:
             self.lock.release()
         if self.on_route is not None:
-            self.on_route(decode.label, decode.overlap, float(prompt_blocks))
-            if prefill is not None:
-                self.on_route(prefill.label, prefill.overlap, float(prompt_blocks))
-        return RoutedPair(decode, prefill, pd.why)
+            self.on_route(d.name, d_over, float(prompt_blocks))
+            if pd.prefill is not None:
+                p = pd.prefill
+                self.on_route(p.name, p.overlap[p.name], float(prompt_blocks))
+        return pd, decode, prefill
 
     def _reserve_side(self, label: str, amount: float, prefill: float, overlap: float,
                       now: float, matches: dict[str, Any], token_ids: Sequence[int],
-                      lora_name: str | None, salt: str | None, prompt_blocks: int) -> Routed:
-        """One side of a pair: reserve on ``label`` under a new proxy id and predict the
-        prefix there unless it holds the prompt (under ``lock``)."""
+                      lora_name: str | None, salt: str | None, prompt_blocks: int,
+                      proxied: bool = True, blocks: dict[str, int] | None = None) -> Routed:
+        """One side of a pair: reserve on ``label`` under a new id (the proxy's, or a
+        uuid for ``/route``) and predict the prefix there unless it holds the prompt
+        (under ``lock``; ``blocks``: the credited matched blocks, for ``/route``, as
+        :meth:`decide` judges)."""
         target = self._by_label[label]
-        rid = f"p{next(_PROXY_IDS)}"
+        rid = f"p{next(_PROXY_IDS)}" if proxied else uuid.uuid4().hex
         self._reserve(rid, label, amount, now, prefill)
         m = matches.get(target.stream)
-        if prompt_blocks and (m is None or m.prompt_blocks == 0 or m.blocks < m.prompt_blocks):
+        if proxied:
+            short = prompt_blocks and (m is None or m.prompt_blocks == 0
+                                       or m.blocks < m.prompt_blocks)
+        else:
+            short = (m is None or m.prompt_blocks == 0
+                     or (blocks or {}).get(label, 0) < m.prompt_blocks)
+        if short:
             self._predict(target.stream, token_ids, lora_name, salt)
         self.counts["routes"] += 1
         return Routed(rid, target.engine, target.rank, label, prefill, overlap)

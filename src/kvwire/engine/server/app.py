@@ -59,6 +59,10 @@ __all__ = ["EngineApp", "EngineOptions"]
 
 log = logging.getLogger("kvwire.engine")
 _enc = msgspec.json.Encoder().encode
+#: A decode-side request with this header (kvwire's router sends it) gets its stream's
+#: head with its first token, once its KV transfer is over, carrying
+#: ``x-kvwire-kv-transfer-seconds``; without it the head goes at once, as vLLM's does.
+HOLD_HEAD = b"x-kvwire-hold-head"
 
 
 @dataclass
@@ -109,7 +113,8 @@ class _Job:
     """One HTTP generation request: its connection, shape and choices (one per prompt)."""
 
     __slots__ = ("app", "conn", "shape", "stream", "usage", "timing", "handles", "outputs",
-                 "left", "started", "rank", "finished", "kv", "failed")
+                 "left", "started", "rank", "finished", "kv", "failed", "remote", "head",
+                 "kv_s")
 
     def __init__(self, app: EngineApp, conn: Request, shape: Shape, stream: bool,
                  include_usage: bool, timing: bool) -> None:
@@ -129,6 +134,32 @@ class _Job:
         self.kv = False
         #: why a choice failed (its KV pull, under --kv-load-failure fail), or None
         self.failed: str | None = None
+        #: the decode side of a P/D pair asked (:data:`HOLD_HEAD`) to send its stream's head
+        #: with the first token, saying how long the KV transfer took
+        #: (``x-kvwire-kv-transfer-seconds``)
+        self.remote = False
+        self.head = False  # a stream's head was sent
+        self.kv_s: float | None = None  # the longest KV wait of its choices (wall seconds)
+
+    def start(self) -> None:
+        """Send a stream's head: at once, or (the decode side of a pair) with the first
+        token, once every KV transfer that token needed is done."""
+        if not self.head:
+            self.head = True
+            self.conn.start(200, ((b"content-type", b"text/event-stream; charset=utf-8"),
+                                  (b"cache-control", b"no-cache"), *self._kv_header()))
+
+    def _kv_header(self) -> list[tuple[bytes, bytes]]:
+        if self.kv_s is None:
+            return []
+        return [(b"x-kvwire-kv-transfer-seconds", b"%.6f" % self.kv_s)]
+
+    def _kv_seen(self, h: Handle) -> None:
+        """A choice's first token: its KV transfer (if any) is over."""
+        pd = self.app.pd
+        s = pd.kv_seconds(h.req.rid) if pd is not None else None
+        if s is not None and (self.kv_s is None or s > self.kv_s):
+            self.kv_s = s
 
     def sink(self, h: Handle, new: int, finished: bool) -> None:
         i = h.index
@@ -143,6 +174,8 @@ class _Job:
             first = not self.started[i]
             if first:
                 self.started[i] = True
+                self._kv_seen(h)
+                self.start()
                 if self.shape.chat:
                     conn.send(shape.chunk(i, "", first=True))
             if finished:
@@ -151,6 +184,9 @@ class _Job:
                                             self._kv(h)))
             elif text:
                 conn.send(shape.chunk(i, text))
+        elif not self.started[i]:
+            self.started[i] = True
+            self._kv_seen(h)
         if finished:
             self.left -= 1
             if self.left == 0:
@@ -174,6 +210,7 @@ class _Job:
         self.abort_rest()
         body = error_body(500, self.failed, "InternalServerError")
         if self.stream:
+            self.start()  # (as vLLM: a 200 stream that ends with the error event)
             self.conn.send(b"data: " + body + b"\n\n")
             self.conn.end(DONE)
         else:
@@ -193,6 +230,7 @@ class _Job:
     def _done(self) -> None:
         self.finished = True
         if self.stream:
+            self.start()
             if self.usage:
                 self.conn.send(self.shape.usage_chunk(self._usage()))
             self.conn.end(DONE)
@@ -201,7 +239,8 @@ class _Job:
                        for o, h in zip(self.outputs, self.handles)]
             extra = [self._timing(h) for h in self.handles] if self.timing else None
             self.conn.respond(200, self.shape.full(choices, self._usage(), extra,
-                                                   self._kv(self.handles[0])))
+                                                   self._kv(self.handles[0])),
+                              self._kv_header())
 
     def abort(self) -> None:
         """The client went away: drop every unfinished choice (frees its blocks)."""
@@ -250,7 +289,7 @@ class EngineApp:
             if boot is None and opts.config.role == "prefill":
                 boot = 8998  # SGLang's default
             self.pd = PD(self, opts.kv_port or 0, boot)
-        self.routes = r = Routes(render=_render, headers=(b"x-data-parallel-rank",),
+        self.routes = r = Routes(render=_render, headers=(b"x-data-parallel-rank", HOLD_HEAD),
                                  fallback=self._not_found, fail_started="end")
         r.add("POST", "/v1/completions", lambda c: self._generate(c, False))
         r.add("POST", "/v1/chat/completions", lambda c: self._generate(c, True))
@@ -446,8 +485,9 @@ class EngineApp:
         for h in job.handles:
             core.submit(h)
         conn.on_close = job.abort
-        if stream:
-            conn.start_stream()
+        job.remote = side == "decode" and conn.header(HOLD_HEAD) is not None
+        if stream and not job.remote:
+            job.start()
         runner.wake()
 
     def _pd_side(self, kv: KVTransferParams | None, boots: list[Bootstrap] | None,

@@ -89,6 +89,10 @@ class Remote:
     state: str = "waiting"
     push: asyncio.Future | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
+    #: wall seconds the request waited for its KV once the prefill engine had it (vLLM:
+    #: the pull; SGLang: from the push's arrival to the pull's end), 0.0 when nothing was
+    #: pulled (all cached here, or a small pull recomputed); None until known
+    kv_seconds: float | None = None
 
 
 @dataclass(eq=False)
@@ -496,11 +500,16 @@ class PD:
             if r is not None:
                 r.state = "pulling"
                 r.task = self._spawn(self._pull(r))
-            else:  # (cannot happen: every remote-prefill request is tracked) never hang
-                self.stats.fail("untracked")
+            elif not h.aborted:  # (cannot happen: every remote-prefill request is tracked)
+                self.stats.fail("untracked")  # never hang
                 self.core.transfer_done(h.req.rid, False, self.runner.now())
                 self.runner.wake()
+            # (aborted since its step was computed: the core counted the pull as aborted,
+            # the abort told the prefill engine)
         for h in step.local_prefills:  # everything cached here (or a small pull): freed there
+            r = self.remotes.get(h.req.rid)
+            if r is not None:
+                r.kv_seconds = 0.0
             self._let_go(h.req.rid, "cached")
         for h in step.failed:
             self.ended(h)
@@ -517,6 +526,13 @@ class PD:
         for h in failed:
             self.ended(h)
             h.sink(h, 0, True)
+
+    def kv_seconds(self, rid: str) -> float | None:
+        """How long decode-side request ``rid`` waited for its KV once the prefill engine
+        had it (wall seconds; 0.0: nothing pulled), or None (not a remote-prefill request,
+        or its pull has not ended)."""
+        r = self.remotes.get(rid)
+        return None if r is None else r.kv_seconds
 
     def ended(self, h: Handle, reason: str = "finished") -> None:
         """A decode-side request is over (finished, failed or aborted); or a prefill-side
@@ -568,6 +584,7 @@ class PD:
         bs = self.cfg.block_size
         why = None
         hashes: Any = None
+        ready = start  # when the KV could start moving (SGLang: once it was pushed)
         try:
             if r.proto == "vllm":
                 ids = (r.block_ids or [])[frm:frm + n]
@@ -586,6 +603,7 @@ class PD:
                 why = await self._room_pull(r, frm, n)
                 if why is None:
                     hashes = r.push.result() if r.push is not None else None
+                    ready = self.runner.now()
         except (UpstreamError, asyncio.TimeoutError, OSError):
             why = "unreachable"
         except Exception:  # a bug of ours must not leave the request transferring forever
@@ -605,6 +623,7 @@ class PD:
         end = max(self.runner.now(), start + self.cfg.transfer.time(n, bs))
         if rid not in self.core.model.transferring:
             return  # aborted meanwhile (the abort told the prefill engine)
+        r.kv_seconds = self._wall(max(0.0, end - ready))
         self.core.transfer_done(rid, ok, end)
         self.runner.wake()
         st = self.stats
@@ -651,8 +670,8 @@ class PD:
         r = self.waiting_push.get(room)
         if r is None or r.push is None or r.push.done():
             raise HttpError(404, f"no request waits for room {room}")
-        if "error" in d:
-            r.push.set_result(str(d["error"]) or "error")
+        if "error" in d:  # (a bounded set of reasons: they label a metric)
+            r.push.set_result("lease" if "lease" in str(d["error"]) else "refused")
         else:
             hashes = d.get("hashes")
             r.push.set_result(hashes if isinstance(hashes, list) else "bad answer")

@@ -98,7 +98,7 @@ class Runner:
                 if self.pd is not None:
                     self._idle_side()
                 # nothing runnable: wait for an arrival, a pull's end or the next lease due
-                nxt = core.next_expiry() if self.pd is not None else None
+                nxt = core.next_due() if self.pd is not None else None
                 if nxt is None:
                     await self._wake.wait()
                 elif nxt > now:
