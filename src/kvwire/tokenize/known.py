@@ -1,0 +1,124 @@
+"""Chat templates known by their exact text, rendered without jinja for the common chat.
+
+A router renders the whole conversation on every request, and a long one (86 turns, 120k
+characters) costs jinja milliseconds, which no cache of token ids skips. For a template whose
+source text is one of these, byte for byte (its sha256; a name or a look-alike never
+counts), a plain Python function writes what the template writes, for the inputs it was
+written and proven for, and answers None for anything else (the template then renders it).
+tests/test_tokenize_known.py checks every function against the jinja render with
+hypothesis, adversarial contents included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["PlainRenderer", "plain_renderer", "qwen3_plain"]
+
+#: ``(messages, tools, add_generation_prompt, variables) -> text or None``: ``variables``
+#: are the render's template variables (the tokenizer's special tokens and the caller's
+#: ``chat_template_kwargs``), without ``messages``/``tools``/``add_generation_prompt``.
+PlainRenderer = Callable[[Any, Any, Any, Mapping[str, Any]], "str | None"]
+
+# Names Qwen3's template could take from the variables besides ``enable_thinking`` (and the
+# three the render sets itself): ``content``/``reasoning_content`` are set before use but
+# jinja would resolve them from the context otherwise, ``namespace`` is a global a variable
+# of that name would replace. A render given any of them is left to jinja.
+QWEN3_UNREAD = frozenset(("content", "reasoning_content", "namespace"))
+
+
+def _plain_tool_calls(value: Any) -> bool:
+    """Whether the template's ``{% if message.tool_calls %}`` is false for ``value``."""
+    return value is None or (type(value) is list and not value)
+
+
+def qwen3_plain(messages: Any, tools: Any, add_generation_prompt: Any,
+                variables: Mapping[str, Any]) -> str | None:
+    """What Qwen3's chat template renders, for: no tools; messages that are dicts whose
+    ``role`` and ``content`` are strings (any role: the template writes nothing for one it
+    does not know, but its neighbours still see it); an assistant's ``reasoning_content`` a
+    string or None and its ``tool_calls`` None or ``[]``; ``enable_thinking`` any value.
+    None for anything else (tool calls, tools, content parts or null, a non-dict, no
+    messages, a variable in ``QWEN3_UNREAD``)."""
+    if tools or type(messages) is not list or not messages \
+            or not QWEN3_UNREAD.isdisjoint(variables):
+        return None
+    roles: list[str] = []
+    for m in messages:
+        if type(m) is not dict:
+            return None
+        role, content = m.get("role"), m.get("content")
+        if type(role) is not str or type(content) is not str:
+            return None
+        if role == "assistant":
+            if not _plain_tool_calls(m.get("tool_calls")):
+                return None
+            reasoning = m.get("reasoning_content")
+            if reasoning is not None and type(reasoning) is not str:
+                return None
+        roles.append(role)
+    n = len(messages)
+    # the last user turn that is not a tool's answer sent as a user turn: assistant turns
+    # after it keep their reasoning
+    last_query = n - 1
+    for i in range(n - 1, -1, -1):
+        if roles[i] == "user":
+            c = messages[i]["content"]
+            if not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+                last_query = i
+                break
+    out: list[str] = []
+    if roles[0] == "system":
+        out.append("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n")
+    for i, m in enumerate(messages):
+        role, content = roles[i], m["content"]
+        if role == "user" or (role == "system" and i):
+            out.append("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
+        elif role == "assistant":
+            reasoning = m.get("reasoning_content")
+            if reasoning is None:
+                reasoning = ""
+                if "</think>" in content:
+                    reasoning = content.split("</think>")[0].rstrip("\n") \
+                        .split("<think>")[-1].lstrip("\n")
+                    content = content.split("</think>")[-1].lstrip("\n")
+            if i > last_query and (i == n - 1 or reasoning):
+                out.append("<|im_start|>assistant\n<think>\n" + reasoning.strip("\n")
+                           + "\n</think>\n\n" + content.lstrip("\n") + "<|im_end|>\n")
+            else:
+                out.append("<|im_start|>assistant\n" + content + "<|im_end|>\n")
+        elif role == "tool":
+            if i == 0 or roles[i - 1] != "tool":
+                out.append("<|im_start|>user")
+            out.append("\n<tool_response>\n" + content + "\n</tool_response>")
+            if i == n - 1 or roles[i + 1] != "tool":
+                out.append("<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+        if variables.get("enable_thinking") is False:
+            out.append("<think>\n\n</think>\n\n")
+    return "".join(out)
+
+
+def _sha256(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+#: Qwen3's chat template (tests/data/tokenize/qwen3/tokenizer_config.json, as Qwen ships it).
+QWEN3_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"
+#: The same text with one newline at its end, as a ``chat_template.jinja`` file may hold
+#: it: jinja drops one trailing newline of a template, so it renders the same.
+QWEN3_NL_SHA256 = "c945a4a87850dd79827191150be98539a7a5e7da0689f3550d880f8dcc95b856"
+
+#: sha256 of a template's source -> (name, renderer).
+KNOWN: dict[str, tuple[str, PlainRenderer]] = {
+    QWEN3_SHA256: ("qwen3", qwen3_plain),
+    QWEN3_NL_SHA256: ("qwen3", qwen3_plain),
+}
+
+
+def plain_renderer(source: str) -> tuple[str, PlainRenderer] | None:
+    """``(name, renderer)`` for a template whose text is a known one exactly, else None."""
+    return KNOWN.get(_sha256(source))

@@ -1,0 +1,255 @@
+"""Known chat templates rendered without jinja (kvwire.tokenize.known): for every chat the
+plain renderer answers, its text is the jinja render's, byte for byte (hypothesis, with
+contents built to trip it: think tags, turn markers, tool-response wrappers, newlines at the
+edges, empty strings, unicode, runs of tool turns); it answers for the common shapes; it is
+used only for a template whose text is exactly the known one."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jinja2.meta
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.tokenize import ChatTemplate, TokenizerError, load_tokenizer
+from kvwire.tokenize.content import as_engine_messages
+from kvwire.tokenize.known import QWEN3_UNREAD, plain_renderer, qwen3_plain
+from kvwire.tokenize.template import compile_template
+
+DATA = Path(__file__).resolve().parent / "data" / "tokenize"
+CONFIG = json.loads((DATA / "qwen3" / "tokenizer_config.json").read_text(encoding="utf-8"))
+QWEN3 = CONFIG["chat_template"]
+VARIABLES = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+SOURCES = {"exact": QWEN3, "newline at end": QWEN3 + "\n"}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+_piece = st.sampled_from([
+    "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<tool_response>",
+    "</tool_response>", "<tool_call>", "\n", "\n\n", " ", "", "\t", "{{ x }}", "{% raw %}",
+    "user", "assistant", "naïve 東京 🙂", "\r\n"]) | st.text(
+    alphabet=st.characters(codec="utf-8"), max_size=10)
+_text = st.lists(_piece, max_size=6).map("".join)
+# a user turn that is a tool's answer in disguise (the template's last-query rule skips
+# it), and reasoning inline (the template splits an assistant turn at its "</think>")
+_content = _text | _text.map(lambda c: f"<tool_response>{c}</tool_response>") | st.tuples(
+    _text, _text, _text).map(lambda t: f"{t[0]}<think>{t[1]}</think>{t[2]}")
+# mostly the template's four roles (so runs of tool turns and assistant turns after the
+# last query are common), sometimes one it does not know
+_role = st.sampled_from(["system", "user", "user", "assistant", "assistant", "assistant",
+                         "tool", "tool", "developer", "", "User", None]).flatmap(
+    lambda r: st.text(max_size=4) if r is None else st.just(r))
+_plain_message = st.fixed_dictionaries(
+    {"role": _role, "content": _content},
+    optional={"reasoning_content": st.none() | _text, "tool_calls": st.sampled_from([None, []]),
+              "name": st.text(max_size=4), "tool_call_id": st.text(max_size=4)})
+_plain_kwargs = st.none() | st.fixed_dictionaries({}, optional={
+    "enable_thinking": st.sampled_from([True, False, None, 0, 1, "false", "False"]),
+    "reasoning_effort": st.sampled_from(["low", "none"]),
+    "bos_token": st.text(max_size=3), "eos_token": st.text(max_size=3),
+    # the render sets these itself: a kwarg of the same name must change nothing
+    "messages": st.just([]), "tools": st.just([WEATHER]), "add_generation_prompt": st.booleans(),
+    "documents": st.just([{"text": "d"}])})
+
+# what the plain renderer leaves to jinja, mixed in
+_odd_message = st.fixed_dictionaries(
+    {"role": _role | st.none() | st.integers()},
+    optional={"content": st.none() | st.integers() | st.just([{"type": "text", "text": "x"}])
+              | _content,
+              "reasoning_content": st.integers() | st.just(["r"]) | _text,
+              "tool_calls": st.just([{"function": {"name": "f", "arguments": {"a": 1}}}])
+              | st.just({}) | st.just("")})
+_any_kwargs = _plain_kwargs | st.fixed_dictionaries({"content": st.just("c")}) \
+    | st.fixed_dictionaries({"reasoning_content": st.just("r")})
+
+
+def _jinja(source: str, messages: Any, tools: Any, agp: Any, kwargs: Any) -> str:
+    return ChatTemplate(source, variables=VARIABLES, fast=False).render(
+        messages, tools=tools, add_generation_prompt=agp, chat_template_kwargs=kwargs)
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        return ("text", fn())
+    except TokenizerError as e:
+        return ("error", str(e))
+
+
+@pytest.mark.parametrize("source", list(SOURCES), ids=list(SOURCES))
+@settings(max_examples=600, deadline=None)
+@given(messages=st.lists(_plain_message, min_size=1, max_size=8),
+       tools=st.sampled_from([None, []]), agp=st.booleans(), kwargs=_plain_kwargs)
+def test_plain_chats_render_as_jinja_does(source: str, messages: list, tools: Any, agp: bool,
+                                          kwargs: Any) -> None:
+    src = SOURCES[source]
+    fast = qwen3_plain(messages, tools, agp, {**VARIABLES, **(kwargs or {})})
+    assert fast is not None  # these shapes are all its own: it must answer
+    assert fast == _jinja(src, messages, tools, agp, kwargs)
+    ct = ChatTemplate(src, variables=VARIABLES)
+    assert ct.fast_path == "qwen3"
+    assert ct.render(messages, tools=tools, add_generation_prompt=agp,
+                     chat_template_kwargs=kwargs) == fast
+
+
+@settings(max_examples=600, deadline=None)
+@given(messages=st.lists(_plain_message | _odd_message, max_size=6),
+       tools=st.sampled_from([None, [], [WEATHER]]), agp=st.booleans(), kwargs=_any_kwargs)
+def test_any_chat_renders_as_jinja_does(messages: list, tools: Any, agp: bool,
+                                        kwargs: Any) -> None:
+    """Whatever the chat, the template object answers as jinja does (text or error), and
+    the plain renderer, when it answers, answers jinja's text."""
+    fast = qwen3_plain(messages, tools, agp, {**VARIABLES, **(kwargs or {})})
+    ref = _outcome(lambda: _jinja(QWEN3, messages, tools, agp, kwargs))
+    if fast is not None:
+        assert ref == ("text", fast)
+    ct = ChatTemplate(QWEN3, variables=VARIABLES)
+    assert _outcome(lambda: ct.render(messages, tools=tools, add_generation_prompt=agp,
+                                      chat_template_kwargs=kwargs)) == ref
+
+
+def _chat(n: int) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for i in range(n):
+        msgs.append({"role": "user", "content": f"question {i}\n"})
+        msgs.append({"role": "assistant", "content": f"<think>\nhm {i}\n</think>\n\nanswer {i}"})
+    return msgs + [{"role": "user", "content": "last"}]
+
+
+COMMON = {
+    "one user turn": ([{"role": "user", "content": "hi"}], None, True, None),
+    "a long conversation": (_chat(40), None, True, None),
+    "thinking off": (_chat(2), None, True, {"enable_thinking": False}),
+    "thinking on": (_chat(2), [], True, {"enable_thinking": True}),
+    "reasoning given": ([{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": None}],
+        None, False, None),
+    "tool turns": ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "calling"},
+                    {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"},
+                    {"role": "assistant", "content": "done"}], None, True, None),
+    "as vLLM hands a request over": (as_engine_messages([*_chat(3), {
+        "role": "assistant", "content": None, "reasoning_content": "r"}, {
+        "role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}],
+        "string"), None, True, {"reasoning_effort": "low", "enable_thinking": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(COMMON), ids=list(COMMON))
+def test_common_chats_take_the_plain_path(case: str) -> None:
+    messages, tools, agp, kwargs = COMMON[case]
+    fast = qwen3_plain(messages, tools, agp, {**VARIABLES, **(kwargs or {})})
+    assert fast is not None
+    assert fast == _jinja(QWEN3, messages, tools, agp, kwargs)
+
+
+def test_other_chats_are_left_to_jinja() -> None:
+    user = {"role": "user", "content": "q"}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": {"a": 1}}}]}
+    for messages, tools, kwargs in (
+            ([user], [WEATHER], None),                                # tools
+            ([user, call], None, None),                               # tool calls
+            ([{"role": "user", "content": [{"type": "text", "text": "q"}]}], None, None),
+            ([{"role": "user", "content": None}], None, None),
+            ([{"role": "assistant", "content": "a", "reasoning_content": 3}], None, None),
+            ([], None, None), ("not a list", None, None),
+            ([user], None, {"content": "x"}), ([user], None, {"namespace": "x"})):
+        assert qwen3_plain(messages, tools, True, {**VARIABLES, **(kwargs or {})}) is None
+    ct = ChatTemplate(QWEN3, variables=VARIABLES)
+    assert "<tool_call>" in ct.render([user, call])
+    assert "# Tools" in ct.render([user], tools=[WEATHER])
+    # continue_final_message: transformers' cut, done on jinja's text
+    msgs = [user, {"role": "assistant", "content": "partial"}]
+    assert ct.render(msgs, add_generation_prompt=False, continue_final_message=True) == \
+        ChatTemplate(QWEN3, fast=False).render(msgs, add_generation_prompt=False,
+                                               continue_final_message=True)
+
+
+def test_the_template_reads_no_other_variable() -> None:
+    """Every name the template could take from its variables is one the plain renderer
+    reads (enable_thinking) or refuses (QWEN3_UNREAD) or the render sets itself."""
+    env = compile_template(QWEN3).environment
+    free = jinja2.meta.find_undeclared_variables(env.parse(QWEN3))
+    assert free <= {"messages", "tools", "add_generation_prompt", "enable_thinking"} | QWEN3_UNREAD
+
+
+def _model(root: Path, name: str, template: str | None = None) -> Path:
+    """A model directory: a small real tokenizer.json, Qwen3's config (its template, or
+    ``template`` in a chat_template.jinja that wins over it)."""
+    from tokenizers import Tokenizer as _Fast
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    d = root / name
+    d.mkdir()
+    t = _Fast(WordLevel({"[UNK]": 0, "x": 1}, unk_token="[UNK]"))
+    t.pre_tokenizer = Whitespace()
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
+    if template is not None:
+        (d / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return d
+
+
+def test_recognized_by_exact_text_only(tmp_path: Path) -> None:
+    assert plain_renderer(QWEN3) is not None and plain_renderer(QWEN3 + "\n") is not None
+    # the same template to jinja (one more space inside a tag), but not the same text
+    lookalike = QWEN3.replace("{%- if tools %}", "{%- if tools  %}", 1)
+    assert lookalike != QWEN3 and plain_renderer(lookalike) is None
+    msgs = _chat(2)
+    assert load_tokenizer(_model(tmp_path, "qwen3")).chat_template().fast_path == "qwen3"
+    jinja_file = load_tokenizer(_model(tmp_path, "file", QWEN3 + "\n"))
+    assert jinja_file.chat_template().fast_path == "qwen3"
+    other = load_tokenizer(_model(tmp_path, "other", lookalike))
+    assert other.chat_template().fast_path is None
+    assert other.render_chat(msgs) == jinja_file.render_chat(msgs)
+    # an engine's --chat-template: another text keeps jinja, the same text is fast
+    over = tmp_path / "over.jinja"
+    over.write_text(lookalike, encoding="utf-8")
+    assert load_tokenizer(_model(tmp_path, "o1"), chat_template=str(over)) \
+        .chat_template().fast_path is None
+    over.write_text(QWEN3, encoding="utf-8")
+    assert load_tokenizer(_model(tmp_path, "o2"), chat_template=str(over)) \
+        .chat_template().fast_path == "qwen3"
+    builtin = load_tokenizer(None, chat_template=str(over))
+    assert builtin.chat_template.fast_path == "qwen3"
+    assert builtin.render_chat(msgs) == _jinja(QWEN3, msgs, None, True, None)
+
+
+def test_the_plain_path_is_the_one_taken() -> None:
+    """A long chat renders many times faster through the known template than through jinja
+    (best of 5 each; ~50x here): the fast path is really used, not merely equal."""
+    msgs = _chat(43)
+    fast, slow = ChatTemplate(QWEN3, variables=VARIABLES), \
+        ChatTemplate(QWEN3, variables=VARIABLES, fast=False)
+
+    def best(ct: ChatTemplate) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            ct.render(msgs)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    assert fast.render(msgs) == slow.render(msgs)
+    assert best(fast) * 5 < best(slow), (best(fast), best(slow))
+
+
+def test_qwen3_real_tokenizer_ids_through_the_plain_path(tmp_path: Path) -> None:
+    """The router's call (encode_engine_chat) with Qwen3's real tokenizer.json: the ids of
+    jinja's text."""
+    import lzma
+    d = tmp_path / "q"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes(
+        lzma.decompress((DATA / "qwen3" / "tokenizer.json.xz").read_bytes()))
+    os.symlink(DATA / "qwen3" / "tokenizer_config.json", d / "tokenizer_config.json")
+    tok = load_tokenizer(d)
+    msgs = _chat(5)
+    for kw in (None, {"enable_thinking": False}):
+        text = _jinja(QWEN3, msgs, None, True, kw)
+        assert tok.encode_engine_chat(msgs, chat_template_kwargs=kw) == tok.encode(text)
