@@ -1,8 +1,8 @@
 """Known chat templates rendered without jinja (kvwire.tokenize.known): for every chat the
 plain renderer answers, its text is the jinja render's, byte for byte (hypothesis, with
 contents built to trip it: think tags, turn markers, tool-response wrappers, newlines at the
-edges, empty strings, unicode, runs of tool turns); it answers for the common shapes; it is
-used only for a template whose text is exactly the known one."""
+edges, empty strings, unicode, runs of tool turns), for every known template; it answers for
+the common shapes; it is used only for a template whose text is exactly the known one."""
 
 from __future__ import annotations
 
@@ -19,21 +19,42 @@ from hypothesis import strategies as st
 
 from kvwire.tokenize import ChatTemplate, TokenizerError, load_tokenizer
 from kvwire.tokenize.content import as_engine_messages
-from kvwire.tokenize.known import QWEN3_UNREAD, plain_renderer, qwen3_plain
+from kvwire.tokenize.known import (
+    DEEPSEEK_V3_UNREAD,
+    QWEN3_UNREAD,
+    deepseek_v3_plain,
+    plain_renderer,
+    qwen3_plain,
+)
 from kvwire.tokenize.template import compile_template
 
 DATA = Path(__file__).resolve().parent / "data" / "tokenize"
 CONFIG = json.loads((DATA / "qwen3" / "tokenizer_config.json").read_text(encoding="utf-8"))
 QWEN3 = CONFIG["chat_template"]
 VARIABLES = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-SOURCES = {"exact": QWEN3, "newline at end": QWEN3 + "\n"}
+DEEPSEEK = json.loads((DATA / "deepseek_v3" / "tokenizer_config.json").read_text(
+    encoding="utf-8"))["chat_template"]
+DS_VARIABLES = {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+                "eos_token": "<\uff5cend\u2581of\u2581sentence\uff5c>"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
+CALLS = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+# name -> (source, variables, renderer, tools it answers for, what the render may read
+# from the variables, what it refuses to)
+TEMPLATES: dict[str, tuple[str, dict[str, str], Any, list[Any], set[str], frozenset[str]]] = {
+    "qwen3": (QWEN3, VARIABLES, qwen3_plain, [None, []], {"enable_thinking"}, QWEN3_UNREAD),
+    "deepseek_v3": (DEEPSEEK, DS_VARIABLES, deepseek_v3_plain, [None, [], [WEATHER]],
+                    {"bos_token"}, DEEPSEEK_V3_UNREAD),
+}
+# each template's text, and the same with the newline a chat_template.jinja file may end in
+SOURCES = {f"{name} {how}": (name, TEMPLATES[name][0] + end) for name in TEMPLATES
+           for how, end in (("exact", ""), ("newline at end", "\n"))}
 
 _piece = st.sampled_from([
     "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<tool_response>",
     "</tool_response>", "<tool_call>", "\n", "\n\n", " ", "", "\t", "{{ x }}", "{% raw %}",
-    "user", "assistant", "naïve 東京 🙂", "\r\n"]) | st.text(
+    "user", "assistant", "naïve 東京 🙂", "\r\n", DS_VARIABLES["eos_token"],
+    "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>", "<\uff5ctool\u2581outputs\u2581end\uff5c>"]) | st.text(
     alphabet=st.characters(codec="utf-8"), max_size=10)
 _text = st.lists(_piece, max_size=6).map("".join)
 # a user turn that is a tool's answer in disguise (the template's last-query rule skips
@@ -49,6 +70,11 @@ _plain_message = st.fixed_dictionaries(
     {"role": _role, "content": _content},
     optional={"reasoning_content": st.none() | _text, "tool_calls": st.sampled_from([None, []]),
               "name": st.text(max_size=4), "tool_call_id": st.text(max_size=4)})
+# DeepSeek-V3's template reads an assistant's tool calls only when its content is null
+_ds_message = st.fixed_dictionaries(
+    {"role": _role, "content": _content},
+    optional={"tool_calls": st.sampled_from([None, [], CALLS]), "name": st.text(max_size=4)})
+PLAIN_MESSAGES = {"qwen3": _plain_message, "deepseek_v3": _ds_message}
 _plain_kwargs = st.none() | st.fixed_dictionaries({}, optional={
     "enable_thinking": st.sampled_from([True, False, None, 0, 1, "false", "False"]),
     "reasoning_effort": st.sampled_from(["low", "none"]),
@@ -66,11 +92,14 @@ _odd_message = st.fixed_dictionaries(
               "tool_calls": st.just([{"function": {"name": "f", "arguments": {"a": 1}}}])
               | st.just({}) | st.just("")})
 _any_kwargs = _plain_kwargs | st.fixed_dictionaries({"content": st.just("c")}) \
-    | st.fixed_dictionaries({"reasoning_content": st.just("r")})
+    | st.fixed_dictionaries({"reasoning_content": st.just("r")}) \
+    | st.fixed_dictionaries({"namespace": st.just("n")}) \
+    | st.fixed_dictionaries({"bos_token": st.none() | st.integers()})
 
 
-def _jinja(source: str, messages: Any, tools: Any, agp: Any, kwargs: Any) -> str:
-    return ChatTemplate(source, variables=VARIABLES, fast=False).render(
+def _jinja(source: str, messages: Any, tools: Any, agp: Any, kwargs: Any,
+           variables: dict[str, str] = VARIABLES) -> str:
+    return ChatTemplate(source, variables=variables, fast=False).render(
         messages, tools=tools, add_generation_prompt=agp, chat_template_kwargs=kwargs)
 
 
@@ -81,34 +110,38 @@ def _outcome(fn: Any) -> tuple[str, str]:
         return ("error", str(e))
 
 
-@pytest.mark.parametrize("source", list(SOURCES), ids=list(SOURCES))
+@pytest.mark.parametrize("case", list(SOURCES), ids=list(SOURCES))
 @settings(max_examples=600, deadline=None)
-@given(messages=st.lists(_plain_message, min_size=1, max_size=8),
-       tools=st.sampled_from([None, []]), agp=st.booleans(), kwargs=_plain_kwargs)
-def test_plain_chats_render_as_jinja_does(source: str, messages: list, tools: Any, agp: bool,
+@given(data=st.data(), agp=st.booleans(), kwargs=_plain_kwargs)
+def test_plain_chats_render_as_jinja_does(case: str, data: st.DataObject, agp: bool,
                                           kwargs: Any) -> None:
-    src = SOURCES[source]
-    fast = qwen3_plain(messages, tools, agp, {**VARIABLES, **(kwargs or {})})
+    name, src = SOURCES[case]
+    _, variables, plain, tool_sets, _, _ = TEMPLATES[name]
+    messages = data.draw(st.lists(PLAIN_MESSAGES[name], min_size=1, max_size=8))
+    tools = data.draw(st.sampled_from(tool_sets))
+    fast = plain(messages, tools, agp, {**variables, **(kwargs or {})})
     assert fast is not None  # these shapes are all its own: it must answer
-    assert fast == _jinja(src, messages, tools, agp, kwargs)
-    ct = ChatTemplate(src, variables=VARIABLES)
-    assert ct.fast_path == "qwen3"
+    assert fast == _jinja(src, messages, tools, agp, kwargs, variables)
+    ct = ChatTemplate(src, variables=variables)
+    assert ct.fast_path == name
     assert ct.render(messages, tools=tools, add_generation_prompt=agp,
                      chat_template_kwargs=kwargs) == fast
 
 
+@pytest.mark.parametrize("name", list(TEMPLATES))
 @settings(max_examples=600, deadline=None)
-@given(messages=st.lists(_plain_message | _odd_message, max_size=6),
+@given(messages=st.lists(_plain_message | _ds_message | _odd_message, max_size=6),
        tools=st.sampled_from([None, [], [WEATHER]]), agp=st.booleans(), kwargs=_any_kwargs)
-def test_any_chat_renders_as_jinja_does(messages: list, tools: Any, agp: bool,
+def test_any_chat_renders_as_jinja_does(name: str, messages: list, tools: Any, agp: bool,
                                         kwargs: Any) -> None:
     """Whatever the chat, the template object answers as jinja does (text or error), and
     the plain renderer, when it answers, answers jinja's text."""
-    fast = qwen3_plain(messages, tools, agp, {**VARIABLES, **(kwargs or {})})
-    ref = _outcome(lambda: _jinja(QWEN3, messages, tools, agp, kwargs))
+    src, variables, plain, _, _, _ = TEMPLATES[name]
+    fast = plain(messages, tools, agp, {**variables, **(kwargs or {})})
+    ref = _outcome(lambda: _jinja(src, messages, tools, agp, kwargs, variables))
     if fast is not None:
         assert ref == ("text", fast)
-    ct = ChatTemplate(QWEN3, variables=VARIABLES)
+    ct = ChatTemplate(src, variables=variables)
     assert _outcome(lambda: ct.render(messages, tools=tools, add_generation_prompt=agp,
                                       chat_template_kwargs=kwargs)) == ref
 
@@ -139,12 +172,29 @@ COMMON = {
 }
 
 
+@pytest.mark.parametrize("name", list(TEMPLATES))
 @pytest.mark.parametrize("case", list(COMMON), ids=list(COMMON))
-def test_common_chats_take_the_plain_path(case: str) -> None:
+def test_common_chats_take_the_plain_path(name: str, case: str) -> None:
+    src, variables, plain, _, _, _ = TEMPLATES[name]
     messages, tools, agp, kwargs = COMMON[case]
-    fast = qwen3_plain(messages, tools, agp, {**VARIABLES, **(kwargs or {})})
+    fast = plain(messages, tools, agp, {**variables, **(kwargs or {})})
     assert fast is not None
-    assert fast == _jinja(QWEN3, messages, tools, agp, kwargs)
+    assert fast == _jinja(src, messages, tools, agp, kwargs, variables)
+
+
+def test_deepseek_v3_answers_with_tools_and_leaves_null_content_to_jinja() -> None:
+    """Its template reads no tools and writes tool calls only for a null content."""
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": CALLS},
+            {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    fast = deepseek_v3_plain(msgs, [WEATHER], True, DS_VARIABLES)
+    assert fast is not None and fast == _jinja(DEEPSEEK, msgs, [WEATHER], True, None,
+                                               DS_VARIABLES)
+    msgs[1]["content"] = None
+    assert deepseek_v3_plain(msgs, None, True, DS_VARIABLES) is None
+    assert "tool\u2581calls\u2581begin" in ChatTemplate(DEEPSEEK, variables=DS_VARIABLES) \
+        .render(msgs)
+    assert deepseek_v3_plain(msgs[:1], None, True, {}) is None  # no bos_token: jinja
 
 
 def test_other_chats_are_left_to_jinja() -> None:
@@ -170,12 +220,13 @@ def test_other_chats_are_left_to_jinja() -> None:
                                                continue_final_message=True)
 
 
-def test_the_template_reads_no_other_variable() -> None:
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_the_template_reads_no_other_variable(name: str) -> None:
     """Every name the template could take from its variables is one the plain renderer
-    reads (enable_thinking) or refuses (QWEN3_UNREAD) or the render sets itself."""
-    env = compile_template(QWEN3).environment
-    free = jinja2.meta.find_undeclared_variables(env.parse(QWEN3))
-    assert free <= {"messages", "tools", "add_generation_prompt", "enable_thinking"} | QWEN3_UNREAD
+    reads or refuses, or one the render sets itself."""
+    src, _, _, _, reads, unread = TEMPLATES[name]
+    free = jinja2.meta.find_undeclared_variables(compile_template(src).environment.parse(src))
+    assert free <= {"messages", "tools", "add_generation_prompt"} | reads | unread
 
 
 def _model(root: Path, name: str, template: str | None = None) -> Path:

@@ -6,7 +6,8 @@ source text is one of these, byte for byte (its sha256; a name or a look-alike n
 counts), a plain Python function writes what the template writes, for the inputs it was
 written and proven for, and answers None for anything else (the template then renders it).
 tests/test_tokenize_known.py checks every function against the jinja render with
-hypothesis, adversarial contents included.
+hypothesis, adversarial contents included. Known: Qwen3's and DeepSeek-V3's templates, as
+tests/data/tokenize vendors them (their publishers' text).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["PlainRenderer", "plain_renderer", "qwen3_plain"]
+__all__ = ["KNOWN", "PlainRenderer", "deepseek_v3_plain", "plain_renderer", "qwen3_plain"]
 
 #: ``(messages, tools, add_generation_prompt, variables) -> text or None``: ``variables``
 #: are the render's template variables (the tokenizer's special tokens and the caller's
@@ -102,6 +103,63 @@ def qwen3_plain(messages: Any, tools: Any, add_generation_prompt: Any,
     return "".join(out)
 
 
+#: Names DeepSeek-V3's template could take from the variables besides ``bos_token``.
+DEEPSEEK_V3_UNREAD = frozenset(("namespace",))
+
+
+def deepseek_v3_plain(messages: Any, tools: Any, add_generation_prompt: Any,
+                      variables: Mapping[str, Any]) -> str | None:
+    """What DeepSeek-V3's chat template renders, for: messages that are dicts whose
+    ``role`` and ``content`` are strings (any role); a ``bos_token`` that is a string; tools
+    or not (the template does not read them), and an assistant's ``tool_calls`` whatever
+    they are when its content is a string (the template writes them only for null
+    content). None for anything else (null or non-string content, a non-dict, a variable in
+    ``DEEPSEEK_V3_UNREAD``)."""
+    bos = variables.get("bos_token")
+    if type(messages) is not list or type(bos) is not str \
+            or not DEEPSEEK_V3_UNREAD.isdisjoint(variables):
+        return None
+    system: list[str] = []
+    for m in messages:
+        if type(m) is not dict:
+            return None
+        role, content = m.get("role"), m.get("content")
+        if type(role) is not str or type(content) is not str:
+            return None
+        if role == "system":
+            system.append(content)
+    out = [bos, "\n\n".join(system)]
+    is_tool, first_output = False, True  # (the template never sets the second back)
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if role == "user":
+            is_tool = False
+            out.append("<\uff5cUser\uff5c>" + content)
+        elif role == "assistant":
+            if is_tool:
+                out.append("<\uff5ctool\u2581outputs\u2581end\uff5c>" + content
+                           + "<\uff5cend\u2581of\u2581sentence\uff5c>")
+                is_tool = False
+            else:
+                out.append("<\uff5cAssistant\uff5c>" + content
+                           + "<\uff5cend\u2581of\u2581sentence\uff5c>")
+        elif role == "tool":
+            is_tool = True
+            if first_output:
+                out.append("<\uff5ctool\u2581outputs\u2581begin\uff5c>"
+                           "<\uff5ctool\u2581output\u2581begin\uff5c>" + content
+                           + "<\uff5ctool\u2581output\u2581end\uff5c>")
+                first_output = False
+            else:
+                out.append("\n<\uff5ctool\u2581output\u2581begin\uff5c>" + content
+                           + "<\uff5ctool\u2581output\u2581end\uff5c>")
+    if is_tool:
+        out.append("<\uff5ctool\u2581outputs\u2581end\uff5c>")
+    if add_generation_prompt and not is_tool:
+        out.append("<\uff5cAssistant\uff5c>")
+    return "".join(out)
+
+
 def _sha256(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()
 
@@ -112,10 +170,16 @@ QWEN3_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5
 #: it: jinja drops one trailing newline of a template, so it renders the same.
 QWEN3_NL_SHA256 = "c945a4a87850dd79827191150be98539a7a5e7da0689f3550d880f8dcc95b856"
 
+#: DeepSeek-V3's (tests/data/tokenize/deepseek_v3/tokenizer_config.json), and with a newline.
+DEEPSEEK_V3_SHA256 = "3b8267e54b67df6500f231ffa969955cc9d26b3444a291ced4eb96ca7d3ca1ea"
+DEEPSEEK_V3_NL_SHA256 = "ab0ff5420b868930f174d45fd397a10183e6d6603e41851b40b7d35857c111d0"
+
 #: sha256 of a template's source -> (name, renderer).
 KNOWN: dict[str, tuple[str, PlainRenderer]] = {
     QWEN3_SHA256: ("qwen3", qwen3_plain),
     QWEN3_NL_SHA256: ("qwen3", qwen3_plain),
+    DEEPSEEK_V3_SHA256: ("deepseek_v3", deepseek_v3_plain),
+    DEEPSEEK_V3_NL_SHA256: ("deepseek_v3", deepseek_v3_plain),
 }
 
 
