@@ -21,8 +21,10 @@ from kvwire.tokenize import ChatTemplate, TokenizerError, load_tokenizer
 from kvwire.tokenize.content import as_engine_messages
 from kvwire.tokenize.known import (
     DEEPSEEK_V3_UNREAD,
+    MISTRAL_V7_UNREAD,
     QWEN3_UNREAD,
     deepseek_v3_plain,
+    mistral_v7_plain,
     plain_renderer,
     qwen3_plain,
 )
@@ -38,6 +40,8 @@ DS_VARIABLES = {"bos_token": "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
                 "eos_token": "<\uff5cend\u2581of\u2581sentence\uff5c>"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
+MISTRAL = (DATA / "mistral_v7" / "chat_template.jinja").read_text(encoding="utf-8")
+MS_VARIABLES = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 CALLS = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
 # name -> (source, variables, renderer, tools it answers for, what the render may read
 # from the variables, what it refuses to)
@@ -45,16 +49,21 @@ TEMPLATES: dict[str, tuple[str, dict[str, str], Any, list[Any], set[str], frozen
     "qwen3": (QWEN3, VARIABLES, qwen3_plain, [None, []], {"enable_thinking"}, QWEN3_UNREAD),
     "deepseek_v3": (DEEPSEEK, DS_VARIABLES, deepseek_v3_plain, [None, [], [WEATHER]],
                     {"bos_token"}, DEEPSEEK_V3_UNREAD),
+    "mistral_v7": (MISTRAL, MS_VARIABLES, mistral_v7_plain, [None, []],
+                   {"bos_token", "eos_token"}, MISTRAL_V7_UNREAD),
 }
-# each template's text, and the same with the newline a chat_template.jinja file may end in
-SOURCES = {f"{name} {how}": (name, TEMPLATES[name][0] + end) for name in TEMPLATES
-           for how, end in (("exact", ""), ("newline at end", "\n"))}
+# each template's text, and the same with or without the newline at its end that a
+# chat_template.jinja file may have and a tokenizer_config.json string may not
+SOURCES = {f"{name} {how}": (name, src) for name, (t, *_) in TEMPLATES.items()
+           for how, src in (("exact", t), ("newline at end or not",
+                                          t[:-1] if t.endswith("\n") else t + "\n"))}
 
 _piece = st.sampled_from([
     "<think>", "</think>", "<|im_start|>", "<|im_end|>", "<tool_response>",
     "</tool_response>", "<tool_call>", "\n", "\n\n", " ", "", "\t", "{{ x }}", "{% raw %}",
     "user", "assistant", "naïve 東京 🙂", "\r\n", DS_VARIABLES["eos_token"],
-    "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>", "<\uff5ctool\u2581outputs\u2581end\uff5c>"]) | st.text(
+    "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>", "<\uff5ctool\u2581outputs\u2581end\uff5c>",
+    "[INST]", "[/INST]", "</s>", "[SYSTEM_PROMPT]", "[TOOL_CALLS]"]) | st.text(
     alphabet=st.characters(codec="utf-8"), max_size=10)
 _text = st.lists(_piece, max_size=6).map("".join)
 # a user turn that is a tool's answer in disguise (the template's last-query rule skips
@@ -74,7 +83,18 @@ _plain_message = st.fixed_dictionaries(
 _ds_message = st.fixed_dictionaries(
     {"role": _role, "content": _content},
     optional={"tool_calls": st.sampled_from([None, [], CALLS]), "name": st.text(max_size=4)})
-PLAIN_MESSAGES = {"qwen3": _plain_message, "deepseek_v3": _ds_message}
+# Mistral v7's: its three roles, merged when repeated; it refuses some orders (an assistant
+# first, a system turn after an assistant's) and an empty assistant text
+_ms_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "user", "assistant", "assistant"]),
+     "content": _content | _piece.filter(bool)},
+    optional={"tool_calls": st.sampled_from([None, []]), "name": st.text(max_size=4)})
+_ms_chat = st.tuples(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]),
+                                            "content": _content}),
+                     st.lists(_ms_message, max_size=7)).map(lambda t: [t[0], *t[1]])
+PLAIN_CHATS = {"qwen3": st.lists(_plain_message, min_size=1, max_size=8),
+               "deepseek_v3": st.lists(_ds_message, min_size=1, max_size=8),
+               "mistral_v7": _ms_chat}
 _plain_kwargs = st.none() | st.fixed_dictionaries({}, optional={
     "enable_thinking": st.sampled_from([True, False, None, 0, 1, "false", "False"]),
     "reasoning_effort": st.sampled_from(["low", "none"]),
@@ -117,20 +137,22 @@ def test_plain_chats_render_as_jinja_does(case: str, data: st.DataObject, agp: b
                                           kwargs: Any) -> None:
     name, src = SOURCES[case]
     _, variables, plain, tool_sets, _, _ = TEMPLATES[name]
-    messages = data.draw(st.lists(PLAIN_MESSAGES[name], min_size=1, max_size=8))
+    messages = data.draw(PLAIN_CHATS[name])
     tools = data.draw(st.sampled_from(tool_sets))
     fast = plain(messages, tools, agp, {**variables, **(kwargs or {})})
-    assert fast is not None  # these shapes are all its own: it must answer
-    assert fast == _jinja(src, messages, tools, agp, kwargs, variables)
+    ref = _outcome(lambda: _jinja(src, messages, tools, agp, kwargs, variables))
+    # these shapes are all its own: it answers whenever the template renders (and only
+    # then: a chat the template refuses is left to it, to raise its error)
+    assert ref == ("text", fast) if fast is not None else ref[0] == "error", (fast, ref)
     ct = ChatTemplate(src, variables=variables)
     assert ct.fast_path == name
-    assert ct.render(messages, tools=tools, add_generation_prompt=agp,
-                     chat_template_kwargs=kwargs) == fast
+    assert _outcome(lambda: ct.render(messages, tools=tools, add_generation_prompt=agp,
+                                      chat_template_kwargs=kwargs)) == ref
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
 @settings(max_examples=600, deadline=None)
-@given(messages=st.lists(_plain_message | _ds_message | _odd_message, max_size=6),
+@given(messages=st.lists(_plain_message | _ds_message | _ms_message | _odd_message, max_size=6),
        tools=st.sampled_from([None, [], [WEATHER]]), agp=st.booleans(), kwargs=_any_kwargs)
 def test_any_chat_renders_as_jinja_does(name: str, messages: list, tools: Any, agp: bool,
                                         kwargs: Any) -> None:
@@ -172,8 +194,10 @@ COMMON = {
 }
 
 
-@pytest.mark.parametrize("name", list(TEMPLATES))
-@pytest.mark.parametrize("case", list(COMMON), ids=list(COMMON))
+@pytest.mark.parametrize(("name", "case"), [
+    (name, case) for name in TEMPLATES for case in COMMON
+    # Mistral's renderer takes no tool turns (the template checks their ids)
+    if name != "mistral_v7" or all(m["role"] != "tool" for m in COMMON[case][0])])
 def test_common_chats_take_the_plain_path(name: str, case: str) -> None:
     src, variables, plain, _, _, _ = TEMPLATES[name]
     messages, tools, agp, kwargs = COMMON[case]

@@ -6,8 +6,8 @@ source text is one of these, byte for byte (its sha256; a name or a look-alike n
 counts), a plain Python function writes what the template writes, for the inputs it was
 written and proven for, and answers None for anything else (the template then renders it).
 tests/test_tokenize_known.py checks every function against the jinja render with
-hypothesis, adversarial contents included. Known: Qwen3's and DeepSeek-V3's templates, as
-tests/data/tokenize vendors them (their publishers' text).
+hypothesis, adversarial contents included. Known: Qwen3's, DeepSeek-V3's and Mistral v7's
+templates, as tests/data/tokenize vendors them (their publishers' text).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["KNOWN", "PlainRenderer", "deepseek_v3_plain", "plain_renderer", "qwen3_plain"]
+__all__ = ["KNOWN", "PlainRenderer", "deepseek_v3_plain", "mistral_v7_plain", "plain_renderer",
+           "qwen3_plain"]
 
 #: ``(messages, tools, add_generation_prompt, variables) -> text or None``: ``variables``
 #: are the render's template variables (the tokenizer's special tokens and the caller's
@@ -160,6 +161,59 @@ def deepseek_v3_plain(messages: Any, tools: Any, add_generation_prompt: Any,
     return "".join(out)
 
 
+#: Names Mistral v7's template could take from the variables besides ``bos_token`` and
+#: ``eos_token`` (set before use, but resolved from the context otherwise, or globals).
+MISTRAL_V7_UNREAD = frozenset(("ns_c", "tool_id", "merged_content", "namespace",
+                               "raise_exception"))
+_MISTRAL_NEXT = {"system": ("user", "assistant", "system"), "user": ("assistant", "system", "user"),
+                 "assistant": ("assistant", "user", "tool")}
+
+
+def mistral_v7_plain(messages: Any, tools: Any, add_generation_prompt: Any,
+                     variables: Mapping[str, Any]) -> str | None:
+    """What Mistral's v7 chat template renders, for: no tools; messages that are dicts with
+    a ``role`` of system, user or assistant and a string ``content``, no ``tool_calls``
+    (None or ``[]``); string ``bos_token`` and ``eos_token``. Consecutive user (or assistant)
+    turns are merged with a blank line as the template merges them. None for anything else,
+    and for every chat the template refuses (it starts with an assistant turn, a system turn
+    follows an assistant's, an assistant's merged text is empty): jinja raises then.
+    ``add_generation_prompt`` is not read by this template."""
+    bos, eos = variables.get("bos_token"), variables.get("eos_token")
+    if tools or type(messages) is not list or not messages or type(bos) is not str \
+            or type(eos) is not str or not MISTRAL_V7_UNREAD.isdisjoint(variables):
+        return None
+    merged: list[tuple[str, list[str]]] = []  # (role, contents): the template's groups
+    for m in messages:
+        if type(m) is not dict:
+            return None
+        role, content = m.get("role"), m.get("content")
+        if type(role) is not str or role not in _MISTRAL_NEXT or type(content) is not str \
+                or not _plain_tool_calls(m.get("tool_calls")):
+            return None
+        if merged and role != "system" and merged[-1][0] == role:
+            merged[-1][1].append(content)
+        else:
+            merged.append((role, [content]))
+    if merged[0][0] not in ("user", "system"):
+        return None
+    out = [bos]
+    previous = None
+    for role, contents in merged:
+        if previous is not None and role not in _MISTRAL_NEXT[previous]:
+            return None
+        previous = role
+        text = "\n\n".join(contents)
+        if role == "user":
+            out.append("[INST]" + text + "[/INST]")
+        elif role == "assistant":
+            if not text:
+                return None
+            out.append(text + eos)
+        else:
+            out.append("[SYSTEM_PROMPT]" + text + "[/SYSTEM_PROMPT]")
+    return "".join(out)
+
+
 def _sha256(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()
 
@@ -174,12 +228,19 @@ QWEN3_NL_SHA256 = "c945a4a87850dd79827191150be98539a7a5e7da0689f3550d880f8dcc95b
 DEEPSEEK_V3_SHA256 = "3b8267e54b67df6500f231ffa969955cc9d26b3444a291ced4eb96ca7d3ca1ea"
 DEEPSEEK_V3_NL_SHA256 = "ab0ff5420b868930f174d45fd397a10183e6d6603e41851b40b7d35857c111d0"
 
+#: Mistral's v7 (tests/data/tokenize/mistral_v7/chat_template.jinja, which ends in a
+#: newline), and the same without it.
+MISTRAL_V7_SHA256 = "5af6733dbf44d9b6f920cb8cdf9fb5e6f771d81e08bd0aa821d1ec5289f12462"
+MISTRAL_V7_NO_NL_SHA256 = "165382433e4b79ea9fb6b75f1789089ee8582107ec09af5763ec58adf324f991"
+
 #: sha256 of a template's source -> (name, renderer).
 KNOWN: dict[str, tuple[str, PlainRenderer]] = {
     QWEN3_SHA256: ("qwen3", qwen3_plain),
     QWEN3_NL_SHA256: ("qwen3", qwen3_plain),
     DEEPSEEK_V3_SHA256: ("deepseek_v3", deepseek_v3_plain),
     DEEPSEEK_V3_NL_SHA256: ("deepseek_v3", deepseek_v3_plain),
+    MISTRAL_V7_SHA256: ("mistral_v7", mistral_v7_plain),
+    MISTRAL_V7_NO_NL_SHA256: ("mistral_v7", mistral_v7_plain),
 }
 
 
