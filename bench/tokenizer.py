@@ -30,7 +30,9 @@ Qwen3's tokenizer and the built-in one, on the same texts:
   same calls (``tokenizers.Tokenizer.encode`` for Qwen3, a new ``BuiltinTokenizer().encode``
   for the built-in one): the baseline of the target "warm-extend <= 1.2x the library's cost
   on the new tokens + 0.3 ms", printed after the table with the CPU p50s;
-- for Qwen3 also the library on the whole text (the price of no cache at all).
+- for Qwen3 also the library on the whole text (the price of no cache at all), and the chat's
+  render alone: through its template as loaded (Qwen3's is a known text, rendered by
+  kvwire.tokenize.known's plain function) and through jinja.
 
 Every call is timed alone: wall time (``perf_counter``) and this process's CPU time
 (``process_time``: all its threads, so a tokenizer running on several threads shows CPU above
@@ -260,6 +262,29 @@ def long_rows(kind: str, make: Callable[[], Any], lib_new: Callable[[], Callable
     return rows
 
 
+def render_line(tok: Any, chats: list[Any], n: int) -> None:
+    """The chat's render alone (CPU p50 of ``render_engine_chat``'s template step), through
+    the tokenizer's template as loaded (known.py's plain path when its text is known) and
+    through jinja, on the same chats."""
+    from kvwire.tokenize import ChatTemplate
+
+    ct = tok.chat_template()
+    jinja = ChatTemplate(ct.source, origin=ct.origin, variables=ct.variables, fast=False)
+    msgs = [tok.engine_messages(c) for c in chats]
+
+    def p50(t: Any) -> float:
+        cpu = []
+        for i in range(n):
+            c0 = time.process_time_ns()
+            t.render(msgs[i % len(msgs)])
+            cpu.append((time.process_time_ns() - c0) / 1e6)
+        return statistics.median(cpu)
+
+    print(f"  the chat's render alone ({statistics.median(len(m) for m in msgs):.0f} messages), "
+          f"CPU p50: as loaded ({ct.fast_path or 'jinja'}) {p50(ct):.2f} ms, "
+          f"jinja {p50(jinja):.2f} ms", flush=True)
+
+
 def long_prompts(qwen_dir: Path, tokens: int, extend: float, n_cold: int, n_warm: int) -> None:
     """The long-prompt table (module docstring) and the target comparison under it."""
     from tokenizers import Tokenizer as Lib
@@ -316,6 +341,8 @@ def long_prompts(qwen_dir: Path, tokens: int, extend: float, n_cold: int, n_warm
             for r in rows:
                 print(r.line(), flush=True)
             out += rows
+        if kind == "qwen3":
+            render_line(make(), chats["ext"], n_warm)
     print("\ntarget (the router's CPU per request, here the tokenizer's alone): warm-extend "
           "<= 1.2x the library's CPU on the new part + 0.3 ms; p50s:")
     for i in range(len(out) - 1):

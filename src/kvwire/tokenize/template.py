@@ -6,7 +6,8 @@ tag (rendered as its body), ``raise_exception``, ``strftime_now``, and a ``tojso
 that is plain ``json.dumps`` (no HTML escaping, ``ensure_ascii=False``, keys unsorted,
 ``indent``/``separators`` passed through) -- jinja's own ``tojson`` escapes ``<>&'`` and
 sorts keys, which would change the prompt and so the token ids. Templates are compiled once
-per distinct source (an LRU cache), so a server pays only the render."""
+per distinct source (an LRU cache), so a server pays only the render. A template whose text
+is exactly one known.py knows renders the common chat without jinja, to the same text."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvwire.tokenize.errors import TokenizerError
+from kvwire.tokenize.known import plain_renderer
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -74,14 +76,21 @@ def compile_template(source: str, origin: str = "<chat template>") -> jinja2.Tem
 
 class ChatTemplate:
     """One compiled chat template plus the variables its model's tokenizer_config gives
-    every render (``bos_token``, ``eos_token``, ...)."""
+    every render (``bos_token``, ``eos_token``, ...).
+
+    ``fast_path``: the name of the known template (known.py) whose exact text this is, whose
+    plain renderer writes the common chat without jinja; None when it is no known one, or
+    when built with ``fast=False`` (jinja renders every chat)."""
 
     def __init__(self, source: str, *, origin: str = "<chat template>",
-                 variables: dict[str, Any] | None = None) -> None:
+                 variables: dict[str, Any] | None = None, fast: bool = True) -> None:
         self.source = source
         self.origin = origin
         self.variables = dict(variables or {})
         self._template = compile_template(source, origin)
+        known = plain_renderer(source) if fast else None
+        self.fast_path = known[0] if known is not None else None
+        self._plain = known[1] if known is not None else None
 
     def render(
         self,
@@ -107,6 +116,10 @@ class ChatTemplate:
         # The same order of precedence as transformers: the tokenizer's special tokens, then
         # the caller's kwargs, with messages/tools/add_generation_prompt fixed.
         ctx = {**self.variables, **(chat_template_kwargs or {})}
+        if self._plain is not None and not continue_final_message:
+            text = self._plain(messages, tools, add_generation_prompt, ctx)
+            if text is not None:
+                return text
         final = None
         if continue_final_message:
             messages, final = self._tagged(messages)
