@@ -388,3 +388,35 @@ def start_retried(start: Callable[[int], subprocess.Popen], ready: Callable[[sub
         if attempt + 1 == START_TRIES or not IN_USE.search(err.said()):
             raise AssertionError(f"{what} exited {proc.returncode}: {err.said()}")
     raise AssertionError("unreachable")
+
+
+MODEL = "kvwire-engine"
+
+
+def fleets() -> Iterator[Callable[..., Fleet]]:
+    """The body of a test module's ``fleet`` fixture (``yield from fleets()``): it makes
+    :class:`Fleet` s (``fleet(roles, protocol, *serve_flags, engine_flags=...)``), all
+    closed after the test."""
+    made: list[Fleet] = []
+
+    def make(roles: dict[str, str], protocol: str, *flags: str, **kw: Any) -> Fleet:
+        f = Fleet(roles, protocol, *flags, **kw)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def words_prompt(seed: int, words: int = 120) -> str:
+    """A prompt of ``words`` words drawn by a generator seeded with ``seed``."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(("alpha", "bravo", "charlie", "delta", "echo", "foxtrot",
+                                "golf", "hotel", "india", "juliet", "kilo", "lima"))
+                    for _ in range(words))
+
+
+def total_metric(text: str, name: str, **labels: str) -> float:
+    """:func:`metric`, 0 where there is no such sample."""
+    return metric(text, name, **labels) or 0.0

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from test_pd_serve import MODEL, TIMEOUT, Fleet, _metric, _prompt, fleet, until
+from pd_helpers import MODEL, TIMEOUT, Fleet, fleets, until
+from pd_helpers import total_metric as _metric
+from pd_helpers import words_prompt as _prompt
 
 from kvwire.proxy.metrics import CheapHistogram
 from kvwire.proxy.pairs import _Phases
 
-__all__ = ["fleet"]  # (the fixture, imported for pytest)
+
+@pytest.fixture
+def fleet() -> Iterator[Callable[..., Fleet]]:
+    yield from fleets()
+
 
 LATENCY_S = 0.4  # the decode engine's modelled transfer latency (--speed 1: wall seconds)
 

@@ -20,36 +20,14 @@ from typing import Any
 
 import httpx
 import pytest
-from pd_helpers import TIMEOUT, Engine, Fleet, until
-from pd_helpers import metric as _sample
+from pd_helpers import MODEL, TIMEOUT, Fleet, fleets, total_metric, until, words_prompt
 
-__all__ = ["TIMEOUT", "Engine", "Fleet", "fleet", "until"]  # (other P/D tests use these)
-MODEL = "kvwire-engine"
+_prompt, _metric = words_prompt, total_metric
 
 
 @pytest.fixture
 def fleet() -> Iterator[Callable[..., Fleet]]:
-    made: list[Fleet] = []
-
-    def make(roles: dict[str, str], protocol: str, *flags: str, **kw: Any) -> Fleet:
-        f = Fleet(roles, protocol, *flags, **kw)
-        made.append(f)
-        return f
-
-    yield make
-    for f in made:
-        f.close()
-
-
-def _prompt(seed: int, words: int = 120) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(("alpha", "bravo", "charlie", "delta", "echo", "foxtrot",
-                                "golf", "hotel", "india", "juliet", "kilo", "lima"))
-                    for _ in range(words))
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    return _sample(text, name, **labels) or 0.0
+    yield from fleets()
 
 
 PAIRED = re.compile(r"prefill=(prefill\d),decode=(decode\d)")
