@@ -276,3 +276,17 @@ def test_route_answers_the_pair_for_a_fleet_with_roles(fleet: Callable[..., Flee
     assert same["why"] == "cached"
     release(same["request_id"])
     until(f.settled, "every load 0")
+
+
+def test_route_answers_a_pair_in_a_fleet_of_both_engines_given_a_protocol(
+        fleet: Callable[..., Fleet]) -> None:
+    """With ``--pd-protocol`` the proxy serves every request as a pair, also among engines
+    that do both: ``/route`` then answers the pair too (a ``both`` engine may serve either
+    side, or the whole request: ``local``)."""
+    f = fleet({"e0": "both", "e1": "both"}, "vllm")
+    a = f.http.post("/route", json={"token_ids": list(range(2000, 2320))}).json()
+    assert a["engine"] in ("e0", "e1") and a["why"] in ("disagg", "local"), a
+    assert "prefill" in a and (a["prefill"] is None) == (a["why"] == "local"), a
+    for rid in (a["request_id"], *([a["prefill"]["request_id"]] if a["prefill"] else [])):
+        assert f.http.post("/release", json={"request_id": rid}).json()["released"]
+    until(f.settled, "every load 0")

@@ -419,9 +419,9 @@ class RouterCore:
               salt: str | None = None, reserve: bool = True) -> dict[str, Any]:
         """Choose an engine for the prompt; with ``reserve`` (``/route``) its load is
         reserved under the returned ``request_id`` and its prefix predicted on the engine.
-        A fleet with roles gets its pair, as :meth:`route_pair` chooses it (``engine``: the
-        decode engine; ``prefill``: the prefill engine or None, ``why``), each side
-        reserved under its own ``request_id``."""
+        A fleet with roles (or ``pairs.always``) gets its pair, as :meth:`route_pair`
+        chooses it (``engine``: the decode engine; ``prefill``: the prefill engine or None,
+        ``why``), each side reserved under its own ``request_id``."""
         self.check_tokens(token_ids)
         if not self.targets:
             raise RouteError(503, "no engine on the JetStream stream yet (each is routed to "
@@ -429,7 +429,7 @@ class RouterCore:
                              "this kvwire serve has no --engine (it answers the indexer API "
                              "only)", "no_engine")
         blocks: dict[str, int] = {}
-        if self.has_roles:
+        if self.has_roles or self.pairs.always:
             return self._route_pair_api(token_ids, lora_name, salt, reserve, blocks)
         d, target, rid, _ = self.decide(token_ids, lora_name, salt, reserve=reserve,
                                         blocks=blocks)

@@ -45,10 +45,12 @@ class PairConfig:
     """The decider's thresholds. ``min_disagg_blocks``: a prompt missing fewer blocks
     than this on its decode engine is prefilled there (0: always disaggregate);
     ``prefill_busy``: when every prefill candidate's load exceeds this many blocks, the
-    prefill is local (inf: never)."""
+    prefill is local (inf: never); ``always``: every request is routed as a pair, also in
+    a fleet of ``both`` engines only (a P/D protocol was asked for)."""
 
     min_disagg_blocks: float = 0.0
     prefill_busy: float = math.inf
+    always: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.min_disagg_blocks, (int, float))

@@ -228,7 +228,8 @@ def build(cfg: ServeConfig, say: Callable[[str], None] | None = None) -> Service
             predict_ttl=cfg.predict_ttl, decode_load=cfg.decode_load,
             decode_share=cfg.decode_share,
             stream_config=StreamConfig(dead_after=cfg.dead_after),
-            pairs=PairConfig(cfg.disagg_min_tokens / cfg.block_size, cfg.pd_prefill_busy),
+            pairs=PairConfig(cfg.disagg_min_tokens / cfg.block_size, cfg.pd_prefill_busy,
+                             always=cfg.proxy.pd_protocol is not None),
         )
         proxy = _proxy(cfg, core, engines)
     except (ValueError, ImportError) as e:
