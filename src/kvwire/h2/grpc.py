@@ -24,7 +24,7 @@ from urllib.parse import quote
 from . import frames as f
 from .connection import Connection, Data, Request, Reset, Terminated
 
-__all__ = ["Abort", "Context", "Method", "Server", "StatusCode", "stream_stream",
+__all__ = ["Abort", "Context", "Deframer", "Method", "Server", "StatusCode", "context", "stream_stream",
            "unary_unary"]
 
 log = logging.getLogger("kvwire.h2")
@@ -124,10 +124,48 @@ def _status_block(code: int, message: str, first: bool) -> bytes:
     return f.header_block(h)
 
 
+class Deframer:
+    """gRPC's length-prefixed messages (a flag byte: compressed or not, a 4-byte length)
+    out of a stream's DATA, however the frames cut them. Pure."""
+
+    __slots__ = ("buf", "max_message")
+
+    def __init__(self, max_message: int) -> None:
+        self.buf = bytearray()
+        self.max_message = max_message
+
+    def feed(self, data: bytes, end: bool, out: deque[bytes] | list[bytes]) -> int:
+        """Append the messages ``data`` completes to ``out``; their bytes. Raises
+        :class:`Abort` for a compressed message (none is accepted: this side announces no
+        grpc-accept-encoding), one longer than ``max_message``, or an ``end`` inside one."""
+        buf = self.buf
+        if not buf and len(data) >= 5 and data[0] == 0 \
+                and int.from_bytes(data[1:5], "big") == len(data) - 5:
+            out.append(data[5:])  # one whole message: the usual case
+            return len(data) - 5
+        got = 0
+        buf += data
+        while len(buf) >= 5:
+            if buf[0]:
+                raise Abort(StatusCode.UNIMPLEMENTED, "compressed messages are not accepted")
+            n = int.from_bytes(buf[1:5], "big")
+            if n > self.max_message:
+                raise Abort(StatusCode.RESOURCE_EXHAUSTED,
+                            f"a message of {n} bytes (at most {self.max_message})")
+            if len(buf) < 5 + n:
+                break
+            out.append(bytes(buf[5:5 + n]))
+            got += n
+            del buf[:5 + n]
+        if end and buf:
+            raise Abort(StatusCode.INTERNAL, "the stream ended inside a message")
+        return got
+
+
 class _Call:
     """One call: its messages in, its answers out, the task running its handler."""
 
-    __slots__ = ("conn", "sid", "method", "queue", "buf", "closed", "waiter", "task",
+    __slots__ = ("conn", "sid", "method", "queue", "messages", "closed", "waiter", "task",
                  "headers_sent", "held", "unread", "reset", "expired", "timer", "drain",
                  "failed")
 
@@ -136,7 +174,7 @@ class _Call:
         self.sid = sid
         self.method = method
         self.queue: deque[bytes] = deque()
-        self.buf = bytearray()
+        self.messages = Deframer(conn.server.max_message)
         self.closed = False  # the peer sent its last message
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
@@ -152,31 +190,13 @@ class _Call:
     # --------------------------------------------------------------- in
 
     def feed(self, data: bytes, flow: int, end: bool) -> None:
-        buf = self.buf
-        if not buf and len(data) >= 5 and data[0] == 0 \
-                and int.from_bytes(data[1:5], "big") == len(data) - 5:
-            self.queue.append(data[5:])  # one whole message: the usual case
-            self.unread += len(data) - 5
-        elif data:
-            buf += data
-            while len(buf) >= 5:
-                if buf[0]:
-                    return self._fail(StatusCode.UNIMPLEMENTED,
-                                      "compressed messages are not accepted here")
-                n = int.from_bytes(buf[1:5], "big")
-                if n > self.conn.server.max_message:
-                    return self._fail(StatusCode.RESOURCE_EXHAUSTED,
-                                      f"a message of {n} bytes (at most "
-                                      f"{self.conn.server.max_message})")
-                if len(buf) < 5 + n:
-                    break
-                self.queue.append(bytes(buf[5:5 + n]))
-                self.unread += n
-                del buf[:5 + n]
+        try:
+            self.unread += self.messages.feed(data, end, self.queue)
+        except Abort as e:
+            self._fail(e)
+            return
         if end:
             self.closed = True
-            if buf:
-                return self._fail(StatusCode.INTERNAL, "the stream ended inside a message")
         self.held += flow
         if self.unread <= _HOLD:
             self.conn.h2.consumed(self.sid, self.held)
@@ -185,8 +205,8 @@ class _Call:
         if w is not None and not w.done():
             w.set_result(None)
 
-    def _fail(self, code: StatusCode, message: str) -> None:
-        self.failed = Abort(code, message)
+    def _fail(self, e: Abort) -> None:
+        self.failed = e
         self.closed = True
         if self.task is not None:
             self.task.cancel()
