@@ -294,6 +294,7 @@ class _Call:
             if self.timer is not None:
                 self.timer.cancel()
             self.conn.calls.pop(self.sid, None)
+            self.conn.server.call_ended()
         if not self.reset:
             self.finish(code, message)
 
@@ -433,6 +434,7 @@ class Server:
         self.window = window
         self.conns: set[_Protocol] = set()
         self.server: asyncio.AbstractServer | None = None
+        self._idle: asyncio.Event | None = None  # set when the last call ends (stopping)
 
     async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None) -> int:
         """Listen on ``host:port`` (0: a free port); the port. With ``ssl``, TLS (its ALPN
@@ -445,7 +447,12 @@ class Server:
         return self.server.sockets[0].getsockname()[1]
 
     def calls(self) -> int:
+        """Calls under way, on every connection."""
         return sum(len(c.calls) for c in self.conns)
+
+    def call_ended(self) -> None:
+        if self._idle is not None and not self.calls():
+            self._idle.set()
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop listening; GOAWAY to every connection; calls under way get ``grace``
@@ -454,11 +461,12 @@ class Server:
             self.server.close()
         for c in list(self.conns):
             c.goaway()
-        if grace:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + grace
-            while self.calls() and loop.time() < deadline:
-                await asyncio.sleep(0.02)
+        if grace and self.calls():
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace)
+            except asyncio.TimeoutError:
+                pass
         for c in list(self.conns):
             c._flush()
             c._cut()
