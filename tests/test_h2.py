@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from kvwire.h2 import frames as f
 from kvwire.h2.connection import Connection, Data, Request, Reset, Terminated
 from kvwire.h2.grpc import Abort, Deframer, Server, StatusCode, stream_stream, unary_unary
+from kvwire.h2.hpack_decoder import Decoder as OurDecoder
+from kvwire.h2.hpack_decoder import HpackError
 
 # ---------------------------------------------------------------------------- frames
 
@@ -64,6 +66,54 @@ def test_header_blocks_decode_to_what_was_sent(headers) -> None:
     d = Decoder()
     assert [tuple(h) for h in d.decode(f.header_block(headers), raw=True)] == headers
     assert not d.header_table.dynamic_entries  # (never the dynamic table)
+
+
+_HEADER = st.tuples(_NAMES | st.sampled_from([b":path", b":method", b"te", b"x-request-id"])
+                    | st.binary(min_size=1, max_size=40).map(bytes.lower),
+                    st.sampled_from([b"POST", b"/a.B/C", b"trailers"]) | st.binary(max_size=60),
+                    st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(_HEADER, max_size=8), st.booleans(),
+                          st.none() | st.integers(0, 4096)), max_size=12))
+def test_hpack_decoding_matches_the_hpack_package_s_encoder(blocks) -> None:
+    """Blocks from another HPACK encoder (Huffman or not, indexed, never-indexed, table
+    size changes, evictions) decode to what it encoded, block after block on one
+    connection, the kept decodings of repeated blocks included."""
+    enc = Encoder()
+    ours = OurDecoder(4096)
+    for headers, huffman, resize in blocks:
+        if resize is not None:
+            enc.header_table_size = resize
+        block = enc.encode([(n, v, s) for n, v, s in headers], huffman=huffman)
+        assert ours.decode(block) == [(n, v) for n, v, _ in headers]
+        again = enc.encode([(n, v, s) for n, v, s in headers], huffman=huffman)
+        assert ours.decode(again) == [(n, v) for n, v, _ in headers]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_hpack_garbage_is_a_compression_error_only(raw) -> None:
+    try:
+        OurDecoder(4096).decode(raw)
+    except HpackError:
+        pass
+
+
+def test_hpack_a_repeated_block_is_decoded_again_once_the_table_changed() -> None:
+    """The kept decoding of a block that refers to the dynamic table is not reused after
+    the table changed (the same bytes then mean other headers)."""
+    d = OurDecoder(4096)
+    add = b"\x40\x01a\x01x"  # literal with incremental indexing: a: x (index 62)
+    assert d.decode(add) == [(b"a", b"x")]
+    assert d.decode(b"\xbe") == [(b"a", b"x")]  # index 62
+    assert d.decode(b"\x40\x01b\x01y") == [(b"b", b"y")]
+    assert d.decode(b"\xbe") == [(b"b", b"y")]  # (index 62 is now the newer entry)
+    with pytest.raises(HpackError):
+        d.decode(b"\x3f\xe2\x1f")  # a table size of 4097: past the 4096 announced
+    with pytest.raises(HpackError):
+        d.decode(b"\x82\x20")  # a size update after a field
 
 
 @settings(max_examples=200, deadline=None)

@@ -18,11 +18,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hpack import Decoder
-from hpack.exceptions import HPACKError
-
 from . import frames as f
 from .frames import FrameError
+from .hpack_decoder import Decoder, HpackError
 
 __all__ = ["Connection", "Data", "GoAway", "Request", "Reset", "Terminated"]
 
@@ -116,8 +114,7 @@ class Connection:
         self._block: bytearray | None = None  # a header block awaiting its CONTINUATIONs
         self._block_stream = 0
         self._block_end = False
-        self._decoder = Decoder(max_header_list_size=max_header_list)
-        self._decoder.max_allowed_table_size = 4096
+        self._decoder = Decoder(4096, max_header_list)
         self.out += f.frame(f.SETTINGS, 0, 0, f.encode_settings({
             f.MAX_CONCURRENT_STREAMS: max_streams, f.INITIAL_WINDOW_SIZE: window,
             f.MAX_FRAME_SIZE: max_frame, f.MAX_HEADER_LIST_SIZE: max_header_list}))
@@ -254,10 +251,9 @@ class Connection:
 
     def _block_done(self, sid: int, block: bytes, end: bool, events: list[object]) -> None:
         try:  # decoded whatever the stream's state: the dynamic table must follow the peer's
-            headers = self._decoder.decode(block, raw=True)
-        except HPACKError as e:
-            raise FrameError(f.COMPRESSION_ERROR, f"a header block HPACK cannot decode: {e}"
-                             ) from None
+            headers = self._decoder.decode(block)
+        except HpackError as e:
+            raise FrameError(f.COMPRESSION_ERROR, str(e)) from None
         s = self.streams.get(sid)
         if s is not None:
             if not s.remote_open:
