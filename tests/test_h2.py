@@ -201,6 +201,20 @@ class Peer:
         return self.send(f.frame(f.DATA, flags, sid, body))
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 255), st.integers(0, 9),
+                          st.binary(max_size=40)), max_size=12), st.binary(max_size=60))
+def test_any_frames_give_events_or_end_the_connection_never_an_exception(frames, tail) -> None:
+    """Whatever a peer sends after the preface: events, or a GOAWAY and Terminated."""
+    c = Connection()
+    raw = f.PREFACE + b"".join(f.frame(*x) for x in frames) + tail
+    events = c.receive(raw)
+    if c.closed:
+        assert isinstance(events[-1], Terminated)
+        assert _frames_of(c.take())[-1][0] == f.GOAWAY
+    assert c.receive(b"more") == [] if c.closed else True
+
+
 def test_settings_are_acknowledged_and_pings_answered() -> None:
     c = Connection(window=1 << 20)
     first = _frames_of(c.take())
@@ -595,5 +609,53 @@ def test_a_port_in_use_is_an_oserror() -> None:
             s.listen()
             with pytest.raises(OSError):
                 await Server({}).start("127.0.0.1", s.getsockname()[1])
+
+    _run(main())
+
+
+def test_a_handler_waits_while_the_peer_s_window_is_shut() -> None:
+    """Answers queue for a peer that gives no window only up to a bound: past it the
+    handler waits (bounded memory), and goes on once WINDOW_UPDATEs come; every byte then
+    arrives, in order."""
+    produced: list[int] = []
+    piece = bytes(range(256)) * 2400  # 600 KiB
+
+    async def flood(requests, ctx):
+        async for _ in requests:
+            for i in range(4):
+                produced.append(i)
+                yield piece
+
+    async def main() -> None:
+        server = Server({"/t.S/Flood": stream_stream(flood)})
+        port = await server.start("127.0.0.1", 0)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f.PREFACE + f.frame(f.SETTINGS, 0, 0, f.encode_settings(
+            {f.INITIAL_WINDOW_SIZE: 0})))
+        enc = Encoder()
+        w.write(f.frame(f.HEADERS, f.END_HEADERS, 1, enc.encode([
+            (":method", "POST"), (":scheme", "http"), (":path", "/t.S/Flood"),
+            ("content-type", "application/grpc")])) +
+            f.frame(f.DATA, f.END_STREAM, 1, b"\0\0\0\0\0"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while len(produced) < 2 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # (time for it to go on, were it not waiting)
+        assert produced == [0, 1]  # 1.2 MiB queued: past the bound, it waits
+        w.write(f.frame(f.WINDOW_UPDATE, 0, 1, (10 << 20).to_bytes(4, "big")) +
+                f.frame(f.WINDOW_UPDATE, 0, 0, (10 << 20).to_bytes(4, "big")))
+        body = bytearray()
+        while True:
+            ftype, flags, sid, payload = await asyncio.wait_for(_read_frame(r), 5)
+            if ftype == f.DATA:
+                body += payload
+            if ftype == f.HEADERS and flags & f.END_STREAM:
+                break
+        assert produced == [0, 1, 2, 3]
+        one = b"\0" + len(piece).to_bytes(4, "big") + piece
+        assert body == one * 4
+        w.close()
+        await server.stop(None)
 
     _run(main())
