@@ -23,7 +23,8 @@ the picker's CPU (utime + stime of its process), Envoy's, and the gRPC messages 
 ``--rate`` (requests/s) of streamed 2k-token chats; TTFT p50/p99 and what each way adds to
 Envoy round robin's. Where the picker's CPU goes: the light configuration's three
 exchanges per stream driven straight at its gRPC port (no Envoy), against a do-nothing
-grpc.aio handler's CPU per stream: the gRPC layer's floor.
+handler's CPU per stream on kvwire's own HTTP/2 gRPC server (kvwire.h2) and on grpc.aio:
+the gRPC layer's floor.
 
     .venv/bin/python bench/epp.py            # 3 s per cell
     .venv/bin/python bench/epp.py --quick    # 1 s per cell, 8 connections only
@@ -178,6 +179,32 @@ def serve_bare_grpc(port: int) -> None:
     uvloop.run(main())
 
 
+def serve_bare_h2(port: int) -> None:
+    """The same do-nothing ext_proc handler on kvwire's own HTTP/2 gRPC server (uvloop)."""
+
+    import asyncio
+
+    import uvloop
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as xp
+
+    from kvwire.h2 import grpc as g
+
+    answer = xp.ProcessingResponse(request_headers=xp.HeadersResponse())
+
+    async def process(reqs, ctx):
+        async for _ in reqs:
+            yield answer
+
+    async def main() -> None:
+        s = g.Server({"/envoy.service.ext_proc.v3.ExternalProcessor/Process": g.stream_stream(
+            process, xp.ProcessingRequest.FromString, xp.ProcessingResponse.SerializeToString)})
+        await s.start("127.0.0.1", port)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
 def drive_streams(port: int, n: int, conc: int) -> None:
     """``n`` light-configuration streams (headers, a body, the answer's headers: three
     exchanges, as Envoy sends them), ``conc`` at once, from one grpc.aio client on CPU 1."""
@@ -219,7 +246,8 @@ def drive_streams(port: int, n: int, conc: int) -> None:
 
 
 def cpu_floor(epp_grpc: int, epp_pid: int, n: int) -> None:
-    """The picker's CPU per stream without Envoy, against a do-nothing grpc.aio server's."""
+    """The picker's CPU per stream without Envoy, against a do-nothing handler's on kvwire's
+    HTTP/2 gRPC server and on grpc.aio."""
     def per_stream(port: int, pid: int) -> float:
         """CPU per stream, less what the process spends idle (its subscriber, probes and
         status sampler run anyway) over as long."""
@@ -232,19 +260,23 @@ def cpu_floor(epp_grpc: int, epp_pid: int, n: int) -> None:
         busy = pb.tree_cpu(pid) - c0 - idle * (time.monotonic() - t0)
         return busy / n * 1e6
 
-    port = pb.free_port()
-    bare = subprocess.Popen([PY, os.path.abspath(__file__), "--bare-grpc", str(port)],
-                            stdout=subprocess.PIPE)
-    try:
-        assert bare.stdout.readline().strip() == b"ready"
-        floor = per_stream(port, bare.pid)
-    finally:
-        pb._kill(bare)
+    floors = {}
+    for mode in ("--bare-grpc", "--bare-h2"):
+        port = pb.free_port()
+        bare = subprocess.Popen([PY, os.path.abspath(__file__), mode, str(port)],
+                                stdout=subprocess.PIPE)
+        try:
+            assert bare.stdout.readline().strip() == b"ready"
+            floors[mode] = per_stream(port, bare.pid)
+        finally:
+            pb._kill(bare)
     epp = per_stream(epp_grpc, epp_pid)
     print(f"\nWhere the picker's CPU goes ({n} light streams of 3 exchanges, 16 at once, no "
-          f"Envoy): kvwire epp {epp:.0f} us/stream, of which a do-nothing grpc.aio handler "
-          f"takes {floor:.0f} us (kvwire's own: {epp - floor:.0f} us: decoding, the machine, "
-          "the pick, encoding)", flush=True)
+          f"Envoy): kvwire epp {epp:.0f} us/stream; a do-nothing handler takes "
+          f"{floors['--bare-h2']:.0f} us on kvwire's HTTP/2 gRPC server (kvwire.h2, what "
+          f"kvwire epp serves on), {floors['--bare-grpc']:.0f} us on grpc.aio (kvwire's own "
+          f"over its server's floor: {epp - floors['--bare-h2']:.0f} us: decoding, the "
+          "machine, the pick, encoding)", flush=True)
 
 
 def long_bodies(n: int, stream: bool) -> list[str]:
@@ -257,6 +289,9 @@ def long_bodies(n: int, stream: bool) -> list[str]:
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--bare-grpc":
         serve_bare_grpc(int(sys.argv[2]))
+        return
+    if len(sys.argv) > 2 and sys.argv[1] == "--bare-h2":
+        serve_bare_h2(int(sys.argv[2]))
         return
     if len(sys.argv) > 4 and sys.argv[1] == "--drive":
         drive_streams(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -482,17 +482,12 @@ def test_envoy_to_the_picker_over_tls(world, tmp_path) -> None:
         epp.stop()
 
 
-def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
-    """Envoy drops a request's content-length in FULL_DUPLEX_STREAMED (and 1.40 drops it
-    again after the picker sets it): the picker also sends it as x-kvwire-content-length,
-    which the printed bootstrap's header_mutation filter makes content-length again. An
-    engine that records what it got sees the length and the body, not chunks, in every
-    mode."""
+def _recording_engine():
+    """An engine that records each POST's headers and body (and answers 200): what Envoy
+    delivered, byte for byte."""
     import http.server
-    import json
     import threading
 
-    envoy_binary()
     got: list[tuple[dict, bytes]] = []
 
     class Engine(http.server.BaseHTTPRequestHandler):
@@ -518,6 +513,19 @@ def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, got
+
+
+def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
+    """Envoy drops a request's content-length in FULL_DUPLEX_STREAMED (and 1.40 drops it
+    again after the picker sets it): the picker also sends it as x-kvwire-content-length,
+    which the printed bootstrap's header_mutation filter makes content-length again. An
+    engine that records what it got sees the length and the body, not chunks, in every
+    mode."""
+    import json
+
+    envoy_binary()
+    server, got = _recording_engine()
     started: list = []
     try:
         epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
@@ -535,6 +543,43 @@ def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
             assert lower.get("content-length") == str(len(body)), (flags, headers)
             assert "transfer-encoding" not in lower and "x-kvwire-content-length" not in lower
             assert seen == body
+    finally:
+        for p in reversed(started):
+            p.stop()
+        server.shutdown()
+
+
+def test_a_2mb_prompt_crosses_every_flow_control_window_whole(tmp_path) -> None:
+    """2 MB of prompt, more than the picker's gRPC windows (1 MiB a stream) and Envoy's:
+    in FULL_DUPLEX_STREAMED Envoy streams it to the picker chunk by chunk and the picker
+    echoes every chunk back; in BUFFERED it is one gRPC message over many DATA frames.
+    The engine gets it byte for byte, three at a time, and the picker holds no load after."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    envoy_binary()
+    server, got = _recording_engine()
+    started: list = []
+    try:
+        epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
+                  "--probe-interval", "0.3", events=False)
+        started.append(epp)
+        for name in ("full_duplex", "buffered"):
+            envoy = Envoy(epp, tmp_path, *MODES[name])
+            started.append(envoy)
+            bodies = [json.dumps({"model": "m", "max_tokens": 1, "prompt": " ".join(
+                f"{name}{i}w{j}" for j in range(2_000_000 // 12))}).encode() for i in range(3)]
+            assert all(len(b) > 2_000_000 for b in bodies)
+
+            def post(body: bytes, url: str = envoy.url) -> int:
+                return httpx.post(url + "/v1/completions", content=body, timeout=60,
+                                  headers={"content-type": "application/json"}).status_code
+
+            with ThreadPoolExecutor(3) as pool:
+                assert list(pool.map(post, bodies)) == [200] * 3, name
+            assert sorted(b for _, b in got) == sorted(bodies), name
+            got.clear()
+            until(lambda: _idle(epp), "no load left", 10)
     finally:
         for p in reversed(started):
             p.stop()

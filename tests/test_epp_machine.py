@@ -373,6 +373,7 @@ def test_grpc_over_tls(tmp_path) -> None:
     from kvwire.consume.engine_spec import EngineSpec
     from kvwire.epp.picker import Picker
     from kvwire.epp.service import Service
+    from kvwire.h2.grpc import context
     from kvwire.proxy.fleet import Fleet
     from kvwire.proxy.tokens import Tokens
     from kvwire.routing.core import RouterCore
@@ -388,7 +389,7 @@ def test_grpc_over_tls(tmp_path) -> None:
     core = RouterCore([spec])
     fleet = Fleet([spec])
     svc = Service(Picker(core, fleet, Tokens(fleet, None, "none", 1.0)), lambda: True)
-    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    creds = context(str(cert), str(key))
 
     async def main() -> None:
         port = await svc.start("127.0.0.1", 0, creds)

@@ -39,8 +39,10 @@ ROOMS: list[dict[str, list[str]]] = [
     # and the atomic write of a state file (the indexer's, the engines file).
     {"errors": ["errors"], "state_file": ["state_file"],
      "moved": ["_moved"]},  # _moved: the DEPRECATED paths' helper
-    # The one HTTP/1.1 server and client; tokenizers and chat templates.
-    {"http1": ["http1"], "tokenize": ["tokenize"]},
+    # The one HTTP/1.1 server and client; HTTP/2 for gRPC (the frame codec, the pure
+    # connection machine, the gRPC server the endpoint picker serves Envoy on); tokenizers
+    # and chat templates.
+    {"http1": ["http1"], "h2": ["h2"], "tokenize": ["tokenize"]},
     # Prometheus exposition (and listen --metrics' exporter, on the one server).
     {"metrics": ["metrics"]},
     # What is on the wire: event types, dialect codecs, frames, endpoints, CurveZMQ.

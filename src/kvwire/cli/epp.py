@@ -113,10 +113,9 @@ def run(args: argparse.Namespace) -> int:
         print("kvwire epp: --grpc-tls-cert and --grpc-tls-key go together", file=sys.stderr)
         return EXIT_USAGE
     try:
-        import grpc
-
         from ..epp.picker import Picker
         from ..epp.service import Service
+        from ..h2.grpc import context
         from ..serve.build import ConfigError, StartError, build
     except ImportError as e:
         print(f"kvwire epp: {e}; install with: pip install 'kvwire[epp]'", file=sys.stderr)
@@ -127,9 +126,8 @@ def run(args: argparse.Namespace) -> int:
     creds = None
     if args.grpc_tls_cert is not None:
         try:
-            with open(args.grpc_tls_key, "rb") as k, open(args.grpc_tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        except OSError as e:
+            creds = context(args.grpc_tls_cert, args.grpc_tls_key)
+        except OSError as e:  # (ssl.SSLError is one: a key that does not fit)
             print(f"kvwire epp: cannot read the TLS files: {e}", file=sys.stderr)
             return EXIT_USAGE
     try:

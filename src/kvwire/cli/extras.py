@@ -22,7 +22,7 @@ __all__ = ["EXTRA_MODULES", "NEEDS", "Need", "extra_for_module", "install_hint",
 #: what is there when the extra is installed).
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "serve": ("prometheus_client", "tokenizers"),
-    "epp": ("grpc", "envoy", "google", "prometheus_client", "tokenizers"),
+    "epp": ("hpack", "envoy", "google", "prometheus_client", "tokenizers"),
     "nats": ("nats",),
     "sim": ("matplotlib",),
     "tokenize": ("tokenizers",),

@@ -1,4 +1,6 @@
-"""The gRPC face of the endpoint picker, on ``grpc.aio`` and the serving event loop: Envoy's
+"""The gRPC face of the endpoint picker, on kvwire's own HTTP/2 gRPC server
+(:mod:`kvwire.h2.grpc`: grpc.aio's stack cost more CPU per stream than the whole decision)
+and the serving event loop: Envoy's
 ``envoy.service.ext_proc.v3.ExternalProcessor/Process`` (one bidirectional stream per HTTP
 request, driven through the pure :class:`~.machine.Stream` and the :class:`~.picker.Picker`)
 and ``grpc.health.v1.Health/Check`` on the same port: the services ``""`` and ``liveness``
@@ -11,13 +13,13 @@ A stream Envoy resets (the client went away, the request ended) cancels its hand
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
-
 from ..errors import HttpError
+from ..h2.grpc import Server, StatusCode, stream_stream, unary_unary
 from . import messages
 from .machine import ProtocolError, Stream, Unsupported
 from .metrics import EppMetrics
@@ -107,11 +109,11 @@ class Service:
                     if not counts["epp_unsupported"]:  # (once: each stream would say it)
                         log.error("%s", e)
                     counts["epp_unsupported"] += 1
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await context.abort(StatusCode.INVALID_ARGUMENT, str(e))
                     return
                 except (ProtocolError, ValueError) as e:
                     counts["epp_protocol_errors"] += 1
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                    await context.abort(StatusCode.FAILED_PRECONDITION, str(e))
                     return
                 for a in step.answers:
                     sent += 1
@@ -162,45 +164,36 @@ class Service:
         try:
             name = _service_name(raw)
         except (ValueError, IndexError, UnicodeDecodeError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a HealthCheckRequest")
+            await context.abort(StatusCode.INVALID_ARGUMENT, "not a HealthCheckRequest")
         if name in ("", "liveness"):
             status = _SERVING
         elif name in ("readiness", EXT_PROC):
             status = _SERVING if self.ready() else _NOT_SERVING
         else:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {name!r}")
+            await context.abort(StatusCode.NOT_FOUND, f"unknown service {name!r}")
         return bytes((0x08, status))
 
     # ------------------------------------------------------------------ the server
 
-    async def start(self, host: str, port: int,
-                    credentials: grpc.ServerCredentials | None = None) -> int:
-        """Listen on ``host:port`` (0: any free port) on the running loop; the port."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                          ("grpc.max_receive_message_length", 64 << 20)])
-        server.add_generic_rpc_handlers((
-            grpc.method_handlers_generic_handler(EXT_PROC, {
-                "Process": grpc.stream_stream_rpc_method_handler(
-                    self.process, request_deserializer=messages.ProcessingRequest.FromString,
-                    response_serializer=messages.serialize)}),
-            grpc.method_handlers_generic_handler(HEALTH, {
-                "Check": grpc.unary_unary_rpc_method_handler(
-                    self.check, request_deserializer=None, response_serializer=None)}),
-        ))
-        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (0: any free port) on the running loop; the port. ``tls``:
+        serve over TLS (:func:`kvwire.h2.grpc.context` makes one from PEM files)."""
+        server = Server({
+            f"/{EXT_PROC}/Process": stream_stream(
+                self.process, messages.ProcessingRequest.FromString, messages.serialize),
+            f"/{HEALTH}/Check": unary_unary(self.check),
+        }, max_message=64 << 20)
         try:
-            bound = (server.add_secure_port(addr, credentials) if credentials is not None
-                     else server.add_insecure_port(addr))
-        except RuntimeError:  # grpcio's "Failed to bind"
-            bound = 0
-        if not bound:
-            raise OSError(f"cannot listen on {addr} (gRPC): in use or not an address here")
-        await server.start()
+            bound = await server.start(host, port, tls)
+        except OSError:
+            addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise OSError(f"cannot listen on {addr} (gRPC): in use or not an address here"
+                          ) from None
         self.server, self.port = server, bound
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop serving: streams under way get ``grace`` seconds (None: cut now)."""
+        """Stop serving (GOAWAY): streams under way get ``grace`` seconds (None: cut now)."""
         if self.server is not None:
             server, self.server = self.server, None
             await server.stop(grace)
