@@ -10,17 +10,14 @@ routing core. ``kvwire epp --envoy-config`` prints an Envoy bootstrap for it (do
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from .options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, configure_logging, port, positive
+from .options import EXIT_OK, EXIT_USAGE, Parser, configure_logging, port, positive
 
 __all__ = ["main", "register", "run"]
 
-log = logging.getLogger("kvwire.epp")
 
 GRPC_PORT = 9002  # the Gateway API Inference Extension's
 HTTP_PORT = 9090  # (its metrics port)
@@ -116,11 +113,11 @@ def run(args: argparse.Namespace) -> int:
         from ..epp.picker import Picker
         from ..epp.service import Service
         from ..h2.grpc import context
-        from ..serve.build import ConfigError, StartError, build
+        from ..serve import build  # noqa: F401 (the extra's imports)
     except ImportError as e:
         print(f"kvwire epp: {e}; install with: pip install 'kvwire[epp]'", file=sys.stderr)
         return EXIT_USAGE
-    from .serve import serve_config, tune_process
+    from .serve import built, serve_until_stopped
 
     configure_logging(args, stamped=True)
     creds = None
@@ -130,14 +127,9 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:  # (ssl.SSLError is one: a key that does not fit)
             print(f"kvwire epp: cannot read the TLS files: {e}", file=sys.stderr)
             return EXIT_USAGE
-    try:
-        svc = build(serve_config(args), say=_say)
-    except ConfigError as e:
-        print(f"kvwire epp: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except StartError as e:
-        print(f"kvwire epp: {e}", file=sys.stderr)
-        return EXIT_FAILURE
+    svc = built(args, "kvwire epp", _say)
+    if isinstance(svc, int):
+        return svc
     proxy = svc.proxy
     if proxy is None:  # (no engine has url=: nothing to pick among)
         svc.close()
@@ -157,16 +149,7 @@ def run(args: argparse.Namespace) -> int:
         await grpc_svc.stop(args.shutdown_timeout)  # get the same time to end
 
     svc.beside(start, stop)
-    try:
-        tune_process()
-        log.info("process tuned: %d objects frozen", gc.get_freeze_count())
-        svc.run()
-    except OSError as e:
-        print(f"kvwire epp: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    finally:
-        svc.close()
-    return EXIT_OK
+    return serve_until_stopped(svc, "kvwire epp")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

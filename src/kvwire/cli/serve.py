@@ -11,8 +11,8 @@ import gc
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .options import (
     EXIT_FAILURE,
@@ -222,24 +222,42 @@ def run(args: argparse.Namespace) -> int:
     statuses: 0 stopped, 1 cannot connect (--nats) or listen, 2 bad configuration or no
     extra."""
     try:
-        from ..serve.build import ConfigError, StartError, build
+        from ..serve import build  # noqa: F401 (the serve extra's imports)
     except ImportError as e:
         print(f"kvwire serve: {e}; install with: pip install 'kvwire[serve]'", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(args, stamped=True)
+    svc = built(args, "kvwire serve", _say)
+    return svc if isinstance(svc, int) else serve_until_stopped(svc, "kvwire serve")
+
+
+def built(args: argparse.Namespace, prog: str, say: Callable[[str], None]) -> Any:
+    """The service the flags describe, or, when it cannot be built, the exit status after one
+    line saying why (2: a bad configuration; 1: cannot connect or listen). Shared by every
+    command that runs ``kvwire serve``'s service."""
+    from ..serve.build import ConfigError, StartError, build
+
     try:
-        svc = build(serve_config(args), say=_say)
+        return build(serve_config(args), say=say)
     except ConfigError as e:
-        print(f"kvwire serve: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except StartError as e:
-        print(f"kvwire serve: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def serve_until_stopped(svc: Any, prog: str) -> int:
+    """Tune the process, serve until interrupted, close; 1 (one line said) when serving
+    failed at the socket level."""
     try:
         tune_process()
         log.info("process tuned: %d objects frozen, gc thresholds %s, switch interval %g s",
                  gc.get_freeze_count(), gc.get_threshold(), sys.getswitchinterval())
         svc.run()
+    except OSError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
     finally:
         svc.close()
     return EXIT_OK
