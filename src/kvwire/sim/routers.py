@@ -275,7 +275,7 @@ class _Kvwire(SimRouter):
 
     def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
-        from ..index import PrefixIndex  # helper E's package; imported when used
+        from ..index import PrefixIndex  # (imported when used: the index is only needed by this policy)
 
         self.now = 0.0
         self.idx = PrefixIndex(predict_ttl=cfg.predict_ttl, clock=lambda: self.now)
