@@ -275,7 +275,8 @@ class _Kvwire(SimRouter):
 
     def __init__(self, engines: list[FifoSim], cfg: SimConfig) -> None:
         super().__init__(engines, cfg)
-        from ..index import PrefixIndex  # (imported when used: the index is only needed by this policy)
+        # (imported when used: only this policy needs the index)
+        from ..index import PrefixIndex
 
         self.now = 0.0
         self.idx = PrefixIndex(predict_ttl=cfg.predict_ttl, clock=lambda: self.now)
