@@ -624,7 +624,8 @@ def test_the_serve_flags_reach_the_router_and_the_proxy(tmp_path: Path) -> None:
         "--pd-prefill-busy", "40", "--pd-protocol", "sglang", "--pd-fallback", "fail"])
     svc = build(serve_config(args))
     try:
-        assert svc.core.pairs == PairConfig(min_disagg_blocks=4.0, prefill_busy=40.0)
+        assert svc.core.pairs == PairConfig(min_disagg_blocks=4.0, prefill_busy=40.0,
+                                              always=True)  # (--pd-protocol)
         assert svc.proxy is not None
         assert (svc.proxy.cfg.pd_protocol, svc.proxy.cfg.pd_fallback) == ("sglang", "fail")
         assert svc.proxy.handler.pairs.active and svc.proxy.links["p0"].bootstrap_port == 9100

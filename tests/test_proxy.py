@@ -540,7 +540,9 @@ def test_metrics_count_requests_retries_and_latencies(
     stream is open). /engines shows the same counters."""
     stub = _Stub(500)
     try:
-        s = make_stack(2, engine_kw={"speed": 1.0}, policy=RoundRobinPolicy(), cooloff=60.0)
+        # (a model clock at 0.2x: a 200-token stream lasts ~2 s, so the mid-stream scrape
+        # lands inside it also on a busy host; at 1x it lasted ~0.4 s and once did not)
+        s = make_stack(2, engine_kw={"speed": 0.2}, policy=RoundRobinPolicy(), cooloff=60.0)
         s.proxy.links["e1"].set_url(stub.url)  # e1's events are real; its HTTP answers 500
 
         def m(name: str, **labels: str) -> float:
