@@ -163,7 +163,10 @@ def test_duplicates_dropped_redundant_bridges_write_once(nats_server, tmp_path, 
 def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref, pack, nats_api):
     """SIGKILL the bridge mid-stream, restart it while the engine keeps publishing: it reads
     the subject's last (epoch, seq), gets seq + 1 on from the engine's replay buffer, and
-    the subject has no batch missing and none twice (one marker set: the first join)."""
+    the subject has no batch missing and none twice (one marker set: the first join). The
+    engine publishes a second run while no bridge runs, so the restarted one has batches
+    to resume however late the host lets it start (the first run may be over by the kill),
+    and a third run live beside the resume."""
     e = Engine(5, ref=ref, workload="small")
     engines.append(e)
     subject = R if ref else K
@@ -173,10 +176,14 @@ def test_bridge_sigkill_restart_exact(nats_server, tmp_path, engines, ref, pack,
     b2 = None
     try:
         b.wait_started()
-        e.run(6000, 3000)
+        e.run(3000, 3000)
         wait_subject_seq(nats_server.url, subject, 1500, 30, procs=[b])
         b.kill()
+        e.wait_done(60)
+        e.run(1500)  # nobody bridges these: they must come from the replay buffer
+        e.wait_done(60)
         b2 = BridgeProc(tmp_path, nats_server.url, [_spec(name, e)], *opts)
+        e.run(1500, 3000)  # live while the restarted bridge resumes
         b2.wait_started()
         d = e.wait_done(60)
         wait_subject_seq(nats_server.url, subject, d.last_seq, 30, procs=[b2])
