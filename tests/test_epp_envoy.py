@@ -9,6 +9,7 @@ gets no more traffic once a probe saw it gone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -516,6 +517,24 @@ def _recording_engine():
     return server, got
 
 
+@contextlib.contextmanager
+def _picker_of_a_recording_engine():
+    """``kvwire epp`` over one engine that records what it gets (no KV events), and the
+    processes to stop (an Envoy the test starts goes in too): (epp, got, started)."""
+    envoy_binary()
+    server, got = _recording_engine()
+    started: list = []
+    try:
+        epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
+                  "--probe-interval", "0.3", events=False)
+        started.append(epp)
+        yield epp, got, started
+    finally:
+        for p in reversed(started):
+            p.stop()
+        server.shutdown()
+
+
 def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
     """Envoy drops a request's content-length in FULL_DUPLEX_STREAMED (and 1.40 drops it
     again after the picker sets it): the picker also sends it as x-kvwire-content-length,
@@ -524,13 +543,7 @@ def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
     mode."""
     import json
 
-    envoy_binary()
-    server, got = _recording_engine()
-    started: list = []
-    try:
-        epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
-                  "--probe-interval", "0.3", events=False)
-        started.append(epp)
+    with _picker_of_a_recording_engine() as (epp, got, started):
         for flags in MODES.values():
             envoy = Envoy(epp, tmp_path, *flags)
             started.append(envoy)
@@ -543,10 +556,6 @@ def test_the_engine_gets_the_body_with_its_length(tmp_path) -> None:
             assert lower.get("content-length") == str(len(body)), (flags, headers)
             assert "transfer-encoding" not in lower and "x-kvwire-content-length" not in lower
             assert seen == body
-    finally:
-        for p in reversed(started):
-            p.stop()
-        server.shutdown()
 
 
 def test_a_2mb_prompt_crosses_every_flow_control_window_whole(tmp_path) -> None:
@@ -557,13 +566,7 @@ def test_a_2mb_prompt_crosses_every_flow_control_window_whole(tmp_path) -> None:
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    envoy_binary()
-    server, got = _recording_engine()
-    started: list = []
-    try:
-        epp = Epp(["--engine", f"e0=tcp://127.0.0.1:9,url=http://127.0.0.1:{server.server_port}"],
-                  "--probe-interval", "0.3", events=False)
-        started.append(epp)
+    with _picker_of_a_recording_engine() as (epp, got, started):
         for name in ("full_duplex", "buffered"):
             envoy = Envoy(epp, tmp_path, *MODES[name])
             started.append(envoy)
@@ -580,7 +583,3 @@ def test_a_2mb_prompt_crosses_every_flow_control_window_whole(tmp_path) -> None:
             assert sorted(b for _, b in got) == sorted(bodies), name
             got.clear()
             until(lambda: _idle(epp), "no load left", 10)
-    finally:
-        for p in reversed(started):
-            p.stop()
-        server.shutdown()
