@@ -8,6 +8,7 @@ from setuptools import Extension, setup
 
 _MODULES = {
     "kvwire.wire._zmqframes": "src/kvwire/wire/_zmqframes.c",
+    "kvwire.wire._ids": "src/kvwire/wire/_ids.c",
     "kvwire.shm._ring": ["src/kvwire/shm/_ring.c", "src/kvwire/shm/_pickle5.c"],
     "kvwire.index._keys": "src/kvwire/index/_keys.c",
     "kvwire.index._tiers": "src/kvwire/index/_tiers.c",

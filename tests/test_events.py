@@ -584,3 +584,76 @@ def test_decoded_batches_and_events_are_not_gc_tracked() -> None:
     assert not gc.is_tracked(b)
     assert not any(gc.is_tracked(e) for e in b.events)
     assert not gc.is_tracked(Batch("s", 0, b))
+
+
+# A long prompt's batch: its token ids go through the C list maker (wire/_ids.c) when built.
+_strict = msgspec.msgpack.Decoder(KVEventBatch)
+token_values = st.one_of(st.integers(0, 2**18 + 5), st.integers(I64_MIN, U64_MAX),
+                         st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
+                                          I64_MAX, U64_MAX, -1, -32, -33, -128, -129, I64_MIN]))
+
+
+def _same_as_msgspec(payload: bytes) -> None:
+    """decode_fast gives what msgspec's strict decoder gives: the same batch, or an error
+    of the same kind."""
+    from kvwire.wire.events import FAST_DECODE_ERRORS, decode_fast
+
+    try:
+        want: Any = _strict.decode(payload)
+    except FAST_DECODE_ERRORS as e:
+        want = type(e)
+    try:
+        got: Any = decode_fast(payload)
+    except FAST_DECODE_ERRORS as e:
+        got = type(e)
+    assert got == want
+    if isinstance(got, KVEventBatch):
+        for ev in got.events:
+            if type(ev) is BlockStored:
+                assert type(ev.token_ids) is list
+                assert all(type(t) is int for t in ev.token_ids)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches, vals=st.lists(token_values, min_size=1, max_size=60),
+       n=st.integers(8200, 9000), dialect=st.sampled_from(("vllm", "sglang")), data=st.data())
+def test_property_long_batches_decode_fast_as_msgspec(batch: KVEventBatch, vals: list[int],
+                                                       n: int, dialect: str,
+                                                       data: st.DataObject) -> None:
+    from kvwire.wire.events import RAW_IDS_BYTES
+
+    ids = (vals * (n // len(vals) + 1))[:n]
+    long = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=ids,
+                       block_size=len(ids) // 2, lora_id=None, medium=None)
+    evs = list(batch.events)
+    evs.insert(data.draw(st.integers(0, len(evs))), long)
+    payload = encode_batch(KVEventBatch(batch.ts, evs, batch.data_parallel_rank), dialect)
+    assert len(payload) >= RAW_IDS_BYTES
+    _same_as_msgspec(payload)
+    mutated = bytearray(payload)
+    i = data.draw(st.integers(0, len(payload) - 1))
+    mutated[i] = data.draw(st.integers(0, 255))
+    _same_as_msgspec(bytes(mutated))
+    _same_as_msgspec(payload[: data.draw(st.integers(0, len(payload)))])
+
+
+def test_long_batch_token_ids_that_are_not_integers_fail_as_msgspec_says() -> None:
+    base = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+            "block_size": 9000, "lora_id": None, "medium": None, "lora_name": None}
+    for ids in ([1] * 8999 + [1.0], [1] * 8999 + [True], [1] * 8999 + [None], "x" * 9000,
+                [1] * 8999 + [[1]], [1] * 8999 + [2**64 - 1]):
+        _same_as_msgspec(enc([1.0, [dict(base, token_ids=ids)], None]))
+
+
+def test_long_batch_token_ids_use_shared_ints_when_built() -> None:
+    from kvwire.wire import events as ev_mod
+
+    if ev_mod._int_list is None:
+        pytest.skip("kvwire.wire._ids not built")
+    ids = [70_000 + i % 50 for i in range(4000)]
+    b = ev_mod.decode_fast(encode_batch(KVEventBatch(1.0, [BlockStored(
+        block_hashes=[1], parent_block_hash=None, token_ids=ids, block_size=4000, lora_id=None,
+        medium=None)])))
+    got = b.events[0].token_ids
+    assert got == ids
+    assert got[0] is got[50]  # one object per value, not one per id

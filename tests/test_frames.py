@@ -213,4 +213,5 @@ def test_package_reports_its_native_paths() -> None:
     if not os.environ.get("KVWIRE_NO_NATIVE") and not os.environ.get("KVWIRE_SHM_PURE"):
         # this project's machines build all
         assert st == {"frames": "c", "shm": "c", "index": "c", "route_body": "c",
-                      "index_walk": "c", "query_answer": "c", "builtin_tokenizer": "c"}
+                      "index_walk": "c", "query_answer": "c", "builtin_tokenizer": "c",
+                      "event_ids": "c"}

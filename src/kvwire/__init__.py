@@ -86,8 +86,9 @@ def native_status() -> dict[str, str]:
     """Which optional C accelerators this process uses (see setup.py): ``frames`` is
     ``"c"``, ``"ctypes"`` or ``"pyzmq"``; ``shm``, ``index``, ``route_body`` (the
     service's token-id parser), ``index_walk`` (the indexer API's per-medium walk),
-    ``query_answer`` (its ``/query`` answer bytes) and ``builtin_tokenizer`` (the builtin
-    tokenizer's text-to-ids loop) are ``"c"`` or ``"python (<why>)"``."""
+    ``query_answer`` (its ``/query`` answer bytes), ``builtin_tokenizer`` (the builtin
+    tokenizer's text-to-ids loop) and ``event_ids`` (the token ids of large event batches)
+    are ``"c"`` or ``"python (<why>)"``."""
     from .index import keys as index_keys
     from .shm import NATIVE, _native
     from .wire.frames import native_status as frames_status
@@ -105,6 +106,7 @@ def native_status() -> dict[str, str]:
 
     from .index import walk
     from .indexer import indexer
+    from .wire import events
 
     def built(mod: object) -> str:
         if os.environ.get("KVWIRE_NO_NATIVE"):
@@ -113,4 +115,4 @@ def native_status() -> dict[str, str]:
 
     return {"frames": frames_status(), "shm": shm, "index": index, "route_body": body,
             "index_walk": built(walk.tier_walk), "query_answer": built(indexer._c_answer),
-            "builtin_tokenizer": plain}
+            "builtin_tokenizer": plain, "event_ids": built(events._int_list)}

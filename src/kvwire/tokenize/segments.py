@@ -67,7 +67,8 @@ class Segments:
         self.max_tokens = max_tokens
         self._whole: dict[str, Sequence[int]] = {}  # never mutated once kept
         #: how ids are kept: ``tuple``, or prefix.py's ``interner`` for ids that are not
-        #: shared int objects (the store's too)
+        #: shared int objects (the store's too); a new object, as it may be given the
+        #: list returned to the caller
         self.intern: Callable[[Sequence[int]], Sequence[int]] = tuple
         self._whole_tokens = 0
 
@@ -137,8 +138,12 @@ class Segments:
         for part in parts:
             out += results[part] if type(part) is int else part
             starts.append(len(out))
+        n = len(out)
         for seg, a, b in p.whole:
-            self._keep(seg, self.intern(out[starts[a]:starts[b]]))
+            lo, hi = starts[a], starts[b]
+            # a text that is one segment (a completion prompt) keeps its ids without the
+            # slice: a copy less of ids that may be tens of thousands
+            self._keep(seg, self.intern(out if lo == 0 and hi == n else out[lo:hi]))
         if p.trail:
             out += p.trail
         return out

@@ -7,12 +7,14 @@ the wire, so one decoded value can be re-encoded in any dialect. Each dialect ha
 Structs whose field order, defaults and array/map shape reproduce that engine's bytes
 exactly; msgspec does the byte work, so decoding stays at strict-msgspec speed on the
 common path and only falls back to per-event decoding when a batch mixes shapes or holds
-a malformed event.
+a malformed event. :func:`decode_fast` (a subscriber's live path) makes a large batch's
+token ids (a long prompt's) a list in C, of one shared int object per value.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Literal
@@ -177,11 +179,74 @@ _raw_batch = msgspec.msgpack.Decoder(_RawBatch)
 # (absurd nesting): for kvwire those are just more malformed input.
 _ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
-#: The short path of :class:`BatchDecoder` alone: today's map-shaped batches (vLLM >= 0.9,
-#: SGLang), strictly. For hot loops that fall back to a BatchDecoder on
-#: :data:`FAST_DECODE_ERRORS` (other dialects, malformed events).
-decode_fast = _map_batch.decode
 FAST_DECODE_ERRORS = _ERRORS
+
+
+def _twin(cls: Any, name: str, changed: dict[str, Any], **config: Any) -> Any:
+    """A Struct decoding like ``cls`` but for the field types in ``changed``."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        t = changed.get(f.name, f.type)
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, t, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, t, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, t))
+    return msgspec.defstruct(name, fields, frozen=True, gc=False, **config)
+
+
+# Large batches (a long prompt's BlockStored: 15k token ids in ~50 kB) decode with their
+# token ids left raw, then made a list of shared int objects in C (_ids.c): msgspec makes a
+# new int per id, most of the decoding's and of the batch's freeing cost. Same values, same
+# types, and anything _ids.c does not take (not an array of integers) is decoded whole by
+# msgspec as before, errors included.
+_IDS_AT = list(msgspec.structs.fields(BlockStored)).index(
+    next(f for f in msgspec.structs.fields(BlockStored) if f.name == "token_ids"))
+_RawIdsStored = _twin(BlockStored, "_RawIdsStored", {"token_ids": msgspec.Raw},
+                      tag="BlockStored", tag_field="type", omit_defaults=True)
+_RawIdsBatch = _twin(KVEventBatch, "_RawIdsBatch",
+                     {"events": list[_RawIdsStored | BlockRemoved | AllBlocksCleared]},  # type: ignore[valid-type]
+                     array_like=True)
+_raw_ids_batch = msgspec.msgpack.Decoder(_RawIdsBatch)
+#: Payloads this long or longer take the raw-ids path (when _ids.c is built).
+RAW_IDS_BYTES = 8192
+_int_list: Any = None  # not built (or KVWIRE_NO_NATIVE): msgspec's ints, the same values
+if not os.environ.get("KVWIRE_NO_NATIVE"):
+    try:
+        from ._ids import int_list as _int_list  # type: ignore[import-not-found,no-redef]
+    except ImportError:
+        pass
+_astuple = msgspec.structs.astuple
+
+
+def _decode_raw_ids(payload: bytes) -> KVEventBatch:
+    b = _raw_ids_batch.decode(payload)
+    events: list[Any] = []
+    add = events.append
+    try:
+        for ev in b.events:
+            if type(ev) is _RawIdsStored:
+                t = _astuple(ev)
+                ev = BlockStored(*t[:_IDS_AT], _int_list(t[_IDS_AT]), *t[_IDS_AT + 1:])
+            add(ev)
+    except ValueError:  # token ids that are not all integers: msgspec says what is wrong
+        return _map_batch.decode(payload)
+    return KVEventBatch(b.ts, events, b.data_parallel_rank)
+
+
+def decode_fast(payload: bytes) -> KVEventBatch:
+    """The short path of :class:`BatchDecoder` alone: today's map-shaped batches (vLLM >=
+    0.9, SGLang), strictly. For hot loops that fall back to a BatchDecoder on
+    :data:`FAST_DECODE_ERRORS` (other dialects, malformed events)."""
+    if len(payload) < RAW_IDS_BYTES or _int_list is None:
+        return _map_batch.decode(payload)
+    try:
+        return _decode_raw_ids(payload)
+    except _ERRORS:
+        return _map_batch.decode(payload)  # the same error, or none: msgspec decides
+
+
 _map_event = msgspec.msgpack.Decoder(Event)
 _legacy_event = msgspec.msgpack.Decoder(_LegacyEvent)
 _any = msgspec.msgpack.Decoder()
