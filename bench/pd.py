@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from proxy import PY, _kill, free_port, tree_cpu  # noqa: E402
 from proxy import _start_router as start_router  # noqa: E402
-from routing import pct, prompt_text, replay  # noqa: E402
+from routing import fleet_up, pct, prompt_text, replay, stop_fleet  # noqa: E402
 
 from kvwire.sim.floor import ttft_floor  # noqa: E402
 from kvwire.sim.trace import bundled_trace_path, load_trace  # noqa: E402
@@ -53,29 +52,7 @@ def start_fleet(args: list[str], want: int, base: int, a: argparse.Namespace,
     cmd = [PY, "-m", "kvwire", "fleet", *args, "--base-port", str(base), "--speed",
            str(a.speed), "--block-size", "512", "--num-gpu-blocks", str(a.blocks),
            "--max-model-len", "262144", "--log-level", "error"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
-    specs: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        if line.startswith("--engine "):
-            specs.append(line.split(None, 1)[1].strip())
-        if len(specs) == want:
-            return p, specs
-    _kill(p)
-    raise RuntimeError(f"kvwire fleet {' '.join(args)} did not start (see {log})")
-
-
-def stop_fleet(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    return fleet_up(cmd, want, log)
 
 
 def spec_field(spec: str, key: str) -> str | None:

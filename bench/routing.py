@@ -194,6 +194,12 @@ def start_fleet(n: int, base: int, speed: float, log: str,
            "--log-level", "error"]
     if tokenizer != "builtin":  # (the engine's default is the builtin tokenizer)
         cmd += ["--tokenizer", tokenizer]
+    return fleet_up(cmd, n, log)
+
+
+def fleet_up(cmd: list[str], want: int, log: str) -> tuple[subprocess.Popen, list[str]]:
+    """Run ``kvwire fleet`` (``cmd``, its stderr appended to ``log``) until it has printed
+    ``want`` ``--engine`` lines (once every engine serves): the process and those specs."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True)
     specs: list[str] = []
     deadline = time.monotonic() + 120
@@ -203,10 +209,10 @@ def start_fleet(n: int, base: int, speed: float, log: str,
             break
         if line.startswith("--engine "):
             specs.append(line.split(None, 1)[1].strip())
-        if len(specs) == n:  # printed once every engine serves
+        if len(specs) == want:
             return p, specs
     _kill(p)
-    raise RuntimeError(f"kvwire fleet did not start (see {log})")
+    raise RuntimeError(f"{' '.join(cmd[2:5])} did not start (see {log})")
 
 
 def stop_fleet(p: subprocess.Popen) -> None:
