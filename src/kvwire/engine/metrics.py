@@ -167,13 +167,7 @@ def render_transfer(labels: dict[str, str], counts: dict[str, int], seconds: His
         "Bytes pulled (blocks x block size x bytes per token).", counts["bytes"])
     def hist(name: str, help: str, h: Histogram) -> None:
         family(name, "histogram", help)
-        acc = 0
-        for b, c in zip(h.buckets, h.counts):
-            acc += c
-            lines.append(f'{name}_bucket{{{lab},le="{float(b)}"}} {acc}')
-        lines.append(f'{name}_bucket{{{lab},le="+Inf"}} {h.count}')
-        lines.append(f"{name}_count{{{lab}}} {h.count}")
-        lines.append(f"{name}_sum{{{lab}}} {h.sum}")
+        lines.extend(_histogram_lines(name, lab, h))
 
     hist("kvwire_engine_kv_transfer_seconds",
          "Seconds from a pull's start to its end (model time).", seconds)
@@ -192,6 +186,19 @@ def render_transfer(labels: dict[str, str], counts: dict[str, int], seconds: His
         family(name, "counter", help)
         lines.append(f"{name}_total{{{lab}}} {v}")
     return ("\n".join(lines) + "\n").encode()
+
+
+def _histogram_lines(name: str, labels: str, h: Histogram) -> list[str]:
+    """One histogram's sample lines (cumulative buckets, +Inf, count, sum) under ``labels``
+    (already rendered)."""
+    out, acc = [], 0
+    for b, c in zip(h.buckets, h.counts):
+        acc += c
+        out.append(f'{name}_bucket{{{labels},le="{float(b)}"}} {acc}')
+    out.append(f'{name}_bucket{{{labels},le="+Inf"}} {h.count}')
+    out.append(f"{name}_count{{{labels}}} {h.count}")
+    out.append(f"{name}_sum{{{labels}}} {h.sum}")
+    return out
 
 
 def _labels(d: dict[str, str]) -> str:
@@ -250,15 +257,7 @@ def render(engines: list[tuple[dict[str, str], EngineStats, Callable[[], tuple[i
     for name, help, attr in hists:
         family(name, "histogram", help)
         for lab, st, _ in engines:
-            h: Histogram = getattr(st, attr)
-            base = _labels(lab)
-            acc = 0
-            for b, c in zip(h.buckets, h.counts):
-                acc += c
-                lines.append(f'{name}_bucket{{{base},le="{float(b)}"}} {acc}')
-            lines.append(f'{name}_bucket{{{base},le="+Inf"}} {h.count}')
-            lines.append(f"{name}_count{{{base}}} {h.count}")
-            lines.append(f"{name}_sum{{{base}}} {h.sum}")
+            lines.extend(_histogram_lines(name, _labels(lab), getattr(st, attr)))
     for name, v in (extra or {}).items():
         full = f"kvwire_engine_{name}_total"
         family(full, "counter", f"kvwire engine: {name.replace('_', ' ')}.")
