@@ -236,6 +236,10 @@ def test_a_prefill_engine_killed_before_the_pull_reruns_the_pair(
         until(lambda: d.metric("vllm:num_requests_waiting") == 1, "the pair's decode queued")
         until(lambda: h.metric("kvwire_engine_kv_held_blocks") > 0,
               f"{holder} holding the prompt's blocks for the decode engine")
+        # (SGLang: its prefill answer, drained beside the decode request, in: the kill
+        # then fails the transfer, not the prefill)
+        until(lambda: _metric(f.metrics(), "kvwire_proxy_pd_prefill_seconds_count",
+                              engine=holder) == 2, f"{holder}'s prefill answer at the router")
         h.kill()
     finally:
         busy.close()  # the decode engine aborts it and admits the queued one
