@@ -56,21 +56,33 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return reason.removeprefix("Skipped: ")
 
 
+#: what a skip's reason names -> how to get it (each tier's own package and Makefile stamp)
 _MISSING = {"torch": "install torch (`make test` retries it) to run them",
             "chromium": "install chromium (`make test` retries it, as root) to run it",
             "vllm": "install vllm==0.33.0 (`make test` retries it: the ENGINES stamp) to run them",
             "sglang": "install sglang==0.5.23 (`make test` retries it: the ENGINES stamp) to "
                       "run them",
+            "sglang-router": "install sglang-router==0.3.2 (`make test` retries it: the "
+                             "ROUTERS stamp) to run them",
             "dynamo": "install ai-dynamo-runtime==1.6.1 (`make test` retries it: the DYNAMO "
                       "stamp) to run them"}
 
 
+def _names(reason: str, what: str) -> bool:
+    """Whether a skip's ``reason`` is for ``what``: it names it, and no longer key holding
+    it (SGLang's router, sglang-router or sglang_router, is not SGLang's engine)."""
+    reason = reason.lower().replace("_", "-")
+    return what in reason and not any(k != what and what in k and k in reason
+                                      for k in _MISSING)
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
-    """Say loudly which tests did not run for want of torch, chromium, vLLM or SGLang (a
-    failed `make` install skips them, and a one-letter 's' among hundreds of dots is easy to miss)."""
+    """Say loudly which tests did not run for want of torch, chromium, vLLM, SGLang, its
+    router or Dynamo (a failed `make` install skips them, and a one-letter 's' among hundreds
+    of dots is easy to miss)."""
     skipped = [(r.nodeid, _skip_reason(r)) for r in terminalreporter.stats.get("skipped", [])]
     for what, hint in _MISSING.items():
-        hit = [(nodeid, reason) for nodeid, reason in skipped if what in reason.lower()]
+        hit = [(nodeid, reason) for nodeid, reason in skipped if _names(reason, what)]
         if not hit:
             continue
         terminalreporter.write_sep(

@@ -1,5 +1,6 @@
 """Without the engines' wheels the engines tier skips, and says so loudly (conftest's summary
-names vLLM and SGLang): run for real, a pytest subprocess on a suite missing both."""
+names vLLM and SGLang; SGLang's router tier apart, with its own package and stamp): run for
+real, a pytest subprocess on a suite missing them."""
 
 from __future__ import annotations
 
@@ -57,3 +58,28 @@ def test_switch_on_without_the_engine_logs_and_returns() -> None:
     assert "vLLM keeps its own publisher" in err and "SGLang keeps its own publisher" in err
     assert "KVWIRE_VLLM_SHM='maybe' is not one of" in err  # a typo is off, and said so
     assert "active in" not in err
+
+
+def test_sglang_routers_tier_names_its_own_package_and_stamp(tmp_path) -> None:
+    """SGLang's router tier (tests/test_sglang_router_pd.py, its own skip, sglang_router made
+    unimportable for real) is listed under sglang-router with the ROUTERS stamp, and SGLang's
+    engine tier apart under sglang with the ENGINES stamp: neither is the other's."""
+    out = run_suite(tmp_path, (
+        "import sys\n"
+        "sys.modules['sglang_router'] = None\n"
+        "from engine_helpers import import_or_skip\n"
+        "from test_sglang_router_pd import routed, "
+        "test_sglang_router_pd_in_front_of_kvwire_engines  # noqa: F401\n"
+        "def test_s():\n"
+        "    import_or_skip('sglang_not_installed_kvwire.kv', 'sglang (sglang==0.5.23)')\n"
+    ))
+    router = "test_suite.py::test_sglang_router_pd_in_front_of_kvwire_engines"
+    blocks = out.split("!!!!!!!! ")
+    (mine,) = [b for b in blocks if "because sglang-router is missing" in b]
+    (engine,) = [b for b in blocks if "because sglang is missing" in b]
+    assert "1 test(s) SKIPPED because sglang-router is missing" in mine, out
+    assert f"SKIPPED {router}: sglang-router is missing" in mine, out
+    assert "install sglang-router==0.3.2" in mine and "the ROUTERS stamp" in mine, out
+    assert "1 test(s) SKIPPED because sglang is missing" in engine, out
+    assert router not in engine and "test_suite.py::test_s:" in engine, out
+    assert "install sglang==0.5.23" in engine and "the ENGINES stamp" in engine, out

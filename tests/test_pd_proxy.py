@@ -1,21 +1,23 @@
 """``kvwire serve``'s prefill/decode flows (proxy/pairs.py) over real HTTP on loopback: a
 RouterCore + Proxy served by kvwire's HTTP server in front of stand-in engines.
 
-The stand-ins: ``kvwire engine --role`` is another owner's part, unfinished while this was
-written, so each engine here is a small real HTTP server (kvwire.http1.server, real sockets)
-that speaks the two protocols' surface as vLLM and SGLang engines do and records every body
-and header it was sent: a vLLM prefill engine answers ``kv_transfer_params``; an SGLang
-prefill engine "pushes" its room (a shared table) and a decode engine waits for that push
-(bounded) before it answers. Their faults (500, refused, hung, a stream broken off) are
-the ones the flows must survive. tests/test_pd_serve.py runs the same flows against real
-``kvwire engine --role`` processes. The engines' blocks are applied to the router's index
-directly (as the feed applies a delivery), so which engine holds a prefix is known."""
+The stand-ins: each engine here is a small real HTTP server (kvwire.http1.server, real
+sockets) that speaks the two protocols' surface as vLLM and SGLang engines do and records
+every body and header it was sent, which a real engine does not show: a vLLM prefill engine
+answers ``kv_transfer_params``; an SGLang prefill engine "pushes" its room (a shared table)
+and a decode engine waits for that push (bounded) before it answers. They also fail on
+demand (500, refused, hung, a stream broken off: the faults the flows must survive), which
+a real engine cannot be asked to do. tests/test_pd_serve.py runs the flows against real
+``kvwire engine --role`` processes (its faults: SIGKILL, a client leaving). The engines'
+blocks are applied to the router's index directly (as the feed applies a delivery), so
+which engine holds a prefix is known."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -577,17 +579,30 @@ def test_sglang_client_disconnect_ends_both_sides(pd: Callable[..., PDStack]) ->
 # ------------------------------------------------------------------------------ status, CLI
 
 
-def test_engines_and_status_show_roles(pd: Callable[..., PDStack]) -> None:
+def test_engines_show_roles(pd: Callable[..., PDStack]) -> None:
+    """/engines (what the status page renders from) carries each engine's role."""
     s = pd({"p0": "prefill", "d0": "decode", "b0": "both"})
     e = httpx.get(s.url + "/engines", timeout=TIMEOUT).json()
     assert {n: v["role"] for n, v in e.items()} == {"p0": "prefill", "d0": "decode",
                                                     "b0": "both"}
     assert e["p0"]["http"]["role"] == "prefill"
-    assert "eng.role" in httpx.get(s.url + "/", timeout=TIMEOUT).text
     # a pass-through request never goes to a prefill-only engine
     for _ in range(6):
         r = httpx.post(s.url + "/tokenize", timeout=TIMEOUT, json={"model": "m", "prompt": "x"})
         assert r.headers["x-kvwire-engine"] in ("d0", "b0")
+
+
+def test_status_page_shows_roles_in_headless_chromium(pd: Callable[..., PDStack],
+                                                      tmp_path: Path) -> None:
+    """The status page, rendered by its script in a real browser: each engine's row names
+    its role (a prefill or decode engine), an engine of both roles only its name."""
+    from test_status_page import _browse  # (skips loudly without chromium)
+
+    s = pd({"p0": "prefill", "d0": "decode", "b0": "both"})
+    dom = _browse(s.url.rsplit(":", 1)[1], tmp_path)
+    rows = dict(re.findall(r'<tr data-stream="([^"]+)"[^>]*><td>([^<]*)</td>', dom))
+    assert rows == {"p0/dp0": "p0 (prefill)", "d0/dp0": "d0 (decode)", "b0/dp0": "b0"}, \
+        dom[-3000:]
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:

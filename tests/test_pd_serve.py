@@ -2,11 +2,13 @@
 processes (KV events, KV side channel, SGLang bootstrap servers) behind a real ``kvwire
 serve`` process, all on loopback, in both protocols. Checked: the ``openai`` client,
 unchanged, gets every answer (streamed and not) and the decode engine really pulled the
-prompt's KV; a prefix goes to the prefill engine whose events say it holds it; a prefill
-engine SIGKILLed is retried on the next, then falls back to a local prefill; a decode engine
+prompt's KV; the prefill engine's load ends with its answer while the decode stream goes on;
+SGLang's list of prompts is one room per prompt; a prefix goes to the prefill engine whose
+events say it holds it; a prefill engine SIGKILLed is retried on the next, then falls back
+to a local prefill; one SIGKILLed before the KV left it reruns the pair; a decode engine
 SIGKILLed mid-stream gives the client an SSE error; a client leaving during the prefill
-leaves nothing held; a few hundred mixed requests with faults end with every load at 0 and
-no engine holding a leased block."""
+leaves nothing held; 2,000 mixed requests with faults end with every load at 0 and no
+engine holding a leased block."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pd_helpers import MODEL, TIMEOUT, Fleet, fleets, total_metric, until, words_prompt
+from pd_helpers import MODEL, TIMEOUT, Fleet, fleets, metric, total_metric, until, words_prompt
 
 _prompt, _metric = words_prompt, total_metric
 
@@ -69,6 +71,76 @@ def test_both_protocols_through_kvwire_serve(fleet: Callable[..., Fleet],
     assert _metric(m, "kvwire_proxy_pd_requests_total", role="decode") == 4
     assert _metric(m, "kvwire_proxy_pd_requests_total", role="prefill") == 4
     until(f.all_idle, "every load 0 and no engine holding or running anything")
+
+
+def _loads(f: Fleet) -> dict[str, float]:
+    """Each engine's reserved load at the router (/engines, summed over its ranks)."""
+    st = f.status()
+    return {n: sum(r["load"] for r in v["ranks"]) for n, v in st.items()}
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_the_prefill_load_ends_with_the_prefill_answer(fleet: Callable[..., Fleet],
+                                                       protocol: str) -> None:
+    """A long stream from a slow decode engine: once its first chunk is in and while it
+    still runs, the router holds no load on the prefill engine (its reservation ended with
+    the prefill answer) and some on the decode engine; after the stream, none anywhere."""
+    f = fleet({"prefill0": "prefill", "decode0": "decode"}, protocol,
+              engine_flags={"decode0": ("--speed", "0.5")})
+    with httpx.stream("POST", f.url + "/v1/completions", timeout=TIMEOUT, json={
+            "model": MODEL, "prompt": _prompt(13), "max_tokens": 400, "ignore_eos": True,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        lines = (x for x in r.iter_lines() if x.startswith("data: "))
+        assert '"text"' in next(lines)
+
+        def split() -> dict[str, float] | None:
+            now = _loads(f)
+            return now if now["prefill0"] == 0 and now["decode0"] > 0 else None
+
+        # (SGLang's prefill answer is drained beside the decode stream: it may end just
+        # after the first chunk, so wait for it; the decode load > 0 in the same reading
+        # says the stream was still running)
+        seen = until(split, "the prefill engine's load at 0 while the decode side streams")
+        m = f.metrics()
+        assert metric(m, "kvwire_router_load_blocks", stream="prefill0/dp0") == 0, seen
+        assert metric(m, "kvwire_router_load_blocks", stream="decode0/dp0") > 0, seen
+        after = [x for x in lines if '"text"' in x]
+    assert len(after) > 10  # (the stream was far from its end when the loads were read)
+    until(f.settled, "every load 0 at the router")
+    assert _loads(f) == {"prefill0": 0, "decode0": 0}
+    assert metric(f.metrics(), "kvwire_router_load_blocks") == 0
+
+
+def test_sglang_a_list_of_prompts_is_one_room_per_prompt(fleet: Callable[..., Fleet]) -> None:
+    """SGLang's protocol, a completion whose prompt is a list of three strings: the router
+    gives each prompt its own bootstrap room, so the decode engine takes three prompts' KV
+    from the prefill engine (three transfers, three leases released there); every prompt is
+    answered at its index, as the decode engine answers that prompt alone; nothing is held
+    after."""
+    f = fleet({"prefill0": "prefill", "decode0": "decode"}, "sglang")
+    p, d = f.engines["prefill0"], f.engines["decode0"]
+    prompts = [_prompt(40 + i) for i in range(3)]
+    r = f.http.post("/v1/completions", json={"model": MODEL, "prompt": prompts,
+                                             "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvwire-engine"] == "prefill=prefill0,decode=decode0"
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert d.metric("kvwire_engine_kv_transfers_total", result="ok") == 3
+    assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == 0
+    until(lambda: p.metric("kvwire_engine_kv_leases_released_total") == 3,
+          "the prefill engine's three rooms pushed and released")
+    for c, text in zip(choices, prompts):
+        alone = d.http.post("/v1/completions", json={"model": MODEL, "prompt": text,
+                                                     "max_tokens": 5}).json()
+        assert c["text"] and c["text"] == alone["choices"][0]["text"]
+    m = f.metrics()
+    assert _metric(m, "kvwire_proxy_pd_requests_total", role="prefill") == 1
+    assert _metric(m, "kvwire_proxy_pd_requests_total", role="decode") == 1
+    until(f.all_idle, "every load 0 and no engine holding or running anything")
+    assert p.metric("kvwire_engine_kv_rooms") == 0
+    assert p.metric("kvwire_engine_kv_leases_expired_total") == 0
 
 
 def test_a_prefix_goes_to_the_prefill_engine_whose_events_hold_it(
@@ -126,14 +198,16 @@ def test_a_prefill_engine_killed_is_retried_then_falls_back(fleet: Callable[...,
     until(f.all_idle, "every load 0, the decode engine idle")
 
 
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 def test_a_prefill_engine_killed_before_the_pull_reruns_the_pair(
-        fleet: Callable[..., Fleet]) -> None:
-    """vLLM: the prefill answered (its blocks held), the decode engine has the request
-    queued (one sequence at a time, busy with another); the prefill engine is SIGKILLed
-    before the pull. The pull fails (--kv-load-failure fail: the decode engine answers
-    500 and frees what it allocated); the router takes that for a failed transfer and
-    runs the pair again on the other prefill engine: the client gets its answer."""
-    f = fleet({"prefill0": "prefill", "prefill1": "prefill", "decode0": "decode"}, "vllm",
+        fleet: Callable[..., Fleet], protocol: str) -> None:
+    """The prefill done (its blocks held), the decode engine has the request queued (one
+    sequence at a time, busy with another); the prefill engine is SIGKILLed before its KV
+    left (vLLM: before the decode engine's pull; SGLang: before the decode engine told it
+    where to push the room). The transfer fails (--kv-load-failure fail: the decode engine
+    answers 500 and frees what it allocated); the router takes that for a failed transfer
+    and runs the pair again on the other prefill engine: the client gets its answer."""
+    f = fleet({"prefill0": "prefill", "prefill1": "prefill", "decode0": "decode"}, protocol,
               "--predict-ttl", "600",
               engine_flags={"decode0": ("--max-num-seqs", "1", "--speed", "1")})
     d = f.engines["decode0"]
@@ -142,6 +216,8 @@ def test_a_prefill_engine_killed_before_the_pull_reruns_the_pair(
                                              "max_tokens": 2})
     holder = PAIRED.fullmatch(r.headers["x-kvwire-engine"]).group(1)
     other = "prefill1" if holder == "prefill0" else "prefill0"
+    h = f.engines[holder]
+    until(h.idle, f"{holder} holding nothing after the first request")
     # the decode engine busy with a long answer of its own (sent to it directly)
     blocker = httpx.Client(timeout=TIMEOUT)
     busy = blocker.send(blocker.build_request("POST", d.url + "/v1/completions", json={
@@ -158,7 +234,13 @@ def test_a_prefill_engine_killed_before_the_pull_reruns_the_pair(
         t = threading.Thread(target=client, daemon=True)
         t.start()
         until(lambda: d.metric("vllm:num_requests_waiting") == 1, "the pair's decode queued")
-        f.engines[holder].kill()
+        until(lambda: h.metric("kvwire_engine_kv_held_blocks") > 0,
+              f"{holder} holding the prompt's blocks for the decode engine")
+        # (SGLang: its prefill answer, drained beside the decode request, in: the kill
+        # then fails the transfer, not the prefill)
+        until(lambda: _metric(f.metrics(), "kvwire_proxy_pd_prefill_seconds_count",
+                              engine=holder) == 2, f"{holder}'s prefill answer at the router")
+        h.kill()
     finally:
         busy.close()  # the decode engine aborts it and admits the queued one
         blocker.close()
@@ -166,6 +248,7 @@ def test_a_prefill_engine_killed_before_the_pull_reruns_the_pair(
     r = answer["r"]
     assert r.status_code == 200, r.text
     assert r.headers["x-kvwire-engine"] == f"prefill={other},decode=decode0"
+    assert r.json()["usage"]["completion_tokens"] == 3
     assert d.metric("kvwire_engine_kv_transfers_total", result="failed") == 1
     assert _metric(f.metrics(), "kvwire_proxy_pd_prefill_failures_total") == 1
     until(f.all_idle, "every load 0, nothing held")
@@ -221,8 +304,13 @@ def test_a_client_leaving_during_the_prefill_leaves_nothing_held(
 
 
 N_MIXED = 2000
+#: the run's bound (its requests all ended), then the wait for every load to reach 0
+RUN_S, SETTLE_S = 900, 90
 
 
+# (pytest's global 300 s is below the test's own bounds: its run's, its settling's, and
+# the start and stop of six processes, each bounded by TIMEOUT)
+@pytest.mark.timeout(RUN_S + SETTLE_S + 4 * TIMEOUT)
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., Fleet],
                                                           protocol: str) -> None:
@@ -281,7 +369,7 @@ def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., F
                     await one(c, *job)
 
             await asyncio.wait_for(asyncio.gather(*(bounded(i, j) for i, j in
-                                                    enumerate(plan))), 900)
+                                                    enumerate(plan))), RUN_S)
 
     asyncio.run(run())
     assert done == N_MIXED
@@ -289,4 +377,4 @@ def test_mixed_requests_with_faults_end_with_nothing_held(fleet: Callable[..., F
     # retried elsewhere; a stream it broke ends with an error event)
     assert outcome.get("dropped", 0) > 0 and outcome.get("ok", 0) >= 0.8 * N_MIXED, outcome
     assert set(outcome) <= {"ok", "dropped", "error_event"}, outcome
-    until(f.all_idle, "every load 0 and no engine holding or running anything", 90)
+    until(f.all_idle, "every load 0 and no engine holding or running anything", SETTLE_S)
