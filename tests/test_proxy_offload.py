@@ -123,6 +123,38 @@ def test_a_full_tokenizer_queue_is_a_429(
     wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
 
 
+def test_a_responses_request_past_a_full_queue_goes_by_load_not_counted_as_shed(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """A new ``/v1/responses`` conversation whose prompt finds the tokenizer's queue full is
+    routed by load, not refused: counted apart from the requests refused with 429."""
+    tok = GatedTokenizer()
+    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
+                   tokenize_queue=1)
+    out: dict[str, Any] = {}
+    first = _long_request(s.url, out)
+    assert tok.entered.wait(TIMEOUT)
+    by_load = s.proxy.counts["responses_by_load"]
+    r = httpx.post(s.url + "/v1/responses", timeout=TIMEOUT,
+                   json={"model": "m", "input": LONG + " as a conversation"})
+    # kvwire engines do not serve the Responses API: their 404, relayed, says it was sent
+    assert r.status_code != 429 and r.headers["x-kvwire-engine"] == "e0", r.text
+    assert s.proxy.counts["responses_by_load"] == by_load + 1
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_tokenize_shed_total", frozenset()] == 0
+    assert m["kvwire_proxy_tokenize_full_by_load_total", frozenset()] == 1
+    refused = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                         json={"model": "m", "prompt": LONG + " another", "max_tokens": 2})
+    assert refused.status_code == 429
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_tokenize_shed_total", frozenset()] == 1
+    assert m["kvwire_proxy_tokenize_full_by_load_total", frozenset()] == 1
+    assert s.proxy.counts["tokenize_shed"] == 1
+    tok.gate.set()
+    first.join(TIMEOUT)
+    assert out["response"].status_code == 200
+    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+
+
 def test_a_client_gone_while_its_prompt_is_tokenized_leaves_nothing(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
     """The client leaves while its prompt is in the worker: the request ends, the worker's
