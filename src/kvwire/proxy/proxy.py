@@ -39,6 +39,16 @@ __all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 log = logging.getLogger("kvwire.proxy.proxy")
 
 
+def _whole_what(tokenizer: Any) -> str:
+    """What a tokenizer without chunks tokenizes again of a prompt that extends another:
+    each segment it changed, when special tokens cut its text into segments; else all."""
+    if getattr(getattr(tokenizer, "segments", None), "splitter", None) is not None:
+        return ("from the start of each segment that changed (the text between two special "
+                "tokens: a chat's turn); one seen before, up to 32k characters, is looked up")
+    return ("whole (its text is not cut at special tokens); only a text seen before exactly, "
+            "up to 32k characters, is looked up")
+
+
 class Proxy:
     """The ``/v1`` handler and the engines' health prober: a :class:`~.fleet.Fleet`, a
     :class:`~.handler.Handler` and a :class:`~.health.Prober`, built and wired here."""
@@ -66,9 +76,9 @@ class Proxy:
         self.offload = Offload(tokenizer if self.mode == "local" else None,
                                cfg.tokenize_threads, cfg.tokenize_queue)
         if self.mode == "local" and tokenizer.prefix_reason:
-            log.warning("tokenizer %s: a prompt extending one seen before is tokenized whole "
-                        "(per segment between special tokens): %s", tokenizer.name,
-                        tokenizer.prefix_reason)
+            log.warning("tokenizer %s: no chunks of long text are kept (%s), so a prompt "
+                        "extending one seen before is tokenized again %s", tokenizer.name,
+                        tokenizer.prefix_reason, _whole_what(tokenizer))
         self.tokens = Tokens(self.fleet, tokenizer, self.mode, cfg.connect_timeout,
                              self.offload)
         self.metrics.offload = self.offload
