@@ -1,7 +1,9 @@
 """Tokenizing what is new only (tokenize/prefix.py, segments.py) gives exactly the ids of
-tokenizing the whole text in one go: the cut rules on their own, the chunk store across
-texts that extend, fork and repeat each other, and chats that grow turn by turn under every
-vendored chat template; for the builtin tokenizer and Qwen3's tokenizer.json."""
+tokenizing the whole text in one go: the cut rules on their own (the builtin tokenizer's, and
+the byte-level one for every split pattern taken as proven: Qwen3's real tokenizer.json,
+Llama 3's pipeline), the chunk store across texts that extend, fork and repeat each other,
+and chats that grow turn by turn, sent through the proxy's chat encoding, under every
+vendored chat template."""
 
 from __future__ import annotations
 
@@ -117,13 +119,51 @@ def test_builtin_long_extension_reuses_chunks() -> None:
     assert tok.segments.store.hits >= len(base) // tok.segments.store.chunk_chars - 2
 
 
-@settings(max_examples=300, deadline=None)
-@given(texts)
-def test_qwen3_cut_rule_splits_exactly(qwen3: Path, text: str) -> None:
-    """The ASCII cut rule against tokenizers' own encode of the whole text, for Qwen3's
-    NFC normalizer, split pattern and byte-level BPE."""
-    from tokenizers import Tokenizer as Fast
-    fast = _fast(qwen3, Fast)
+#: Llama 3's pre-tokenizer split pattern, as Meta's tokenizer.json gives it (not vendored: the
+#: pipeline is rebuilt around it below).
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.fixture(scope="module")
+def llama3() -> Any:
+    """Llama 3's pipeline: no normalizer, its split pattern then byte level without a regex,
+    a byte-level BPE (``ignore_merges``, as Llama 3's); the BPE is a small one trained here
+    on the test texts' atoms and prose, since the pattern decides the cuts, not the merges."""
+    pytest.importorskip("tokenizers", reason="the `tokenizers` package (kvwire[tokenize])")
+    from tokenizers import Regex, Tokenizer, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    t = Tokenizer(BPE())
+    t.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    corpus = ["".join(ATOMS[i:] + ATOMS[:i]) for i in range(len(ATOMS))] + [
+        "The cache router's engine took 12,345 tokens; it'll send the prefix.\n" * 3,
+        "  Zürich\n\n東京 🙂 \tWORDS words 2026-12-02 don't\r\n"]
+    t.train_from_iterator(corpus * 4, trainers.BpeTrainer(
+        vocab_size=1200, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.model.ignore_merges = True
+    assert len(t.get_vocab()) > 256 + 100, "the BPE learned few merges"
+    return t
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[
+    HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("pipeline", ["qwen3", "llama3"])
+@given(text=texts)
+def test_hf_cut_rule_splits_exactly(pipeline: str, request: pytest.FixtureRequest,
+                                    text: str) -> None:
+    """The ASCII cut rule against tokenizers' own encode of the whole text, for every split
+    pattern whose cuts prefix.py takes as proven: Qwen3's (its real tokenizer.json: NFC
+    normalizer, Qwen2's pattern, byte-level BPE) and Llama 3's (its pipeline, a BPE trained
+    here)."""
+    if pipeline == "qwen3":
+        from tokenizers import Tokenizer as Fast
+        fast = _fast(request.getfixturevalue("qwen3"), Fast)
+    else:
+        fast = request.getfixturevalue("llama3")
     cuts, why = hf_cuts(fast)
     assert cuts is not None, why
     added = [t.content for t in fast.get_added_tokens_decoder().values()]
@@ -274,11 +314,16 @@ def test_segments_finish_checks_its_results() -> None:
         tok.finish(plan, [])
 
 
-def test_json_round_trip_of_the_known_patterns(qwen3: Path) -> None:
-    """The Qwen3 pattern is recognised from the file itself (not a copy of it here)."""
-    pre = json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8"))["pre_tokenizer"]
+def test_every_pattern_taken_as_proven_is_tested(qwen3: Path, llama3: Any) -> None:
+    """The split patterns prefix.py takes as proven are exactly those the cut-rule test
+    runs: Qwen3's as its file gives it (not a copy of it here), and Llama 3's pipeline
+    (saved and read back as a tokenizer.json would be)."""
     from kvwire.tokenize import prefix
-    assert pre["pretokenizers"][0]["pattern"]["Regex"] in prefix._SAFE_SPLITS
+    tested = set()
+    for state in (json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8")),
+                  json.loads(llama3.to_str())):
+        tested.add(state["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"])
+    assert tested == set(prefix._SAFE_SPLITS)
 
 
 def test_a_repeated_long_turn_costs_no_tokenizing() -> None:
