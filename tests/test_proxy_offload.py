@@ -1,7 +1,7 @@
 """A long prompt's new text is tokenized off the proxy's event loop (proxy/offload.py): other
-requests' streams go on meanwhile, a full queue is a 429, and nothing is left counted when a
-client leaves (a /v1/responses request is routed by load instead); and `kvwire serve` says at
-start what a tokenizer without proven cuts tokenizes again. Real engines, router and HTTP
+requests' streams go on meanwhile, a full queue is a 429 (a /v1/responses request is routed
+by load instead, not counted as shed), and nothing is left counted when a client leaves; and
+`kvwire serve` says at start what a tokenizer without proven cuts tokenizes again. Real engines, router and HTTP
 server on loopback (test_proxy.py's Stack), and real `kvwire serve` processes.
 
 The one stand-in: the builtin tokenizer with a gate its worker waits at before a long encode,
