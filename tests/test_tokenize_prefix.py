@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tokenize import _vllm_chatml
 
 from kvwire.tokenize import BuiltinTokenizer, load_tokenizer
 from kvwire.tokenize.prefix import BUILTIN_CUTS, PrefixStore, hf_cuts
@@ -385,7 +386,10 @@ prose = st.lists(st.sampled_from(["the", "cache", "Router", "engine's", "prefix\
                  max_size=20).map(" ".join)
 contents = st.lists(st.sampled_from(ATOMS + MARKERS) | st.text(max_size=4) | prose,
                     max_size=12).map("".join)
-CHAT_TEMPLATES = ["builtin", "qwen3", "deepseek_v3", "mistral_v7", "vllm_chatml"]
+CHAT_TEMPLATES = ["builtin", "qwen3", "deepseek_v3", "mistral_v7", pytest.param(
+    "vllm_chatml", marks=pytest.mark.skipif(
+        _vllm_chatml() is None, reason="vllm is missing (its template_chatml.jinja); `make "
+        "test` installs it (the ENGINES stamp)"))]
 #: the roles Mistral v7's template takes after each (None: first); another becomes a user turn
 MISTRAL_AFTER = {None: ("system", "user"), "system": ("user", "assistant", "system"),
                  "user": ("assistant", "system", "user"),
@@ -411,11 +415,8 @@ def chat_proxies(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
                 d = tmp_path_factory.mktemp(template)
                 os.symlink(qwen3 / "tokenizer.json", d / "tokenizer.json")
                 if template == "vllm_chatml":
-                    from test_tokenize import _vllm_chatml
                     src = _vllm_chatml()
-                    if src is None:
-                        pytest.skip("vllm is missing (its template_chatml.jinja); `make test` "
-                                    "installs it (the ENGINES stamp)")
+                    assert src is not None
                     (d / "tokenizer_config.json").write_text(json.dumps(
                         {"eos_token": "<|im_end|>",
                          "chat_template": src.read_text(encoding="utf-8")}), encoding="utf-8")
@@ -473,8 +474,7 @@ def _chat(data: Any, template: str) -> list[dict[str, Any]]:
     return out
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow,
-                                                  HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 @pytest.mark.parametrize("template", CHAT_TEMPLATES)
 @given(data=st.data())
 def test_growing_chats_through_the_proxy_equal_whole_text(template: str, chat_proxies: Any,
