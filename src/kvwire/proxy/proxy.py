@@ -24,6 +24,7 @@ from typing import Any
 
 from ..consume.engine_spec import EngineSpec
 from ..routing.core import RouterCore
+from ..tokenize.segments import WHOLE_CHARS
 from .body import NO_BODY
 from .config import ProxyConfig
 from .fleet import Fleet, Link
@@ -44,9 +45,10 @@ def _whole_what(tokenizer: Any) -> str:
     each segment it changed, when special tokens cut its text into segments; else all."""
     if getattr(getattr(tokenizer, "segments", None), "splitter", None) is not None:
         return ("from the start of each segment that changed (the text between two special "
-                "tokens: a chat's turn); one seen before, up to 32k characters, is looked up")
+                f"tokens: a chat's turn); one seen before, up to {WHOLE_CHARS // 1024}k "
+                "characters, is looked up")
     return ("whole (its text is not cut at special tokens); only a text seen before exactly, "
-            "up to 32k characters, is looked up")
+            f"up to {WHOLE_CHARS // 1024}k characters, is looked up")
 
 
 class Proxy:
