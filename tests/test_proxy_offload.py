@@ -1,6 +1,8 @@
 """A long prompt's new text is tokenized off the proxy's event loop (proxy/offload.py): other
-requests' streams go on meanwhile, a full queue is a 429, and nothing is left counted when a
-client leaves. Real engines, router and HTTP server on loopback (test_proxy.py's Stack).
+requests' streams go on meanwhile, a full queue is a 429 (a /v1/responses request is routed
+by load instead, not counted as shed), and nothing is left counted when a client leaves; and
+`kvwire serve` says at start what a tokenizer without proven cuts tokenizes again. Real engines, router and HTTP
+server on loopback (test_proxy.py's Stack), and real `kvwire serve` processes.
 
 The one stand-in: the builtin tokenizer with a gate its worker waits at before a long encode,
 so that "while a long prompt is being tokenized" lasts exactly as long as the test needs it
@@ -12,11 +14,19 @@ import asyncio
 import json
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_proxy import TIMEOUT, Stack, _scrape, make_stack, wait_for  # noqa: F401 (a fixture)
+from test_proxy import (  # noqa: F401 (fixtures)
+    TIMEOUT,
+    Stack,
+    _scrape,
+    make_stack,
+    serve_proc,
+    wait_for,
+)
 
 from kvwire.engine import EngineConfig, StepCost
 from kvwire.proxy.offload import Offload
@@ -123,6 +133,38 @@ def test_a_full_tokenizer_queue_is_a_429(
     wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
 
 
+def test_a_responses_request_past_a_full_queue_goes_by_load_not_counted_as_shed(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """A new ``/v1/responses`` conversation whose prompt finds the tokenizer's queue full is
+    routed by load, not refused: counted apart from the requests refused with 429."""
+    tok = GatedTokenizer()
+    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
+                   tokenize_queue=1)
+    out: dict[str, Any] = {}
+    first = _long_request(s.url, out)
+    assert tok.entered.wait(TIMEOUT)
+    by_load = s.proxy.counts["responses_by_load"]
+    r = httpx.post(s.url + "/v1/responses", timeout=TIMEOUT,
+                   json={"model": "m", "input": LONG + " as a conversation"})
+    # kvwire engines do not serve the Responses API: their 404, relayed, says it was sent
+    assert r.status_code != 429 and r.headers["x-kvwire-engine"] == "e0", r.text
+    assert s.proxy.counts["responses_by_load"] == by_load + 1
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_tokenize_shed_total", frozenset()] == 0
+    assert m["kvwire_proxy_tokenize_full_by_load_total", frozenset()] == 1
+    refused = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                         json={"model": "m", "prompt": LONG + " another", "max_tokens": 2})
+    assert refused.status_code == 429
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_tokenize_shed_total", frozenset()] == 1
+    assert m["kvwire_proxy_tokenize_full_by_load_total", frozenset()] == 1
+    assert s.proxy.counts["tokenize_shed"] == 1
+    tok.gate.set()
+    first.join(TIMEOUT)
+    assert out["response"].status_code == 200
+    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+
+
 def test_a_client_gone_while_its_prompt_is_tokenized_leaves_nothing(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
     """The client leaves while its prompt is in the worker: the request ends, the worker's
@@ -202,3 +244,47 @@ def test_offload_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="queue"):
         Offload(BuiltinTokenizer(), threads=1, queue=0)
     assert Offload(BuiltinTokenizer(), threads=0).mode == "loop"
+
+
+def _unproven_tokenizer(d: Path, special: bool) -> Path:
+    """A model directory whose tokenizer has no proven cuts (GPT-2's byte-level pre-tokenizer,
+    a small BPE trained here): with ``special``, an end-of-text token the text is cut at;
+    without, one matched after normalization, so that nothing cuts the text."""
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    t = Tokenizer(BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.train_from_iterator([LONG[:2000], "The router keeps what it tokenized.\n"] * 4,
+                          trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                              initial_alphabet=pre_tokenizers.ByteLevel
+                                              .alphabet()))
+    d.mkdir()
+    if special:
+        (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    else:
+        t.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=True)])
+    t.save(str(d / "tokenizer.json"))
+    return d
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["segments", "whole"])
+def test_serve_says_once_at_start_what_a_tokenizer_without_cuts_tokenizes_again(
+        serve_proc: Callable[..., tuple[Any, str]],  # noqa: F811 (the fixture)
+        tmp_path: Path, special: bool) -> None:
+    """``kvwire serve --tokenizer DIR`` with a tokenizer whose cuts are not proven logs, once
+    at start, why, and what a prompt extending an earlier one costs: its changed segments
+    (text cut at special tokens) or the whole text (nothing cuts it)."""
+    d = _unproven_tokenizer(tmp_path / "gpt2ish", special)
+    p, _ = serve_proc("--engine", "e0=tcp://127.0.0.1:9,url=http://127.0.0.1:9",
+                      "--tokenizer", str(d))
+    said = [line for line in p.said if "no chunks of long text are kept" in line]
+    assert len(said) == 1, p.said
+    line = said[0]
+    assert f"tokenizer {d.name}:" in line and "WARNING" in line.upper()
+    if special:
+        assert "pre-tokenizer" in line
+        assert "from the start of each segment that changed" in line and " whole" not in line
+    else:
+        assert "an added token" in line and "tokenized again whole" in line
+        assert "segment" not in line

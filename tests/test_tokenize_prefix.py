@@ -1,10 +1,13 @@
 """Tokenizing what is new only (tokenize/prefix.py, segments.py) gives exactly the ids of
-tokenizing the whole text in one go: the cut rules on their own, the chunk store across
-texts that extend, fork and repeat each other, and chats that grow turn by turn under every
-vendored chat template; for the builtin tokenizer and Qwen3's tokenizer.json."""
+tokenizing the whole text in one go: the cut rules on their own (the builtin tokenizer's, and
+the byte-level one for every split pattern taken as proven: Qwen3's real tokenizer.json,
+Llama 3's pipeline), the chunk store across texts that extend, fork and repeat each other,
+and chats that grow turn by turn, sent through the proxy's chat encoding, under every
+vendored chat template."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import lzma
 import os
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tokenize import _vllm_chatml
 
 from kvwire.tokenize import BuiltinTokenizer, load_tokenizer
 from kvwire.tokenize.prefix import BUILTIN_CUTS, PrefixStore, hf_cuts
@@ -116,13 +120,51 @@ def test_builtin_long_extension_reuses_chunks() -> None:
     assert tok.segments.store.hits >= len(base) // tok.segments.store.chunk_chars - 2
 
 
-@settings(max_examples=300, deadline=None)
-@given(texts)
-def test_qwen3_cut_rule_splits_exactly(qwen3: Path, text: str) -> None:
-    """The ASCII cut rule against tokenizers' own encode of the whole text, for Qwen3's
-    NFC normalizer, split pattern and byte-level BPE."""
-    from tokenizers import Tokenizer as Fast
-    fast = _fast(qwen3, Fast)
+#: Llama 3's pre-tokenizer split pattern, as Meta's tokenizer.json gives it (not vendored: the
+#: pipeline is rebuilt around it below).
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.fixture(scope="module")
+def llama3() -> Any:
+    """Llama 3's pipeline: no normalizer, its split pattern then byte level without a regex,
+    a byte-level BPE (``ignore_merges``, as Llama 3's); the BPE is a small one trained here
+    on the test texts' atoms and prose, since the pattern decides the cuts, not the merges."""
+    pytest.importorskip("tokenizers", reason="the `tokenizers` package (kvwire[tokenize])")
+    from tokenizers import Regex, Tokenizer, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    t = Tokenizer(BPE())
+    t.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    corpus = ["".join(ATOMS[i:] + ATOMS[:i]) for i in range(len(ATOMS))] + [
+        "The cache router's engine took 12,345 tokens; it'll send the prefix.\n" * 3,
+        "  Zürich\n\n東京 🙂 \tWORDS words 2026-12-02 don't\r\n"]
+    t.train_from_iterator(corpus * 4, trainers.BpeTrainer(
+        vocab_size=1200, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.model.ignore_merges = True
+    assert len(t.get_vocab()) > 256 + 100, "the BPE learned few merges"
+    return t
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[
+    HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("pipeline", ["qwen3", "llama3"])
+@given(text=texts)
+def test_hf_cut_rule_splits_exactly(pipeline: str, request: pytest.FixtureRequest,
+                                    text: str) -> None:
+    """The ASCII cut rule against tokenizers' own encode of the whole text, for every split
+    pattern whose cuts prefix.py takes as proven: Qwen3's (its real tokenizer.json: NFC
+    normalizer, Qwen2's pattern, byte-level BPE) and Llama 3's (its pipeline, a BPE trained
+    here)."""
+    if pipeline == "qwen3":
+        from tokenizers import Tokenizer as Fast
+        fast = _fast(request.getfixturevalue("qwen3"), Fast)
+    else:
+        fast = request.getfixturevalue("llama3")
     cuts, why = hf_cuts(fast)
     assert cuts is not None, why
     added = [t.content for t in fast.get_added_tokens_decoder().values()]
@@ -273,11 +315,16 @@ def test_segments_finish_checks_its_results() -> None:
         tok.finish(plan, [])
 
 
-def test_json_round_trip_of_the_known_patterns(qwen3: Path) -> None:
-    """The Qwen3 pattern is recognised from the file itself (not a copy of it here)."""
-    pre = json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8"))["pre_tokenizer"]
+def test_every_pattern_taken_as_proven_is_tested(qwen3: Path, llama3: Any) -> None:
+    """The split patterns prefix.py takes as proven are exactly those the cut-rule test
+    runs: Qwen3's as its file gives it (not a copy of it here), and Llama 3's pipeline
+    (saved and read back as a tokenizer.json would be)."""
     from kvwire.tokenize import prefix
-    assert pre["pretokenizers"][0]["pattern"]["Regex"] in prefix._SAFE_SPLITS
+    tested = set()
+    for state in (json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8")),
+                  json.loads(llama3.to_str())):
+        tested.add(state["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"])
+    assert tested == set(prefix._SAFE_SPLITS)
 
 
 def test_a_repeated_long_turn_costs_no_tokenizing() -> None:
@@ -322,3 +369,147 @@ def test_kept_ids_share_one_int_object_per_id(qwen3: Path) -> None:
 def _fast_cls() -> Any:
     from tokenizers import Tokenizer as Fast
     return Fast
+
+
+# ------------------------------------------------------------------ chats through the proxy
+
+#: Text that looks like some template's markers (turn delimiters, think and tool wrappers,
+#: another model's special tokens), put into contents; some are added tokens of the tokenizer.
+MARKERS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>",
+           "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<s>", "</s>",
+           "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[TOOL_CALLS]", "<\uff5cUser\uff5c>",
+           "<\uff5cAssistant\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+           "<\uff5ctool\u2581outputs\u2581begin\uff5c>", "user", "assistant\n", "\n\n"]
+#: prose (words and spaces: many cuts) mixed with atoms, markers and any text
+prose = st.lists(st.sampled_from(["the", "cache", "Router", "engine's", "prefix\n", "token.",
+                                  "Zürich", "東京", "12", "x", "\n", ""]),
+                 max_size=20).map(" ".join)
+contents = st.lists(st.sampled_from(ATOMS + MARKERS) | st.text(max_size=4) | prose,
+                    max_size=12).map("".join)
+CHAT_TEMPLATES = ["builtin", "qwen3", "deepseek_v3", "mistral_v7", pytest.param(
+    "vllm_chatml", marks=pytest.mark.skipif(
+        _vllm_chatml() is None, reason="vllm is missing (its template_chatml.jinja); `make "
+        "test` installs it (the ENGINES stamp)"))]
+#: the roles Mistral v7's template takes after each (None: first); another becomes a user turn
+MISTRAL_AFTER = {None: ("system", "user"), "system": ("user", "assistant", "system"),
+                 "user": ("assistant", "system", "user"),
+                 "assistant": ("assistant", "user", "tool"),
+                 "tool": ("assistant", "tool", "user")}
+
+
+@pytest.fixture(scope="module")
+def chat_proxies(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """template -> a Proxy (no engine reached: only its tokens are asked for) with the
+    tokenizer ``kvwire serve --tokenizer`` would load for that template, built on demand."""
+    from kvwire.consume.engine_spec import EngineSpec
+    from kvwire.proxy.proxy import Proxy
+    from kvwire.routing.core import RouterCore
+
+    made: dict[str, Any] = {}
+
+    def get(template: str) -> Any:
+        if template not in made:
+            if template == "builtin":
+                tok = load_tokenizer(None)
+            else:
+                d = tmp_path_factory.mktemp(template)
+                os.symlink(qwen3 / "tokenizer.json", d / "tokenizer.json")
+                if template == "vllm_chatml":
+                    src = _vllm_chatml()
+                    assert src is not None
+                    (d / "tokenizer_config.json").write_text(json.dumps(
+                        {"eos_token": "<|im_end|>",
+                         "chat_template": src.read_text(encoding="utf-8")}), encoding="utf-8")
+                else:
+                    for f in (DATA / template).iterdir():
+                        if f.name != "tokenizer.json.xz":
+                            (d / f.name).write_bytes(f.read_bytes())
+                tok = load_tokenizer(d)
+            made[template] = Proxy(RouterCore([EngineSpec(
+                "e0", "tcp://127.0.0.1:9", url="http://127.0.0.1:9")]), tok)
+        return made[template]
+
+    yield get
+    for p in made.values():
+        p.close_pools()
+
+
+def _fresh_caches(tok: Any, chunk: int) -> None:
+    """``tok`` with empty caches, chunks of ``chunk`` characters, ids kept as it keeps them."""
+    old = tok.segments
+    store = PrefixStore(old.store._find.__self__, chunk_chars=chunk)
+    store.intern = old.store.intern
+    tok.segments = Segments(old.splitter, old.special, store, old.max_segments)
+    tok.segments.intern = old.intern
+
+
+def _chat(data: Any, template: str) -> list[dict[str, Any]]:
+    """A conversation the template takes: any order of its roles (system turns first and
+    later, runs of one role, tool turns), assistant turns with reasoning or tool calls where
+    the template writes them, contents that repeat and extend earlier ones (an agent's
+    growing context) or hold other templates' markers."""
+    mistral = template == "mistral_v7"
+    out: list[dict[str, Any]] = []
+    said: dict[str, list[str]] = {}  # by role
+    for _ in range(data.draw(st.integers(1, 8), label="turns")):
+        role = data.draw(st.sampled_from(("system", "user", "assistant", "tool")))
+        if mistral and role not in MISTRAL_AFTER[out[-1]["role"] if out else None]:
+            role = "user"  # (the template raises for that order)
+        content = data.draw(contents)
+        if said.get(role) and data.draw(st.integers(0, 2)):
+            content = data.draw(st.sampled_from(said[role][::-1])) + content
+        if mistral and role == "assistant" and not content:
+            content = "ok"  # (it raises for an empty assistant turn)
+        said.setdefault(role, []).append(content)
+        m: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            if template == "qwen3" and data.draw(st.booleans()):
+                m["reasoning_content"] = data.draw(contents)
+            if data.draw(st.integers(0, 3)) == 0:  # (rendered by jinja: no plain path)
+                m["tool_calls"] = [{"id": "call00001", "type": "function", "function": {
+                    "name": "lookup", "arguments": json.dumps({"q": data.draw(contents)})}}]
+        elif role == "tool":
+            m["tool_call_id"] = "call00001"  # (Mistral's: 9 characters)
+        out.append(m)
+    return out
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("template", CHAT_TEMPLATES)
+@given(data=st.data())
+def test_growing_chats_through_the_proxy_equal_whole_text(template: str, chat_proxies: Any,
+                                                          data: Any) -> None:
+    """A conversation sent again after each new turn, tokenized as ``kvwire serve`` does (the
+    request body decoded, the chat rendered as vLLM renders it, the new text encoded on the
+    loop or by the proxy's workers, the caches warm from the earlier requests, small chunks):
+    every request's ids are those of tokenizing its rendered text whole in one go, under every
+    vendored chat template (and vLLM's ChatML) with its tokenizer."""
+    from kvwire.proxy.body import generation
+
+    proxy = chat_proxies(template)
+    tok = proxy.tok
+    _fresh_caches(tok, data.draw(st.integers(1, 6), label="chunk"))
+    if template == "builtin":
+        whole = _builtin_whole
+    else:  # the same tokenizers object, with the template's special tokens added
+        def whole(text: str) -> list[int]:
+            return tok._tok.encode(text, add_special_tokens=False).ids
+    chat = _chat(data, template)
+    thinking = data.draw(st.sampled_from([None, True, False]), label="enable_thinking")
+    kwargs = None if thinking is None else {"enable_thinking": thinking}
+
+    async def send_each() -> list[tuple[str, list[int]]]:
+        out = []
+        for n in range(1, len(chat) + 1):
+            raw = json.dumps({"model": "m", "messages": chat[:n],
+                              "chat_template_kwargs": kwargs}).encode()
+            body = generation(raw, True)
+            if template != "builtin":  # (its C encoder is the same function either way)
+                tok.inline_chars = data.draw(st.sampled_from([1 << 30, 0]), label="worker")
+            ids = await proxy.tokens.prompt(body, True)
+            text = tok.render_engine_chat(body.messages, chat_template_kwargs=kwargs)
+            out.append((text, list(ids)))
+        return out
+
+    for text, ids in asyncio.run(send_each()):
+        assert ids == whole(text), (template, text)

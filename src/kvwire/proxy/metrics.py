@@ -182,6 +182,11 @@ class ProxyMetrics:
                                        "429: --tokenize-queue long prompts were in hand")
             shed.add_metric([], o.shed)
             yield shed
+            by_load = CounterMetricFamily("kvwire_proxy_tokenize_full_by_load", "Requests "
+                                          "--tokenize-queue long prompts were in hand for, "
+                                          "routed by load instead of refused (/v1/responses)")
+            by_load.add_metric([], o.by_load)
+            yield by_load
             broke = CounterMetricFamily("kvwire_proxy_tokenize_worker_restarts", "Times a "
                                         "tokenize worker process died and new ones started")
             broke.add_metric([], o.broken)

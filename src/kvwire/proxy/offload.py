@@ -58,6 +58,7 @@ class Offload:
         self.inline = 0  # encodes done on the loop
         self.offloaded = 0  # encodes done by a worker
         self.shed = 0  # requests refused with 429: the queue was full
+        self.by_load = 0  # requests the queue was full for, routed by load instead (not shed)
         self.broken = 0  # times a worker process died and the workers were started anew
         self._pool: concurrent.futures.Executor | None = None
         self._elsewhere = None
@@ -76,9 +77,11 @@ class Offload:
             return "loop"
         return "processes" if self._elsewhere is not None else "threads"
 
-    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = False,
+                     shed: bool = True) -> list[int]:
         """The ids of ``text``: the new part encoded here or by a worker; 429 when the
-        workers' queue is full."""
+        workers' queue is full, counted as ``shed`` when the request is refused for it, else
+        (``shed`` false: the caller routes it by load) as ``by_load``."""
         tok = self.tok
         plan = tok.plan(text, add_special_tokens)
         if not plan.work:
@@ -87,7 +90,10 @@ class Offload:
             self.inline += 1
             return tok.finish(plan, tok.run(plan))
         if self.pending >= self.queue:
-            self.shed += 1
+            if shed:
+                self.shed += 1
+            else:
+                self.by_load += 1
             raise HttpError(429, f"the router's tokenizer has {self.pending} long prompts in "
                             "hand, its limit (--tokenize-queue); retry later",
                             type="RateLimitError", headers=((b"retry-after", b"1"),))

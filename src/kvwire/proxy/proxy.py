@@ -24,6 +24,7 @@ from typing import Any
 
 from ..consume.engine_spec import EngineSpec
 from ..routing.core import RouterCore
+from ..tokenize.segments import WHOLE_CHARS
 from .body import NO_BODY
 from .config import ProxyConfig
 from .fleet import Fleet, Link
@@ -37,6 +38,17 @@ from .tokens import Tokens
 __all__ = ["BadRequest", "Proxy", "ProxyConfig", "ProxyMetrics", "openai_error"]
 
 log = logging.getLogger("kvwire.proxy.proxy")
+
+
+def _whole_what(tokenizer: Any) -> str:
+    """What a tokenizer without chunks tokenizes again of a prompt that extends another:
+    each segment it changed, when special tokens cut its text into segments; else all."""
+    if getattr(getattr(tokenizer, "segments", None), "splitter", None) is not None:
+        return ("from the start of each segment that changed (the text between two special "
+                f"tokens: a chat's turn); one seen before, up to {WHOLE_CHARS // 1024}k "
+                "characters, is looked up")
+    return ("whole (its text is not cut at special tokens); only a text seen before exactly, "
+            f"up to {WHOLE_CHARS // 1024}k characters, is looked up")
 
 
 class Proxy:
@@ -66,9 +78,9 @@ class Proxy:
         self.offload = Offload(tokenizer if self.mode == "local" else None,
                                cfg.tokenize_threads, cfg.tokenize_queue)
         if self.mode == "local" and tokenizer.prefix_reason:
-            log.warning("tokenizer %s: a prompt extending one seen before is tokenized whole "
-                        "(per segment between special tokens): %s", tokenizer.name,
-                        tokenizer.prefix_reason)
+            log.warning("tokenizer %s: no chunks of long text are kept (%s), so a prompt "
+                        "extending one seen before is tokenized again %s", tokenizer.name,
+                        tokenizer.prefix_reason, _whole_what(tokenizer))
         self.tokens = Tokens(self.fleet, tokenizer, self.mode, cfg.connect_timeout,
                              self.offload)
         self.metrics.offload = self.offload

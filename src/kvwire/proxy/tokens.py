@@ -40,9 +40,10 @@ class Tokens:
         #: where a long prompt's new text is encoded (off the event loop)
         self.offload = offload or Offload(tokenizer if mode == "local" else None, 0)
 
-    async def prompt(self, req: Body, chat: bool) -> Sequence[int]:
+    async def prompt(self, req: Body, chat: bool, shed: bool = True) -> Sequence[int]:
         """The prompt's token ids as the engine will compute them ([] when unknown: the
-        request is routed by load only)."""
+        request is routed by load only). A full tokenizer queue is a 429, counted as shed
+        unless ``shed`` is false (the caller routes the request by load instead)."""
         prompt = req.prompt
         if not chat:
             if isinstance(prompt, list):
@@ -80,9 +81,9 @@ class Tokens:
                     continue_final_message=req.continue_final_message,
                     reasoning_effort=req.reasoning_effort, documents=req.documents,
                     chat_template_kwargs=req.chat_template_kwargs)
-                toks = await self.offload.encode(text)
+                toks = await self.offload.encode(text, False, shed)
             else:
-                toks = await self.offload.encode(prompt, req.add_special_tokens)
+                toks = await self.offload.encode(prompt, req.add_special_tokens, shed)
         except HttpError:
             raise  # the tokenizer's queue is full: 429
         except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
@@ -106,8 +107,8 @@ class Tokens:
                     add_generation_prompt=not conv.continue_final_message,
                     continue_final_message=conv.continue_final_message,
                     reasoning_effort=conv.reasoning_effort,
-                    chat_template_kwargs=body.chat_template_kwargs), True)
-            except HttpError:
+                    chat_template_kwargs=body.chat_template_kwargs), True, shed=False)
+            except HttpError:  # (a full tokenizer queue too: routed by load, not refused)
                 pass
         self.fleet.counts["responses_by_load"] += 1
         return ()
