@@ -240,6 +240,86 @@ def test_a_killed_worker_process_loses_no_prompt() -> None:
     assert off.broken == 1 and off.offloaded == 2 and off.inline == 1
 
 
+class MeetingTokenizer(BuiltinTokenizer):
+    """Each long piece of work waits until another is being encoded at the same time: two
+    pieces on two threads at once, or a broken barrier (the test fails)."""
+
+    releases_gil = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.met = threading.Barrier(2, timeout=TIMEOUT)
+        self.threads: set[str] = set()
+
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        if plan.chars > self.inline_chars:
+            self.threads.add(threading.current_thread().name)
+            self.met.wait()
+        return super().run(plan)
+
+
+def test_long_new_text_is_split_over_the_worker_threads_with_the_same_ids() -> None:
+    """A never-seen long text is encoded in pieces on both worker threads at once (the
+    router's parallelism, not the tokenizer library's), joined to the ids of one encode."""
+    tok = MeetingTokenizer()
+    off = Offload(tok, threads=2, queue=2)
+    try:
+        ids = asyncio.run(off.encode(LONG, True))
+    finally:
+        off.close()
+    assert ids == BuiltinTokenizer().encode(LONG, True)
+    assert len(tok.threads) == 2 and off.split == 1 and off.offloaded == 1
+    assert off.pending == 0
+
+
+def test_a_qwen3_prompt_split_over_the_workers_equals_the_library(tmp_path: Path) -> None:
+    """The same with the vendored Qwen3 tokenizer.json: a long never-seen text split over
+    the workers has exactly the ids ``tokenizers`` gives the whole text, and a longer one
+    that extends it too."""
+    import lzma
+
+    from tokenizers import Tokenizer
+
+    from kvwire.tokenize import load_tokenizer
+
+    src = Path(__file__).parent / "data" / "tokenize" / "qwen3"
+    (tmp_path / "tokenizer.json").write_bytes(lzma.decompress(
+        (src / "tokenizer.json.xz").read_bytes()))
+    (tmp_path / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json")
+                                                    .read_bytes())
+    lib = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    off = Offload(load_tokenizer(str(tmp_path)), threads=2, queue=2)
+    text = " ".join(f"Word{i}, naïve {i * 7}!" for i in range(5000))
+    longer = text + "\n\nAnd then 12345 more words."
+
+    async def go() -> tuple[list[int], list[int]]:
+        return await off.encode(text), await off.encode(longer)
+
+    try:
+        first, second = asyncio.run(go())
+    finally:
+        off.close()
+    assert first == lib.encode(text, add_special_tokens=False).ids
+    assert second == lib.encode(longer, add_special_tokens=False).ids
+    assert off.split == 1  # the first: the second's new part is short
+
+
+def test_tokenizers_own_thread_pool_is_off_unless_the_user_set_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker threads replace ``tokenizers``' pool, whose idle threads spin on the
+    cores the loop needs; a value the user set is kept."""
+    import os
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    Offload(BuiltinTokenizer(), threads=0)
+    assert "TOKENIZERS_PARALLELISM" not in os.environ  # no workers: left alone
+    Offload(BuiltinTokenizer(), threads=2).close()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    Offload(BuiltinTokenizer(), threads=2).close()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
 def test_offload_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="queue"):
         Offload(BuiltinTokenizer(), threads=1, queue=0)
