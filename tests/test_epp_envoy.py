@@ -786,3 +786,31 @@ def test_the_status_page_charts_the_picker_s_requests(round_robin) -> None:
     st = until(charted, "the picks charted", 20, every=0.5)
     assert st["proxy"] is True and set(st["engines"]) == {"engine0", "engine1"}
     assert all(e["proxied"] and e["alive"] for e in st["engines"].values())
+
+
+def test_a_registered_stream_is_indexed_but_never_picked(world, tmp_path) -> None:
+    """``POST /register`` on the picker (the indexer API of ``kvwire serve``) follows an
+    event stream into the index (``/registrations`` sees it alive), but only engines with
+    ``url=`` are picked: with round robin, every request still goes to the one engine."""
+    fleet, _, _ = world
+    epp = Epp(["--engine", fleet.specs[0]], "--policy", "round_robin")
+    envoy = None
+    try:
+        envoy = Envoy(epp, tmp_path)
+        events = fleet.specs[1].split(",")[0].partition("=")[2]
+        r = httpx.post(epp.url + "/register", timeout=10, json={
+            "endpoint": events, "type": "vLLM", "modelname": "kvwire-engine",
+            "tenant_id": "default", "instance_id": "registered", "block_size": 16})
+        assert r.status_code == 200, r.text
+        until(lambda: [g["alive"] for g in httpx.get(epp.url + "/registrations",
+                                                     timeout=10).json()] == [True],
+              "the registered stream followed", 15)
+        c = _client(envoy)
+        got = [c.completions.with_raw_response.create(
+            model="kvwire-engine", prompt=f"registered {i}", max_tokens=1
+        ).headers["x-kvwire-engine"] for i in range(4)]
+        assert got == ["engine0"] * 4 and set(epp.engines()) == {"engine0"}, got
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        epp.stop()
