@@ -4,8 +4,10 @@ in front of a real ``kvwire fleet``, in both request-body modes gateways configu
 streamed through the picker or not at all): every behaviour is seen
 by a client of Envoy. The openai client, streamed chunk by chunk and not; requests that
 follow the cache (the engine's own ``cached_tokens`` says it held the prefix); refusals in
-OpenAI's shape (400, 429, 503); clients gone mid-stream leave no load; a SIGKILLed engine
-gets no more traffic once a probe saw it gone."""
+OpenAI's shape (400, 429, 503); the load's prefill share dropped at the answer's first
+bytes, and every load released when clients go or an engine dies mid-answer; a SIGKILLed
+engine gets no more traffic once a probe saw it gone; the pick kept by Envoy as ``envoy.lb``
+metadata; ``kvwire serve``'s policies and status page on the picker."""
 
 from __future__ import annotations
 
@@ -201,9 +203,8 @@ def test_clients_gone_mid_stream_leave_no_load(mode) -> None:
     until(lambda: _idle(epp), "every load released after the clients left", 15)
 
 
-def test_past_max_in_flight_is_429_with_retry_after(world) -> None:
-    fleet, epp, envoys = world
-    envoy = envoys["full_duplex"]
+def test_past_max_in_flight_is_429_with_retry_after(mode) -> None:
+    envoy, epp = mode
     clients = [httpx.Client() for _ in range(MAX_IN_FLIGHT)]
     streams = []
     try:
@@ -583,3 +584,234 @@ def test_a_2mb_prompt_crosses_every_flow_control_window_whole(tmp_path) -> None:
             assert sorted(b for _, b in got) == sorted(bodies), name
             got.clear()
             until(lambda: _idle(epp), "no load left", 10)
+
+
+# ---------------------------------------------------------------------------- the load's lifecycle
+
+PREFILL_US = 2000  # a prompt token's prefill, in wall microseconds: ~1 s for the prompts below
+
+
+@pytest.fixture(scope="module")
+def slow_world(tmp_path_factory):
+    """One engine on the wall clock whose prefill takes about a second (its answer's headers
+    come at once, its first chunk after the prefill), a picker whose reservation is exactly
+    the uncached prompt blocks plus 1 (``--decode-share 0 --decode-load 1``: what remains
+    once the prefill share is dropped), one Envoy per body mode."""
+    envoy_binary()
+    tmp = tmp_path_factory.mktemp("epp-slow")
+    started: list = []
+    try:
+        fleet = Fleet(1, "--speed", "1", "--step-prefill-token-us", str(PREFILL_US))
+        started.append(fleet)
+        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--decode-share", "0",
+                  "--decode-load", "1", "--probe-interval", "0.5")
+        started.append(epp)
+        envoys = {}
+        for name, flags in MODES.items():
+            envoys[name] = Envoy(epp, tmp, *flags)
+            started.append(envoys[name])
+        yield fleet, epp, envoys
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_the_prefill_share_is_dropped_at_the_answer_s_first_bytes(slow_world, name) -> None:
+    """A streamed answer through Envoy: while the engine computes the prompt (its headers
+    already reached the client) the picker holds the uncached prompt blocks plus 1; once the
+    first chunk arrived, and while the answer still streams, only the 1; after its end,
+    nothing. In mode ``light`` (no answer body through the picker) the share is dropped at
+    the answer's headers."""
+    import json
+
+    _, epp, envoys = slow_world
+    prompt = f"{name}: " + " ".join(f"w{j}" for j in range(300))  # (uncached: one per mode)
+    with httpx.Client() as cl:
+        r = cl.send(cl.build_request("POST", envoys[name].url + "/v1/completions", json={
+            "model": "kvwire-engine", "prompt": prompt, "max_tokens": 400, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}, timeout=60),
+            stream=True)
+        try:
+            assert r.status_code == 200
+            at_headers = epp.loads()["engine0"]
+            lines = r.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: {"), first
+            at_first = epp.loads()["engine0"]
+            rest = [line for line in lines if line]
+        finally:
+            r.close()
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
+    blocks = usage["prompt_tokens"] / 16  # (the picker's builtin tokenizer is the engine's)
+    assert usage["completion_tokens"] == 400 and blocks > 20, usage
+    # in flight, only the decode share (--decode-load) left
+    assert at_first[0] == 1 and at_first[1] == pytest.approx(1.0), (at_headers, at_first)
+    if name == "light":
+        assert at_headers[0] == 1 and at_headers[1] == pytest.approx(1.0), at_headers
+    else:
+        assert at_headers[0] == 1 and at_headers[1] - 1 == pytest.approx(blocks, abs=1), (
+            at_headers, blocks)
+    until(lambda: _idle(epp), "no load left once the answer ended", 10)
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_an_engine_killed_mid_answer_leaves_no_load(name, tmp_path) -> None:
+    """SIGKILL the engine while its answer streams through Envoy: the client's stream
+    fails (cut, not hung) and the picker releases the request's load."""
+    envoy_binary()
+    started: list = []
+    try:
+        fleet = Fleet(1, "--speed", "5")
+        started.append(fleet)
+        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--probe-interval", "0.5")
+        started.append(epp)
+        envoy = Envoy(epp, tmp_path, *MODES[name])
+        started.append(envoy)
+        with httpx.Client() as cl:
+            _r, lines = _long_stream(envoy.url, cl, 0)
+            n, load = epp.loads()["engine0"]
+            assert n == 1 and load > 0 and epp.metric("kvwire_proxy_active") == 1
+            os.kill(fleet.pids[0], signal.SIGKILL)
+            with pytest.raises(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        until(lambda: _idle(epp), "the load released after the engine died", 15)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+# ---------------------------------------------------------------------------- envoy.lb metadata
+
+PICKED = """\
+                - header: {key: x-test-picked, value: "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%"}
+"""
+RECEIVING = "receiving_namespaces:\n                  untyped: [envoy.lb]"
+
+
+def _answer_names_the_pick(text: str, receiving: bool = True) -> str:
+    """The bootstrap with a header on each answer naming the pick as Envoy kept it (dynamic
+    metadata ``envoy.lb``; Envoy leaves an empty header out); ``receiving`` False:
+    ``envoy.lb`` left out of the ext_proc filter's receiving namespaces."""
+    at = "                response_headers_to_add:\n"
+    assert at in text and RECEIVING in text
+    text = text.replace(at, at + PICKED)
+    return text if receiving else text.replace(RECEIVING, RECEIVING.replace("envoy.lb",
+                                                                            "kvwire.none"))
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_envoy_keeps_the_pick_as_envoy_lb_metadata(world, tmp_path, name) -> None:
+    """The pick's dynamic metadata (``envoy.lb`` / ``x-gateway-destination-endpoint``), read
+    by Envoy into a header of the answer: the picked engine's address, in every body mode
+    (the pick is answered at the headers or at the body). Without ``envoy.lb`` among the
+    filter's receiving namespaces (which the printed bootstrap lists) Envoy drops it."""
+    fleet, epp, _ = world
+    for receiving in (True, False):
+        envoy = Envoy(epp, tmp_path, *MODES[name],
+                      edit=lambda t, r=receiving: _answer_names_the_pick(t, r))
+        try:
+            for i in range(3):
+                r = httpx.post(envoy.url + "/v1/completions", timeout=60, json={
+                    "model": "kvwire-engine", "prompt": f"metadata {name} {i}",
+                    "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                engine = r.headers["x-kvwire-engine"]
+                want = fleet.urls[int(engine.removeprefix("engine"))].removeprefix("http://")
+                assert r.headers.get("x-test-picked") == (want if receiving else None), (
+                    receiving, engine, r.headers)
+        finally:
+            envoy.stop()
+    until(lambda: _idle(epp), "no load left", 10)
+
+
+# ---------------------------------------------------------------------------- serve's HTTP side
+
+@pytest.fixture(scope="module")
+def round_robin(world, tmp_path_factory):
+    """A second picker over the world's engines with ``--policy round_robin`` (a policy
+    ``kvwire serve`` takes), behind its own Envoy."""
+    fleet, _, _ = world
+    epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--policy", "round_robin",
+              "--probe-interval", "0.5")
+    try:
+        envoy = Envoy(epp, tmp_path_factory.mktemp("epp-rr"))
+        try:
+            yield epp, envoy
+        finally:
+            envoy.stop()
+    finally:
+        epp.stop()
+
+
+def test_a_policy_flag_is_the_picker_s_policy(world, round_robin) -> None:
+    """The same prompt four times: ``--policy round_robin`` alternates the engines, where the
+    default policy sends every repeat where the prompt is cached."""
+    _, default_epp, envoys = world
+    epp, envoy = round_robin
+
+    def engines(url: str, tag: int) -> list[str]:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        return [c.completions.with_raw_response.create(
+            model="kvwire-engine", prompt=_prompt(tag), max_tokens=1
+        ).headers["x-kvwire-engine"] for _ in range(4)]
+
+    turns = engines(envoy.url, 5000)
+    assert turns[0] != turns[1] and turns[:2] == turns[2:], turns
+    cached = engines(envoys["full_duplex"].url, 5001)  # (a prompt of its own)
+    assert len(set(cached)) == 1, cached
+    until(lambda: _idle(epp) and _idle(default_epp), "no load left", 10)
+
+
+def test_the_status_page_charts_the_picker_s_requests(round_robin) -> None:
+    """``GET /`` on the picker's HTTP side is kvwire serve's status page, and
+    ``/status.json`` charts the requests picked through Envoy, as its counters count them."""
+    epp, envoy = round_robin
+    c = _client(envoy)
+    before = sum(epp.requests().values())
+    for i in range(4):
+        c.completions.create(model="kvwire-engine", prompt=f"status {i}", max_tokens=1)
+    assert sum(epp.requests().values()) == before + 4
+    page = httpx.get(epp.url + "/", timeout=10)
+    assert page.status_code == 200 and "<title>kvwire router</title>" in page.text
+    assert page.headers["content-type"].startswith("text/html")
+
+    def charted() -> dict | None:
+        st = httpx.get(epp.url + "/status.json", timeout=10).json()
+        done = {n: sum(v * dt for v, dt in zip(e["requests_per_s"], e["dt"]))
+                for n, e in st["engines"].items()}  # (rate x interval: the answers again)
+        return st if done == pytest.approx(epp.requests(), abs=0.01) else None
+
+    st = until(charted, "the picks charted", 20, every=0.5)
+    assert st["proxy"] is True and set(st["engines"]) == {"engine0", "engine1"}
+    assert all(e["proxied"] and e["alive"] for e in st["engines"].values())
+
+
+def test_a_registered_stream_is_indexed_but_never_picked(world, tmp_path) -> None:
+    """``POST /register`` on the picker (the indexer API of ``kvwire serve``) follows an
+    event stream into the index (``/registrations`` sees it alive), but only engines with
+    ``url=`` are picked: with round robin, every request still goes to the one engine."""
+    fleet, _, _ = world
+    epp = Epp(["--engine", fleet.specs[0]], "--policy", "round_robin")
+    envoy = None
+    try:
+        envoy = Envoy(epp, tmp_path)
+        events = fleet.specs[1].split(",")[0].partition("=")[2]
+        r = httpx.post(epp.url + "/register", timeout=10, json={
+            "endpoint": events, "type": "vLLM", "modelname": "kvwire-engine",
+            "tenant_id": "default", "instance_id": "registered", "block_size": 16})
+        assert r.status_code == 200, r.text
+        until(lambda: [g["alive"] for g in httpx.get(epp.url + "/registrations",
+                                                     timeout=10).json()] == [True],
+              "the registered stream followed", 15)
+        c = _client(envoy)
+        got = [c.completions.with_raw_response.create(
+            model="kvwire-engine", prompt=f"registered {i}", max_tokens=1
+        ).headers["x-kvwire-engine"] for i in range(4)]
+        assert got == ["engine0"] * 4 and set(epp.engines()) == {"engine0"}, got
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        epp.stop()

@@ -3,8 +3,11 @@ kvwire[epp]``).
 
 Envoy's ``ext_proc`` filter asks it, per request, which engine to send to (gRPC on
 ``--grpc-port``); Envoy connects. The engines, the routing flags and the HTTP port (``/metrics``,
-``/health``, ``/engines``, the status page, ``/register``) are ``kvwire serve``'s, on one
-routing core. ``kvwire epp --envoy-config`` prints an Envoy bootstrap for it (docs/epp.md).
+``/health``, ``/engines``, the status page) are ``kvwire serve``'s, on one routing core: the
+engines it picks among are those with ``url=`` (``--engine``, or ``POST /engines`` at run
+time); the indexer API's ``/register`` only adds an event stream to the index (for
+``/query``), never an engine to pick. ``kvwire epp --envoy-config`` prints an Envoy bootstrap
+for it (docs/epp.md).
 """
 
 from __future__ import annotations
