@@ -33,18 +33,16 @@ MODES = {"full_duplex": ("--request-body-mode", "FULL_DUPLEX_STREAMED"),
 MAX_IN_FLIGHT = 4
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Two engines (a model clock 5x wall time: a long answer lasts seconds), one picker
-    (the builtin tokenizer: routed by the cache), one Envoy per body mode."""
+def _world(tmp, fleet_args: tuple, epp_args: tuple):
+    """A fleet, a picker (the builtin tokenizer: routed by the cache) in front of it, one
+    Envoy per body mode; all stopped after."""
     envoy_binary()  # (skips loudly before anything starts)
-    tmp = tmp_path_factory.mktemp("epp")
     started: list = []
     try:
-        fleet = Fleet(2, "--speed", "5")
+        fleet = Fleet(*fleet_args)
         started.append(fleet)
-        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--max-in-flight",
-                  str(MAX_IN_FLIGHT), "--probe-interval", "0.5")
+        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--probe-interval", "0.5",
+                  *epp_args)
         started.append(epp)
         envoys = {}
         for name, flags in MODES.items():
@@ -54,6 +52,14 @@ def world(tmp_path_factory):
     finally:
         for p in reversed(started):
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Two engines (a model clock 5x wall time: a long answer lasts seconds), one picker
+    refusing past ``MAX_IN_FLIGHT``, one Envoy per body mode."""
+    yield from _world(tmp_path_factory.mktemp("epp"), (2, "--speed", "5"),
+                      ("--max-in-flight", str(MAX_IN_FLIGHT)))
 
 
 @pytest.fixture(params=list(MODES))
@@ -597,23 +603,9 @@ def slow_world(tmp_path_factory):
     come at once, its first chunk after the prefill), a picker whose reservation is exactly
     the uncached prompt blocks plus 1 (``--decode-share 0 --decode-load 1``: what remains
     once the prefill share is dropped), one Envoy per body mode."""
-    envoy_binary()
-    tmp = tmp_path_factory.mktemp("epp-slow")
-    started: list = []
-    try:
-        fleet = Fleet(1, "--speed", "1", "--step-prefill-token-us", str(PREFILL_US))
-        started.append(fleet)
-        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--decode-share", "0",
-                  "--decode-load", "1", "--probe-interval", "0.5")
-        started.append(epp)
-        envoys = {}
-        for name, flags in MODES.items():
-            envoys[name] = Envoy(epp, tmp, *flags)
-            started.append(envoys[name])
-        yield fleet, epp, envoys
-    finally:
-        for p in reversed(started):
-            p.stop()
+    yield from _world(tmp_path_factory.mktemp("epp-slow"),
+                      (1, "--speed", "1", "--step-prefill-token-us", str(PREFILL_US)),
+                      ("--decode-share", "0", "--decode-load", "1"))
 
 
 @pytest.mark.parametrize("name", list(MODES))

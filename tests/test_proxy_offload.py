@@ -106,16 +106,24 @@ def test_a_long_prompt_being_tokenized_delays_no_other_stream(
                           frozenset({("where", "worker")})] == 1
 
 
-def test_a_full_tokenizer_queue_is_a_429(
-        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
-    """With ``tokenize_queue`` long prompts in hand, the next long one is refused at once
-    with OpenAI's 429 and Retry-After, counted; short ones are still served."""
+def _queue_full(make: Callable[..., Stack]) -> tuple[
+        GatedTokenizer, Stack, dict[str, Any], threading.Thread]:
+    """One engine, one tokenize worker, a queue of one, and that one long prompt in hand
+    (held at the gate): the next long prompt finds the queue full."""
     tok = GatedTokenizer()
-    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
+    s = make(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
                    tokenize_queue=1)
     out: dict[str, Any] = {}
     first = _long_request(s.url, out)
     assert tok.entered.wait(TIMEOUT)
+    return tok, s, out, first
+
+
+def test_a_full_tokenizer_queue_is_a_429(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """With ``tokenize_queue`` long prompts in hand, the next long one is refused at once
+    with OpenAI's 429 and Retry-After, counted; short ones are still served."""
+    tok, s, out, first = _queue_full(make_stack)
     r = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
                    json={"model": "m", "prompt": LONG + " another", "max_tokens": 2})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -137,12 +145,7 @@ def test_a_responses_request_past_a_full_queue_goes_by_load_not_counted_as_shed(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
     """A new ``/v1/responses`` conversation whose prompt finds the tokenizer's queue full is
     routed by load, not refused: counted apart from the requests refused with 429."""
-    tok = GatedTokenizer()
-    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
-                   tokenize_queue=1)
-    out: dict[str, Any] = {}
-    first = _long_request(s.url, out)
-    assert tok.entered.wait(TIMEOUT)
+    tok, s, out, first = _queue_full(make_stack)
     by_load = s.proxy.counts["responses_by_load"]
     r = httpx.post(s.url + "/v1/responses", timeout=TIMEOUT,
                    json={"model": "m", "input": LONG + " as a conversation"})
