@@ -7,14 +7,7 @@ when the tokenizer lets go of the GIL while it works (``tokenizers``' Rust; the 
 tokenizer's C encoder), else in a worker process; the workers run at a lower CPU priority than
 the loop (``NICE``). At most ``queue`` encodes are off the loop
 at once, running or waiting; a request past that is refused with 429 and counted, rather
-than waiting behind work that may take seconds.
-
-The worker threads are the router's only parallelism for tokenizing: a long new text is
-split over them (its pieces encode independently), and ``tokenizers``' own thread pool is
-turned off in the process (``TOKENIZERS_PARALLELISM=false`` unless the user set it), as its
-idle workers spin on the same cores the loop needs: on a batch of a few chunks, the few
-hundred new tokens a seen prompt brings, it cost about 1.5x the CPU of encoding them on one
-thread."""
+than waiting behind work that may take seconds."""
 
 from __future__ import annotations
 
@@ -29,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..http1 import HttpError
-from ..tokenize.segments import Plan
 
 __all__ = ["Offload"]
 
@@ -38,9 +30,6 @@ log = logging.getLogger("kvwire.proxy.offload")
 #: How much lower the workers' CPU priority is than the loop's (a nice value): when the cores
 #: are short, the loop, which moves every stream, runs first and a long prompt waits.
 NICE = 10
-#: New text split over the worker threads at about this many characters a piece (at least):
-#: a piece of ~4k tokens takes milliseconds, well above what handing it over costs.
-SPLIT_CHARS = 16384
 
 
 def _lower_priority() -> None:
@@ -71,11 +60,8 @@ class Offload:
         self.shed = 0  # requests refused with 429: the queue was full
         self.by_load = 0  # requests the queue was full for, routed by load instead (not shed)
         self.broken = 0  # times a worker process died and the workers were started anew
-        self.split = 0  # encodes split over several worker threads
         self._pool: concurrent.futures.Executor | None = None
         self._elsewhere = None
-        if tokenizer is not None and threads:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if tokenizer is not None and threads and not tokenizer.releases_gil:
             self._elsewhere = tokenizer.run_elsewhere()
             if self._elsewhere is None:
@@ -115,49 +101,26 @@ class Offload:
         pool = self._pool or self._start()
         try:
             if self._elsewhere is not None:
-                futs = [pool.submit(self._elsewhere, plan.work, plan.special)]
+                fut = pool.submit(self._elsewhere, plan.work, plan.special)
             else:
-                futs = [pool.submit(tok.run, part) for part in self._parts(plan)]
+                fut = pool.submit(tok.run, plan)
         except concurrent.futures.BrokenExecutor as e:
             return self._broken(pool, e, plan)
         self.pending += 1
-        left = [len(futs)]
 
-        def finished(_: object) -> None:  # counted until every worker is done, even when
-            left[0] -= 1                  # the request is gone before
-            if left[0]:
-                return
-            try:
+        def finished(_: object) -> None:  # counted until the worker is done, even when the
+            try:                          # request is gone before
                 loop.call_soon_threadsafe(self._done)
             except RuntimeError:  # the loop has closed: nothing left to count for
                 pass
 
-        for fut in futs:
-            fut.add_done_callback(finished)
+        fut.add_done_callback(finished)
         try:
-            parts = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+            results: Sequence[Sequence[int]] = await asyncio.wrap_future(fut)
         except concurrent.futures.BrokenExecutor as e:
             return self._broken(pool, e, plan)
         self.offloaded += 1
-        if len(parts) > 1:
-            self.split += 1
-        results: list[Sequence[int]] = [ids for part in parts for ids in part]
         return tok.finish(plan, results)
-
-    def _parts(self, plan: Plan) -> list[Plan]:
-        """``plan``'s work in consecutive pieces, one a worker thread, each of at least
-        :data:`SPLIT_CHARS` characters (``plan`` itself when it is not worth splitting)."""
-        n = min(self.threads, len(plan.work), plan.chars // SPLIT_CHARS)
-        if n < 2 or plan.special:
-            return [plan]
-        parts, part, per = [], Plan(), plan.chars / n
-        for text in plan.work:
-            if part.work and part.chars + len(text) / 2 > per and len(parts) < n - 1:
-                parts.append(part)
-                part = Plan()
-            part.add_work(text)
-        parts.append(part)
-        return parts
 
     def _broken(self, pool: concurrent.futures.Executor, e: Exception, plan: Any) -> list[int]:
         """A worker process died (killed, out of memory): new workers for the next long
