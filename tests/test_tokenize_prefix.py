@@ -308,6 +308,40 @@ def test_store_is_bounded_and_never_serves_a_collision() -> None:
     assert store.cover(text)[1] == 0
 
 
+def test_store_evicts_a_little_at_a_time() -> None:
+    """Past its bound the store drops only the oldest 1/64 of it: eviction runs on the
+    router's loop, so each one is short, never a quarter of a full store at once."""
+    store = PrefixStore(BUILTIN_CUTS, chunk_chars=4, max_tokens=6400)
+    seg = Segments(None, {}, store)
+    tok = BuiltinTokenizer()
+    tok.segments = seg
+    lows = []
+    for i in range(400):
+        before = store.tokens
+        tok.encode(f"doc{i} " + " ".join(f"w{i}x{j}" for j in range(30)))
+        if store.tokens < before:  # evicted
+            lows.append(store.tokens)
+    assert lows, "never evicted"
+    assert all(6400 - 100 - 20 <= low <= 6400 - 100 for low in lows), lows
+
+
+def test_qwen3_ids_come_from_the_worker_interned(qwen3: Path) -> None:
+    """The batch path hands back ids as tuples of the interned ints (done on the thread that
+    encodes, not on the loop that keeps them), and the joined ids equal the library's."""
+    from tokenizers import Tokenizer
+
+    tok = load_tokenizer(str(qwen3))
+    lib = Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
+    text = " ".join(f"chunk{i} of a long prompt" for i in range(1500))
+    plan = tok.plan(text)
+    assert plan.chars > tok.inline_chars  # the batch path, as the router's workers run it
+    results = tok.run(plan)
+    shared = tok.segments.intern(list(range(tok.vocab_size)))
+    assert all(type(r) is tuple for r in results)
+    assert all(i is shared[i] for r in results for i in r)
+    assert tok.finish(plan, results) == lib.encode(text, add_special_tokens=False).ids
+
+
 def test_segments_finish_checks_its_results() -> None:
     tok = BuiltinTokenizer()
     plan = tok.plan("a new text")
