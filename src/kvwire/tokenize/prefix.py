@@ -182,10 +182,12 @@ class PrefixStore:
         little at a time, as it runs on the event loop (a quarter of the default bound at
         once held it for 25 ms)."""
         chunks = self._chunks
-        goal = self.max_tokens - self.max_tokens // 64
-        for k in list(chunks):
-            if self.tokens <= goal:
+        excess = self.tokens - (self.max_tokens - self.max_tokens // 64)
+        oldest = []  # only the keys dropped: not a copy of every key at each eviction
+        for k, e in chunks.items():
+            if excess <= 0:
                 break
-            e = chunks.pop(k, None)
-            if e is not None:
-                self.tokens -= len(e[2])
+            oldest.append(k)
+            excess -= len(e[2])
+        for k in oldest:
+            self.tokens -= len(chunks.pop(k)[2])
