@@ -15,7 +15,7 @@ from typing import Any
 
 from fault_helpers import Prompts
 
-from kvwire.consume.cache import BlockCache
+from kvwire.index.cache import BlockCache
 from kvwire.sim.demo import DemoEngine
 from kvwire.wire.events import BlockStored
 

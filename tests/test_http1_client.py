@@ -430,12 +430,13 @@ def test_an_ipv6_host_is_bracketed_in_the_host_header() -> None:
 class _Engine:
     """A stand-in engine's ``/health`` and ``/v1/models`` on its own loop in a thread:
     ``hang`` holds every answer until released; it counts probes, how many wait at once,
-    and the connections it saw closed."""
+    how many are held (``hung``: a probe that came just before ``hang`` was set waits
+    a moment too, but is answered) and the connections it saw closed."""
 
     def __init__(self) -> None:
         self.hang = False
         self.status = 200
-        self.probes = self.waiting = self.most_waiting = self.closed = 0
+        self.probes = self.waiting = self.most_waiting = self.hung = self.closed = 0
         self.loop = asyncio.new_event_loop()
         self.release = asyncio.Event()
         ready = threading.Event()
@@ -462,7 +463,11 @@ class _Engine:
             if self.hang:
                 gone = asyncio.ensure_future(reader.read())
                 released = asyncio.ensure_future(self.release.wait())
-                await asyncio.wait([gone, released], return_when=asyncio.FIRST_COMPLETED)
+                self.hung += 1
+                try:
+                    await asyncio.wait([gone, released], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self.hung -= 1
                 gone.cancel()
                 released.cancel()
                 if gone.done() and not gone.cancelled():
@@ -531,7 +536,7 @@ def test_each_engine_is_probed_once_at_a_time_and_a_hung_one_delays_no_other() -
         prober.start()
         assert prober.probed.wait(TIMEOUT)
         h.hang = True
-        _wait(lambda: h.waiting == 1, "a probe of h hanging")
+        _wait(lambda: h.hung == 1, "a probe of h hanging")
         n = len(tf.results)
         _wait(lambda: len(tf.results) >= n + 10, "f probed on")
         assert h.waiting == 1 and h.most_waiting == 1
@@ -583,7 +588,7 @@ def test_on_a_running_loop_probes_run_there_kick_at_once_and_close_abandons() ->
         assert t.results == [(True, [{"id": "m"}])]
         e.hang = True
         prober.kick()
-        while e.waiting < 1:
+        while e.hung < 1:
             await asyncio.sleep(0.01)
         prober.close(TIMEOUT)
         while e.closed < 1:
@@ -604,7 +609,7 @@ def test_in_its_own_thread_close_ends_it_at_once_despite_a_hung_probe() -> None:
         prober.start()
         assert prober.probed.wait(TIMEOUT)
         e.hang = True
-        _wait(lambda: e.waiting == 1, "a probe hanging")
+        _wait(lambda: e.hung == 1, "a probe hanging")
         t0 = time.monotonic()
         prober.close(TIMEOUT)
         assert prober._thread is not None and not prober._thread.is_alive()
