@@ -26,12 +26,13 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import sys
 import threading
 import time
 import traceback
 from typing import Any
+
+from ports import free_port
 
 WORLD = 4
 WRITER = 2
@@ -40,12 +41,6 @@ NCHUNKS = 2
 # Benchmark mode (not used by the tests): "kvwire" or "vllm" (no swap: vLLM's own queue);
 # no sleeps, and only the broadcast phase.
 BENCH = os.environ.get("KVWIRE_VLLM_SHM_BENCH", "")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arrays(n: int, seed: int) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from ports import free_port
 from waiting import wait_for
 
 from kvwire.consume.items import Batch, Snapshot
@@ -95,15 +96,9 @@ def replay_all(ctx: zmq.Context, endpoint: str, start: int = 0) -> dict[int, byt
 
 
 def free_ports(n: int, spare: int = 0) -> list[int]:
-    """``n`` ports free just now, each less ``spare`` (a DP rank moves them up by its rank)."""
-    from socket import socket as pysock
-
-    out = []
-    for _ in range(n):
-        with pysock() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(s.getsockname()[1] - spare)
-    return out
+    """``n`` ports free just now, each with the ``spare`` ports below it free too (a DP rank
+    moves a port up by its rank from the port less ``spare``)."""
+    return [free_port(spare + 1) + spare for _ in range(n)]
 
 
 def engine_env(**switches: str) -> dict[str, str]:

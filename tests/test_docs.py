@@ -53,7 +53,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -61,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -114,27 +114,6 @@ def blocks(text: str) -> list[Block]:
     return out
 
 
-def _free_port(span: int = 8, offsets: tuple[int, ...] = (0,)) -> int:
-    """A free loopback port whose next ``span - 1`` ports are free too (DP ranks), and so
-    are the same ``span`` ports at each of ``offsets`` above it (``kvwire fleet``'s events
-    and replay ports)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + max(offsets) + span > 65535:
-            continue
-        try:
-            for off in offsets:
-                for p in range(base + off, base + off + span):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
-
-
 #: ``kvwire fleet --base-port P``: engine i serves HTTP at P + i, events at P + 1000 + i,
 #: replay at P + 2000 + i (kvwire.cli.fleet)
 FLEET_OFFSETS = (0, 1000, 2000)
@@ -157,7 +136,7 @@ class Localize:
         if port == "0":
             return 0  # any free port already
         if port not in self.ports:
-            self.ports[port] = _free_port()
+            self.ports[port] = free_port(8)
         return self.ports[port]
 
     def _sub(self, m: re.Match[str]) -> str:
@@ -171,7 +150,7 @@ class Localize:
         so the ``--engine`` arguments a reader copies from its output stay right."""
         if port in self.ports:
             return
-        base, p = _free_port(8, FLEET_OFFSETS), int(port)
+        base, p = free_port(8, FLEET_OFFSETS), int(port)
         for off in FLEET_OFFSETS:
             for i in range(8):
                 self.ports.setdefault(str(p + off + i), base + off + i)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ports import free_port
 
 from kvwire.shm import Handle, MessageQueue, QueueShutdownError, StatelessGroup
 from kvwire.shm._common import set_local_shutdown_default
@@ -245,18 +245,12 @@ def test_local_shutdown_process_default_and_env_override(
     w.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_external_writer_handle_only_on_writer_rank() -> None:
     """vLLM passes the external writer's handle to group rank ``writer_rank`` only; the
     others pass None and must still join that queue (not build their own)."""
     world, writer_rank = 3, 1
     ext = MessageQueue(world, world, max_chunk_bytes=1024, max_chunks=4)
-    port = _free_port()
+    port = free_port()
     got: dict[int, Any] = {}
 
     def member(rank: int) -> None:

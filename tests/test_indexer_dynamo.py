@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import TIMEOUT, import_or_skip
+from ports import free_port
 from waiting import wait_for  # noqa: E402
 
 from kvwire.publish.publisher import ZmqEventPublisher
@@ -38,12 +38,6 @@ _wait = functools.partial(wait_for, timeout=TIMEOUT, interval=0.05)
 BS = 16
 MODEL = "default"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
@@ -71,7 +65,7 @@ class Peers:
 
     def __init__(self, where: str) -> None:
         self.where = where
-        self.dport = _free_port()
+        self.dport = free_port()
         self.dlog = Path(where) / "dynamo.log"
         self.procs: list[subprocess.Popen] = []
         self.pubs: dict[int, ZmqEventPublisher] = {}

@@ -12,7 +12,6 @@ import gc
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from ports import free_port, port_free
 from waiting import wait_for  # noqa: E402
 
 from kvwire.index.cache import BlockCache
@@ -202,26 +202,6 @@ def port_of(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_run(span: int) -> int:
-    """A port P with P..P+span all free right now (others may race: callers retry)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            p = s.getsockname()[1]
-        if p + span <= 65535 and all(port_free(p + k) for k in range(span + 1)):
-            return p
-    pytest.fail("no run of free ports found")
-
-
 # --------------------------------------------------------------------------- live stream
 
 
@@ -288,7 +268,7 @@ def test_topic_frame_may_be_empty(make_pub, ctx) -> None:
 def test_dp_rank_offsets_real_tcp_ports(make_pub, ctx) -> None:
     rank = 2
     for attempt in range(5):
-        base = free_port_run(2 * rank + 4)
+        base = free_port(2 * rank + 5)
         try:
             pub = make_pub(
                 endpoint=f"tcp://*:{base}", replay_endpoint=f"tcp://*:{base + rank + 1}",
@@ -872,7 +852,7 @@ def test_replay_port_in_use_releases_the_pub_socket(make_pub) -> None:
     first = make_pub()
     taken = f"tcp://*:{port_of(first.endpoint)}"
     for attempt in range(5):
-        port = free_port_run(0)
+        port = free_port()
         try:
             with pytest.raises(EndpointError) as ei:
                 ZmqEventPublisher(endpoint=f"tcp://*:{port}", replay_endpoint=taken,

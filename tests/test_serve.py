@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 pytest.importorskip("httptools")
 httpx = pytest.importorskip("httpx")
 
+from ports import free_port  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
 from kvwire.consume.stream import StreamConfig  # noqa: E402
@@ -47,12 +48,6 @@ def stored(toks: list[int], first_hash: int, medium: str = "GPU") -> KVEventBatc
     ev = BlockStored(list(range(first_hash, first_hash + n)), None, toks, BS, None, medium)
     return KVEventBatch(time.time(), [ev], 0)
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def publisher(where, name: str) -> ZmqEventPublisher:

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
+from ports import free_port
 from shm_helpers.workers import external_member, group_member
 
 pytestmark = pytest.mark.timeout(180)  # fail fast instead of the global 300 s
 
 CTX = mp.get_context("spawn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(kind: str, world: int = 3) -> None:

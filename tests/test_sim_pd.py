@@ -156,6 +156,29 @@ def test_a_failure_rate_fails_that_share_of_transfers_deterministically(reqs: li
     assert p["transfers_failed"] == p["fallbacks"] == len(few)
 
 
+def test_fallback_fail_fails_what_every_prefill_engine_failed(reqs: list) -> None:
+    """pd_fallback "fail" (``--pd-fallback fail``): a request whose transfer failed on every
+    prefill engine tried is not prefilled on its decode engine but fails, as kvwire serve
+    answers 502; no engine holds anything after, and the rest are answered as before."""
+    few = reqs[:120]
+    cfg = replace(PD, kv_fail_rate=1.0, load_failure="fail", pd_fallback="fail")
+    p, res = _pd(few, cfg)
+    assert p["failed"] == len(few) and p["fallbacks"] == 0 and res.ttft_s == []
+    assert p["transfers_failed"] == p["transfers"] == p["reruns"] == 3 * len(few)
+    cfg = replace(cfg, kv_fail_rate=0.5)
+    p, res = _pd(few, cfg)
+    local = _pd(few, replace(cfg, pd_fallback="local"))[0]
+    assert p["failed"] == local["fallbacks"] > 0 and p["fallbacks"] == 0
+    assert len(res.ttft_s) == len(few) - p["failed"]
+    with pytest.raises(ValueError, match="pd_fallback"):
+        replace(PD, pd_fallback="retry")
+    rc, out, err = _cli(["bundled", "--limit", "30", "--prefill", "2", "--decode", "1",
+                         "--capacity", "400", "--policies", "round_robin", "--kv-fail-rate",
+                         "1", "--pd-fallback", "fail", "--retries", "0", "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["policies"]["round_robin"]["failed"] == 30
+
+
 def test_recompute_answers_every_request_a_failed_transfer_delays(reqs: list) -> None:
     """Under "recompute" the decode engine computes what the failed transfer should have
     brought, no pair runs again, and the first tokens come later than with no failure;

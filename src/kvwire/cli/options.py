@@ -178,6 +178,8 @@ def transfer_cost(args: argparse.Namespace):
 def add_pd_decider(p) -> None:
     """When a prefill/decode router prefills on the decode engine instead: ``kvwire serve``
     and ``kvwire sim`` decide alike (:mod:`kvwire.routing.pairs`)."""
+    from ..routing.pairs import FALLBACK
+
     p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
                    help="prefill/decode: a prompt missing fewer than N tokens on its decode "
                         "engine is prefilled there (default 0: always disaggregate)")
@@ -185,6 +187,10 @@ def add_pd_decider(p) -> None:
                    metavar="BLOCKS",
                    help="prefill/decode: when every prefill engine's load exceeds BLOCKS, "
                         "prefill on the decode engine (default: never)")
+    p.add_argument("--pd-fallback", choices=FALLBACK, default="local",
+                   help="prefill/decode: a prefill that failed on every prefill engine tried "
+                        "(--retries more after the first) is done on the decode engine "
+                        "(local, the default) or answered 502 (fail)")
 
 
 def configure_logging(args: argparse.Namespace, *, stamped: bool = False) -> str:

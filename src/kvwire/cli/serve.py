@@ -78,10 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sequential) or sglang (bootstrap_room, concurrent); default vllm, and "
                         "pairs only when an --engine has role=prefill or role=decode")
     add_pd_decider(p)
-    p.add_argument("--pd-fallback", choices=("local", "fail"), default="local",
-                   help="prefill/decode: a prefill that failed on every prefill engine tried "
-                        "(--retries more after the first) is done on the decode engine "
-                        "(local, the default) or answered 502 (fail)")
     p.add_argument("--policy", choices=("kvwire", "round_robin", "least_load", "random"),
                    default="kvwire", help="routing policy (default kvwire; the others are "
                                           "cache-blind baselines)")

@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=count, default=2, metavar="N",
                    help="prefill/decode: a pair whose transfer failed under "
                         "--kv-load-failure fail runs again with another prefill engine up "
-                        "to N times, then prefills on its decode engine (as kvwire serve "
-                        "--retries; default 2)")
+                        "to N times, then follows --pd-fallback (as kvwire serve --retries; "
+                        "default 2)")
     p.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default="vllm",
                    help="prefill/decode: vllm (the decode engine admits the request when its "
                         "prefill ends, then pulls; default) or sglang (the decode engine "
@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
                   pd_prefill_busy=args.pd_prefill_busy, lease_s=args.kv_lease_s,
                   recompute_blocks=args.kv_recompute_blocks,
                   load_failure=args.kv_load_failure, kv_fail_rate=args.kv_fail_rate,
-                  pd_retries=args.retries, pd_protocol=args.pd_protocol)
+                  pd_retries=args.retries, pd_fallback=args.pd_fallback,
+                  pd_protocol=args.pd_protocol)
     try:
         from ..engine.timing import StepCost
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..routing.pairs import FALLBACK
+
 __all__ = ["ProxyConfig"]
 
 
@@ -40,5 +42,5 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.pd_protocol not in (None, "vllm", "sglang"):
             raise ValueError(f"pd_protocol must be vllm or sglang, got {self.pd_protocol!r}")
-        if self.pd_fallback not in ("local", "fail"):
+        if self.pd_fallback not in FALLBACK:
             raise ValueError(f"pd_fallback must be local or fail, got {self.pd_fallback!r}")

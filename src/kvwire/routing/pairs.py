@@ -32,12 +32,15 @@ from typing import Any
 
 from .policy import Candidate, Decision
 
-__all__ = ["ROLES", "WHY", "PairConfig", "PairDecision", "choose_pair"]
+__all__ = ["FALLBACK", "ROLES", "WHY", "PairConfig", "PairDecision", "choose_pair"]
 
 #: An engine's roles: ``both`` serves either side.
 ROLES = ("prefill", "decode", "both")
 #: Why a pair decision went the way it did (``PairDecision.why``).
 WHY = ("disagg", "cached", "prefill_busy", "no_prefill", "local")
+#: what follows a prefill that failed on every prefill engine tried: a prefill on the
+#: decode engine, or the request fails
+FALLBACK = ("local", "fail")
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ seed and the request: a request's transfers fail alike under every policy that m
 and follow ``load_failure``: ``recompute`` has the decode engine compute the prompt past
 its own cached prefix; ``fail`` has it answer an error, which ``kvwire serve`` takes for a
 failed transfer: the pair runs again with another prefill engine (``reruns``), and after
-``pd_retries`` more the prompt is prefilled on a decode engine (``fallbacks``, its
-default ``--pd-fallback local``). Either way the prefill engine frees the lease, and TTFT
+``pd_retries`` more the prompt is prefilled on a decode engine (``fallbacks``,
+``pd_fallback`` "local", the default of ``kvwire serve --pd-fallback``) or the request
+fails (``failed``, "fail"). Either way the prefill engine frees the lease, and TTFT
 counts from the request's arrival.
 
 Outside events (arrivals, hand-offs, transfer starts and ends, lease expiries) run in time
@@ -208,6 +209,10 @@ def run_pd(reqs: Sequence[Request], engines: list[BatchedSim], router: SimRouter
         req = reqs[i]
         keys = er.hashes[:nkeys]
         fallback = len(tried) > cfg.pd_retries
+        if fallback and cfg.pd_fallback == "fail":  # kvwire serve answers 502: no engine
+            er.failed = True
+            pairs[er.rid] = _Pair(req, t0, nkeys, -1, None, er, None)
+            return
         cands = [] if fallback else [p for p in prefill_idx if p not in tried]
         c0 = time.perf_counter()
         pd = router.route_pair(er.rid, req, keys, t, decode_idx, cands, pcfg)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engine.model import LOAD_FAILURE
 from ..engine.timing import StepCost, TransferCost
+from ..routing.pairs import FALLBACK
 from ..routing.policy import POLICIES as ROUTER_POLICIES
 from ..routing.policy import RoutingPolicy
 from .baselines import CacheAwareParams
@@ -111,8 +112,10 @@ class SimConfig:
     kv_fail_rate: float = 0.0
     #: a pair whose transfer failed under "fail" runs again with another prefill engine,
     #: as ``kvwire serve`` runs it, this many times; then its prefill is done on the decode
-    #: engine (``kvwire serve --retries`` and its default ``--pd-fallback local``)
+    #: engine (``kvwire serve --retries``) or fails, per ``pd_fallback`` ("local" or "fail":
+    #: ``kvwire serve --pd-fallback``)
     pd_retries: int = 2
+    pd_fallback: str = "local"
     #: how the KV moves: "vllm" (the decode engine admits the request when its prefill
     #: ends, then pulls) or "sglang" (the decode engine gets the request when the prefill
     #: engine does and allocates at once; the prefill engine pushes when its prefill ends)
@@ -134,6 +137,9 @@ class SimConfig:
         if self.load_failure not in LOAD_FAILURE:
             raise ValueError(f"load_failure must be one of {', '.join(LOAD_FAILURE)}, got "
                              f"{self.load_failure!r}")
+        if self.pd_fallback not in FALLBACK:
+            raise ValueError(f"pd_fallback must be one of {', '.join(FALLBACK)}, got "
+                             f"{self.pd_fallback!r}")
         if self.pd_retries < 0:
             raise ValueError(f"pd_retries must be >= 0, got {self.pd_retries}")
         if not 0.0 <= self.kv_fail_rate <= 1.0:
