@@ -6,8 +6,9 @@ by a client of Envoy. The openai client, streamed chunk by chunk and not; reques
 follow the cache (the engine's own ``cached_tokens`` says it held the prefix); refusals in
 OpenAI's shape (400, 429, 503); the load's prefill share dropped at the answer's first
 bytes, and every load released when clients go or an engine dies mid-answer; a SIGKILLed
-engine gets no more traffic once a probe saw it gone; the pick kept by Envoy as ``envoy.lb``
-metadata; ``kvwire serve``'s policies and status page on the picker."""
+engine gets no more traffic once a probe saw it gone; answers streaming through a picker
+told to stop (SIGTERM) end whole; the pick kept by Envoy as ``envoy.lb`` metadata;
+``kvwire serve``'s policies and status page on the picker."""
 
 from __future__ import annotations
 
@@ -179,12 +180,13 @@ def test_a_request_without_a_body_is_picked_at_its_headers(mode) -> None:
     until(lambda: _idle(epp), "no load left", 10)
 
 
-def _long_stream(url: str, client: httpx.Client, i: int) -> tuple[httpx.Response, object]:
-    """A streamed answer of some seconds, begun (its first line read), and its line
-    iterator (kept: dropping it closes the response)."""
+def _long_stream(url: str, client: httpx.Client, i: int,
+                 **more: object) -> tuple[httpx.Response, object]:
+    """A streamed answer of some seconds (3,000 tokens), begun (its first line read), and
+    its line iterator (kept: dropping it closes the response)."""
     r = client.send(client.build_request("POST", url + "/v1/completions", json={
         "model": "kvwire-engine", "prompt": f"long story {i}", "max_tokens": 3000,
-        "ignore_eos": True, "stream": True}, timeout=60), stream=True)
+        "ignore_eos": True, "stream": True, **more}, timeout=60), stream=True)
     assert r.status_code == 200
     lines = r.iter_lines()
     next(lines)
@@ -327,6 +329,61 @@ def test_the_picker_killed_and_restarted_under_load(tmp_path) -> None:
                                      max_tokens=1).usage
             assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, (i, u)
         until(lambda: _idle(again), "no load left", 10)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def _refused(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_sigterm_lets_answers_streaming_through_envoy_end_whole(name, tmp_path) -> None:
+    """A rolling restart: SIGTERM kvwire epp while answers stream through Envoy. The picker
+    stops taking streams (a request then fails at once: Envoy's ext_proc filter fails
+    closed) but stays up while those answers go on; each ends whole (every token, then
+    ``[DONE]``), and the picker then exits 0, long before ``--shutdown-timeout``."""
+    import json
+
+    envoy_binary()
+    started: list = []
+    try:
+        fleet = Fleet(2, "--speed", "5")
+        started.append(fleet)
+        epp = Epp(fleet.engine_args(), "--tokenizer", "builtin", "--probe-interval", "0.5",
+                  "--shutdown-timeout", "120")
+        started.append(epp)
+        envoy = Envoy(epp, tmp_path, *MODES[name])
+        started.append(envoy)
+        clients = [httpx.Client() for _ in range(2)]
+        streams = [_long_stream(envoy.url, cl, 950 + i,
+                                stream_options={"include_usage": True})
+                   for i, cl in enumerate(clients)]
+        t0 = time.monotonic()
+        epp.proc.p.send_signal(signal.SIGTERM)
+        until(lambda: _refused(epp.grpc_port), "the picker's gRPC listener closed", 10)
+        r = httpx.post(envoy.url + "/v1/completions", timeout=30,
+                       json={"model": "kvwire-engine", "prompt": "hello", "max_tokens": 1})
+        assert r.status_code >= 500 and time.monotonic() - t0 < 10, (r.status_code, r.text)
+        assert epp.proc.p.poll() is None, "the picker left before its answers ended"
+        for (resp, lines), cl in zip(streams, clients):
+            rest = [line for line in lines if line]
+            resp.close()
+            cl.close()
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
+            assert usage["completion_tokens"] == 3000, usage
+            last = json.loads(rest[-3].removeprefix("data: "))
+            assert last["choices"][0]["finish_reason"] == "length", last
+        assert epp.proc.p.wait(30) == 0, epp.proc.text()
+        assert time.monotonic() - t0 < 100
     finally:
         for p in reversed(started):
             p.stop()
