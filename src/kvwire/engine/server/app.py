@@ -288,7 +288,7 @@ class EngineApp:
             boot = opts.bootstrap_port
             if boot is None and opts.config.role == "prefill":
                 boot = 8998  # SGLang's default
-            self.pd = PD(self, opts.kv_port or 0, boot)
+            self.pd = PD(self.cores, self.runners, opts.kv_port or 0, boot)
         self.routes = r = Routes(render=_render, headers=(b"x-data-parallel-rank", HOLD_HEAD),
                                  fallback=self._not_found, fail_started="end")
         r.add("POST", "/v1/completions", lambda c: self._generate(c, False))

@@ -50,12 +50,12 @@ import msgspec
 from ...http1 import HttpError
 from ...http1.client import Pool, UpstreamError
 from ...http1.server import Request, Routes, Server
-from ..core import Handle
+from ..core import EngineCore, Handle
 from ..metrics import TransferStats
 from .openai import Bootstrap, KVTransferParams
 
 if TYPE_CHECKING:
-    from .app import EngineApp
+    from .runner import Runner
 
 __all__ = ["PD", "Remote"]
 
@@ -111,12 +111,13 @@ class Room:
 
 class PD:
     """One engine's P/D side: the side channel, the bootstrap server, the leases it gave
-    out (prefill) and the pulls it runs (decode). ``dp_size`` is 1 (one core, one runner)."""
+    out (prefill) and the pulls it runs (decode). ``dp_size`` is 1 (one core, one runner).
+    ``runners`` is the engine's list, filled when it starts (after this is made)."""
 
-    def __init__(self, app: EngineApp, kv_port: int = 0, bootstrap_port: int | None = None,
-                 host: str = "127.0.0.1") -> None:
-        self.app = app
-        self.cfg = app.cores[0].model.cfg
+    def __init__(self, cores: list[EngineCore], runners: list[Runner], kv_port: int = 0,
+                 bootstrap_port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.cores, self.runners = cores, runners
+        self.cfg = cores[0].model.cfg
         self.role = self.cfg.role
         self.host = host
         self.kv_port = kv_port
@@ -151,12 +152,12 @@ class PD:
     # ------------------------------------------------------------------ lifecycle
 
     @property
-    def core(self):
-        return self.app.cores[0]
+    def core(self) -> EngineCore:
+        return self.cores[0]
 
     @property
-    def runner(self):
-        return self.app.runners[0]
+    def runner(self) -> Runner:
+        return self.runners[0]
 
     async def start(self) -> None:
         self.kv_server = Server(self.routes)
