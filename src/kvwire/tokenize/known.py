@@ -31,6 +31,14 @@ PlainRenderer = Callable[[Any, Any, Any, Mapping[str, Any]], "str | None"]
 QWEN3_UNREAD = frozenset(("content", "reasoning_content", "namespace"))
 
 
+def _string_turns(messages: Any) -> bool:
+    """Whether ``messages`` is a list of dicts whose ``role`` and ``content`` are strings:
+    what every renderer here needs before it reads anything else."""
+    return type(messages) is list and all(
+        type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str
+        for m in messages)
+
+
 def _plain_tool_calls(value: Any) -> bool:
     """Whether the template's ``{% if message.tool_calls %}`` is false for ``value``."""
     return value is None or (type(value) is list and not value)
@@ -44,16 +52,12 @@ def qwen3_plain(messages: Any, tools: Any, add_generation_prompt: Any,
     string or None and its ``tool_calls`` None or ``[]``; ``enable_thinking`` any value.
     None for anything else (tool calls, tools, content parts or null, a non-dict, no
     messages, a variable in ``QWEN3_UNREAD``)."""
-    if tools or type(messages) is not list or not messages \
+    if tools or not messages or not _string_turns(messages) \
             or not QWEN3_UNREAD.isdisjoint(variables):
         return None
     roles: list[str] = []
     for m in messages:
-        if type(m) is not dict:
-            return None
-        role, content = m.get("role"), m.get("content")
-        if type(role) is not str or type(content) is not str:
-            return None
+        role = m["role"]
         if role == "assistant":
             if not _plain_tool_calls(m.get("tool_calls")):
                 return None
@@ -117,18 +121,10 @@ def deepseek_v3_plain(messages: Any, tools: Any, add_generation_prompt: Any,
     content). None for anything else (null or non-string content, a non-dict, a variable in
     ``DEEPSEEK_V3_UNREAD``)."""
     bos = variables.get("bos_token")
-    if type(messages) is not list or type(bos) is not str \
+    if type(bos) is not str or not _string_turns(messages) \
             or not DEEPSEEK_V3_UNREAD.isdisjoint(variables):
         return None
-    system: list[str] = []
-    for m in messages:
-        if type(m) is not dict:
-            return None
-        role, content = m.get("role"), m.get("content")
-        if type(role) is not str or type(content) is not str:
-            return None
-        if role == "system":
-            system.append(content)
+    system = [m["content"] for m in messages if m["role"] == "system"]
     out = [bos, "\n\n".join(system)]
     is_tool, first_output = False, True  # (the template never sets the second back)
     for m in messages:
@@ -179,16 +175,13 @@ def mistral_v7_plain(messages: Any, tools: Any, add_generation_prompt: Any,
     follows an assistant's, an assistant's merged text is empty): jinja raises then.
     ``add_generation_prompt`` is not read by this template."""
     bos, eos = variables.get("bos_token"), variables.get("eos_token")
-    if tools or type(messages) is not list or not messages or type(bos) is not str \
-            or type(eos) is not str or not MISTRAL_V7_UNREAD.isdisjoint(variables):
+    if tools or not messages or type(bos) is not str or type(eos) is not str \
+            or not _string_turns(messages) or not MISTRAL_V7_UNREAD.isdisjoint(variables):
         return None
     merged: list[tuple[str, list[str]]] = []  # (role, contents): the template's groups
     for m in messages:
-        if type(m) is not dict:
-            return None
-        role, content = m.get("role"), m.get("content")
-        if type(role) is not str or role not in _MISTRAL_NEXT or type(content) is not str \
-                or not _plain_tool_calls(m.get("tool_calls")):
+        role, content = m["role"], m["content"]
+        if role not in _MISTRAL_NEXT or not _plain_tool_calls(m.get("tool_calls")):
             return None
         if merged and role != "system" and merged[-1][0] == role:
             merged[-1][1].append(content)
