@@ -243,6 +243,60 @@ def test_a_killed_worker_process_loses_no_prompt() -> None:
     assert off.broken == 1 and off.offloaded == 2 and off.inline == 1
 
 
+class PolicyTokenizer(BuiltinTokenizer):
+    """Records the scheduling policy of the thread each long encode runs on."""
+
+    releases_gil = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policies: list[int] = []
+
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        import os
+
+        if plan.chars > self.inline_chars:
+            self.policies.append(os.sched_getscheduler(threading.get_native_id()))
+        return super().run(plan)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="Linux only")
+def test_workers_run_at_the_lowest_cpu_priority() -> None:
+    """Worker threads and worker processes encode under SCHED_IDLE (when the cores are
+    short the loop runs first); the loop's own thread keeps its policy."""
+    import multiprocessing
+    import os
+
+    before = os.sched_getscheduler(0)
+    tok = PolicyTokenizer()
+    off = Offload(tok, threads=2, queue=4)
+    assert off.mode == "threads"
+    try:
+        ids = asyncio.run(off.encode(LONG))
+    finally:
+        off.close()
+    assert ids == BuiltinTokenizer().encode(LONG)
+    assert tok.policies == [os.SCHED_IDLE] and os.sched_getscheduler(0) == before
+
+    tok2 = BuiltinTokenizer()
+    tok2.releases_gil = False
+    off = Offload(tok2, threads=1, queue=2)
+    assert off.mode == "processes"
+
+    async def go() -> list[int]:
+        ids = await off.encode(LONG)
+        workers = multiprocessing.active_children()
+        assert workers and all(os.sched_getscheduler(w.pid) == os.SCHED_IDLE
+                               for w in workers), workers
+        return ids
+
+    try:
+        assert asyncio.run(go()) == BuiltinTokenizer().encode(LONG)
+    finally:
+        off.close()
+    assert os.sched_getscheduler(0) == before
+
+
 def test_offload_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="queue"):
         Offload(BuiltinTokenizer(), threads=1, queue=0)

@@ -4,8 +4,8 @@ does not hold up every other request's stream on the one thread that serves them
 The tokenizer plans on the loop (lookups of what it has seen: quick), and the new text is
 encoded on the loop when it is short (handing it over costs more), else on a worker thread
 when the tokenizer lets go of the GIL while it works (``tokenizers``' Rust; the builtin
-tokenizer's C encoder), else in a worker process; the workers run at a lower CPU priority than
-the loop (``NICE``). At most ``queue`` encodes are off the loop
+tokenizer's C encoder), else in a worker process; the workers run at the lowest CPU priority
+(Linux's ``SCHED_IDLE``), below the loop's. At most ``queue`` encodes are off the loop
 at once, running or waiting; a request past that is refused with 429 and counted, rather
 than waiting behind work that may take seconds."""
 
@@ -27,21 +27,31 @@ __all__ = ["Offload"]
 
 log = logging.getLogger("kvwire.proxy.offload")
 
-#: How much lower the workers' CPU priority is than the loop's (a nice value): when the cores
-#: are short, the loop, which moves every stream, runs first and a long prompt waits.
+#: How much lower the workers' CPU priority is than the loop's (a nice value), where
+#: ``SCHED_IDLE`` is refused.
 NICE = 10
 
 
 def _lower_priority() -> None:
-    """Run in each worker as it starts: on Linux a thread has its own nice value (and the
-    threads it starts inherit it: ``tokenizers``' pool); elsewhere it would be the process's,
-    so nothing is done."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           os.getpriority(os.PRIO_PROCESS, 0) + NICE)
-        except OSError:
-            pass
+    """Run in each worker as it starts. When the cores are short, the loop, which moves every
+    stream, must run first and a long prompt wait. On Linux a thread has its own scheduling
+    policy (and the threads it starts inherit it: ``tokenizers``' pool): ``SCHED_IDLE``
+    gives the worker a core only beside what ordinary threads leave, and one of them that
+    wakes takes the core at once; a nice value only weighs it less, and short streams beside
+    never-seen 30k-token prompts waited about twice as long at p99 with nice 10 (docs/
+    benchmarks.md). Elsewhere the policy would be the process's, so nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (OSError, AttributeError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + NICE)
+    except OSError:
+        pass
 
 
 class Offload:
