@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["free_port", "free_ports", "port_free"]
+__all__ = ["free_port", "free_ports", "port_free", "refused"]
 
 LOW = 10_000  # below: well-known and registered services
 
@@ -72,3 +72,12 @@ def free_port(span: int = 1, offsets: tuple[int, ...] | range = (0,)) -> int:
 def free_ports(n: int) -> list[int]:
     """``n`` different free ports."""
     return [free_port() for _ in range(n)]
+
+
+def refused(port: int) -> bool:
+    """A connection to ``port`` on loopback is refused: nothing listens there (any more)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    return False

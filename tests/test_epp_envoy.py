@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 from envoy_helpers import Envoy, Epp, Fleet, envoy_binary, until
+from ports import refused
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -334,16 +335,6 @@ def test_the_picker_killed_and_restarted_under_load(tmp_path) -> None:
             p.stop()
 
 
-def _refused(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except ConnectionRefusedError:
-        return True
-    return False
-
-
 @pytest.mark.parametrize("name", list(MODES))
 def test_sigterm_lets_answers_streaming_through_envoy_end_whole(name, tmp_path) -> None:
     """A rolling restart: SIGTERM kvwire epp while answers stream through Envoy. The picker
@@ -368,7 +359,7 @@ def test_sigterm_lets_answers_streaming_through_envoy_end_whole(name, tmp_path) 
                    for i, cl in enumerate(clients)]
         t0 = time.monotonic()
         epp.proc.p.send_signal(signal.SIGTERM)
-        until(lambda: _refused(epp.grpc_port), "the picker's gRPC listener closed", 10)
+        until(lambda: refused(epp.grpc_port), "the picker's gRPC listener closed", 10)
         r = httpx.post(envoy.url + "/v1/completions", timeout=30,
                        json={"model": "kvwire-engine", "prompt": "hello", "max_tokens": 1})
         assert r.status_code >= 500 and time.monotonic() - t0 < 10, (r.status_code, r.text)

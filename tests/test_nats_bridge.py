@@ -524,23 +524,9 @@ def test_retention_limits_and_snapshot_bootstrap(nats_server, tmp_path, engines)
 
 def _two_free_pairs() -> tuple[int, int]:
     """Base ports P, Q with P, P+1, Q, Q+1 all free (DP ranks sit at port + rank)."""
-    import socket
+    from ports import free_port
 
-    from nats_helpers import free_port
-
-    def free(p: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                return False
-            return True
-
-    for _ in range(50):
-        p, q = free_port(), free_port()
-        if abs(p - q) > 1 and all(free(x) for x in (p + 1, q + 1)):
-            return p, q
-    raise AssertionError("no consecutive free ports")
+    return free_port(2), free_port(2)
 
 
 def test_dp_ranks_get_one_subject_each(nats_server, tmp_path, engines):

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from ports import refused
 from test_proxy import ROOT, EngineProc, _engine_args
 from test_serve import _stderr_line
 from waiting import wait_for
@@ -64,14 +65,6 @@ def _body(max_tokens: int) -> dict:
             "ignore_eos": True, "stream": True}
 
 
-def _refused(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-    except ConnectionRefusedError:
-        return True
-    return False
-
-
 def _running(e: EngineProc) -> float:
     text = httpx.get(e.url + "/metrics", timeout=5.0).text
     for line in text.splitlines():
@@ -95,7 +88,7 @@ def test_sigterm_drains_the_streams_in_flight(slow_engine, serve) -> None:
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         _stderr_line(p, r"draining: 1 request\(s\) in flight")
-        wait_for(lambda: _refused(port), "the port refusing new connections", TIMEOUT)
+        wait_for(lambda: refused(port), "the port refusing new connections", TIMEOUT)
         idle.settimeout(TIMEOUT)
         assert idle.recv(65536) == b"", "the idle keep-alive connection was not closed"
         assert p.poll() is None, "kvwire serve exited with a stream in flight"
