@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -135,18 +134,8 @@ class Fleet:
 
 
 def _free_base(n: int) -> int:
-    import random
-
-    for _ in range(50):
-        base = random.randrange(20000, 40000)
-        try:
-            for off in [*range(n), *(1000 + i for i in range(n)), *(2000 + i for i in range(n))]:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + off))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
+    """A fleet's base port: engine i at base + i, its events at + 1000, replay at + 2000."""
+    return free_port(n, (0, 1000, 2000))
 
 
 class Epp:
@@ -226,6 +215,15 @@ class Envoy:
             self.proc.stop()
             raise
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def healthy(self, cluster: str = "kvwire_epp") -> list[bool]:
+        """Whether Envoy's health checks pass for each host of ``cluster`` (admin
+        ``/clusters``): until a check has passed, Envoy sends that host nothing."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/clusters",
+                                    timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        return [line.rsplit("::", 1)[1] == "healthy" for line in lines
+                if line.startswith(cluster + "::") and "::health_flags::" in line]
 
     def stop(self) -> None:
         self.proc.stop()

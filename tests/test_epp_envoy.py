@@ -489,6 +489,8 @@ def test_several_pickers_behind_one_envoy(world, tmp_path) -> None:
         b = Epp(fleet.engine_args(), *flags)
         envoy = Envoy(a, tmp_path, "--more-pickers", f"127.0.0.1:{b.grpc_port}")
         try:
+            # (a first health check that failed on a busy box is tried again in 5 s)
+            until(lambda: envoy.healthy() == [True, True], "Envoy seeing both pickers", 20)
             c = _client(envoy)
             for i in range(12):
                 c.completions.create(model="kvwire-engine", prompt=_prompt(700 + i % 3),
