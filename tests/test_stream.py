@@ -117,7 +117,9 @@ class SimPublisher:
         return events
 
     def publish(self) -> tuple[int, bytes]:
-        batch = KVEventBatch(float(self.seq + 2), self._events(), 0)
+        # (a run's own timestamps, as a real engine's: a batch of a new run is never
+        # byte for byte one of the run before)
+        batch = KVEventBatch(float(self.seq + 2) + 1e6 * self.restarts, self._events(), 0)
         self.seq += 1
         self.truth.apply(batch)
         self.history.append(batch)
@@ -962,9 +964,10 @@ def test_reference_tail_is_confirmed_soon_after_the_stream_goes_quiet():
 
 def test_reference_tail_is_confirmed_right_after_the_consumer_stalled():
     """The consumer itself does not run for 2 s (ticks that far apart): what the publisher
-    sent meanwhile may all have been dropped. The stream is ``unconfirmed`` at once, and
-    the check goes out as soon as the live backlog is read (not while it is still being
-    read), or at once when nothing at all arrived."""
+    sent meanwhile may all have been dropped. The stream is ``unconfirmed`` at once; the
+    first batch of the backlog is held and ours asked for (the run may have changed while
+    we did not run), and the tail is confirmed after it; with nothing at all arriving, the
+    check goes out at once."""
     pub, sim = _reference_at(16, 4, tail_after=1.0)
     sim.publish(5)
     for _ in range(3):
@@ -972,20 +975,18 @@ def test_reference_tail_is_confirmed_right_after_the_consumer_stalled():
     n = len(sim.actions)
     sim.now += 2.0
     sim.live(2)  # the backlog, read after the stall...
-    sim.handle(sim.m.tick(sim.now))  # ...then time is judged: a stall, still reading
-    assert sim.m.last_seq == 5 and _state(sim) == "unconfirmed"
-    assert sim.actions[n:] == []
-    assert sim.m.next_deadline == sim.now  # the next tick looks for the backlog's end
-    sim.tick(0.01)  # nothing more came: the backlog is read, so check
-    assert sim.actions[-1] == SendReplay(5) and _state(sim) == "unconfirmed"
-    sim.drain()
+    sim.handle(sim.m.tick(sim.now))  # ...then time is judged: a stall
+    assert sim.m.last_seq == 3 and _state(sim) == "unconfirmed"
+    assert sim.actions[n:] == [SendReplay(3)]  # from ours, checked
+    sim.drain()  # ours back, then 4..8; then the tail itself is asked, and confirmed
+    assert sim.actions[-1] == SendReplay(8)
     assert sim.m.last_seq == 8 and _state(sim) == "exact"
     assert sim.app.cache.as_dict() == pub.truth.as_dict()
     pub.publish()  # (dropped: never queued live) and a stall with nothing after it
     sim.tick(2.0)
     assert sim.actions[-1] == SendReplay(8) and _state(sim) == "unconfirmed"
     sim.drain()
-    assert sim.m.last_seq == 9 and _state(sim) == "exact" and sim.m.stats().tail_checks == 4
+    assert sim.m.last_seq == 9 and _state(sim) == "exact" and sim.m.stats().tail_checks == 3
 
 
 def test_reference_tail_unanswered_stays_unconfirmed():
@@ -1408,8 +1409,8 @@ def test_a_hole_in_a_rebuild_answer_is_asked_again_not_lost():
     h.reply(7)
     st_ = h.m.stats()
     assert (st_.lost, st_.last_seq, st_.last_error) == (3, 5, "seqs 2..4 lost")
-    assert h.sent[-1] == SendReplay(6)
-    h.reply(6, 7)
+    assert h.sent[-1] == SendReplay(5)  # from ours: checked, the run may have changed since
+    h.reply(5, 6, 7)
     st_ = h.m.stats()
     assert (st_.lost, st_.last_seq, st_.resets, h.m.phase) == (3, 7, 2, "live")
     assert not h.app.exact and h.app.base == 4
@@ -1428,6 +1429,10 @@ def test_a_restart_forgets_the_old_runs_losses():
     h.live(0)  # the new run
     assert h.m.stats().restarts == 1 and h.sent[-1] == SendReplay(0)
     h.reply(0, 1)
+    # the new run's tail is confirmed as after a stall: ours alone back
+    assert (h.m.phase, h.m.last_seq, h.app.exact, h.sent[-1]) == ("replay", 1, True,
+                                                                   SendReplay(1))
+    h.reply(1)
     assert (h.m.phase, h.m.last_seq, h.app.exact) == ("live", 1, True)
     h.live(4)  # 2..3 missing: asked from 1 (ours)...
     assert h.sent[-1] == SendReplay(1)
@@ -1948,8 +1953,11 @@ def test_a_reference_restart_seen_while_a_gap_is_asked_restarts_the_stream():
     assert h.app.resets[-1] == "publisher restarted (live seq went back from 5 to 0)"
     assert h.sent[-1] == SendReplay(0)
     h.reply(0, 1)
+    assert h.sent[-1] == SendReplay(1) and h.m.state == "unconfirmed"  # the new run's tail
+    h.reply(1)
     st_ = h.m.stats()
     assert (st_.phase, st_.last_seq, st_.buffered, st_.restarts) == ("live", 1, 0, 1)
+    assert st_.state == "exact"
     assert h.app.exact and h.app.next == 2
 
 

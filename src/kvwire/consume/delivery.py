@@ -8,6 +8,7 @@ or decides how to recover; :mod:`kvwire.consume.recovery` builds on it."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Literal
 
 from ..wire.events import BatchDecoder, BlockStored, DecodeError, EventError
@@ -16,6 +17,9 @@ from .items import Batch, Output, Reset, Snapshot
 from .replies import SnapshotHeader
 
 __all__ = ["StreamState"]
+
+#: How many delivered payloads a stream keeps to compare a seq that comes again.
+RECENT = 64
 
 
 class StreamState:
@@ -63,12 +67,16 @@ class StreamState:
         self._replay_from = 0
         self._replay_kind: Literal["boot", "gap", "rebuild", "tail", "verify"] = "boot"
         self._replay_got = 0  # replies received for the replay in flight (ours not counted)
-        self._last_payload: bytes | None = None  # seq _delivered's, if it came as a batch
+        # The payloads of the last seqs delivered as batches, oldest first, the last one
+        # ``_delivered``'s: a reference publisher has no epochs, so the same seq arriving
+        # again with other bytes is how a new run shows itself (Recovery._other_run).
+        self._recent: deque[bytes] = deque(maxlen=RECENT)
         # A replay asked from our last seq (``check``): that seq, until its reply comes;
         # the payload we had for it; whether it came back (None: no check asked).
         self._check_seq: int | None = None
         self._check_payload: bytes | None = None
         self._check_seen: bool | None = None
+        self._vouched = False  # the replay in flight continues one in which ours came back
         self._fruitless = 0  # replay requests in a row that timed out unanswered
         self._from0_gone = False  # this run's replay buffer no longer starts at its first seq
         # First seqs of the losses already rebuilt once in this run: a seq the publisher never
@@ -114,7 +122,7 @@ class StreamState:
         self._reset_sent = False
         self._reset_reason = "bootstrap"
         self._delivered = seq
-        self._last_payload = None
+        self._recent.clear()
         self._exact = exact
         for s in [s for s in self._buffer if s <= seq]:
             del self._buffer[s]
@@ -126,7 +134,7 @@ class StreamState:
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._delivered = seq
-        self._last_payload = payload
+        self._recent.append(payload)
         try:
             batch = self._decoder.decode(payload)
         except DecodeError as e:
@@ -140,6 +148,12 @@ class StreamState:
         self._c["events"] += len(batch.events)
         if batch.events or self.config.deliver_empty:
             self._out.append(Batch(self.name, seq, batch, self._label))
+
+    def _recent_payload(self, seq: int) -> bytes | None:
+        """The payload delivered for ``seq``, if it is among the last ones kept."""
+        back = self._delivered - seq if self._delivered is not None else -1
+        recent = self._recent
+        return recent[-1 - back] if 0 <= back < len(recent) else None
 
     def _drain(self) -> None:
         buf = self._buffer

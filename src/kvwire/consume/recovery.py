@@ -42,6 +42,8 @@ class Recovery(StreamState):
                     self._run_changed(f"its batch at seq {seq} is not the one we had", now)
                 return self._flush()  # ours: the same run goes on
             # (ours evicted since: nothing to compare; the answer goes on as asked)
+        if self._other_run(seq, payload, now):
+            return self._flush()
         first = self._replay_got == 0
         self._replay_got += 1
         kind = self._replay_kind
@@ -65,8 +67,10 @@ class Recovery(StreamState):
         elif seq == nxt:
             self._deliver(seq, payload)
             self._drain_next(seq)
-        elif first:
+        elif first and not self._check_seen:
             # The answer starts after what we asked for: the publisher no longer has it.
+            # (Not if ours came back in it: its ring holds what follows ours, so what is
+            # missing was lost on the way, below.)
             self._unfillable(nxt, seq, payload, now)
         else:
             # A hole inside the answer: lost on the way (the reference publisher's ROUTER
@@ -125,8 +129,11 @@ class Recovery(StreamState):
         d = self._delivered
         sent, kind = self._req_sent, self._replay_kind
         # Nothing past our last seq (ours back, if it was asked for, and the end):
-        nothing_past = (not self._replay_got and self._check_seen is not False
-                        and d is not None and self._replay_from == d + 1)
+        # (Ours must have come back, in this answer or in the one it continues: an
+        # unchecked answer past ours is empty as well from a publisher that restarted and
+        # has not reached our seq again.)
+        nothing_past = (not self._replay_got and d is not None and self._replay_from == d + 1
+                        and (self._check_seen or (self._check_seen is None and self._vouched)))
         self._replay_ended(now)
         if self._req is None and self._phase == "live" and kind != "verify" \
                 and self._mode == "reference":
@@ -175,7 +182,7 @@ class Recovery(StreamState):
         if self._buffer and not progress and self._check_seen and not self._replay_got:
             # Ours alone came back: what follows may have been dropped on the way (a full
             # ROUTER pipe), not gone. Ask past ours, unchecked, before calling it lost.
-            self._start_replay(self._delivered + 1, now, "gap")  # type: ignore[operator]
+            self._start_replay(self._delivered + 1, now, "gap", vouched=True)  # type: ignore[operator]
             return
         if self._buffer and not progress:
             # The replay brought nothing we needed: whatever is missing is gone.
@@ -276,6 +283,20 @@ class Recovery(StreamState):
 
     # ------------------------------------------------------------------ decisions
 
+    def _other_run(self, seq: int, payload: bytes, now: float) -> bool:
+        """``seq`` came again with other bytes than the ones we hold or delivered for it.
+        A reference publisher has no epochs: that is how its new run shows itself, and a
+        picture must never join two runs. Restart from the new one; True if so."""
+        if self._mode == "kvwire":
+            return False  # its epoch says it (INFO)
+        had = self._buffer.get(seq)
+        if had is None:
+            had = self._recent_payload(seq)
+        if had is None or had == payload:
+            return False
+        self._run_changed(f"its batch at seq {seq} is not the one we had", now)
+        return True
+
     def _suspect_restart(self, seq: int, payload: bytes, old: int, now: float) -> None:
         reason = f"publisher restarted (live seq went back from {old} to {seq})"
         if self._mode == "kvwire":
@@ -305,6 +326,8 @@ class Recovery(StreamState):
         self._reset_reason = reason
         self._delivered = None
         self._exact = False
+        # Where the new run ends is not known either: confirmed as after a stall.
+        self._stall_at, self._unconfirmed = now, True
         self._bootstrap(now)
 
     def _bootstrap(self, now: float) -> None:
@@ -404,7 +427,12 @@ class Recovery(StreamState):
         elif self._mode == "kvwire":
             self._probe("gap", now)
         else:
-            self._start_replay(self._delivered + 1, now, "gap")  # type: ignore[operator]
+            # Unchecked only where ours came back in the answer this continues (or the one
+            # that continues): otherwise a publisher that restarted since would answer with
+            # its new run, and we would take it for the rest of ours.
+            vouched = bool(self._check_seen) or self._vouched
+            self._start_replay(self._delivered + 1, now, "gap",  # type: ignore[operator]
+                               check=not vouched, vouched=vouched)
 
     def _timeout(self, now: float) -> None:
         kind = self._req
@@ -431,8 +459,8 @@ class Recovery(StreamState):
             self._continue(now, ended=False)
         elif kind == "replay" and self._fruitless + 1 < self.config.replay_attempts:
             self._fruitless += 1  # unanswered: a stall on either side; ask again
-            self._start_replay(self._replay_from, now, self._replay_kind,
-                               check=self._check_seen is not None)
+            # (checked: the publisher may have died and another run answer the next one)
+            self._start_replay(self._replay_from, now, self._replay_kind, check=True)
         elif kind == "replay" and self._replay_kind == "rebuild":
             self._fruitless = 0
             self._give_up(*self._rebuild_gap, now)
@@ -488,21 +516,23 @@ class Recovery(StreamState):
 
     def _start_replay(self, start: int, now: float,
                       kind: Literal["boot", "gap", "rebuild", "tail", "verify"] | None = None,
-                      check: bool = False) -> None:
+                      check: bool = False, vouched: bool = False) -> None:
         """Ask for seqs from ``start``. ``check`` (reference publishers, ``start`` right
         after our last seq): ask from our last seq instead, and check that what comes back
         for it is the batch we had (:meth:`replay`): a restarted publisher whose new run
         has passed our seq otherwise looks like a gap, and its batches would continue the
-        old run's state."""
+        old run's state. ``vouched``: it continues an answer in which ours came back (an
+        empty answer to it then confirms the tail, :meth:`replay_end`)."""
         self._phase = "replay"
         self._replay_from = start
         self._replay_kind = kind or ("boot" if self._delivered is None else "gap")
         self._replay_got = 0
         self._check_seq, self._check_seen = None, None
+        self._vouched = vouched
         d = self._delivered
         if check and d is not None and d >= 0 and start == d + 1:
             self._check_seq, self._check_seen = d, False
-            self._check_payload = self._last_payload
+            self._check_payload = self._recent_payload(d)
             start = d
         self._c["replays"] += 1
         self._send("replay", SendReplay(start), now, self.config.request_timeout)

@@ -169,6 +169,11 @@ class StreamMachine(Recovery):
         """A stall of the consumer was seen after the last tail check and confirmation."""
         return self._stall_at > self._tail_sent and self._stall_at > self._confirmed_at
 
+    def _resumed(self, last_live: float, now: float) -> bool:
+        """A reference stream's live batches resume after a quiet spell (see :meth:`live`)."""
+        return (self._mode == "reference" and now - last_live > self.config.tail_after
+                and self._recent_payload(self._delivered) is not None)  # type: ignore[arg-type]
+
     def _tail_wanted(self) -> bool:
         """A reference stream, live and idle, whose tail needs confirming: a stall since,
         or live batches since the last check (the quiet spell is timed by the caller)."""
@@ -209,6 +214,7 @@ class StreamMachine(Recovery):
         res: list[Output] = []
         out, c = self._out, self._c
         decode = _decode_map
+        tail_after = self.config.tail_after
         for frames in messages:
             if (self._phase == "live" and self._alive and not self._want_resync
                     and len(frames) == 3):
@@ -216,11 +222,13 @@ class StreamMachine(Recovery):
                 if len(seq_f) == 8:
                     seq = int.from_bytes(seq_f, "big")
                     high = self._live_high
-                    if seq == self._delivered + 1 and (high is None or seq > high):  # type: ignore[operator]
+                    if seq == self._delivered + 1 and (high is None or seq > high) and (  # type: ignore[operator]
+                            now - self._last_live <= tail_after
+                            or not self._resumed(self._last_live, now)):
                         c["live_messages"] += 1
                         self._last_live = now
                         self._live_high = self._delivered = seq
-                        self._last_payload = frames[2]
+                        self._recent.append(frames[2])
                         try:
                             batch = decode(frames[2])
                         except _DECODE_ERRORS:
@@ -262,7 +270,7 @@ class StreamMachine(Recovery):
     def live(self, seq: int, payload: bytes, now: float) -> list[Output]:
         """A live batch ``seq`` arrived."""
         self._c["live_messages"] += 1
-        self._last_live = now
+        quiet_since, self._last_live = self._last_live, now
         if not self._alive:
             self._alive = True
             self._out.append(Liveness(self.name, True, f"live message seq {seq}"))
@@ -273,6 +281,8 @@ class StreamMachine(Recovery):
             self._suspect_restart(seq, payload, old, now)
             return self._flush()
         self._live_high = seq
+        if self._other_run(seq, payload, now):
+            return self._flush()
         phase = self._phase
         if phase == "await_first" and self.has_replay and seq > self.first_seq:
             # The publisher had nothing when asked; it has this and what came before now.
@@ -286,6 +296,13 @@ class StreamMachine(Recovery):
             nxt = self._delivered + 1  # type: ignore[operator]
             if seq < nxt:
                 self._c["duplicates"] += 1
+            elif seq == nxt and self._resumed(quiet_since, now):
+                # A reference publisher quiet for a while may have restarted meanwhile, and
+                # its new run's first batches never reached us (a PUB drops what it sends
+                # before the SUB has reconnected): a new run that picks up at our next seq
+                # looks like ours. Check ours is still its batch at our last seq first.
+                self._hold(seq, payload, now)
+                self._start_replay(seq, now, "gap", check=True)
             elif seq == nxt:
                 self._deliver(seq, payload)
                 if self._want_resync:
@@ -346,6 +363,12 @@ class StreamMachine(Recovery):
                 self._start_replay(self._delivered + 1, now, "tail", check=True)
             else:
                 self._probe("check", now)  # kvwire: the epoch; reference: an upgrade
+        elif (self._phase == "await_first" and self._req is None and self.has_replay
+              and now >= self._next_check):
+            # Nothing when asked, and no live batch since: the first ones may all have been
+            # dropped (the PUB's HWM) with nothing after them. Ask again now and then.
+            self._next_check = now + self._info_interval()
+            self._start_replay(0, now, "boot")
         elif self._tail_wanted() and (
             self._last_live <= prev if self._stall_pending()  # the backlog is read
             else now - self._last_live >= self.config.tail_after
