@@ -242,6 +242,20 @@ def test_metrics_and_health(fleet: Fleet) -> None:
     assert fleet.http.get("/health").json()["ok"] is True
 
 
+def test_metrics_page_shows_the_serving_loop_lag(fleet: Fleet) -> None:
+    fill(fleet)
+    deadline = time.monotonic() + 10
+    while True:  # sampled 20 times a second from the server's start
+        text = fleet.http.get("/metrics").text
+        m = re.search(r'^kvwire_serve_loop_lag_seconds_count (\S+)$', text, re.M)
+        assert m is not None, text[:500]
+        if float(m.group(1)) >= 2:
+            break
+        assert time.monotonic() < deadline, m.group(0)
+        time.sleep(0.05)
+    assert 'kvwire_serve_loop_lag_seconds_bucket{le="0.001"}' in text
+
+
 def test_health_503_when_nothing_is_live() -> None:
     port = free_port()  # nobody publishes here
     core = RouterCore([EngineSpec("ghost", f"tcp://127.0.0.1:{port}")], block_size=BS)

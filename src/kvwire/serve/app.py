@@ -232,5 +232,12 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     Returns ``(server, thread, port)``; stop with ``server.should_exit = True;
     thread.join()``. ``port=0`` picks a free port (the socket is bound here first)."""
     routes = build_app(core, proxy, admin_token=admin_token, engines_file=engines_file)
-    server = Server(routes, on_stop=proxy.close_pools if proxy is not None else None)
+    lag = routes.metrics.loop_lag
+
+    def stopping() -> None:
+        lag.stop()
+        if proxy is not None:
+            proxy.close_pools()
+
+    server = Server(routes, on_start=lag.start, on_stop=stopping)
     return _serve_in_thread(routes, host, port, timeout, server, name="kvwire-router-http")

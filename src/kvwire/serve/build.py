@@ -135,12 +135,15 @@ class Service:
         return f"http://{host}:{self.port}"
 
     def _serving(self) -> None:
-        """On the server's loop as it starts: the proxy probes there (no thread of its own)."""
+        """On the server's loop as it starts: the proxy probes there (no thread of its own),
+        and the loop's lag is sampled there."""
+        self.routes.metrics.loop_lag.start()
         if self.proxy is not None:
             self.proxy.start()
 
     def _stopping(self) -> None:
         """On the server's loop as it stops: probes end, idle engine connections close."""
+        self.routes.metrics.loop_lag.stop()
         if self.proxy is not None:
             self.proxy.close()
             self.proxy.close_pools()

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..indexer.indexer import Indexer
 from ..routing.core import RouterCore
 from ..routing.ingest import stream_metrics
+from .loop_lag import LoopLag
 
 __all__ = ["CoreCollector", "IndexerCollector", "ServeMetrics"]
 
@@ -35,6 +36,8 @@ class ServeMetrics:
         self.bad = Counter("kvwire_router_bad_requests_total",
                            "Requests answered 4xx, by reason", ["reason"], registry=r)
         r.register(CoreCollector(core))
+        self.loop_lag = LoopLag()  # started and stopped by the server, on its loop
+        r.register(self.loop_lag)
         if proxy is not None:
             r.register(proxy.metrics)  # kvwire_proxy_*
 
