@@ -77,6 +77,7 @@ class StreamState:
         self._check_payload: bytes | None = None
         self._check_seen: bool | None = None
         self._vouched = False  # the replay in flight continues one in which ours came back
+        self._drained = False  # our last seq was delivered from the held ones, not a reply
         self._fruitless = 0  # replay requests in a row that timed out unanswered
         self._from0_gone = False  # this run's replay buffer no longer starts at its first seq
         # First seqs of the losses already rebuilt once in this run: a seq the publisher never
@@ -166,6 +167,7 @@ class StreamState:
         while d + 1 in buf:
             d += 1
             self._deliver(d, buf.pop(d))
+            self._drained = True
 
     def _drain_next(self, seq: int) -> None:
         """:meth:`_drain` right after delivering ``seq`` = the previous last + 1: held seqs
@@ -178,6 +180,7 @@ class StreamState:
             while d + 1 in buf:  # type: ignore[operator]
                 d += 1  # type: ignore[operator]
                 self._deliver(d, buf.pop(d))
+                self._drained = True
 
     # ------------------------------------------------------------------ helpers
 

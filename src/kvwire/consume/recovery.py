@@ -38,6 +38,7 @@ class Recovery(StreamState):
             self._check_seq = None
             if seq == chk:
                 self._check_seen = True
+                self._drained = False  # (ours is the publisher's: so is what it drained)
                 if self._check_payload is not None and payload != self._check_payload:
                     self._run_changed(f"its batch at seq {seq} is not the one we had", now)
                 return self._flush()  # ours: the same run goes on
@@ -66,6 +67,7 @@ class Recovery(StreamState):
             self._c["duplicates"] += 1
         elif seq == nxt:
             self._deliver(seq, payload)
+            self._drained = False
             self._drain_next(seq)
         elif first and not self._check_seen:
             # The answer starts after what we asked for: the publisher no longer has it.
@@ -132,8 +134,10 @@ class Recovery(StreamState):
         # (Ours must have come back, in this answer or in the one it continues: an
         # unchecked answer past ours is empty as well from a publisher that restarted and
         # has not reached our seq again.)
+        high = self._live_high
         nothing_past = (not self._replay_got and d is not None and self._replay_from == d + 1
-                        and (self._check_seen or (self._check_seen is None and self._vouched)))
+                        and (self._check_seen or (self._check_seen is None and self._vouched))
+                        and (high is None or high <= d))
         self._replay_ended(now)
         if self._req is None and self._phase == "live" and kind != "verify" \
                 and self._mode == "reference":
@@ -179,9 +183,12 @@ class Recovery(StreamState):
             return
         self._drain()
         progress = self._delivered + 1 > self._replay_from
-        if self._buffer and not progress and self._check_seen and not self._replay_got:
-            # Ours alone came back: what follows may have been dropped on the way (a full
-            # ROUTER pipe), not gone. Ask past ours, unchecked, before calling it lost.
+        high = self._live_high
+        behind = bool(self._buffer) or (high is not None and high > self._delivered)  # type: ignore[operator]
+        if behind and not progress and self._check_seen and not self._replay_got:
+            # Ours alone came back, yet we hold (or saw) later ones: what follows was
+            # dropped on the way (a full ROUTER pipe), not gone. Ask past ours, unchecked,
+            # before calling it lost.
             self._start_replay(self._delivered + 1, now, "gap", vouched=True)  # type: ignore[operator]
             return
         if self._buffer and not progress:
@@ -190,10 +197,18 @@ class Recovery(StreamState):
             self._unfillable(self._delivered + 1, m, self._buffer.pop(m), now)
             if self._req is None and self._phase == "replay":
                 self._resume(now)
-        elif progress:
-            self._continue(now)
         else:
-            self._enter_live(now)
+            if not self._replay_got:
+                self._fruitless += 1
+            if not self._buffer and not self._replay_got and (
+                    self._vouched or self._fruitless >= self.config.replay_attempts):
+                # Asked past ours right after ours came back (or again and again), and
+                # nothing: the live seq seen past ours was not this run's (a restart not
+                # seen). Its tail decides.
+                self._fruitless = 0
+                self._live_high = self._delivered
+                self._unconfirmed = True
+            self._continue(now)  # (live, unless a live seq past ours was seen)
 
     def info(self, info: InfoReply, now: float) -> list[Output]:
         """The publisher answered INFO."""
@@ -287,8 +302,8 @@ class Recovery(StreamState):
         """``seq`` came again with other bytes than the ones we hold or delivered for it.
         A reference publisher has no epochs: that is how its new run shows itself, and a
         picture must never join two runs. Restart from the new one; True if so."""
-        if self._mode == "kvwire":
-            return False  # its epoch says it (INFO)
+        if self._mode != "reference":
+            return False  # kvwire: its epoch says it (INFO); unknown: INFO will tell
         had = self._buffer.get(seq)
         if had is None:
             had = self._recent_payload(seq)
@@ -430,7 +445,8 @@ class Recovery(StreamState):
             # Unchecked only where ours came back in the answer this continues (or the one
             # that continues): otherwise a publisher that restarted since would answer with
             # its new run, and we would take it for the rest of ours.
-            vouched = bool(self._check_seen) or self._vouched
+            # (Nor past batches held from live: they may be another run's.)
+            vouched = (bool(self._check_seen) or self._vouched) and not self._drained
             self._start_replay(self._delivered + 1, now, "gap",  # type: ignore[operator]
                                check=not vouched, vouched=vouched)
 
