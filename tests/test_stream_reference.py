@@ -201,6 +201,13 @@ class RefSim:
             self.tick(0.6)
         raise AssertionError(f"no convergence: {self.m.stats()}")
 
+    def idle(self) -> None:
+        """0.1 s with nothing published: the publisher's loop serves whole answers."""
+        self.pub.serve(None)
+        self.now += 0.1
+        self.read_all()
+        self.handle(self.m.tick(self.now))
+
     def settle_quiet(self) -> None:
         """Stop publishing, with no last batch to show where the end is: whatever was
         dropped at the end is found only by asking. The consumer stalls once (so anything
@@ -210,10 +217,7 @@ class RefSim:
         sent; in the end it has them all (exact, or inexact after an eviction)."""
         self.stall(self.m.config.tail_after + 0.5)
         for _ in range(600):
-            self.pub.serve(None)
-            self.now += 0.1
-            self.read_all()
-            self.handle(self.m.tick(self.now))
+            self.idle()
             s = self.m.stats()
             if s.state == "exact":
                 assert self.app.exact and self.app.next == self.pub.seq + 1, (
@@ -243,6 +247,9 @@ op = st.sampled_from(_KINDS).flatmap(lambda k: st.tuples(st.just(k), _ARGS[k]))
 # requests meanwhile wait for whoever binds next), or while the consumer is stopped.
 _ARGS_R = dict(_ARGS, restart=st.integers(1, 4), stalled_restart=st.integers(1, 6))
 _KINDS_R = _KINDS + ["restart", "stalled_restart"]
+# what every property test here draws besides its operations
+_CHAOS = dict(seed=st.integers(0, 2**32), buffer_steps=st.sampled_from([3, 10, 40, 10_000]),
+              per_send=st.sampled_from([None, 1, 3]))
 op_r = st.sampled_from(_KINDS_R).flatmap(lambda k: st.tuples(st.just(k), _ARGS_R[k]))
 
 
@@ -287,9 +294,7 @@ def run(ops: list, seed: int, buffer_steps: int, per_send: int | None, pipe_cap:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op, min_size=10, max_size=150),
-    seed=st.integers(0, 2**32),
-    buffer_steps=st.sampled_from([3, 10, 40, 10_000]),
-    per_send=st.sampled_from([None, 1, 3]),
+    **_CHAOS,
     pipe_cap=st.integers(1, 12),
     max_buffer=st.sampled_from([8, 100_000]),
     first=st.sampled_from([0, 1]),  # 1: Mooncake Store's publisher (RFC #1527)
@@ -311,9 +316,7 @@ def test_reference_stream_delivers_everything_the_publisher_holds(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op, min_size=10, max_size=150),
-    seed=st.integers(0, 2**32),
-    buffer_steps=st.sampled_from([3, 10, 40, 10_000]),
-    per_send=st.sampled_from([None, 1, 3]),
+    **_CHAOS,
     pipe_cap=st.integers(1, 12),
     max_buffer=st.sampled_from([8, 100_000]),
 )
@@ -564,9 +567,7 @@ def test_first_seq_must_be_a_seq():
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op_r, min_size=10, max_size=150),
-    seed=st.integers(0, 2**32),
-    buffer_steps=st.sampled_from([3, 10, 40, 10_000]),
-    per_send=st.sampled_from([None, 1, 3]),
+    **_CHAOS,
     pipe_cap=st.integers(4, 12),  # (see below)
     max_buffer=st.sampled_from([8, 100_000]),
     quiet=st.booleans(),
@@ -595,10 +596,7 @@ def test_a_picture_never_joins_two_runs(ops, seed, buffer_steps, per_send, pipe_
     looks like ours, so those are drawn only in the examples above.)"""
     sim = run(ops, seed, buffer_steps, per_send, pipe_cap, max_buffer, quiet=quiet)
     for _ in range(30):  # then quiet: the tail is asked for, and confirmed or not
-        sim.pub.serve(None)
-        sim.now += 0.1
-        sim.read_all()
-        sim.handle(sim.m.tick(sim.now))
+        sim.idle()
     s = sim.m.stats()
     if s.phase == "await_first":
         return  # nothing was published
