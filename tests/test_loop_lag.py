@@ -20,15 +20,14 @@ def test_a_held_loop_shows_as_the_lag_it_caused() -> None:
     async def main() -> None:
         lag.start()
         lag.start()  # once only
-        await asyncio.sleep(0.1)  # idle: every sample on time (within a timer's grain)
+        await asyncio.sleep(0.1)  # idle: every sample about on time (a busy box: < 0.25 s)
         idle = _counts(lag)
-        assert idle["+Inf"] >= 3 and idle["0.05"] == idle["+Inf"], idle
+        assert idle["+Inf"] >= 3 and idle["0.25"] == idle["+Inf"], idle
         time.sleep(0.3)  # a callback holding the loop for 300 ms (a stall)
         await asyncio.sleep(0.05)
         held = _counts(lag)
-        assert held["+Inf"] > idle["+Inf"]
-        assert held["0.25"] < held["+Inf"] and held["0.5"] == held["+Inf"], held
-        assert 0.25 <= lag.max < 0.5
+        assert held["+Inf"] - held["0.25"] == 1, held  # that one sample, late
+        assert lag.max >= 0.25
         lag.stop()
         n = held["+Inf"]
         await asyncio.sleep(0.05)

@@ -176,8 +176,10 @@ def transfer_cost(args: argparse.Namespace):
 
 
 def add_pd_decider(p) -> None:
-    """When a prefill/decode router prefills on the decode engine instead: ``kvwire serve``
-    and ``kvwire sim`` decide alike (:mod:`kvwire.routing.pairs`)."""
+    """When a prefill/decode router prefills on the decode engine instead, by choice (a small
+    uncached part, busy prefill engines) or after every prefill engine failed
+    (``--pd-fallback``): ``kvwire serve`` and ``kvwire sim`` decide alike
+    (:mod:`kvwire.routing.pairs`)."""
     from ..routing.pairs import FALLBACK
 
     p.add_argument("--disagg-min-tokens", type=count, default=0, metavar="N",
