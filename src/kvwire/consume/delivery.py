@@ -78,7 +78,9 @@ class StreamState:
         self._check_seen: bool | None = None
         self._vouched = False  # the replay in flight continues one in which ours came back
         self._drained = False  # our last seq was delivered from the held ones, not a reply
-        self._fruitless = 0  # replay requests in a row that timed out unanswered
+        # Replay requests in a row that timed out unanswered, or whose answer brought nothing
+        # while a later live seq was seen (Recovery._replay_ended); any reply resets it.
+        self._fruitless = 0
         self._from0_gone = False  # this run's replay buffer no longer starts at its first seq
         # First seqs of the losses already rebuilt once in this run: a seq the publisher never
         # buffered stays missing however often we rebuild (two of them used to alternate
