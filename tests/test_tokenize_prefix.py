@@ -198,6 +198,7 @@ def test_qwen3_store_equals_whole(qwen3: Path, parts: list[str], chunk: int, bat
     fast = _fast(qwen3, Fast)
     tok = _small_chunks(_hf(qwen3), chunk)
     tok.inline_chars = 0 if batch else 1 << 30
+    tok.spread_chars = data.draw(st.sampled_from([0, 1 << 30]), label="spread")
     seen: list[str] = []
     for p in parts:
         base = data.draw(st.sampled_from(seen)) if seen else ""
@@ -325,12 +326,15 @@ def test_store_evicts_a_little_at_a_time() -> None:
     assert all(6400 - 100 - 20 <= low <= 6400 - 100 for low in lows), lows
 
 
-def test_qwen3_ids_come_from_the_worker_interned(qwen3: Path) -> None:
-    """The batch path hands back ids as tuples of the interned ints (done on the thread that
-    encodes, not on the loop that keeps them), and the joined ids equal the library's."""
+@pytest.mark.parametrize("spread", [True, False])
+def test_qwen3_ids_come_from_the_worker_interned(qwen3: Path, spread: bool) -> None:
+    """The worker's path hands back ids as tuples of the interned ints (done on the thread
+    that encodes, not on the loop that keeps them), and the joined ids equal the library's,
+    the batch spread over the cores or encoded one text at a time."""
     from tokenizers import Tokenizer
 
     tok = load_tokenizer(str(qwen3))
+    tok.spread_chars = 0 if spread else 1 << 30
     lib = Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
     text = " ".join(f"chunk{i} of a long prompt" for i in range(1500))
     plan = tok.plan(text)
