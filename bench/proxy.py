@@ -327,9 +327,8 @@ def kvwire_proxy_missing() -> str | None:
     return None
 
 
-def tree_cpu(pid: int) -> float:
-    """utime + stime (s) of pid and its live descendants, from /proc/PID/stat."""
-    tck = os.sysconf("SC_CLK_TCK")
+def tree_pids(pid: int) -> list[int]:
+    """pid and its live descendants, from /proc/PID/stat."""
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -340,9 +339,19 @@ def tree_cpu(pid: int) -> float:
                 kids.setdefault(ppid, []).append(int(d))
             except (OSError, ValueError, IndexError):
                 pass
-    total, todo = 0.0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    """utime + stime (s) of pid and its live descendants, from /proc/PID/stat."""
+    tck = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 s = f.read()
@@ -350,7 +359,6 @@ def tree_cpu(pid: int) -> float:
             total += (int(fields[11]) + int(fields[12])) / tck
         except (OSError, ValueError, IndexError):
             pass
-        todo.extend(kids.get(p, []))
     return total
 
 

@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
-from proxy import PY, _kill, _start_router, free_port  # noqa: E402
+from proxy import PY, _kill, _start_router, free_port, tree_pids  # noqa: E402
 from routing import (  # noqa: E402
     MODEL,
     ChatBuilder,
@@ -105,21 +105,7 @@ def send(port: int, bodies: list[bytes], at_once: int, close: bool = False) -> l
 def cpu_clock(pid: int) -> Callable[[], float]:
     """The CPU time (s, ns resolution) of ``pid`` and the child processes it has now: the
     kernel's per-process CPU clocks (the ids clock_getcpuclockid gives)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read()
-                kids.setdefault(int(st[st.rfind(")") + 2:].split()[1]), []).append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        todo.extend(kids.get(p, []))
-    ids = [((~p) << 3) | 2 for p in pids]  # CPUCLOCK_SCHED of the whole process
+    ids = [((~p) << 3) | 2 for p in tree_pids(pid)]  # CPUCLOCK_SCHED of the whole process
     return lambda: sum(time.clock_gettime(i) for i in ids)
 
 
