@@ -79,6 +79,22 @@ class RouterApp(Routes):
     indexer: Indexer
     status_feed: StatusFeed
 
+    def serving(self, probes: bool = False) -> None:
+        """On the server's loop as it starts: the loop's lag is sampled there; with
+        ``probes``, the proxy probes its engines there too (no thread of its own)."""
+        self.metrics.loop_lag.start()
+        if probes and self.proxy is not None:
+            self.proxy.start()
+
+    def stopping(self, probes: bool = False) -> None:
+        """On the server's loop as it stops: the sampling (and with ``probes`` the probes)
+        end, and the idle engine connections close."""
+        self.metrics.loop_lag.stop()
+        if self.proxy is not None:
+            if probes:
+                self.proxy.close()
+            self.proxy.close_pools()
+
 
 def build_app(core: RouterCore, proxy: Any = None, indexer: Indexer | None = None,
               admin_token: str | None = None, engines_file: Any = None) -> RouterApp:
@@ -232,12 +248,6 @@ def serve_in_thread(core: RouterCore, host: str = "127.0.0.1", port: int = 0,
     Returns ``(server, thread, port)``; stop with ``server.should_exit = True;
     thread.join()``. ``port=0`` picks a free port (the socket is bound here first)."""
     routes = build_app(core, proxy, admin_token=admin_token, engines_file=engines_file)
-    lag = routes.metrics.loop_lag
-
-    def stopping() -> None:
-        lag.stop()
-        if proxy is not None:
-            proxy.close_pools()
-
-    server = Server(routes, on_start=lag.start, on_stop=stopping)
+    # (the proxy's probes are the caller's to start: a test's fleet may want none)
+    server = Server(routes, on_start=routes.serving, on_stop=routes.stopping)
     return _serve_in_thread(routes, host, port, timeout, server, name="kvwire-router-http")

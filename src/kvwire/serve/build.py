@@ -124,7 +124,8 @@ class Service:
         self.sock = sock
         self.host, self.port = sock.getsockname()[:2]
         self.server = Server(routes, drain_timeout=shutdown_timeout,
-                             on_start=self._serving, on_stop=self._stopping)
+                             on_start=lambda: routes.serving(probes=True),
+                             on_stop=lambda: routes.stopping(probes=True))
         self._thread: threading.Thread | None = None
         self._closed = False
         self._beside: list[tuple[Callable[[], Awaitable[Any]], Callable[[], Awaitable[Any]]]] = []
@@ -133,20 +134,6 @@ class Service:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
-
-    def _serving(self) -> None:
-        """On the server's loop as it starts: the proxy probes there (no thread of its own),
-        and the loop's lag is sampled there."""
-        self.routes.metrics.loop_lag.start()
-        if self.proxy is not None:
-            self.proxy.start()
-
-    def _stopping(self) -> None:
-        """On the server's loop as it stops: probes end, idle engine connections close."""
-        self.routes.metrics.loop_lag.stop()
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy.close_pools()
 
     def run(self) -> None:
         """Serve on this thread until stopped: SIGINT/SIGTERM on the main thread (a first one
