@@ -73,31 +73,22 @@ async def _post(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], body: b
     return int(head.split(b" ", 2)[1])
 
 
-def send(port: int, bodies: list[bytes], at_once: int, close: bool = False) -> list[int]:
-    """``bodies`` over ``at_once`` connections kept open, as HTTP clients keep them (the
-    openai SDK, httpx); ``close``: a new connection per request, its setup counted too."""
+def send(port: int, bodies: list[bytes], at_once: int) -> list[int]:
+    """``bodies`` over ``at_once`` connections kept open (the warm-up: its CPU not counted)."""
     async def main() -> list[int]:
-        async def opened() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            return await asyncio.open_connection("127.0.0.1", port)
-
         idle: asyncio.Queue = asyncio.Queue()
         for _ in range(at_once):
-            idle.put_nowait(None if close else await opened())
+            idle.put_nowait(await asyncio.open_connection("127.0.0.1", port))
 
         async def one(b: bytes) -> int:
             conn = await idle.get()
             try:
-                conn = conn or await opened()
-                return await _post(conn, b, close)
+                return await _post(conn, b, False)
             finally:
-                if close:
-                    conn[1].close()
-                idle.put_nowait(None if close else conn)
+                idle.put_nowait(conn)
         out = list(await asyncio.gather(*(one(b) for b in bodies)))
         while not idle.empty():
-            conn = idle.get_nowait()
-            if conn is not None:
-                conn[1].close()
+            idle.get_nowait()[1].close()
         return out
     return asyncio.run(main())
 
