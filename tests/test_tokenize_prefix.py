@@ -108,16 +108,24 @@ def test_builtin_store_equals_whole(parts: list[str], chunk: int, data: Any) -> 
 
 
 def test_builtin_long_extension_reuses_chunks() -> None:
-    """A prompt that extends one seen before is planned as its stored chunks plus the new
-    part and the last chunk's tail: the work is small, whatever the prompt's length."""
+    """A prompt that extends one seen before at a cut is planned as its stored chunks and
+    tail plus the new part: the work is the new part, whatever the prompt's length; and so on
+    for the next one. Extended past a point that is no cut, the tail is tokenized again."""
     tok = BuiltinTokenizer()
+    store = tok.segments.store
     base = " ".join(f"w{i % 97}x" for i in range(20_000))
     tok.encode(base)
-    text = base + " and a new question at the end"
+    for new in (" and a new question at the end", " then another", " and " * 300 + "more"):
+        text = base + new
+        plan = tok.plan(text)
+        assert plan.work and "".join(plan.work) == new, plan.work[:3]
+        assert tok.finish(plan, tok.run(plan)) == _builtin_whole(text)
+        base = text
+    assert store.hits >= len(base) // store.chunk_chars - 2
+    text = base + "s, glued to the last word"  # its last word goes on: no cut before "s"
     plan = tok.plan(text)
-    assert plan.chars <= tok.segments.store.chunk_chars * 2 + 40, plan.chars
+    assert plan.chars > len("s, glued to the last word")
     assert tok.finish(plan, tok.run(plan)) == _builtin_whole(text)
-    assert tok.segments.store.hits >= len(base) // tok.segments.store.chunk_chars - 2
 
 
 #: Llama 3's pre-tokenizer split pattern, as Meta's tokenizer.json gives it (not vendored: the
@@ -367,8 +375,8 @@ def test_every_pattern_taken_as_proven_is_tested(qwen3: Path, llama3: Any) -> No
 
 def test_a_repeated_long_turn_costs_no_tokenizing() -> None:
     """A chat turn long enough to be kept in chunks, seen again whole (the same history
-    resent): one lookup, no work, not even its last chunk's tail; a very long one is kept in
-    chunks only, and only that tail is tokenized again."""
+    resent): one lookup, no work; a very long one, kept in chunks only, with its tail: a walk,
+    no work either."""
     from kvwire.tokenize.segments import WHOLE_CHARS
 
     tok = BuiltinTokenizer()
@@ -380,8 +388,7 @@ def test_a_repeated_long_turn_costs_no_tokenizing() -> None:
     huge = " ".join(f"word{i % 50}" for i in range(WHOLE_CHARS // 4))
     tok.encode(huge)
     plan = tok.plan(huge)
-    assert 0 < plan.chars <= tok.segments.store.chunk_chars * 2
-    assert tok.finish(plan, tok.run(plan)) == _builtin_whole(huge)
+    assert plan.work == [] and tok.finish(plan, []) == _builtin_whole(huge)
 
 
 def test_kept_ids_share_one_int_object_per_id(qwen3: Path) -> None:

@@ -14,7 +14,10 @@ tokenizing whole texts, with hypothesis, for every tokenizer at hand.
 A text is cut into chunks at the first cut at least :data:`CHUNK_CHARS` characters after the
 previous one, from its start; so two texts agreeing on a prefix agree on its chunks. Each
 chunk is stored under a key chained from the chunks before it (as KV blocks are), with its
-text to compare, so a hit is exact and never a hash collision."""
+text to compare, so a hit is exact and never a hash collision. The text after a text's last
+chunk (its tail, shorter than a chunk and a cut) is kept too, under the last chunk's key: a
+text that goes on past it at a cut (a question added after a document, the next words of an
+agent's context) then re-tokenizes none of it, only what is new."""
 
 from __future__ import annotations
 
@@ -115,9 +118,12 @@ class PrefixStore:
         if chunk_chars < 1 or max_tokens < 1:
             raise ValueError("chunk_chars and max_tokens must be >= 1")
         self._find = cuts.search
+        self._at = cuts.match  # (its lookbehind sees the text before the position)
         self.chunk_chars = chunk_chars
         self.max_tokens = max_tokens
-        #: key -> (previous key, chunk text, ids)
+        #: key -> (previous key, chunk text, ids); a tail under ``hash((key, None))``
+        #: where ``key`` is the chunk before it. Every entry's ids are its text's, encoded
+        #: alone: an entry found under another's key by a hash collision is still exact.
         self._chunks: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         self.tokens = 0
         #: how ids are kept (:func:`interner` for ids that are not shared int objects)
@@ -162,20 +168,44 @@ class PrefixStore:
             pos, key = end, k
         return ids, pos, key
 
-    def add(self, key: int, pieces: Sequence[str], ids: Sequence[Sequence[int]]) -> None:
-        """Store consecutive chunks ``pieces`` (their ``ids``), the first chained to ``key``."""
-        chunks = self._chunks
-        for piece, piece_ids in zip(pieces, ids):
-            k = hash((key, piece))
-            old = chunks.pop(k, None)
-            if old is not None:
-                self.tokens -= len(old[2])
-            chunks[k] = (key, piece, self.intern(piece_ids))
-            self.tokens += len(piece_ids)
-            self.misses += 1
+    def tail(self, text: str, pos: int, key: int) -> tuple[tuple[int, ...], int]:
+        """``(ids, end)``: the stored tail after the chunk ``key`` (ending at ``pos``) when
+        ``text`` goes on with it up to its end or a cut, else ``((), pos)``."""
+        k = hash((key, None))
+        e = self._chunks.get(k)
+        if e is None or e[0] != key:
+            return (), pos
+        piece = e[1]
+        end = pos + len(piece)
+        if not text.startswith(piece, pos) or (end < len(text) and self._at(text, end) is None):
+            return (), pos
+        self._chunks[k] = self._chunks.pop(k)  # young again
+        self.hits += 1
+        return e[2], end
+
+    def add(self, key: int, pieces: Sequence[str], ids: Sequence[Sequence[int]],
+            head: str = "", head_ids: Sequence[int] = ()) -> None:
+        """Store ``pieces`` (their ``ids``, each encoded alone) that follow the chunk ``key``:
+        chunks, then the text's tail; ``head`` (a stored tail, ``head_ids`` its ids) leads
+        the first."""
+        if head:
+            pieces = [head + pieces[0], *pieces[1:]]
+            ids = [tuple(head_ids) + self.intern(ids[0]), *ids[1:]]
+        n = len(pieces) - 1
+        for i, (piece, piece_ids) in enumerate(zip(pieces, ids)):
+            k = hash((key, piece)) if i < n else hash((key, None))
+            self._put(k, (key, piece, self.intern(piece_ids)))
             key = k
         if self.tokens > self.max_tokens:
             self._evict()
+
+    def _put(self, k: int, entry: tuple[int, str, tuple[int, ...]]) -> None:
+        old = self._chunks.pop(k, None)
+        if old is not None:
+            self.tokens -= len(old[2])
+        self._chunks[k] = entry
+        self.tokens += len(entry[2])
+        self.misses += 1
 
     def _evict(self) -> None:
         """Drop the oldest chunks until 1/64 of the bound is free (dicts keep order): a

@@ -42,7 +42,9 @@ class Plan:
         self.work: list[str] = []
         self.whole: list[tuple[str, int, int]] = []  # (segment, first part, end part)
         self.owned = False  # parts[0] is a list made for this plan alone
-        self.chunked: list[tuple[int, int, int]] = []  # (key, first work, end work)
+        #: (key, head, head ids, first work, end work): the work after chunk ``key``,
+        #: its chunks then its tail, the first led by the stored tail ``head``
+        self.chunked: list[tuple[int, str, Sequence[int], int, int]] = []
         self.chars = 0  # characters of work
 
     def add_work(self, text: str) -> int:
@@ -108,14 +110,16 @@ class Segments:
                 if not p.parts:  # (only a text's first part can be extended in place)
                     p.owned = True
                 p.parts.append(known)
-            cuts = store.cuts(seg, pos)
-            if cuts:
-                w0 = len(p.work)
-                for a, b in zip([pos, *cuts], cuts):
-                    p.add_work(seg[a:b])
-                p.chunked.append((key, w0, len(p.work)))
-                pos = cuts[-1]
-            p.add_work(seg[pos:])
+            head_ids, end = store.tail(seg, pos, key)
+            if head_ids:
+                p.parts.append(head_ids)
+            if end < len(seg):  # (else the tail ended the segment: nothing new)
+                w0, start = len(p.work), end
+                for b in store.cuts(seg, pos):  # (all past the tail: it holds no chunk end)
+                    p.add_work(seg[start:b])  # (empty when the tail ends at a chunk end)
+                    start = b
+                p.add_work(seg[start:])
+                p.chunked.append((key, seg[pos:end], head_ids, w0, len(p.work)))
         else:
             p.add_work(seg)
         if whole:
@@ -126,8 +130,8 @@ class Segments:
         if len(results) != len(p.work):
             raise ValueError(f"{len(results)} results for {len(p.work)} work items")
         store = self.store
-        for key, a, b in p.chunked:
-            store.add(key, p.work[a:b], results[a:b])  # type: ignore[union-attr]
+        for key, head, head_ids, a, b in p.chunked:
+            store.add(key, p.work[a:b], results[a:b], head, head_ids)  # type: ignore[union-attr]
         parts = p.parts
         if p.owned:  # the first part is a list the plan made (a chunk walk's ids): extended,
             out = parts[0]  # not copied
