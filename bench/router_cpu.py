@@ -160,26 +160,28 @@ def main() -> None:
     if chat:
         from tokenizers import Tokenizer as Fast
         lib = Fast.from_file(os.path.join(spec, "tokenizer.json"))
+
     def as_ids(content: object) -> bytes:  # (tokenized here, by the client)
         text = tok.render_chat(content) if chat else content
         return json.dumps({"model": MODEL, "max_tokens": 1,
                            "prompt": tok.encode(text)}).encode()
 
+    def extended(i: int, extra: str) -> object:
+        """Warm-up request ``i`` with ``extra`` words at the end of its last part."""
+        if not chat:
+            return warm[i] + " " + extra
+        msgs = [dict(m) for m in warm[i]]
+        msgs[-1]["content"] += " " + extra
+        return msgs
+
     seen, new, seen_new_text, new_text, seen_ids, new_ids = [], [], [], [], [], []
     per_word = len(tok.encode(words(random.Random(1), 1000))) / 1000
     for i in rng.sample(range(len(warm)), min(a.n, len(warm))):
         n_new = max(8, int(reqs[i].input_length * a.extend / per_word))
-        for out, extra in ((seen, words(rng, n_new)), (seen_ids, words(rng, n_new))):
-            if chat:
-                content: object = [dict(m) for m in warm[i]]
-                content[-1]["content"] += " " + extra  # type: ignore[index]
-            else:
-                content = warm[i] + " " + extra
-            if out is seen:
-                seen_new_text.append(" " + extra)
-                seen.append(body(content))
-            else:
-                seen_ids.append(as_ids(content))
+        extra = words(rng, n_new)
+        seen_new_text.append(" " + extra)
+        seen.append(body(extended(i, extra)))
+        seen_ids.append(as_ids(extended(i, words(rng, n_new))))
     for _ in range(a.n):
         text = words(rng, int(mean_tokens / per_word))
         new_text.append(text)
