@@ -126,8 +126,8 @@ def test_requests_follow_the_cache(make_stack: Callable[..., Stack]) -> None:
         with s.core.lock:
             matches = s.core.index.match(ids)
         credit = {name: m.credit for name, m in matches.items()}
-        best = max(credit, key=credit.get, default=None)
-        return best is not None and best.split("/")[0] == home
+        best = max(credit, key=credit.get, default=None)  # (all at 0: a tie, not a holder)
+        return best is not None and credit[best] > 0 and best.split("/")[0] == home
 
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
         homes: dict[int, str] = {}
