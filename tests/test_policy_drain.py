@@ -89,7 +89,8 @@ def test_a_request_that_ends_before_its_first_token_teaches_nothing() -> None:
     assert lt.load("e", now=50.0) == 10.0
 
 
-ops = st.lists(st.tuples(st.sampled_from(["reserve", "reduce", "release", "expire"]),
+ops = st.lists(st.tuples(st.sampled_from(["reserve", "reduce", "release", "expire",
+                                          "resize"]),
                          st.integers(0, 5), st.sampled_from(["e", "f"]),
                          st.floats(0, 50, allow_nan=False), st.floats(0, 1, allow_nan=False),
                          st.floats(0, 3, allow_nan=False)), max_size=60)
@@ -111,17 +112,47 @@ def test_drained_load_stays_within_the_reserved_load(seq) -> None:
             lt.reduce(rid, amount)
         elif op == "release":
             lt.release(rid)
+        elif op == "resize":
+            before = lt.amount(rid), lt.prefill(rid)
+            if lt.resize(rid, amount, amount * share):
+                assert lt.amount(rid) == amount
+                assert lt.prefill(rid) == pytest.approx(amount * share)
+            else:  # gone, or past its first token: untouched
+                assert (lt.amount(rid), lt.prefill(rid)) == before
         else:
             lt.expire()
+        live = [f"r{k}" for k in range(6) if lt.amount(f"r{k}") is not None]
         for n in ("e", "f"):
             held = lt.loads().get(n, 0.0)
             got = lt.load(n)
             assert -1e-9 <= got <= held + 1e-9
             if lt.prefill_rate(n) == 0.0:
                 assert got == held
+            # the reserved load is the sum of the live reservations, resized or not
+            assert held == pytest.approx(sum(lt.amount(r) for r in live if lt.holder(r) == n),
+                                         abs=1e-6)
     for i in range(6):
         lt.release(f"r{i}")
     assert lt.load("e") == 0.0 and lt.load("f") == 0.0
+
+
+def test_a_resized_prompt_drains_as_its_new_size() -> None:
+    """A prompt reserved at an estimate (10 blocks) and resized to its true length (30)
+    before its first token: the engine's queue holds 30 blocks of prefill, drained at the
+    learned rate; past its first token it is not resized any more."""
+    lt = LoadTracker(clock=lambda: 0.0)
+    lt.reserve("a", "e", 11.0, now=0.0, prefill=10.0)
+    lt.reduce("a", 10.0, now=1.0)  # 10 blocks/s learned
+    lt.release("a", now=1.0)
+    lt.reserve("b", "e", 11.0, now=2.0, prefill=10.0)
+    assert lt.resize("b", 31.0, 30.0, now=2.0)
+    assert lt.loads() == {"e": 31.0} and lt.prefill("b") == 30.0
+    assert lt.load("e", now=3.0) == pytest.approx(21.0)  # 1 s of work off 30 blocks
+    assert lt.resize("b", 6.0, 5.0, now=3.0)  # smaller than what is done: nothing queued
+    assert lt.load("e", now=3.0) == pytest.approx(1.0)
+    assert lt.reduce("b", 5.0, now=3.5) == 5.0
+    assert not lt.resize("b", 50.0, 49.0) and lt.amount("b") == 1.0
+    assert not lt.resize("gone", 1.0, 1.0)
 
 
 def test_policy_sees_a_long_prompt_that_is_nearly_done() -> None:

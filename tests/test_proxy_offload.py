@@ -40,18 +40,22 @@ ENGINE = {"max_model_len": 65536, "config": EngineConfig(
 
 
 class GatedTokenizer(BuiltinTokenizer):
-    """Long work waits at ``gate`` (``entered`` says it got there)."""
+    """Work on a worker of more than ``over`` characters waits at ``gate`` (``entered``
+    says it got there)."""
 
     releases_gil = True  # the gate's wait does
 
-    def __init__(self) -> None:
+    def __init__(self, over: int = 0) -> None:
         super().__init__()
+        self.over = over
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.threads: set[str] = set()
 
     def run(self, plan: Plan) -> list[Sequence[int]]:
-        if plan.chars > self.inline_chars:
+        worker = threading.current_thread() is not threading.main_thread() and \
+            threading.current_thread().name.startswith("kvwire-tokenize")
+        if worker and plan.chars > self.over:
             self.threads.add(threading.current_thread().name)
             self.entered.set()
             if not self.gate.wait(TIMEOUT):
@@ -74,7 +78,8 @@ def _long_request(url: str, out: dict[str, Any], prompt: str = LONG) -> threadin
 def test_a_long_prompt_being_tokenized_delays_no_other_stream(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
     """While a never-seen long prompt is in the tokenizer's worker, a short streamed request
-    is answered whole; then the long one is answered, routed by its real ids."""
+    is answered whole; the long one is answered too (routed on its start), and its ids are
+    kept once the worker is done: sent again, it has nothing long to encode."""
     tok = GatedTokenizer()
     s = make_stack(2, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1)
     out: dict[str, Any] = {}
@@ -87,7 +92,7 @@ def test_a_long_prompt_being_tokenized_delays_no_other_stream(
         assert r.status_code == 200
         body = b"".join(r.iter_raw())
     assert body.endswith(b"data: [DONE]\n\n")
-    assert s.proxy.offload.pending == 1 and "response" not in out  # still at the gate
+    assert s.proxy.offload.pending == 1  # still at the gate
     assert tok.threads and all(n.startswith("kvwire-tokenize") for n in tok.threads)
     tok.gate.set()
     long_req.join(TIMEOUT)
@@ -104,6 +109,39 @@ def test_a_long_prompt_being_tokenized_delays_no_other_stream(
     assert again.status_code == 200
     assert _scrape(s.url)["kvwire_proxy_tokenize_encodes_total",
                           frozenset({("where", "worker")})] == 1
+
+
+def test_a_long_new_prompt_is_routed_on_its_start_while_the_rest_is_tokenized(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """A never-seen long prompt's start (its first 4k characters) shows that no engine
+    holds more of it than that: it is routed and answered while the rest of its text is
+    still at the worker's gate. Once the rest is done the whole prompt is predicted on its
+    engine, and its ids are kept: the same text with a long new part after it is routed
+    on its start too, to the engine that holds the first."""
+    tok = GatedTokenizer()
+    s = make_stack(2, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1)
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert tok.entered.is_set() and s.proxy.offload.pending == 1  # the rest at the gate
+        assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 1
+        home = r.headers["x-kvwire-engine"]
+        tok.gate.set()
+        wait_for(lambda: s.proxy.offload.pending == 0, "the rest encoded")
+        ids = BuiltinTokenizer().encode(LONG, True)
+
+        def whole_on_home() -> bool:
+            with s.core.lock:
+                m = s.core.index.match(ids)
+            return m[home + "/dp0"].blocks == len(ids) // 16
+
+        wait_for(whole_on_home, "the whole prompt held or predicted on its engine")
+        more = LONG + "".join(f" then{i}more" for i in range(2000))  # (past inline_chars)
+        r = c.post("/v1/completions", json={"model": "m", "prompt": more, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvwire-engine"] == home
+        assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 2
+    wait_for(lambda: s.proxy.offload.pending == 0 and s.loads() == {}, "nothing held")
 
 
 def _queue_full(make: Callable[..., Stack]) -> tuple[

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvwire.consume.stream import Batch
-from kvwire.routing.core import EngineSpec, RouterCore
+from kvwire.routing.core import EngineSpec, RouteError, RouterCore
 from kvwire.wire.events import BlockStored, KVEventBatch
 
 BS = 16
@@ -96,3 +98,69 @@ def test_ids_and_the_prefill_share_differ_the_rest_is_one_decision() -> None:
     assert [op[0] for op in api_ops] == [op[0] for op in proxy_ops] == ["r", "p"]
     assert api.route(tokens, reserve=False)["engine"] == "e0"
     assert api.counts["scores"] == 1 and len(api.loads) == 1
+
+
+def _two(held: list[int]) -> tuple[RouterCore, list]:
+    """Two engines, e0 holding ``held`` (whole blocks of BS), e1 known to use BS too."""
+    core = RouterCore([EngineSpec("e0", "ipc:///nonexistent/e0"),
+                       EngineSpec("e1", "ipc:///nonexistent/e1")], block_size=BS)
+    e0, e1 = (t.stream for t in core.targets)
+    n = len(held) // BS
+    other = list(range(10**6, 10**6 + BS))
+    core.feed._apply([
+        Batch(e0, 0, KVEventBatch(0.0, [BlockStored(list(range(1, n + 1)), None, held[:n * BS],
+                                                    BS, None)], 0), 1),
+        Batch(e1, 0, KVEventBatch(0.0, [BlockStored([99], None, other, BS, None)], 0), 1)])
+    ops: list[Any] = []
+    core.share = ops.append
+    return core, ops
+
+
+def test_a_long_prompt_routes_on_its_start_and_its_whole_ids_complete_the_route() -> None:
+    """e0 holds 4 blocks of a 70-block prompt whose start (6 blocks) is known: the match
+    ends inside the start on both engines, so the start settles it. It goes to e0, its
+    credit 4 blocks (not 4 of 6 scaled up), its load reserved at the estimate (64 blocks);
+    the whole ids then set the load to the true length and predict all 70 blocks; the
+    first token drops the share as set, not as first reserved."""
+    whole = list(range(70 * BS))
+    core, ops = _two(whole[:4 * BS])
+    routed = core.route_proxy(whole[:6 * BS], None, None, yes, yes, total=64 * BS)
+    assert routed is not None and routed.engine == "e0"
+    assert routed.overlap == 4.0 and routed.prefill == 60.0
+    dl = core.decode_load  # (each request's decode share, beside its prefill)
+    assert core.loads.loads() == {"e0": 60.0 + dl}
+    assert _predicted(ops) == 6  # the start's blocks, until the whole is known
+    assert core.complete(routed, whole, None, None)
+    assert core.loads.loads() == {"e0": 66.0 + dl}
+    assert _predicted(ops) == 6 + 70
+    assert ["r", routed.request_id, "e0", 66.0 + dl, 66.0] in ops  # (replicas told the new size)
+    core.first_token(routed.request_id, routed.prefill)
+    assert core.loads.loads() == {"e0": dl}
+    core.finish(routed.request_id, None)
+    assert not core.complete(routed, whole, None, None)  # ended: nothing more to do
+    assert _predicted(ops) == 6 + 70
+
+
+def test_a_start_an_engine_holds_to_its_end_waits_for_the_whole_prompt() -> None:
+    """e0 holds every full block of the start: the prompt's next blocks may be there too,
+    so the start settles nothing (None, nothing reserved or predicted); nor does a start
+    shorter than one block of an engine's block size."""
+    whole = list(range(70 * BS))
+    core, ops = _two(whole[:6 * BS])
+    assert core.route_proxy(whole[:6 * BS], None, None, yes, yes, total=70 * BS) is None
+    assert core.route_proxy(whole[:BS - 1], None, None, yes, yes, total=70 * BS) is None
+    assert core.loads.loads() == {} and ops == []
+    routed = core.route_proxy(whole, None, None, yes, yes)  # the whole: routed as ever
+    assert routed.engine == "e0" and routed.overlap == 6.0
+
+
+def test_an_estimate_over_the_limit_waits_for_the_whole_ids_to_say_413() -> None:
+    """An estimate is no reason for a 413: a start whose estimated length is over
+    ``max_tokens`` is not routed on (None); the whole ids over it are the 413."""
+    core, ops = _two([])
+    core.max_tokens = 1000
+    assert core.route_proxy(list(range(100)), None, None, yes, yes, total=1001) is None
+    assert core.loads.loads() == {} and ops == []
+    with pytest.raises(RouteError) as e:
+        core.route_proxy(list(range(1001)), None, None, yes, yes)
+    assert e.value.status == 413

@@ -23,6 +23,7 @@ from ..routing.core import RouteError, RouterCore
 from .body import NO_BODY, generation, passthrough
 from .decisions import Lifecycle, Outcome, marks_down, should_retry
 from .fleet import Fleet
+from .offload import Partial
 from .pairs import Pairs
 from .relay import Relay, answer, openai_error, settle
 from .responses import PREFIX as RESPONSES_PREFIX
@@ -151,7 +152,8 @@ class Handler:
             else:
                 body = generation(req.body, chat)
                 self._check_model(body.model)
-                tokens = await self.tokens.prompt(body, chat)
+                # (a pair's prefill side is chosen by the whole prompt: no routing on its start)
+                tokens = await self.tokens.prompt(body, chat, start=not self.pairs.active)
         except HttpError as e:
             self._bad(req, e)
             return
@@ -194,8 +196,12 @@ class Handler:
                     continue
                 ok = {want}
             try:
-                routed = self.core.route_proxy(tokens, lora, body.cache_salt, ok.__contains__,
-                                               fleet.up)
+                if type(tokens) is Partial:
+                    routed, tokens = await self._route_start(tokens, bool(chat), lora,
+                                                             body.cache_salt, ok)
+                else:
+                    routed = self.core.route_proxy(tokens, lora, body.cache_salt,
+                                                   ok.__contains__, fleet.up)
             except RouteError as e:
                 if last is None:
                     last = (e.status, openai_error(e.status, str(e), "ServiceUnavailable"))
@@ -222,6 +228,32 @@ class Handler:
         status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
         fleet.requests[last_engine, status] += 1
         req.respond(status, payload)
+
+    async def _route_start(self, part: Partial, chat: bool, lora: str | None,
+                           salt: str | None, ok: set[str]) -> tuple[Any, Any]:
+        """Route a long prompt on its start when that settles where its cached prefix ends
+        (its rest, being tokenized, then completes the route: prediction and reservation),
+        else once its whole ids are known. Returns the route and the tokens to route a
+        retry with. An error in tokenizing the rest before the route: 400 (HttpError,
+        answered as a bad request)."""
+        core, up = self.core, self.fleet.up
+        rest = part.rest
+        if not rest.done():
+            routed = core.route_proxy(part.ids, lora, salt, ok.__contains__, up,
+                                      total=part.tokens)
+            if routed is not None:
+                self.fleet.counts["routed_on_start"] += 1
+
+                def complete(t: asyncio.Task) -> None:
+                    if t.cancelled() or t.exception() is not None:
+                        self.fleet.counts["start_rest_failures"] += 1
+                    else:
+                        core.complete(routed, t.result(), lora, salt)
+
+                rest.add_done_callback(complete)
+                return routed, part  # (a retry routes on the start again, or the whole)
+        ids = await self.tokens.whole(part, chat)
+        return core.route_proxy(ids, lora, salt, ok.__contains__, up), ids
 
     async def attempt(self, req: Request, routed: Any, headers: list, stream: bool,
                        first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,

@@ -191,6 +191,10 @@ class ProxyMetrics:
                                         "tokenize worker process died and new ones started")
             broke.add_metric([], o.broken)
             yield broke
+            start = CounterMetricFamily("kvwire_proxy_routed_on_start", "Long prompts "
+                                        "routed on their start while the rest was tokenized")
+            start.add_metric([], p.counts["routed_on_start"])
+            yield start
             pending = GaugeMetricFamily("kvwire_proxy_tokenize_pending", "Long prompts being "
                                         "encoded by the workers now, waiting included")
             pending.add_metric([], o.pending)

@@ -19,11 +19,12 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..http1 import HttpError
+from ..tokenize.segments import Plan
 
-__all__ = ["Offload"]
+__all__ = ["Offload", "Partial"]
 
 log = logging.getLogger("kvwire.proxy.offload")
 
@@ -52,6 +53,54 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + NICE)
     except OSError:
         pass
+
+
+#: A long prompt's first characters of new text (whole work items, at least this many)
+#: encoded before the rest, to route it on: about 1k tokens, past the end of what engines
+#: hold of it unless they hold that much of its new text too.
+START_CHARS = 4096
+
+
+class Partial(NamedTuple):
+    """A long prompt's ids known in part (:meth:`Offload.encode_start`): ``ids``, its
+    start; ``tokens``, its whole length, estimated at the start's characters per token;
+    ``rest``, a task giving its whole ids (they are kept when it ends, whoever waits)."""
+
+    ids: list[int]
+    tokens: int
+    rest: asyncio.Task
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A rest nobody awaited (its request ended first) ends without a warning."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _Place:
+    """One encode's place in the queue, whose worker may outlive its caller: given back
+    (``pending`` less one) once the worker is done and the place is let go, in either
+    order (both on the loop)."""
+
+    __slots__ = ("done", "gone", "off")
+
+    def __init__(self, off: Offload, gone: bool) -> None:
+        self.off = off
+        self.done = False
+        self.gone = gone
+
+    def worker_done(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.gone:
+            self.off.pending -= 1
+
+    def let_go(self) -> None:
+        if not self.gone:
+            self.gone = True
+            if self.done:
+                self.off.pending -= 1
 
 
 class Offload:
@@ -92,13 +141,71 @@ class Offload:
         """The ids of ``text``: the new part encoded here or by a worker; 429 when the
         workers' queue is full, counted as ``shed`` when the request is refused for it, else
         (``shed`` false: the caller routes it by load) as ``by_load``."""
+        return await self._whole(self.tok.plan(text, add_special_tokens), shed)
+
+    async def _whole(self, plan: Plan, shed: bool) -> list[int]:
         tok = self.tok
-        plan = tok.plan(text, add_special_tokens)
         if not plan.work:
             return tok.finish(plan, [])
         if plan.chars <= tok.inline_chars or not self.threads:
             self.inline += 1
             return tok.finish(plan, tok.run(plan))
+        self._admit(shed)
+        results, worked = await self._run(plan, _Place(self, True))
+        self.offloaded += worked
+        return tok.finish(plan, results)
+
+    async def encode_start(self, text: str, add_special_tokens: bool = False,
+                           shed: bool = True) -> list[int] | Partial:
+        """As :meth:`encode`, but a long prompt's new text of more than :data:`START_CHARS`
+        characters comes as a :class:`Partial`: the ids of its start, encoded first, and its
+        whole ids to come (the rest is encoded meanwhile), so the caller can route it as
+        soon as its start says where its cached prefix ends."""
+        tok = self.tok
+        plan = tok.plan(text, add_special_tokens)
+        work = plan.work
+        k, chars = 0, 0
+        while k < len(work) and chars < START_CHARS:
+            chars += len(work[k])
+            k += 1
+        if (k >= len(work) or plan.special or not self.threads
+                or plan.chars <= tok.inline_chars):
+            return await self._whole(plan, shed)
+        self._admit(shed)
+        start = plan.sub(0, k)
+        if start.chars <= tok.inline_chars:  # (cheaper here than handed over)
+            try:
+                head, worked = tok.run(start), True
+            except BaseException:
+                self.pending -= 1
+                raise
+        else:
+            place = _Place(self, False)  # (kept for the rest, unless the start fails)
+            try:
+                head, worked = await self._run(start, place)
+            except BaseException:
+                place.let_go()
+                raise
+
+        async def rest() -> list[int]:
+            place = _Place(self, False)  # (given back once its ids are kept, and counted)
+            try:
+                results, done = await self._run(plan.sub(k, len(work)), place)
+                self.offloaded += worked and done
+                return tok.finish(plan, [*head, *results])
+            finally:
+                place.let_go()
+
+        task = asyncio.get_running_loop().create_task(rest())
+        task.add_done_callback(_retrieved)
+        ids = plan.start(head)
+        done = sum(map(len, head))
+        # the rest's length at the start's own characters per token
+        left = round((plan.chars - chars) * done / chars) if chars else 0
+        return Partial(ids, plan.known_tokens() + done + left, task)
+
+    def _admit(self, shed: bool) -> None:
+        """Take a place in the queue, or 429."""
         if self.pending >= self.queue:
             if shed:
                 self.shed += 1
@@ -107,32 +214,44 @@ class Offload:
             raise HttpError(429, f"the router's tokenizer has {self.pending} long prompts in "
                             "hand, its limit (--tokenize-queue); retry later",
                             type="RateLimitError", headers=((b"retry-after", b"1"),))
-        loop = asyncio.get_running_loop()
-        pool = self._pool or self._start()
-        try:
-            if self._elsewhere is not None:
-                fut = pool.submit(self._elsewhere, plan.work, plan.special)
-            else:
-                fut = pool.submit(tok.run, plan)
-        except concurrent.futures.BrokenExecutor as e:
-            return self._broken(pool, e, plan)
         self.pending += 1
 
-        def finished(_: object) -> None:  # counted until the worker is done, even when the
-            try:                          # request is gone before
-                loop.call_soon_threadsafe(self._done)
-            except RuntimeError:  # the loop has closed: nothing left to count for
-                pass
-
-        fut.add_done_callback(finished)
+    async def _run(self, plan: Plan, place: _Place | None = None
+                   ) -> tuple[list[Sequence[int]], bool]:
+        """``plan``'s work encoded by a worker, and True (on the loop if the workers broke,
+        and False: counted as ``inline``); ``place``
+        (the queue's place it holds) is given back once the worker is done and the place
+        let go (:meth:`_Place.let_go`), even when the caller is gone before."""
+        tok = self.tok
+        pool = self._pool or self._start()
         try:
-            results: Sequence[Sequence[int]] = await asyncio.wrap_future(fut)
-        except concurrent.futures.BrokenExecutor as e:
-            return self._broken(pool, e, plan)
-        self.offloaded += 1
-        return tok.finish(plan, results)
+            try:
+                if self._elsewhere is not None:
+                    fut = pool.submit(self._elsewhere, plan.work, plan.special)
+                else:
+                    fut = pool.submit(tok.run, plan)
+            except BaseException:
+                if place is not None:
+                    place.worker_done()
+                raise
+            if place is not None:
+                loop = asyncio.get_running_loop()
 
-    def _broken(self, pool: concurrent.futures.Executor, e: Exception, plan: Any) -> list[int]:
+                def finished(_: object) -> None:
+                    try:
+                        loop.call_soon_threadsafe(place.worker_done)
+                    except RuntimeError:  # the loop has closed: nothing left to count for
+                        pass
+
+                fut.add_done_callback(finished)
+            return await asyncio.wrap_future(fut), True
+        except concurrent.futures.BrokenExecutor as e:
+            if place is not None:  # (no worker runs it now)
+                place.worker_done()
+            return self._broken(pool, e, plan), False
+
+    def _broken(self, pool: concurrent.futures.Executor, e: Exception,
+                plan: Plan) -> list[Sequence[int]]:
         """A worker process died (killed, out of memory): new workers for the next long
         prompt; this one is encoded on the loop (late, but answered)."""
         log.warning("tokenize workers broke (%s): starting new ones; this prompt is encoded "
@@ -142,10 +261,7 @@ class Offload:
         pool.shutdown(wait=False, cancel_futures=True)
         self.broken += 1
         self.inline += 1
-        return self.tok.finish(plan, self.tok.run(plan))
-
-    def _done(self) -> None:
-        self.pending -= 1
+        return self.tok.run(plan)
 
     def _start(self) -> concurrent.futures.Executor:
         if self._elsewhere is not None:

@@ -17,7 +17,7 @@ from ..http1.client import UpstreamError
 from ..tokenize.content import engine_template_kwargs
 from .body import Body, PassBody
 from .fleet import Fleet
-from .offload import Offload
+from .offload import Offload, Partial
 from .responses import chat_request
 
 __all__ = ["Tokens"]
@@ -51,10 +51,13 @@ class Tokens:
         #: where a long prompt's new text is encoded (off the event loop)
         self.offload = offload or Offload(tokenizer if mode == "local" else None, 0)
 
-    async def prompt(self, req: Body, chat: bool, shed: bool = True) -> Sequence[int]:
+    async def prompt(self, req: Body, chat: bool, shed: bool = True,
+                     start: bool = False) -> Sequence[int] | Partial:
         """The prompt's token ids as the engine will compute them ([] when unknown: the
         request is routed by load only). A full tokenizer queue is a 429, counted as shed
-        unless ``shed`` is false (the caller routes the request by load instead)."""
+        unless ``shed`` is false (the caller routes the request by load instead). With
+        ``start``, a long prompt's new text may come as a :class:`~.offload.Partial` (its
+        start now, the rest being encoded: :meth:`whole` waits for it)."""
         prompt = req.prompt
         if not chat:
             if isinstance(prompt, list):
@@ -86,9 +89,11 @@ class Tokens:
                     continue_final_message=req.continue_final_message,
                     reasoning_effort=req.reasoning_effort, documents=req.documents,
                     chat_template_kwargs=req.chat_template_kwargs)
-                toks = await self.offload.encode(text, False, shed)
+                encode = self.offload.encode_start if start else self.offload.encode
+                toks = await encode(text, False, shed)
             else:
-                toks = await self.offload.encode(prompt, req.add_special_tokens, shed)
+                encode = self.offload.encode_start if start else self.offload.encode
+                toks = await encode(prompt, req.add_special_tokens, shed)
         except HttpError:
             raise  # the tokenizer's queue is full: 429
         except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
@@ -96,6 +101,17 @@ class Tokens:
                             param="messages" if chat else "prompt") from None
         self.observe(time.perf_counter() - t0)
         return toks
+
+    async def whole(self, part: Partial, chat: bool) -> list[int]:
+        """A :class:`~.offload.Partial` prompt's whole ids (its rest encoded); errors as
+        :meth:`prompt` gives them."""
+        from ..tokenize import TokenizerError
+
+        try:
+            return await asyncio.shield(part.rest)  # (the rest is kept, whoever waits)
+        except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
+            raise HttpError(400, f"cannot tokenize the request: {e}",
+                            param="messages" if chat else "prompt") from None
 
     async def response(self, body: PassBody) -> Sequence[int]:
         """A ``/v1/responses`` request's token ids, rendered as the chat vLLM makes of it

@@ -34,7 +34,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from ..consume.engine_spec import EngineSpec
 from ..consume.stream import StreamConfig
@@ -440,19 +440,63 @@ class RouterCore:
         out["cost"] = d.cost
         return out
 
+    @overload
     def route_proxy(self, token_ids: Sequence[int], lora_name: str | None,
                     salt: str | None, usable: Callable[[str], bool],
-                    up: Callable[[str], bool]) -> Routed:
+                    up: Callable[[str], bool]) -> Routed: ...
+
+    @overload
+    def route_proxy(self, token_ids: Sequence[int], lora_name: str | None,
+                    salt: str | None, usable: Callable[[str], bool],
+                    up: Callable[[str], bool], total: int) -> Routed | None: ...
+
+    def route_proxy(self, token_ids: Sequence[int], lora_name: str | None,
+                    salt: str | None, usable: Callable[[str], bool],
+                    up: Callable[[str], bool], total: int | None = None) -> Routed | None:
         """Route a proxied request among the engines ``usable(engine)`` allows (HTTP url,
         breaker closed, not already tried); ``up(engine)``: its HTTP health, which with the
         event stream makes a candidate alive. Empty ``token_ids`` (no tokenizer): by load
-        only. Reserves like ``route``; RouteError 503 when no engine is usable."""
+        only. Reserves like ``route``; RouteError 503 when no engine is usable.
+
+        ``total``: ``token_ids`` is only the prompt's start, and the prompt about ``total``
+        tokens long (a long prompt still being tokenized). It is routed on its start when
+        every engine's cached prefix of it ends inside the start (no ids that follow can
+        lengthen one), weighed and reserved at ``total``; else None (nothing reserved): route
+        it when its whole ids are known (also when ``total`` is over ``max_tokens``: the
+        whole ids decide a 413). :meth:`complete` then gives them."""
         if len(token_ids) > self.max_tokens:
             raise RouteError(413, f"the prompt has {len(token_ids)} tokens, more than the "
                              f"limit of {self.max_tokens} (--max-tokens)", "oversized_tokens")
-        d, target, rid, prefill = self.decide(token_ids, lora_name, salt, usable=usable, up=up,
-                                              proxied=True)
+        if total is not None and total > self.max_tokens:
+            return None  # (an estimate: the whole ids say whether it is a 413)
+        out = self.decide(token_ids, lora_name, salt, usable=usable, up=up, proxied=True,
+                          total=total)
+        if out is None:
+            return None
+        d, target, rid, prefill = out
         return Routed(rid, target.engine, target.rank, d.name, prefill, d.overlap[d.name])
+
+    def complete(self, routed: Routed, token_ids: Sequence[int], lora_name: str | None,
+                 salt: str | None) -> bool:
+        """The whole ids of a prompt routed on its start (:meth:`route_proxy`'s ``total``):
+        predicted on its engine, and its reservation set to its true length while its first
+        token has not come. False if the request has ended (its reservation is gone)."""
+        with self.lock:
+            rid, label = routed.request_id, routed.label
+            target = self._by_label.get(label)
+            if target is None or self.loads.holder(rid) != label:
+                return False
+            now = self.clock()
+            prompt_blocks = len(token_ids) // self.block_size
+            expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
+            amount = request_load(prompt_blocks, routed.overlap, expect,
+                                  self.decode_share) + self.decode_load
+            prefill = max(prompt_blocks - routed.overlap, 0.0)
+            if self.loads.resize(rid, amount, prefill, now) and self.share is not None:
+                self.share(["r", rid, label, amount, prefill])
+            if len(token_ids) <= self.max_tokens:
+                self._predict(target.stream, token_ids, lora_name, salt)
+        return True
 
     def route_pair(self, token_ids: Sequence[int], lora_name: str | None, salt: str | None,
                    usable: Callable[[str], bool], up: Callable[[str], bool], *,
@@ -589,7 +633,8 @@ class RouterCore:
                usable: Callable[[str], bool] | None = None,
                up: Callable[[str], bool] | None = None, reserve: bool = True,
                proxied: bool = False, blocks: dict[str, int] | None = None,
-               ) -> tuple[Decision, Target, Any, float]:
+               total: int | None = None,
+               ) -> tuple[Decision, Target, Any, float] | None:
         """The one routing decision (under ``lock``, given up with RouteError 503 after
         ``lock_timeout``): match the prompt, weigh every target ``usable(engine)`` allows
         (all if None; RouteError 503 if none) with ``up(engine)`` as its HTTP health, let
@@ -609,8 +654,11 @@ class RouterCore:
           smaller blocks may hold it);
         * the prefix is predicted on the chosen engine unless its matched blocks (any
           tier) cover the prompt; for the decision API, unless its *credited* matched
-          blocks do (blocks held only in tiers worth no credit still get predicted)."""
-        prompt_blocks = len(token_ids) // self.block_size
+          blocks do (blocks held only in tiers worth no credit still get predicted).
+
+        ``total``: see :meth:`route_proxy` (None when the start does not settle it)."""
+        ntok = len(token_ids) if total is None else max(total, len(token_ids))
+        prompt_blocks = ntok // self.block_size
         if not self.lock.acquire(timeout=self.lock_timeout):
             raise RouteError(503, "index busy (applying a large snapshot); retry", "busy")
         try:
@@ -624,11 +672,14 @@ class RouterCore:
             now = self.clock()
             matches = (self.index.match(token_ids, lora_name=lora_name, salt=salt)
                        if prompt_blocks or not proxied else {})
+            if total is not None and not self._settled(targets, matches):
+                return None
             self.loads.expire(now)
             if not proxied and blocks is None:
                 blocks = {}
             d = self.policy.choose(prompt_blocks, self._candidates(
-                targets, matches, prompt_blocks, now, up, blocks))
+                targets, matches, prompt_blocks, now, up, blocks,
+                ntok / len(token_ids) if token_ids else 1.0))
             target = self._by_label[d.name]
             rid = None
             prefill = 0.0
@@ -661,13 +712,27 @@ class RouterCore:
             self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
         return d, target, rid, prefill
 
+    def _settled(self, targets: list[Target], matches: dict[str, Any]) -> bool:
+        """Whether a prompt's start settles its match (under ``lock``): on every target
+        whose block size is known, the matched blocks end before the start's last full
+        block, so no ids after the start can add to them (a start shorter than a block
+        settles nothing there)."""
+        for t in targets:
+            m = matches.get(t.stream)
+            if (m is not None and m.blocks >= m.prompt_blocks
+                    and self.index.block_size_of(t.stream)):
+                return False
+        return True
+
     def _candidates(self, targets: list[Target], matches: dict[str, Any], prompt_blocks: int,
                     now: float, up: Callable[[str], bool] | None = None,
-                    blocks: dict[str, int] | None = None) -> list[Candidate]:
+                    blocks: dict[str, int] | None = None,
+                    scale: float = 1.0) -> list[Candidate]:
         """What the policy weighs, per target (under ``lock``): the prompt's blocks it
         holds, as a share of the prompt (engines with another block size compete fairly),
         its load, whether it is live (``up``: and healthy over HTTP), how busy lately.
-        ``blocks``, if given, gets each target's matched blocks in its own block size."""
+        ``blocks``, if given, gets each target's matched blocks in its own block size;
+        ``scale``: the prompt's length over that of the ids matched (its start)."""
         load, busy, alive = self.loads.load, self.loads.busy, self.alive
         out = []
         for t in targets:
@@ -675,7 +740,7 @@ class RouterCore:
             credit = 0.0
             held = 0
             if m is not None and m.credit and m.prompt_blocks:
-                credit = min(m.credit / m.prompt_blocks, 1.0) * prompt_blocks
+                credit = min(m.credit / (m.prompt_blocks * scale), 1.0) * prompt_blocks
                 held = m.blocks
             if blocks is not None:
                 blocks[t.label] = held
@@ -714,7 +779,8 @@ class RouterCore:
         """Drop a proxied request's prefill share from its reservation (its first token
         came: the prompt is computed); returns what was dropped."""
         with self.lock:
-            taken = self.loads.reduce(request_id, prefill)
+            # (the share reserved now: a prompt routed on its start has it set since)
+            taken = self.loads.reduce(request_id, self.loads.prefill(request_id) or prefill)
             if taken and self.share is not None:
                 self.share(["f", request_id])
             return taken

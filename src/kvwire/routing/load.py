@@ -95,6 +95,30 @@ class LoadTracker:
                                    self.busy_window, learn=True)
         return take
 
+    def resize(self, request_id: str, amount: float, prefill: float,
+               now: float | None = None) -> bool:
+        """Set a live reservation's amount and, while its first token has not come, its
+        prefill share (a prompt routed on an estimate of its length, now known); False
+        (nothing changed) if the id is gone or its first token came."""
+        entry = self._by_id.get(request_id)
+        if entry is None or entry[3] <= 0:
+            return False
+        if not (math.isfinite(amount) and amount >= 0 and math.isfinite(prefill)
+                and prefill >= 0):
+            raise ValueError(f"load amount and prefill must be finite numbers >= 0, got "
+                             f"{amount!r} and {prefill!r}")
+        name, held, deadline, old = entry
+        now = self.clock() if now is None else now
+        prefill = min(float(prefill), float(amount))
+        d = self._drain[name]
+        left = d.backlog(now)
+        d.outstanding = max(d.outstanding + prefill - old, 0.0)
+        d.left = min(max(left + prefill - old, 0.0), d.outstanding)
+        d.at = now
+        self._by_id[request_id] = (name, float(amount), deadline, prefill)
+        self._load[name] = max(self._load[name] + amount - held, 0.0)
+        return True
+
     def prefill(self, request_id: str) -> float:
         """A live reservation's prefill still outstanding (0.0 after its first token, or
         if the id is gone)."""

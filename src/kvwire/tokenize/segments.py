@@ -53,6 +53,33 @@ class Plan:
         self.chars += len(text)
         return len(self.work) - 1
 
+    def sub(self, a: int, b: int) -> Plan:
+        """Work items ``a`` to ``b`` as a plan of their own, for ``Tokenizer.run`` (each item
+        is encoded alone there, so a plan's work can be run in pieces)."""
+        p = Plan()
+        p.special = self.special
+        p.work = self.work[a:b]
+        p.chars = sum(map(len, p.work))
+        return p
+
+    def start(self, results: Sequence[Sequence[int]]) -> list[int]:
+        """The ids of the text up to its first work item not in ``results`` (the ids of the
+        first work items, in order): the start of a prompt, known before the rest is."""
+        out: list[int] = []
+        n = len(results)
+        for part in self.parts:
+            if type(part) is int:
+                if part >= n:
+                    break
+                out += results[part]
+            else:
+                out += part
+        return out
+
+    def known_tokens(self) -> int:
+        """Ids known without any work: every part that is not work, and the trail."""
+        return sum(len(p) for p in self.parts if type(p) is not int) + len(self.trail)
+
 
 class Segments:
     """The known part of texts: whole segments, and chunks of long ones in ``store`` (None:
