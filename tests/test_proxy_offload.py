@@ -92,14 +92,14 @@ def test_a_long_prompt_being_tokenized_delays_no_other_stream(
         assert r.status_code == 200
         body = b"".join(r.iter_raw())
     assert body.endswith(b"data: [DONE]\n\n")
-    assert s.proxy.offload.pending == 1  # still at the gate
+    assert s.proxy.offload.rests == 1  # its rest still at the gate
     assert tok.threads and all(n.startswith("kvwire-tokenize") for n in tok.threads)
     tok.gate.set()
     long_req.join(TIMEOUT)
     assert out["response"].status_code == 200, out["response"].text
     assert out["response"].json()["usage"]["prompt_tokens"] == len(BuiltinTokenizer()
                                                                     .encode(LONG, True))
-    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+    wait_for(lambda: s.proxy.offload.rests == 0, "the worker done")
     m = _scrape(s.url)
     assert m["kvwire_proxy_tokenize_encodes_total", frozenset({("where", "worker")})] == 1
     assert m["kvwire_proxy_tokenize_encodes_total", frozenset({("where", "loop")})] >= 1
@@ -123,11 +123,12 @@ def test_a_long_new_prompt_is_routed_on_its_start_while_the_rest_is_tokenized(
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
         r = c.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
         assert r.status_code == 200, r.text
-        assert tok.entered.is_set() and s.proxy.offload.pending == 1  # the rest at the gate
+        assert tok.entered.is_set() and s.proxy.offload.rests == 1  # the rest at the gate
+        assert s.proxy.offload.pending == 0  # (none waits for its route)
         assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 1
         home = r.headers["x-kvwire-engine"]
         tok.gate.set()
-        wait_for(lambda: s.proxy.offload.pending == 0, "the rest encoded")
+        wait_for(lambda: s.proxy.offload.rests == 0, "the rest encoded")
         ids = BuiltinTokenizer().encode(LONG, True)
 
         def whole_on_home() -> bool:
@@ -141,14 +142,45 @@ def test_a_long_new_prompt_is_routed_on_its_start_while_the_rest_is_tokenized(
         assert r.status_code == 200, r.text
         assert r.headers["x-kvwire-engine"] == home
         assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 2
-    wait_for(lambda: s.proxy.offload.pending == 0 and s.loads() == {}, "nothing held")
+    wait_for(lambda: s.proxy.offload.rests == 0 and s.loads() == {}, "nothing held")
+
+
+def test_rests_have_their_own_bound_past_it_prompts_are_tokenized_whole_first(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """With ``tokenize_queue`` rests in hand, a long prompt is not routed on its start (its
+    rest would have no place): it waits for its whole ids, in the queue of prompts waiting
+    for their route; past that one, the next is a 429. All are answered in the end."""
+    tok = GatedTokenizer()
+    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
+                   tokenize_queue=1)
+    first: dict[str, Any] = {}
+    t1 = _long_request(s.url, first)
+    t1.join(TIMEOUT)
+    assert first["response"].status_code == 200  # routed on its start
+    assert s.proxy.offload.rests == 1 and tok.entered.wait(TIMEOUT)  # its rest at the gate
+    second: dict[str, Any] = {}
+    t2 = _long_request(s.url, second, "other " + LONG)
+    wait_for(lambda: s.proxy.offload.pending == 1, "the second waiting for its ids")
+    assert "response" not in second
+    r = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                   json={"model": "m", "prompt": "third " + LONG, "max_tokens": 2})
+    assert r.status_code == 429
+    tok.gate.set()
+    t2.join(TIMEOUT)
+    assert second["response"].status_code == 200
+    assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 1
+    wait_for(lambda: s.proxy.offload.pending + s.proxy.offload.rests == 0, "nothing held")
 
 
 def _queue_full(make: Callable[..., Stack]) -> tuple[
         GatedTokenizer, Stack, dict[str, Any], threading.Thread]:
     """One engine, one tokenize worker, a queue of one, and that one long prompt in hand
-    (held at the gate): the next long prompt finds the queue full."""
+    (held at the gate) waiting for its route: the next long prompt finds the queue full.
+    (Its tokenizer keeps whole segments only, as one without proven cuts does: a long
+    prompt is then one piece of work, none of it known before the rest, so nothing is
+    routed on its start.)"""
     tok = GatedTokenizer()
+    tok.segments.store = None
     s = make(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
                    tokenize_queue=1)
     out: dict[str, Any] = {}
@@ -224,9 +256,9 @@ def test_a_client_gone_while_its_prompt_is_tokenized_leaves_nothing(
 
     asyncio.run(leave())
     wait_for(lambda: s.proxy.active == 0, "the request ended with its client")
-    assert s.proxy.offload.pending == 1
+    assert s.proxy.offload.pending + s.proxy.offload.rests == 1
     tok.gate.set()
-    wait_for(lambda: s.proxy.offload.pending == 0, "the worker done")
+    wait_for(lambda: s.proxy.offload.pending + s.proxy.offload.rests == 0, "the worker done")
     assert s.loads() == {}
 
 

@@ -199,5 +199,10 @@ class ProxyMetrics:
                                         "encoded by the workers now, waiting included")
             pending.add_metric([], o.pending)
             yield pending
+            rests = GaugeMetricFamily("kvwire_proxy_tokenize_rests", "Long prompts routed "
+                                      "on their start whose rest is being encoded now, "
+                                      "waiting included")
+            rests.add_metric([], o.rests)
+            yield rests
         for h in (self.overhead, self.tokenize, self.ttft, self.e2e):
             yield from h.collect()

@@ -5,9 +5,14 @@ The tokenizer plans on the loop (lookups of what it has seen: quick), and the ne
 encoded on the loop when it is short (handing it over costs more), else on a worker thread
 when the tokenizer lets go of the GIL while it works (``tokenizers``' Rust; the builtin
 tokenizer's C encoder), else in a worker process; the workers run at the lowest CPU priority
-(Linux's ``SCHED_IDLE``), below the loop's. At most ``queue`` encodes are off the loop
-at once, running or waiting; a request past that is refused with 429 and counted, rather
-than waiting behind work that may take seconds."""
+(Linux's ``SCHED_IDLE``), below the loop's. At most ``queue`` prompts wait off the loop
+for the ids to route them by, running or waiting; a request past that is refused with 429
+and counted, rather than waiting behind work that may take seconds.
+
+A prompt with much new text can be routed on its start (:meth:`Offload.encode_start`): the
+start is encoded first, by a thread of its own that short work goes to, so it never waits
+behind the long rests; the rest then goes on while the request is served, in a queue of
+its own of the same bound (full: prompts are encoded whole before they are routed)."""
 
 from __future__ import annotations
 
@@ -59,6 +64,9 @@ def _lower_priority() -> None:
 #: encoded before the rest, to route it on: about 1k tokens, past the end of what engines
 #: hold of it unless they hold that much of its new text too.
 START_CHARS = 4096
+#: Work of at most this many characters (a start, a short prompt's new text) goes to a
+#: thread of its own, not behind the long rests queued for the workers.
+FAST_CHARS = 2 * START_CHARS
 
 
 class Partial(NamedTuple):
@@ -78,29 +86,33 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 class _Place:
-    """One encode's place in the queue, whose worker may outlive its caller: given back
-    (``pending`` less one) once the worker is done and the place is let go, in either
+    """One encode's place in a queue (``pending``, or ``rests``), whose worker may outlive
+    its caller: given back once the worker is done and the place is let go, in either
     order (both on the loop)."""
 
-    __slots__ = ("done", "gone", "off")
+    __slots__ = ("attr", "done", "gone", "off")
 
-    def __init__(self, off: Offload, gone: bool) -> None:
+    def __init__(self, off: Offload, gone: bool, attr: str = "pending") -> None:
         self.off = off
+        self.attr = attr
         self.done = False
         self.gone = gone
+
+    def _give_back(self) -> None:
+        setattr(self.off, self.attr, getattr(self.off, self.attr) - 1)
 
     def worker_done(self) -> None:
         if self.done:
             return
         self.done = True
         if self.gone:
-            self.off.pending -= 1
+            self._give_back()
 
     def let_go(self) -> None:
         if not self.gone:
             self.gone = True
             if self.done:
-                self.off.pending -= 1
+                self._give_back()
 
 
 class Offload:
@@ -113,13 +125,18 @@ class Offload:
         self.tok = tokenizer
         self.threads = threads
         self.queue = queue
-        self.pending = 0  # encodes off the loop now (running or waiting)
+        self.pending = 0  # encodes off the loop now (running or waiting) for a route
+        #: rests of prompts routed on their start being encoded now (running or waiting)
+        self.rests = 0
         self.inline = 0  # encodes done on the loop
         self.offloaded = 0  # encodes done by a worker
         self.shed = 0  # requests refused with 429: the queue was full
         self.by_load = 0  # requests the queue was full for, routed by load instead (not shed)
         self.broken = 0  # times a worker process died and the workers were started anew
         self._pool: concurrent.futures.Executor | None = None
+        #: one more thread for starts and other short work (at most :data:`FAST_CHARS`), so
+        #: that they never wait behind the long rests queued for the workers
+        self._fast: concurrent.futures.Executor | None = None
         self._elsewhere = None
         if tokenizer is not None and threads and not tokenizer.releases_gil:
             self._elsewhere = tokenizer.run_elsewhere()
@@ -169,26 +186,25 @@ class Offload:
             chars += len(work[k])
             k += 1
         if (k >= len(work) or plan.special or not self.threads
-                or plan.chars <= tok.inline_chars):
-            return await self._whole(plan, shed)
+                or plan.chars <= tok.inline_chars or self.rests >= self.queue):
+            return await self._whole(plan, shed)  # (no room for a rest: all before routing)
         self._admit(shed)
+        self.rests += 1  # (the rest's place, taken now: given back if the start fails)
         start = plan.sub(0, k)
-        if start.chars <= tok.inline_chars:  # (cheaper here than handed over)
-            try:
-                head, worked = tok.run(start), True
-            except BaseException:
-                self.pending -= 1
-                raise
-        else:
-            place = _Place(self, False)  # (kept for the rest, unless the start fails)
-            try:
-                head, worked = await self._run(start, place)
-            except BaseException:
-                place.let_go()
-                raise
+        try:
+            if start.chars <= tok.inline_chars:  # (cheaper here than handed over)
+                try:
+                    head, worked = tok.run(start), True
+                finally:
+                    self.pending -= 1
+            else:
+                head, worked = await self._run(start, _Place(self, True))
+        except BaseException:
+            self.rests -= 1
+            raise
 
         async def rest() -> list[int]:
-            place = _Place(self, False)  # (given back once its ids are kept, and counted)
+            place = _Place(self, False, "rests")  # (given back once its ids are kept)
             try:
                 results, done = await self._run(plan.sub(k, len(work)), place)
                 self.offloaded += worked and done
@@ -218,12 +234,12 @@ class Offload:
 
     async def _run(self, plan: Plan, place: _Place | None = None
                    ) -> tuple[list[Sequence[int]], bool]:
-        """``plan``'s work encoded by a worker, and True (on the loop if the workers broke,
-        and False: counted as ``inline``); ``place``
-        (the queue's place it holds) is given back once the worker is done and the place
-        let go (:meth:`_Place.let_go`), even when the caller is gone before."""
+        """``plan``'s work encoded by a worker, and True; or, the workers broken, on the
+        loop, and False (counted as ``inline``). ``place``, the queue's place it holds, is
+        given back once the worker is done and the place let go (:meth:`_Place.let_go`),
+        even when the caller is gone before."""
         tok = self.tok
-        pool = self._pool or self._start()
+        pool = self._executor(plan)
         try:
             try:
                 if self._elsewhere is not None:
@@ -258,10 +274,21 @@ class Offload:
                     "on the event loop", e)
         if self._pool is pool:
             self._pool = None
+        if self._fast is pool:
+            self._fast = None
         pool.shutdown(wait=False, cancel_futures=True)
         self.broken += 1
         self.inline += 1
         return self.tok.run(plan)
+
+    def _executor(self, plan: Plan) -> concurrent.futures.Executor:
+        if self._elsewhere is None and plan.chars <= FAST_CHARS:  # (threads only)
+            if self._fast is None:
+                self._fast = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="kvwire-tokenize-start",
+                    initializer=_lower_priority)
+            return self._fast
+        return self._pool or self._start()
 
     def _start(self) -> concurrent.futures.Executor:
         if self._elsewhere is not None:
@@ -275,6 +302,7 @@ class Offload:
 
     def close(self) -> None:
         """Stop the workers (what they hold is dropped: its requests are ending too)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._fast):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._fast = None
