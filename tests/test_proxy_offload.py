@@ -145,30 +145,49 @@ def test_a_long_new_prompt_is_routed_on_its_start_while_the_rest_is_tokenized(
     wait_for(lambda: s.proxy.offload.rests == 0 and s.loads() == {}, "nothing held")
 
 
-def test_rests_have_their_own_bound_past_it_prompts_are_tokenized_whole_first(
+def test_past_the_rests_bound_a_rest_is_tokenized_only_if_the_route_needs_it(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
-    """With ``tokenize_queue`` rests in hand, a long prompt is not routed on its start (its
-    rest would have no place): it waits for its whole ids, in the queue of prompts waiting
-    for their route; past that one, the next is a 429. All are answered in the end."""
+    """With ``tokenize_queue`` rests in hand, a long prompt routed on its start has its rest
+    skipped (counted): the router sheds work for later requests, not the request. One whose
+    start an engine holds whole (sent before as token ids, so the router never tokenized
+    its text) needs its whole ids: its rest is tokenized then, waiting for its route, and
+    it goes to that engine."""
     tok = GatedTokenizer()
-    s = make_stack(1, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
+    s = make_stack(2, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
                    tokenize_queue=1)
-    first: dict[str, Any] = {}
-    t1 = _long_request(s.url, first)
-    t1.join(TIMEOUT)
-    assert first["response"].status_code == 200  # routed on its start
-    assert s.proxy.offload.rests == 1 and tok.entered.wait(TIMEOUT)  # its rest at the gate
-    second: dict[str, Any] = {}
-    t2 = _long_request(s.url, second, "other " + LONG)
-    wait_for(lambda: s.proxy.offload.pending == 1, "the second waiting for its ids")
-    assert "response" not in second
-    r = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
-                   json={"model": "m", "prompt": "third " + LONG, "max_tokens": 2})
-    assert r.status_code == 429
-    tok.gate.set()
-    t2.join(TIMEOUT)
-    assert second["response"].status_code == 200
-    assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 1
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200  # routed on its start
+        assert s.proxy.offload.rests == 1 and tok.entered.wait(TIMEOUT)  # its rest at the gate
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "second " + LONG,
+                                            "max_tokens": 2})
+        assert r.status_code == 200 and s.proxy.offload.rests == 1
+        m = _scrape(s.url)
+        assert m["kvwire_proxy_routed_on_start_total", frozenset()] == 2
+        assert m["kvwire_proxy_tokenize_rests_skipped_total", frozenset()] == 1
+        third = "third " + LONG
+        ids = BuiltinTokenizer().encode(third, True)
+        r = c.post("/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 2})
+        assert r.status_code == 200
+        holder = r.headers["x-kvwire-engine"]
+
+        def held() -> bool:
+            with s.core.lock:
+                m = s.core.index.match(ids)
+            return m[holder + "/dp0"].blocks - m[holder + "/dp0"].predicted == len(ids) // 16
+
+        wait_for(held, "the third prompt's blocks in the index, from its engine's events")
+        out: dict[str, Any] = {}
+        t = _long_request(s.url, out, third)  # as text: its start is held whole
+        wait_for(lambda: s.proxy.offload.pending == 1, "its rest waiting, for its route")
+        assert "response" not in out
+        tok.gate.set()
+        t.join(TIMEOUT)
+        assert out["response"].status_code == 200
+        assert out["response"].headers["x-kvwire-engine"] == holder
+        m = _scrape(s.url)
+        assert m["kvwire_proxy_routed_on_start_total", frozenset()] == 2
+        assert m["kvwire_proxy_tokenize_rests_skipped_total", frozenset()] == 1
     wait_for(lambda: s.proxy.offload.pending + s.proxy.offload.rests == 0, "nothing held")
 
 

@@ -197,8 +197,14 @@ class Handler:
                 ok = {want}
             try:
                 if type(tokens) is Partial:
-                    routed, tokens = await self._route_start(tokens, bool(chat), lora,
-                                                             body.cache_salt, ok)
+                    try:
+                        routed, tokens = await self._route_start(tokens, bool(chat), lora,
+                                                                 body.cache_salt, ok)
+                    except HttpError as e:
+                        if e.status not in (400, 429):
+                            raise
+                        self._bad(req, e)  # (its rest could not be tokenized, or not now)
+                        return
                 else:
                     routed = self.core.route_proxy(tokens, lora, body.cache_salt,
                                                    ok.__contains__, fleet.up)
@@ -234,19 +240,22 @@ class Handler:
         """Route a long prompt on its start when that settles where its cached prefix ends
         (its rest, being tokenized, then completes the route: prediction and reservation),
         else once its whole ids are known. Returns the route and the tokens to route a
-        retry with. An error in tokenizing the rest before the route: 400 (HttpError,
-        answered as a bad request)."""
-        core, up = self.core, self.fleet.up
+        retry with; RouteError as :meth:`RouterCore.route_proxy` raises it, or an
+        HttpError 400 when the rest, awaited, could not be tokenized."""
+        core, up, counts = self.core, self.fleet.up, self.fleet.counts
         rest = part.rest
-        if not rest.done():
+        if rest is None or not rest.done():
             routed = core.route_proxy(part.ids, lora, salt, ok.__contains__, up,
                                       total=part.tokens)
             if routed is not None:
-                self.fleet.counts["routed_on_start"] += 1
+                counts["routed_on_start"] += 1
+                if rest is None:  # (the workers had as many rests as they take)
+                    counts["rests_skipped"] += 1
+                    return routed, part
 
                 def complete(t: asyncio.Task) -> None:
                     if t.cancelled() or t.exception() is not None:
-                        self.fleet.counts["start_rest_failures"] += 1
+                        counts["start_rest_failures"] += 1
                     else:
                         core.complete(routed, t.result(), lora, salt)
 

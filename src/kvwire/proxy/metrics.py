@@ -195,6 +195,11 @@ class ProxyMetrics:
                                         "routed on their start while the rest was tokenized")
             start.add_metric([], p.counts["routed_on_start"])
             yield start
+            skipped = CounterMetricFamily("kvwire_proxy_tokenize_rests_skipped", "Long "
+                                          "prompts routed on their start whose rest was not "
+                                          "tokenized: the workers had --tokenize-queue rests")
+            skipped.add_metric([], p.counts["rests_skipped"])
+            yield skipped
             pending = GaugeMetricFamily("kvwire_proxy_tokenize_pending", "Long prompts being "
                                         "encoded by the workers now, waiting included")
             pending.add_metric([], o.pending)

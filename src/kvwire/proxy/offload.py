@@ -12,7 +12,9 @@ and counted, rather than waiting behind work that may take seconds.
 A prompt with much new text can be routed on its start (:meth:`Offload.encode_start`): the
 start is encoded first, by a thread of its own that short work goes to, so it never waits
 behind the long rests; the rest then goes on while the request is served, in a queue of
-its own of the same bound (full: prompts are encoded whole before they are routed)."""
+its own of the same bound. With that queue full, a rest is not encoded unless the route
+needs it: the router sheds work it does for later requests (the prompt's chunks kept, its
+whole predicted), not the requests."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..http1 import HttpError
 from ..tokenize.segments import Plan
@@ -69,14 +71,28 @@ START_CHARS = 4096
 FAST_CHARS = 2 * START_CHARS
 
 
-class Partial(NamedTuple):
+class Partial:
     """A long prompt's ids known in part (:meth:`Offload.encode_start`): ``ids``, its
     start; ``tokens``, its whole length, estimated at the start's characters per token;
-    ``rest``, a task giving its whole ids (they are kept when it ends, whoever waits)."""
+    ``rest``, the task encoding the rest, giving the whole ids (kept when it ends, whoever
+    waits), or None when the workers had as many rests as they take: then the rest is
+    encoded only if :meth:`whole` is asked for (a route that needs it)."""
 
-    ids: list[int]
-    tokens: int
-    rest: asyncio.Task
+    __slots__ = ("_more", "ids", "rest", "tokens")
+
+    def __init__(self, ids: list[int], tokens: int, rest: asyncio.Task | None,
+                 more: Callable[[], asyncio.Task]) -> None:
+        self.ids = ids
+        self.tokens = tokens
+        self.rest = rest
+        self._more = more
+
+    def whole(self) -> asyncio.Task:
+        """The task giving the whole ids, started now if it was not (then it waits in the
+        queue of prompts waiting for their route: HttpError 429 if that is full)."""
+        if self.rest is None:
+            self.rest = self._more()
+        return self.rest
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -186,10 +202,11 @@ class Offload:
             chars += len(work[k])
             k += 1
         if (k >= len(work) or plan.special or not self.threads
-                or plan.chars <= tok.inline_chars or self.rests >= self.queue):
-            return await self._whole(plan, shed)  # (no room for a rest: all before routing)
+                or plan.chars <= tok.inline_chars):
+            return await self._whole(plan, shed)
         self._admit(shed)
-        self.rests += 1  # (the rest's place, taken now: given back if the start fails)
+        eager = self.rests < self.queue  # (else the rest only if a route needs it)
+        self.rests += eager  # (the rest's place, taken now: given back if the start fails)
         start = plan.sub(0, k)
         try:
             if start.chars <= tok.inline_chars:  # (cheaper here than handed over)
@@ -200,11 +217,11 @@ class Offload:
             else:
                 head, worked = await self._run(start, _Place(self, True))
         except BaseException:
-            self.rests -= 1
+            self.rests -= eager
             raise
 
-        async def rest() -> list[int]:
-            place = _Place(self, False, "rests")  # (given back once its ids are kept)
+        async def rest(queue: str) -> list[int]:
+            place = _Place(self, False, queue)  # (given back once its ids are kept)
             try:
                 results, done = await self._run(plan.sub(k, len(work)), place)
                 self.offloaded += worked and done
@@ -212,13 +229,21 @@ class Offload:
             finally:
                 place.let_go()
 
-        task = asyncio.get_running_loop().create_task(rest())
-        task.add_done_callback(_retrieved)
+        def task(queue: str) -> asyncio.Task:
+            t = asyncio.get_running_loop().create_task(rest(queue))
+            t.add_done_callback(_retrieved)
+            return t
+
+        def more() -> asyncio.Task:
+            self._admit(shed)
+            return task("pending")
+
         ids = plan.start(head)
         done = sum(map(len, head))
         # the rest's length at the start's own characters per token
         left = round((plan.chars - chars) * done / chars) if chars else 0
-        return Partial(ids, plan.known_tokens() + done + left, task)
+        return Partial(ids, plan.known_tokens() + done + left,
+                       task("rests") if eager else None, more)
 
     def _admit(self, shed: bool) -> None:
         """Take a place in the queue, or 429."""

@@ -103,12 +103,13 @@ class Tokens:
         return toks
 
     async def whole(self, part: Partial, chat: bool) -> list[int]:
-        """A :class:`~.offload.Partial` prompt's whole ids (its rest encoded); errors as
-        :meth:`prompt` gives them."""
+        """A :class:`~.offload.Partial` prompt's whole ids (its rest encoded, now if it was
+        not being encoded); errors as :meth:`prompt` gives them."""
         from ..tokenize import TokenizerError
 
+        rest = part.whole()  # (HttpError 429: the queue is full)
         try:
-            return await asyncio.shield(part.rest)  # (the rest is kept, whoever waits)
+            return await asyncio.shield(rest)  # (the rest is kept, whoever waits)
         except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise HttpError(400, f"cannot tokenize the request: {e}",
                             param="messages" if chat else "prompt") from None
