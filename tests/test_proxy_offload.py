@@ -145,13 +145,13 @@ def test_a_long_new_prompt_is_routed_on_its_start_while_the_rest_is_tokenized(
     wait_for(lambda: s.proxy.offload.rests == 0 and s.loads() == {}, "nothing held")
 
 
-def test_past_the_rests_bound_a_rest_is_tokenized_only_if_the_route_needs_it(
+def test_past_the_rests_bound_a_rest_is_skipped_and_a_held_start_grows(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
     """With ``tokenize_queue`` rests in hand, a long prompt routed on its start has its rest
     skipped (counted): the router sheds work for later requests, not the request. One whose
     start an engine holds whole (sent before as token ids, so the router never tokenized
-    its text) needs its whole ids: its rest is tokenized then, waiting for its route, and
-    it goes to that engine."""
+    its text) is tokenized further, waiting for its route, until its start settles it or
+    is all of it: it goes to that engine."""
     tok = GatedTokenizer()
     s = make_stack(2, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1,
                    tokenize_queue=1)
@@ -179,7 +179,7 @@ def test_past_the_rests_bound_a_rest_is_tokenized_only_if_the_route_needs_it(
         wait_for(held, "the third prompt's blocks in the index, from its engine's events")
         out: dict[str, Any] = {}
         t = _long_request(s.url, out, third)  # as text: its start is held whole
-        wait_for(lambda: s.proxy.offload.pending == 1, "its rest waiting, for its route")
+        wait_for(lambda: s.proxy.offload.pending == 1, "more of it at the gate, for its route")
         assert "response" not in out
         tok.gate.set()
         t.join(TIMEOUT)

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs
 from ..http1 import HttpError
 from ..http1.client import Response, UpstreamError
 from ..routing.core import RouteError, RouterCore
+from ..tokenize.errors import TokenizerError
 from .body import NO_BODY, generation, passthrough
 from .decisions import Lifecycle, Outcome, marks_down, should_retry
 from .fleet import Fleet
@@ -197,14 +198,8 @@ class Handler:
                 ok = {want}
             try:
                 if type(tokens) is Partial:
-                    try:
-                        routed, tokens = await self._route_start(tokens, bool(chat), lora,
-                                                                 body.cache_salt, ok)
-                    except HttpError as e:
-                        if e.status not in (400, 429):
-                            raise
-                        self._bad(req, e)  # (its rest could not be tokenized, or not now)
-                        return
+                    routed, tokens = await self._route_start(tokens, lora, body.cache_salt,
+                                                             ok)
                 else:
                     routed = self.core.route_proxy(tokens, lora, body.cache_salt,
                                                    ok.__contains__, fleet.up)
@@ -235,34 +230,43 @@ class Handler:
         fleet.requests[last_engine, status] += 1
         req.respond(status, payload)
 
-    async def _route_start(self, part: Partial, chat: bool, lora: str | None,
-                           salt: str | None, ok: set[str]) -> tuple[Any, Any]:
-        """Route a long prompt on its start when that settles where its cached prefix ends
-        (its rest, being tokenized, then completes the route: prediction and reservation),
-        else once its whole ids are known. Returns the route and the tokens to route a
-        retry with; RouteError as :meth:`RouterCore.route_proxy` raises it, or an
-        HttpError 400 when the rest, awaited, could not be tokenized."""
+    async def _route_start(self, part: Partial, lora: str | None, salt: str | None,
+                           ok: set[str]) -> tuple[Any, Any]:
+        """Route a long prompt on its start as soon as a start settles where its cached
+        prefix ends, growing the start until one does or it is the whole prompt; its rest,
+        tokenized meanwhile, completes the route (prediction and reservation). Returns the
+        route and the tokens to route a retry with (the start: a retry is weighed at its
+        length). RouteError as :meth:`RouterCore.route_proxy` raises it, or 400 if more of
+        the text cannot be tokenized."""
         core, up, counts = self.core, self.fleet.up, self.fleet.counts
-        rest = part.rest
-        if rest is None or not rest.done():
-            routed = core.route_proxy(part.ids, lora, salt, ok.__contains__, up,
-                                      total=part.tokens)
-            if routed is not None:
-                counts["routed_on_start"] += 1
-                if rest is None:  # (the workers had as many rests as they take)
-                    counts["rests_skipped"] += 1
-                    return routed, part
+        try:
+            while not part.done:
+                routed = core.route_proxy(part.ids, lora, salt, ok.__contains__, up,
+                                          total=part.tokens)
+                if routed is not None:
+                    counts["routed_on_start"] += 1
+                    rest = part.routed()
+                    if rest is None:  # (the workers had as many rests as they take)
+                        counts["rests_skipped"] += 1
+                        return routed, part.ids
 
-                def complete(t: asyncio.Task) -> None:
-                    if t.cancelled() or t.exception() is not None:
-                        counts["start_rest_failures"] += 1
-                    else:
-                        core.complete(routed, t.result(), lora, salt)
+                    def complete(t: asyncio.Task, routed: Any = routed) -> None:
+                        if t.cancelled() or t.exception() is not None:
+                            counts["start_rest_failures"] += 1
+                        else:
+                            core.complete(routed, t.result(), lora, salt)
 
-                rest.add_done_callback(complete)
-                return routed, part  # (a retry routes on the start again, or the whole)
-        ids = await self.tokens.whole(part, chat)
-        return core.route_proxy(ids, lora, salt, ok.__contains__, up), ids
+                    rest.add_done_callback(complete)
+                    return routed, part.ids
+                try:
+                    await part.extend()
+                except (TokenizerError, TypeError, KeyError, AttributeError,
+                        ValueError) as e:  # (as Tokens.prompt answers them)
+                    raise HttpError(400, f"cannot tokenize the request: {e}",
+                                    param="prompt") from None
+        finally:
+            part.release()
+        return core.route_proxy(part.ids, lora, salt, ok.__contains__, up), part.ids
 
     async def attempt(self, req: Request, routed: Any, headers: list, stream: bool,
                        first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,

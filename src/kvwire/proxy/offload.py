@@ -10,10 +10,10 @@ for the ids to route them by, running or waiting; a request past that is refused
 and counted, rather than waiting behind work that may take seconds.
 
 A prompt with much new text can be routed on its start (:meth:`Offload.encode_start`): the
-start is encoded first, by a thread of its own that short work goes to, so it never waits
-behind the long rests; the rest then goes on while the request is served, in a queue of
-its own of the same bound. With that queue full, a rest is not encoded unless the route
-needs it: the router sheds work it does for later requests (the prompt's chunks kept, its
+start is encoded first, and longer starts if a route needs them, by a thread of its own that
+short work goes to, so it never waits behind the long rests; the rest then goes on while the
+request is served, in a queue of its own of the same bound. With that queue full, a rest is
+skipped: the router sheds work it does for later requests (the prompt's chunks kept, its
 whole predicted), not the requests."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..http1 import HttpError
@@ -74,25 +74,89 @@ FAST_CHARS = 2 * START_CHARS
 class Partial:
     """A long prompt's ids known in part (:meth:`Offload.encode_start`): ``ids``, its
     start; ``tokens``, its whole length, estimated at the start's characters per token;
-    ``rest``, the task encoding the rest, giving the whole ids (kept when it ends, whoever
-    waits), or None when the workers had as many rests as they take: then the rest is
-    encoded only if :meth:`whole` is asked for (a route that needs it)."""
+    ``done``: the ids are the whole prompt's. Until :meth:`routed` (or :meth:`release`) it
+    holds a place in the queue of prompts waiting for their route. :meth:`extend` encodes
+    more of its new text, on the thread for short work (a start never waits behind long
+    work); :meth:`routed` starts its rest on the workers, if they have room for it."""
 
-    __slots__ = ("_more", "ids", "rest", "tokens")
+    __slots__ = ("_head", "_held", "_k", "_off", "_plan", "_worked", "done", "ids", "rest",
+                 "tokens")
 
-    def __init__(self, ids: list[int], tokens: int, rest: asyncio.Task | None,
-                 more: Callable[[], asyncio.Task]) -> None:
-        self.ids = ids
-        self.tokens = tokens
-        self.rest = rest
-        self._more = more
+    def __init__(self, off: Offload, plan: Plan, head: list[Sequence[int]],
+                 worked: bool) -> None:
+        self._off = off
+        self._plan = plan
+        self._head = head
+        self._k = len(head)
+        self._worked = worked
+        self._held = True
+        #: the task encoding the rest once routed (its whole ids, kept when it ends,
+        #: whoever waits); None: not started (the workers had as many rests as they take)
+        self.rest: asyncio.Task | None = None
+        self.ids: list[int] = []
+        self.tokens = 0
+        self.done = False
+        self._known()
 
-    def whole(self) -> asyncio.Task:
-        """The task giving the whole ids, started now if it was not (then it waits in the
-        queue of prompts waiting for their route: HttpError 429 if that is full)."""
-        if self.rest is None:
-            self.rest = self._more()
+    def _known(self) -> None:
+        plan, head = self._plan, self._head
+        if self._k == len(plan.work):
+            self.ids = self._off.tok.finish(plan, head)
+            self.tokens, self.done = len(self.ids), True
+            return
+        self.ids = plan.start(head)
+        chars = sum(map(len, plan.work[:self._k]))
+        done = sum(map(len, head))
+        # the rest's length at the start's own characters per token
+        left = round((plan.chars - chars) * done / chars) if chars else 0
+        self.tokens = plan.known_tokens() + done + left
+
+    async def extend(self) -> None:
+        """Encode as much new text again as is known (at most :data:`FAST_CHARS`, whole
+        work items), on the thread for short work: the start grows until it settles the
+        route or is the whole prompt (``done``)."""
+        work, k = self._plan.work, self._k
+        step = min(max(sum(map(len, work[:k])), START_CHARS), FAST_CHARS)
+        j, chars = k, 0
+        while j < len(work) and chars < step:
+            chars += len(work[j])
+            j += 1
+        results, worked = await self._off._run(self._plan.sub(k, j))
+        self._worked = self._worked and worked
+        self._head = [*self._head, *results]
+        self._k = j
+        self._known()
+
+    def routed(self) -> asyncio.Task | None:
+        """The prompt is routed: its place among those waiting for a route is given back,
+        and its rest starts on the workers if they have fewer than ``queue`` rests (else it
+        is skipped: the router sheds work for later requests, not requests). The rest's
+        task, or None."""
+        self.release()
+        off = self._off
+        if self.done or off.rests >= off.queue:
+            return None
+        off.rests += 1
+        plan, head, k, tok = self._plan, self._head, self._k, off.tok
+
+        async def rest() -> list[int]:
+            place = _Place(off, False, "rests")  # (given back once its ids are kept)
+            try:
+                results, worked = await off._run(plan.sub(k, len(plan.work)), place)
+                off.offloaded += self._worked and worked
+                return tok.finish(plan, [*head, *results])
+            finally:
+                place.let_go()
+
+        self.rest = asyncio.get_running_loop().create_task(rest())
+        self.rest.add_done_callback(_retrieved)
         return self.rest
+
+    def release(self) -> None:
+        """Give back the place among prompts waiting for a route (once; any path)."""
+        if self._held:
+            self._held = False
+            self._off.pending -= 1
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -191,9 +255,8 @@ class Offload:
     async def encode_start(self, text: str, add_special_tokens: bool = False,
                            shed: bool = True) -> list[int] | Partial:
         """As :meth:`encode`, but a long prompt's new text of more than :data:`START_CHARS`
-        characters comes as a :class:`Partial`: the ids of its start, encoded first, and its
-        whole ids to come (the rest is encoded meanwhile), so the caller can route it as
-        soon as its start says where its cached prefix ends."""
+        characters comes as a :class:`Partial`: the ids of its start, encoded first, so the
+        caller can route it as soon as a start says where its cached prefix ends."""
         tok = self.tok
         plan = tok.plan(text, add_special_tokens)
         work = plan.work
@@ -204,46 +267,17 @@ class Offload:
         if (k >= len(work) or plan.special or not self.threads
                 or plan.chars <= tok.inline_chars):
             return await self._whole(plan, shed)
-        self._admit(shed)
-        eager = self.rests < self.queue  # (else the rest only if a route needs it)
-        self.rests += eager  # (the rest's place, taken now: given back if the start fails)
+        self._admit(shed)  # (held by the Partial until it is routed)
         start = plan.sub(0, k)
         try:
             if start.chars <= tok.inline_chars:  # (cheaper here than handed over)
-                try:
-                    head, worked = tok.run(start), True
-                finally:
-                    self.pending -= 1
+                head, worked = tok.run(start), True
             else:
-                head, worked = await self._run(start, _Place(self, True))
+                head, worked = await self._run(start)
+            return Partial(self, plan, head, worked)
         except BaseException:
-            self.rests -= eager
+            self.pending -= 1
             raise
-
-        async def rest(queue: str) -> list[int]:
-            place = _Place(self, False, queue)  # (given back once its ids are kept)
-            try:
-                results, done = await self._run(plan.sub(k, len(work)), place)
-                self.offloaded += worked and done
-                return tok.finish(plan, [*head, *results])
-            finally:
-                place.let_go()
-
-        def task(queue: str) -> asyncio.Task:
-            t = asyncio.get_running_loop().create_task(rest(queue))
-            t.add_done_callback(_retrieved)
-            return t
-
-        def more() -> asyncio.Task:
-            self._admit(shed)
-            return task("pending")
-
-        ids = plan.start(head)
-        done = sum(map(len, head))
-        # the rest's length at the start's own characters per token
-        left = round((plan.chars - chars) * done / chars) if chars else 0
-        return Partial(ids, plan.known_tokens() + done + left,
-                       task("rests") if eager else None, more)
 
     def _admit(self, shed: bool) -> None:
         """Take a place in the queue, or 429."""

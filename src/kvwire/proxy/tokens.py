@@ -57,7 +57,7 @@ class Tokens:
         request is routed by load only). A full tokenizer queue is a 429, counted as shed
         unless ``shed`` is false (the caller routes the request by load instead). With
         ``start``, a long prompt's new text may come as a :class:`~.offload.Partial` (its
-        start now, the rest being encoded: :meth:`whole` waits for it)."""
+        start now, to route it on)."""
         prompt = req.prompt
         if not chat:
             if isinstance(prompt, list):
@@ -101,18 +101,6 @@ class Tokens:
                             param="messages" if chat else "prompt") from None
         self.observe(time.perf_counter() - t0)
         return toks
-
-    async def whole(self, part: Partial, chat: bool) -> list[int]:
-        """A :class:`~.offload.Partial` prompt's whole ids (its rest encoded, now if it was
-        not being encoded); errors as :meth:`prompt` gives them."""
-        from ..tokenize import TokenizerError
-
-        rest = part.whole()  # (HttpError 429: the queue is full)
-        try:
-            return await asyncio.shield(rest)  # (the rest is kept, whoever waits)
-        except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
-            raise HttpError(400, f"cannot tokenize the request: {e}",
-                            param="messages" if chat else "prompt") from None
 
     async def response(self, body: PassBody) -> Sequence[int]:
         """A ``/v1/responses`` request's token ids, rendered as the chat vLLM makes of it
