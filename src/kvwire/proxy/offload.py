@@ -12,8 +12,8 @@ and counted, rather than waiting behind work that may take seconds.
 A prompt with much new text can be routed on its start (:meth:`Offload.encode_start`): the
 start is encoded first, and longer starts if a route needs them, by a thread of its own that
 short work goes to, so it never waits behind the long rests; the rest then goes on while the
-request is served, in a queue of its own of the same bound. With that queue full, a rest is
-skipped: the router sheds work it does for later requests (the prompt's chunks kept, its
+request is served, in a queue of its own, :data:`RESTS` times as long. With that queue
+full, a rest is skipped: the router sheds work it does for later requests (the prompt's chunks kept, its
 whole predicted), not the requests."""
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ START_CHARS = 4096
 #: Work of at most this many characters (a start, a short prompt's new text) goes to a
 #: thread of its own, not behind the long rests queued for the workers.
 FAST_CHARS = 2 * START_CHARS
+#: A start an engine holds whole grows by as much again, at most this many characters a step
+#: (on the thread for short work: a step holds up the starts behind it).
+GROW_CHARS = 4 * START_CHARS
+#: Rests in hand at most, per place in the queue of prompts waiting for their route: rests
+#: take their time when requests come in a burst, and a skipped one keeps nothing.
+RESTS = 4
 
 
 class Partial:
@@ -112,16 +118,16 @@ class Partial:
         self.tokens = plan.known_tokens() + done + left
 
     async def extend(self) -> None:
-        """Encode as much new text again as is known (at most :data:`FAST_CHARS`, whole
+        """Encode as much new text again as is known (at most :data:`GROW_CHARS`, whole
         work items), on the thread for short work: the start grows until it settles the
         route or is the whole prompt (``done``)."""
         work, k = self._plan.work, self._k
-        step = min(max(sum(map(len, work[:k])), START_CHARS), FAST_CHARS)
+        step = min(max(sum(map(len, work[:k])), START_CHARS), GROW_CHARS)
         j, chars = k, 0
         while j < len(work) and chars < step:
             chars += len(work[j])
             j += 1
-        results, worked = await self._off._run(self._plan.sub(k, j))
+        results, worked = await self._off._run(self._plan.sub(k, j), fast=True)
         self._worked = self._worked and worked
         self._head = [*self._head, *results]
         self._k = j
@@ -129,12 +135,12 @@ class Partial:
 
     def routed(self) -> asyncio.Task | None:
         """The prompt is routed: its place among those waiting for a route is given back,
-        and its rest starts on the workers if they have fewer than ``queue`` rests (else it
-        is skipped: the router sheds work for later requests, not requests). The rest's
-        task, or None."""
+        and its rest starts on the workers if they have fewer than :data:`RESTS` x ``queue``
+        rests (else it is skipped: the router sheds work for later requests, not requests).
+        The rest's task, or None."""
         self.release()
         off = self._off
-        if self.done or off.rests >= off.queue:
+        if self.done or off.rests >= RESTS * off.queue:
             return None
         off.rests += 1
         plan, head, k, tok = self._plan, self._head, self._k, off.tok
@@ -291,14 +297,14 @@ class Offload:
                             type="RateLimitError", headers=((b"retry-after", b"1"),))
         self.pending += 1
 
-    async def _run(self, plan: Plan, place: _Place | None = None
+    async def _run(self, plan: Plan, place: _Place | None = None, fast: bool = False
                    ) -> tuple[list[Sequence[int]], bool]:
         """``plan``'s work encoded by a worker, and True; or, the workers broken, on the
         loop, and False (counted as ``inline``). ``place``, the queue's place it holds, is
         given back once the worker is done and the place let go (:meth:`_Place.let_go`),
         even when the caller is gone before."""
         tok = self.tok
-        pool = self._executor(plan)
+        pool = self._executor(plan, fast)
         try:
             try:
                 if self._elsewhere is not None:
@@ -340,8 +346,9 @@ class Offload:
         self.inline += 1
         return self.tok.run(plan)
 
-    def _executor(self, plan: Plan) -> concurrent.futures.Executor:
-        if self._elsewhere is None and plan.chars <= FAST_CHARS:  # (threads only)
+    def _executor(self, plan: Plan, fast: bool = False) -> concurrent.futures.Executor:
+        """The thread for short work (``fast``: whatever its size), else the workers."""
+        if self._elsewhere is None and (fast or plan.chars <= FAST_CHARS):  # (threads only)
             if self._fast is None:
                 self._fast = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="kvwire-tokenize-start",
