@@ -19,8 +19,9 @@ request instead (the router's accept and connection setup then count too). A req
 the router's (all its threads and any child process, read from the kernel's CPU clock of each
 in ns, where /proc counts 10 ms ticks) from just before it is sent until just before the next
 one, which leaves ``--settle`` after each answer for the work that lags it (its KV events reach
-the ingest thread after the answer), less the router's idle rate (probes, timers: measured
-alone first) over that time. Per group: its p50 and mean, beside the tokenizer library's CPU
+the ingest thread after the answer), and longer until the router is quiet (the rest of a
+prompt routed on its start is tokenized after the answer), less the router's idle rate
+(probes, timers: measured alone first, once the warm-up's work is done) over that time. Per group: its p50 and mean, beside the tokenizer library's CPU
 on the same requests' new text (``tokenizers.Tokenizer.encode`` of a fresh object for Qwen3, a
 fresh ``BuiltinTokenizer().encode`` for builtin; the chat's template render not included),
 and the targets on the p50s: ``seen`` <= 1 ms; ``new`` <= 1.2x the library + 0.3 ms; and, under
@@ -105,11 +106,23 @@ def cpu_clock(pid: int) -> Callable[[], float]:
     return lambda: sum(time.clock_gettime(i) for i in ids)
 
 
+async def quiet(clock: Callable[[], float], window: float, limit: float) -> None:
+    """Until the router spent at most 5% of a core over the last ``window`` s (at most
+    ``limit`` s): work it does after an answer (the rest of a prompt routed on its start,
+    tokenized in the background) counts with the request it is for."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        c0 = clock()
+        await asyncio.sleep(window)
+        if clock() - c0 <= 0.05 * window:
+            return
+
+
 def one_by_one(port: int, bodies: list[bytes], close: bool, clock: Callable[[], float],
                settle: float) -> tuple[list[int], list[tuple[float, float]]]:
     """``bodies`` one at a time; their statuses, and per request (router CPU, wall time)
     from just before it is sent until just before the next one (``settle`` after its
-    answer)."""
+    answer, and longer until the router is quiet)."""
     async def main() -> tuple[list[int], list[tuple[float, float]]]:
         kept = None if close else await asyncio.open_connection("127.0.0.1", port)
         statuses, marks = [], [(clock(), time.perf_counter())]
@@ -119,6 +132,7 @@ def one_by_one(port: int, bodies: list[bytes], close: bool, clock: Callable[[], 
             if close:
                 conn[1].close()
             await asyncio.sleep(settle)
+            await quiet(clock, 0.005, 2.0)
             marks.append((clock(), time.perf_counter()))
         if kept is not None:
             kept[1].close()
@@ -215,12 +229,16 @@ def main() -> None:
             cmd += ["--engine", s]
         router = _start_router(cmd, port, MODEL, os.path.join(logdir, "serve.log"),
                                "kvwire serve")
-        statuses = send(port, [body(w) for w in warm], 8)
+        clock = cpu_clock(router.pid)
+        statuses = []
+        for k in range(0, len(warm), 16):  # (at a pace the router keeps every prompt at:
+            statuses += send(port, [body(w) for w in warm[k:k + 16]], 8)  # a rest it would
+            asyncio.run(quiet(clock, 0.02, 30.0))  # skip in a burst keeps nothing)
         print(f"# warm: {len(warm)} trace requests, statuses {sorted(set(statuses))}; "
               f"tokenizer {a.tokenizer}; connections "
               f"{'closed after each request' if a.close else 'kept open'}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
               flush=True)
-        clock = cpu_clock(router.pid)
+        asyncio.run(quiet(clock, 0.1, 120.0))  # (the warm-up's background work done)
         c0, t0 = clock(), time.perf_counter()
         time.sleep(5)
         idle = (clock() - c0) / (time.perf_counter() - t0)

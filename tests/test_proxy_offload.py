@@ -147,7 +147,7 @@ def test_a_long_new_prompt_is_routed_on_its_start_while_the_rest_is_tokenized(
 
 def test_past_the_rests_bound_a_rest_is_skipped_and_a_held_start_grows(
         make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
-    """With 4 x ``tokenize_queue`` rests in hand, a long prompt routed on its start has its
+    """With ``RESTS`` x ``tokenize_queue`` rests in hand, a long prompt routed on its start has its
     rest skipped (counted): the router sheds work for later requests, not the request. One whose
     start an engine holds whole (sent before as token ids, so the router never tokenized
     its text) is tokenized further, waiting for its route, until its start settles it or

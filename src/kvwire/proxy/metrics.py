@@ -197,7 +197,7 @@ class ProxyMetrics:
             yield start
             skipped = CounterMetricFamily("kvwire_proxy_tokenize_rests_skipped", "Long "
                                           "prompts routed on their start whose rest was not "
-                                          "tokenized: the workers had 4x --tokenize-queue rests")
+                                          "tokenized: the workers had --tokenize-queue rests")
             skipped.add_metric([], p.counts["rests_skipped"])
             yield skipped
             pending = GaugeMetricFamily("kvwire_proxy_tokenize_pending", "Long prompts being "

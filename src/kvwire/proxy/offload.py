@@ -12,7 +12,7 @@ and counted, rather than waiting behind work that may take seconds.
 A prompt with much new text can be routed on its start (:meth:`Offload.encode_start`): the
 start is encoded first, and longer starts if a route needs them, by a thread of its own that
 short work goes to, so it never waits behind the long rests; the rest then goes on while the
-request is served, in a queue of its own, :data:`RESTS` times as long. With that queue
+request is served, in a queue of its own (:data:`RESTS` times as long). With that queue
 full, a rest is skipped: the router sheds work it does for later requests (the prompt's chunks kept, its
 whole predicted), not the requests."""
 
@@ -72,9 +72,11 @@ FAST_CHARS = 2 * START_CHARS
 #: A start an engine holds whole grows by as much again, at most this many characters a step
 #: (on the thread for short work: a step holds up the starts behind it).
 GROW_CHARS = 4 * START_CHARS
-#: Rests in hand at most, per place in the queue of prompts waiting for their route: rests
-#: take their time when requests come in a burst, and a skipped one keeps nothing.
-RESTS = 4
+#: Rests in hand at most, per place in the queue of prompts waiting for their route. More
+#: would keep more text for later requests, at the cost of the requests now: on a 2-core box
+#: overloaded with Qwen3 prompts (bench/routing.py), four per place gave 56 ms of the
+#: router's own time per request in one run, against 8-17 ms with one.
+RESTS = 1
 
 
 class Partial:
