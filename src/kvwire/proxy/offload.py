@@ -72,10 +72,8 @@ FAST_CHARS = 2 * START_CHARS
 #: A start an engine holds whole grows by as much again, at most this many characters a step
 #: (on the thread for short work: a step holds up the starts behind it).
 GROW_CHARS = 4 * START_CHARS
-#: Rests in hand at most, per place in the queue of prompts waiting for their route. More
-#: would keep more text for later requests, at the cost of the requests now: on a 2-core box
-#: overloaded with Qwen3 prompts (bench/routing.py), four per place gave 56 ms of the
-#: router's own time per request in one run, against 8-17 ms with one.
+#: Rests in hand at most, per place in the queue of prompts waiting for their route: more
+#: would keep more text for later requests, and spend more CPU beside the requests now.
 RESTS = 1
 
 
