@@ -20,7 +20,6 @@ from urllib.parse import parse_qs
 from ..http1 import HttpError
 from ..http1.client import Response, UpstreamError
 from ..routing.core import RouteError, RouterCore
-from ..tokenize.errors import TokenizerError
 from .body import NO_BODY, generation, passthrough
 from .decisions import Lifecycle, Outcome, marks_down, should_retry
 from .fleet import Fleet
@@ -29,7 +28,7 @@ from .pairs import Pairs
 from .relay import Relay, answer, openai_error, settle
 from .responses import PREFIX as RESPONSES_PREFIX
 from .responses import addressed
-from .tokens import Tokens
+from .tokens import TOKENIZING_ERRORS, Tokens
 
 if TYPE_CHECKING:
     from ..http1.server import Request
@@ -260,8 +259,7 @@ class Handler:
                     return routed, part.ids
                 try:
                     await part.extend()
-                except (TokenizerError, TypeError, KeyError, AttributeError,
-                        ValueError) as e:  # (as Tokens.prompt answers them)
+                except TOKENIZING_ERRORS as e:  # (as Tokens.prompt answers them)
                     raise HttpError(400, f"cannot tokenize the request: {e}",
                                     param="prompt") from None
         finally:

@@ -122,11 +122,7 @@ class Partial:
         work items), on the thread for short work: the start grows until it settles the
         route or is the whole prompt (``done``)."""
         work, k = self._plan.work, self._k
-        step = min(max(sum(map(len, work[:k])), START_CHARS), GROW_CHARS)
-        j, chars = k, 0
-        while j < len(work) and chars < step:
-            chars += len(work[j])
-            j += 1
+        j = _items(work, k, min(max(sum(map(len, work[:k])), START_CHARS), GROW_CHARS))
         results, worked = await self._off._run(self._plan.sub(k, j), fast=True)
         self._worked = self._worked and worked
         self._head = [*self._head, *results]
@@ -163,6 +159,16 @@ class Partial:
         if self._held:
             self._held = False
             self._off.pending -= 1
+
+
+def _items(work: list[str], k: int, chars: int) -> int:
+    """The end of the work items from ``k`` on that hold at least ``chars`` characters
+    (whole items; all of them if they hold fewer)."""
+    n = 0
+    while k < len(work) and n < chars:
+        n += len(work[k])
+        k += 1
+    return k
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -265,12 +271,8 @@ class Offload:
         caller can route it as soon as a start says where its cached prefix ends."""
         tok = self.tok
         plan = tok.plan(text, add_special_tokens)
-        work = plan.work
-        k, chars = 0, 0
-        while k < len(work) and chars < START_CHARS:
-            chars += len(work[k])
-            k += 1
-        if (k >= len(work) or plan.special or not self.threads
+        k = _items(plan.work, 0, START_CHARS)
+        if (k >= len(plan.work) or plan.special or not self.threads
                 or plan.chars <= tok.inline_chars):
             return await self._whole(plan, shed)
         self._admit(shed)  # (held by the Partial until it is routed)

@@ -15,6 +15,7 @@ import msgspec
 from ..http1 import HttpError
 from ..http1.client import UpstreamError
 from ..tokenize.content import engine_template_kwargs
+from ..tokenize.errors import TokenizerError
 from .body import Body, PassBody
 from .fleet import Fleet
 from .offload import Offload, Partial
@@ -24,6 +25,9 @@ __all__ = ["Tokens"]
 
 _enc = msgspec.json.Encoder()
 _IDS = list[Annotated[int, msgspec.Meta(ge=0)]]
+#: What tokenizing a request's text raises when the text or template cannot be tokenized
+#: (a 400 naming it)
+TOKENIZING_ERRORS = (TokenizerError, TypeError, KeyError, AttributeError, ValueError)
 
 
 def _ids(prompt: list[Any]) -> list[int]:
@@ -79,8 +83,7 @@ class Tokens:
             toks = await self._engine(req, chat, prompt)
             self.observe(time.perf_counter() - t0)
             return toks
-        from ..tokenize import TokenizerError
-
+        encode = self.offload.encode_start if start else self.offload.encode
         try:
             if chat:
                 text = self.tok.render_engine_chat(  # rendered as the engine renders it
@@ -89,14 +92,12 @@ class Tokens:
                     continue_final_message=req.continue_final_message,
                     reasoning_effort=req.reasoning_effort, documents=req.documents,
                     chat_template_kwargs=req.chat_template_kwargs)
-                encode = self.offload.encode_start if start else self.offload.encode
                 toks = await encode(text, False, shed)
             else:
-                encode = self.offload.encode_start if start else self.offload.encode
                 toks = await encode(prompt, req.add_special_tokens, shed)
         except HttpError:
             raise  # the tokenizer's queue is full: 429
-        except (TokenizerError, TypeError, KeyError, AttributeError, ValueError) as e:
+        except TOKENIZING_ERRORS as e:
             raise HttpError(400, f"cannot tokenize the request: {e}",
                             param="messages" if chat else "prompt") from None
         self.observe(time.perf_counter() - t0)

@@ -488,9 +488,7 @@ class RouterCore:
                 return False
             now = self.clock()
             prompt_blocks = len(token_ids) // self.block_size
-            expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
-            amount = request_load(prompt_blocks, routed.overlap, expect,
-                                  self.decode_share) + self.decode_load
+            amount = self._request_load(prompt_blocks, routed.overlap)
             prefill = max(prompt_blocks - routed.overlap, 0.0)
             if self.loads.resize(rid, amount, prefill, now) and self.share is not None:
                 self.share(["r", rid, label, amount, prefill])
@@ -573,7 +571,6 @@ class RouterCore:
                                                          prompt_blocks, now, up, blocks)}
             pd = choose_pair(self.policy, prompt_blocks, [cands[t.label] for t in dec],
                              [cands[t.label] for t in pre], self.pairs, self.prefill_policy)
-            expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
             d = pd.decode
             d_over = d.overlap[d.name]
             decode = prefill = None
@@ -582,8 +579,8 @@ class RouterCore:
                 # (a prefill share only where first tokens are seen to drop it: the proxy)
                 share = 1.0 if proxied else 0.0
                 d_pre = 0.0 if remote else max(prompt_blocks - d_over, 0.0) * share
-                d_amount = request_load(prompt_blocks, prompt_blocks if remote else d_over,
-                                        expect, self.decode_share) + self.decode_load
+                d_amount = self._request_load(prompt_blocks,
+                                              prompt_blocks if remote else d_over)
                 decode = self._reserve_side(d.name, d_amount, d_pre, d_over, now, matches,
                                             token_ids, lora_name, salt, prompt_blocks,
                                             proxied, blocks)
@@ -690,9 +687,7 @@ class RouterCore:
                     prefill = max(prompt_blocks - overlap, 0.0)
                 else:
                     rid = uuid.uuid4().hex
-                expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
-                amount = request_load(prompt_blocks, overlap, expect,
-                                      self.decode_share) + self.decode_load
+                amount = self._request_load(prompt_blocks, overlap)
                 self._reserve(rid, d.name, amount, now, prefill)
                 m = matches.get(target.stream)
                 if proxied:
@@ -711,6 +706,12 @@ class RouterCore:
         if self.on_route is not None:
             self.on_route(d.name, d.overlap[d.name], float(prompt_blocks))
         return d, target, rid, prefill
+
+    def _request_load(self, prompt_blocks: int, credit: float) -> float:
+        """The load a request reserves (under ``lock``): its uncached blocks, its expected
+        decode (the mean output learned so far) and ``decode_load``."""
+        expect = self._out_sum / self._out_n / self.block_size if self._out_n else 0.0
+        return request_load(prompt_blocks, credit, expect, self.decode_share) + self.decode_load
 
     def _settled(self, targets: list[Target], matches: dict[str, Any]) -> bool:
         """Whether a prompt's start settles its match (under ``lock``): on every target
