@@ -280,7 +280,8 @@ def test_a_client_gone_while_its_prompt_is_tokenized_leaves_nothing(
     assert s.proxy.offload.pending + s.proxy.offload.rests == 1
     tok.gate.set()
     wait_for(lambda: s.proxy.offload.pending + s.proxy.offload.rests == 0, "the worker done")
-    assert s.loads() == {}
+    # (routed on its start, it held a reservation at the engine when its client left)
+    wait_for(lambda: s.loads() == {}, "no load held")
 
 
 def test_a_tokenizer_holding_the_gil_runs_in_a_process() -> None:
