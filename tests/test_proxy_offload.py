@@ -23,6 +23,7 @@ from test_proxy import (  # noqa: F401 (fixtures)
     TIMEOUT,
     Stack,
     _scrape,
+    _Stub,
     make_stack,
     serve_proc,
     wait_for,
@@ -30,6 +31,7 @@ from test_proxy import (  # noqa: F401 (fixtures)
 
 from kvwire.engine import EngineConfig, StepCost
 from kvwire.proxy.offload import RESTS, Offload
+from kvwire.routing.policy import RoundRobinPolicy
 from kvwire.tokenize import BuiltinTokenizer
 from kvwire.tokenize.base import Plan
 
@@ -282,6 +284,53 @@ def test_a_client_gone_while_its_prompt_is_tokenized_leaves_nothing(
     wait_for(lambda: s.proxy.offload.pending + s.proxy.offload.rests == 0, "the worker done")
     # (routed on its start, it held a reservation at the engine when its client left)
     wait_for(lambda: s.loads() == {}, "no load held")
+
+
+def test_a_retry_of_a_prompt_routed_on_its_start_is_weighed_whole(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """A long prompt routed on its start whose engine fails (a real 500, from a stand-in
+    engine's HTTP) is retried on the next one with its whole ids: the retry waits for its
+    rest, then reserves the whole prompt there, not its start. (The engine's prefill is
+    made slow, so the reservation is read before its first token drops the prefill.)"""
+    tok = GatedTokenizer()
+    stub = _Stub(500)
+    slow = {**ENGINE, "config": EngineConfig(num_gpu_blocks=8000, block_size=16, cost=StepCost(
+        base_s=2e-3, prefill_token_s=1e-3))}  # ~40 s for LONG
+    try:
+        s = make_stack(2, engine_kw=slow, tokenizer=tok, tokenize_threads=1, urls=None,
+                       policy=RoundRobinPolicy(), cooloff=60.0)
+        s.proxy.links["e1"].set_url(stub.url)  # tried first (round robin): answers 500
+        whole = len(BuiltinTokenizer().encode(LONG, True)) // 16
+
+        def e0() -> float:
+            return sum(v for k, v in s.loads().items() if k.startswith("e0"))
+
+        async def go() -> tuple[float, float]:
+            loop = asyncio.get_running_loop()
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", int(s.url.rsplit(":", 1)[1]))
+            body = json.dumps({"model": "m", "max_tokens": 2, "prompt": LONG}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+                         + body)
+            await writer.drain()
+            await loop.run_in_executor(None, wait_for, lambda: stub.hits == 1,
+                                       "the first engine tried")
+            waiting = e0()  # the retry waits for the rest, at the gate: nothing reserved
+            tok.gate.set()
+            await loop.run_in_executor(None, wait_for, lambda: e0() > 0,
+                                       "the retry reserved on e0")
+            held = e0()
+            writer.close()  # (the client leaves: the engine's 40 s prefill is aborted)
+            return waiting, held
+
+        waiting, held = asyncio.run(go())
+        assert waiting == 0
+        assert held >= whole  # the whole prompt's blocks (its start's are ~1/17 of them)
+        assert _scrape(s.url)["kvwire_proxy_routed_on_start_total", frozenset()] == 1
+        wait_for(lambda: s.loads() == {} and s.proxy.offload.rests == 0, "nothing held")
+    finally:
+        stub.close()
 
 
 def test_a_tokenizer_holding_the_gil_runs_in_a_process() -> None:

@@ -173,6 +173,7 @@ class Handler:
         # a stored response lives on the engine that produced it: what names one goes there
         pin = rid if rid is not None else (body.previous_response_id if creates else None)
         plan: list[str] | None = None  # the engines to try, in order (None: routed)
+        part: Partial | None = None  # a prompt routed on its start (its rest on the way)
         probe = False  # a 404 means "not on this engine": ask the next one
         if pin:
             owner = fleet.owners.get(pin)
@@ -197,9 +198,12 @@ class Handler:
                 ok = {want}
             try:
                 if type(tokens) is Partial:
-                    routed, tokens = await self._route_start(tokens, lora, body.cache_salt,
+                    part = tokens
+                    routed, tokens = await self._route_start(part, lora, body.cache_salt,
                                                              ok)
                 else:
+                    if part is not None:  # a retry: weighed, reserved, predicted whole
+                        tokens, part = await _whole(part, tokens), None
                     routed = self.core.route_proxy(tokens, lora, body.cache_salt,
                                                    ok.__contains__, fleet.up)
             except RouteError as e:
@@ -234,9 +238,9 @@ class Handler:
         """Route a long prompt on its start as soon as a start settles where its cached
         prefix ends, growing the start until one does or it is the whole prompt; its rest,
         tokenized meanwhile, completes the route (prediction and reservation). Returns the
-        route and the tokens to route a retry with (the start: a retry is weighed at its
-        length). RouteError as :meth:`RouterCore.route_proxy` raises it, or 400 if more of
-        the text cannot be tokenized."""
+        route and the ids known (a retry takes the whole ids from the rest: :func:`_whole`).
+        RouteError as :meth:`RouterCore.route_proxy` raises it, or 400 if more of the text
+        cannot be tokenized."""
         core, up, counts = self.core, self.fleet.up, self.fleet.counts
         try:
             while not part.done:
@@ -352,6 +356,19 @@ class Handler:
                     resp.close()  # unfinished: the connection closes and the engine aborts
             if first and sent_at:
                 self.overhead.observe(sent_at[0] - req.t0)
+
+
+async def _whole(part: Partial, known: Any) -> Any:
+    """The whole ids of a prompt routed on its start, for a retry on another engine: its
+    rest's, once done (the first engine failed: a retry is rare and waits), so the retry is
+    weighed and reserved at its true length and predicted whole there; ``known`` if the rest
+    was skipped or failed (counted where it ended)."""
+    if part.rest is None:
+        return known
+    try:
+        return await asyncio.shield(part.rest)  # (a client gone leaves the rest to finish)
+    except Exception:  # noqa: BLE001 (a rest that failed is counted by its callback)
+        return known
 
 
 def _stream_query(query: bytes) -> bool:
