@@ -333,6 +333,36 @@ def test_a_retry_of_a_prompt_routed_on_its_start_is_weighed_whole(
         stub.close()
 
 
+class _FailingRest(GatedTokenizer):
+    """Its worker fails on work of more than ``over`` characters: the rest of a prompt
+    whose start was encoded. A stand-in for a fault no real input was found to cause (a
+    text the library encodes in part but not whole)."""
+
+    def run(self, plan: Plan) -> list[Sequence[int]]:
+        if threading.current_thread().name.startswith("kvwire-tokenize_") \
+                and plan.chars > self.over:
+            raise ValueError("no encoding for this text")
+        return super().run(plan)
+
+
+def test_a_rest_that_fails_is_counted_and_its_request_answered(
+        make_stack: Callable[..., Stack]) -> None:  # noqa: F811 (the fixture)
+    """A long prompt routed on its start whose rest cannot be tokenized is still answered
+    (it was sent on its start), the failure is counted in /metrics, and nothing stays
+    held: no rest in hand, no load once it ends."""
+    tok = _FailingRest(over=2 * 4096)
+    tok.gate.set()
+    s = make_stack(2, engine_kw=ENGINE, tokenizer=tok, tokenize_threads=1)
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    wait_for(lambda: s.proxy.offload.rests == 0, "the rest ended")
+    m = _scrape(s.url)
+    assert m["kvwire_proxy_routed_on_start_total", frozenset()] == 1
+    assert m["kvwire_proxy_tokenize_rest_failures_total", frozenset()] == 1
+    wait_for(lambda: s.loads() == {}, "no load held")
+
+
 def test_a_tokenizer_holding_the_gil_runs_in_a_process() -> None:
     """The builtin tokenizer without its C encoder holds the GIL: long new text goes to a
     worker process (a real one), with the same ids; a short text stays on the loop."""

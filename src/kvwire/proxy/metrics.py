@@ -200,6 +200,11 @@ class ProxyMetrics:
                                           "tokenized: the workers had --tokenize-queue rests")
             skipped.add_metric([], p.counts["rests_skipped"])
             yield skipped
+            failed = CounterMetricFamily("kvwire_proxy_tokenize_rest_failures", "Long "
+                                         "prompts routed on their start whose rest could not "
+                                         "be tokenized: predicted and reserved on the start")
+            failed.add_metric([], p.counts["start_rest_failures"])
+            yield failed
             pending = GaugeMetricFamily("kvwire_proxy_tokenize_pending", "Long prompts being "
                                         "encoded by the workers now, waiting included")
             pending.add_metric([], o.pending)
