@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
+from host import Steal  # noqa: E402
 from proxy import PY, _kill, _start_router, free_port, tree_pids  # noqa: E402
 from routing import (  # noqa: E402
     MODEL,
@@ -243,12 +244,13 @@ def main() -> None:
         time.sleep(5)
         idle = (clock() - c0) / (time.perf_counter() - t0)
         rows = {}
+        steal = Steal()
         for name, bodies in (("seen", seen), ("new", new), ("seen, as ids", seen_ids),
                              ("new, as ids", new_ids)):
             st, per = one_by_one(port, bodies, a.close, clock, a.settle)
             rows[name] = (len(bodies), sorted(set(st)), [c - idle * w for c, w in per])
         print(f"# the router's idle CPU: {idle * 1e3:.1f} ms/s (subtracted); "
-              f"{a.settle * 1e3:.0f} ms after each answer counted with it")
+              f"{a.settle * 1e3:.0f} ms after each answer counted with it; {steal}")
         print("\n| group | requests | statuses | router CPU per request: p50 / mean | library "
               "CPU on the new text: p50 / mean | target on the p50 | |")
         print("|---|---:|---|---:|---:|---:|---|")

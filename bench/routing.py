@@ -62,6 +62,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from host import Steal  # noqa: E402
 from proxy import PY, _kill, free_port, tree_cpu  # noqa: E402
 from proxy import _start_router as start_router  # noqa: E402
 
@@ -357,9 +358,11 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
         cpu0 = time.process_time()
         rcpu0, fcpu0 = sum(tree_cpu(p.pid) for p in routers), tree_cpu(fleet.pid)
         t0 = time.monotonic()
+        steal = Steal()
         path = "/v1/chat/completions" if a.chat else "/v1/completions"
         recs = asyncio.run(replay([f"http://127.0.0.1:{p}{path}" for p in ports], plan))
         wall = time.monotonic() - t0
+        stolen = steal.percent()
         rcpu = sum(tree_cpu(p.pid) for p in routers) - rcpu0
         fcpu = tree_cpu(fleet.pid) - fcpu0
         after = {u: engine_metrics(u) for u in urls}
@@ -388,7 +391,7 @@ def run_condition(name: str, a: argparse.Namespace, plan: list[tuple[float, byte
             "lag_p99": pct([r["lag"] for r in recs], 0.99), "wall": wall, "proxy": proxy,
             "client_cpu": time.process_time() - cpu0, "router_cpu": rcpu, "engines_cpu": fcpu,
             "router_cpu_per_request": rcpu / max(1, len(recs)),
-            "loadavg": os.getloadavg()[0]}
+            "loadavg": os.getloadavg()[0], "steal": stolen}
 
 
 def start_nats(log: str) -> tuple[subprocess.Popen, str, str]:
@@ -550,7 +553,8 @@ def run(a: argparse.Namespace, tok: Any) -> None:
         print(f"# {name}: ok {r['ok']} failed {r['failed']} {r['errors']} wall {r['wall']:.0f} s, "
               f"send lag p99 {r['lag_p99'] * 1e3:.0f} ms, CPU s: router {r['router_cpu']:.0f}, "
               f"engines {r['engines_cpu']:.0f}, client {r['client_cpu']:.0f}; load average "
-              f"{r['loadavg']:.1f} at the end", flush=True)
+              f"{r['loadavg']:.1f} at the end, host steal {r['steal']} of CPU time",
+              flush=True)
         if r["proxy"]:
             px = r["proxy"]
             print(f"#   kvwire serve's own time per request: {px['overhead_mean'] * 1e3:.1f} ms "

@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
+from host import Steal  # noqa: E402
 from proxy import (  # noqa: E402
     PY,
     _kill,
@@ -215,7 +216,9 @@ def main() -> None:
             cpu0 = tree_cpu(router.pid)
             lag0 = loop_lag(port)
             t0 = time.perf_counter()
+            steal = Steal()
             r = run_load(target, shorts, a.short_rate, longs if with_long else [], a.long_rate)
+            r["steal"] = steal.percent()
             r["cpu"] = tree_cpu(router.pid) - cpu0
             r["lag"] = lag_summary(lag0, loop_lag(port)) if target == port else "-"
             r["wall"] = time.perf_counter() - t0
@@ -223,7 +226,7 @@ def main() -> None:
             rows.append(r)
             print(f"# {name}: {len(r['ttft'])} short answered, long {r['long']}, errors "
                   f"{r['errors']} {r['error']}; router CPU {r['cpu']:.1f} s over "
-                  f"{r['wall']:.0f} s", flush=True)
+                  f"{r['wall']:.0f} s; host steal {r['steal']} of CPU time", flush=True)
         base50, base99 = (_pct(rows[0]["ttft"], q) * 1e3 for q in (50, 99))
         print("\n| condition | short TTFT p50 ms | p99 ms | added p50 ms | added p99 ms | "
               "long answered / 429 | router loop lag p99 |")
