@@ -132,6 +132,23 @@ def test_requests_follow_the_cache(mode) -> None:
     until(lambda: _idle(epp), "no load left", 10)
 
 
+def test_a_long_new_prompt_is_picked_on_its_start(mode) -> None:
+    """A never-seen prompt with ~23k characters of new text is picked on its start (the
+    picker's counter), its rest tokenized while the engine works; answered whole, and
+    asked again it goes where the first went, which holds it (the engine's usage)."""
+    envoy, epp = mode
+    c = _client(envoy)
+    prompt = f"report {envoy.port}: " + " ".join(f"r{envoy.port}y{j}" for j in range(3000))
+    started = epp.metric("kvwire_proxy_routed_on_start_total")
+    first = c.completions.create(model="kvwire-engine", prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens > 10_000
+    assert epp.metric("kvwire_proxy_routed_on_start_total") == started + 1
+    again = c.completions.create(model="kvwire-engine", prompt=prompt, max_tokens=1)
+    u = again.usage
+    assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 2, u
+    until(lambda: _idle(epp), "no load left", 10)
+
+
 def test_unparseable_body_is_400_in_openai_s_shape(mode) -> None:
     envoy, epp = mode
     r = httpx.post(envoy.url + "/v1/chat/completions", content=b"{not json",

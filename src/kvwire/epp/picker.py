@@ -3,7 +3,8 @@ body's routing fields and prompt tokens (the proxy's :mod:`~kvwire.proxy.body` a
 :class:`~kvwire.proxy.tokens.Tokens`), the engines the proxy's
 :class:`~kvwire.proxy.fleet.Fleet` says are usable (health probes, breakers, models), and
 :meth:`RouterCore.route_proxy <kvwire.routing.core.RouterCore.route_proxy>` among them,
-which reserves the request's load. The reservation then follows the answer through Envoy:
+which reserves the request's load (a long prompt with much new text is picked on its start,
+:mod:`~kvwire.proxy.start`, its rest tokenized while the engine works). The reservation then follows the answer through Envoy:
 :meth:`Picker.first_byte` drops its prefill share, :meth:`Picker.end` releases it, on every
 path (an answer that ends, fails, or a stream that Envoy resets).
 
@@ -21,6 +22,8 @@ from ..proxy.body import generation, passthrough
 from ..proxy.decisions import Lifecycle
 from ..proxy.fleet import Fleet, Link
 from ..proxy.handler import PASS, PATHS
+from ..proxy.offload import Partial
+from ..proxy.start import route_on_start
 from ..proxy.tokens import Tokens
 from ..routing.core import RouterCore
 from .machine import Ask
@@ -114,7 +117,7 @@ class Picker:
             body = generation(ask.body, chat)
             model, salt = body.model, body.cache_salt
             self._check_model(model)
-            tokens = await self.tokens.prompt(body, chat)
+            tokens = await self.tokens.prompt(body, chat, start=True)
         elif ask.body is not None and ask.method == "POST" and path.encode() in PASS:
             pbody = passthrough(ask.body)
             model, salt = pbody.model, pbody.cache_salt
@@ -132,7 +135,12 @@ class Picker:
             raise HttpError(503, "no engine is available (all down)", type="ServiceUnavailable")
         known = fleet.known_models()
         lora = model if model is not None and known.get(model) else None
-        routed = self.core.route_proxy(tokens, lora, salt, usable.__contains__, fleet.up)
+        if type(tokens) is Partial:  # a long prompt: picked on its start
+            routed, _ = await route_on_start(self.core, fleet.counts, tokens, lora, salt,
+                                             usable.__contains__, fleet.up)
+        else:
+            routed = self.core.route_proxy(tokens, lora, salt, usable.__contains__,
+                                           fleet.up)
         name = routed.engine
         fleet.sending(name)
         return Ticket(name, self.endpoint(fleet.links[name]),

@@ -28,7 +28,8 @@ from .pairs import Pairs
 from .relay import Relay, answer, openai_error, settle
 from .responses import PREFIX as RESPONSES_PREFIX
 from .responses import addressed
-from .tokens import TOKENIZING_ERRORS, Tokens
+from .start import route_on_start, whole_ids
+from .tokens import Tokens
 
 if TYPE_CHECKING:
     from ..http1.server import Request
@@ -199,11 +200,12 @@ class Handler:
             try:
                 if type(tokens) is Partial:
                     part = tokens
-                    routed, tokens = await self._route_start(part, lora, body.cache_salt,
-                                                             ok)
+                    routed, tokens = await route_on_start(
+                        self.core, fleet.counts, part, lora, body.cache_salt,
+                        ok.__contains__, fleet.up)
                 else:
                     if part is not None:  # a retry: weighed, reserved, predicted whole
-                        tokens, part = await _whole(part, tokens), None
+                        tokens, part = await whole_ids(part, tokens), None
                     routed = self.core.route_proxy(tokens, lora, body.cache_salt,
                                                    ok.__contains__, fleet.up)
             except RouteError as e:
@@ -232,43 +234,6 @@ class Handler:
         status, payload = last or (502, openai_error(502, "no engine answered", "BadGateway"))
         fleet.requests[last_engine, status] += 1
         req.respond(status, payload)
-
-    async def _route_start(self, part: Partial, lora: str | None, salt: str | None,
-                           ok: set[str]) -> tuple[Any, Any]:
-        """Route a long prompt on its start as soon as a start settles where its cached
-        prefix ends, growing the start until one does or it is the whole prompt; its rest,
-        tokenized meanwhile, completes the route (prediction and reservation). Returns the
-        route and the ids known (a retry takes the whole ids from the rest: :func:`_whole`).
-        RouteError as :meth:`RouterCore.route_proxy` raises it, or 400 if more of the text
-        cannot be tokenized."""
-        core, up, counts = self.core, self.fleet.up, self.fleet.counts
-        try:
-            while not part.done:
-                routed = core.route_proxy(part.ids, lora, salt, ok.__contains__, up,
-                                          total=part.tokens)
-                if routed is not None:
-                    counts["routed_on_start"] += 1
-                    rest = part.routed()
-                    if rest is None:  # (the workers had as many rests as they take)
-                        counts["rests_skipped"] += 1
-                        return routed, part.ids
-
-                    def complete(t: asyncio.Task, routed: Any = routed) -> None:
-                        if t.cancelled() or t.exception() is not None:
-                            counts["start_rest_failures"] += 1
-                        else:
-                            core.complete(routed, t.result(), lora, salt)
-
-                    rest.add_done_callback(complete)
-                    return routed, part.ids
-                try:
-                    await part.extend()
-                except TOKENIZING_ERRORS as e:  # (as Tokens.prompt answers them)
-                    raise HttpError(400, f"cannot tokenize the request: {e}",
-                                    param="prompt") from None
-        finally:
-            part.release()
-        return core.route_proxy(part.ids, lora, salt, ok.__contains__, up), part.ids
 
     async def attempt(self, req: Request, routed: Any, headers: list, stream: bool,
                        first: bool, loop: asyncio.AbstractEventLoop, *, probe: bool = False,
@@ -356,19 +321,6 @@ class Handler:
                     resp.close()  # unfinished: the connection closes and the engine aborts
             if first and sent_at:
                 self.overhead.observe(sent_at[0] - req.t0)
-
-
-async def _whole(part: Partial, known: Any) -> Any:
-    """The whole ids of a prompt routed on its start, for a retry on another engine: its
-    rest's, once done (the first engine failed: a retry is rare and waits), so the retry is
-    weighed and reserved at its true length and predicted whole there; ``known`` if the rest
-    was skipped or failed (counted where it ended)."""
-    if part.rest is None:
-        return known
-    try:
-        return await asyncio.shield(part.rest)  # (a client gone leaves the rest to finish)
-    except Exception:  # noqa: BLE001 (a rest that failed is counted by its callback)
-        return known
 
 
 def _stream_query(query: bytes) -> bool:
