@@ -964,10 +964,12 @@ def test_bad_input_gets_openai_errors(make_stack: Callable[..., Stack]) -> None:
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
             assert err["param"] == param, (body[:60], err)
-        for ids in ([1, -1], [1, True], [1, 2.0], [[1, -2]]):  # refused here, not by the engine
-            r = c.post("/v1/completions", json={"prompt": ids})
+        for ids in ([1, -1], [1, True], [1, 2.0], [[1, -2]], [1, 1 << 32]):  # refused here,
+            r = c.post("/v1/completions", json={"prompt": ids})  # not by the engine
             assert r.status_code == 400, r.text
-            assert "token ids must be integers >= 0" in r.json()["error"]["message"], r.text
+            assert "x-kvwire-engine" not in r.headers
+            assert "token ids must be integers from 0 to 2^32 - 1" in \
+                r.json()["error"]["message"], r.text
         assert c.get("/v1/completions").status_code == 405
     assert s.loads() == {}
 

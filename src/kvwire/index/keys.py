@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from xxhash import xxh3_64_intdigest
@@ -31,7 +31,7 @@ from xxhash import xxh3_64_intdigest
 from ..wire.rfc1527 import STANDARD_SEED, standard_seed
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "add_bits", "bits64", "block_keys",
+    "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "TokenId", "add_bits", "bits64", "block_keys",
     "chain_start", "chain_tokens", "insert_new", "pred_add", "pred_expire", "root_seed",
     "scan_tokens", "standard_fold",
     "token_bytes",
@@ -39,6 +39,10 @@ __all__ = [
 
 #: The key schemes, the default first.
 SCHEMES = ("standard", "kvwire")
+
+#: A token id as a request carries one (the proxy's prompts, /route, the indexer API): a
+#: vocabulary index, non-negative and below 2^32, as the standard scheme hashes it (uint32).
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 
 #: Seed of the first block when there is neither a LoRA name nor a salt.
 ROOT_SEED = 0

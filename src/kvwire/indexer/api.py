@@ -17,6 +17,7 @@ from urllib.parse import parse_qs
 import msgspec
 
 from ..http1 import HttpError
+from ..index.keys import TokenId
 from ..state_file import write_atomically
 from ..wire.rfc1527 import standard_sequence_hashes
 
@@ -33,7 +34,6 @@ MEDIA = ("GPU", "CPU", "DISK")
 TYPES = {"vllm": "vLLM", "sglang": "SGLang", "mooncake": "Mooncake"}
 DEFAULT_TENANT = "default"
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
 from ..http1 import HttpError
 from ..http1.client import UpstreamError
+from ..index.keys import TokenId
 from ..tokenize.content import engine_template_kwargs
 from ..tokenize.errors import TokenizerError
 from .body import Body, PassBody
@@ -24,7 +25,7 @@ from .responses import chat_request
 __all__ = ["Tokens"]
 
 _enc = msgspec.json.Encoder()
-_IDS = list[Annotated[int, msgspec.Meta(ge=0)]]
+_IDS = list[TokenId]
 #: What tokenizing a request's text raises when the text or template cannot be tokenized
 #: (a 400 naming it)
 TOKENIZING_ERRORS = (TokenizerError, TypeError, KeyError, AttributeError, ValueError)
@@ -36,7 +37,7 @@ def _ids(prompt: list[Any]) -> list[int]:
     try:
         return msgspec.convert(prompt, _IDS)
     except msgspec.ValidationError as e:
-        raise HttpError(400, f"`prompt` token ids must be integers >= 0: {e}",
+        raise HttpError(400, f"`prompt` token ids must be integers from 0 to 2^32 - 1: {e}",
                         param="prompt") from None
 
 

@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from ..http1 import HttpError
 from ..http1.server import Request, Routes, Server
 from ..http1.server import serve_in_thread as _serve_in_thread
+from ..index.keys import TokenId
 from ..indexer.indexer import INDEXER_PATHS, Indexer
 from ..routing.core import RouterCore
 from ..routing.tokens import parse_route_body
@@ -33,8 +34,6 @@ from .status.page import STATUS_HTML
 
 __all__ = ["RouterApp", "build_app", "serve_in_thread"]
 
-#: Token ids are vocabulary indices: non-negative and below 2^32.
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 _Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
