@@ -3,10 +3,11 @@ body's routing fields and prompt tokens (the proxy's :mod:`~kvwire.proxy.body` a
 :class:`~kvwire.proxy.tokens.Tokens`), the engines the proxy's
 :class:`~kvwire.proxy.fleet.Fleet` says are usable (health probes, breakers, models), and
 :meth:`RouterCore.route_proxy <kvwire.routing.core.RouterCore.route_proxy>` among them,
-which reserves the request's load (a long prompt with much new text is picked on its start,
-:mod:`~kvwire.proxy.start`, its rest tokenized while the engine works). The reservation then follows the answer through Envoy:
-:meth:`Picker.first_byte` drops its prefill share, :meth:`Picker.end` releases it, on every
-path (an answer that ends, fails, or a stream that Envoy resets).
+which reserves the request's load (a long prompt with much new text is picked on its
+start, :mod:`~kvwire.proxy.start`, its rest tokenized while the engine works). The
+reservation then follows the answer through Envoy: :meth:`Picker.first_byte` drops its
+prefill share, :meth:`Picker.end` releases it, on every path (an answer that ends, fails,
+or a stream that Envoy resets).
 
 Everything runs on the serving event loop (the fleet's counters are that loop's)."""
 
@@ -116,12 +117,12 @@ class Picker:
         if ask.body is not None and ask.method == "POST" and chat is not None:
             body = generation(ask.body, chat)
             model, salt = body.model, body.cache_salt
-            self._check_model(model)
+            self.fleet.check_model(model)
             tokens = await self.tokens.prompt(body, chat, start=True)
         elif ask.body is not None and ask.method == "POST" and path.encode() in PASS:
             pbody = passthrough(ask.body)
             model, salt = pbody.model, pbody.cache_salt
-            self._check_model(model)
+            self.fleet.check_model(model)
             if path == _RESPONSES and not pbody.previous_response_id:
                 tokens = await self.tokens.response(pbody)
         usable = fleet.usable(model, set())
@@ -145,13 +146,6 @@ class Picker:
         fleet.sending(name)
         return Ticket(name, self.endpoint(fleet.links[name]),
                       Lifecycle(routed.request_id, routed.prefill))
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None:
-            known = self.fleet.known_models()
-            if known and model not in known:
-                raise HttpError(404, f"The model `{model}` does not exist.", param="model",
-                                type="NotFoundError")
 
     # ------------------------------------------------------------------ the answer
 

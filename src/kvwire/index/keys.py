@@ -31,10 +31,9 @@ from xxhash import xxh3_64_intdigest
 from ..wire.rfc1527 import STANDARD_SEED, standard_seed
 
 __all__ = [
-    "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "TokenId", "add_bits", "bits64", "block_keys",
-    "chain_start", "chain_tokens", "insert_new", "pred_add", "pred_expire", "root_seed",
-    "scan_tokens", "standard_fold",
-    "token_bytes",
+    "NATIVE", "ROOT_SEED", "SCHEMES", "KeyMap", "Lanes", "TokenId", "add_bits", "bits64",
+    "block_keys", "chain_start", "chain_tokens", "insert_new", "pred_add", "pred_expire",
+    "root_seed", "scan_tokens", "standard_fold", "token_bytes",
 ]
 
 #: The key schemes, the default first.

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from ..consume.engine_spec import EngineSpec
+from ..http1 import HttpError
 from ..http1.client import Pool
 from .decisions import Breaker
 from .metrics import ProxyMetrics
@@ -225,6 +226,14 @@ class Fleet:
                 out.setdefault(m["id"], m.get("parent"))
         self._known, self._known_gen = out, gen
         return out
+
+    def check_model(self, model: str | None) -> None:
+        """404 (OpenAI's shape) for a ``model`` no engine serves, once engines listed any."""
+        if model is not None:
+            known = self.known_models()
+            if known and model not in known:
+                raise HttpError(404, f"The model `{model}` does not exist.", param="model",
+                                type="NotFoundError")
 
     def models_json(self) -> bytes:
         """``GET /v1/models``'s answer: every engine's models, each id once."""

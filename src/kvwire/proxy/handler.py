@@ -127,13 +127,6 @@ class Handler:
         self.fleet.requests["none", e.status] += 1
         req.respond(e.status, e.openai(), e.headers)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None:
-            known = self.fleet.known_models()
-            if known and model not in known:
-                raise HttpError(404, f"The model `{model}` does not exist.", param="model",
-                                type="NotFoundError")
-
     async def _serve(self, req: Request, chat: bool | None,
                      loop: asyncio.AbstractEventLoop, rid: str | None = None) -> None:
         """``chat``: True for chat, False for completions, None for a :data:`PASS` path or,
@@ -147,12 +140,12 @@ class Handler:
                 tokens: Any = ()
             elif chat is None:
                 body = passthrough(req.body)
-                self._check_model(body.model)
+                self.fleet.check_model(body.model)
                 tokens = (await self.tokens.response(body)
                           if creates and not body.previous_response_id else ())
             else:
                 body = generation(req.body, chat)
-                self._check_model(body.model)
+                self.fleet.check_model(body.model)
                 # (a pair's prefill side is chosen by the whole prompt: no routing on its start)
                 tokens = await self.tokens.prompt(body, chat, start=not self.pairs.active)
         except HttpError as e:

@@ -13,8 +13,8 @@ A prompt with much new text can be routed on its start (:meth:`Offload.encode_st
 start is encoded first, and longer starts if a route needs them, by a thread of its own that
 short work goes to, so it never waits behind the long rests; the rest then goes on while the
 request is served, in a queue of its own (:data:`RESTS` times as long). With that queue
-full, a rest is skipped: the router sheds work it does for later requests (the prompt's chunks kept, its
-whole predicted), not the requests."""
+full, a rest is skipped: the router sheds work it does for later requests (a skipped rest
+keeps no chunks, and only its start is predicted), not the requests."""
 
 from __future__ import annotations
 
