@@ -76,8 +76,9 @@ def test_native_send_keeps_the_gil(pair) -> None:
     finally:
         stop.set()
         th.join()
-    # A GIL release per frame would cost about a switch interval (5 ms) each: >= 1 s here.
-    assert took < 0.5, took
+    # A GIL release per frame would cost a switch interval (5 ms) each, as the spinning
+    # thread keeps the GIL until forced: ~10 s here. Kept well clear of a busy host's time.
+    assert took < 2.0, took
 
 
 @pytest.fixture(params=["c", "python"])

@@ -84,7 +84,7 @@ def test_a_time_out_returns_on_time_although_the_work_swallows_its_cancel() -> N
 
     returned, took, log, cancelled = _run(main)
     assert returned, "bounded() did not return: it waited on the abandoned work"
-    assert took < 1.0, took
+    assert took < 4.0, took  # (at 0.2 s on an idle host; the guard above gives up at 5 s)
     assert log == ["cancel"] * 3  # two swallowed, the third ended it
     assert cancelled
 
