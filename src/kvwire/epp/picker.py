@@ -92,11 +92,6 @@ class Picker:
             self.end(ticket, None)
         self.fleet.ended()
 
-    def refused(self, e: HttpError) -> None:
-        """A request answered ``e`` by the picker itself (never sent to an engine)."""
-        self.fleet.counts["tokenize_shed" if e.status == 429 else "bad_requests"] += 1
-        self.fleet.requests["none", e.status] += 1
-
     # ------------------------------------------------------------------ the pick
 
     def endpoint(self, link: Link) -> str:

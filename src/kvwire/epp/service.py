@@ -123,7 +123,7 @@ class Service:
                     try:
                         ticket = await picker.pick(step.ask)
                     except HttpError as e:
-                        picker.refused(e)
+                        picker.fleet.refused(e)
                         for a in stream.refuse(e.status, e.openai(), _str_headers(e)):
                             sent += 1
                             yield encode(a)

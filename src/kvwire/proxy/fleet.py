@@ -235,6 +235,12 @@ class Fleet:
                 raise HttpError(404, f"The model `{model}` does not exist.", param="model",
                                 type="NotFoundError")
 
+    def refused(self, e: HttpError) -> None:
+        """Count a request answered ``e`` by the router itself, never sent to an engine: a
+        429 is the tokenizer's full queue (proxy/offload.py), not the client's fault."""
+        self.counts["tokenize_shed" if e.status == 429 else "bad_requests"] += 1
+        self.requests["none", e.status] += 1
+
     def models_json(self) -> bytes:
         """``GET /v1/models``'s answer: every engine's models, each id once."""
         seen: dict[str, dict[str, Any]] = {}

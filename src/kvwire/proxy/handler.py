@@ -122,9 +122,7 @@ class Handler:
         req.on_close = gone
 
     def _bad(self, req: Request, e: HttpError) -> None:
-        # a 429 here is the tokenizer's full queue (proxy/offload.py), not the client's fault
-        self.fleet.counts["tokenize_shed" if e.status == 429 else "bad_requests"] += 1
-        self.fleet.requests["none", e.status] += 1
+        self.fleet.refused(e)
         req.respond(e.status, e.openai(), e.headers)
 
     async def _serve(self, req: Request, chat: bool | None,

@@ -12,7 +12,8 @@ and counted, rather than waiting behind work that may take seconds.
 A prompt with much new text can be routed on its start (:meth:`Offload.encode_start`): the
 start is encoded first, and longer starts if a route needs them, by a thread of its own that
 short work goes to, so it never waits behind the long rests; the rest then goes on while the
-request is served, in a queue of its own (:data:`RESTS` times as long). With that queue
+request is served, in a queue of its own, as long (more rests in hand would keep more text
+for later requests, and spend more CPU beside the requests now). With that queue
 full, a rest is skipped: the router sheds work it does for later requests (a skipped rest
 keeps no chunks, and only its start is predicted), not the requests."""
 
@@ -72,9 +73,6 @@ FAST_CHARS = 2 * START_CHARS
 #: A start an engine holds whole grows by as much again, at most this many characters a step
 #: (on the thread for short work: a step holds up the starts behind it).
 GROW_CHARS = 4 * START_CHARS
-#: Rests in hand at most, per place in the queue of prompts waiting for their route: more
-#: would keep more text for later requests, and spend more CPU beside the requests now.
-RESTS = 1
 
 
 class Partial:
@@ -131,12 +129,11 @@ class Partial:
 
     def routed(self) -> asyncio.Task | None:
         """The prompt is routed: its place among those waiting for a route is given back,
-        and its rest starts on the workers if they have fewer than :data:`RESTS` x ``queue``
-        rests (else it is skipped: the router sheds work for later requests, not requests).
+        and its rest starts on the workers if they have fewer than ``queue`` rests (else it is skipped: the router sheds work for later requests, not requests).
         The rest's task, or None."""
         self.release()
         off = self._off
-        if self.done or off.rests >= RESTS * off.queue:
+        if self.done or off.rests >= off.queue:
             return None
         off.rests += 1
         plan, head, k, tok = self._plan, self._head, self._k, off.tok
