@@ -150,7 +150,11 @@ def test_a_long_new_prompt_is_picked_on_its_start(mode) -> None:
 
 
 def test_unparseable_body_is_400_in_openai_s_shape(mode) -> None:
+    """Refused by the picker itself, in OpenAI's shape, and counted as the proxy counts its
+    own refusals (engine "none")."""
     envoy, epp = mode
+    mine = 'kvwire_proxy_requests_total{engine="none",status="%d"}'
+    before = {st: epp.metric(mine % st) for st in (400, 404)}
     r = httpx.post(envoy.url + "/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
@@ -160,6 +164,9 @@ def test_unparseable_body_is_400_in_openai_s_shape(mode) -> None:
         _client(envoy).chat.completions.create(model="kvwire-engine", messages=None)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _client(envoy).completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    # (the openai client retries nothing 4xx: one request each)
+    assert epp.metric(mine % 400) == before[400] + 2
+    assert epp.metric(mine % 404) == before[404] + 1
     until(lambda: _idle(epp), "no load left", 10)
 
 
