@@ -129,8 +129,9 @@ class Partial:
 
     def routed(self) -> asyncio.Task | None:
         """The prompt is routed: its place among those waiting for a route is given back,
-        and its rest starts on the workers if they have fewer than ``queue`` rests (else it is skipped: the router sheds work for later requests, not requests).
-        The rest's task, or None."""
+        and its rest starts on the workers if they have fewer than ``queue`` rests (else it
+        is skipped: the router sheds work for later requests, not requests). The rest's
+        task, or None."""
         self.release()
         off = self._off
         if self.done or off.rests >= off.queue:
