@@ -74,14 +74,6 @@ class Picker:
         cap = self.max_in_flight
         return bool(cap) and self.fleet.active >= cap
 
-    def overloaded(self) -> HttpError:
-        fleet = self.fleet
-        fleet.counts["overloaded"] += 1
-        fleet.requests["none", 429] += 1
-        return HttpError(429, f"kvwire epp has {fleet.active} requests in flight, its limit "
-                         "(--max-in-flight); retry later", type="RateLimitError",
-                         headers=((b"retry-after", b"1"),))
-
     def began(self) -> None:
         """A request arrived (its stream's first message): one more active."""
         self.fleet.began()

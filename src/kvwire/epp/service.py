@@ -96,7 +96,7 @@ class Service:
                     if m is not None:
                         stream.configure(*m)
                     if picker.full():  # refused whole, before any work: the client retries
-                        e = picker.overloaded()
+                        e = picker.fleet.overloaded("kvwire epp")
                         for a in stream.refuse(e.status, e.openai(), _str_headers(e)):
                             sent += 1
                             yield encode(a)

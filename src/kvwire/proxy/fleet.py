@@ -241,6 +241,15 @@ class Fleet:
         self.counts["tokenize_shed" if e.status == 429 else "bad_requests"] += 1
         self.requests["none", e.status] += 1
 
+    def overloaded(self, router: str) -> HttpError:
+        """Count a request refused whole at ``--max-in-flight``, before any work, and the
+        429 that tells the client to retry; ``router`` names the command in its message."""
+        self.counts["overloaded"] += 1
+        self.requests["none", 429] += 1
+        return HttpError(429, f"{router} has {self.active} requests in flight, its limit "
+                         "(--max-in-flight); retry later", type="RateLimitError",
+                         headers=((b"retry-after", b"1"),))
+
     def models_json(self) -> bytes:
         """``GET /v1/models``'s answer: every engine's models, each id once."""
         seen: dict[str, dict[str, Any]] = {}

@@ -103,12 +103,8 @@ class Handler:
             return
         cap = self.cfg.max_in_flight
         if cap and fleet.active >= cap:  # refused whole, before any work: the client retries
-            fleet.counts["overloaded"] += 1
-            fleet.requests["none", 429] += 1
-            req.respond(429, openai_error(429, f"kvwire serve has {fleet.active} requests in "
-                                               f"flight, its limit (--max-in-flight); retry "
-                                               f"later", "RateLimitError"),
-                        [(b"retry-after", b"1")])
+            e = fleet.overloaded("kvwire serve")
+            req.respond(e.status, e.openai(), e.headers)
             return
         loop = req.proto.server.loop  # (asyncio.get_running_loop() costs a getpid() call)
         task = loop.create_task(self._serve(req, PATHS.get(path), loop, rid))
