@@ -15,6 +15,7 @@ _MODULES = {
     "kvwire.routing._tokens": "src/kvwire/routing/_tokens.c",
     "kvwire.indexer._answer": "src/kvwire/indexer/_answer.c",
     "kvwire.tokenize._plain": "src/kvwire/tokenize/_plain.c",
+    "kvwire.tokenize._bpe": "src/kvwire/tokenize/_bpe.c",
 }
 #: Extra link arguments: the index's keys use the system's libxxhash (Debian: libxxhash0).
 _LINK = {"kvwire.index._keys": ["-l:libxxhash.so.0"],

@@ -215,4 +215,4 @@ def test_package_reports_its_native_paths() -> None:
         # this project's machines build all
         assert st == {"frames": "c", "shm": "c", "index": "c", "route_body": "c",
                       "index_walk": "c", "query_answer": "c", "builtin_tokenizer": "c",
-                      "event_ids": "c"}
+                      "bpe_tokenizer": "c", "event_ids": "c"}

@@ -344,7 +344,9 @@ def test_qwen3_ids_come_from_the_worker_interned(qwen3: Path, spread: bool) -> N
     tok = load_tokenizer(str(qwen3))
     tok.spread_chars = 0 if spread else 1 << 30
     lib = Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
-    text = " ".join(f"chunk{i} of a long prompt" for i in range(1500))
+    # (not ASCII: the library's path, not kvwire's C encoder's, which test_tokenize_bpe.py
+    # holds to the same)
+    text = " ".join(f"chunk{i} of a long prompt café" for i in range(1500))
     plan = tok.plan(text)
     assert plan.chars > tok.inline_chars  # the batch path, as the router's workers run it
     results = tok.run(plan)
@@ -365,12 +367,12 @@ def test_every_pattern_taken_as_proven_is_tested(qwen3: Path, llama3: Any) -> No
     """The split patterns prefix.py takes as proven are exactly those the cut-rule test
     runs: Qwen3's as its file gives it (not a copy of it here), and Llama 3's pipeline
     (saved and read back as a tokenizer.json would be)."""
-    from kvwire.tokenize import prefix
+    from kvwire.tokenize import bpe
     tested = set()
     for state in (json.loads((qwen3 / "tokenizer.json").read_text(encoding="utf-8")),
                   json.loads(llama3.to_str())):
         tested.add(state["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"])
-    assert tested == set(prefix._SAFE_SPLITS)
+    assert tested == set(bpe.SPLITS)
 
 
 def test_a_repeated_long_turn_costs_no_tokenizing() -> None:

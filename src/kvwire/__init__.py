@@ -87,8 +87,9 @@ def native_status() -> dict[str, str]:
     ``"c"``, ``"ctypes"`` or ``"pyzmq"``; ``shm``, ``index``, ``route_body`` (the
     service's token-id parser), ``index_walk`` (the indexer API's per-medium walk),
     ``query_answer`` (its ``/query`` answer bytes), ``builtin_tokenizer`` (the builtin
-    tokenizer's text-to-ids loop) and ``event_ids`` (the token ids of large event batches)
-    are ``"c"`` or ``"python (<why>)"``."""
+    tokenizer's text-to-ids loop), ``bpe_tokenizer`` (byte-level BPE tokenizer.json files on
+    ASCII text; else the ``tokenizers`` library) and ``event_ids`` (the token ids of large
+    event batches) are ``"c"`` or ``"python (<why>)"``."""
     from .index import keys as index_keys
     from .shm import NATIVE, _native
     from .wire.frames import native_status as frames_status
@@ -102,6 +103,9 @@ def native_status() -> dict[str, str]:
 
     plain = ("c" if tokenize_native.encode_plain is not None
              else f"python ({tokenize_native.REASON})")
+    from .tokenize import bpe
+
+    bpe_status = "c" if bpe.ByteBPE is not None and not bpe.REASON else f"python ({bpe.REASON})"
     import os
 
     from .index import walk
@@ -115,4 +119,5 @@ def native_status() -> dict[str, str]:
 
     return {"frames": frames_status(), "shm": shm, "index": index, "route_body": body,
             "index_walk": built(walk.tier_walk), "query_answer": built(indexer._c_answer),
-            "builtin_tokenizer": plain, "event_ids": built(events._int_list)}
+            "builtin_tokenizer": plain, "bpe_tokenizer": bpe_status,
+            "event_ids": built(events._int_list)}

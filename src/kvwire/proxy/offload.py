@@ -121,7 +121,11 @@ class Partial:
         route or is the whole prompt (``done``)."""
         work, k = self._plan.work, self._k
         j = _items(work, k, min(max(sum(map(len, work[:k])), START_CHARS), GROW_CHARS))
-        results, worked = await self._off._run(self._plan.sub(k, j), fast=True)
+        more, tok = self._plan.sub(k, j), self._off.tok
+        if tok.inline(more):  # (cheaper here than handed over)
+            results, worked = tok.run(more), True
+        else:
+            results, worked = await self._off._run(more, fast=True)
         self._worked = self._worked and worked
         self._head = [*self._head, *results]
         self._k = j
@@ -254,7 +258,7 @@ class Offload:
         tok = self.tok
         if not plan.work:
             return tok.finish(plan, [])
-        if plan.chars <= tok.inline_chars or not self.threads:
+        if tok.inline(plan) or not self.threads:
             self.inline += 1
             return tok.finish(plan, tok.run(plan))
         self._admit(shed)
@@ -271,12 +275,12 @@ class Offload:
         plan = tok.plan(text, add_special_tokens)
         k = _items(plan.work, 0, START_CHARS)
         if (k >= len(plan.work) or plan.special or not self.threads
-                or plan.chars <= tok.inline_chars):
+                or tok.inline(plan)):
             return await self._whole(plan, shed)
         self._admit(shed)  # (held by the Partial until it is routed)
         start = plan.sub(0, k)
         try:
-            if start.chars <= tok.inline_chars:  # (cheaper here than handed over)
+            if tok.inline(start):  # (cheaper here than handed over)
                 head, worked = tok.run(start), True
             else:
                 head, worked = await self._run(start)

@@ -81,6 +81,9 @@ class Proxy:
             log.warning("tokenizer %s: no chunks of long text are kept (%s), so a prompt "
                         "extending one seen before is tokenized again %s", tokenizer.name,
                         tokenizer.prefix_reason, _whole_what(tokenizer))
+        if self.mode == "local" and getattr(tokenizer, "bpe_reason", ""):
+            log.info("tokenizer %s: encoded by the tokenizers library, not kvwire's C "
+                     "encoder (%s)", tokenizer.name, tokenizer.bpe_reason)
         self.tokens = Tokens(self.fleet, tokenizer, self.mode, cfg.connect_timeout,
                              self.offload)
         self.metrics.offload = self.offload

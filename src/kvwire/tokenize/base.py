@@ -35,6 +35,10 @@ class Tokenizer(ABC):
     #: Work of at most this many characters costs less than handing it to another thread.
     inline_chars: int = 2048
 
+    def inline(self, plan: Plan) -> bool:
+        """Whether ``plan``'s work costs less encoded here than handed to another thread."""
+        return plan.chars <= self.inline_chars
+
     def use_chat_template(self, source: str, origin: str = "<chat template>") -> None:
         """Render every chat with ``source`` from now on, whatever the model directory
         holds: what an engine started with ``--chat-template`` renders. A template that does

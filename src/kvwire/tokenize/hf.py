@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
+from kvwire.tokenize.bpe import byte_bpe
 from kvwire.tokenize.prefix import PrefixStore, hf_cuts, interner
 from kvwire.tokenize.segments import Segments
 from kvwire.tokenize.template import ChatTemplate
@@ -89,6 +90,10 @@ class HFTokenizer(Tokenizer):
     #: spread over the cores gains it no wall time, and the library's idle threads spin for
     #: work, 0.3 ms of CPU a batch of a few chunks (as much as encoding 300 tokens)
     spread_chars = 8192
+    #: ASCII work of at most this many chars is encoded where it is asked for when the C
+    #: encoder takes it (bpe.py): ~0.25 ms, less than a hand-over to a worker that may wait
+    #: for a core
+    bpe_inline_chars = 16384
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         try:
@@ -149,9 +154,15 @@ class HFTokenizer(Tokenizer):
                                  max_segments=SEGMENT_CACHE_SIZE)
         self._added_around = self._post_processor_ids()
         # tokenizers returns new int objects: what is kept shares one per id instead
-        self.segments.intern = interner(self.vocab_size)
+        table = tuple(range(self.vocab_size))
+        self.segments.intern = interner(table)
         if self.segments.store is not None:
             self.segments.store.intern = self.segments.intern
+        #: kvwire's C encoder of ASCII text for this pipeline (bpe.py), or None and why not:
+        #: it sees the text between added tokens, so only where they are cut out first
+        self.bpe, self.bpe_reason = byte_bpe(self._tok, table) if (
+            splitter is not None or not self._tok.get_added_tokens_decoder()) else (
+            None, "added tokens are not cut out before encoding")
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
         self._override: ChatTemplate | None = None
@@ -233,21 +244,46 @@ class HFTokenizer(Tokenizer):
             return p
         return self.segments.plan(text)
 
+    def inline(self, plan: Plan) -> bool:
+        """Short work, or ASCII work the C encoder takes up to ``bpe_inline_chars``."""
+        return plan.chars <= self.inline_chars or (
+            self.bpe is not None and plan.chars <= self.bpe_inline_chars
+            and not plan.special and all(map(str.isascii, plan.work)))
+
     def run(self, plan: Plan) -> list[Sequence[int]]:
-        """The ids of each text of ``plan.work``: the Rust side releases the GIL, and spreads
-        a batch of more than ``spread_chars`` over the cores."""
+        """The ids of each text of ``plan.work``: ASCII texts by the C encoder when this
+        pipeline has one (bpe.py), the rest by ``tokenizers``. Both release the GIL on long
+        work; the library spreads a batch of more than ``spread_chars`` over the cores."""
         if plan.special:
             return [self._tok.encode(plan.work[0], add_special_tokens=True).ids]
-        if plan.chars <= self.inline_chars:  # (short: no thread pool; the router's loop
+        work = plan.work
+        if self.bpe is None:
+            return self._library(work, plan.chars)
+        ascii_ = [w.isascii() for w in work]
+        if all(ascii_):
+            return self.bpe.encode(work)
+        out: list[Sequence[int]] = [()] * len(work)
+        mine = [i for i, a in enumerate(ascii_) if a]
+        rest = [i for i, a in enumerate(ascii_) if not a]
+        for i, ids in zip(mine, self.bpe.encode([work[i] for i in mine])):
+            out[i] = ids
+        texts = [work[i] for i in rest]
+        for i, ids in zip(rest, self._library(texts, sum(map(len, texts)))):
+            out[i] = ids
+        return out
+
+    def _library(self, work: list[str], chars: int) -> list[Sequence[int]]:
+        """The ids of each of ``work`` (``chars`` characters in all) by ``tokenizers``."""
+        if chars <= self.inline_chars:  # (short: no thread pool; the router's loop
             # runs these, and must not be the thread that starts the pool at its priority)
-            return [self._tok.encode(w, add_special_tokens=False).ids for w in plan.work]
+            return [self._tok.encode(w, add_special_tokens=False).ids for w in work]
         out = []
         # (encode_batch_fast: the same ids without offsets, half the time; tokenizers >= 0.21)
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         intern = self.segments.intern
-        if plan.chars <= self.spread_chars:  # (a batch of one: the GIL released, not spread)
-            return [intern(batch([w], add_special_tokens=False)[0].ids) for w in plan.work]
-        for i, e in enumerate(batch(plan.work, add_special_tokens=False)):
+        if chars <= self.spread_chars:  # (a batch of one: the GIL released, not spread)
+            return [intern(batch([w], add_special_tokens=False)[0].ids) for w in work]
+        for i, e in enumerate(batch(work, add_special_tokens=False)):
             # ~0.1 us an id, with the GIL held: 5 ms for 48k ids. Interned here, on the
             # worker thread, in pieces the loop can run between, not all at once where they
             # are kept (Segments.finish, on the router's loop)

@@ -26,6 +26,8 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvwire.tokenize.bpe import pipeline_digits
+
 __all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts", "interner"]
 
 #: Characters per chunk, at least: what a prompt that differs from a stored one mid-chunk
@@ -42,31 +44,25 @@ MAX_TOKENS = 1 << 23
 #: before a word character, the whitespace piece ends there (`` ?`` takes a space only).
 BUILTIN_CUTS = re.compile(r"(?<=\w)(?= )|(?<=\n)(?=\w)")
 
-#: The ASCII form of the same two cuts, for the byte-level BPE pre-tokenizers below: their
-#: letters are ``\p{L}``, and ASCII letters also pass NFC unchanged and never compose with
-#: what stands before them.
+#: The ASCII form of the same two cuts, for the byte-level BPE pipelines bpe.py takes (its
+#: ``SPLITS``: Qwen2/Qwen3's and Llama 3's Split patterns, behaviour Isolated). Their letters
+#: are ``\p{L}``, and ASCII letters pass NFC unchanged and never compose with what stands
+#: before them. Their matches never hold a letter and then a space, nor a newline and then a
+#: letter, peek at most one character past their end, look never behind, and end a piece the
+#: same way at a text's end as before a cut. (GPT-2's pattern does not: ``\s+(?!\S)`` keeps
+#: "  \n" whole at a text's end but not before a letter.)
 _ASCII_CUTS = re.compile(r"(?<=[A-Za-z])(?= )|(?<=\n)(?=[A-Za-z])")
 
-#: Split patterns (behaviour Isolated) whose matches never hold a letter and then a space, nor
-#: a newline and then a letter, peek at most one character past their end, look never behind,
-#: and end a piece the same way at a text's end as before a cut: Qwen2/Qwen3's and Llama 3's.
-#: (GPT-2's does not: ``\s+(?!\S)`` keeps "  \n" whole at a text's end but not before a letter.)
-_SAFE_SPLITS = frozenset((
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-))
 
-
-def interner(vocab_size: int) -> Callable[[Sequence[int]], tuple[int, ...]]:
+def interner(vocab: int | tuple[int, ...]) -> Callable[[Sequence[int]], tuple[int, ...]]:
     """A function giving ``ids`` as a tuple of shared int objects, one per id in the
-    vocabulary: kept ids then cost a pointer each (8 bytes), not a new int (36 bytes with
-    its pointer), as the lists ``tokenizers`` returns hold. Ids outside the vocabulary are
-    kept as they are. A tuple is taken as interned already (the tokenizer's worker thread
-    interns what it encodes, off the event loop that keeps it); one that is not only costs
-    memory."""
-    table = tuple(range(vocab_size))
+    vocabulary (``vocab``: its size, or the table ``tuple(range(size))`` to share with an
+    encoder that returns its objects): kept ids then cost a pointer each (8 bytes), not a
+    new int (36 bytes with its pointer), as the lists ``tokenizers`` returns hold. Ids
+    outside the vocabulary are kept as they are. A tuple is taken as interned already (the
+    tokenizer's worker thread interns what it encodes, off the event loop that keeps it);
+    one that is not only costs memory."""
+    table = vocab if isinstance(vocab, tuple) else tuple(range(vocab))
     get = table.__getitem__
 
     def intern(ids: Sequence[int]) -> tuple[int, ...]:
@@ -84,23 +80,9 @@ def interner(vocab_size: int) -> Callable[[Sequence[int]], tuple[int, ...]]:
 def hf_cuts(tokenizer: Any) -> tuple[re.Pattern[str] | None, str]:
     """The cut rule of a ``tokenizers.Tokenizer``, or None and why not: only pipelines whose
     cuts are proven (module docstring) get one; any other keeps whole-segment tokenization."""
-    import json
-
-    norm = tokenizer.normalizer
-    if norm is not None and json.loads(norm.__getstate__()).get("type") != "NFC":
-        return None, f"normalizer {type(norm).__name__} is not known to keep cuts"
-    pre = tokenizer.pre_tokenizer
-    state = json.loads(pre.__getstate__()) if pre is not None else {}
-    steps = state.get("pretokenizers") if state.get("type") == "Sequence" else [state]
-    if not (isinstance(steps, list) and len(steps) == 2):
-        return None, f"pre-tokenizer {state.get('type')!r} is not a known split + byte level"
-    split, byte_level = steps
-    if split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert") \
-            or (split.get("pattern") or {}).get("Regex") not in _SAFE_SPLITS:
-        return None, "pre-tokenizer split pattern is not one whose cuts are proven"
-    if byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex") \
-            or byte_level.get("add_prefix_space"):
-        return None, "pre-tokenizer's byte-level step splits or adds a prefix space"
+    digits, why = pipeline_digits(tokenizer)
+    if digits is None:
+        return None, why
     if type(tokenizer.model).__name__ != "BPE" or getattr(tokenizer.model, "dropout", None):
         return None, f"model {type(tokenizer.model).__name__} is not a deterministic BPE"
     return _ASCII_CUTS, ""
