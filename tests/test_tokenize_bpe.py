@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 from test_tokenize_prefix import LLAMA3_SPLIT, llama3, qwen3  # noqa: F401 (fixtures)
 
 from kvwire.tokenize import load_tokenizer
-from kvwire.tokenize.bpe import ByteBPE, byte_bpe, byte_level_alphabet
+from kvwire.tokenize.bpe import ByteBPE, ascii_runs, byte_bpe, byte_level_alphabet
+from kvwire.tokenize.prefix import hf_cuts
+from kvwire.tokenize.segments import Plan
 
 pytestmark = pytest.mark.skipif(ByteBPE is None, reason="kvwire.tokenize._bpe is not built")
 
@@ -172,6 +174,64 @@ def test_hf_tokenizer_uses_it_for_ascii_work_only(request: pytest.FixtureRequest
         if w.isascii():
             assert type(r) is tuple and all(i is shared[i] for i in r)
     assert tok.finish(plan, results) == lib.encode(text, add_special_tokens=False).ids
+
+
+MIXED_ATOMS = [*ASCII_ATOMS, " word", "Zurich ", "\u201cquoted\u201d", "it\u2019s", "caf\u00e9",
+               "e\u0301", "\u0301", "\u212b", "\u6771\u4eac", "\U0001f642", "\u00a0", "\u3000",
+               " \u00fcber", "\u2014", "\u2026\n"]
+mixed_texts = st.lists(st.sampled_from(MIXED_ATOMS), max_size=80).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[
+    HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(texts=st.lists(mixed_texts, min_size=1, max_size=4))
+def test_text_mixing_ascii_and_not_equals_the_library(request: pytest.FixtureRequest,
+                                                      texts: list[str]) -> None:
+    """Work that mixes ASCII and other text: cut into runs at the tokenizer's cuts (joined,
+    they are the text; every boundary a cut), the ASCII ones encoded in C, the others by the
+    library: the ids are the library's for each whole text."""
+    d = request.getfixturevalue("qwen3")
+    tok = _hf(d)
+    lib = _pipeline("qwen3", request)[0]
+    cuts, _ = hf_cuts(lib)
+    for t in texts:
+        runs = ascii_runs(t, cuts)
+        assert "".join(r for r, _ in runs) == t
+        pos = 0
+        for r, _ in runs[:-1]:
+            pos += len(r)
+            assert cuts.match(t, pos) is not None, (t, pos)
+        assert all(r.isascii() for r, a in runs if a)
+    plan = Plan()
+    for t in texts:
+        plan.add_work(t)
+    want = [e.ids for e in lib.encode_batch(texts, add_special_tokens=False)]
+    assert [list(ids) for ids in tok.run(plan)] == want
+
+
+def test_prose_with_a_few_non_ascii_characters_is_mostly_encoded_in_c(
+        request: pytest.FixtureRequest) -> None:
+    """A curly quote or an accented word in English prose leaves the library only the
+    words around it."""
+    lib = _pipeline("qwen3", request)[0]
+    cuts, _ = hf_cuts(lib)
+    text = " ".join(f"The engine\u2019s answer {i} was \u201cfine\u201d, said Jos\u00e9 at "
+                    f"the caf\u00e9." if i % 10 == 0 else f"The router sent request {i} on."
+                    for i in range(400))
+    runs = ascii_runs(text, cuts)
+    assert sum(len(r) for r, a in runs if a) > 0.8 * len(text)
+    assert sum(len(r) for r, a in runs if not a) < 0.2 * len(text)
+    cjk = "\u6771\u4eac\u306e\u5929\u6c17 " * 100 + "a few ASCII words"
+    assert ascii_runs(cjk, cuts) == [(cjk, False)]  # (mostly not ASCII: one run)
+
+
+_TOKS: dict[Path, Any] = {}
+
+
+def _hf(d: Path) -> Any:
+    if d not in _TOKS:
+        _TOKS[d] = load_tokenizer(d)
+    return _TOKS[d]
 
 
 def test_pipelines_it_does_not_take_say_why(tmp_path: Path,

@@ -344,9 +344,9 @@ def test_qwen3_ids_come_from_the_worker_interned(qwen3: Path, spread: bool) -> N
     tok = load_tokenizer(str(qwen3))
     tok.spread_chars = 0 if spread else 1 << 30
     lib = Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
-    # (not ASCII: the library's path, not kvwire's C encoder's, which test_tokenize_bpe.py
-    # holds to the same)
-    text = " ".join(f"chunk{i} of a long prompt café" for i in range(1500))
+    # (mostly not ASCII: the library's path, not kvwire's C encoder's, which
+    # test_tokenize_bpe.py holds to the same)
+    text = " ".join(f"chunk{i} 東京の天気は晴れ" for i in range(1500))
     plan = tok.plan(text)
     assert plan.chars > tok.inline_chars  # the batch path, as the router's workers run it
     results = tok.run(plan)

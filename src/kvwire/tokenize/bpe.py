@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
-__all__ = ["SPLITS", "ByteBPE", "byte_bpe", "byte_level_alphabet"]
+__all__ = ["SPLITS", "ByteBPE", "ascii_runs", "byte_bpe", "byte_level_alphabet"]
 
 try:
     from kvwire.tokenize._bpe import ByteBPE
@@ -104,3 +105,43 @@ def byte_bpe(tokenizer: Any, table: tuple[int, ...]) -> tuple[Any, str]:
     except (TypeError, ValueError):
         return None, "BPE merges are not pairs of tokens"
     return ByteBPE(byte_ids, merges, digits, table, whole), ""
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+#: How far before a non-ASCII character a cut is looked for: the library takes at most this
+#: much ASCII text around it that the C encoder could have taken.
+_LOOK_BACK = 256
+
+
+def ascii_runs(text: str, cuts: re.Pattern[str]) -> list[tuple[str, bool]]:
+    """``text`` as runs ``(run, is_ascii)`` that join back to it, cut only at ``cuts``
+    (prefix.py's rule: the ids of the runs, each encoded alone, are the ids of the whole), so
+    that prose with a few non-ASCII characters (a curly quote, an accented name) has most
+    of its text encoded by the C encoder and only the words around them by the library. A
+    text mostly not ASCII is one run: finding cuts would cost more than it saves."""
+    spans = [m.span() for m in _NON_ASCII.finditer(text)]
+    if not spans or 4 * sum(b - a for a, b in spans) > len(text):
+        return [(text, not spans)]
+    lib: list[list[int]] = []  # [start, end) of the runs left to the library, at cuts
+    for a, b in spans:
+        if lib and a < lib[-1][1]:
+            continue  # (inside the last run, which ends at a cut past its own characters)
+        start = lib[-1][1] if lib else 0
+        for m in cuts.finditer(text, max(start, a - _LOOK_BACK), a):
+            start = m.start()
+        m = cuts.search(text, b)
+        end = m.start() if m is not None else len(text)
+        if lib and start <= lib[-1][1]:
+            lib[-1][1] = end
+        else:
+            lib.append([start, end])
+    out: list[tuple[str, bool]] = []
+    pos = 0
+    for start, end in lib:
+        if start > pos:
+            out.append((text[pos:start], True))
+        out.append((text[start:end], False))
+        pos = end
+    if pos < len(text):
+        out.append((text[pos:], True))
+    return out

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
-from kvwire.tokenize.bpe import byte_bpe
+from kvwire.tokenize.bpe import ascii_runs, byte_bpe
 from kvwire.tokenize.prefix import PrefixStore, hf_cuts, interner
 from kvwire.tokenize.segments import Segments
 from kvwire.tokenize.template import ChatTemplate
@@ -146,6 +146,7 @@ class HFTokenizer(Tokenizer):
         # once encoded (segments.py), and a long one in chunks where the pre-tokenizer
         # allows exact cuts (prefix.py), so that a prompt extending it pays its new part only
         cuts, self.prefix_reason = hf_cuts(self._tok)
+        self._cuts = cuts  # (also where text mixing ASCII and not is split: bpe.ascii_runs)
         if splitter is None and self._tok.get_added_tokens_decoder():
             cuts, self.prefix_reason = None, ("an added token strips spaces, is a single "
                                               "word or is normalized: whole texts only")
@@ -251,25 +252,33 @@ class HFTokenizer(Tokenizer):
             and not plan.special and all(map(str.isascii, plan.work)))
 
     def run(self, plan: Plan) -> list[Sequence[int]]:
-        """The ids of each text of ``plan.work``: ASCII texts by the C encoder when this
-        pipeline has one (bpe.py), the rest by ``tokenizers``. Both release the GIL on long
-        work; the library spreads a batch of more than ``spread_chars`` over the cores."""
+        """The ids of each text of ``plan.work``: ASCII text by the C encoder when this
+        pipeline has one (bpe.py; a text mixing ASCII and other text in runs cut where the
+        tokenizer cannot merge across), the rest by ``tokenizers``. Both release the GIL on
+        long work; the library spreads a batch of more than ``spread_chars`` over the
+        cores."""
         if plan.special:
             return [self._tok.encode(plan.work[0], add_special_tokens=True).ids]
         work = plan.work
         if self.bpe is None:
             return self._library(work, plan.chars)
-        ascii_ = [w.isascii() for w in work]
-        if all(ascii_):
+        if all(map(str.isascii, work)):
             return self.bpe.encode(work)
-        out: list[Sequence[int]] = [()] * len(work)
-        mine = [i for i, a in enumerate(ascii_) if a]
-        rest = [i for i, a in enumerate(ascii_) if not a]
-        for i, ids in zip(mine, self.bpe.encode([work[i] for i in mine])):
-            out[i] = ids
-        texts = [work[i] for i in rest]
-        for i, ids in zip(rest, self._library(texts, sum(map(len, texts)))):
-            out[i] = ids
+        # each text as runs cut where the tokenizer cannot merge across: the ASCII ones to
+        # the C encoder, the others to the library, each group in one call
+        runs = [[(w, True)] if w.isascii() else ascii_runs(w, self._cuts)
+                if self._cuts is not None else [(w, False)] for w in work]
+        mine = [r for rs in runs for r, a in rs if a]
+        rest = [r for rs in runs for r, a in rs if not a]
+        it_mine = iter(self.bpe.encode(mine))
+        it_rest = iter(self._library(rest, sum(map(len, rest))))
+        out: list[Sequence[int]] = []
+        intern = self.segments.intern
+        for rs in runs:
+            if len(rs) == 1:
+                out.append(next(it_mine) if rs[0][1] else next(it_rest))
+            else:  # (joined, and interned here: tuples of shared ints, as from either)
+                out.append(intern([i for _, a in rs for i in next(it_mine if a else it_rest)]))
         return out
 
     def _library(self, work: list[str], chars: int) -> list[Sequence[int]]:

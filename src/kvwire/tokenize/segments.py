@@ -170,11 +170,14 @@ class Segments:
             out += results[part] if type(part) is int else part
             starts.append(len(out))
         n = len(out)
+        # every part shared ints already (what is kept is, and so is what comes back as a
+        # tuple from the encoder): a copy is enough, not a lookup per id
+        keep = tuple if all(type(r) is tuple for r in results) else self.intern
         for seg, a, b in p.whole:
             lo, hi = starts[a], starts[b]
             # a text that is one segment (a completion prompt) keeps its ids without the
             # slice: a copy less of ids that may be tens of thousands
-            self._keep(seg, self.intern(out if lo == 0 and hi == n else out[lo:hi]))
+            self._keep(seg, keep(out if lo == 0 and hi == n else out[lo:hi]))
         if p.trail:
             out += p.trail
         return out
