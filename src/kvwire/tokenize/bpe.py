@@ -16,10 +16,12 @@ import os
 import re
 from typing import Any
 
-__all__ = ["SPLITS", "ByteBPE", "ascii_runs", "byte_bpe", "byte_level_alphabet"]
+__all__ = ["GIL_CHARS", "SPLITS", "ByteBPE", "ascii_runs", "byte_bpe", "byte_level_alphabet"]
 
+#: Work of at most this many characters is encoded with the GIL held (_bpe.c says why).
+GIL_CHARS = 16384
 try:
-    from kvwire.tokenize._bpe import ByteBPE
+    from kvwire.tokenize._bpe import GIL_CHARS, ByteBPE
     REASON = "KVWIRE_NO_NATIVE set" if os.environ.get("KVWIRE_NO_NATIVE") else ""
 except ImportError as e:  # not built
     ByteBPE = None

@@ -22,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.tokenize.base import Plan, Tokenizer, TokenizerError
-from kvwire.tokenize.bpe import ascii_runs, byte_bpe
-from kvwire.tokenize.prefix import PrefixStore, hf_cuts, interner
+from kvwire.tokenize.bpe import GIL_CHARS, ascii_runs, byte_bpe
+from kvwire.tokenize.prefix import CHUNK_CHARS, PrefixStore, hf_cuts, interner
 from kvwire.tokenize.segments import Segments
 from kvwire.tokenize.template import ChatTemplate
 
 SEGMENT_CACHE_SIZE = 8192  # text pieces between added tokens (chat turns) kept encoded
+#: Characters per chunk of the prefix store when kvwire's C encoder takes the pipeline
+#: (prefix.CHUNK_CHARS, 512, otherwise)
+BPE_CHUNK_CHARS = 2048
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
 
@@ -92,8 +95,9 @@ class HFTokenizer(Tokenizer):
     spread_chars = 8192
     #: ASCII work of at most this many chars is encoded where it is asked for when the C
     #: encoder takes it (bpe.py): ~0.25 ms, less than a hand-over to a worker that may wait
-    #: for a core
-    bpe_inline_chars = 16384
+    #: for a core; the encoder keeps the GIL for that much (the loop never waits to take it
+    #: back), and lets it go for more
+    bpe_inline_chars = GIL_CHARS
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         try:
@@ -150,20 +154,23 @@ class HFTokenizer(Tokenizer):
         if splitter is None and self._tok.get_added_tokens_decoder():
             cuts, self.prefix_reason = None, ("an added token strips spaces, is a single "
                                               "word or is normalized: whole texts only")
-        self.segments = Segments(splitter, self._added_ids,
-                                 PrefixStore(cuts) if cuts is not None else None,
-                                 max_segments=SEGMENT_CACHE_SIZE)
-        self._added_around = self._post_processor_ids()
         # tokenizers returns new int objects: what is kept shares one per id instead
         table = tuple(range(self.vocab_size))
-        self.segments.intern = interner(table)
-        if self.segments.store is not None:
-            self.segments.store.intern = self.segments.intern
         #: kvwire's C encoder of ASCII text for this pipeline (bpe.py), or None and why not:
         #: it sees the text between added tokens, so only where they are cut out first
         self.bpe, self.bpe_reason = byte_bpe(self._tok, table) if (
             splitter is not None or not self._tok.get_added_tokens_decoder()) else (
             None, "added tokens are not cut out before encoding")
+        # (with the C encoder, chunks as long as the builtin tokenizer's: re-encoding a
+        # chunk costs microseconds, and fewer of them are fewer lookups a prompt)
+        store = None if cuts is None else PrefixStore(
+            cuts, chunk_chars=BPE_CHUNK_CHARS if self.bpe is not None else CHUNK_CHARS)
+        self.segments = Segments(splitter, self._added_ids, store,
+                                 max_segments=SEGMENT_CACHE_SIZE)
+        self._added_around = self._post_processor_ids()
+        self.segments.intern = interner(table)
+        if store is not None:
+            store.intern = self.segments.intern
         self._templates = {name: ChatTemplate(src, origin=origin, variables=variables)
                            for name, (src, origin) in _templates(d, config).items()}
         self._override: ChatTemplate | None = None
