@@ -21,10 +21,11 @@
  *     matches wins (a backtracking engine), and every ASCII byte starts a match, so the
  *     pieces tile the text;
  *   - ByteLevel (no regex, no prefix space) maps each byte to one token of the alphabet;
- *   - BPE (after the whole-piece lookup of ignore_merges) merges the adjacent pair of lowest rank, leftmost first, until none is in
- *     `merges`. tokenizers pops merges from a heap keyed (rank, position) and skips one
- *     whose pair has changed since it was pushed; a pair's text only grows at a position,
- *     so that is the same as always merging the lowest-ranked pair present.
+ *   - BPE (after the whole-piece lookup of ignore_merges) merges the adjacent pair of
+ *     lowest rank, leftmost first, until none is in `merges`. tokenizers pops merges from
+ *     a heap keyed (rank, position) and skips one whose pair has changed since it was
+ *     pushed; a pair's text only grows at a position, so that is the same as always
+ *     merging the lowest-ranked pair present.
  *   tests/test_tokenize_bpe.py holds it to tokenizers with hypothesis.
  *
  *   Pieces up to WORD_BYTES bytes are kept with their ids (a bounded table, emptied when
