@@ -473,14 +473,22 @@ ByteBPE_init(ByteBPE *self, PyObject *args, PyObject *kw)
     for (int i = 0; i < 256; i++) {
         unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(bs, i));
         if (v == (unsigned long)-1 && PyErr_Occurred()) { Py_DECREF(bs); return -1; }
-        if (v >= DEAD) { Py_DECREF(bs); PyErr_SetString(PyExc_ValueError, "id too large"); return -1; }
+        if (v >= DEAD) {
+            Py_DECREF(bs);
+            PyErr_SetString(PyExc_ValueError, "id too large");
+            return -1;
+        }
         self->byte_ids[i] = (uint32_t)v;
     }
     Py_DECREF(bs);
     PyObject *ms = PySequence_Fast(merges, "merges must be a sequence");
     if (!ms) return -1;
     Py_ssize_t nm = PySequence_Fast_GET_SIZE(ms);
-    if (nm >= (Py_ssize_t)NO_RANK) { Py_DECREF(ms); PyErr_SetString(PyExc_ValueError, "too many merges"); return -1; }
+    if (nm >= (Py_ssize_t)NO_RANK) {
+        Py_DECREF(ms);
+        PyErr_SetString(PyExc_ValueError, "too many merges");
+        return -1;
+    }
     uint64_t cap = 16;
     while (cap < (uint64_t)nm * 2) cap <<= 1;
     self->merges = PyMem_Malloc(cap * sizeof(Merge));
@@ -490,8 +498,8 @@ ByteBPE_init(ByteBPE *self, PyObject *args, PyObject *kw)
     self->mask = cap - 1;
     for (Py_ssize_t r = 0; r < nm; r++) {
         unsigned long a, c, id;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(ms, r), "kkk;a merge is (left, right, merged)",
-                              &a, &c, &id)) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(ms, r),
+                              "kkk;a merge is (left, right, merged)", &a, &c, &id)) {
             Py_DECREF(ms); return -1;
         }
         if (a >= DEAD || c >= DEAD || id >= DEAD) {
