@@ -121,11 +121,7 @@ class Partial:
         route or is the whole prompt (``done``)."""
         work, k = self._plan.work, self._k
         j = _items(work, k, min(max(sum(map(len, work[:k])), START_CHARS), GROW_CHARS))
-        more, tok = self._plan.sub(k, j), self._off.tok
-        if tok.inline(more):  # (cheaper here than handed over)
-            results, worked = tok.run(more), True
-        else:
-            results, worked = await self._off._run(more, fast=True)
+        results, worked = await self._off._short(self._plan.sub(k, j), fast=True)
         self._worked = self._worked and worked
         self._head = [*self._head, *results]
         self._k = j
@@ -280,10 +276,7 @@ class Offload:
         self._admit(shed)  # (held by the Partial until it is routed)
         start = plan.sub(0, k)
         try:
-            if tok.inline(start):  # (cheaper here than handed over)
-                head, worked = tok.run(start), True
-            else:
-                head, worked = await self._run(start)
+            head, worked = await self._short(start)
             return Partial(self, plan, head, worked)
         except BaseException:
             self.pending -= 1
@@ -300,6 +293,13 @@ class Offload:
                             "hand, its limit (--tokenize-queue); retry later",
                             type="RateLimitError", headers=((b"retry-after", b"1"),))
         self.pending += 1
+
+    async def _short(self, plan: Plan, fast: bool = False) -> tuple[list[Sequence[int]], bool]:
+        """A start, or more of one: encoded here when that costs less than handing it over,
+        else by a worker (:meth:`_run`; ``fast``: on the thread for short work)."""
+        if self.tok.inline(plan):
+            return self.tok.run(plan), True
+        return await self._run(plan, fast=fast)
 
     async def _run(self, plan: Plan, place: _Place | None = None, fast: bool = False
                    ) -> tuple[list[Sequence[int]], bool]:
