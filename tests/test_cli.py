@@ -46,6 +46,8 @@ class ReferencePublisher:
 
     ``legacy=True`` answers replays without the topic frame, as vLLM < 0.26 did. ``skip``
     holds seqs that are never sent live (forcing gaps) but are in the replay buffer.
+    ``deaf_from``: replays asked from this seq on go unanswered (a publisher that stops
+    answering tail checks, yet still answers a check of a seq the consumer already has).
     """
 
     def __init__(self, topic: bytes, legacy: bool = False) -> None:
@@ -62,6 +64,7 @@ class ReferencePublisher:
         self.requests: list[tuple[int, int]] = []  # (start seq, batches sent) per replay
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.deaf_from: int | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -85,6 +88,8 @@ class ReferencePublisher:
                 continue
             ident, _, start_b = frames
             start = int.from_bytes(start_b, "big")
+            if self.deaf_from is not None and start >= self.deaf_from:
+                continue
             with self.lock:
                 items = sorted((s, p) for s, p in self.buffer.items() if s >= start)
             for s, p in items:
