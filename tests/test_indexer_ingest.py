@@ -22,7 +22,9 @@ import time
 from engine_helpers import TIMEOUT
 
 from kvwire.indexer.indexer import Indexer
+from kvwire.indexer.ingest import LoopIngest
 from kvwire.publish.publisher import ZmqEventPublisher
+from kvwire.routing.feed import Feed
 from kvwire.routing.slices import SNAPSHOT_SLICE
 from kvwire.wire.events import BlockStored, KVEventBatch
 
@@ -40,11 +42,11 @@ def _batch(j: int) -> KVEventBatch:
         TOKENS[lo * BS:(lo + PER_BATCH) * BS], BS, None, "GPU")], 0)
 
 
-def _longest(ix: Indexer, blocks: int) -> int:
+def _longest(ix: Indexer, blocks: int, instance: str = "1") -> int:
     st, out = ix.handle("POST", "/query", json.dumps(
         {"token_ids": TOKENS[:blocks * BS], "model": "m"}).encode())
     assert st == 200, out
-    return json.loads(out)["default"].get("1", {}).get("longest_matched", 0)
+    return json.loads(out)["default"].get(instance, {}).get("longest_matched", 0)
 
 
 def test_ingest_takes_turns_with_the_loop() -> None:
@@ -90,3 +92,67 @@ def test_ingest_takes_turns_with_the_loop() -> None:
         ix.close()
         loop.close()
         pub.shutdown(timeout=1)
+
+
+
+def test_an_idle_loop_sleeps_until_a_socket_says_something_came(monkeypatch) -> None:
+    """Between turns the loop watches the subscriber's sockets rather than polling them: an
+    idle ingest takes (almost) no turns, and a batch published then is applied at once,
+    woken by its socket, though no deadline is near (no heartbeats: the next check is 10 s
+    away; stats refreshed hourly). After a stream is unregistered and another registered,
+    the new stream's sockets (which may reuse the closed ones' descriptor numbers) wake it
+    the same way."""
+    monkeypatch.setattr("kvwire.routing.ingest.STATS_EVERY", 3600.0)
+    where = tempfile.mkdtemp(prefix="kvw-ing-")
+    pubs = {k: ZmqEventPublisher(endpoint=f"ipc://{where}/l{k}",
+                                 replay_endpoint=f"ipc://{where}/r{k}", heartbeat_interval=None)
+            for k in (1, 2)}
+    feed = Feed()
+    feed.start(thread=False)
+    ix = Indexer(feed)
+    ingest = LoopIngest(feed)
+    loop = asyncio.new_event_loop()
+
+    def register(k: int) -> None:
+        st, out = ix.handle("POST", "/register", json.dumps({
+            "endpoint": f"ipc://{where}/l{k}", "replay_endpoint": f"ipc://{where}/r{k}",
+            "modelname": "m", "instance_id": str(k), "block_size": BS}).encode())
+        assert st == 200, out
+
+    def run(cond, what: str) -> None:
+        async def until() -> None:
+            deadline = time.monotonic() + 5.0
+            while not cond():
+                assert time.monotonic() < deadline, f"not woken for {what}"
+                await asyncio.sleep(0.005)
+        loop.run_until_complete(until())
+
+    def idle_then_live(k: int) -> None:
+        """A second of quiet (the SUB's subscription settles meanwhile), then a live batch."""
+        turns = ingest.turns
+        loop.run_until_complete(asyncio.sleep(1.0))
+        assert ingest.turns - turns <= 10, ingest.turns - turns  # (polling every 5 ms: ~200)
+        pubs[k].publish(_batch(1))
+        run(lambda: _longest(ix, 2 * PER_BATCH, str(k)) == 2 * PER_BATCH * BS,
+            f"stream {k}'s live batch")
+
+    try:
+        for k in (1, 2):
+            pubs[k].publish(_batch(0))  # (in the replay buffer: the bootstrap brings it)
+        register(1)
+        ingest.attach(loop)
+        run(lambda: _longest(ix, PER_BATCH) == PER_BATCH * BS, "the first stream's bootstrap")
+        idle_then_live(1)
+        st, out = ix.handle("POST", "/unregister", b'{"instance_id": "1"}')
+        assert st == 200, out
+        run(lambda: not ix.feed.index.walk.keys, "the removal")
+        register(2)
+        run(lambda: _longest(ix, PER_BATCH, "2") == PER_BATCH * BS,
+            "the second stream's bootstrap")
+        idle_then_live(2)
+    finally:
+        ingest.stop()
+        feed.close()
+        loop.close()
+        for p in pubs.values():
+            p.shutdown(timeout=1)

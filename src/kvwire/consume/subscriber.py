@@ -523,6 +523,35 @@ class Subscriber:
             if item is not None:
                 callback(item)
 
+    # ------------------------------------------- driven from someone else's event loop
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the sockets do (a stream added or removed, a DEALER renewed)."""
+        return self._core.generation
+
+    def wake_fds(self) -> tuple[int, list[int]]:
+        """For a loop that calls :meth:`poll_many` with no wait when something may be ready,
+        and sleeps otherwise: the file descriptors to watch (each socket's ``zmq.FD``, and
+        the pipe that run-time changes write to), and a generation that changes when they
+        do. They signal edges, as ZeroMQ's do: before sleeping on them, ask
+        :meth:`ready_now`; and wake at :meth:`next_deadline` too. A socket closes with its
+        stream: watch a copy (``os.dup``), so that its number is not taken by a new socket
+        while still watched."""
+        core = self._core
+        return core.generation, [s.getsockopt(zmq.FD) for s in core.sockets()] + [self._wake_r]
+
+    def ready_now(self) -> bool:
+        """Something waits to be read (a message, a reply, a run-time change). The check a
+        loop makes after a poll, before it sleeps on :meth:`wake_fds`: a request this poll
+        sent may have taken the wake-up of a message that came meanwhile."""
+        return bool(self._sync_poller().poll(0))
+
+    def next_deadline(self) -> float:
+        """When (``time.monotonic()``) a poll is due even if nothing arrives: a request's
+        timeout, a retry, a liveness or tail check."""
+        return self._core.next_deadline()
+
     # ------------------------------------------------------------------ asyncio front
 
     def _async_poller(self) -> zmq.asyncio.Poller:

@@ -882,7 +882,7 @@ class RouterCore:
                 and getattr(getattr(self.sub_stats.get(t.stream), "stream", None),
                             "phase", None) == "live"]
         if not self.ingest.running:
-            return False, "subscriber thread not running"
+            return False, "the ingest of the streams is not running"
         if not self.targets and self.discover:
             return False, "no engine on the JetStream stream yet"
         if not self.targets:  # the indexer API alone: its streams come and go

@@ -2,8 +2,9 @@
 deliveries off the engines' streams and when.
 
 Either a thread of its own owns the subscriber (``kvwire serve``), or the caller drives the
-ingest turn by turn with :meth:`Ingest.pump` from its own loop (``kvwire index``:
-indexer/ingest.py). Both hand what they take to ``apply`` (the core's: the index,
+ingest turn by turn with :meth:`Ingest.pump` from its own event loop (``kvwire index``:
+indexer/ingest.py), waking when :meth:`Ingest.wake_fds` say something came or at
+:meth:`Ingest.due`. Both hand what they take to ``apply`` (the core's: the index,
 liveness, discovery), cut in pieces as :func:`.slices.pieces` cuts them, so the core's lock
 is held one short piece at a time. What the deliveries *mean* stays in the core; this part
 only moves them and keeps the subscriber's own stats fresh.
@@ -12,6 +13,7 @@ only moves them and keeps the subscriber's own stats fresh.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -98,6 +100,7 @@ class Ingest:
         # caller-driven: pieces taken from the subscriber and not applied yet
         self._pending: deque[list] = deque()
         self._next_stats = 0.0
+        self._failed = False  # caller-driven: a pump raised (the caller stopped pumping)
 
     def start(self, timeout: float = 10.0, *, thread: bool = True) -> None:
         """Open the subscriber: in a thread of its own that then takes every delivery
@@ -134,8 +137,11 @@ class Ingest:
 
     @property
     def running(self) -> bool:
-        """The subscriber thread runs (False when caller-driven)."""
-        return self._thread is not None and self._thread.is_alive()
+        """The subscriber thread runs; caller-driven: the subscriber is open, not closed,
+        and no pump has failed."""
+        if self._thread is not None:
+            return self._thread.is_alive()
+        return self.sub is not None and not self._stop.is_set() and not self._failed
 
     @property
     def backlog(self) -> int:
@@ -156,20 +162,45 @@ class Ingest:
         sub = self.sub
         if sub is None or self._stop.is_set():
             return False
-        more = False
-        if not self._pending:
-            items = sub.poll_many(0, max_items=max_items)
-            more = len(items) >= max_items
-            self._pending.extend(pieces(items))
-        if self._pending:
-            piece = self._pending.popleft()
-            self._apply(piece, [piece])
-            self.pumps += 1
-        now = time.monotonic()
-        if now >= self._next_stats:
-            self.stats = sub.stats()
-            self._next_stats = now + STATS_EVERY
+        try:
+            more = False
+            if not self._pending:
+                items = sub.poll_many(0, max_items=max_items)
+                more = len(items) >= max_items
+                self._pending.extend(pieces(items))
+            if self._pending:
+                piece = self._pending.popleft()
+                self._apply(piece, [piece])
+                self.pumps += 1
+            now = time.monotonic()
+            if now >= self._next_stats:
+                self.stats = sub.stats()
+                self._next_stats = now + STATS_EVERY
+        except BaseException:
+            self._failed = True
+            raise
         return more or bool(self._pending)
+
+    def wake_fds(self, known: int) -> tuple[int, list[int] | None]:
+        """Caller-driven: what to watch between pumps (``Subscriber.wake_fds``), with its
+        generation; None when it is still ``known``'s; nothing once closed."""
+        sub = self.sub
+        if sub is None or self._stop.is_set():
+            return -1, []
+        if sub.generation == known:
+            return known, None
+        return sub.wake_fds()
+
+    def due(self) -> float:
+        """Caller-driven, after a pump that left nothing in hand: when the next one is due
+        (``time.monotonic()``; now if something waits to be read) without a wake-up, for
+        the subscriber's deadlines and the stats' refresh."""
+        sub = self.sub
+        if sub is None or self._stop.is_set():
+            return math.inf
+        if sub.ready_now():
+            return 0.0
+        return min(sub.next_deadline(), self._next_stats)
 
     def _run(self) -> None:
         try:
