@@ -8,6 +8,7 @@ the rest, and says why when a pipeline is not one it takes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import string
@@ -284,3 +285,29 @@ def test_no_native_keeps_the_library() -> None:
         env={**os.environ, "KVWIRE_NO_NATIVE": "1"}, capture_output=True, text=True,
         timeout=60, check=True)
     assert "KVWIRE_NO_NATIVE" in out.stdout
+
+
+def _tracked_id_tuples() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is tuple and len(o) >= 64)
+
+
+@pytest.mark.skipif(bool(os.environ.get("KVWIRE_NO_NATIVE")), reason="KVWIRE_NO_NATIVE set")
+@pytest.mark.parametrize("which", ["qwen3", "builtin"])
+def test_kept_ids_are_out_of_the_cyclic_collectors_sight(which: str,
+                                                        request: pytest.FixtureRequest) -> None:
+    """The ids a tokenizer keeps (its chunks and whole segments: millions in a router) are
+    tuples of ints, which hold no references, so they are kept untracked by the cyclic
+    collector from the start, as it would leave them after its first look: until then every
+    young collection walked each id of every tuple made since the last one (30-50 ms pauses
+    on the router's loop). Whatever path made them: the C encoder, the library's ids
+    interned (a text that is not ASCII), the builtin tokenizer's."""
+    tok = load_tokenizer(str(request.getfixturevalue("qwen3")) if which == "qwen3" else None)
+    words = [f"w{i:x}q" for i in range(4000)]
+    before = _tracked_id_tuples()
+    for k in range(3):
+        text = " ".join(words[k * 1000:(k + 1) * 1000]) + " café " + " ".join(words[-500:])
+        tok.encode(text)
+        tok.encode(text + " and more")  # (its chunks and tail, found again)
+    assert _tracked_id_tuples() <= before, (before, _tracked_id_tuples())
+    if which == "qwen3":
+        assert not any(gc.is_tracked(t) for t in tok.bpe.encode(["some ascii text " * 20]))

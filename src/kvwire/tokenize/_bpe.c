@@ -387,6 +387,7 @@ ByteBPE_encode(ByteBPE *self, PyObject *arg)
             }
             PyTuple_SET_ITEM(tup, (Py_ssize_t)(j - start), o);
         }
+        PyObject_GC_UnTrack(tup);  /* ints only: see untrack() */
         PyList_SET_ITEM(result, i, tup);
         start = ends[i];
     }
@@ -545,6 +546,32 @@ ByteBPE_dealloc(ByteBPE *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* untrack(t): ``t``, out of the cyclic collector's sight if it is a tuple of objects that
+ * hold no references (ints), as CPython would leave it after its first collection. Until
+ * then a young collection walks every id of every tuple made since the last one: the
+ * token ids a router keeps (millions) made collections of 30-50 ms on its event loop. */
+static PyObject *
+untrack(PyObject *mod, PyObject *t)
+{
+    (void)mod;
+    if (PyTuple_CheckExact(t) && PyObject_GC_IsTracked(t)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(t), i;
+        for (i = 0; i < n; i++) {
+            PyObject *o = PyTuple_GET_ITEM(t, i);
+            if (!o || PyObject_IS_GC(o)) break;
+        }
+        if (i == n) PyObject_GC_UnTrack(t);
+    }
+    Py_INCREF(t);
+    return t;
+}
+
+static PyMethodDef module_methods[] = {
+    {"untrack", (PyCFunction)untrack, METH_O,
+     "untrack(t) -> t: a tuple of ints (no references) out of the cyclic collector's sight."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef ByteBPE_methods[] = {
     {"encode", (PyCFunction)ByteBPE_encode, METH_O,
      "encode(texts) -> list of tuples of ids, one per text; every text ASCII."},
@@ -565,7 +592,8 @@ static PyTypeObject ByteBPEType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvwire.tokenize._bpe",
-    "A byte-level BPE tokenizer on ASCII text (see _bpe.c).", -1, NULL, NULL, NULL, NULL, NULL,
+    "A byte-level BPE tokenizer on ASCII text (see _bpe.c).", -1, module_methods, NULL, NULL,
+    NULL, NULL,
 };
 
 PyMODINIT_FUNC

@@ -16,13 +16,26 @@ import os
 import re
 from typing import Any
 
-__all__ = ["GIL_CHARS", "SPLITS", "ByteBPE", "ascii_runs", "byte_bpe", "byte_level_alphabet"]
+__all__ = ["GIL_CHARS", "SPLITS", "ByteBPE", "ascii_runs", "byte_bpe", "byte_level_alphabet",
+           "untrack"]
+
+
+def _as_is(ids: tuple[int, ...]) -> tuple[int, ...]:
+    return ids
+
 
 #: Work of at most this many characters is encoded with the GIL held (_bpe.c says why).
 GIL_CHARS = 16384
+#: ``untrack(t) -> t``: a tuple of ids kept for long (the chunks and segments a tokenizer
+#: keeps) out of the cyclic collector's sight, as it would be after its first collection;
+#: until then every young collection walks each id of it (_bpe.c). As is without C.
+untrack = _as_is
 try:
     from kvwire.tokenize._bpe import GIL_CHARS, ByteBPE
+    from kvwire.tokenize._bpe import untrack as _untrack
     REASON = "KVWIRE_NO_NATIVE set" if os.environ.get("KVWIRE_NO_NATIVE") else ""
+    if not REASON:
+        untrack = _untrack
 except ImportError as e:  # not built
     ByteBPE = None
     REASON = f"not built ({e})"

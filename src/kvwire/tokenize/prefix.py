@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvwire.tokenize.bpe import pipeline_digits
+from kvwire.tokenize.bpe import pipeline_digits, untrack
 
 __all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts", "interner"]
 
@@ -67,13 +67,13 @@ def interner(vocab: int | tuple[int, ...]) -> Callable[[Sequence[int]], tuple[in
 
     def intern(ids: Sequence[int]) -> tuple[int, ...]:
         if type(ids) is tuple:
-            return ids
+            return untrack(ids)
         try:
             if len(ids) > 1:
-                return operator.itemgetter(*ids)(table)
+                return untrack(operator.itemgetter(*ids)(table))
             return tuple(map(get, ids))
         except (IndexError, TypeError):
-            return tuple(ids)
+            return untrack(tuple(ids))
     return intern
 
 
@@ -182,6 +182,7 @@ class PrefixStore:
             self._evict()
 
     def _put(self, k: int, entry: tuple[int, str, tuple[int, ...]]) -> None:
+        untrack(entry[2])  # (kept long: bpe.untrack)
         old = self._chunks.pop(k, None)
         if old is not None:
             self.tokens -= len(old[2])

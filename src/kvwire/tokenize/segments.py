@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
+from kvwire.tokenize.bpe import untrack
 from kvwire.tokenize.prefix import PrefixStore
 
 __all__ = ["Plan", "Segments"]
@@ -28,6 +29,11 @@ SEGMENT_TOKENS = 1 << 22
 #: tokenized again. Longer ones only in chunks: hashing and copying them whole would cost
 #: more than it saves.
 WHOLE_CHARS = 32768
+
+
+def _kept(ids: Sequence[int]) -> tuple[int, ...]:
+    """Shared ints already: a tuple of them, kept out of the cyclic collector's sight."""
+    return untrack(tuple(ids))
 
 
 class Plan:
@@ -95,10 +101,10 @@ class Segments:
         self.max_segments = max_segments
         self.max_tokens = max_tokens
         self._whole: dict[str, Sequence[int]] = {}  # never mutated once kept
-        #: how ids are kept: ``tuple``, or prefix.py's ``interner`` for ids that are not
+        #: how ids are kept: as a tuple, or prefix.py's ``interner`` for ids that are not
         #: shared int objects (the store's too); a new object, as it may be given the
         #: list returned to the caller
-        self.intern: Callable[[Sequence[int]], Sequence[int]] = tuple
+        self.intern: Callable[[Sequence[int]], Sequence[int]] = _kept
         self._whole_tokens = 0
 
     def plan(self, text: str, lead: Sequence[int] = (), trail: Sequence[int] = ()) -> Plan:
@@ -172,7 +178,7 @@ class Segments:
         n = len(out)
         # every part shared ints already (what is kept is, and so is what comes back as a
         # tuple from the encoder): a copy is enough, not a lookup per id
-        keep = tuple if all(type(r) is tuple for r in results) else self.intern
+        keep = _kept if all(type(r) is tuple for r in results) else self.intern
         for seg, a, b in p.whole:
             lo, hi = starts[a], starts[b]
             # a text that is one segment (a completion prompt) keeps its ids without the
