@@ -51,9 +51,9 @@ class LoopIngest:
     """Drives ``feed``'s ingest (a Feed started with ``thread=False``) from an asyncio loop:
     one :meth:`Feed.pump` per turn while there is more; after a turn that applied something,
     the next one ``INGEST_NAP`` later (deliveries gather meanwhile); after one that found
-    nothing, none until a watched socket is readable or the ingest's next deadline comes. Until :meth:`attach` nothing is polled
-    (publishers' batches wait in the sockets); :meth:`stop` ends it (the feed's ``close``
-    closes the sockets)."""
+    nothing, none until a watched socket is readable or the ingest's next deadline comes.
+    Until :meth:`attach` nothing is polled (publishers' batches wait in the sockets);
+    :meth:`stop` ends it (the feed's ``close`` closes the sockets)."""
 
     def __init__(self, feed: Feed) -> None:
         self.feed = feed

@@ -28,7 +28,8 @@ from typing import Any
 
 from kvwire.tokenize.bpe import pipeline_digits, untrack
 
-__all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts", "interner"]
+__all__ = ["BUILTIN_CUTS", "CHUNK_CHARS", "MAX_TOKENS", "PrefixStore", "hf_cuts", "interner",
+           "kept"]
 
 #: Characters per chunk, at least: what a prompt that differs from a stored one mid-chunk
 #: re-tokenizes at most beyond its new part, against one dict lookup per chunk it reuses.
@@ -54,6 +55,11 @@ BUILTIN_CUTS = re.compile(r"(?<=\w)(?= )|(?<=\n)(?=\w)")
 _ASCII_CUTS = re.compile(r"(?<=[A-Za-z])(?= )|(?<=\n)(?=[A-Za-z])")
 
 
+def kept(ids: Sequence[int]) -> tuple[int, ...]:
+    """``ids`` as a tuple to keep, out of the cyclic collector's sight (bpe.untrack)."""
+    return untrack(tuple(ids))
+
+
 def interner(vocab: int | tuple[int, ...]) -> Callable[[Sequence[int]], tuple[int, ...]]:
     """A function giving ``ids`` as a tuple of shared int objects, one per id in the
     vocabulary (``vocab``: its size, or the table ``tuple(range(size))`` to share with an
@@ -73,7 +79,7 @@ def interner(vocab: int | tuple[int, ...]) -> Callable[[Sequence[int]], tuple[in
                 return untrack(operator.itemgetter(*ids)(table))
             return tuple(map(get, ids))
         except (IndexError, TypeError):
-            return untrack(tuple(ids))
+            return kept(ids)
     return intern
 
 
@@ -109,7 +115,7 @@ class PrefixStore:
         self._chunks: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         self.tokens = 0
         #: how ids are kept (:func:`interner` for ids that are not shared int objects)
-        self.intern: Callable[[Sequence[int]], tuple[int, ...]] = tuple
+        self.intern: Callable[[Sequence[int]], tuple[int, ...]] = kept
         self.hits = 0  # chunks reused
         self.misses = 0  # chunks tokenized
 
@@ -172,7 +178,7 @@ class PrefixStore:
         the first."""
         if head:
             pieces = [head + pieces[0], *pieces[1:]]
-            ids = [tuple(head_ids) + self.intern(ids[0]), *ids[1:]]
+            ids = [kept(tuple(head_ids) + self.intern(ids[0])), *ids[1:]]
         n = len(pieces) - 1
         for i, (piece, piece_ids) in enumerate(zip(pieces, ids)):
             k = hash((key, piece)) if i < n else hash((key, None))
@@ -182,7 +188,6 @@ class PrefixStore:
             self._evict()
 
     def _put(self, k: int, entry: tuple[int, str, tuple[int, ...]]) -> None:
-        untrack(entry[2])  # (kept long: bpe.untrack)
         old = self._chunks.pop(k, None)
         if old is not None:
             self.tokens -= len(old[2])

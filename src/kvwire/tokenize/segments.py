@@ -15,8 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from kvwire.tokenize.bpe import untrack
-from kvwire.tokenize.prefix import PrefixStore
+from kvwire.tokenize.prefix import PrefixStore, kept
 
 __all__ = ["Plan", "Segments"]
 
@@ -29,11 +28,6 @@ SEGMENT_TOKENS = 1 << 22
 #: tokenized again. Longer ones only in chunks: hashing and copying them whole would cost
 #: more than it saves.
 WHOLE_CHARS = 32768
-
-
-def _kept(ids: Sequence[int]) -> tuple[int, ...]:
-    """Shared ints already: a tuple of them, kept out of the cyclic collector's sight."""
-    return untrack(tuple(ids))
 
 
 class Plan:
@@ -104,7 +98,7 @@ class Segments:
         #: how ids are kept: as a tuple, or prefix.py's ``interner`` for ids that are not
         #: shared int objects (the store's too); a new object, as it may be given the
         #: list returned to the caller
-        self.intern: Callable[[Sequence[int]], Sequence[int]] = _kept
+        self.intern: Callable[[Sequence[int]], Sequence[int]] = kept
         self._whole_tokens = 0
 
     def plan(self, text: str, lead: Sequence[int] = (), trail: Sequence[int] = ()) -> Plan:
@@ -178,7 +172,7 @@ class Segments:
         n = len(out)
         # every part shared ints already (what is kept is, and so is what comes back as a
         # tuple from the encoder): a copy is enough, not a lookup per id
-        keep = _kept if all(type(r) is tuple for r in results) else self.intern
+        keep = kept if all(type(r) is tuple for r in results) else self.intern
         for seg, a, b in p.whole:
             lo, hi = starts[a], starts[b]
             # a text that is one segment (a completion prompt) keeps its ids without the
