@@ -280,11 +280,13 @@ def test_a_client_leaving_during_the_prefill_leaves_nothing_held(
     """A slow prefill engine; the client (a raw socket) closes its connection while the
     prompt is being computed: both sides are aborted, no KV ever moves, every load and
     every lease ends at 0."""
-    # (the prompt's prefill takes ~1.5 s there, in chunks of 64 tokens: the engine sees
-    # the abort between two; a lease it took anyway would end within 10 s)
+    # (the prompt's prefill takes ~15 s there, in chunks of 64 tokens of ~0.4 s each: the
+    # engine sees the abort between two, and a busy box has ample time to close the socket
+    # before the prefill could end (at ~1.5 s, the decode side had once begun); a lease it
+    # took anyway would end within 10 s)
     f = fleet({"prefill0": "prefill", "decode0": "decode"}, protocol,
-              engine_flags={"prefill0": ("--speed", "0.2", "--max-num-batched-tokens", "64",
-                                         "--kv-lease-s", "2")})
+              engine_flags={"prefill0": ("--speed", "0.02", "--max-num-batched-tokens", "64",
+                                         "--kv-lease-s", "0.2")})
     body = httpx.Request("POST", f.url + "/v1/completions", json={
         "model": MODEL, "prompt": _prompt(11, 800), "max_tokens": 4, "stream": True})
     raw = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
