@@ -156,3 +156,46 @@ def test_an_idle_loop_sleeps_until_a_socket_says_something_came(monkeypatch) -> 
         loop.close()
         for p in pubs.values():
             p.shutdown(timeout=1)
+
+
+def test_an_idle_ingest_thread_waits_for_its_sockets_and_stops_at_once(monkeypatch) -> None:
+    """The subscriber thread (``kvwire serve``'s) waits for a delivery until the subscriber's
+    next deadline or the stats' refresh, not in polls every 50 ms: with neither near (no
+    heartbeats: the next check is 10 s away; the waits made hour-long), a second of quiet is
+    at most a few waits, a batch published then is applied at once (its socket wakes the
+    wait), and close() ends the wait at once instead of leaving the thread in it."""
+    monkeypatch.setattr("kvwire.routing.ingest.STATS_EVERY", 3600.0)
+    monkeypatch.setattr("kvwire.routing.ingest.IDLE_WAIT", 3600.0)
+    where = tempfile.mkdtemp(prefix="kvw-ing-")
+    pub = ZmqEventPublisher(endpoint=f"ipc://{where}/l", replay_endpoint=f"ipc://{where}/r",
+                            heartbeat_interval=None)
+    ix = Indexer.standalone()
+    ingest = ix.feed.ingest
+
+    def until(cond, what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.005)
+
+    def quiet() -> None:
+        polls = ingest.polls
+        time.sleep(1.0)
+        assert ingest.polls - polls <= 5, ingest.polls - polls  # (polling every 50 ms: ~20)
+
+    try:
+        pub.publish(_batch(0))  # (in the replay buffer: the bootstrap brings it)
+        st, out = ix.handle("POST", "/register", json.dumps({
+            "endpoint": f"ipc://{where}/l", "replay_endpoint": f"ipc://{where}/r",
+            "modelname": "m", "instance_id": "1", "block_size": BS}).encode())
+        assert st == 200, out
+        until(lambda: _longest(ix, PER_BATCH) == PER_BATCH * BS, "the bootstrap")
+        quiet()
+        pub.publish(_batch(1))
+        until(lambda: _longest(ix, 2 * PER_BATCH) == 2 * PER_BATCH * BS, "the live batch")
+        quiet()
+        ix.close()  # (the thread, in a wait of an hour: gone only if woken)
+        assert not ingest.running, "close() left the thread waiting"
+    finally:
+        ix.close()
+        pub.shutdown(timeout=1)

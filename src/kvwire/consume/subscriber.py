@@ -355,6 +355,7 @@ class Subscriber:
         self._gen = -1
         self._agen = -1
         self._closed = False
+        self._woken = False  # wake() was called: the poll waiting now returns
         # run-time stream changes from any thread: queued, then a byte on the pipe wakes
         # the sync poller (the asyncio front picks them up within _MAX_WAIT)
         self._changes: queue.SimpleQueue = queue.SimpleQueue()
@@ -391,6 +392,18 @@ class Subscriber:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):  # pipe full (already woken) or closing
             pass
+
+    def wake(self) -> None:
+        """End a :meth:`poll` waiting in another thread now (it returns what is ready, maybe
+        nothing): a thread that polls with long waits, to sleep between deadlines, can still
+        be stopped at once. Thread-safe, but not against a :meth:`close` running meanwhile
+        (the pipe's descriptor could be another file's by then): the caller orders the two."""
+        self._woken = True
+        if not self._closed:
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):  # pipe full (already woken)
+                pass
 
     def _apply_changes(self) -> None:
         try:
@@ -473,6 +486,9 @@ class Subscriber:
             # process, replies already waiting must count, not time out unread.
             self._core.tick(time.monotonic())
             polled = True
+            if self._woken:
+                self._woken = False
+                return self._pop()
 
     def poll_many(self, timeout: float | None = None, max_items: int = 1000) -> list[Delivery]:
         """Every item ready now, up to ``max_items``, waiting at most ``timeout`` for the
