@@ -48,6 +48,8 @@ class ReferencePublisher:
     holds seqs that are never sent live (forcing gaps) but are in the replay buffer.
     ``deaf_from``: replays asked from this seq on go unanswered (a publisher that stops
     answering tail checks, yet still answers a check of a seq the consumer already has).
+    ``hide_from``: replays asked from an earlier seq leave out the seqs from this one on (a
+    tail check answered before they were published, however late it is served).
     """
 
     def __init__(self, topic: bytes, legacy: bool = False) -> None:
@@ -65,6 +67,7 @@ class ReferencePublisher:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.deaf_from: int | None = None
+        self.hide_from: int | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -91,7 +94,10 @@ class ReferencePublisher:
             if self.deaf_from is not None and start >= self.deaf_from:
                 continue
             with self.lock:
-                items = sorted((s, p) for s, p in self.buffer.items() if s >= start)
+                hide = self.hide_from if self.hide_from is not None and start < self.hide_from \
+                    else None
+                items = sorted((s, p) for s, p in self.buffer.items()
+                               if s >= start and (hide is None or s < hide))
             for s, p in items:
                 if self.legacy:
                     self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
