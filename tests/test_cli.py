@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pty
 import queue
@@ -94,10 +95,9 @@ class ReferencePublisher:
             if self.deaf_from is not None and start >= self.deaf_from:
                 continue
             with self.lock:
-                hide = self.hide_from if self.hide_from is not None and start < self.hide_from \
-                    else None
-                items = sorted((s, p) for s, p in self.buffer.items()
-                               if s >= start and (hide is None or s < hide))
+                end = self.hide_from if self.hide_from is not None and start < self.hide_from \
+                    else math.inf
+                items = sorted((s, p) for s, p in self.buffer.items() if start <= s < end)
             for s, p in items:
                 if self.legacy:
                     self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])

@@ -165,7 +165,6 @@ def test_an_idle_ingest_thread_waits_for_its_sockets_and_stops_at_once(monkeypat
     at most a few waits, a batch published then is applied at once (its socket wakes the
     wait), and close() ends the wait at once instead of leaving the thread in it."""
     monkeypatch.setattr("kvwire.routing.ingest.STATS_EVERY", 3600.0)
-    monkeypatch.setattr("kvwire.routing.ingest.IDLE_WAIT", 3600.0)
     where = tempfile.mkdtemp(prefix="kvw-ing-")
     pub = ZmqEventPublisher(endpoint=f"ipc://{where}/l", replay_endpoint=f"ipc://{where}/r",
                             heartbeat_interval=None)

@@ -388,10 +388,7 @@ class Subscriber:
         if self._closed:
             raise RuntimeError("Subscriber is closed")
         self._changes.put(op)
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):  # pipe full (already woken) or closing
-            pass
+        self._poke()
 
     def wake(self) -> None:
         """End a :meth:`poll` waiting in another thread now (it returns what is ready, maybe
@@ -400,10 +397,14 @@ class Subscriber:
         (the pipe's descriptor could be another file's by then): the caller orders the two."""
         self._woken = True
         if not self._closed:
-            try:
-                os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):  # pipe full (already woken)
-                pass
+            self._poke()
+
+    def _poke(self) -> None:
+        """A byte on the pipe: the sync poller's wait ends."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # pipe full (already woken) or closing
+            pass
 
     def _apply_changes(self) -> None:
         try:
