@@ -9,12 +9,15 @@ import json
 import lzma
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from kvwire.consume.engine_spec import EngineSpec
+from kvwire.engine.server.app import EngineApp
 from kvwire.routing.policy import RoundRobinPolicy
 from kvwire.tokenize import TokenizerError, load_tokenizer
 from kvwire.tokenize.builtin import CHATML_TEMPLATE
@@ -44,12 +47,17 @@ def _bundled() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("qwen3")
     shutil.copy(DATA / "qwen3/tokenizer_config.json", d)
     (d / "tokenizer.json").write_bytes(lzma.decompress(
         (DATA / "qwen3/tokenizer.json.xz").read_bytes()))
-    return load_tokenizer(str(d))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_dir: str) -> Any:
+    return load_tokenizer(qwen3_dir)
 
 
 def test_bundled_templates_formats() -> None:
@@ -240,6 +248,46 @@ def test_qwen3_parts_tokenize_as_vllm_joins_them(qwen3: Any) -> None:
     except TokenizerError:
         before = None
     assert before != want
+
+
+def _parses(fn: Callable[[], Any]) -> int:
+    """How many chat templates ``fn`` parsed to read how they take content."""
+    before = content_format.cache_info().misses
+    fn()
+    return content_format.cache_info().misses - before
+
+
+def test_warm_reads_the_template_before_the_first_chat(qwen3_dir: str) -> None:
+    """``warm()`` does the chat path's one-time work (the template parsed for its content
+    format: 20-50 ms for Qwen3's), so the first chat rendered after it parses nothing."""
+    chat = [{"role": "user", "content": "hello"}]
+    content_format.cache_clear()
+    cold = load_tokenizer(qwen3_dir)
+    assert _parses(lambda: cold.render_engine_chat(chat)) == 1
+    content_format.cache_clear()
+    tok = load_tokenizer(qwen3_dir)
+    assert _parses(tok.warm) == 1
+    assert _parses(lambda: tok.render_engine_chat(chat)) == 0
+    assert tok.render_engine_chat(chat) == cold.render_engine_chat(chat)
+
+
+def test_servers_warm_their_tokenizer_before_they_serve(qwen3_dir: str) -> None:
+    """``kvwire engine``'s app and ``kvwire serve``'s service read their template when they
+    are built, before they serve: a fleet's first requests (a burst to every engine at
+    once) waited for it, in the router and in each engine."""
+    from kvwire.serve.build import ServeConfig, build
+
+    content_format.cache_clear()
+    EngineApp(_opts(), load_tokenizer(qwen3_dir))
+    assert content_format.cache_info().currsize == 1
+    content_format.cache_clear()
+    svc = build(ServeConfig(engines=[EngineSpec("h", "tcp://127.0.0.1:9",
+                                                url="http://127.0.0.1:9")],
+                            port=0, tokenizer=qwen3_dir))
+    try:
+        assert content_format.cache_info().currsize == 1
+    finally:
+        svc.close()
 
 
 def test_template_kwargs_equal_vllms_chat_request() -> None:

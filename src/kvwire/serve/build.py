@@ -322,9 +322,11 @@ def _tokenizer(cfg: ServeConfig) -> Any:
         return None
     from ..tokenize import load_tokenizer
 
-    return load_tokenizer(None if spec == "builtin" else spec,
-                          chat_template=cfg.chat_template,
-                          content_format=cfg.chat_template_content_format)
+    tok = load_tokenizer(None if spec == "builtin" else spec,
+                         chat_template=cfg.chat_template,
+                         content_format=cfg.chat_template_content_format)
+    tok.warm()
+    return tok
 
 
 def _share_load(cfg: ServeConfig, core: RouterCore, say: Callable[[str], None]) -> None:

@@ -264,6 +264,7 @@ class EngineApp:
     def __init__(self, opts: EngineOptions, tokenizer) -> None:
         self.opts = opts
         self.tok = tokenizer
+        tokenizer.warm()  # (before it serves: the first chat request would wait for it)
         self.textgen = TextGen(tokenizer)
         cache_tokens = opts.config.num_gpu_blocks * opts.config.block_size
         self.max_model_len = min(opts.max_model_len, cache_tokens)
