@@ -272,9 +272,9 @@ def test_warm_reads_the_template_before_the_first_chat(qwen3_dir: str) -> None:
 
 
 def test_servers_warm_their_tokenizer_before_they_serve(qwen3_dir: str) -> None:
-    """``kvwire engine``'s app and ``kvwire serve``'s service read their template when they
-    are built, before they serve: a fleet's first requests (a burst to every engine at
-    once) waited for it, in the router and in each engine."""
+    """``kvwire engine``'s app and ``kvwire serve``'s service (its proxy) read their
+    template when they are built, before they serve: a fleet's first requests (a burst to
+    every engine at once) waited for it, in the router and in each engine."""
     from kvwire.serve.build import ServeConfig, build
 
     content_format.cache_clear()

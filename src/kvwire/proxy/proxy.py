@@ -70,6 +70,8 @@ class Proxy:
         if not self.fleet.links:
             raise ValueError("no engine has url=: nothing to proxy to")
         self.mode = "engine" if tokenize_with_engine else ("local" if tokenizer else "none")
+        if self.mode == "local":
+            tokenizer.warm()  # (before it serves: the first chat request would wait for it)
         if self.mode == "none":
             log.warning("no --tokenizer: proxied requests are routed by load only (no "
                         "prefix overlap is computed)")

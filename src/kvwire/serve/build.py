@@ -322,11 +322,9 @@ def _tokenizer(cfg: ServeConfig) -> Any:
         return None
     from ..tokenize import load_tokenizer
 
-    tok = load_tokenizer(None if spec == "builtin" else spec,
-                         chat_template=cfg.chat_template,
-                         content_format=cfg.chat_template_content_format)
-    tok.warm()
-    return tok
+    return load_tokenizer(None if spec == "builtin" else spec,
+                          chat_template=cfg.chat_template,
+                          content_format=cfg.chat_template_content_format)
 
 
 def _share_load(cfg: ServeConfig, core: RouterCore, say: Callable[[str], None]) -> None:
