@@ -582,6 +582,11 @@ def run(a: argparse.Namespace, tok: Any) -> None:
             ("TTFT p50 <= SGLang's", kv["ttft_p50"], sg["ttft_p50"], "<="),
             (f"TTFT p99 <= halfway from SGLang's to the floor ({halfway:.2f} s)",
              kv["ttft_p99"], halfway, "<="),
+            # What the host allows (docs/benchmarks.md): with no router time at all, the
+            # simulator puts kvwire's policy on the floor, and the rest of the line's margin
+            # is this host's (2 cores for 8 engines, x8 clocks), which SGLang's router pays too.
+            ("TTFT p99 <= SGLang's (the host's share of the tail included)",
+             kv["ttft_p99"], sg["ttft_p99"], "<="),
             ("cached ratio >= SGLang's", kv["cached"], sg["cached"], ">="),
             ("work max/mean <= 1.05", kv["max_mean"], 1.05, "<="),
         ]
